@@ -1,0 +1,169 @@
+"""`klotski-sim`: simulate offloaded MoE inference schedules from the command line.
+
+Every subcommand runs on built-in defaults (Mixtral-8x7B on an RTX 3090 profile); bad input
+ends with a one-line `error:` message and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from .hardware import ProfileError, builtin_profile_names, load_profile
+from .model import PRESETS
+from .policies import POLICIES
+from .runner import RunSpec, run
+from .schedule import ScheduleError
+from .timeline import Summary
+
+GIB = 2**30
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit status 2."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def add_run_arguments(p: argparse.ArgumentParser, policy: bool = True) -> None:
+    """The options that describe one configuration (shared by simulate, compare, plan...)."""
+    p.add_argument("--model", default="mixtral-8x7b", choices=sorted(PRESETS), help="model preset (default: %(default)s)")
+    p.add_argument("--hardware", default="rtx3090", metavar="NAME|FILE",
+                   help=f"built-in profile ({', '.join(builtin_profile_names())}) or a profile YAML (default: %(default)s)")
+    if policy:
+        p.add_argument("--policy", default="single-batch", choices=list(POLICIES), help="schedule (default: %(default)s)")
+    p.add_argument("--batch-size", type=_positive_int, default=16, help="sequences per batch (default: %(default)s)")
+    p.add_argument("--num-batches", type=_positive_int, default=1, help="batches n (default: %(default)s)")
+    p.add_argument("--prompt-len", type=_positive_int, default=512, help="prompt tokens P (default: %(default)s)")
+    p.add_argument("--gen-len", type=_positive_int, default=32, help="generated tokens G (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the routing generator (default: %(default)s)")
+    p.add_argument("--routing", default="uniform", help="routing source (default: %(default)s)")
+    p.add_argument("--kv", default="gpu", choices=["gpu", "cpu"], help="where the KV cache lives (default: %(default)s)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a profile field, e.g. --set links.pcie_h2d.bandwidth=32e9 (repeatable)")
+
+
+def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise CliError(f"--set expects FIELD=VALUE, got {item!r}")
+        key, value = item.split("=", 1)
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
+
+
+def spec_from_args(args: argparse.Namespace, **changes: Any) -> RunSpec:
+    fields = dict(model=args.model, hardware=args.hardware, policy=getattr(args, "policy", "single-batch"),
+                  batch_size=args.batch_size, num_batches=args.num_batches, prompt_len=args.prompt_len,
+                  gen_len=args.gen_len, seed=args.seed, routing=args.routing, kv=args.kv,
+                  overrides=parse_overrides(args.overrides))
+    fields.update(changes)
+    return RunSpec(**fields)
+
+
+def format_summary(s: Summary) -> str:
+    lines = [
+        f"policy      {s.policy}   model {s.model}   hardware {s.hardware}",
+        f"workload    n={s.num_batches} x bs={s.batch_size}, prompt {s.prompt_len}, generate {s.gen_len} "
+        f"({s.generated_tokens} tokens)",
+        f"status      {s.status}" + (f"  ({_oom_text(s.oom)})" if s.oom else ""),
+        f"makespan    {s.makespan_s:.3f} s   (prefill {s.prefill_s:.3f} s, decode step {s.decode_step_s * 1e3:.1f} ms)",
+        f"throughput  {s.throughput_tok_s:.3f} generated tok/s",
+        f"GPU busy    {s.gpu_busy_s:.3f} s   bubbles {s.bubble_s:.3f} s "
+        f"(inter-layer {s.bubble_inter_s:.3f} s, intra-layer {s.bubble_intra_s:.3f} s)",
+        f"bound       {s.lower_bound_s:.3f} s on {s.lower_bound_resource}   efficiency {s.efficiency:.1%}",
+        f"peak GPU    {s.peak_gpu_bytes / GIB:.2f} GiB   ops {s.num_ops}",
+        "utilisation " + "  ".join(f"{r} {u:.1%}" for r, u in s.utilization.items()),
+    ]
+    if s.bubble_by_cause:
+        lines.append("bubbles by cause " + "  ".join(f"{c} {v:.3f} s" for c, v in
+                                                      sorted(s.bubble_by_cause.items(), key=lambda kv: -kv[1])))
+    return "\n".join(lines)
+
+
+def _oom_text(oom: dict[str, Any]) -> str:
+    return (f"out of GPU memory starting {oom['op_id']}: needs {oom['needed_bytes'] / GIB:.2f} GiB, "
+            f"{oom['available_bytes'] / GIB:.2f} GiB available")
+
+
+# ---- subcommands ----------------------------------------------------------------------------
+def cmd_simulate(args: argparse.Namespace) -> int:
+    result = run(spec_from_args(args))
+    print(format_summary(result.timeline.summary()))
+    if args.out:
+        out = Path(args.out)
+        paths = result.timeline.save_all(out, png=not args.no_png)
+        result.schedule.save(out / "schedule.json")
+        print(f"wrote {', '.join(sorted(p.name for p in paths.values()))}, schedule.json to {out}/")
+    return 0 if result.timeline.status == "ok" else 3
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    print(f"{'name':20} {'layers':>6} {'experts':>7} {'top-k':>5} {'hidden':>6} {'ffn':>6} "
+          f"{'expert MB':>9} {'layer MB':>9} {'total GB':>8}")
+    for m in PRESETS.values():
+        print(f"{m.name:20} {m.num_layers:6} {m.num_experts:7} {m.top_k:5} {m.hidden_size:6} {m.ffn_size:6} "
+              f"{m.expert_bytes() / 1e6:9.1f} {m.layer_bytes() / 1e6:9.1f} {m.total_bytes() / 1e9:8.1f}")
+    return 0
+
+
+def cmd_profiles(args: argparse.Namespace) -> int:
+    print(f"{'name':10} {'GPU':26} {'mem GiB':>7} {'TFLOP/s':>7} {'HBM GB/s':>8} {'H2D GB/s':>8} "
+          f"{'NVMe GB/s':>9} {'host GB':>7}")
+    for name in builtin_profile_names():
+        p = load_profile(name)
+        print(f"{name:10} {p.gpu.name[:26]:26} {p.gpu.memory_bytes / GIB:7.1f} {p.gpu.peak_flops / 1e12:7.0f} "
+              f"{p.gpu.memory_bandwidth / 1e9:8.0f} {p.links.pcie_h2d.bandwidth / 1e9:8.1f} "
+              f"{p.links.nvme.bandwidth / 1e9:9.1f} {p.host.memory_bytes / 1e9:7.0f}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="klotski-sim", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("simulate", help="simulate one schedule and print its summary")
+    add_run_arguments(p)
+    p.add_argument("--out", metavar="DIR", help="write summary.json, timeline.parquet/.csv, trace.json, "
+                                                "timeline.png and schedule.json here")
+    p.add_argument("--no-png", action="store_true", help="skip the Gantt PNG (faster for big runs)")
+    p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("models", help="list model presets with their sizes")
+    p.set_defaults(func=cmd_models)
+    p = sub.add_parser("profiles", help="list built-in hardware profiles with their key numbers")
+    p.set_defaults(func=cmd_profiles)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return handler(args)
+    except (CliError, ProfileError, ScheduleError, ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

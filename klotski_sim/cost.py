@@ -1,0 +1,104 @@
+"""Cost model: how long one op takes on one hardware profile.
+
+Compute ops follow a roofline with efficiencies plus a per-kernel overhead (eager PyTorch pays a
+launch and a dispatch per kernel, which dominates small decode ops); transfers cost
+`latency + bytes / bandwidth`. A profile may carry measured durations (from
+`klotski-runtime calibrate`); inside the range they cover they override the analytic value.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Callable, Mapping, Sequence
+
+from .hardware import HardwareProfile, MeasuredPoint
+from .schedule import DEFAULT_STREAMS, Op
+
+# Kernels one op launches in an eager PyTorch implementation of a Mixtral layer (HF-style):
+# attention = input RMSNorm, q/k/v/o, RoPE, KV append, SDPA, residual; gate = post-attention
+# RMSNorm, router GEMM, softmax, top-k, renormalise; expert = gather, w1, w3, SiLU*mul, w2,
+# scale, scatter-add. The overhead per kernel comes from the profile.
+KERNELS_PER_OP: dict[str, int] = {
+    "attention": 25,
+    "gate": 12,
+    "expert": 8,
+    "embed": 2,
+    "lm_head": 4,
+}
+
+
+class MeasuredTable:
+    """Measured durations of one op category, interpolated linearly in tokens and, for
+    attention, between the two nearest measured KV lengths. Outside the measured range it
+    answers None, so the analytic model takes over instead of a wild extrapolation."""
+
+    def __init__(self, points: Sequence[MeasuredPoint]) -> None:
+        by_kv: dict[int, list[tuple[int, float]]] = {}
+        for p in points:
+            by_kv.setdefault(p.kv_len, []).append((p.tokens, p.seconds))
+        self.kv_levels = sorted(by_kv)
+        self.rows = {kv: sorted(rows) for kv, rows in by_kv.items()}
+
+    @staticmethod
+    def _interp(rows: list[tuple[int, float]], tokens: int) -> float | None:
+        xs = [r[0] for r in rows]
+        if tokens < xs[0] or tokens > xs[-1]:
+            return None
+        i = bisect.bisect_left(xs, tokens)
+        if xs[i] == tokens:
+            return rows[i][1]
+        (x0, y0), (x1, y1) = rows[i - 1], rows[i]
+        return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+
+    def lookup(self, tokens: int, kv_len: int = 0) -> float | None:
+        levels = self.kv_levels
+        if kv_len < levels[0] or kv_len > levels[-1]:
+            return None
+        i = bisect.bisect_left(levels, kv_len)
+        if levels[i] == kv_len:
+            return self._interp(self.rows[kv_len], tokens)
+        lo, hi = levels[i - 1], levels[i]
+        y0, y1 = self._interp(self.rows[lo], tokens), self._interp(self.rows[hi], tokens)
+        if y0 is None or y1 is None:
+            return None
+        return y0 + (y1 - y0) * (kv_len - lo) / (hi - lo)
+
+
+class CostModel:
+    """Turns ops into seconds on one profile. `override` (op -> seconds or None) lets a caller
+    plug in any other source of truth ahead of the measured table and the roofline."""
+
+    def __init__(self, profile: HardwareProfile,
+                 override: Callable[[Op], float | None] | None = None) -> None:
+        self.profile = profile
+        self.override = override
+        self.tables = {cat: MeasuredTable(points) for cat, points in profile.measured.items() if points}
+        gpu = profile.gpu
+        self._flop_rate = gpu.peak_flops * gpu.compute_efficiency
+        self._byte_rate = gpu.memory_bandwidth * gpu.memory_efficiency
+
+    def compute_seconds(self, category: str, flops: float, io_bytes: float, tokens: int = 0,
+                        kv_len: int = 0) -> float:
+        table = self.tables.get(category)
+        if table is not None:
+            measured = table.lookup(tokens, kv_len)
+            if measured is not None:
+                return measured
+        roofline = max(flops / self._flop_rate, io_bytes / self._byte_rate)
+        return roofline + KERNELS_PER_OP.get(category, 1) * self.profile.gpu.kernel_overhead_s
+
+    def transfer_seconds(self, resource: str, nbytes: float) -> float:
+        link = self.profile.link(resource)
+        return link.latency_s + nbytes / link.bandwidth
+
+    def duration(self, op: Op, resource: str) -> float:
+        if self.override is not None:
+            value = self.override(op)
+            if value is not None:
+                return value
+        if op.kind == "transfer":
+            return self.transfer_seconds(resource, op.bytes)
+        return self.compute_seconds(op.category, op.flops, op.bytes, op.tokens, op.kv_len)
+
+    def durations(self, ops: Sequence[Op], streams: Mapping[str, str] = DEFAULT_STREAMS) -> list[float]:
+        return [self.duration(op, streams[op.stream]) for op in ops]

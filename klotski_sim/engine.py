@@ -1,0 +1,175 @@
+"""SimPy engine: Schedule x HardwareProfile -> Timeline.
+
+The whole model is three rules, applied by callbacks on SimPy's event queue:
+
+1. An op becomes *ready* when its deps and its stream predecessor have ended (in-order streams).
+2. A ready op waits in its resource's queue (first ready, first served; ties by schedule order)
+   until one of the resource's units is free (1 for the GPU, `copy_engines` for a link).
+3. A started op allocates its GPU buffers, holds its unit for its duration, then frees its
+   buffers and wakes its successors.
+
+Only one SimPy event is created per op (its completion), not a process and a resource request
+per op: that is what makes the engine fast (see experiments/bench_engine.py). Nothing here waits
+on wall-clock time, so a run is deterministic.
+"""
+
+from __future__ import annotations
+
+import gc
+import heapq
+from typing import Sequence
+
+import simpy
+from simpy.events import Timeout
+
+from .cost import CostModel
+from .hardware import HardwareProfile
+from .schedule import Schedule, ScheduleError
+from .timeline import OutOfMemory, Timeline
+
+
+class EngineDeadlock(ScheduleError):
+    """Some ops can never start (a schedule built without validation had a cycle)."""
+
+
+def resource_capacities(schedule: Schedule, profile: HardwareProfile) -> dict[str, int]:
+    """Units per resource: one GPU compute unit; each link as many as its copy engines."""
+    caps = {}
+    for resource in set(schedule.streams.values()):
+        caps[resource] = 1 if resource == "gpu" else profile.link(resource).copy_engines
+    return caps
+
+
+def simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | None = None,
+             durations: Sequence[float] | None = None) -> Timeline:
+    """Run `schedule` on `profile`. Out-of-memory ends the run with status `oom` (never raises);
+    ops that can never start raise EngineDeadlock naming them."""
+    # A run allocates a few objects per op but never a reference cycle; the cyclic collector
+    # would only rescan the (large) schedule again and again, so it sleeps meanwhile.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _simulate(schedule, profile, cost, durations)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | None,
+              durations: Sequence[float] | None) -> Timeline:
+    ops = schedule.ops
+    n = len(ops)
+    if durations is None:
+        durations = (cost or CostModel(profile)).durations(ops, schedule.streams)
+    if len(durations) != n:
+        raise ValueError(f"{len(durations)} durations for {n} ops")
+    index = schedule.index
+    caps = resource_capacities(schedule, profile)
+    resources = sorted(caps)
+    res_number = {r: k for k, r in enumerate(resources)}
+    stream_res = {s: res_number[r] for s, r in schedule.streams.items()}
+    resource_of = [stream_res[op.stream] for op in ops]
+    capacity = int(profile.gpu.usable_bytes)
+
+    # Graph: successors of each op (its dependents and its stream successor), and how many
+    # predecessors each op still waits for.
+    succs: list[list[int]] = [[] for _ in range(n)]
+    pending = [0] * n
+    last_in_stream: dict[str, int] = {}
+    for i, op in enumerate(ops):
+        for dep in op.deps:
+            succs[index[dep]].append(i)
+        prev = last_in_stream.get(op.stream)
+        if prev is not None:
+            succs[prev].append(i)
+        pending[i] = len(op.deps) + (prev is not None)
+        last_in_stream[op.stream] = i
+    alloc_bytes = [sum(size for _, size in op.alloc) if op.alloc else 0 for op in ops]
+
+    nan = float("nan")
+    ready_at, start, end, blocker = [nan] * n, [nan] * n, [nan] * n, [-1] * n
+    free_units = [caps[r] for r in resources]
+    queues: list[list[tuple[float, int]]] = [[] for _ in resources]
+    preloaded = sum(size for _, size in schedule.preloaded)
+    buffers: dict[str, int] = dict(schedule.preloaded)
+    memory_trace: list[tuple[float, int]] = [(0.0, preloaded)]
+    mem = [preloaded, preloaded]  # in use, peak
+    oom: list[OutOfMemory] = []
+    finished = [0]
+    env = simpy.Environment()
+    heappush, heappop = heapq.heappush, heapq.heappop
+
+    def dispatch(r: int, now: float) -> None:
+        """Start queued ops on resource r while it has free units."""
+        queue = queues[r]
+        while queue and free_units[r] and not oom:
+            i = heappop(queue)[1]
+            need = alloc_bytes[i]
+            if need or ops[i].alloc:
+                if mem[0] + need > capacity:
+                    oom.append(OutOfMemory(op_id=ops[i].id, time=now, needed_bytes=mem[0] + need,
+                                           available_bytes=capacity, in_use_bytes=mem[0]))
+                    return
+                for name, size in ops[i].alloc:
+                    buffers[name] = size
+                mem[0] += need
+                if mem[0] > mem[1]:
+                    mem[1] = mem[0]
+                memory_trace.append((now, mem[0]))
+            free_units[r] -= 1
+            start[i] = now
+            Timeout(env, durations[i], i).callbacks.append(finish)
+
+    def finish(event: Timeout) -> None:
+        i = event.value
+        now = env.now
+        end[i] = now
+        finished[0] += 1
+        freed = ops[i].free
+        if freed:
+            for name in freed:
+                if name not in buffers:
+                    raise ScheduleError(f"op {ops[i].id!r} frees buffer {name!r}, which is not allocated when "
+                                        f"the op ends (freed twice, or a dependency on its allocator is missing)")
+                mem[0] -= buffers.pop(name)
+            memory_trace.append((now, mem[0]))
+        r = resource_of[i]
+        free_units[r] += 1
+        woken = None
+        for s in succs[i]:
+            pending[s] -= 1
+            if not pending[s]:
+                ready_at[s] = now
+                blocker[s] = i
+                rs = resource_of[s]
+                heappush(queues[rs], (now, s))
+                if rs != r:
+                    woken = (woken or set())
+                    woken.add(rs)
+        dispatch(r, now)
+        if woken:
+            for rs in sorted(woken):
+                dispatch(rs, now)
+
+    if preloaded > capacity:
+        oom.append(OutOfMemory(op_id="<preloaded>", time=0.0, needed_bytes=preloaded,
+                               available_bytes=capacity, in_use_bytes=0))
+    else:
+        for i in range(n):
+            if pending[i] == 0:
+                ready_at[i] = 0.0
+                heappush(queues[resource_of[i]], (0.0, i))
+        for r in range(len(resources)):
+            dispatch(r, 0.0)
+        env.run()
+
+    if not oom and finished[0] < n:
+        stuck = [ops[i].id for i in range(n) if start[i] != start[i]]
+        shown = ", ".join(stuck[:10]) + (f" ... ({len(stuck)} in all)" if len(stuck) > 10 else "")
+        raise EngineDeadlock(f"deadlock: {len(stuck)} op(s) can never start: {shown}")
+
+    return Timeline.from_schedule(
+        schedule, start=start, end=end, ready=ready_at, blocked_by=blocker,
+        status="oom" if oom else "ok", oom=oom[0] if oom else None, peak_gpu_bytes=mem[1],
+        memory_trace=memory_trace, capacities=caps, source="simulated",
+        extra_meta={"hardware": profile.name, "gpu_capacity_bytes": capacity})

@@ -1,0 +1,176 @@
+"""HardwareProfile: a GPU, its links and the host behind it, loaded from validated YAML.
+
+Profiles are where what-if questions start ("what if PCIe gen5?"), so every number is checked
+on load: a missing, negative or misspelled field is an error that names the file and the field.
+Pydantic does the checking; the models are frozen so a profile can be shared between runs.
+"""
+
+from __future__ import annotations
+
+import difflib
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+Positive = Annotated[float, Field(gt=0)]
+NonNegative = Annotated[float, Field(ge=0)]
+Fraction = Annotated[float, Field(gt=0, le=1)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class GPUSpec(_Strict):
+    """The accelerator: capacity, roofline and how far real kernels stay from it."""
+
+    name: str
+    memory_bytes: Positive
+    reserved_bytes: NonNegative = Field(0, description="CUDA context, allocator slack, workspace")
+    peak_flops: Positive = Field(description="dense bf16 FLOP/s")
+    memory_bandwidth: Positive = Field(description="HBM/GDDR bytes/s")
+    compute_efficiency: Fraction = Field(description="share of peak FLOP/s real GEMMs reach")
+    memory_efficiency: Fraction = Field(description="share of memory bandwidth real kernels reach")
+    kernel_overhead_s: NonNegative = Field(description="launch + framework dispatch per kernel")
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.memory_bytes - self.reserved_bytes
+
+
+class LinkSpec(_Strict):
+    """One direction of one link; `copy_engines` transfers may run on it at once."""
+
+    bandwidth: Positive = Field(description="sustained bytes/s for large pinned copies")
+    latency_s: NonNegative = 0.0
+    copy_engines: Annotated[int, Field(ge=1)] = 1
+
+
+class LinksSpec(_Strict):
+    pcie_h2d: LinkSpec
+    pcie_d2h: LinkSpec
+    nvme: LinkSpec = Field(description="disk -> host memory reads")
+    pageable_h2d_bandwidth: Positive | None = Field(None, description="H2D from unpinned memory")
+
+
+class HostSpec(_Strict):
+    memory_bytes: Positive
+    cpu: str = "unknown"
+
+
+class DiskSpec(_Strict):
+    capacity_bytes: Positive
+
+
+class MeasuredPoint(_Strict):
+    """One measured op duration; `tokens` is the op's token count, `kv_len` its KV length."""
+
+    tokens: Annotated[int, Field(ge=0)]
+    kv_len: Annotated[int, Field(ge=0)] = 0
+    seconds: Positive
+
+
+class HardwareProfile(_Strict):
+    """Everything the cost model needs about one machine, with the sources of its numbers."""
+
+    name: str
+    description: str = ""
+    gpu: GPUSpec
+    links: LinksSpec
+    host: HostSpec
+    disk: DiskSpec
+    sources: dict[str, str] = Field(default_factory=dict, description="field -> where the number comes from")
+    measured: dict[str, list[MeasuredPoint]] = Field(
+        default_factory=dict, description="op category -> measured durations (from calibrate)")
+    provenance: dict[str, Any] = Field(default_factory=dict, description="who measured this, when, how")
+
+    def link(self, resource: str) -> LinkSpec:
+        """The link behind a transfer resource name (`pcie_h2d`, `pcie_d2h`, `nvme`)."""
+        return getattr(self.links, resource)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json", exclude_none=True), sort_keys=False)
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be used; the message names the file and the field."""
+
+
+def _did_you_mean(location: tuple, data: dict) -> str:
+    """For an unknown key, suggest the closest allowed one."""
+    model: type[BaseModel] = HardwareProfile
+    for part in location[:-1]:
+        field = model.model_fields.get(str(part)) if isinstance(part, str) else None
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return ""
+        model = annotation
+    close = difflib.get_close_matches(str(location[-1]), list(model.model_fields), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def profile_from_dict(data: Any, where: str) -> HardwareProfile:
+    """Validate a parsed profile; `where` (a path or label) starts every error message."""
+    if not isinstance(data, dict):
+        raise ProfileError(f"{where}: a profile must be a mapping, got {type(data).__name__}")
+    try:
+        return HardwareProfile.model_validate(data)
+    except ValidationError as err:
+        lines = []
+        for e in err.errors():
+            loc = ".".join(str(p) for p in e["loc"])
+            hint = _did_you_mean(e["loc"], data) if e["type"] == "extra_forbidden" else ""
+            msg = "unknown field" if e["type"] == "extra_forbidden" else e["msg"]
+            lines.append(f"  {loc}: {msg}{hint}")
+        raise ProfileError(f"{where}: invalid hardware profile\n" + "\n".join(lines)) from None
+
+
+def load_profile_file(path: str | Path) -> HardwareProfile:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ProfileError(f"{path}: cannot read profile ({err.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ProfileError(f"{path}: not valid YAML ({err})") from None
+    return profile_from_dict(data, str(path))
+
+
+def builtin_profile_names() -> list[str]:
+    folder = resources.files("klotski_sim") / "profiles"
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def load_profile(name_or_path: str | Path) -> HardwareProfile:
+    """A built-in profile by name (`rtx3090`) or a YAML file by path."""
+    text = str(name_or_path)
+    if text in builtin_profile_names():
+        ref = resources.files("klotski_sim") / "profiles" / f"{text}.yaml"
+        with resources.as_file(ref) as path:
+            return load_profile_file(path)
+    if Path(text).exists() or text.endswith((".yaml", ".yml")):
+        return load_profile_file(text)
+    raise ProfileError(f"unknown hardware profile {text!r}; built-in profiles: "
+                       f"{', '.join(builtin_profile_names())} (or give a path to a YAML file)")
+
+
+def with_overrides(profile: HardwareProfile, overrides: dict[str, Any], where: str = "overrides") -> HardwareProfile:
+    """A copy of `profile` with dotted-path fields replaced (`links.pcie_h2d.bandwidth: 50e9`),
+    validated like a file, so a what-if cannot produce a nonsensical profile."""
+    data = profile.model_dump(mode="json")
+    for dotted, value in overrides.items():
+        node = data
+        parts = dotted.split(".")
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                raise ProfileError(f"{where}: {dotted!r} is not a profile field")
+            node = node[part]
+        if parts[-1] not in node and parts[-1] not in ("pageable_h2d_bandwidth",):
+            raise ProfileError(f"{where}: {dotted!r} is not a profile field")
+        node[parts[-1]] = value
+    return profile_from_dict(data, where)

@@ -1,0 +1,177 @@
+"""ModelSpec: the shape of a Mixtral-style MoE model, turned into bytes and FLOPs per op.
+
+Every policy asks the same questions ("how big is one expert?", "how many FLOPs is attention
+for this batch at this KV length?"); answering them in one place keeps the simulator, the
+planner and the runtime in agreement. Numbers for the presets come from the models' public
+configs (see ../docs/KLOTSKI.md tables).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Architecture of a decoder-only MoE transformer: `[embed, (attention, gate, moe) x L, lm_head]`."""
+
+    name: str
+    num_layers: int
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    ffn_size: int  # intermediate size of one routed expert
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    dtype_bytes: int = 2  # bf16
+    num_shared_experts: int = 0  # always-active experts (Qwen-MoE / DeepSeek style)
+    shared_ffn_size: int = 0  # intermediate size of one shared expert
+    hf_model_type: str = "mixtral"  # transformers' config.model_type this shape mirrors
+
+    def __post_init__(self) -> None:
+        for field_name in ("num_layers", "num_experts", "top_k", "hidden_size", "ffn_size",
+                           "num_heads", "num_kv_heads", "head_dim", "vocab_size", "dtype_bytes"):
+            value = getattr(self, field_name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"model {self.name!r}: {field_name} must be a positive integer, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"model {self.name!r}: top_k={self.top_k} > num_experts={self.num_experts}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model {self.name!r}: num_heads must be a multiple of num_kv_heads")
+        if self.num_shared_experts < 0 or self.shared_ffn_size < 0:
+            raise ValueError(f"model {self.name!r}: shared expert sizes must be >= 0")
+
+    # ---- weights (bytes) -------------------------------------------------------------------
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def attention_params(self) -> int:
+        """q, k, v, o projections (the RMSNorm vectors are counted in resident_bytes)."""
+        h = self.hidden_size
+        return h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
+
+    def attention_bytes(self) -> int:
+        return self.attention_params() * self.dtype_bytes
+
+    def shared_expert_bytes(self) -> int:
+        return self.num_shared_experts * 3 * self.hidden_size * self.shared_ffn_size * self.dtype_bytes
+
+    def gate_bytes(self) -> int:
+        """Router weights, plus the shared experts: the gate op also runs them, since they are
+        always active and need no routing decision."""
+        router = self.hidden_size * self.num_experts * self.dtype_bytes
+        shared_gate = self.hidden_size * self.dtype_bytes if self.num_shared_experts else 0
+        return router + shared_gate + self.shared_expert_bytes()
+
+    def expert_bytes(self) -> int:
+        """One routed SwiGLU expert: w1, w3 (h x f) and w2 (f x h)."""
+        return 3 * self.hidden_size * self.ffn_size * self.dtype_bytes
+
+    def moe_layer_bytes(self) -> int:
+        return self.num_experts * self.expert_bytes()
+
+    def layer_bytes(self) -> int:
+        return self.attention_bytes() + self.gate_bytes() + self.moe_layer_bytes()
+
+    def embedding_bytes(self) -> int:
+        return self.vocab_size * self.hidden_size * self.dtype_bytes
+
+    def resident_bytes(self) -> int:
+        """Kept on the GPU for the whole run: embedding, lm_head, final norm and the per-layer
+        RMSNorm vectors (too small to be worth streaming)."""
+        norms = (2 * self.num_layers + 1) * self.hidden_size * self.dtype_bytes
+        return 2 * self.embedding_bytes() + norms
+
+    def total_bytes(self) -> int:
+        return self.resident_bytes() + self.num_layers * self.layer_bytes()
+
+    # ---- per-token state (bytes) -----------------------------------------------------------
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token in one layer."""
+        return 2 * self.kv_dim * self.dtype_bytes
+
+    def kv_bytes(self, sequences: int, tokens: int) -> int:
+        """KV cache of `sequences` sequences of `tokens` tokens, one layer."""
+        return sequences * tokens * self.kv_bytes_per_token()
+
+    def hidden_bytes(self, tokens: int) -> int:
+        """Hidden states (activations) of `tokens` tokens."""
+        return tokens * self.hidden_size * self.dtype_bytes
+
+    # ---- FLOPs ------------------------------------------------------------------------------
+    def attention_flops(self, sequences: int, new_tokens: int, kv_len: int) -> int:
+        """Attention over `sequences` sequences, each adding `new_tokens` to a cache that then holds
+        `kv_len` tokens. Prefill (new_tokens == kv_len) is causal, so each query sees half on average."""
+        tokens = sequences * new_tokens
+        projections = 2 * tokens * self.attention_params()
+        visible = (kv_len + 1) / 2 if new_tokens == kv_len and new_tokens > 1 else kv_len
+        scores = 2 * 2 * tokens * self.num_heads * self.head_dim * visible  # QK^T and AV
+        return int(projections + scores)
+
+    def attention_io_bytes(self, sequences: int, new_tokens: int, kv_len: int) -> int:
+        """GPU memory traffic of attention: weights once, KV cache read, activations in and out."""
+        return (self.attention_bytes() + self.kv_bytes(sequences, kv_len)
+                + 2 * self.hidden_bytes(sequences * new_tokens))
+
+    def gate_flops(self, tokens: int) -> int:
+        shared = 2 * tokens * 3 * self.hidden_size * self.shared_ffn_size * self.num_shared_experts
+        return 2 * tokens * self.hidden_size * self.num_experts + shared
+
+    def gate_io_bytes(self, tokens: int) -> int:
+        return self.gate_bytes() + 2 * self.hidden_bytes(tokens)
+
+    def expert_flops(self, tokens: int) -> int:
+        return 2 * tokens * 3 * self.hidden_size * self.ffn_size
+
+    def expert_io_bytes(self, tokens: int) -> int:
+        return self.expert_bytes() + 2 * self.hidden_bytes(tokens)
+
+    def lm_head_flops(self, tokens: int) -> int:
+        return 2 * tokens * self.hidden_size * self.vocab_size
+
+    def lm_head_io_bytes(self, tokens: int) -> int:
+        return self.embedding_bytes() + self.hidden_bytes(tokens)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+PRESETS: dict[str, ModelSpec] = {
+    m.name: m
+    for m in (
+        ModelSpec("mixtral-8x7b", num_layers=32, num_experts=8, top_k=2, hidden_size=4096,
+                  ffn_size=14336, num_heads=32, num_kv_heads=8, head_dim=128, vocab_size=32000),
+        ModelSpec("mixtral-8x22b", num_layers=56, num_experts=8, top_k=2, hidden_size=6144,
+                  ffn_size=16384, num_heads=48, num_kv_heads=8, head_dim=128, vocab_size=32000),
+        # Fine-grained: 64 experts, top-8 (allenai/OLMoE-1B-7B-0924 config).
+        ModelSpec("olmoe-1b-7b", num_layers=16, num_experts=64, top_k=8, hidden_size=2048,
+                  ffn_size=1024, num_heads=16, num_kv_heads=16, head_dim=128, vocab_size=50304,
+                  hf_model_type="olmoe"),
+        # Fine-grained with a shared expert: 60 routed, top-4, one shared expert of width 5632
+        # (Qwen/Qwen1.5-MoE-A2.7B config).
+        ModelSpec("qwen1.5-moe-a2.7b", num_layers=24, num_experts=60, top_k=4, hidden_size=2048,
+                  ffn_size=1408, num_heads=16, num_kv_heads=16, head_dim=128, vocab_size=151936,
+                  num_shared_experts=1, shared_ffn_size=5632, hf_model_type="qwen2_moe"),
+        # A quarter-width Mixtral: big enough that transfers dominate on a CPU, small enough to run.
+        ModelSpec("small-mixtral", num_layers=4, num_experts=8, top_k=2, hidden_size=1024,
+                  ffn_size=3584, num_heads=16, num_kv_heads=4, head_dim=64, vocab_size=32000),
+        # For tests and the CPU runtime: every op runs in microseconds.
+        ModelSpec("tiny-mixtral", num_layers=2, num_experts=4, top_k=2, hidden_size=64,
+                  ffn_size=128, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=256),
+    )
+}
+
+
+def get_model(name: str) -> ModelSpec:
+    """Look up a preset by name; the error lists what exists."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; known models: {', '.join(sorted(PRESETS))}") from None

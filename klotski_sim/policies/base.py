@@ -1,0 +1,223 @@
+"""What every policy shares: its inputs, the registry, and an emitter for the standard ops.
+
+A policy is one function `build(PolicyInput) -> Schedule`, registered by name; adding a policy
+is adding one file. The `OpEmitter` turns "attention of batch b at step s, layer j" into an op
+with the right FLOPs, bytes, tags, KV traffic and memory effects, so policies only decide
+*order and dependencies* — which is what distinguishes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+from ..hardware import HardwareProfile
+from ..model import ModelSpec
+from ..routing import RoutingTable, RunShape
+from ..schedule import Schedule, ScheduleBuilder
+
+TIERS = ("gpu", "cpu", "disk")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where each tensor type lives before it is needed. `resident_layers` layers stay whole on
+    the GPU (no transfers); the others stream their attention, gate and experts from their tier."""
+
+    attention: str = "cpu"
+    gate: str = "cpu"
+    experts: str = "cpu"
+    kv: str = "gpu"
+    resident_layers: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("attention", "gate", "experts"):
+            if getattr(self, name) not in ("cpu", "disk"):
+                raise ValueError(f"placement.{name} must be 'cpu' or 'disk' (use resident_layers to keep "
+                                 f"layers on the GPU), got {getattr(self, name)!r}")
+        if self.kv not in ("gpu", "cpu"):
+            raise ValueError(f"placement.kv must be 'gpu' or 'cpu', got {self.kv!r}")
+        if self.resident_layers < 0:
+            raise ValueError("placement.resident_layers must be >= 0")
+
+    def describe(self) -> str:
+        return (f"attention={self.attention} gate={self.gate} experts={self.experts} kv={self.kv} "
+                f"resident_layers={self.resident_layers}")
+
+
+@dataclass(frozen=True)
+class PolicyInput:
+    """Everything a policy may look at. `options` holds the policy's own switches."""
+
+    model: ModelSpec
+    profile: HardwareProfile
+    routing: RoutingTable
+    placement: Placement = field(default_factory=Placement)
+    options: Mapping[str, Any] = field(default_factory=dict)
+    warmup: RoutingTable | None = None  # disjoint sequences for a prefetcher's pre-run
+
+    @property
+    def shape(self) -> RunShape:
+        return self.routing.shape
+
+
+PolicyBuilder = Callable[[PolicyInput], Schedule]
+
+
+@dataclass(frozen=True)
+class PolicyInfo:
+    name: str
+    description: str
+    build: PolicyBuilder
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+
+
+POLICIES: dict[str, PolicyInfo] = {}
+
+
+def register(name: str, description: str, defaults: Mapping[str, Any] | None = None
+             ) -> Callable[[PolicyBuilder], PolicyBuilder]:
+    """Decorator: make a build function available as `--policy NAME`."""
+
+    def wrap(fn: PolicyBuilder) -> PolicyBuilder:
+        POLICIES[name] = PolicyInfo(name, description, fn, dict(defaults or {}))
+        return fn
+
+    return wrap
+
+
+def get_policy(name: str) -> PolicyInfo:
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; known policies: {', '.join(POLICIES)}") from None
+
+
+def build_schedule(name: str, inp: PolicyInput) -> Schedule:
+    info = get_policy(name)
+    options = dict(info.defaults)
+    unknown = set(inp.options) - set(options)
+    if unknown:
+        raise ValueError(f"policy {name!r} has no option(s) {sorted(unknown)}; options: {sorted(options) or 'none'}")
+    options.update(inp.options)
+    return info.build(PolicyInput(inp.model, inp.profile, inp.routing, inp.placement, options, inp.warmup))
+
+
+class OpEmitter:
+    """Emits the standard ops of a Mixtral-style layer onto a ScheduleBuilder.
+
+    Weight buffers are named after the transfer op that fills them and freed by the op passed
+    `free=`; KV on the GPU grows by one allocation per attention op; KV on the CPU is loaded
+    before attention (`h2d_kv`) and the new entries stored after it (`d2h_kv`).
+    """
+
+    def __init__(self, inp: PolicyInput, builder: ScheduleBuilder | None = None) -> None:
+        self.inp = inp
+        self.model = inp.model
+        self.shape = inp.shape
+        self.placement = inp.placement
+        self.b = builder or ScheduleBuilder()
+        self.kv_stores: list[str] = []
+        self._attention_ops: list[str] = []
+        self._preload_resident()
+
+    # ---- residency ----------------------------------------------------------------------------
+    def _preload_resident(self) -> None:
+        m = self.model
+        self.b.preload("resident/embed+lm_head+norms", m.resident_bytes())
+        for j in range(min(self.placement.resident_layers, m.num_layers)):
+            self.b.preload(f"resident/L{j}", m.layer_bytes())
+        for batch in range(self.shape.num_batches):
+            self.b.preload(f"hidden/b{batch}", m.hidden_bytes(self.shape.batch_size * self.shape.prompt_len))
+
+    def is_resident(self, layer: int) -> bool:
+        return layer < self.placement.resident_layers
+
+    # ---- weight transfers -----------------------------------------------------------------------
+    def tier(self, what: str) -> str:
+        return getattr(self.placement, what)
+
+    def fetch(self, op_id: str, what: str, nbytes: int, category: str, stream: str,
+              deps: Iterable[str | None] = (), **tags: Any) -> str:
+        """Bring `nbytes` of weights (`what` = attention|gate|experts) to the GPU. From disk
+        this is two chained links: an NVMe read into host memory, then the PCIe copy."""
+        deps = list(deps)
+        if self.tier(what) == "disk":
+            read = self.b.transfer(f"{op_id}/disk", category, "disk_read", nbytes, "disk", "cpu", deps, **tags)
+            deps = [read]
+        return self.b.transfer(op_id, category, stream, nbytes, "cpu", "gpu", deps,
+                               alloc=((op_id, int(nbytes)),), **tags)
+
+    # ---- compute ------------------------------------------------------------------------------
+    def embed(self, op_id: str, step: int, batch: int, deps: Iterable[str | None] = ()) -> str:
+        tokens = self._new_tokens(step) * self.shape.batch_size
+        return self.b.compute(op_id, "embed", deps, bytes=self.model.hidden_bytes(tokens), step=step,
+                              phase=self.phase(step), batches=(batch,), tokens=tokens)
+
+    def lm_head(self, op_id: str, step: int, batch: int, deps: Iterable[str | None] = ()) -> str:
+        bs = self.shape.batch_size  # only the last position of each sequence needs logits
+        return self.b.compute(op_id, "lm_head", deps, flops=self.model.lm_head_flops(bs),
+                              bytes=self.model.lm_head_io_bytes(bs), step=step, phase=self.phase(step),
+                              batches=(batch,), tokens=bs)
+
+    def attention(self, op_id: str, step: int, layer: int, batch: int, deps: Iterable[str | None] = (),
+                  free: tuple[str, ...] = ()) -> str:
+        """Attention of one batch, with its KV cache: grown on the GPU, or loaded from and stored to
+        the CPU around the op."""
+        m, sh = self.model, self.shape
+        new = self._new_tokens(step)
+        kv_len = sh.kv_len(step)
+        tags = dict(step=step, phase=self.phase(step), layer=layer, batches=(batch,))
+        deps = list(deps)
+        alloc: tuple[tuple[str, int], ...] = ()
+        free = tuple(free)
+        if self.placement.kv == "gpu":
+            alloc = ((f"kv/L{layer}/b{batch}/s{step}", m.kv_bytes(sh.batch_size, new)),)
+        elif kv_len - new > 0:
+            # Double-buffered like FlexGen's load_cache(j, k+1): the cache of this attention may
+            # load once the attention two before it has finished with its own buffer.
+            past = m.kv_bytes(sh.batch_size, kv_len - new)
+            after = self._attention_ops[-2:-1]
+            load = self.b.transfer(f"{op_id}/kv_load", "kv", "h2d_kv", past, "cpu", "gpu", after,
+                                   alloc=((f"{op_id}/kv_load", past),), **tags)
+            deps.append(load)
+            free = free + (load,)
+        op = self.b.compute(op_id, "attention", deps, flops=m.attention_flops(sh.batch_size, new, kv_len),
+                            bytes=m.attention_io_bytes(sh.batch_size, new, kv_len), tokens=sh.batch_size * new,
+                            kv_len=kv_len, alloc=alloc, free=free, **tags)
+        self._attention_ops.append(op)
+        if self.placement.kv == "cpu":
+            self.kv_stores.append(self.b.transfer(f"{op_id}/kv_store", "kv", "d2h_kv",
+                                                  m.kv_bytes(sh.batch_size, new), "gpu", "cpu", [op], **tags))
+        return op
+
+    def gate(self, op_id: str, step: int, layer: int, batch: int, deps: Iterable[str | None] = (),
+             free: tuple[str, ...] = ()) -> str:
+        tokens = self._new_tokens(step) * self.shape.batch_size
+        return self.b.compute(op_id, "gate", deps, flops=self.model.gate_flops(tokens),
+                              bytes=self.model.gate_io_bytes(tokens), step=step, phase=self.phase(step),
+                              layer=layer, batches=(batch,), tokens=tokens, free=tuple(free))
+
+    def expert(self, op_id: str, step: int, layer: int, expert: int, batches: Iterable[int], tokens: int,
+               deps: Iterable[str | None] = (), free: tuple[str, ...] = ()) -> str:
+        """One expert over `tokens` tokens gathered from `batches`."""
+        return self.b.compute(op_id, "expert", deps, flops=self.model.expert_flops(tokens),
+                              bytes=self.model.expert_io_bytes(tokens), step=step, phase=self.phase(step),
+                              layer=layer, batches=tuple(batches), expert=expert, tokens=tokens, free=tuple(free))
+
+    # ---- helpers --------------------------------------------------------------------------------
+    def _new_tokens(self, step: int) -> int:
+        return self.shape.prompt_len if step == 0 else 1
+
+    @staticmethod
+    def phase(step: int) -> str:
+        return "prefill" if step == 0 else "decode"
+
+    def build(self, policy: str, **extra_meta: Any) -> Schedule:
+        sh, m = self.shape, self.model
+        meta = dict(policy=policy, model=m.name, hardware=self.inp.profile.name, batch_size=sh.batch_size,
+                    num_batches=sh.num_batches, prompt_len=sh.prompt_len, gen_len=sh.gen_len,
+                    generated_tokens=sh.generated_tokens, placement=asdict(self.placement),
+                    routing=self.inp.routing.source, options=dict(self.inp.options))
+        meta.update(extra_meta)
+        return self.b.build(meta)

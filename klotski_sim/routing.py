@@ -1,0 +1,112 @@
+"""RoutingTable: the expert choices of the exact tokens a run processes, in the shape policies ask.
+
+A run of n batches x bs sequences with prompt length P and G generated tokens processes, per
+sequence, the P prompt tokens at step 0 (prefill, which emits the first token) and one token
+at each decode step 1..G-1. Policies ask "which experts, with how many tokens, does batch b
+need at step s in layer j?"; this answers from a dense array cut out of a trace, with counts
+precomputed once (np.bincount) so the question costs nothing inside the policy loops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """How many sequences a run processes and how long they are."""
+
+    batch_size: int
+    num_batches: int
+    prompt_len: int
+    gen_len: int
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "num_batches", "prompt_len", "gen_len"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    @property
+    def num_steps(self) -> int:
+        """Step 0 is prefill; steps 1..gen_len-1 decode one token each."""
+        return self.gen_len
+
+    @property
+    def tokens_per_sequence(self) -> int:
+        """Tokens that pass through the model per sequence (the last generated one never does)."""
+        return self.prompt_len + self.gen_len - 1
+
+    @property
+    def num_sequences(self) -> int:
+        return self.batch_size * self.num_batches
+
+    @property
+    def generated_tokens(self) -> int:
+        return self.num_sequences * self.gen_len
+
+    def step_positions(self, step: int) -> slice:
+        """Token positions a step processes."""
+        if step == 0:
+            return slice(0, self.prompt_len)
+        return slice(self.prompt_len + step - 1, self.prompt_len + step)
+
+    def kv_len(self, step: int) -> int:
+        """Tokens in each sequence's KV cache once the step has run."""
+        return self.prompt_len + step
+
+
+class RoutingTable:
+    """Top-k expert ids of every token of a run: `ids[batch, seq, position, layer, slot]`."""
+
+    def __init__(self, ids: np.ndarray, shape: RunShape, num_experts: int, source: str = "") -> None:
+        expected = (shape.num_batches, shape.batch_size, shape.tokens_per_sequence)
+        if ids.ndim != 5 or ids.shape[:3] != expected:
+            raise ValueError(f"routing ids have shape {ids.shape}, expected {expected} + (layers, top_k)")
+        if ids.size and (ids.min() < 0 or ids.max() >= num_experts):
+            raise ValueError(f"routing ids out of range [0, {num_experts})")
+        self.ids = ids
+        self.shape = shape
+        self.num_experts = num_experts
+        self.num_layers = ids.shape[3]
+        self.top_k = ids.shape[4]
+        self.source = source
+
+    @cached_property
+    def counts(self) -> np.ndarray:
+        """`counts[step, layer, batch, expert]` = tokens of that batch routed to that expert."""
+        sh = self.shape
+        nb, L, E = sh.num_batches, self.num_layers, self.num_experts
+        step_of_position = np.empty(sh.tokens_per_sequence, dtype=np.int64)
+        step_of_position[: sh.prompt_len] = 0
+        step_of_position[sh.prompt_len:] = np.arange(1, sh.gen_len)
+        b = np.arange(nb).reshape(nb, 1, 1, 1, 1)
+        pos_step = step_of_position.reshape(1, 1, -1, 1, 1)
+        layer = np.arange(L).reshape(1, 1, 1, L, 1)
+        flat = ((pos_step * L + layer) * nb + b) * E + self.ids.astype(np.int64)
+        counts = np.bincount(flat.ravel(), minlength=sh.num_steps * L * nb * E)
+        return counts.reshape(sh.num_steps, L, nb, E)
+
+    def tokens_per_expert(self, step: int, layer: int, batches: list[int] | range) -> np.ndarray:
+        """Token count per expert over the given batches (length num_experts)."""
+        return self.counts[step, layer, list(batches)].sum(axis=0)
+
+    def step_ids(self, step: int, layer: int, batch: int) -> np.ndarray:
+        """`[seq, tokens_of_step, slot]` expert ids of one batch at one step and layer."""
+        return self.ids[batch, :, self.shape.step_positions(step), layer, :]
+
+
+def uniform_routing(num_layers: int, num_experts: int, top_k: int, shape: RunShape, seed: int = 0) -> RoutingTable:
+    """Each token picks top_k distinct experts uniformly at random: the worst case for prefetching."""
+    rng = np.random.default_rng(seed)
+    n = shape.num_batches * shape.batch_size * shape.tokens_per_sequence * num_layers
+    ids = np.empty((n, top_k), dtype=np.int16)
+    chunk = max(1, 4_000_000 // num_experts)  # bound the scratch memory
+    for lo in range(0, n, chunk):
+        keys = rng.random((min(chunk, n - lo), num_experts))
+        ids[lo:lo + len(keys)] = np.argpartition(keys, top_k - 1, axis=1)[:, :top_k]
+    ids = ids.reshape(shape.num_batches, shape.batch_size, shape.tokens_per_sequence, num_layers, top_k)
+    return RoutingTable(ids, shape, num_experts, source=f"uniform(seed={seed})")

@@ -1,0 +1,318 @@
+"""THE CONTRACT: a Schedule is a validated DAG of ops placed on named, in-order streams.
+
+The simulator (engine.py) and the real runtime (klotski_runtime.executor) both execute the very
+same Schedule, so it must carry everything either needs: what each op does (kind, category,
+FLOPs, bytes, tiers), where it runs (stream -> resource), what it waits for (deps = CUDA events),
+its tags (step, phase, layer, batches, expert, tokens) and its memory effects (GPU buffers
+allocated when it starts, freed when it ends).
+
+Stream order is list order: ops of one stream run in the order they appear in `Schedule.ops`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict, deque
+from dataclasses import dataclass, field, fields
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+FORMAT = "klotski-schedule"
+VERSION = 1
+
+KINDS = ("compute", "transfer")
+TIERS = ("gpu", "cpu", "disk")
+RESOURCES = ("gpu", "pcie_h2d", "pcie_d2h", "nvme")
+
+# The conventional streams and the physical resource each one runs on. Weight prefetch and
+# expert loads share the one H2D copy engine (KLOTSKI.md: inferred single serial copy engine).
+DEFAULT_STREAMS: dict[str, str] = {
+    "compute": "gpu",
+    "h2d_weights": "pcie_h2d",
+    "h2d_experts": "pcie_h2d",
+    "h2d_kv": "pcie_h2d",
+    "d2h_kv": "pcie_d2h",
+    "disk_read": "nvme",
+}
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run; the message names the offending op."""
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """One unit of work on one stream. `bytes` is the data moved (transfer) or the memory traffic
+    the roofline charges (compute). `batches` lists the batches whose tokens the op touches."""
+
+    id: str
+    kind: str
+    stream: str
+    category: str
+    deps: tuple[str, ...] = ()
+    flops: int = 0
+    bytes: int = 0
+    src: str = ""
+    dst: str = ""
+    step: int = -1
+    phase: str = ""
+    layer: int = -1
+    batches: tuple[int, ...] = ()
+    expert: int = -1
+    tokens: int = 0
+    kv_len: int = 0
+    alloc: tuple[tuple[str, int], ...] = ()
+    free: tuple[str, ...] = ()
+
+    @property
+    def batch(self) -> int:
+        """The single batch this op belongs to, or -1 when it spans several (or none)."""
+        return self.batches[0] if len(self.batches) == 1 else -1
+
+    def to_dict(self) -> dict[str, Any]:
+        """Compact JSON form: fields equal to their defaults are left out."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("id", "kind", "stream", "category") or value != f.default:
+                out[f.name] = [list(a) for a in value] if f.name == "alloc" else (
+                    list(value) if isinstance(value, tuple) else value)
+        return out
+
+    @staticmethod
+    def from_dict(data: Mapping[str, Any]) -> "Op":
+        known = {f.name for f in fields(Op)}
+        unknown = set(data) - known
+        if unknown:
+            raise ScheduleError(f"op {data.get('id', '?')!r}: unknown field(s) {sorted(unknown)}")
+        try:
+            kwargs = dict(data)
+            for name in ("deps", "batches", "free"):
+                if name in kwargs:
+                    kwargs[name] = tuple(kwargs[name])
+            if "alloc" in kwargs:
+                kwargs["alloc"] = tuple((str(n), int(b)) for n, b in kwargs["alloc"])
+            return Op(**kwargs)
+        except (TypeError, ValueError) as err:
+            raise ScheduleError(f"op {data.get('id', '?')!r}: malformed ({err})") from None
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A validated DAG of ops. `streams` maps each stream to its resource; `preloaded` lists the
+    GPU buffers resident before the first op (embeddings, resident layers); `meta` says what the
+    schedule is of (policy, model, batch configuration, generated tokens)."""
+
+    ops: tuple[Op, ...]
+    streams: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_STREAMS))
+    preloaded: tuple[tuple[str, int], ...] = ()
+    meta: Mapping[str, Any] = field(default_factory=dict)
+    validate: bool = field(default=True, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ops", tuple(self.ops))
+        object.__setattr__(self, "preloaded", tuple((str(n), int(b)) for n, b in self.preloaded))
+        if self.validate:
+            self.check()
+
+    # ---- derived views ---------------------------------------------------------------------
+    @cached_property
+    def index(self) -> dict[str, int]:
+        """op id -> position in `ops`."""
+        return {op.id: i for i, op in enumerate(self.ops)}
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def op(self, op_id: str) -> Op:
+        return self.ops[self.index[op_id]]
+
+    def stream_ops(self, stream: str) -> list[Op]:
+        return [op for op in self.ops if op.stream == stream]
+
+    @property
+    def generated_tokens(self) -> int:
+        return int(self.meta.get("generated_tokens", 0))
+
+    # ---- validation ------------------------------------------------------------------------
+    def check(self) -> None:
+        """Reject what cannot run: duplicate ids, unknown streams/deps, bad sizes, deps that
+        contradict stream order, and cycles. Every message names the op."""
+        for stream, resource in self.streams.items():
+            if resource not in RESOURCES:
+                raise ScheduleError(f"stream {stream!r} maps to unknown resource {resource!r}; "
+                                    f"resources: {', '.join(RESOURCES)}")
+        position: dict[str, int] = {}
+        for i, op in enumerate(self.ops):
+            if op.id in position:
+                raise ScheduleError(f"duplicate op id {op.id!r} (positions {position[op.id]} and {i})")
+            position[op.id] = i
+            _check_op_fields(op, self.streams)
+        allocated = {name for name, _ in self.preloaded}
+        stream_position: dict[str, int] = {}
+        order_in_stream: dict[str, int] = {}
+        for op in self.ops:
+            order_in_stream[op.id] = stream_position[op.stream] = stream_position.get(op.stream, -1) + 1
+        for op in self.ops:
+            for dep in op.deps:
+                if dep not in position:
+                    raise ScheduleError(f"op {op.id!r} depends on unknown op {dep!r}")
+                if dep == op.id:
+                    raise ScheduleError(f"op {op.id!r} depends on itself")
+                dep_op = self.ops[position[dep]]
+                if dep_op.stream == op.stream and order_in_stream[dep] > order_in_stream[op.id]:
+                    raise ScheduleError(
+                        f"op {op.id!r} depends on {dep!r}, which comes later on the same in-order "
+                        f"stream {op.stream!r}: the dependency contradicts stream order")
+            for name, size in op.alloc:
+                if name in allocated:
+                    raise ScheduleError(f"op {op.id!r} allocates buffer {name!r}, which is already allocated")
+                allocated.add(name)
+        for op in self.ops:
+            for name in op.free:
+                if name not in allocated:
+                    raise ScheduleError(f"op {op.id!r} frees buffer {name!r}, which no op allocates")
+        cycle = find_cycle(self.ops)
+        if cycle:
+            raise ScheduleError("schedule has a cycle (deps + stream order): " + " -> ".join(cycle))
+
+    # ---- serialisation ---------------------------------------------------------------------
+    def to_json_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "meta": dict(self.meta),
+            "streams": dict(self.streams),
+            "preloaded": [list(b) for b in self.preloaded],
+            "ops": [op.to_dict() for op in self.ops],
+        }
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json_dict(), separators=(",", ":")))
+
+    @staticmethod
+    def from_json_dict(data: Any, where: str = "schedule") -> "Schedule":
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ScheduleError(f"{where}: not a klotski schedule (missing format: {FORMAT!r})")
+        if data.get("version") != VERSION:
+            raise ScheduleError(f"{where}: schedule format version {data.get('version')!r}, expected {VERSION}")
+        try:
+            ops = [Op.from_dict(o) for o in data["ops"]]
+            return Schedule(ops=tuple(ops), streams=dict(data["streams"]),
+                            preloaded=tuple(tuple(b) for b in data.get("preloaded", [])),
+                            meta=dict(data.get("meta", {})))
+        except KeyError as err:
+            raise ScheduleError(f"{where}: missing key {err}") from None
+
+    @staticmethod
+    def load(path: str | Path) -> "Schedule":
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except OSError as err:
+            raise ScheduleError(f"{path}: cannot read schedule ({err.strerror})") from None
+        except json.JSONDecodeError as err:
+            raise ScheduleError(f"{path}: not valid JSON, truncated or corrupt ({err})") from None
+        return Schedule.from_json_dict(data, str(path))
+
+
+def _check_op_fields(op: Op, streams: Mapping[str, str]) -> None:
+    if not isinstance(op.id, str) or not op.id:
+        raise ScheduleError(f"op id must be a non-empty string, got {op.id!r}")
+    if op.kind not in KINDS:
+        raise ScheduleError(f"op {op.id!r}: kind {op.kind!r} is not one of {KINDS}")
+    if op.stream not in streams:
+        raise ScheduleError(f"op {op.id!r}: stream {op.stream!r} is not declared "
+                            f"(streams: {', '.join(streams)})")
+    for name in ("flops", "bytes", "tokens", "kv_len"):
+        if getattr(op, name) < 0:
+            raise ScheduleError(f"op {op.id!r}: {name} must be >= 0, got {getattr(op, name)}")
+    if op.kind == "transfer":
+        if op.bytes <= 0:
+            raise ScheduleError(f"op {op.id!r}: a transfer must move a positive number of bytes, got {op.bytes}")
+        if op.src not in TIERS or op.dst not in TIERS or op.src == op.dst:
+            raise ScheduleError(f"op {op.id!r}: transfer needs distinct src/dst tiers from {TIERS}, "
+                                f"got {op.src!r} -> {op.dst!r}")
+        if streams[op.stream] == "gpu":
+            raise ScheduleError(f"op {op.id!r}: transfer placed on compute stream {op.stream!r}")
+    elif streams[op.stream] != "gpu":
+        raise ScheduleError(f"op {op.id!r}: compute op placed on {streams[op.stream]} stream {op.stream!r}")
+    for name, size in op.alloc:
+        if size < 0:
+            raise ScheduleError(f"op {op.id!r}: buffer {name!r} has negative size {size}")
+
+
+def find_cycle(ops: Iterable[Op]) -> list[str]:
+    """An op-id cycle in the graph of deps plus stream order, or [] when there is none (Kahn)."""
+    ops = list(ops)
+    preds: dict[str, list[str]] = {}
+    last: dict[str, str] = {}
+    for op in ops:
+        p = list(op.deps)
+        if op.stream in last:
+            p.append(last[op.stream])
+        last[op.stream] = op.id
+        preds[op.id] = p
+    succs: dict[str, list[str]] = defaultdict(list)
+    indegree = {}
+    for oid, p in preds.items():
+        indegree[oid] = len(p)
+        for d in p:
+            succs[d].append(oid)
+    queue = deque(oid for oid, d in indegree.items() if d == 0)
+    seen = 0
+    while queue:
+        oid = queue.popleft()
+        seen += 1
+        for s in succs[oid]:
+            indegree[s] -= 1
+            if indegree[s] == 0:
+                queue.append(s)
+    if seen == len(preds):
+        return []
+    # Walk predecessors among the stuck ops until one repeats: that is a cycle.
+    stuck = {oid for oid, d in indegree.items() if d > 0}
+    node = next(iter(o.id for o in ops if o.id in stuck))
+    path: list[str] = []
+    on_path: dict[str, int] = {}
+    while node not in on_path:
+        on_path[node] = len(path)
+        path.append(node)
+        node = next(p for p in preds[node] if p in stuck)
+    cycle = path[on_path[node]:] + [node]
+    return list(reversed(cycle))
+
+
+class ScheduleBuilder:
+    """Appends ops in issue order and hands back their ids; policies use it to read like the
+    paper's loops (`b.transfer(...)`, `b.compute(...)`) without bookkeeping."""
+
+    def __init__(self, streams: Mapping[str, str] | None = None) -> None:
+        self.streams = dict(streams or DEFAULT_STREAMS)
+        self.ops: list[Op] = []
+        self.preloaded: list[tuple[str, int]] = []
+        self._ids: set[str] = set()
+
+    def add(self, op_id: str, kind: str, stream: str, category: str, deps: Iterable[str | None] = (),
+            **tags: Any) -> str:
+        if op_id in self._ids:
+            raise ScheduleError(f"duplicate op id {op_id!r}")
+        self._ids.add(op_id)
+        clean = tuple(dict.fromkeys(d for d in deps if d is not None))
+        self.ops.append(Op(id=op_id, kind=kind, stream=stream, category=category, deps=clean, **tags))
+        return op_id
+
+    def compute(self, op_id: str, category: str, deps: Iterable[str | None] = (), stream: str = "compute",
+                **tags: Any) -> str:
+        return self.add(op_id, "compute", stream, category, deps, **tags)
+
+    def transfer(self, op_id: str, category: str, stream: str, nbytes: int, src: str, dst: str,
+                 deps: Iterable[str | None] = (), **tags: Any) -> str:
+        return self.add(op_id, "transfer", stream, category, deps, bytes=int(nbytes), src=src, dst=dst, **tags)
+
+    def preload(self, name: str, nbytes: int) -> None:
+        self.preloaded.append((name, int(nbytes)))
+
+    def build(self, meta: Mapping[str, Any]) -> Schedule:
+        return Schedule(ops=tuple(self.ops), streams=self.streams, preloaded=tuple(self.preloaded), meta=meta)

@@ -1,0 +1,425 @@
+"""The Timeline (the second contract): one row per executed op, and everything derived from it.
+
+The simulator and the runtime both produce a Timeline with the same columns
+(`op_id, stream, resource, start, end` + the op's tags), so every metric below (throughput,
+bubbles, utilisation, lower bound, efficiency) means the same thing for a simulated and a
+measured run.
+
+Bubbles are the idle gaps of the GPU between its first and its last op. Each gap is attributed
+to the op that ends it: before an expert op it is *intra-layer* (waiting for an expert inside the
+MoE layer), otherwise *inter-layer* (waiting for attention/gate weights or KV). Its *cause* is the
+category of the op whose completion made that op ready (the last dependency to arrive).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from functools import cached_property, partial
+from operator import attrgetter
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+
+if TYPE_CHECKING:
+    from .schedule import Schedule
+
+INTRA_LAYER_CATEGORIES = frozenset({"expert"})
+_BATCH_TEXT: dict[tuple[int, ...], str] = {}
+
+
+def _batch_text(batches: tuple[int, ...]) -> str:
+    """"0,1,2" for a batches tuple, memoised: the same few tuples recur across thousands of ops."""
+    text = _BATCH_TEXT[batches] = ",".join(map(str, batches))
+    return text
+TAG_COLUMNS = ("kind", "category", "step", "phase", "layer", "batch", "batches", "expert", "tokens", "bytes", "flops")
+
+
+@dataclass(frozen=True)
+class OutOfMemory:
+    """Why a run stopped: starting `op_id` would have needed `needed_bytes` of GPU memory."""
+
+    op_id: str
+    time: float
+    needed_bytes: int
+    available_bytes: int
+    in_use_bytes: int
+
+    def describe(self) -> str:
+        gib = 2**30
+        return (f"out of GPU memory at t={self.time:.4f}s starting {self.op_id}: needs "
+                f"{self.needed_bytes / gib:.2f} GiB, {self.available_bytes / gib:.2f} GiB available "
+                f"({self.in_use_bytes / gib:.2f} GiB already in use)")
+
+
+@dataclass(frozen=True)
+class Summary:
+    """The headline numbers of one run (what `summary.json` holds)."""
+
+    policy: str
+    model: str
+    hardware: str
+    batch_size: int
+    num_batches: int
+    prompt_len: int
+    gen_len: int
+    status: str
+    source: str
+    makespan_s: float
+    throughput_tok_s: float
+    prefill_s: float
+    decode_step_s: float
+    gpu_busy_s: float
+    bubble_s: float
+    bubble_inter_s: float
+    bubble_intra_s: float
+    lower_bound_s: float
+    lower_bound_resource: str
+    efficiency: float
+    peak_gpu_bytes: int
+    num_ops: int
+    generated_tokens: int
+    utilization: dict[str, float] = field(default_factory=dict)
+    bubble_by_cause: dict[str, float] = field(default_factory=dict)
+    oom: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Timeline:
+    """Executed ops as columns (numpy arrays); `df` gives the pandas view."""
+
+    def __init__(self, columns: Mapping[str, np.ndarray] | Callable[[], dict[str, np.ndarray]],
+                 meta: Mapping[str, Any], memory: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """`columns` may be a function that builds them: the engine hands over its raw times and
+        the tag columns are only assembled when someone first looks."""
+        self._columns = None if callable(columns) else dict(columns)
+        self._build_columns = columns if callable(columns) else None
+        self.meta = dict(meta)
+        self.memory = memory if memory is not None else (np.zeros(0), np.zeros(0))
+
+    @property
+    def columns(self) -> dict[str, np.ndarray]:
+        if self._columns is None:
+            self._columns = self._build_columns()
+            self._build_columns = None
+        return self._columns
+
+    # ---- construction -----------------------------------------------------------------------
+    @classmethod
+    def from_schedule(cls, schedule: "Schedule", start: Sequence[float], end: Sequence[float], *,
+                      ready: Sequence[float] | None = None, blocked_by: Sequence[int] | None = None,
+                      status: str = "ok", oom: OutOfMemory | None = None, peak_gpu_bytes: int = 0,
+                      memory_trace: Sequence[tuple[float, int]] = (), capacities: Mapping[str, int] | None = None,
+                      source: str = "simulated", extra_meta: Mapping[str, Any] | None = None) -> "Timeline":
+        """Build from per-op start/end times aligned with `schedule.ops` (NaN = never ran)."""
+        meta = dict(schedule.meta)
+        meta.update(status=status, source=source, num_ops=len(schedule.ops), peak_gpu_bytes=int(peak_gpu_bytes),
+                    capacities=dict(capacities or {}), oom=asdict(oom) if oom else None)
+        meta.update(extra_meta or {})
+        if memory_trace:
+            t, b = zip(*memory_trace)
+            memory = (np.asarray(t, dtype=float), np.asarray(b, dtype=np.int64))
+        else:
+            memory = None
+        return cls(partial(_columns_from_schedule, schedule, start, end, ready, blocked_by), meta, memory)
+
+    # ---- views ------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.columns["op_id"])
+
+
+    # ---- views ------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.columns["op_id"])
+
+    @cached_property
+    def df(self) -> pd.DataFrame:
+        return pd.DataFrame(self.columns)
+
+    @property
+    def status(self) -> str:
+        return str(self.meta.get("status", "ok"))
+
+    @property
+    def makespan(self) -> float:
+        return float(self.columns["end"].max()) if len(self) else 0.0
+
+    def streams(self) -> list[str]:
+        """Streams in a stable display order: compute first, then as first seen."""
+        seen = list(dict.fromkeys(self.columns["stream"]))
+        return sorted(seen, key=lambda s: (s != "compute", seen.index(s)))
+
+    # ---- metrics ----------------------------------------------------------------------------
+    def busy_seconds(self) -> dict[str, float]:
+        """Per resource, the time at least one unit was busy (union of intervals)."""
+        out = {}
+        res = self.columns["resource"]
+        for r in dict.fromkeys(res):
+            mask = res == r
+            out[str(r)] = _union_length(self.columns["start"][mask], self.columns["end"][mask])
+        return out
+
+    def work_seconds(self) -> dict[str, float]:
+        """Per resource, the summed op durations divided by its units: its own lower bound."""
+        caps = self.meta.get("capacities", {})
+        dur = self.columns["end"] - self.columns["start"]
+        res = self.columns["resource"]
+        return {str(r): float(dur[res == r].sum()) / max(1, int(caps.get(r, 1))) for r in dict.fromkeys(res)}
+
+    def bubbles(self) -> pd.DataFrame:
+        """Idle gaps on the GPU between its first and last op, one row each, with the op that
+        ends the gap, its layer/step, the kind (inter/intra) and the cause."""
+        c = self.columns
+        mask = c["resource"] == "gpu"
+        idx = np.flatnonzero(mask)
+        empty = pd.DataFrame(columns=["start", "end", "duration", "kind", "next_op", "next_category",
+                                      "cause", "step", "layer", "batch"])
+        if len(idx) < 2:
+            return empty
+        order = idx[np.lexsort((c["end"][idx], c["start"][idx]))]
+        starts, ends = c["start"][order], c["end"][order]
+        running_end = np.maximum.accumulate(ends)
+        gap = starts[1:] - running_end[:-1]
+        where = np.flatnonzero(gap > 1e-12)
+        if len(where) == 0:
+            return empty
+        nxt = order[where + 1]
+        by_id = {oid: k for k, oid in enumerate(c["op_id"])}
+        causes = []
+        for j in nxt:
+            b = c["blocked_by"][j]
+            causes.append(c["category"][by_id[b]] if b in by_id else "unknown")
+        cats = c["category"][nxt]
+        return pd.DataFrame({
+            "start": running_end[where],
+            "end": starts[where + 1],
+            "duration": gap[where],
+            "kind": np.where(np.isin(cats, list(INTRA_LAYER_CATEGORIES)), "intra", "inter"),
+            "next_op": c["op_id"][nxt],
+            "next_category": cats,
+            "cause": causes,
+            "step": c["step"][nxt],
+            "layer": c["layer"][nxt],
+            "batch": c["batch"][nxt],
+        })
+
+    def step_latencies(self) -> pd.Series:
+        """Per step, the mean over batches of the time between the end of a batch's previous step
+        and the end of this one: the latency a sequence sees per generated token (step 0 = prefill)."""
+        c = self.columns
+        mask = (c["resource"] == "gpu") & (c["step"] >= 0)
+        ends: dict[tuple[int, int], float] = {}
+        for step, batches, end in zip(c["step"][mask], c["batches"][mask], c["end"][mask]):
+            for b in (batches.split(",") if batches else ("-1",)):
+                key = (int(b), int(step))
+                if end > ends.get(key, -math.inf):
+                    ends[key] = end
+        if not ends:
+            return pd.Series(dtype=float)
+        frame = pd.Series(ends).rename_axis(["batch", "step"]).sort_index()
+        latencies = frame.groupby(level="batch").diff()
+        first = frame.groupby(level="batch").head(1)
+        latencies.loc[first.index] = first
+        return latencies.groupby(level="step").mean()
+
+    def summary(self) -> Summary:
+        m = self.meta
+        busy = self.busy_seconds()
+        work = self.work_seconds()
+        makespan = self.makespan
+        bub = self.bubbles()
+        bound_resource, bound = max(work.items(), key=lambda kv: kv[1]) if work else ("", 0.0)
+        steps = self.step_latencies()
+        decode = steps[steps.index >= 1]
+        generated = int(m.get("generated_tokens", 0))
+        ok = self.status == "ok"
+        return Summary(
+            policy=str(m.get("policy", "")), model=str(m.get("model", "")), hardware=str(m.get("hardware", "")),
+            batch_size=int(m.get("batch_size", 0)), num_batches=int(m.get("num_batches", 0)),
+            prompt_len=int(m.get("prompt_len", 0)), gen_len=int(m.get("gen_len", 0)),
+            status=self.status, source=str(m.get("source", "")),
+            makespan_s=makespan,
+            throughput_tok_s=generated / makespan if ok and makespan > 0 else 0.0,
+            prefill_s=float(steps.get(0, 0.0)) if len(steps) else 0.0,
+            decode_step_s=float(decode.mean()) if len(decode) else 0.0,
+            gpu_busy_s=busy.get("gpu", 0.0),
+            bubble_s=float(bub["duration"].sum()),
+            bubble_inter_s=float(bub.loc[bub["kind"] == "inter", "duration"].sum()),
+            bubble_intra_s=float(bub.loc[bub["kind"] == "intra", "duration"].sum()),
+            lower_bound_s=bound, lower_bound_resource=bound_resource,
+            efficiency=bound / makespan if makespan > 0 else 0.0,
+            peak_gpu_bytes=int(m.get("peak_gpu_bytes", 0)),
+            num_ops=int(m.get("num_ops", len(self))),
+            generated_tokens=generated,
+            utilization={r: (b / makespan if makespan > 0 else 0.0) for r, b in busy.items()},
+            bubble_by_cause={str(k): float(v) for k, v in bub.groupby("cause")["duration"].sum().items()},
+            oom=m.get("oom"),
+            extra={k: m[k] for k in ("trace", "routing", "placement", "prefetch", "overlap", "emulated_links")
+                   if k in m},
+        )
+
+    # ---- exports ----------------------------------------------------------------------------
+    def to_parquet(self, path: str | Path) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        table = pa.Table.from_pandas(self.df, preserve_index=False)
+        meta = dict(table.schema.metadata or {})
+        meta[b"klotski"] = json.dumps(_jsonable(self.meta)).encode()
+        meta[b"klotski_memory"] = json.dumps([self.memory[0].tolist(), self.memory[1].tolist()]).encode()
+        pq.write_table(table.replace_schema_metadata(meta), str(path))
+
+    @classmethod
+    def read_parquet(cls, path: str | Path) -> "Timeline":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(str(path))
+        meta = json.loads((table.schema.metadata or {}).get(b"klotski", b"{}"))
+        mem = json.loads((table.schema.metadata or {}).get(b"klotski_memory", b"[[],[]]"))
+        df = table.to_pandas()
+        cols = {name: df[name].to_numpy() for name in df.columns}
+        return cls(cols, meta, (np.asarray(mem[0], dtype=float), np.asarray(mem[1], dtype=np.int64)))
+
+    def to_csv(self, path: str | Path) -> None:
+        self.df.to_csv(path, index=False)
+
+    def chrome_trace(self) -> dict[str, Any]:
+        """Chrome/Perfetto trace: one track per stream, a bubble track, GPU memory as a counter."""
+        c = self.columns
+        streams = self.streams()
+        tid = {s: k + 1 for k, s in enumerate(streams)}
+        label = f"{self.meta.get('policy', '')} {self.meta.get('model', '')} {self.meta.get('hardware', '')}".strip()
+        events: list[dict[str, Any]] = [
+            {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": label or "klotski"}}]
+        for s, t in tid.items():
+            events.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": t, "args": {"name": s}})
+            events.append({"ph": "M", "name": "thread_sort_index", "pid": 1, "tid": t, "args": {"sort_index": t}})
+        for k in range(len(self)):
+            events.append({
+                "ph": "X", "pid": 1, "tid": tid[c["stream"][k]], "name": _op_label(c, k), "cat": c["category"][k],
+                "ts": c["start"][k] * 1e6, "dur": max(0.0, (c["end"][k] - c["start"][k]) * 1e6),
+                "args": {"op": c["op_id"][k], "step": int(c["step"][k]), "layer": int(c["layer"][k]),
+                         "batches": c["batches"][k], "expert": int(c["expert"][k]), "tokens": int(c["tokens"][k]),
+                         "bytes": int(c["bytes"][k]), "blocked_by": c["blocked_by"][k]},
+            })
+        bubble_tid = len(tid) + 1
+        events.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": bubble_tid, "args": {"name": "GPU bubbles"}})
+        for row in self.bubbles().itertuples():
+            events.append({"ph": "X", "pid": 1, "tid": bubble_tid, "name": f"bubble ({row.kind})", "cat": "bubble",
+                           "ts": row.start * 1e6, "dur": row.duration * 1e6,
+                           "args": {"ended_by": row.next_op, "cause": row.cause}})
+        for t, b in zip(*self.memory):
+            events.append({"ph": "C", "pid": 1, "name": "GPU memory (GiB)", "ts": float(t) * 1e6,
+                           "args": {"GiB": float(b) / 2**30}})
+        return {"traceEvents": events, "displayTimeUnit": "ms", "metadata": _jsonable(self.meta)}
+
+    def to_chrome_trace(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.chrome_trace()))
+
+    def save_all(self, out_dir: str | Path, *, png: bool = True) -> dict[str, Path]:
+        """Write summary.json, timeline.parquet, timeline.csv, trace.json and timeline.png."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        paths = {name: out / name for name in
+                 ("summary.json", "timeline.parquet", "timeline.csv", "trace.json", "timeline.png")}
+        paths["summary.json"].write_text(json.dumps(_jsonable(self.summary().to_dict()), indent=2))
+        self.to_parquet(paths["timeline.parquet"])
+        self.to_csv(paths["timeline.csv"])
+        self.to_chrome_trace(paths["trace.json"])
+        if png:
+            from .plot import gantt
+
+            gantt(self, paths["timeline.png"])
+        else:
+            del paths["timeline.png"]
+        return paths
+
+
+def _columns_from_schedule(schedule: "Schedule", start: Sequence[float], end: Sequence[float],
+                           ready: Sequence[float] | None, blocked_by: Sequence[int] | None) -> dict[str, np.ndarray]:
+    """Timeline columns: the measured/simulated times joined with each op's tags."""
+    start_arr = np.asarray(start, dtype=float)
+    ran = np.flatnonzero(~np.isnan(start_arr))
+    ops = schedule.ops
+    everything_ran = len(ran) == len(ops)
+    sel = ops if everything_ran else [ops[i] for i in ran]
+    # One C-level pass over the ops for all tag fields, then one array per column.
+    getter = attrgetter("id", "stream", "kind", "category", "step", "phase", "layer", "batches", "expert",
+                        "tokens", "bytes", "flops")
+    rows = list(map(getter, sel))
+    (ids, streams, kinds, cats, steps, phases, layers, batches, experts, tokens, nbytes,
+     flops) = zip(*rows) if rows else ((),) * 12
+    resource_of = {s: r for s, r in schedule.streams.items()}
+    obj = partial(np.array, dtype=object)
+    blocked = np.full(len(ran), "", dtype=object)
+    if blocked_by is not None:
+        b = np.asarray(blocked_by)[ran]
+        has = np.flatnonzero(b >= 0)
+        blocked[has] = [ops[k].id for k in b[has]]
+    cols: dict[str, np.ndarray] = {
+        "op_id": obj(ids),
+        "stream": obj(streams),
+        "resource": obj([resource_of[s] for s in streams]),
+        "start": start_arr[ran],
+        "end": np.asarray(end, dtype=float)[ran],
+        "ready": (np.asarray(ready, dtype=float)[ran] if ready is not None else np.full(len(ran), np.nan)),
+        "blocked_by": blocked,
+        "kind": obj(kinds),
+        "category": obj(cats),
+        "step": np.array(steps, dtype=np.int64),
+        "phase": obj(phases),
+        "layer": np.array(layers, dtype=np.int64),
+        "batch": np.array([bt[0] if len(bt) == 1 else -1 for bt in batches], dtype=np.int64),
+        "batches": obj([_BATCH_TEXT.get(bt) or _batch_text(bt) for bt in batches]),
+        "expert": np.array(experts, dtype=np.int64),
+        "tokens": np.array(tokens, dtype=np.int64),
+        "bytes": np.array(nbytes, dtype=np.int64),
+        "flops": np.array(flops, dtype=np.float64),
+    }
+    return cols
+
+
+def _op_label(c: Mapping[str, np.ndarray], k: int) -> str:
+    parts = [str(c["category"][k])]
+    if c["layer"][k] >= 0:
+        parts.append(f"L{c['layer'][k]}")
+    if c["expert"][k] >= 0:
+        parts.append(f"E{c['expert'][k]}")
+    if c["batches"][k]:
+        parts.append(f"b{c['batches'][k]}" if "," not in c["batches"][k] else f"b[{c['batches'][k]}]")
+    return " ".join(parts)
+
+
+def _union_length(starts: np.ndarray, ends: np.ndarray) -> float:
+    if len(starts) == 0:
+        return 0.0
+    order = np.argsort(starts, kind="stable")
+    s, e = starts[order], ends[order]
+    running = np.maximum.accumulate(e)
+    # A new merged interval begins where an op starts after everything before it ended.
+    new = np.concatenate(([True], s[1:] > running[:-1]))
+    group = np.cumsum(new) - 1
+    g_start = s[new]
+    g_end = np.zeros(len(g_start))
+    np.maximum.at(g_end, group, e)
+    return float((g_end - g_start).sum())
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, (np.floating,)):
+        return float(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value

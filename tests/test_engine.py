@@ -1,0 +1,179 @@
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from klotski_sim.engine import EngineDeadlock, simulate
+from klotski_sim.schedule import Op, Schedule
+
+from .conftest import make_profile
+
+STREAMS = {"compute": "gpu", "aux": "gpu", "h2d_a": "pcie_h2d", "h2d_b": "pcie_h2d", "d2h": "pcie_d2h",
+           "disk_read": "nvme"}
+
+
+def op(op_id, kind, stream, deps=(), category=None, **kw):
+    if kind == "transfer":
+        kw.setdefault("bytes", 1)
+        kw.setdefault("src", "cpu")
+        kw.setdefault("dst", "gpu")
+    return Op(op_id, kind, stream, category or ("weights" if kind == "transfer" else "attention"), tuple(deps), **kw)
+
+
+def golden_schedule():
+    return Schedule((
+        op("w0", "transfer", "h2d_weights", category="weights"),
+        op("e0", "transfer", "h2d_experts", category="moe_weights"),
+        op("a0", "compute", "compute", ["w0"], category="attention"),
+        op("x0", "compute", "compute", ["e0"], category="expert"),
+    ))
+
+
+def test_golden_shared_copy_engine():
+    """w0 (2 s) and e0 (3 s) share one H2D engine: w0 runs [0,2], e0 [2,5]; a0 [2,3]; x0 waits
+    for e0 and runs [5,6], leaving a 2 s intra-layer bubble caused by the expert load."""
+    tl = simulate(golden_schedule(), make_profile(), durations=[2, 3, 1, 1])
+    df = tl.df.set_index("op_id")
+    assert df.loc["e0", ["start", "end"]].tolist() == [2, 5]
+    assert df.loc["x0", ["start", "end"]].tolist() == [5, 6]
+    s = tl.summary()
+    assert s.makespan_s == 6 and s.gpu_busy_s == 2
+    assert s.bubble_s == 2 and s.bubble_intra_s == 2 and s.bubble_inter_s == 0
+    assert s.bubble_by_cause == {"moe_weights": 2}
+    assert s.lower_bound_s == 5 and s.lower_bound_resource == "pcie_h2d"
+    assert s.efficiency == pytest.approx(5 / 6)
+
+
+def test_golden_two_copy_engines_remove_the_bubble():
+    tl = simulate(golden_schedule(), make_profile(copy_engines=2), durations=[2, 3, 1, 1])
+    df = tl.df.set_index("op_id")
+    assert df.loc["e0", ["start", "end"]].tolist() == [0, 3]
+    assert tl.summary().bubble_s == 0 and tl.makespan == 4
+
+
+def test_golden_inter_layer_bubble_and_cost_model():
+    """Cost model path: a 1 GB transfer at 1 GB/s takes 1 s, a 1e12-FLOP op 1 s at 1 TFLOP/s."""
+    s = Schedule((
+        op("a0", "compute", "compute", flops=int(1e12)),
+        op("w1", "transfer", "h2d_weights", bytes=int(2e9)),
+        op("a1", "compute", "compute", ["w1"], flops=int(1e12)),
+    ))
+    tl = simulate(s, make_profile())
+    summary = tl.summary()
+    assert tl.makespan == pytest.approx(3.0)
+    assert summary.bubble_inter_s == pytest.approx(1.0)  # a1 waits 1 s for attention weights
+    assert summary.bubble_intra_s == 0
+
+
+def test_out_of_memory_is_a_status_not_a_crash():
+    s = Schedule((
+        op("w0", "transfer", "h2d_a", alloc=(("w0", 600),)),
+        op("w1", "transfer", "h2d_a", alloc=(("w1", 600),)),
+        op("a", "compute", "compute", ["w0", "w1"], free=("w0", "w1")),
+    ), streams=STREAMS)
+    tl = simulate(s, make_profile(memory_bytes=1000), durations=[1, 1, 1])
+    assert tl.status == "oom"
+    oom = tl.meta["oom"]
+    assert oom["op_id"] == "w1" and oom["needed_bytes"] == 1200 and oom["available_bytes"] == 1000
+    summary = tl.summary()
+    assert summary.throughput_tok_s == 0 and summary.status == "oom"
+
+
+def test_deadlock_is_reported_not_hung():
+    ops = (op("a", "compute", "compute", ["y"]), op("y", "transfer", "h2d_weights", ["a"]))
+    s = Schedule(ops, validate=False)
+    with pytest.raises(EngineDeadlock, match="2 op\\(s\\) can never start: a, y"):
+        simulate(s, make_profile(), durations=[1, 1])
+
+
+def test_zero_duration_ops_and_empty_schedule():
+    tl = simulate(Schedule((op("a", "compute", "compute"),)), make_profile(), durations=[0.0])
+    assert tl.makespan == 0 and tl.summary().bubble_s == 0
+    assert len(simulate(Schedule(()), make_profile())) == 0
+
+
+# ---- properties over random valid schedules ----------------------------------------------------
+@st.composite
+def random_schedules(draw):
+    n = draw(st.integers(1, 30))
+    names = list(STREAMS)
+    ops, durations, live = [], [], []
+    for i in range(n):
+        stream = draw(st.sampled_from(names))
+        kind = "compute" if STREAMS[stream] == "gpu" else "transfer"
+        deps = sorted(set(draw(st.lists(st.integers(0, i - 1), max_size=3)))) if i else []
+        dep_ids = [f"o{d}" for d in deps]
+        alloc, free = (), ()
+        # free only buffers whose allocator is a dependency (so the free is ordered after it)
+        freeable = [b for b in live if b[1] in dep_ids]
+        if freeable and draw(st.booleans()):
+            name = freeable[0][0]
+            free = (name,)
+            live.remove(freeable[0])
+        if draw(st.booleans()):
+            alloc = ((f"buf{i}", draw(st.integers(0, 400))),)
+            live.append((f"buf{i}", f"o{i}"))
+        ops.append(op(f"o{i}", kind, stream, dep_ids, alloc=alloc, free=free,
+                      category=draw(st.sampled_from(["attention", "expert", "gate"])) if kind == "compute" else None))
+        durations.append(draw(st.floats(0, 5, allow_nan=False)))
+    capacity = draw(st.sampled_from([300, 800, 1e6]))
+    engines = draw(st.integers(1, 2))
+    return Schedule(tuple(ops), streams=STREAMS), durations, make_profile(memory_bytes=capacity, copy_engines=engines)
+
+
+@given(random_schedules())
+def test_engine_invariants(case):
+    schedule, durations, profile = case
+    tl = simulate(schedule, profile, durations=durations)
+    df = tl.df.set_index("op_id")
+    eps = 1e-9
+    # deps and stream order
+    prev = {}
+    for o in schedule.ops:
+        if o.id not in df.index:
+            assert tl.status == "oom"
+            continue
+        start = df.at[o.id, "start"]
+        for d in o.deps:
+            assert d in df.index and df.at[d, "end"] <= start + eps
+        if o.stream in prev:
+            assert df.at[prev[o.stream], "end"] <= start + eps
+        prev[o.stream] = o.id
+        assert df.at[o.id, "end"] - start == pytest.approx(durations[schedule.index[o.id]])
+    # resource capacity: sweep start/end events
+    caps = tl.meta["capacities"]
+    for resource, group in df.groupby("resource"):
+        events = sorted([(s, 1) for s in group["start"]] + [(e, -1) for e in group["end"]], key=lambda x: (x[0], x[1]))
+        running = 0
+        for _, delta in events:
+            running += delta
+            assert running <= caps[resource]
+    # busy + bubbles == span on the GPU
+    gpu = df[df["resource"] == "gpu"]
+    if len(gpu):
+        span = gpu["end"].max() - gpu["start"].min()
+        s = tl.summary()
+        assert s.gpu_busy_s + s.bubble_s == pytest.approx(span, abs=1e-9)
+        assert s.bubble_inter_s + s.bubble_intra_s == pytest.approx(s.bubble_s)
+    # memory never exceeds capacity unless the run reports oom
+    if tl.status == "ok":
+        assert tl.meta["peak_gpu_bytes"] <= profile.gpu.usable_bytes
+        assert len(tl) == len(schedule)
+    else:
+        assert tl.meta["oom"]["needed_bytes"] > profile.gpu.usable_bytes
+    assert max(tl.memory[1]) == tl.meta["peak_gpu_bytes"]
+    # deterministic
+    again = simulate(schedule, profile, durations=durations)
+    assert again.df.equals(tl.df)
+
+
+def test_memory_trace_follows_allocations():
+    s = Schedule((
+        op("w0", "transfer", "h2d_a", alloc=(("w0", 100),)),
+        op("a", "compute", "compute", ["w0"], free=("w0",)),
+    ), streams=STREAMS, preloaded=(("resident", 50),))
+    tl = simulate(s, make_profile(), durations=[1, 1])
+    assert tl.memory[1].tolist() == [50, 150, 50]
+    assert tl.meta["peak_gpu_bytes"] == 150
+    assert not math.isnan(tl.df["ready"].iloc[1])

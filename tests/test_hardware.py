@@ -1,0 +1,79 @@
+import pytest
+import yaml
+
+from klotski_sim.hardware import ProfileError, builtin_profile_names, load_profile, with_overrides
+
+
+def test_builtin_profiles_load_with_sources():
+    names = builtin_profile_names()
+    assert {"rtx3090", "a100-80g", "h800", "h200"} <= set(names)
+    for name in names:
+        p = load_profile(name)
+        assert p.gpu.usable_bytes > 0
+        assert p.sources, f"{name} cites no sources"
+
+
+def _write(tmp_path, data):
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _base():
+    return load_profile("rtx3090").model_dump(mode="json")
+
+
+def test_missing_field_names_file_and_field(tmp_path):
+    data = _base()
+    del data["gpu"]["peak_flops"]
+    path = _write(tmp_path, data)
+    with pytest.raises(ProfileError) as err:
+        load_profile(path)
+    assert str(path) in str(err.value) and "gpu.peak_flops" in str(err.value)
+
+
+def test_negative_field_is_rejected(tmp_path):
+    data = _base()
+    data["links"]["pcie_h2d"]["bandwidth"] = -5
+    with pytest.raises(ProfileError, match="links.pcie_h2d.bandwidth"):
+        load_profile(_write(tmp_path, data))
+
+
+def test_misspelled_field_suggests_the_right_one(tmp_path):
+    data = _base()
+    data["gpu"]["memory_bandwith"] = data["gpu"].pop("memory_bandwidth")
+    with pytest.raises(ProfileError) as err:
+        load_profile(_write(tmp_path, data))
+    assert "gpu.memory_bandwith: unknown field" in str(err.value)
+    assert "did you mean 'memory_bandwidth'" in str(err.value)
+
+
+def test_not_yaml_and_not_a_mapping(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("gpu: [unclosed")
+    with pytest.raises(ProfileError, match="not valid YAML"):
+        load_profile(bad)
+    bad.write_text("- a list\n")
+    with pytest.raises(ProfileError, match="must be a mapping"):
+        load_profile(bad)
+
+
+def test_unknown_profile_name_lists_builtins():
+    with pytest.raises(ProfileError, match="rtx3090"):
+        load_profile("tpu-v9")
+
+
+def test_overrides_validate():
+    p = with_overrides(load_profile("rtx3090"), {"links.pcie_h2d.bandwidth": 32e9})
+    assert p.links.pcie_h2d.bandwidth == 32e9
+    with pytest.raises(ProfileError, match="not a profile field"):
+        with_overrides(p, {"links.pcie_h2d.bandwith": 1})
+    with pytest.raises(ProfileError, match="greater than 0"):
+        with_overrides(p, {"gpu.peak_flops": 0})
+
+
+def test_profile_roundtrips_through_yaml(tmp_path):
+    p = load_profile("h200")
+    path = tmp_path / "h200.yaml"
+    path.write_text(p.to_yaml())
+    assert load_profile(path) == p

@@ -1,0 +1,93 @@
+import json
+
+import pytest
+
+from klotski_sim.schedule import Op, Schedule, ScheduleBuilder, ScheduleError
+
+
+def c(op_id, deps=(), stream="compute", **kw):
+    return Op(op_id, "compute", stream, kw.pop("category", "attention"), tuple(deps), **kw)
+
+
+def t(op_id, deps=(), stream="h2d_weights", nbytes=10, **kw):
+    return Op(op_id, "transfer", stream, kw.pop("category", "weights"), tuple(deps), bytes=nbytes,
+              src="cpu", dst="gpu", **kw)
+
+
+def test_valid_schedule_roundtrips_json(tmp_path):
+    s = Schedule((t("w", alloc=(("w", 10),)), c("a", ["w"], free=("w",), step=0, layer=1, batches=(0, 1))),
+                 meta={"policy": "x"})
+    path = tmp_path / "s.json"
+    s.save(path)
+    back = Schedule.load(path)
+    assert back.ops == s.ops and dict(back.meta) == {"policy": "x"}
+    assert back.op("a").batches == (0, 1) and back.op("a").batch == -1
+
+
+def test_unknown_dep_names_op():
+    with pytest.raises(ScheduleError, match="'a' depends on unknown op 'ghost'"):
+        Schedule((c("a", ["ghost"]),))
+
+
+def test_duplicate_id():
+    with pytest.raises(ScheduleError, match="duplicate op id 'a'"):
+        Schedule((c("a"), c("a")))
+
+
+def test_dep_contradicting_stream_order():
+    with pytest.raises(ScheduleError, match="contradicts stream order"):
+        Schedule((c("a", ["b"]), c("b")))
+
+
+def test_cross_stream_cycle_is_named():
+    # a (compute) waits for y; y (h2d) follows x on its stream; x waits for b; b follows a.
+    ops = (c("a", ["y"]), t("x", ["b"]), t("y"), c("b"))
+    with pytest.raises(ScheduleError, match="cycle") as err:
+        Schedule(ops)
+    assert "a" in str(err.value) and "y" in str(err.value)
+
+
+@pytest.mark.parametrize("op,msg", [
+    (t("z", nbytes=0), "positive number of bytes"),
+    (c("n", flops=-1), "flops must be >= 0"),
+    (Op("k", "teleport", "compute", "x"), "kind 'teleport'"),
+    (c("s", stream="nowhere"), "stream 'nowhere' is not declared"),
+    (Op("q", "transfer", "h2d_weights", "w", bytes=5, src="cpu", dst="cpu"), "distinct src/dst"),
+    (Op("r", "compute", "h2d_weights", "w"), "compute op placed on pcie_h2d"),
+])
+def test_bad_ops_are_rejected(op, msg):
+    with pytest.raises(ScheduleError, match=msg):
+        Schedule((op,))
+
+
+def test_memory_effects_are_checked():
+    with pytest.raises(ScheduleError, match="frees buffer 'nope'"):
+        Schedule((c("a", free=("nope",)),))
+    with pytest.raises(ScheduleError, match="already allocated"):
+        Schedule((c("a", alloc=(("b", 1),)), c("b", alloc=(("b", 1),))))
+
+
+def test_corrupt_json_gives_clear_error(tmp_path):
+    path = tmp_path / "s.json"
+    Schedule((c("a"),)).save(path)
+    path.write_text(path.read_text()[:-7])
+    with pytest.raises(ScheduleError, match="truncated or corrupt"):
+        Schedule.load(path)
+    path.write_text(json.dumps({"hello": 1}))
+    with pytest.raises(ScheduleError, match="not a klotski schedule"):
+        Schedule.load(path)
+    path.write_text(json.dumps({"format": "klotski-schedule", "version": 1, "streams": {"compute": "gpu"},
+                                "ops": [{"id": "a", "kind": "compute", "stream": "compute", "category": "x",
+                                         "colour": "red"}]}))
+    with pytest.raises(ScheduleError, match="unknown field"):
+        Schedule.load(path)
+
+
+def test_builder_drops_none_deps_and_duplicates():
+    b = ScheduleBuilder()
+    w = b.transfer("w", "weights", "h2d_weights", 10, "cpu", "gpu")
+    b.compute("a", "attention", [w, None, w])
+    s = b.build({})
+    assert s.op("a").deps == ("w",)
+    with pytest.raises(ScheduleError):
+        b.compute("a", "attention")

@@ -1,0 +1,58 @@
+import json
+
+import numpy as np
+import pytest
+
+from klotski_sim.engine import simulate
+from klotski_sim.schedule import Op, Schedule
+from klotski_sim.timeline import Timeline
+
+from .conftest import make_profile
+
+
+def _timeline():
+    ops = (
+        Op("w0", "transfer", "h2d_weights", "weights", bytes=1, src="cpu", dst="gpu", alloc=(("w0", 10),), step=0, layer=0),
+        Op("a0", "compute", "compute", "attention", ("w0",), step=0, layer=0, batches=(0,), free=("w0",)),
+        Op("e0", "transfer", "h2d_experts", "moe_weights", bytes=1, src="cpu", dst="gpu", step=0, layer=0, expert=1),
+        Op("x0", "compute", "compute", "expert", ("e0",), step=0, layer=0, batches=(0,), expert=1),
+        Op("a1", "compute", "compute", "attention", (), step=1, layer=0, batches=(0,)),
+    )
+    return simulate(Schedule(ops, meta={"policy": "golden", "generated_tokens": 4}), make_profile(),
+                    durations=[1, 1, 2, 1, 1])
+
+
+def test_bubbles_are_attributed_to_the_op_that_ends_them():
+    tl = _timeline()
+    bub = tl.bubbles()
+    # w0 [0,1], a0 [1,2], e0 [1,3], x0 [3,4], a1 [4,5]: gaps [0,1] is before the first GPU op (not a bubble)
+    assert bub[["start", "end", "kind", "next_op", "cause"]].values.tolist() == [[2.0, 3.0, "intra", "x0", "moe_weights"]]
+
+
+def test_step_latency_and_throughput():
+    tl = _timeline()
+    lat = tl.step_latencies()
+    assert lat.to_dict() == {0: 4.0, 1: 1.0}
+    s = tl.summary()
+    assert s.prefill_s == 4.0 and s.decode_step_s == 1.0
+    assert s.throughput_tok_s == pytest.approx(4 / 5)
+
+
+def test_exports(tmp_path):
+    tl = _timeline()
+    paths = tl.save_all(tmp_path)
+    for p in paths.values():
+        assert p.exists() and p.stat().st_size > 0
+    trace = json.loads(paths["trace.json"].read_text())
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+    assert {"compute", "h2d_weights", "h2d_experts", "GPU bubbles"} <= names
+    assert sum(e["ph"] == "X" and e.get("cat") != "bubble" for e in trace["traceEvents"]) == 5
+    assert any(e["ph"] == "C" for e in trace["traceEvents"])  # memory counter
+    summary = json.loads(paths["summary.json"].read_text())
+    for key in ("policy", "model", "hardware", "batch_size", "num_batches", "prompt_len", "gen_len", "status",
+                "makespan_s", "throughput_tok_s", "gpu_busy_s", "bubble_s", "bubble_inter_s", "bubble_intra_s",
+                "lower_bound_s", "efficiency", "peak_gpu_bytes", "num_ops"):
+        assert key in summary
+    back = Timeline.read_parquet(paths["timeline.parquet"])
+    assert back.summary() == tl.summary()
+    assert np.array_equal(back.memory[1], tl.memory[1])
