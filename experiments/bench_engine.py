@@ -23,7 +23,8 @@ from klotski_sim.engine import resource_capacities, simulate
 from klotski_sim.hardware import load_profile
 from klotski_sim.model import get_model
 from klotski_sim.policies import PolicyInput, build_schedule
-from klotski_sim.routing import RunShape, uniform_routing
+from klotski_sim.routing import RunShape
+from klotski_sim.trace_synth import synthetic_routing
 from klotski_sim.schedule import Schedule
 
 
@@ -33,7 +34,7 @@ def big_schedule(min_ops: int) -> Schedule:
     per_batch = 20_459  # ops of one batch at prompt 512, gen 32 (measured)
     n = max(1, -(-min_ops // per_batch))
     shape = RunShape(16, n, 512, 32)
-    routing = uniform_routing(m.num_layers, m.num_experts, m.top_k, shape, seed=0)
+    routing = synthetic_routing(m, shape, "uniform", seed=0)
     return build_schedule("single-batch", PolicyInput(m, load_profile("rtx3090"), routing))
 
 

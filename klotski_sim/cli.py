@@ -13,11 +13,14 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .hardware import ProfileError, builtin_profile_names, load_profile
-from .model import PRESETS
+from .model import PRESETS, get_model
 from .policies import POLICIES
 from .runner import RunSpec, run
 from .schedule import ScheduleError
 from .timeline import Summary
+from .trace import Trace, import_jsonl
+from .trace_stats import format_stats, layer_stats
+from .trace_synth import synthesize
 
 GIB = 2**30
 
@@ -48,7 +51,14 @@ def add_run_arguments(p: argparse.ArgumentParser, policy: bool = True) -> None:
     p.add_argument("--prompt-len", type=_positive_int, default=512, help="prompt tokens P (default: %(default)s)")
     p.add_argument("--gen-len", type=_positive_int, default=32, help="generated tokens G (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the routing generator (default: %(default)s)")
-    p.add_argument("--routing", default="uniform", help="routing source (default: %(default)s)")
+    p.add_argument("--routing", default="calibrated", metavar="KIND",
+                   help="synthetic routing when no --trace is given: calibrated, uniform, zipf:<a>, skewed "
+                        "(default: %(default)s)")
+    p.add_argument("--trace", metavar="FILE", help="replay a routing trace (.npz from `trace synth`, `trace import` "
+                                                   "or `klotski-runtime record`)")
+    p.add_argument("--wrap", action="store_true", help="let a trace with too few sequences reuse them")
+    p.add_argument("--warmup-sequences", type=int, default=8, metavar="N",
+                   help="trace sequences reserved for the prefetcher's pre-run, never evaluated (default: %(default)s)")
     p.add_argument("--kv", default="gpu", choices=["gpu", "cpu"], help="where the KV cache lives (default: %(default)s)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a profile field, e.g. --set links.pcie_h2d.bandwidth=32e9 (repeatable)")
@@ -70,7 +80,8 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
 def spec_from_args(args: argparse.Namespace, **changes: Any) -> RunSpec:
     fields = dict(model=args.model, hardware=args.hardware, policy=getattr(args, "policy", "single-batch"),
                   batch_size=args.batch_size, num_batches=args.num_batches, prompt_len=args.prompt_len,
-                  gen_len=args.gen_len, seed=args.seed, routing=args.routing, kv=args.kv,
+                  gen_len=args.gen_len, seed=args.seed, routing=args.routing, trace=args.trace, wrap=args.wrap,
+                  warmup_sequences=args.warmup_sequences, kv=args.kv,
                   overrides=parse_overrides(args.overrides))
     fields.update(changes)
     return RunSpec(**fields)
@@ -133,6 +144,39 @@ def cmd_profiles(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_trace_synth(args: argparse.Namespace) -> int:
+    model = get_model(args.model)
+    trace = synthesize(model, args.sequences, args.prompt_len, args.gen_len, args.routing, args.seed,
+                       with_weights=args.with_weights)
+    trace.save(args.out)
+    print(f"wrote {args.out}: {trace.num_sequences} sequences x {args.prompt_len + args.gen_len} tokens, "
+          f"{model.name}, routing {args.routing}, seed {args.seed} ({Path(args.out).stat().st_size / 1e6:.1f} MB)")
+    return 0
+
+
+def cmd_trace_stats(args: argparse.Namespace) -> int:
+    trace = Trace.load(args.file)
+    df = layer_stats(trace)
+    print(format_stats(trace, df))
+    if args.csv:
+        df.to_csv(args.csv)
+        print(f"wrote {args.csv}")
+    return 0
+
+
+def cmd_trace_import(args: argparse.Namespace) -> int:
+    trace, problems = import_jsonl(args.file, num_experts=args.num_experts, model=args.model or "unknown")
+    for line in problems:
+        print(f"warning: {line}", file=sys.stderr)
+    if args.model:
+        trace.check_model(get_model(args.model), args.file)
+    out = args.out or str(Path(args.file).with_suffix(".npz"))
+    trace.save(out)
+    print(f"wrote {out}: {trace.num_sequences} sequences, {len(trace.experts)} tokens, {trace.num_layers} layers, "
+          f"top-{trace.top_k} of {trace.num_experts} experts" + (f"; {len(problems)} problem(s) reported" if problems else ""))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="klotski-sim", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -143,6 +187,29 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "timeline.png and schedule.json here")
     p.add_argument("--no-png", action="store_true", help="skip the Gantt PNG (faster for big runs)")
     p.set_defaults(func=cmd_simulate)
+
+    tp = sub.add_parser("trace", help="routing traces: synth, stats, import").add_subparsers(
+        dest="trace_command", required=True)
+    p = tp.add_parser("synth", help="generate a synthetic routing trace calibrated to real models")
+    p.add_argument("--model", default="mixtral-8x7b", choices=sorted(PRESETS))
+    p.add_argument("--sequences", type=_positive_int, default=512)
+    p.add_argument("--prompt-len", type=_positive_int, default=512)
+    p.add_argument("--gen-len", type=int, default=32)
+    p.add_argument("--routing", default="calibrated", metavar="KIND", help="calibrated, uniform, zipf:<a>, skewed")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--with-weights", action="store_true", help="also store synthetic gate weights (3x larger file)")
+    p.add_argument("--out", required=True, metavar="FILE")
+    p.set_defaults(func=cmd_trace_synth)
+    p = tp.add_parser("stats", help="per-layer statistics: popularity, stickiness, layer correlation, group skew")
+    p.add_argument("file")
+    p.add_argument("--csv", metavar="FILE", help="also write the per-layer table as CSV")
+    p.set_defaults(func=cmd_trace_stats)
+    p = tp.add_parser("import", help="convert a JSON-lines routing log (one record per token per layer) to a trace")
+    p.add_argument("file")
+    p.add_argument("--out", metavar="FILE", help="output .npz (default: FILE with .npz)")
+    p.add_argument("--model", choices=sorted(PRESETS), help="check the log against this model and record its name")
+    p.add_argument("--num-experts", type=_positive_int, help="experts per layer (default: the largest id + 1)")
+    p.set_defaults(func=cmd_trace_import)
 
     p = sub.add_parser("models", help="list model presets with their sizes")
     p.set_defaults(func=cmd_models)

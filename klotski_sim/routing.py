@@ -98,15 +98,3 @@ class RoutingTable:
         """`[seq, tokens_of_step, slot]` expert ids of one batch at one step and layer."""
         return self.ids[batch, :, self.shape.step_positions(step), layer, :]
 
-
-def uniform_routing(num_layers: int, num_experts: int, top_k: int, shape: RunShape, seed: int = 0) -> RoutingTable:
-    """Each token picks top_k distinct experts uniformly at random: the worst case for prefetching."""
-    rng = np.random.default_rng(seed)
-    n = shape.num_batches * shape.batch_size * shape.tokens_per_sequence * num_layers
-    ids = np.empty((n, top_k), dtype=np.int16)
-    chunk = max(1, 4_000_000 // num_experts)  # bound the scratch memory
-    for lo in range(0, n, chunk):
-        keys = rng.random((min(chunk, n - lo), num_experts))
-        ids[lo:lo + len(keys)] = np.argpartition(keys, top_k - 1, axis=1)[:, :top_k]
-    ids = ids.reshape(shape.num_batches, shape.batch_size, shape.tokens_per_sequence, num_layers, top_k)
-    return RoutingTable(ids, shape, num_experts, source=f"uniform(seed={seed})")

@@ -42,3 +42,45 @@ def test_bad_input_is_one_line_error(tmp_path):
 def test_oom_is_reported_with_exit_3():
     rc, out, err = run_cli("simulate", *SMALL, "--set", "gpu.memory_bytes=2e9")
     assert rc == 3 and "out of GPU memory" in out and "Traceback" not in err
+
+
+def test_trace_synth_stats_and_simulate_replay(tmp_path):
+    path = tmp_path / "t.npz"
+    rc, out, err = run_cli("trace", "synth", "--sequences", "24", "--prompt-len", "16", "--gen-len", "4",
+                           "--out", str(path))
+    assert rc == 0, err
+    rc, out, err = run_cli("trace", "stats", str(path), "--csv", str(tmp_path / "s.csv"))
+    assert rc == 0 and "stick_top1" in out and "mi_next_bits" in out and (tmp_path / "s.csv").exists()
+    rc, out, err = run_cli("simulate", "--trace", str(path), *SMALL)
+    assert rc == 0, err
+    # 24 sequences - 8 warm-up = 16 < 4 x 4 + ... needs wrap for 5 batches
+    rc, out, err = run_cli("simulate", "--trace", str(path), *SMALL, "--num-batches", "5")
+    assert rc == 2 and "--wrap" in err
+    rc, out, err = run_cli("simulate", "--trace", str(path), *SMALL, "--num-batches", "5", "--wrap")
+    assert rc == 0, err
+
+
+def test_shipped_recorded_trace_replays():
+    rc, out, err = run_cli("simulate", "--model", "tiny-mixtral", "--trace", "traces/tiny-mixtral-recorded.npz",
+                           "--prompt-len", "64", "--gen-len", "16", "--batch-size", "2", "--num-batches", "2")
+    assert rc == 0, err
+
+
+def test_trace_errors_are_one_line(tmp_path):
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"garbage")
+    rc, _, err = run_cli("simulate", "--trace", str(bad))
+    assert rc == 2 and "truncated or corrupt" in err and "Traceback" not in err
+    rc, _, err = run_cli("simulate", "--model", "olmoe-1b-7b", "--trace", "traces/tiny-mixtral-recorded.npz")
+    assert rc == 2 and "does not match model" in err
+    rc, _, err = run_cli("trace", "synth", "--routing", "bimodal", "--out", str(tmp_path / "x.npz"))
+    assert rc == 2 and "unknown routing" in err
+
+
+def test_trace_import_cli(tmp_path):
+    lines = [json.dumps({"seq_id": 0, "token_idx": t, "layer": layer, "experts": [t % 4, (t + 1) % 4]})
+             for t in range(6) for layer in range(2) if (t, layer) != (4, 1)]
+    (tmp_path / "log.jsonl").write_text("\n".join(lines))
+    rc, out, err = run_cli("trace", "import", str(tmp_path / "log.jsonl"), "--model", "tiny-mixtral")
+    assert rc == 0, err
+    assert "missing (token, layer)" in err and (tmp_path / "log.npz").exists()

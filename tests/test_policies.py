@@ -6,13 +6,14 @@ from klotski_sim.engine import simulate
 from klotski_sim.hardware import load_profile
 from klotski_sim.model import get_model
 from klotski_sim.policies import Placement, PolicyInput, build_schedule
-from klotski_sim.routing import RunShape, uniform_routing
+from klotski_sim.routing import RunShape
+from klotski_sim.trace_synth import synthetic_routing
 
 
 def _input(model="tiny-mixtral", bs=2, n=2, P=4, G=3, kv="gpu", resident=0, seed=0):
     m = get_model(model)
     shape = RunShape(bs, n, P, G)
-    routing = uniform_routing(m.num_layers, m.num_experts, m.top_k, shape, seed)
+    routing = synthetic_routing(m, shape, "uniform", seed)
     return PolicyInput(m, load_profile("rtx3090"), routing, Placement(kv=kv, resident_layers=resident))
 
 

@@ -15,6 +15,7 @@ from ..hardware import HardwareProfile
 from ..model import ModelSpec
 from ..routing import RoutingTable, RunShape
 from ..schedule import Schedule, ScheduleBuilder
+from ..trace import Trace
 
 TIERS = ("gpu", "cpu", "disk")
 
@@ -54,7 +55,7 @@ class PolicyInput:
     routing: RoutingTable
     placement: Placement = field(default_factory=Placement)
     options: Mapping[str, Any] = field(default_factory=dict)
-    warmup: RoutingTable | None = None  # disjoint sequences for a prefetcher's pre-run
+    warmup: "Trace | None" = None  # disjoint sequences for a prefetcher's pre-run
 
     @property
     def shape(self) -> RunShape:

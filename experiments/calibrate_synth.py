@@ -1,0 +1,52 @@
+"""Fit the calibrated generator's knobs: print trace statistics for a grid of settings next to
+the targets (klotski_sim/data/CALIBRATION-README.md), so the chosen constants in
+klotski_sim/trace_synth.py can be checked and re-fitted.
+
+    python experiments/calibrate_synth.py [--model mixtral-8x7b] [--sequences 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from dataclasses import replace
+
+import klotski_sim.trace_synth as ts
+from klotski_sim.model import get_model
+from klotski_sim.trace_stats import summary
+
+TARGETS = {
+    "mixtral": "max_share ~0.16 (corpus), request_max_share 0.20-0.30, stick_top1 ~0.25, stick_any ~0.62, "
+               "mi (top1->top1, layers 0-7/7-15) 0.05-0.25 bits",
+    "fine-grained": "top-8 of 64 take 0.20-0.51, mi 0.4-1.3 bits",
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="mixtral-8x7b")
+    ap.add_argument("--sequences", type=int, default=256)
+    ap.add_argument("--grid", action="store_true", help="scan a small grid around the current constants")
+    args = ap.parse_args()
+    model = get_model(args.model)
+    base = ts.params_for("calibrated", model)
+    print("targets:", TARGETS["fine-grained" if model.num_experts > 16 else "mixtral"])
+    settings = [base]
+    if args.grid:
+        settings = [replace(base, concentration=c, coupling=g, type_coupling=t)
+                    for c, g, t in itertools.product((base.concentration / 2, base.concentration),
+                                                     (base.coupling * 0.7, base.coupling),
+                                                     (base.type_coupling * 0.7, base.type_coupling))]
+    original = ts.params_for
+    for p in settings:
+        ts.params_for = lambda routing, m, p=p: p  # evaluate this setting
+        s = summary(ts.synthesize(model, args.sequences, 512, 32, "calibrated", seed=1))
+        print(f"conc={p.concentration} stick_all={p.stick_all} stick_one={p.stick_one} coupling={p.coupling} "
+              f"type_coupling={p.type_coupling}: "
+              + " ".join(f"{k}={s[k]:.3f}" for k in ("max_share", "max_share_max", "topk_share", "request_max_share",
+                                                     "stick_top1", "stick_any", "mi_next_bits", "mi_skip7_bits")))
+    ts.params_for = original
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""Record routing traces from a local Hugging Face MoE checkpoint (never from the hub).
+
+Forward hooks on each decoder layer's router (`layers[i].mlp.gate`) capture, for every token
+the model processes, the router's own top-k expert ids and weights (transformers 5 routers return
+`(logits, top_k_weights, top_k_index)`; a router that returns only logits is top-k'ed here the
+same way Mixtral does it: softmax, top-k, renormalise). Each text is one sequence: prefill of
+its first `max_tokens` tokens, then greedy decoding of `gen_len` tokens, each of which is fed
+back once, so a sequence holds `prompt + gen_len` tokens.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import platform
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from klotski_sim.trace import Trace, TraceError
+
+
+class RecordError(ValueError):
+    """A checkpoint or input that cannot be recorded from; the message says why."""
+
+
+def read_texts(path: str | Path) -> list[str]:
+    """Sequences are the blank-line separated paragraphs of a UTF-8 text file."""
+    path = Path(path)
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise RecordError(f"{path}: cannot read text ({err.strerror})") from None
+    except UnicodeDecodeError:
+        raise RecordError(f"{path}: not UTF-8 text") from None
+    texts = [p.strip() for p in raw.split("\n\n") if p.strip()]
+    if not texts:
+        raise RecordError(f"{path}: no text")
+    return texts
+
+
+def load_moe_model(model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None):
+    """Load a causal-LM MoE checkpoint from a local directory; returns (model, tokenizer or None)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise RecordError(f"{model_dir}: no config.json — not a Hugging Face checkpoint directory")
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if not num_experts or not getattr(config, "num_experts_per_tok", None):
+        raise RecordError(f"{model_dir}: {config.model_type!r} is not a mixture-of-experts model "
+                          f"(config has no num_experts / num_experts_per_tok)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True,
+                                                     dtype=dtype or (torch.float32 if device == "cpu" else torch.bfloat16))
+    except OSError as err:
+        raise RecordError(f"{model_dir}: cannot load weights ({err})") from None
+    model.to(device).eval()
+    tokenizer = None
+    if any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    return model, tokenizer
+
+
+def _routers(model) -> list[torch.nn.Module]:
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise RecordError(f"{type(model).__name__}: cannot find model.layers")
+    routers = []
+    for i, layer in enumerate(layers):
+        gate = getattr(getattr(layer, "mlp", None), "gate", None)
+        if gate is None:
+            raise RecordError(f"{type(model).__name__}: layer {i} has no mlp.gate router (dense layer?); "
+                              "only all-MoE models are supported")
+        routers.append(gate)
+    return routers
+
+
+def cache_protocol(model):
+    """transformers renamed `past_key_values` to `cache` (5.x); speak whichever this one knows.
+    Returns (keyword to pass the cache in, function reading the cache out of an output)."""
+    import inspect
+
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def read(output):
+        return getattr(output, name, None) if getattr(output, name, None) is not None else output.past_key_values
+
+    return name, read
+
+
+def tokenize(text: str, tokenizer, vocab_size: int, max_tokens: int) -> list[int]:
+    """Token ids of `text`; without a tokenizer, its UTF-8 bytes modulo the vocabulary."""
+    if tokenizer is not None:
+        ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+    else:
+        ids = [b % vocab_size for b in text.encode("utf-8")]
+    return list(ids[:max_tokens])
+
+
+@torch.no_grad()
+def record(model_dir: str | Path, texts: Sequence[str], max_tokens: int = 512, gen_len: int = 32,
+           device: str = "cpu", dataset: str = "unknown", model_name: str | None = None) -> Trace:
+    """Run prefill + greedy decode over each text and return the routing of every token."""
+    if max_tokens < 1 or gen_len < 0:
+        raise RecordError("max_tokens must be >= 1 and gen_len >= 0")
+    model, tokenizer = load_moe_model(model_dir, device)
+    config = model.config
+    top_k = int(config.num_experts_per_tok)
+    num_experts = int(getattr(config, "num_local_experts", None) or config.num_experts)
+    routers = _routers(model)
+    captured: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in routers]
+    fallback = [False]
+
+    def hook(layer: int):
+        def capture(module, inputs, output):
+            if isinstance(output, tuple) and len(output) >= 3:
+                weights, index = output[1], output[2]
+            else:  # older routers return only logits: top-k them as Mixtral does
+                logits = output[0] if isinstance(output, tuple) else output
+                probs = torch.softmax(logits.float(), dim=-1)
+                weights, index = torch.topk(probs, top_k, dim=-1)
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+                fallback[0] = True
+            captured[layer].append((index.reshape(-1, top_k).cpu(), weights.reshape(-1, top_k).float().cpu()))
+        return capture
+
+    cache_arg, kv_cache = cache_protocol(model)
+    handles = [r.register_forward_hook(hook(i)) for i, r in enumerate(routers)]
+    experts, weights, lengths, prompt_lens = [], [], [], []
+    try:
+        for text in texts:
+            ids = tokenize(text, tokenizer, config.vocab_size, max_tokens)
+            if not ids:
+                continue
+            for c in captured:
+                c.clear()
+            input_ids = torch.tensor([ids], device=device)
+            out = model(input_ids=input_ids, use_cache=True)
+            for _ in range(gen_len):  # feed each generated token back once
+                nxt = out.logits[:, -1:].argmax(dim=-1)
+                out = model(input_ids=nxt, use_cache=True, **{cache_arg: kv_cache(out)})
+            idx = torch.stack([torch.cat([c[0] for c in layer]) for layer in captured], dim=1)  # [T, L, k]
+            w = torch.stack([torch.cat([c[1] for c in layer]) for layer in captured], dim=1)
+            experts.append(idx.numpy().astype(np.int16))
+            weights.append(w.numpy().astype(np.float16))
+            lengths.append(idx.shape[0])
+            prompt_lens.append(len(ids))
+    finally:
+        for h in handles:
+            h.remove()
+    if not experts:
+        raise RecordError("no text produced any tokens")
+    import transformers
+
+    meta = {
+        "model": model_name or Path(model_dir).name, "num_experts": num_experts, "top_k": top_k,
+        "num_layers": len(routers), "dataset": dataset, "license": "same as the recorded text and checkpoint",
+        "recorder": f"klotski_runtime.record (transformers {transformers.__version__}, torch {torch.__version__}, "
+                    f"{'router top-k recomputed from logits' if fallback[0] else 'router outputs'}, "
+                    f"{'tokenizer' if tokenizer is not None else 'byte-level ids (no tokenizer in checkpoint)'})",
+        "source": f"record:{Path(model_dir).name}", "hf_model_type": config.model_type,
+        "recorded_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(), "gen_len": gen_len, "max_tokens": max_tokens,
+    }
+    try:
+        return Trace(np.concatenate(experts), np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+                     np.asarray(prompt_lens, dtype=np.int32), meta, np.concatenate(weights))
+    except TraceError as err:
+        raise RecordError(f"recorded routing is inconsistent: {err}") from None
+
+
+def save_tiny_mixtral(path: str | Path, seed: int = 0, num_layers: int = 2, num_experts: int = 4,
+                      hidden: int = 64, ffn: int = 128, vocab: int = 256) -> Path:
+    """A tiny random Mixtral checkpoint (shapes of the `tiny-mixtral` preset) for tests and demos."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    config = MixtralConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=num_layers,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+                           num_local_experts=num_experts, num_experts_per_tok=2, max_position_embeddings=2048,
+                           rms_norm_eps=1e-5, tie_word_embeddings=False)
+    model = MixtralForCausalLM(config)
+    model.save_pretrained(path)
+    return Path(path)

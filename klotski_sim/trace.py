@@ -1,0 +1,309 @@
+"""Routing traces: which experts every token chose in every MoE layer, with provenance.
+
+File format (`.npz`, written with `numpy.savez_compressed`; see traces/README.md):
+
+- `experts`     uint8 (<= 256 experts) or int16 `[tokens, layers, top_k]` — expert ids, sequences concatenated
+- `weights`     float16 `[tokens, layers, top_k]` — gate weights (optional)
+- `seq_offsets` int64 `[sequences + 1]` — sequence i is rows `seq_offsets[i]:seq_offsets[i+1]`
+- `prompt_lens` int32 `[sequences]` — the first `prompt_lens[i]` tokens of sequence i are prompt,
+  the rest were generated
+- `meta`        a JSON string: model, num_experts, top_k, num_layers, dataset, recorder, license,
+  generator settings
+
+Why npz: one compact file that numpy alone reads back (no pickle: loaded with
+`allow_pickle=False`), ragged sequences without padding via offsets, and a dense int16 block
+that replays with a single slice.
+"""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from .model import ModelSpec
+from .routing import RoutingTable, RunShape
+
+FORMAT = "klotski-routing-trace"
+VERSION = 1
+REQUIRED_META = ("model", "num_experts", "top_k", "num_layers")
+
+
+class TraceError(ValueError):
+    """A trace that cannot be used; the message says what is wrong with which file."""
+
+
+@dataclass(frozen=True)
+class Trace:
+    """A validated routing trace held in memory (see the module docstring for the layout)."""
+
+    experts: np.ndarray
+    seq_offsets: np.ndarray
+    prompt_lens: np.ndarray
+    meta: Mapping[str, Any] = field(default_factory=dict)
+    weights: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        self.validate("trace")
+
+    # ---- shape ------------------------------------------------------------------------------
+    @property
+    def num_sequences(self) -> int:
+        return len(self.seq_offsets) - 1
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.experts.shape[1])
+
+    @property
+    def top_k(self) -> int:
+        return int(self.experts.shape[2])
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.meta["num_experts"])
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.seq_offsets)
+
+    def sequence(self, i: int) -> np.ndarray:
+        """`[tokens, layers, top_k]` of sequence i."""
+        return self.experts[self.seq_offsets[i]:self.seq_offsets[i + 1]]
+
+    def subset(self, indices: Iterable[int]) -> "Trace":
+        idx = list(indices)
+        parts = [self.sequence(i) for i in idx]
+        lengths = [len(p) for p in parts]
+        weights = None
+        if self.weights is not None:
+            weights = np.concatenate([self.weights[self.seq_offsets[i]:self.seq_offsets[i + 1]] for i in idx]) \
+                if idx else self.weights[:0]
+        return Trace(np.concatenate(parts) if parts else self.experts[:0],
+                     np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+                     self.prompt_lens[idx].copy(), dict(self.meta), weights)
+
+    # ---- checks -----------------------------------------------------------------------------
+    def validate(self, where: str) -> None:
+        missing = [k for k in REQUIRED_META if k not in self.meta]
+        if missing:
+            raise TraceError(f"{where}: metadata lacks {', '.join(missing)}")
+        e, off, pl = self.experts, self.seq_offsets, self.prompt_lens
+        if e.ndim != 3:
+            raise TraceError(f"{where}: experts must be [tokens, layers, top_k], got shape {e.shape}")
+        if not np.issubdtype(e.dtype, np.integer):
+            raise TraceError(f"{where}: experts must be integers, got {e.dtype}")
+        if e.shape[1] != int(self.meta["num_layers"]) or e.shape[2] != int(self.meta["top_k"]):
+            raise TraceError(f"{where}: experts shape {e.shape} disagrees with metadata "
+                             f"(num_layers={self.meta['num_layers']}, top_k={self.meta['top_k']})")
+        if off.ndim != 1 or len(off) < 1 or off[0] != 0 or off[-1] != len(e) or np.any(np.diff(off) < 0):
+            raise TraceError(f"{where}: seq_offsets must rise from 0 to the number of tokens ({len(e)}); "
+                             f"the file is truncated or inconsistent")
+        if pl.shape != (len(off) - 1,) or np.any(pl < 0) or np.any(pl > np.diff(off)):
+            raise TraceError(f"{where}: prompt_lens must give one length per sequence, within its tokens")
+        n_exp = int(self.meta["num_experts"])
+        if e.size and (e.min() < 0 or e.max() >= n_exp):
+            bad = int(e.max()) if e.max() >= n_exp else int(e.min())
+            raise TraceError(f"{where}: expert id {bad} out of range for num_experts={n_exp}")
+        if e.size and self.top_k > 1:
+            srt = np.sort(e, axis=2)
+            if np.any(srt[:, :, 1:] == srt[:, :, :-1]):
+                raise TraceError(f"{where}: a token selects the same expert twice in one layer")
+        if self.weights is not None and self.weights.shape != e.shape:
+            raise TraceError(f"{where}: weights shape {self.weights.shape} differs from experts {e.shape}")
+
+    def check_model(self, model: ModelSpec, where: str = "trace") -> None:
+        """A trace replays only on a model with the same experts, top-k and layer count."""
+        problems = []
+        if self.num_experts != model.num_experts:
+            problems.append(f"{self.num_experts} experts vs {model.num_experts}")
+        if self.top_k != model.top_k:
+            problems.append(f"top-{self.top_k} vs top-{model.top_k}")
+        if self.num_layers != model.num_layers:
+            problems.append(f"{self.num_layers} layers vs {model.num_layers}")
+        if problems:
+            raise TraceError(f"{where}: recorded for {self.meta.get('model')!r}, which does not match model "
+                             f"{model.name!r}: {'; '.join(problems)}")
+
+    # ---- files ------------------------------------------------------------------------------
+    def save(self, path: str | Path) -> None:
+        """Write atomically (temp file + rename): an interrupted save never leaves half a trace."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        id_type = np.uint8 if self.num_experts <= 256 else np.int16  # halves the file for most models
+        arrays = dict(experts=self.experts.astype(id_type), seq_offsets=self.seq_offsets.astype(np.int64),
+                      prompt_lens=self.prompt_lens.astype(np.int32),
+                      meta=np.array(json.dumps({"format": FORMAT, "version": VERSION, **self.meta})))
+        if self.weights is not None:
+            arrays["weights"] = self.weights.astype(np.float16)
+        with open(tmp, "wb") as f:
+            np.savez_compressed(f, **arrays)
+        tmp.replace(path)
+
+    @staticmethod
+    def load(path: str | Path) -> "Trace":
+        path = Path(path)
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                names = set(z.files)
+                missing = {"experts", "seq_offsets", "prompt_lens", "meta"} - names
+                if missing:
+                    raise TraceError(f"{path}: not a routing trace (missing {', '.join(sorted(missing))})")
+                meta = json.loads(str(z["meta"]))
+                arrays = {k: z[k] for k in ("experts", "seq_offsets", "prompt_lens")}
+                weights = z["weights"] if "weights" in names else None
+        except TraceError:
+            raise
+        except FileNotFoundError:
+            raise TraceError(f"{path}: no such trace file") from None
+        except (zipfile.BadZipFile, EOFError, OSError, ValueError, KeyError) as err:
+            raise TraceError(f"{path}: cannot read trace, the file is truncated or corrupt ({err})") from None
+        if meta.get("format") != FORMAT:
+            raise TraceError(f"{path}: not a klotski routing trace (format {meta.get('format')!r})")
+        if meta.get("version") != VERSION:
+            raise TraceError(f"{path}: trace format version {meta.get('version')!r}, expected {VERSION}")
+        meta = {k: v for k, v in meta.items() if k not in ("format", "version")}
+        try:
+            return Trace(arrays["experts"].astype(np.int16), arrays["seq_offsets"], arrays["prompt_lens"], meta, weights)
+        except TraceError as err:
+            raise TraceError(str(err).replace("trace:", f"{path}:", 1)) from None
+
+
+# ---- replay -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Replay:
+    """The routing a run replays, plus disjoint warm-up sequences for a prefetcher's pre-run."""
+
+    routing: RoutingTable
+    warmup: Trace
+    evaluated: tuple[int, ...]
+    wrapped: bool
+
+
+def replay(trace: Trace, model: ModelSpec, shape: RunShape, *, warmup_sequences: int = 0, wrap: bool = False,
+           where: str = "trace") -> Replay:
+    """Cut the routing of n x bs sequences of P + G - 1 tokens out of `trace`.
+
+    The first `warmup_sequences` sequences are reserved for warm-up and never evaluated. Only
+    sequences with at least P + G - 1 tokens qualify; if too few do, this is an error unless
+    `wrap` allows reusing them (said in the routing's source, never silently)."""
+    trace.check_model(model, where)
+    need_tokens = shape.tokens_per_sequence
+    need_seqs = shape.num_sequences
+    if warmup_sequences >= trace.num_sequences:
+        raise TraceError(f"{where}: {warmup_sequences} warm-up sequences leave none of its "
+                         f"{trace.num_sequences} to evaluate")
+    pool = [i for i in range(warmup_sequences, trace.num_sequences) if trace.lengths[i] >= need_tokens]
+    if not pool:
+        longest = int(trace.lengths[warmup_sequences:].max()) if trace.num_sequences > warmup_sequences else 0
+        raise TraceError(f"{where}: no sequence has the {need_tokens} tokens a run with prompt {shape.prompt_len} "
+                         f"and {shape.gen_len} generated needs (longest: {longest}); lower --prompt-len/--gen-len")
+    if len(pool) < need_seqs and not wrap:
+        raise TraceError(f"{where}: the run needs {need_seqs} sequences of >= {need_tokens} tokens "
+                         f"({shape.num_batches} batches x {shape.batch_size}), the trace has {len(pool)} after "
+                         f"{warmup_sequences} warm-up ones; pass --wrap to reuse sequences, or ask for fewer")
+    chosen = [pool[k % len(pool)] for k in range(need_seqs)]
+    starts = trace.seq_offsets[np.asarray(chosen)]
+    rows = starts[:, None] + np.arange(need_tokens)[None, :]
+    ids = trace.experts[rows]  # [seqs, tokens, layers, k]
+    ids = ids.reshape(shape.num_batches, shape.batch_size, need_tokens, trace.num_layers, trace.top_k)
+    wrapped = len(pool) < need_seqs
+    source = f"{trace.meta.get('source', where)}" + (" (wrapped: sequences reused)" if wrapped else "")
+    routing = RoutingTable(ids, shape, model.num_experts, source=source)
+    return Replay(routing, trace.subset(range(warmup_sequences)), tuple(chosen), wrapped)
+
+
+# ---- import -------------------------------------------------------------------------------------
+def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str = "unknown",
+                 prompt_len_field: str = "prompt_len") -> tuple[Trace, list[str]]:
+    """Read a JSON-lines routing log, one record per token per layer, e.g.
+
+        {"seq_id": 3, "token_idx": 17, "layer": 5, "experts": [1, 6], "gating_probs": [0.7, 0.3]}
+
+    (`request_id`/`sequence_id`, `token_id`/`position`, `expert_ids`/`topk_ids`,
+    `weights`/`topk_weights` are accepted too). Returns the trace and a list of problems found;
+    missing (token, layer) entries are reported and that sequence is cut before the first hole,
+    never filled in."""
+    path = Path(path)
+    alias = {"seq": ("seq_id", "sequence_id", "request_id", "seq", "req_id"),
+             "tok": ("token_idx", "token_index", "position", "token_id", "pos"),
+             "layer": ("layer", "layer_id", "layer_idx"),
+             "experts": ("experts", "expert_ids", "topk_ids", "selected_experts"),
+             "weights": ("gating_probs", "weights", "topk_weights", "gate_weights")}
+
+    def pick(rec: dict, key: str, lineno: int, required: bool = True) -> Any:
+        for name in alias[key]:
+            if name in rec:
+                return rec[name]
+        if required:
+            raise TraceError(f"{path}:{lineno}: record has none of {alias[key]}")
+        return None
+
+    records: dict[Any, dict[tuple[int, int], tuple[list[int], list[float] | None]]] = {}
+    prompt_lens: dict[Any, int] = {}
+    top_k = None
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as err:
+        raise TraceError(f"{path}: cannot read ({err.strerror})") from None
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise TraceError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
+        if not isinstance(rec, dict):
+            raise TraceError(f"{path}:{lineno}: expected a JSON object")
+        seq, tok, layer = pick(rec, "seq", lineno), pick(rec, "tok", lineno), pick(rec, "layer", lineno)
+        experts = pick(rec, "experts", lineno)
+        weights = pick(rec, "weights", lineno, required=False)
+        if not isinstance(experts, list) or not experts or not all(isinstance(x, int) for x in experts):
+            raise TraceError(f"{path}:{lineno}: experts must be a non-empty list of integers")
+        if not isinstance(tok, int) or not isinstance(layer, int) or tok < 0 or layer < 0:
+            raise TraceError(f"{path}:{lineno}: token index and layer must be non-negative integers")
+        if top_k is None:
+            top_k = len(experts)
+        elif len(experts) != top_k:
+            raise TraceError(f"{path}:{lineno}: {len(experts)} experts, earlier records had {top_k}")
+        if prompt_len_field in rec:
+            prompt_lens[seq] = int(rec[prompt_len_field])
+        records.setdefault(seq, {})[(tok, layer)] = (experts, weights)
+    if not records:
+        raise TraceError(f"{path}: no records")
+    num_layers = 1 + max(layer for seq in records.values() for (_, layer) in seq)
+    max_id = max(e for seq in records.values() for ex, _ in seq.values() for e in ex)
+    n_exp = num_experts if num_experts is not None else max_id + 1
+    problems: list[str] = []
+    experts_out, weights_out, lengths, plens = [], [], [], []
+    has_weights = all(w is not None for seq in records.values() for _, w in seq.values())
+    for seq, table in records.items():
+        max_tok = max(t for t, _ in table)
+        holes = [(t, layer) for t in range(max_tok + 1) for layer in range(num_layers) if (t, layer) not in table]
+        usable = max_tok + 1
+        if holes:
+            usable = min(t for t, _ in holes)
+            problems.append(f"sequence {seq!r}: {len(holes)} missing (token, layer) entries, first at token "
+                            f"{holes[0][0]} layer {holes[0][1]}; kept its first {usable} tokens")
+        if usable == 0:
+            continue
+        experts_out.append(np.array([[table[(t, layer)][0] for layer in range(num_layers)] for t in range(usable)]))
+        if has_weights:
+            weights_out.append(np.array([[table[(t, layer)][1] for layer in range(num_layers)]
+                                         for t in range(usable)], dtype=np.float16))
+        lengths.append(usable)
+        plens.append(min(prompt_lens.get(seq, usable), usable))
+    if not experts_out:
+        raise TraceError(f"{path}: no sequence has a complete first token")
+    meta = {"model": model, "num_experts": int(n_exp), "top_k": int(top_k), "num_layers": int(num_layers),
+            "dataset": "unknown", "recorder": f"imported from {path.name} (JSON lines)", "license": "unknown",
+            "source": f"import:{path.name}"}
+    trace = Trace(np.concatenate(experts_out).astype(np.int16),
+                  np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+                  np.asarray(plens, dtype=np.int32), meta,
+                  np.concatenate(weights_out) if has_weights else None)
+    return trace, problems

@@ -1,0 +1,147 @@
+"""Statistics of a routing trace: the properties an expert-aware schedule lives on.
+
+Per layer: popularity (shares, max, min, entropy), skew within one request, token-to-token
+stickiness, layer-to-layer mutual information and next-layer top-1 predictability, and — the
+quantity Klotski depends on — how much of a group of n x bs tokens the group's top-k experts
+handle, and how many distinct experts such a group activates (what has to be loaded).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from .trace import Trace
+
+GROUP_BATCH_SIZE = 16
+GROUP_NS = (1, 4, 16)
+
+
+def popularity(trace: Trace) -> pd.DataFrame:
+    """`[layer x expert]` share of all top-k selections."""
+    E, L = trace.num_experts, trace.num_layers
+    flat = trace.experts.astype(np.int64) + (np.arange(L) * E)[None, :, None]
+    counts = np.bincount(flat.ravel(), minlength=L * E).reshape(L, E)
+    total = counts.sum(axis=1, keepdims=True)
+    return pd.DataFrame(counts / np.maximum(total, 1), index=pd.RangeIndex(L, name="layer"),
+                        columns=[f"e{e}" for e in range(E)])
+
+
+def _entropy_bits(p: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return -np.nansum(np.where(p > 0, p * np.log2(p), 0.0), axis=-1)
+
+
+def _mutual_information_bits(a: np.ndarray, b: np.ndarray, E: int) -> tuple[float, float]:
+    """Plug-in MI (bits) between two expert-id arrays, and the accuracy of the best a -> b map."""
+    joint = np.bincount(a.astype(np.int64) * E + b, minlength=E * E).reshape(E, E).astype(float)
+    n = joint.sum()
+    if n == 0:
+        return float("nan"), float("nan")
+    p = joint / n
+    pa, pb = p.sum(axis=1, keepdims=True), p.sum(axis=0, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        mi = np.nansum(np.where(p > 0, p * np.log2(p / (pa * pb)), 0.0))
+    return float(mi), float(p.max(axis=1).sum())
+
+
+def layer_stats(trace: Trace, group_batch_size: int = GROUP_BATCH_SIZE,
+                group_ns: tuple[int, ...] = GROUP_NS) -> pd.DataFrame:
+    """One row per layer; see the module docstring for the columns."""
+    E, L, k = trace.num_experts, trace.num_layers, trace.top_k
+    ex = trace.experts
+    shares = popularity(trace).to_numpy()
+    off = trace.seq_offsets
+    # consecutive pairs within one sequence
+    same_seq = np.ones(len(ex), dtype=bool)
+    same_seq[off[:-1]] = False  # the first token of each sequence has no predecessor
+    cur = np.flatnonzero(same_seq)
+    prev = cur - 1
+    first = ex[:, :, 0]
+
+    # per-request max share (mean over sequences)
+    seq_of_token = np.repeat(np.arange(trace.num_sequences), np.diff(off))
+    req_max = np.zeros(L)
+    lengths = np.diff(off)
+    if trace.num_sequences:
+        for layer in range(L):
+            flat = seq_of_token[:, None] * E + ex[:, layer, :]
+            counts = np.bincount(flat.ravel(), minlength=trace.num_sequences * E).reshape(-1, E)
+            tot = counts.sum(axis=1)
+            ok = tot > 0
+            req_max[layer] = float((counts[ok].max(axis=1) / tot[ok]).mean()) if ok.any() else np.nan
+
+    rows = []
+    for layer in range(L):
+        row: dict[str, float] = {
+            "max_share": shares[layer].max(),
+            "topk_share": np.sort(shares[layer])[-k:].sum(),
+            "min_share": shares[layer].min(),
+            "entropy_bits": float(_entropy_bits(shares[layer])),
+            "request_max_share": req_max[layer],
+        }
+        if len(cur):
+            row["stick_top1"] = float((first[cur, layer] == first[prev, layer]).mean())
+            a, b = ex[cur, layer, :], ex[prev, layer, :]
+            shared = (a[:, :, None] == b[:, None, :]).any(axis=(1, 2))
+            row["stick_any"] = float(shared.mean())
+        else:
+            row["stick_top1"] = row["stick_any"] = float("nan")
+        if layer + 1 < L:
+            mi, acc = _mutual_information_bits(first[:, layer], first[:, layer + 1], E)
+        else:
+            mi, acc = float("nan"), float("nan")
+        row["mi_next_bits"] = mi
+        row["next_top1_acc"] = acc
+        # the shipped real measurements pair layers 7 apart (0-7, 7-15)
+        row["mi_skip7_bits"] = (_mutual_information_bits(first[:, layer], first[:, layer + 7], E)[0]
+                                if layer + 7 < L else float("nan"))
+        rows.append(row)
+    df = pd.DataFrame(rows, index=pd.RangeIndex(L, name="layer"))
+
+    # groups of n x bs sequences at the same token position
+    usable = int(lengths.min()) if trace.num_sequences else 0
+    for n in group_ns:
+        size = n * group_batch_size
+        groups = trace.num_sequences // size
+        if groups == 0 or usable == 0:
+            df[f"hot_share_n{n}"] = np.nan
+            df[f"active_n{n}"] = np.nan
+            continue
+        idx = off[:groups * size, None] + np.arange(usable)[None, :]  # [seqs, positions]
+        sel = ex[idx]  # [seqs, pos, L, k]
+        sel = sel.reshape(groups, size, usable, L, k).transpose(0, 2, 3, 1, 4).reshape(groups * usable * L, size * k)
+        base = (np.arange(len(sel)) * E)[:, None]
+        counts = np.bincount((sel.astype(np.int64) + base).ravel(), minlength=len(sel) * E).reshape(-1, E)
+        top = np.sort(counts, axis=1)[:, -k:].sum(axis=1) / (size * k)
+        active = (counts > 0).sum(axis=1)
+        df[f"hot_share_n{n}"] = top.reshape(groups, usable, L).mean(axis=(0, 1))
+        df[f"active_n{n}"] = active.reshape(groups, usable, L).mean(axis=(0, 1))
+    return df
+
+
+def summary(trace: Trace) -> dict[str, float]:
+    """Layer means of the statistics, plus sizes: the numbers a note or a test quotes."""
+    df = layer_stats(trace)
+    out = {col: float(df[col].mean()) for col in df.columns}
+    out["max_share_max"] = float(df["max_share"].max())
+    out["sequences"] = trace.num_sequences
+    out["tokens"] = int(len(trace.experts))
+    return out
+
+
+def format_stats(trace: Trace, df: pd.DataFrame | None = None) -> str:
+    df = layer_stats(trace) if df is None else df
+    m = trace.meta
+    lines = [f"trace: model {m.get('model')} ({trace.num_experts} experts, top-{trace.top_k}, {trace.num_layers} "
+             f"layers); {trace.num_sequences} sequences, {len(trace.experts)} tokens "
+             f"(lengths {int(trace.lengths.min())}-{int(trace.lengths.max())})",
+             f"source: {m.get('source', '?')}; recorder: {m.get('recorder', '?')}; dataset: {m.get('dataset', '?')}"]
+    random_top1 = 1 / trace.num_experts
+    lines.append(f"random routing would give: max_share {trace.top_k / trace.num_experts:.3f}, "
+                 f"stick_top1 {random_top1:.3f}, mi_next_bits 0")
+    shown = df if len(df) <= 16 else df.iloc[np.unique(np.linspace(0, len(df) - 1, 8).astype(int))]
+    table = pd.concat([shown, df.mean().to_frame("mean").T])
+    with pd.option_context("display.width", 200, "display.max_columns", 30, "display.float_format", "{:.3f}".format):
+        lines.append(table.to_string())
+    return "\n".join(lines)

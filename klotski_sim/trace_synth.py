@@ -1,0 +1,224 @@
+"""Synthetic routing traces, calibrated to what real MoE models show.
+
+`calibrated` draws, for every sequence, token and layer, top-k experts from a generative model
+with four knobs, each matched to a published or shipped measurement (klotski_sim/data/):
+
+1. *Per-layer popularity*: the layer's real expert shares (Mixtral: Fiddler's MMLU counts, 32
+   layers x 8 experts; fine-grained models: OLMoE's counts at layers 0/7/15, other layers reuse
+   the nearest measured shape under a seeded permutation).
+2. *Request-level skew*: each sequence draws its own shares from a Dirichlet around the layer's
+   (`concentration`), so one request is more skewed (max share 0.20-0.30) than a corpus (~0.16).
+3. *Token-to-token stickiness*: a token keeps its predecessor's whole expert set
+   (`stick_all`) or only its first choice (`stick_one`); otherwise it draws afresh.
+4. *Layer-to-layer correlation*: a fresh draw in layer l adds `coupling` x a seeded random
+   affinity between the token's first choice in layer l-1 and each expert, and
+   `type_coupling` x an affinity between the token's latent type (one of `token_types`, fixed
+   across layers) and each expert — the latter keeps layers 7 apart correlated, as measured
+   (weak for Mixtral, strong for fine-grained models).
+
+`uniform` is the worst case Klotski admits; `zipf:<a>` is popularity ~ 1/rank^a only.
+The same seed gives the identical file.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from importlib import resources
+
+import numpy as np
+
+from .model import ModelSpec
+from .routing import RoutingTable, RunShape
+from .trace import Trace, replay
+
+ROUTINGS = ("calibrated", "uniform", "zipf:<a>", "skewed")
+
+
+@dataclass(frozen=True)
+class SynthParams:
+    """Knobs of the generator (see the module docstring)."""
+
+    concentration: float | None  # Dirichlet concentration of per-request shares; None = no request skew
+    stick_all: float
+    stick_one: float
+    coupling: float  # previous layer's first choice -> this layer (adjacent-layer correlation)
+    base: str  # "calibrated" | "uniform" | "zipf"
+    zipf_a: float = 0.0
+    type_coupling: float = 0.0  # a token's latent type -> every layer (long-range correlation)
+    token_types: int = 16
+
+
+# Fitted by experiments/calibrate_synth.py against the targets in the module docstring.
+MIXTRAL_LIKE = SynthParams(concentration=3.0, stick_all=0.12, stick_one=0.07, coupling=0.3, base="calibrated",
+                           type_coupling=1.8)
+FINE_GRAINED = SynthParams(concentration=3.0, stick_all=0.12, stick_one=0.07, coupling=1.0, base="calibrated",
+                           type_coupling=3.0)
+
+
+def params_for(routing: str, model: ModelSpec) -> SynthParams:
+    """Parse a routing name (`calibrated`, `uniform`, `zipf:1.2`, `skewed`) for a model."""
+    if routing == "calibrated":
+        return FINE_GRAINED if model.num_experts > 16 else MIXTRAL_LIKE
+    if routing == "uniform":
+        return SynthParams(None, 0.0, 0.0, 0.0, "uniform")
+    if routing == "skewed":  # a strongly skewed what-if: zipf 1.5 plus calibrated stickiness
+        return SynthParams(None, MIXTRAL_LIKE.stick_all, MIXTRAL_LIKE.stick_one, 0.0, "zipf", 1.5)
+    if routing.startswith("zipf:"):
+        try:
+            a = float(routing.split(":", 1)[1])
+        except ValueError:
+            raise ValueError(f"zipf routing needs an exponent, e.g. zipf:1.2, got {routing!r}") from None
+        if a < 0:
+            raise ValueError(f"zipf exponent must be >= 0, got {a}")
+        return SynthParams(None, 0.0, 0.0, 0.0, "zipf", a)
+    raise ValueError(f"unknown routing {routing!r}; choose from {', '.join(ROUTINGS)}")
+
+
+@lru_cache(maxsize=None)
+def _calibration(name: str) -> dict:
+    ref = resources.files("klotski_sim") / "data" / name
+    return json.loads(ref.read_text())["data"]
+
+
+def mixtral_popularity() -> np.ndarray:
+    """`[32, 8]` shares from Fiddler's Mixtral-8x7B (base) MMLU prefill counts, summed over subjects."""
+    subjects = _calibration("fiddler_mixtral_expert_popularity.json")["mixtral_8x7b_original"]
+    counts = np.sum([np.asarray(s["expert_popularity"], dtype=float) for s in subjects.values()], axis=0)
+    return counts / counts.sum(axis=1, keepdims=True)
+
+
+def olmoe_popularity() -> dict[int, np.ndarray]:
+    """Layer -> 64 shares from OLMoE-1B-7B routing counts (layers 0, 7, 15), summed over domains."""
+    data = _calibration("olmoe_repo_routing_counts.json")["olmoe"]["expert_counts"]
+    layers = (0, 7, 15)
+    out = {}
+    for pos, layer in enumerate(layers):
+        counts = np.zeros(64)
+        for domain in data.values():
+            for e, c in domain[pos].items():
+                counts[int(e)] += c
+        out[layer] = counts / counts.sum()
+    return out
+
+
+def base_popularity(model: ModelSpec, params: SynthParams, rng: np.random.Generator) -> np.ndarray:
+    """`[layers, experts]` corpus-level shares for the model."""
+    L, E = model.num_layers, model.num_experts
+    if params.base == "uniform":
+        return np.full((L, E), 1.0 / E)
+    if params.base == "zipf":
+        ranks = np.arange(1, E + 1, dtype=float) ** -params.zipf_a
+        shares = ranks / ranks.sum()
+        return np.stack([shares[rng.permutation(E)] for _ in range(L)])
+    if E == 8:
+        real = mixtral_popularity()
+        src = np.rint(np.arange(L) * (len(real) - 1) / max(1, L - 1)).astype(int)
+        return real[src]
+    measured = olmoe_popularity()
+    out = np.empty((L, E))
+    src_layers = np.array(sorted(measured))
+    for layer in range(L):
+        scaled = layer * 15 / max(1, L - 1)  # position in OLMoE's 16-layer stack
+        nearest = int(src_layers[np.argmin(np.abs(src_layers - scaled))])
+        shape = np.sort(measured[nearest])[::-1]
+        # resample the sorted shape to E experts, then give this layer its own hot experts
+        shape = np.interp(np.linspace(0, 63, E), np.arange(64), shape)
+        shape /= shape.sum()
+        if E == 64 and L == 16 and layer in measured:
+            out[layer] = measured[layer]
+        else:
+            out[layer] = shape[rng.permutation(E)]
+    return out
+
+
+def _top_sorted(values: np.ndarray, count: int) -> np.ndarray:
+    """Indices of the `count` largest values along the last axis, largest first."""
+    if count >= values.shape[-1]:
+        return np.argsort(-values, axis=-1)
+    part = np.argpartition(-values, count - 1, axis=-1)[..., :count]
+    order = np.argsort(-np.take_along_axis(values, part, axis=-1), axis=-1)
+    return np.take_along_axis(part, order, axis=-1)
+
+
+def _forward_fill_index(fresh: np.ndarray) -> np.ndarray:
+    """For each position, the index of the latest position <= it where `fresh` is True (along
+    the last axis; position 0 must be fresh)."""
+    idx = np.where(fresh, np.arange(fresh.shape[-1]), 0)
+    return np.maximum.accumulate(idx, axis=-1)
+
+
+def synthesize(model: ModelSpec, sequences: int, prompt_len: int, gen_len: int, routing: str = "calibrated",
+               seed: int = 0, with_weights: bool = False, chunk: int = 64) -> Trace:
+    """A trace of `sequences` sequences of prompt_len + gen_len tokens each. Gate weights (the
+    softmax of the drawn logits over the chosen experts) only on request: they triple the file."""
+    if sequences < 1 or prompt_len < 1 or gen_len < 0:
+        raise ValueError("sequences and prompt_len must be >= 1, gen_len >= 0")
+    params = params_for(routing, model)
+    rng = np.random.default_rng(seed)
+    L, E, k = model.num_layers, model.num_experts, model.top_k
+    T = prompt_len + gen_len
+    base = base_popularity(model, params, rng)
+    affinity = rng.standard_normal((L, E, E))
+    type_affinity = rng.standard_normal((L, params.token_types, E))
+    experts = np.empty((sequences, T, L, k), dtype=np.int16)
+    weights = np.empty((sequences, T, L, k), dtype=np.float16) if with_weights else None
+    for lo in range(0, sequences, chunk):
+        S = min(chunk, sequences - lo)
+        if params.concentration:
+            alpha = np.maximum(params.concentration * E * base, 1e-3)  # [L, E]
+            g = rng.standard_gamma(np.broadcast_to(alpha, (S, L, E)))
+            seq_shares = g / g.sum(axis=-1, keepdims=True)
+        else:
+            seq_shares = np.broadcast_to(base, (S, L, E))
+        log_shares = np.log(np.maximum(seq_shares, 1e-12))
+        token_type = rng.integers(0, params.token_types, size=(S, T))
+        prev_first = None
+        for layer in range(L):
+            logits = np.broadcast_to(log_shares[:, None, layer, :], (S, T, E)).astype(np.float32)
+            if prev_first is not None and params.coupling:
+                logits = logits + params.coupling * affinity[layer][prev_first]
+            if params.type_coupling:
+                logits = logits + params.type_coupling * type_affinity[layer][token_type]
+            u = rng.random((S, T, E), dtype=np.float32)
+            noisy = logits - np.log(-np.log(np.maximum(u, 1e-30)))  # + Gumbel noise
+            ranking = _top_sorted(noisy, k + 1)  # Gumbel-top-k = sampling without replacement
+            u = rng.random((S, T))
+            mode_all = u < params.stick_all
+            mode_one = (u >= params.stick_all) & (u < params.stick_all + params.stick_one)
+            mode_all[:, 0] = mode_one[:, 0] = False
+            # first choice: drawn, or (stick_all) the predecessor's
+            first = np.take_along_axis(ranking[..., 0], _forward_fill_index(~mode_all), axis=1)
+            # other slots: drawn (the ranking after its first); with stick_one the predecessor's
+            # first choice comes first among them
+            prev_first = np.concatenate([first[:, :1], first[:, :-1]], axis=1)
+            cand = np.concatenate([prev_first[..., None], ranking[..., 1:]], axis=-1)  # [S, T, k+1]
+            valid = cand != first[..., None]
+            valid[..., 1:] &= (cand[..., 1:] != prev_first[..., None]) | ~mode_one[..., None]
+            valid[..., 0] &= mode_one
+            order = np.argsort(~valid, axis=-1, kind="stable")[..., : k - 1]
+            rest_own = np.take_along_axis(cand, order, axis=-1)
+            rest = np.take_along_axis(rest_own, _forward_fill_index(~mode_all)[..., None], axis=1)
+            chosen = np.concatenate([first[..., None], rest], axis=-1)
+            experts[lo:lo + S, :, layer, :] = chosen
+            if weights is not None:  # softmax of the logits over the chosen experts, renormalised
+                sel = np.take_along_axis(logits, chosen.astype(np.int64), axis=-1)
+                w = np.exp(sel - sel.max(axis=-1, keepdims=True))
+                weights[lo:lo + S, :, layer, :] = w / w.sum(axis=-1, keepdims=True)
+            prev_first = first
+    meta = {"model": model.name, "num_experts": E, "top_k": k, "num_layers": L,
+            "dataset": "synthetic", "recorder": "klotski_sim.trace_synth",
+            "license": "Apache-2.0 (generated; calibration data Apache-2.0, see klotski_sim/data/NOTICE)",
+            "source": f"synth:{routing}(seed={seed})",
+            "generator": {"routing": routing, "seed": seed, "sequences": sequences, "prompt_len": prompt_len,
+                          "gen_len": gen_len, "params": asdict(params)}}
+    offsets = np.arange(sequences + 1, dtype=np.int64) * T
+    return Trace(experts.reshape(sequences * T, L, k), offsets, np.full(sequences, prompt_len, dtype=np.int32),
+                 meta, None if weights is None else weights.reshape(sequences * T, L, k))
+
+
+def synthetic_routing(model: ModelSpec, shape: RunShape, routing: str = "calibrated", seed: int = 0) -> RoutingTable:
+    """The routing of one run straight from the generator (tests, benchmarks, notebooks)."""
+    trace = synthesize(model, shape.num_sequences, shape.prompt_len, shape.gen_len, routing, seed)
+    return replay(trace, model, shape, where=f"synthetic {routing}").routing

@@ -1,0 +1,49 @@
+"""Recording routing from a local Hugging Face checkpoint (a tiny random Mixtral)."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from klotski_runtime.record import RecordError, load_moe_model, read_texts, record, save_tiny_mixtral  # noqa: E402
+from klotski_sim.model import get_model  # noqa: E402
+
+TEXT = "The quick brown fox jumps over the lazy dog.\n\nExperts stream over PCIe while the GPU waits.\n"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_tiny_mixtral(tmp_path_factory.mktemp("ckpt") / "tiny", seed=0)
+
+
+def test_recorded_topk_equals_the_routers_own(checkpoint, tmp_path):
+    (tmp_path / "t.txt").write_text(TEXT)
+    texts = read_texts(tmp_path / "t.txt")
+    trace = record(checkpoint, texts, max_tokens=32, gen_len=4, model_name="tiny-mixtral")
+    trace.check_model(get_model("tiny-mixtral"))
+    assert trace.num_sequences == 2 and trace.lengths.tolist() == [32 + 4, min(32, len(texts[1].encode())) + 4]
+    # Recompute the routing with an independent full forward of the same token sequence.
+    model, _ = load_moe_model(checkpoint)
+    with torch.no_grad():
+        for i in range(trace.num_sequences):
+            seq = trace.sequence(i)
+            prompt = [b % 256 for b in texts[i].encode()][:32]
+            ids = list(prompt)
+            out = model(input_ids=torch.tensor([ids]))
+            for _ in range(4):
+                ids.append(int(out.logits[0, -1].argmax()))
+                out = model(input_ids=torch.tensor([ids]))
+            full = model(input_ids=torch.tensor([ids]), output_router_logits=True)
+            for layer, logits in enumerate(full.router_logits):
+                probs = torch.softmax(logits.float(), dim=-1)
+                top = torch.topk(probs, 2, dim=-1).indices.numpy()
+                assert np.array_equal(np.sort(top, axis=1), np.sort(seq[:, layer, :], axis=1)), layer
+
+
+def test_record_errors(tmp_path, checkpoint):
+    with pytest.raises(RecordError, match="no config.json"):
+        record(tmp_path, ["x"])
+    (tmp_path / "empty.txt").write_text("\n\n")
+    with pytest.raises(RecordError, match="no text"):
+        read_texts(tmp_path / "empty.txt")

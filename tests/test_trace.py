@@ -1,0 +1,154 @@
+"""Trace format, replay, import, generator and statistics."""
+
+import json
+
+import numpy as np
+import pytest
+
+from klotski_sim.model import get_model
+from klotski_sim.routing import RunShape
+from klotski_sim.trace import Trace, TraceError, import_jsonl, replay
+from klotski_sim.trace_stats import layer_stats, summary
+from klotski_sim.trace_synth import synthesize
+
+TINY = get_model("tiny-mixtral")
+MIXTRAL = get_model("mixtral-8x7b")
+
+
+def _tiny_trace(sequences=6, length=10, seed=0):
+    return synthesize(TINY, sequences, length - 2, 2, "uniform", seed=seed, with_weights=True)
+
+
+def test_roundtrip_and_identical_bytes_for_same_seed(tmp_path):
+    t = _tiny_trace()
+    t.save(tmp_path / "a.npz")
+    _tiny_trace().save(tmp_path / "b.npz")
+    assert (tmp_path / "a.npz").read_bytes() == (tmp_path / "b.npz").read_bytes()
+    back = Trace.load(tmp_path / "a.npz")
+    assert np.array_equal(back.experts, t.experts) and back.meta["model"] == "tiny-mixtral"
+    assert back.weights is not None and back.weights.shape == t.experts.shape
+
+
+def test_truncated_and_corrupt_files(tmp_path):
+    path = tmp_path / "t.npz"
+    _tiny_trace().save(path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(TraceError, match="truncated or corrupt"):
+        Trace.load(path)
+    path.write_bytes(b"not a zip at all")
+    with pytest.raises(TraceError, match="truncated or corrupt"):
+        Trace.load(path)
+    with pytest.raises(TraceError, match="no such trace file"):
+        Trace.load(tmp_path / "missing.npz")
+    np.savez(path, something=np.zeros(3))
+    with pytest.raises(TraceError, match="not a routing trace"):
+        Trace.load(path)
+
+
+def test_invalid_contents_are_named():
+    t = _tiny_trace()
+    bad = t.experts.copy()
+    bad[0, 0, 0] = 7
+    with pytest.raises(TraceError, match="expert id 7 out of range for num_experts=4"):
+        Trace(bad, t.seq_offsets, t.prompt_lens, t.meta)
+    with pytest.raises(TraceError, match="seq_offsets"):
+        Trace(t.experts, t.seq_offsets[:-1], t.prompt_lens[:-1], t.meta)
+    dup = t.experts.copy()
+    dup[0, 0, 1] = dup[0, 0, 0]
+    with pytest.raises(TraceError, match="same expert twice"):
+        Trace(dup, t.seq_offsets, t.prompt_lens, t.meta)
+
+
+def test_trace_for_another_model_is_refused():
+    t = synthesize(MIXTRAL, 2, 8, 2, "uniform")
+    with pytest.raises(TraceError, match="8 experts vs 64"):
+        replay(t, get_model("olmoe-1b-7b"), RunShape(1, 1, 4, 2))
+
+
+def test_replay_shapes_warmup_and_wrap():
+    t = _tiny_trace(sequences=6, length=10)
+    shape = RunShape(batch_size=2, num_batches=2, prompt_len=6, gen_len=3)
+    rep = replay(t, TINY, shape, warmup_sequences=2)
+    assert rep.routing.ids.shape == (2, 2, 8, TINY.num_layers, 2)
+    assert set(rep.evaluated).isdisjoint(range(2)) and rep.warmup.num_sequences == 2
+    # the replayed ids are the trace's tokens
+    assert np.array_equal(rep.routing.ids[0, 0], t.sequence(rep.evaluated[0])[:8])
+    with pytest.raises(TraceError, match="--wrap"):
+        replay(t, TINY, RunShape(2, 3, 6, 3), warmup_sequences=2)
+    wrapped = replay(t, TINY, RunShape(2, 3, 6, 3), warmup_sequences=2, wrap=True)
+    assert wrapped.wrapped and "wrapped" in wrapped.routing.source
+    with pytest.raises(TraceError, match="no sequence has the 19 tokens"):
+        replay(t, TINY, RunShape(1, 1, 10, 10))
+
+
+def test_counts_match_ids():
+    rep = replay(_tiny_trace(), TINY, RunShape(2, 2, 6, 3))
+    r = rep.routing
+    for step in range(3):
+        for layer in range(TINY.num_layers):
+            for b in range(2):
+                ids = r.step_ids(step, layer, b)
+                assert np.array_equal(r.counts[step, layer, b], np.bincount(ids.ravel(), minlength=4))
+
+
+def test_calibrated_mixtral_statistics_land_near_targets():
+    s = summary(synthesize(MIXTRAL, 128, 128, 16, "calibrated", seed=1))
+    assert 0.14 <= s["max_share"] <= 0.21          # corpus-level max share ~0.16
+    assert 0.19 <= s["request_max_share"] <= 0.30   # within one request 0.20-0.30
+    assert 0.21 <= s["stick_top1"] <= 0.30          # first choice repeats ~25% (random 12.5%)
+    assert 0.56 <= s["stick_any"] <= 0.68           # share at least one ~62% (random 46%)
+    assert 0.03 <= s["mi_skip7_bits"] <= 0.25       # weak layer-to-layer information
+
+
+def test_uniform_shows_none_of_it():
+    s = summary(synthesize(MIXTRAL, 128, 128, 16, "uniform", seed=1))
+    assert s["max_share"] < 0.135 and abs(s["stick_top1"] - 0.125) < 0.01
+    assert abs(s["stick_any"] - 0.464) < 0.02 and s["mi_next_bits"] < 0.01
+
+
+def test_fine_grained_calibrated_has_strong_layer_correlation():
+    s = summary(synthesize(get_model("olmoe-1b-7b"), 96, 240, 16, "calibrated", seed=1))  # enough tokens for a 64x64 MI
+    assert 0.3 <= s["mi_skip7_bits"] <= 1.5 and s["topk_share"] >= 0.2
+
+
+def test_group_skew_is_higher_for_skewed_routing():
+    skew = layer_stats(synthesize(MIXTRAL, 64, 32, 8, "zipf:1.5", seed=0))
+    flat = layer_stats(synthesize(MIXTRAL, 64, 32, 8, "uniform", seed=0))
+    assert skew["hot_share_n4"].mean() > flat["hot_share_n4"].mean() + 0.1
+    assert skew["active_n1"].mean() < flat["active_n1"].mean()
+
+
+def test_bad_routing_names():
+    with pytest.raises(ValueError, match="unknown routing"):
+        synthesize(TINY, 2, 4, 1, "bimodal")
+    with pytest.raises(ValueError, match="exponent"):
+        synthesize(TINY, 2, 4, 1, "zipf:x")
+
+
+def _jsonl(path, records):
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+
+
+def test_import_jsonl(tmp_path):
+    recs = [{"seq_id": s, "token_idx": t, "layer": layer, "experts": [(t + layer) % 4, (t + layer + 1) % 4],
+             "gating_probs": [0.6, 0.4]} for s in ("a", "b") for t in range(5) for layer in range(2)]
+    _jsonl(tmp_path / "log.jsonl", recs)
+    trace, problems = import_jsonl(tmp_path / "log.jsonl", num_experts=4, model="tiny-mixtral")
+    assert problems == [] and trace.num_sequences == 2 and trace.experts.shape == (10, 2, 2)
+    assert trace.experts[3, 1].tolist() == [0, 1]
+    # a hole is reported and the sequence is cut before it, never filled in
+    holed = [r for r in recs if not (r["seq_id"] == "b" and r["token_idx"] == 3 and r["layer"] == 1)]
+    _jsonl(tmp_path / "holed.jsonl", holed)
+    trace, problems = import_jsonl(tmp_path / "holed.jsonl", num_experts=4)
+    assert len(problems) == 1 and "token 3 layer 1" in problems[0]
+    assert trace.lengths.tolist() == [5, 3]
+
+
+def test_import_rejects_malformed_lines(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"seq_id": 1, "token_idx": 0, "layer": 0, "experts": [1, 2]}\n{oops\n')
+    with pytest.raises(TraceError, match="bad.jsonl:2: not valid JSON"):
+        import_jsonl(tmp_path / "bad.jsonl")
+    (tmp_path / "bad2.jsonl").write_text('{"seq_id": 1, "token_idx": 0, "layer": 0}\n')
+    with pytest.raises(TraceError, match="bad2.jsonl:1: record has none of"):
+        import_jsonl(tmp_path / "bad2.jsonl")
