@@ -9,15 +9,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import pandas as pd
+
 from .hardware import ProfileError, builtin_profile_names, load_profile
 from .model import PRESETS, get_model
+from .planner import format_plan, largest_fitting_n
 from .policies import POLICIES
-from .runner import RunSpec, run
+from .runner import Prepared, RunSpec, prepare, run
 from .schedule import ScheduleError
-from .timeline import Summary
+from .timeline import Summary, jsonable
 from .trace import Trace, import_jsonl
 from .trace_stats import format_stats, layer_stats
 from .trace_synth import synthesize
@@ -39,7 +43,11 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def add_run_arguments(p: argparse.ArgumentParser, policy: bool = True) -> None:
+def _batches(text: str) -> int | None:
+    return None if text == "auto" else _positive_int(text)
+
+
+def add_run_arguments(p: argparse.ArgumentParser, policy: bool = True, num_batches_default: str = "1") -> None:
     """The options that describe one configuration (shared by simulate, compare, plan...)."""
     p.add_argument("--model", default="mixtral-8x7b", choices=sorted(PRESETS), help="model preset (default: %(default)s)")
     p.add_argument("--hardware", default="rtx3090", metavar="NAME|FILE",
@@ -47,7 +55,8 @@ def add_run_arguments(p: argparse.ArgumentParser, policy: bool = True) -> None:
     if policy:
         p.add_argument("--policy", default="single-batch", choices=list(POLICIES), help="schedule (default: %(default)s)")
     p.add_argument("--batch-size", type=_positive_int, default=16, help="sequences per batch (default: %(default)s)")
-    p.add_argument("--num-batches", type=_positive_int, default=1, help="batches n (default: %(default)s)")
+    p.add_argument("--num-batches", type=_batches, default=num_batches_default,
+                   help="batches n, or 'auto' for the planner's choice (default: %(default)s)")
     p.add_argument("--prompt-len", type=_positive_int, default=512, help="prompt tokens P (default: %(default)s)")
     p.add_argument("--gen-len", type=_positive_int, default=32, help="generated tokens G (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the routing generator (default: %(default)s)")
@@ -59,7 +68,12 @@ def add_run_arguments(p: argparse.ArgumentParser, policy: bool = True) -> None:
     p.add_argument("--wrap", action="store_true", help="let a trace with too few sequences reuse them")
     p.add_argument("--warmup-sequences", type=int, default=8, metavar="N",
                    help="trace sequences reserved for the prefetcher's pre-run, never evaluated (default: %(default)s)")
-    p.add_argument("--kv", default="gpu", choices=["gpu", "cpu"], help="where the KV cache lives (default: %(default)s)")
+    p.add_argument("--kv", default="auto", choices=["auto", "gpu", "cpu"],
+                   help="where the KV cache lives; auto = GPU when n batches fit (default: %(default)s)")
+    p.add_argument("--experts", default="auto", choices=["auto", "cpu", "disk"],
+                   help="where experts live; auto = host memory, disk when it is short (default: %(default)s)")
+    p.add_argument("--resident-layers", type=int, default=None, metavar="N",
+                   help="layers kept whole on the GPU (default: the planner's choice with --num-batches auto, else 0)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a profile field, e.g. --set links.pcie_h2d.bandwidth=32e9 (repeatable)")
 
@@ -81,7 +95,8 @@ def spec_from_args(args: argparse.Namespace, **changes: Any) -> RunSpec:
     fields = dict(model=args.model, hardware=args.hardware, policy=getattr(args, "policy", "single-batch"),
                   batch_size=args.batch_size, num_batches=args.num_batches, prompt_len=args.prompt_len,
                   gen_len=args.gen_len, seed=args.seed, routing=args.routing, trace=args.trace, wrap=args.wrap,
-                  warmup_sequences=args.warmup_sequences, kv=args.kv,
+                  warmup_sequences=args.warmup_sequences, kv=args.kv, experts=args.experts,
+                  resident_layers=args.resident_layers,
                   overrides=parse_overrides(args.overrides))
     fields.update(changes)
     return RunSpec(**fields)
@@ -122,6 +137,85 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         result.schedule.save(out / "schedule.json")
         print(f"wrote {', '.join(sorted(p.name for p in paths.values()))}, schedule.json to {out}/")
     return 0 if result.timeline.status == "ok" else 3
+
+
+COMPARE_POLICIES = ("single-batch", "multi-batch", "hot-prefetch", "klotski", "klotski-oracle", "flexgen")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    spec = spec_from_args(args, num_batches=None, policy="klotski")
+    prep = prepare(spec)
+    print(format_plan(prep.plan, prep.model, prep.profile, spec.batch_size))
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    spec = spec_from_args(args, policy="klotski")
+    policies = args.policies.split(",") if args.policies else list(COMPARE_POLICIES)
+    for name in policies:
+        if name not in POLICIES:
+            raise CliError(f"unknown policy {name!r}; known policies: {', '.join(POLICIES)}")
+    prep = prepare(spec)
+    if prep.plan is not None:
+        print(f"planner: n = {prep.num_batches} ({'; '.join(prep.plan.notes) or 'bubbles closed within memory'})")
+    print(f"placement: {prep.placement.describe()}; routing: {prep.replay.routing.source}")
+    results = {}
+    for name in policies:
+        n = policy_batches(name, prep)
+        if n != prep.num_batches:
+            why = ("one batch in flight by definition" if name == "single-batch" else
+                   f"its {POLICIES[name].buffering} weight buffers leave room for {n} batches' KV cache")
+            print(f"note: {name} runs n = {n} ({why})")
+        results[name] = run(replace(spec, policy=name), prepared=prep if n == prep.num_batches else prep.narrowed(n))
+    summaries = {name: r.timeline.summary() for name, r in results.items()}
+    print(format_comparison(summaries))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [{"policy": name, **s.to_dict()} for name, s in summaries.items()]
+    (out / "compare.json").write_text(json.dumps(jsonable(rows), indent=2))
+    pd.DataFrame([{k: v for k, v in r.items() if not isinstance(v, dict)} for r in rows]).to_csv(
+        out / "compare.csv", index=False)
+    for name, r in results.items():
+        r.timeline.to_chrome_trace(out / f"trace_{name}.json")
+    if prep.plan is not None:
+        (out / "plan.txt").write_text(format_plan(prep.plan, prep.model, prep.profile, spec.batch_size) + "\n")
+    if not args.no_png:
+        from .plot import compare_gantt
+
+        zoom = (min(1, spec.gen_len - 1), prep.model.num_layers // 2)
+        compare_gantt({name: r.timeline for name, r in results.items()}, out / "compare.png", zoom=zoom)
+    print(f"wrote compare.csv, compare.json, {'compare.png, ' if not args.no_png else ''}trace_<policy>.json"
+          f"{', plan.txt' if prep.plan else ''} to {out}/")
+    return 0 if all(s.status == "ok" for s in summaries.values()) else 3
+
+
+def policy_batches(name: str, prep: Prepared) -> int:
+    """n for one policy of a comparison: the shared n, except that single-batch keeps one batch
+    in flight and a policy whose weight buffers are larger may need fewer batches to fit."""
+    if name == "single-batch":
+        return 1
+    s = prep.spec
+    fit = largest_fitting_n(prep.model, prep.profile, s.batch_size, s.prompt_len, s.gen_len, prep.placement,
+                            POLICIES[name].buffering)
+    return min(prep.num_batches, fit) if fit else prep.num_batches
+
+
+def format_comparison(summaries: dict[str, Summary]) -> str:
+    base = summaries.get("flexgen")
+    header = (f"{'policy':15} {'n':>3} {'status':6} {'tok/s':>8} {'xFlexGen':>8} {'makespan s':>10} {'inter s':>8} "
+              f"{'intra s':>8} {'effic.':>6} {'peak GiB':>8} {'hot prec.':>9} {'hot id.':>7}")
+    lines = [header, "-" * len(header)]
+    for name, s in summaries.items():
+        pf = s.extra.get("prefetch") or {}
+        ratio = (s.throughput_tok_s / base.throughput_tok_s) if base and base.throughput_tok_s else float("nan")
+        lines.append(f"{name:15} {s.num_batches:3d} {s.status:6} {s.throughput_tok_s:8.2f} {ratio:8.2f} "
+                     f"{s.makespan_s:10.2f} {s.bubble_inter_s:8.2f} {s.bubble_intra_s:8.2f} {s.efficiency:6.1%} "
+                     f"{s.peak_gpu_bytes / GIB:8.2f} {_pct(pf.get('precision')):>9} {_pct(pf.get('hot_identification')):>7}")
+    return "\n".join(lines)
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -210,6 +304,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", choices=sorted(PRESETS), help="check the log against this model and record its name")
     p.add_argument("--num-experts", type=_positive_int, help="experts per layer (default: the largest id + 1)")
     p.set_defaults(func=cmd_trace_import)
+
+    p = sub.add_parser("compare", help="the main job: the ablation ladder, Klotski's oracle and FlexGen on one "
+                                       "configuration (n from the planner)")
+    add_run_arguments(p, policy=False, num_batches_default="auto")
+    p.add_argument("--policies", metavar="A,B,...", help=f"comma-separated (default: {','.join(COMPARE_POLICIES)})")
+    p.add_argument("--out", default="klotski-out", metavar="DIR",
+                   help="write compare.csv/.json, compare.png, trace_<policy>.json, plan.txt (default: %(default)s)")
+    p.add_argument("--no-png", action="store_true", help="skip the Gantt figure")
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("plan", help="Klotski's planner: every term of inequalities (4)-(7), n, memory check")
+    add_run_arguments(p, policy=False)
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("models", help="list model presets with their sizes")
     p.set_defaults(func=cmd_models)

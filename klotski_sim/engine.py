@@ -15,7 +15,6 @@ on wall-clock time, so a run is deterministic.
 
 from __future__ import annotations
 
-import gc
 import heapq
 from typing import Sequence
 
@@ -24,7 +23,7 @@ from simpy.events import Timeout
 
 from .cost import CostModel
 from .hardware import HardwareProfile
-from .schedule import Schedule, ScheduleError
+from .schedule import Schedule, ScheduleError, gc_paused
 from .timeline import OutOfMemory, Timeline
 
 
@@ -44,15 +43,8 @@ def simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | Non
              durations: Sequence[float] | None = None) -> Timeline:
     """Run `schedule` on `profile`. Out-of-memory ends the run with status `oom` (never raises);
     ops that can never start raise EngineDeadlock naming them."""
-    # A run allocates a few objects per op but never a reference cycle; the cyclic collector
-    # would only rescan the (large) schedule again and again, so it sleeps meanwhile.
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with gc_paused():
         return _simulate(schedule, profile, cost, durations)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
 
 
 def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | None,

@@ -9,6 +9,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
+
 from .cost import CostModel
 from .engine import simulate
 from .hardware import HardwareProfile, load_profile, with_overrides
@@ -17,8 +19,10 @@ from .policies import Placement, PolicyInput, build_schedule
 from .routing import RunShape
 from .schedule import Schedule
 from .timeline import Timeline
+from .planner import Plan, default_placement, memory_needed, plan
 from .trace import Replay, Trace, TraceError, replay
-from .trace_synth import synthesize
+from .trace_stats import popularity
+from .trace_synth import base_popularity, params_for, synthesize
 
 
 @dataclass(frozen=True)
@@ -30,7 +34,7 @@ class RunSpec:
     hardware: str = "rtx3090"
     policy: str = "single-batch"
     batch_size: int = 16
-    num_batches: int = 1
+    num_batches: int | None = 1  # None: the planner picks n
     prompt_len: int = 512
     gen_len: int = 32
     seed: int = 0
@@ -38,16 +42,42 @@ class RunSpec:
     trace: str | None = None  # a routing trace file (.npz) to replay instead
     wrap: bool = False  # let a short trace reuse sequences (said in the summary)
     warmup_sequences: int = 8  # sequences kept apart for a prefetcher's pre-run (paper: batch 8)
-    kv: str = "gpu"
+    kv: str = "auto"  # gpu | cpu | auto (GPU when the KV cache of n batches fits)
+    experts: str = "auto"  # cpu | disk | auto (disk when host memory is short)
+    resident_layers: int | None = None  # None: the planner's choice with auto n, else 0
     overrides: Mapping[str, Any] = field(default_factory=dict)
     options: Mapping[str, Any] = field(default_factory=dict)
 
-    @property
-    def shape(self) -> RunShape:
-        return RunShape(self.batch_size, self.num_batches, self.prompt_len, self.gen_len)
+    def shape(self, num_batches: int) -> RunShape:
+        return RunShape(self.batch_size, num_batches, self.prompt_len, self.gen_len)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass
+class Prepared:
+    """A RunSpec resolved into what a policy needs (shared by all policies of a comparison)."""
+
+    spec: RunSpec
+    model: ModelSpec
+    profile: HardwareProfile
+    num_batches: int
+    placement: Placement
+    trace: Trace
+    replay: Replay
+    plan: Plan | None
+
+    def narrowed(self, num_batches: int) -> "Prepared":
+        """The same run with fewer batches: the first `num_batches` batches of the same routing."""
+        spec = replace(self.spec, num_batches=num_batches)
+        rep = replay(self.trace, self.model, spec.shape(num_batches), warmup_sequences=spec.warmup_sequences,
+                     wrap=spec.wrap, where=spec.trace or f"synthetic {spec.routing}")
+        return replace(self, spec=spec, num_batches=num_batches, replay=rep)
+
+    def policy_input(self, options: Mapping[str, Any] | None = None) -> PolicyInput:
+        return PolicyInput(self.model, self.profile, self.replay.routing, self.placement,
+                           dict(self.spec.options if options is None else options), warmup=self.replay.warmup)
 
 
 @dataclass
@@ -57,6 +87,7 @@ class RunResult:
     profile: HardwareProfile
     schedule: Schedule
     timeline: Timeline
+    plan: Plan | None = None
 
 
 def resolve_profile(spec: RunSpec) -> HardwareProfile:
@@ -74,35 +105,75 @@ def _trace_file(path: str, mtime: float) -> Trace:
     return Trace.load(path)
 
 
-def make_replay(spec: RunSpec, model: ModelSpec) -> Replay:
+def _load_trace(spec: RunSpec) -> Trace:
+    path = Path(spec.trace)
+    if not path.exists():
+        raise TraceError(f"{path}: no such trace file")
+    return _trace_file(str(path), path.stat().st_mtime)
+
+
+def make_replay(spec: RunSpec, model: ModelSpec, num_batches: int) -> tuple[Trace, Replay]:
     """The routing of the run: replayed from `spec.trace`, or from a synthetic trace generated
     for exactly this run (same seed -> same routing for every policy)."""
-    shape = spec.shape
+    shape = spec.shape(num_batches)
     if spec.trace:
-        path = Path(spec.trace)
-        if not path.exists():
-            raise TraceError(f"{path}: no such trace file")
-        trace = _trace_file(str(path), path.stat().st_mtime)
-        return replay(trace, model, shape, warmup_sequences=spec.warmup_sequences, wrap=spec.wrap, where=str(path))
+        trace = _load_trace(spec)
+        return trace, replay(trace, model, shape, warmup_sequences=spec.warmup_sequences, wrap=spec.wrap,
+                             where=spec.trace)
     trace = _synthetic_trace(model, spec.routing, spec.seed, shape.num_sequences + spec.warmup_sequences,
                              shape.prompt_len, shape.gen_len)
-    return replay(trace, model, shape, warmup_sequences=spec.warmup_sequences, where=f"synthetic {spec.routing}")
+    return trace, replay(trace, model, shape, warmup_sequences=spec.warmup_sequences,
+                         where=f"synthetic {spec.routing}")
 
 
-def prepare(spec: RunSpec) -> tuple[ModelSpec, HardwareProfile, PolicyInput]:
+def planning_popularity(spec: RunSpec, model: ModelSpec) -> np.ndarray | None:
+    """Routing statistics the planner may use: the warm-up sequences of a trace (what a real
+    system has seen before serving), or the synthetic generator's corpus-level shares."""
+    if spec.trace:
+        trace = _load_trace(spec)
+        trace.check_model(model, spec.trace)
+        if spec.warmup_sequences <= 0:
+            return None
+        return popularity(trace.subset(range(min(spec.warmup_sequences, trace.num_sequences)))).to_numpy()
+    return base_popularity(model, params_for(spec.routing, model), np.random.default_rng(spec.seed))
+
+
+def resolve_placement(spec: RunSpec, model: ModelSpec, profile: HardwareProfile) -> Placement:
+    base = default_placement(model, profile)
+    if spec.experts != "auto":
+        base = replace(base, experts=spec.experts)
+    return replace(base, kv="gpu" if spec.kv == "auto" else spec.kv, resident_layers=spec.resident_layers or 0)
+
+
+def prepare(spec: RunSpec) -> Prepared:
+    """Resolve model, profile, n (planner when `num_batches` is None), placement and routing."""
     model = get_model(spec.model)
     profile = resolve_profile(spec)
-    rep = make_replay(spec, model)
-    inp = PolicyInput(model, profile, rep.routing, Placement(kv=spec.kv), dict(spec.options), warmup=rep.warmup)
-    return model, profile, inp
+    placement = resolve_placement(spec, model, profile)
+    the_plan = None
+    if spec.num_batches is None:
+        the_plan = plan(model, profile, spec.batch_size, spec.prompt_len, spec.gen_len,
+                        popularity=planning_popularity(spec, model), placement=placement,
+                        resident_layers=spec.resident_layers is None)
+        n = the_plan.n
+        placement = the_plan.placement if spec.kv == "auto" else replace(the_plan.placement, kv=spec.kv)
+    else:
+        n = spec.num_batches
+        if spec.kv == "auto":
+            need = memory_needed(model, spec.batch_size, n, spec.prompt_len, spec.gen_len, placement)
+            if need["total"] > profile.gpu.usable_bytes:
+                placement = replace(placement, kv="cpu")
+    trace, rep = make_replay(spec, model, n)
+    return Prepared(spec, model, profile, n, placement, trace, rep, the_plan)
 
 
-def run(spec: RunSpec, cost: CostModel | None = None) -> RunResult:
-    """Build the schedule for `spec` and simulate it."""
-    model, profile, inp = prepare(spec)
-    schedule = build_schedule(spec.policy, inp)
-    timeline = simulate(schedule, profile, cost)
-    return RunResult(spec, model, profile, schedule, timeline)
+def run(spec: RunSpec, cost: CostModel | None = None, prepared: Prepared | None = None) -> RunResult:
+    """Build the schedule for `spec` and simulate it (`prepared` shares routing and plan
+    between the policies of one comparison)."""
+    prep = prepared or prepare(spec)
+    schedule = build_schedule(spec.policy, prep.policy_input(spec.options))
+    timeline = simulate(schedule, prep.profile, cost)
+    return RunResult(spec, prep.model, prep.profile, schedule, timeline, prep.plan)
 
 
 def with_policy(spec: RunSpec, policy: str, **changes: Any) -> RunSpec:

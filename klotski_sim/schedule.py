@@ -11,12 +11,14 @@ Stream order is list order: ops of one stream run in the order they appear in `S
 
 from __future__ import annotations
 
+import gc
 import json
-from collections import defaultdict, deque
-from dataclasses import dataclass, field, fields
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping, NamedTuple
 
 FORMAT = "klotski-schedule"
 VERSION = 1
@@ -37,14 +39,28 @@ DEFAULT_STREAMS: dict[str, str] = {
 }
 
 
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector. Building, checking and simulating a schedule create
+    hundreds of thousands of small objects and no reference cycles; the collector would only
+    rescan them again and again (it doubled the engine's run time)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 class ScheduleError(ValueError):
     """A schedule that cannot run; the message names the offending op."""
 
 
-@dataclass(frozen=True, slots=True)
-class Op:
+class Op(NamedTuple):
     """One unit of work on one stream. `bytes` is the data moved (transfer) or the memory traffic
-    the roofline charges (compute). `batches` lists the batches whose tokens the op touches."""
+    the roofline charges (compute). `batches` lists the batches whose tokens the op touches.
+    (A NamedTuple: immutable like a frozen dataclass, and cheap to create by the hundred thousand.)"""
 
     id: str
     kind: str
@@ -73,17 +89,15 @@ class Op:
     def to_dict(self) -> dict[str, Any]:
         """Compact JSON form: fields equal to their defaults are left out."""
         out: dict[str, Any] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name in ("id", "kind", "stream", "category") or value != f.default:
-                out[f.name] = [list(a) for a in value] if f.name == "alloc" else (
+        for name, value in zip(self._fields, self):
+            if name in ("id", "kind", "stream", "category") or value != self._field_defaults.get(name):
+                out[name] = [list(a) for a in value] if name == "alloc" else (
                     list(value) if isinstance(value, tuple) else value)
         return out
 
     @staticmethod
     def from_dict(data: Mapping[str, Any]) -> "Op":
-        known = {f.name for f in fields(Op)}
-        unknown = set(data) - known
+        unknown = set(data) - set(Op._fields)
         if unknown:
             raise ScheduleError(f"op {data.get('id', '?')!r}: unknown field(s) {sorted(unknown)}")
         try:
@@ -93,6 +107,9 @@ class Op:
                     kwargs[name] = tuple(kwargs[name])
             if "alloc" in kwargs:
                 kwargs["alloc"] = tuple((str(n), int(b)) for n, b in kwargs["alloc"])
+            for name in ("id", "kind", "stream", "category"):
+                if not isinstance(kwargs.get(name), str):
+                    raise TypeError(f"{name} must be a string")
             return Op(**kwargs)
         except (TypeError, ValueError) as err:
             raise ScheduleError(f"op {data.get('id', '?')!r}: malformed ({err})") from None
@@ -114,7 +131,8 @@ class Schedule:
         object.__setattr__(self, "ops", tuple(self.ops))
         object.__setattr__(self, "preloaded", tuple((str(n), int(b)) for n, b in self.preloaded))
         if self.validate:
-            self.check()
+            with gc_paused():
+                self.check()
 
     # ---- derived views ---------------------------------------------------------------------
     @cached_property
@@ -150,18 +168,19 @@ class Schedule:
             position[op.id] = i
             _check_op_fields(op, self.streams)
         allocated = {name for name, _ in self.preloaded}
-        stream_position: dict[str, int] = {}
         order_in_stream: dict[str, int] = {}
+        counter: dict[str, int] = {}
         for op in self.ops:
-            order_in_stream[op.id] = stream_position[op.stream] = stream_position.get(op.stream, -1) + 1
-        for op in self.ops:
+            order_in_stream[op.id] = counter[op.stream] = counter.get(op.stream, -1) + 1
+        ops = self.ops
+        for op in ops:
             for dep in op.deps:
-                if dep not in position:
+                where = position.get(dep)
+                if where is None:
                     raise ScheduleError(f"op {op.id!r} depends on unknown op {dep!r}")
                 if dep == op.id:
                     raise ScheduleError(f"op {op.id!r} depends on itself")
-                dep_op = self.ops[position[dep]]
-                if dep_op.stream == op.stream and order_in_stream[dep] > order_in_stream[op.id]:
+                if ops[where].stream == op.stream and order_in_stream[dep] > order_in_stream[op.id]:
                     raise ScheduleError(
                         f"op {op.id!r} depends on {dep!r}, which comes later on the same in-order "
                         f"stream {op.stream!r}: the dependency contradicts stream order")
@@ -169,11 +188,12 @@ class Schedule:
                 if name in allocated:
                     raise ScheduleError(f"op {op.id!r} allocates buffer {name!r}, which is already allocated")
                 allocated.add(name)
-        for op in self.ops:
+        for op in ops:
             for name in op.free:
                 if name not in allocated:
                     raise ScheduleError(f"op {op.id!r} frees buffer {name!r}, which no op allocates")
-        cycle = find_cycle(self.ops)
+        self.__dict__["index"] = position  # what `index` would compute
+        cycle = find_cycle(ops, position)
         if cycle:
             raise ScheduleError("schedule has a cycle (deps + stream order): " + " -> ".join(cycle))
 
@@ -243,45 +263,49 @@ def _check_op_fields(op: Op, streams: Mapping[str, str]) -> None:
             raise ScheduleError(f"op {op.id!r}: buffer {name!r} has negative size {size}")
 
 
-def find_cycle(ops: Iterable[Op]) -> list[str]:
-    """An op-id cycle in the graph of deps plus stream order, or [] when there is none (Kahn)."""
+def find_cycle(ops: Iterable[Op], position: Mapping[str, int] | None = None) -> list[str]:
+    """An op-id cycle in the graph of deps plus stream order, or [] when there is none (Kahn's
+    algorithm on integer indices; `position` maps ids to indices when the caller has it)."""
     ops = list(ops)
-    preds: dict[str, list[str]] = {}
-    last: dict[str, str] = {}
-    for op in ops:
-        p = list(op.deps)
-        if op.stream in last:
-            p.append(last[op.stream])
-        last[op.stream] = op.id
-        preds[op.id] = p
-    succs: dict[str, list[str]] = defaultdict(list)
-    indegree = {}
-    for oid, p in preds.items():
-        indegree[oid] = len(p)
-        for d in p:
-            succs[d].append(oid)
-    queue = deque(oid for oid, d in indegree.items() if d == 0)
+    position = position or {op.id: i for i, op in enumerate(ops)}
+    n = len(ops)
+    succs: list[list[int]] = [[] for _ in range(n)]
+    indegree = [0] * n
+    last: dict[str, int] = {}
+    for i, op in enumerate(ops):
+        for dep in op.deps:
+            succs[position[dep]].append(i)
+        prev = last.get(op.stream)
+        if prev is not None:
+            succs[prev].append(i)
+        indegree[i] = len(op.deps) + (prev is not None)
+        last[op.stream] = i
+    queue = [i for i in range(n) if indegree[i] == 0]
     seen = 0
     while queue:
-        oid = queue.popleft()
+        i = queue.pop()
         seen += 1
-        for s in succs[oid]:
+        for s in succs[i]:
             indegree[s] -= 1
             if indegree[s] == 0:
                 queue.append(s)
-    if seen == len(preds):
+    if seen == n:
         return []
     # Walk predecessors among the stuck ops until one repeats: that is a cycle.
-    stuck = {oid for oid, d in indegree.items() if d > 0}
-    node = next(iter(o.id for o in ops if o.id in stuck))
-    path: list[str] = []
-    on_path: dict[str, int] = {}
+    stuck = {i for i in range(n) if indegree[i] > 0}
+    preds: dict[int, list[int]] = defaultdict(list)
+    for i in stuck:
+        for s in succs[i]:
+            preds[s].append(i)
+    node = min(stuck)
+    path: list[int] = []
+    on_path: dict[int, int] = {}
     while node not in on_path:
         on_path[node] = len(path)
         path.append(node)
         node = next(p for p in preds[node] if p in stuck)
     cycle = path[on_path[node]:] + [node]
-    return list(reversed(cycle))
+    return [ops[i].id for i in reversed(cycle)]
 
 
 class ScheduleBuilder:
@@ -299,8 +323,8 @@ class ScheduleBuilder:
         if op_id in self._ids:
             raise ScheduleError(f"duplicate op id {op_id!r}")
         self._ids.add(op_id)
-        clean = tuple(dict.fromkeys(d for d in deps if d is not None))
-        self.ops.append(Op(id=op_id, kind=kind, stream=stream, category=category, deps=clean, **tags))
+        clean = tuple(dict.fromkeys(d for d in deps if d is not None)) if deps else ()
+        self.ops.append(Op(op_id, kind, stream, category, clean, **tags))
         return op_id
 
     def compute(self, op_id: str, category: str, deps: Iterable[str | None] = (), stream: str = "compute",

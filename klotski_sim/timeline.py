@@ -102,6 +102,7 @@ class Timeline:
         self._build_columns = columns if callable(columns) else None
         self.meta = dict(meta)
         self.memory = memory if memory is not None else (np.zeros(0), np.zeros(0))
+        self._memo: dict[str, Any] = {}  # bubbles and summary, derived once (a Timeline never changes)
 
     @property
     def columns(self) -> dict[str, np.ndarray]:
@@ -175,6 +176,11 @@ class Timeline:
     def bubbles(self) -> pd.DataFrame:
         """Idle gaps on the GPU between its first and last op, one row each, with the op that
         ends the gap, its layer/step, the kind (inter/intra) and the cause."""
+        if "bubbles" not in self._memo:
+            self._memo["bubbles"] = self._find_bubbles()
+        return self._memo["bubbles"].copy()
+
+    def _find_bubbles(self) -> pd.DataFrame:
         c = self.columns
         mask = c["resource"] == "gpu"
         idx = np.flatnonzero(mask)
@@ -229,6 +235,11 @@ class Timeline:
         return latencies.groupby(level="step").mean()
 
     def summary(self) -> Summary:
+        if "summary" not in self._memo:
+            self._memo["summary"] = self._summarize()
+        return self._memo["summary"]
+
+    def _summarize(self) -> Summary:
         m = self.meta
         busy = self.busy_seconds()
         work = self.work_seconds()
@@ -271,7 +282,7 @@ class Timeline:
 
         table = pa.Table.from_pandas(self.df, preserve_index=False)
         meta = dict(table.schema.metadata or {})
-        meta[b"klotski"] = json.dumps(_jsonable(self.meta)).encode()
+        meta[b"klotski"] = json.dumps(jsonable(self.meta)).encode()
         meta[b"klotski_memory"] = json.dumps([self.memory[0].tolist(), self.memory[1].tolist()]).encode()
         pq.write_table(table.replace_schema_metadata(meta), str(path))
 
@@ -291,36 +302,48 @@ class Timeline:
 
     def chrome_trace(self) -> dict[str, Any]:
         """Chrome/Perfetto trace: one track per stream, a bubble track, GPU memory as a counter."""
+        return json.loads(self.chrome_trace_json())
+
+    def chrome_trace_json(self) -> str:
+        """The Chrome trace as JSON text, written event by event (a dict per op would cost
+        seconds for the 100k-op timelines of a comparison)."""
         c = self.columns
         streams = self.streams()
         tid = {s: k + 1 for k, s in enumerate(streams)}
         label = f"{self.meta.get('policy', '')} {self.meta.get('model', '')} {self.meta.get('hardware', '')}".strip()
-        events: list[dict[str, Any]] = [
+        meta_events: list[dict[str, Any]] = [
             {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": label or "klotski"}}]
         for s, t in tid.items():
-            events.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": t, "args": {"name": s}})
-            events.append({"ph": "M", "name": "thread_sort_index", "pid": 1, "tid": t, "args": {"sort_index": t}})
-        for k in range(len(self)):
-            events.append({
-                "ph": "X", "pid": 1, "tid": tid[c["stream"][k]], "name": _op_label(c, k), "cat": c["category"][k],
-                "ts": c["start"][k] * 1e6, "dur": max(0.0, (c["end"][k] - c["start"][k]) * 1e6),
-                "args": {"op": c["op_id"][k], "step": int(c["step"][k]), "layer": int(c["layer"][k]),
-                         "batches": c["batches"][k], "expert": int(c["expert"][k]), "tokens": int(c["tokens"][k]),
-                         "bytes": int(c["bytes"][k]), "blocked_by": c["blocked_by"][k]},
-            })
+            meta_events.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": t, "args": {"name": s}})
+            meta_events.append({"ph": "M", "name": "thread_sort_index", "pid": 1, "tid": t, "args": {"sort_index": t}})
         bubble_tid = len(tid) + 1
-        events.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": bubble_tid, "args": {"name": "GPU bubbles"}})
+        meta_events.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": bubble_tid,
+                            "args": {"name": "GPU bubbles"}})
         for row in self.bubbles().itertuples():
-            events.append({"ph": "X", "pid": 1, "tid": bubble_tid, "name": f"bubble ({row.kind})", "cat": "bubble",
-                           "ts": row.start * 1e6, "dur": row.duration * 1e6,
-                           "args": {"ended_by": row.next_op, "cause": row.cause}})
+            meta_events.append({"ph": "X", "pid": 1, "tid": bubble_tid, "name": f"bubble ({row.kind})",
+                                "cat": "bubble", "ts": row.start * 1e6, "dur": row.duration * 1e6,
+                                "args": {"ended_by": row.next_op, "cause": row.cause}})
         for t, b in zip(*self.memory):
-            events.append({"ph": "C", "pid": 1, "name": "GPU memory (GiB)", "ts": float(t) * 1e6,
-                           "args": {"GiB": float(b) / 2**30}})
-        return {"traceEvents": events, "displayTimeUnit": "ms", "metadata": _jsonable(self.meta)}
+            meta_events.append({"ph": "C", "pid": 1, "name": "GPU memory (GiB)", "ts": float(t) * 1e6,
+                                "args": {"GiB": float(b) / 2**30}})
+        dumps = json.dumps
+        tids = [tid[s] for s in c["stream"]]
+        ts = (c["start"] * 1e6).tolist()
+        dur = (np.maximum(c["end"] - c["start"], 0) * 1e6).tolist()
+        parts = [
+            f'{{"ph":"X","pid":1,"tid":{t},"name":{dumps(_label(cat, ly, ex, bt))},"cat":"{cat}","ts":{a!r},'
+            f'"dur":{d!r},"args":{{"op":{dumps(op)},"step":{st},"layer":{ly},"batches":"{bt}","expert":{ex},'
+            f'"tokens":{tk},"bytes":{nb},"blocked_by":{dumps(bb)}}}}}'
+            for t, cat, a, d, op, st, ly, bt, ex, tk, nb, bb in zip(
+                tids, c["category"], ts, dur, c["op_id"], c["step"].tolist(), c["layer"].tolist(), c["batches"],
+                c["expert"].tolist(), c["tokens"].tolist(), c["bytes"].tolist(), c["blocked_by"])
+        ]
+        parts.extend(dumps(e) for e in meta_events)
+        return ('{"traceEvents":[' + ",".join(parts) + '],"displayTimeUnit":"ms","metadata":'
+                + dumps(jsonable(self.meta)) + "}")
 
     def to_chrome_trace(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.chrome_trace()))
+        Path(path).write_text(self.chrome_trace_json())
 
     def save_all(self, out_dir: str | Path, *, png: bool = True) -> dict[str, Path]:
         """Write summary.json, timeline.parquet, timeline.csv, trace.json and timeline.png."""
@@ -328,7 +351,7 @@ class Timeline:
         out.mkdir(parents=True, exist_ok=True)
         paths = {name: out / name for name in
                  ("summary.json", "timeline.parquet", "timeline.csv", "trace.json", "timeline.png")}
-        paths["summary.json"].write_text(json.dumps(_jsonable(self.summary().to_dict()), indent=2))
+        paths["summary.json"].write_text(json.dumps(jsonable(self.summary().to_dict()), indent=2))
         self.to_parquet(paths["timeline.parquet"])
         self.to_csv(paths["timeline.csv"])
         self.to_chrome_trace(paths["trace.json"])
@@ -385,15 +408,16 @@ def _columns_from_schedule(schedule: "Schedule", start: Sequence[float], end: Se
     return cols
 
 
-def _op_label(c: Mapping[str, np.ndarray], k: int) -> str:
-    parts = [str(c["category"][k])]
-    if c["layer"][k] >= 0:
-        parts.append(f"L{c['layer'][k]}")
-    if c["expert"][k] >= 0:
-        parts.append(f"E{c['expert'][k]}")
-    if c["batches"][k]:
-        parts.append(f"b{c['batches'][k]}" if "," not in c["batches"][k] else f"b[{c['batches'][k]}]")
-    return " ".join(parts)
+def _label(category: str, layer: int, expert: int, batches: str) -> str:
+    """A short event name: `expert L3 E5 b[0,1]`."""
+    label = category
+    if layer >= 0:
+        label += f" L{layer}"
+    if expert >= 0:
+        label += f" E{expert}"
+    if batches:
+        label += f" b{batches}" if "," not in batches else f" b[{batches}]"
+    return label
 
 
 def _union_length(starts: np.ndarray, ends: np.ndarray) -> float:
@@ -411,11 +435,11 @@ def _union_length(starts: np.ndarray, ends: np.ndarray) -> float:
     return float((g_end - g_start).sum())
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
     if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     if isinstance(value, (np.integer,)):
         return int(value)
     if isinstance(value, (np.floating,)):

@@ -84,3 +84,32 @@ def test_trace_import_cli(tmp_path):
     rc, out, err = run_cli("trace", "import", str(tmp_path / "log.jsonl"), "--model", "tiny-mixtral")
     assert rc == 0, err
     assert "missing (token, layer)" in err and (tmp_path / "log.npz").exists()
+
+
+def test_compare_prints_the_table_and_writes_figures(tmp_path):
+    rc, out, err = run_cli("compare", "--prompt-len", "32", "--gen-len", "3", "--batch-size", "4",
+                           "--out", str(tmp_path))
+    assert rc == 0, err
+    for policy in ("single-batch", "multi-batch", "hot-prefetch", "klotski", "klotski-oracle", "flexgen"):
+        assert policy in out
+        assert (tmp_path / f"trace_{policy}.json").exists()
+    assert "planner: n =" in out and "xFlexGen" in out
+    for name in ("compare.png", "compare.csv", "compare.json", "plan.txt"):
+        assert (tmp_path / name).stat().st_size > 0
+    rows = json.loads((tmp_path / "compare.json").read_text())
+    assert {r["policy"] for r in rows} >= {"klotski", "flexgen"} and all(r["status"] == "ok" for r in rows)
+
+
+def test_plan_prints_every_term():
+    rc, out, err = run_cli("plan", "--batch-size", "16")
+    assert rc == 0, err
+    for term in ("t_cA", "t_cG", "t_IO_G", "t_IO_E", "t_IO_A", "t_c_hotE", "sum_Q_t_cE", "(4)", "(7)", "=> n ="):
+        assert term in out
+
+
+def test_simulate_with_planner_batches(tmp_path):
+    rc, out, err = run_cli("simulate", "--policy", "klotski", "--num-batches", "auto", "--prompt-len", "16",
+                           "--gen-len", "3", "--out", str(tmp_path))
+    assert rc == 0, err
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["num_batches"] > 1 and "prefetch" in summary["extra"]

@@ -1,6 +1,9 @@
 """Policies: one file each, registered by name (see base.register)."""
 
-from . import single_batch  # noqa: F401  (registers itself)
+from . import flexgen, klotski, single_batch  # noqa: F401  (each registers itself)
 from .base import POLICIES, Placement, PolicyInput, build_schedule, get_policy, register
 
-__all__ = ["POLICIES", "Placement", "PolicyInput", "build_schedule", "get_policy", "register"]
+# The ablation ladder, rung by rung (README and `klotski-sim compare`).
+LADDER = ("single-batch", "multi-batch", "hot-prefetch", "klotski")
+
+__all__ = ["LADDER", "POLICIES", "Placement", "PolicyInput", "build_schedule", "get_policy", "register"]

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Mapping
 from ..hardware import HardwareProfile
 from ..model import ModelSpec
 from ..routing import RoutingTable, RunShape
-from ..schedule import Schedule, ScheduleBuilder
+from ..schedule import Schedule, ScheduleBuilder, gc_paused
 from ..trace import Trace
 
 TIERS = ("gpu", "cpu", "disk")
@@ -30,6 +30,7 @@ class Placement:
     experts: str = "cpu"
     kv: str = "gpu"
     resident_layers: int = 0
+    disk_window: int = 2  # layers staged in host memory ahead of the GPU when weights live on disk
 
     def __post_init__(self) -> None:
         for name in ("attention", "gate", "experts"):
@@ -40,10 +41,17 @@ class Placement:
             raise ValueError(f"placement.kv must be 'gpu' or 'cpu', got {self.kv!r}")
         if self.resident_layers < 0:
             raise ValueError("placement.resident_layers must be >= 0")
+        if self.disk_window < 1:
+            raise ValueError("placement.disk_window must be >= 1")
+
+    @property
+    def uses_disk(self) -> bool:
+        return "disk" in (self.attention, self.gate, self.experts)
 
     def describe(self) -> str:
-        return (f"attention={self.attention} gate={self.gate} experts={self.experts} kv={self.kv} "
+        text = (f"attention={self.attention} gate={self.gate} experts={self.experts} kv={self.kv} "
                 f"resident_layers={self.resident_layers}")
+        return text + (f" disk_window={self.disk_window}" if self.uses_disk else "")
 
 
 @dataclass(frozen=True)
@@ -65,23 +73,33 @@ class PolicyInput:
 PolicyBuilder = Callable[[PolicyInput], Schedule]
 
 
+BUFFERING = ("whole-layer", "expert-aware")
+
+
 @dataclass(frozen=True)
 class PolicyInfo:
+    """A registered policy. `buffering` says what GPU weight buffers it needs: `whole-layer`
+    (two whole layers, double-buffered) or `expert-aware` (two attention buffers, the gate and
+    at most one MoE layer of experts) — the planner sizes n with it."""
+
     name: str
     description: str
     build: PolicyBuilder
     defaults: Mapping[str, Any] = field(default_factory=dict)
+    buffering: str = "whole-layer"
 
 
 POLICIES: dict[str, PolicyInfo] = {}
 
 
-def register(name: str, description: str, defaults: Mapping[str, Any] | None = None
-             ) -> Callable[[PolicyBuilder], PolicyBuilder]:
+def register(name: str, description: str, defaults: Mapping[str, Any] | None = None,
+             buffering: str = "whole-layer") -> Callable[[PolicyBuilder], PolicyBuilder]:
     """Decorator: make a build function available as `--policy NAME`."""
+    if buffering not in BUFFERING:
+        raise ValueError(f"buffering must be one of {BUFFERING}")
 
     def wrap(fn: PolicyBuilder) -> PolicyBuilder:
-        POLICIES[name] = PolicyInfo(name, description, fn, dict(defaults or {}))
+        POLICIES[name] = PolicyInfo(name, description, fn, dict(defaults or {}), buffering)
         return fn
 
     return wrap
@@ -101,7 +119,8 @@ def build_schedule(name: str, inp: PolicyInput) -> Schedule:
     if unknown:
         raise ValueError(f"policy {name!r} has no option(s) {sorted(unknown)}; options: {sorted(options) or 'none'}")
     options.update(inp.options)
-    return info.build(PolicyInput(inp.model, inp.profile, inp.routing, inp.placement, options, inp.warmup))
+    with gc_paused():
+        return info.build(PolicyInput(inp.model, inp.profile, inp.routing, inp.placement, options, inp.warmup))
 
 
 class OpEmitter:
@@ -120,6 +139,10 @@ class OpEmitter:
         self.b = builder or ScheduleBuilder()
         self.kv_stores: list[str] = []
         self._attention_ops: list[str] = []
+        self._kv_buffers: dict[int, list[str]] = {}
+        self._staged: dict[tuple[int, int], dict[tuple[str, int], str]] = {}  # (step, layer) -> disk reads
+        self._staged_order: list[tuple[int, int]] = []
+        self._h2d_of_layer: dict[tuple[int, int], list[str]] = {}
         self._preload_resident()
 
     # ---- residency ----------------------------------------------------------------------------
@@ -139,15 +162,38 @@ class OpEmitter:
         return getattr(self.placement, what)
 
     def fetch(self, op_id: str, what: str, nbytes: int, category: str, stream: str,
-              deps: Iterable[str | None] = (), **tags: Any) -> str:
+              deps: Iterable[str | None] = (), *, step: int, layer: int, expert: int = -1, **tags: Any) -> str:
         """Bring `nbytes` of weights (`what` = attention|gate|experts) to the GPU. From disk
-        this is two chained links: an NVMe read into host memory, then the PCIe copy."""
+        this is two chained links: the tensor is first staged in host memory by an NVMe read
+        (see `_stage`), then copied over PCIe."""
         deps = list(deps)
+        key = (step, layer)
         if self.tier(what) == "disk":
-            read = self.b.transfer(f"{op_id}/disk", category, "disk_read", nbytes, "disk", "cpu", deps, **tags)
-            deps = [read]
-        return self.b.transfer(op_id, category, stream, nbytes, "cpu", "gpu", deps,
-                               alloc=((op_id, int(nbytes)),), **tags)
+            if key not in self._staged:
+                self._stage(step, layer)
+            deps.append(self._staged[key][(what, expert)])
+        op = self.b.transfer(op_id, category, stream, nbytes, "cpu", "gpu", deps, alloc=((op_id, int(nbytes)),),
+                             step=step, layer=layer, expert=expert, **tags)
+        self._h2d_of_layer.setdefault(key, []).append(op)
+        return op
+
+    def _stage(self, step: int, layer: int) -> None:
+        """Read a whole layer's disk-resident tensors into the host staging window. The window
+        holds `disk_window` layers: this read waits until the layer `disk_window` places back
+        has been copied to the GPU (and so may be evicted from host memory)."""
+        m, pl = self.model, self.placement
+        g = len(self._staged_order)
+        self._staged_order.append((step, layer))
+        evict = self._h2d_of_layer.get(self._staged_order[g - pl.disk_window], []) if g >= pl.disk_window else []
+        reads: dict[tuple[str, int], str] = {}
+        tensors = [("attention", -1, m.attention_bytes(), "weights"), ("gate", -1, m.gate_bytes(), "weights")]
+        tensors += [("experts", e, m.expert_bytes(), "moe_weights") for e in range(m.num_experts)]
+        for what, expert, nbytes, category in tensors:
+            if self.tier(what) == "disk":
+                name = f"disk/s{step}/L{layer}/{what}" + (f"/E{expert}" if expert >= 0 else "")
+                reads[(what, expert)] = self.b.transfer(name, category, "disk_read", nbytes, "disk", "cpu", evict,
+                                                        step=step, layer=layer, expert=expert)
+        self._staged[(step, layer)] = reads
 
     # ---- compute ------------------------------------------------------------------------------
     def embed(self, op_id: str, step: int, batch: int, deps: Iterable[str | None] = ()) -> str:
@@ -156,10 +202,14 @@ class OpEmitter:
                               phase=self.phase(step), batches=(batch,), tokens=tokens)
 
     def lm_head(self, op_id: str, step: int, batch: int, deps: Iterable[str | None] = ()) -> str:
-        bs = self.shape.batch_size  # only the last position of each sequence needs logits
+        """Logits of the last position of each sequence; after the last step the batch is done
+        and its KV cache is released."""
+        bs = self.shape.batch_size
+        done = step == self.shape.num_steps - 1
         return self.b.compute(op_id, "lm_head", deps, flops=self.model.lm_head_flops(bs),
                               bytes=self.model.lm_head_io_bytes(bs), step=step, phase=self.phase(step),
-                              batches=(batch,), tokens=bs)
+                              batches=(batch,), tokens=bs,
+                              free=tuple(self._kv_buffers.pop(batch, ())) if done else ())
 
     def attention(self, op_id: str, step: int, layer: int, batch: int, deps: Iterable[str | None] = (),
                   free: tuple[str, ...] = ()) -> str:
@@ -174,6 +224,7 @@ class OpEmitter:
         free = tuple(free)
         if self.placement.kv == "gpu":
             alloc = ((f"kv/L{layer}/b{batch}/s{step}", m.kv_bytes(sh.batch_size, new)),)
+            self._kv_buffers.setdefault(batch, []).append(alloc[0][0])
         elif kv_len - new > 0:
             # Double-buffered like FlexGen's load_cache(j, k+1): the cache of this attention may
             # load once the attention two before it has finished with its own buffer.

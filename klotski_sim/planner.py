@@ -1,0 +1,236 @@
+"""Klotski's constraint-sensitive I/O-compute planner (KLOTSKI.md, "The planner"), plus the
+default placement of tensors over GPU / CPU / disk.
+
+Time 0 is the start of attention in an MoE block of a group of n batches. The planner wants the
+smallest n for which compute covers every transfer of the block:
+
+    (4) n*t_cA                                  >= t_IO_G
+    (5) n*(t_cA + t_cG)                         >= t_IO_G + K*t_IO_E
+    (6) n*(t_cA + t_cG) + t_c_hotE              >= t_IO_G + (K+1)*t_IO_E
+    (7) n*(t_cA + t_cG) + t_c_hotE + sum_Q t_cE >= t_IO_G + (K+|Q|)*t_IO_E + t_IO_A
+
+(larger n only adds KV cache), then lowers n until the GPU memory fits: resident weights, the
+pipeline's weight buffers, activations and the KV cache of n batches at the final length. Every
+term comes from the cost model, so a calibrated profile plans with measured numbers. Expert
+activity (hot share, |Q|) comes from routing statistics — the warm-up trace when there is one.
+Like the paper, the inequalities ignore KV traffic on the same link; the simulator shows its cost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from .cost import CostModel
+from .hardware import HardwareProfile
+from .model import ModelSpec
+from .policies.base import Placement
+
+GIB = 2**30
+HOST_HEADROOM = 0.9  # share of host memory the offloaded weights may take
+
+
+@dataclass(frozen=True)
+class Inequality:
+    name: str
+    lhs: float
+    rhs: float
+
+    @property
+    def holds(self) -> bool:
+        return self.lhs >= self.rhs
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The planner's answer and how it got there."""
+
+    n: int
+    n_io: int | None  # smallest n meeting (4)-(7), None if no n <= n_max does
+    n_memory: int  # largest n whose memory fits (0: not even one batch)
+    placement: Placement
+    terms: dict[str, float]
+    inequalities: tuple[Inequality, ...]  # evaluated at the chosen n
+    memory: dict[str, float]
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+def expert_activity(model: ModelSpec, popularity: np.ndarray, tokens: int) -> dict[str, np.ndarray]:
+    """Per layer, for a group of `tokens` tokens each choosing top-k experts with the given shares
+    (`[layers, experts]`, summing to 1 per layer): the K hottest experts' token counts, and each
+    other expert's chance to be used at all and its expected tokens when it is."""
+    k = model.top_k
+    q = np.minimum(1.0, k * popularity)  # chance a token selects expert e
+    order = np.argsort(-popularity, axis=1, kind="stable")
+    hot = order[:, : model.top_k]
+    cold = order[:, model.top_k:]
+    p_used = 1 - (1 - q) ** tokens
+    expected_tokens = tokens * q
+    take = np.take_along_axis
+    return {
+        "hot_tokens": take(expected_tokens, hot, axis=1),
+        "cold_p_used": take(p_used, cold, axis=1),
+        "cold_tokens_if_used": take(expected_tokens, cold, axis=1) / np.maximum(take(p_used, cold, axis=1), 1e-12),
+    }
+
+
+def memory_needed(model: ModelSpec, batch_size: int, n: int, prompt_len: int, gen_len: int, placement: Placement,
+                  buffering: str = "expert-aware") -> dict[str, float]:
+    """GPU bytes a multi-batch pipeline needs: resident weights, weight buffers (expert-aware:
+    double-buffered attention, the gate and a whole MoE layer in flight, the worst case;
+    whole-layer: two whole layers), activations and the KV cache."""
+    streamed = model.num_layers - min(placement.resident_layers, model.num_layers)
+    if not streamed:
+        buffers = 0
+    elif buffering == "whole-layer":
+        buffers = 2 * model.layer_bytes()
+    else:
+        buffers = 2 * model.attention_bytes() + model.gate_bytes() + model.moe_layer_bytes()
+    tokens_final = prompt_len + gen_len - 1
+    kv_all = n * model.num_layers * model.kv_bytes(batch_size, tokens_final)
+    out = {
+        "resident": float(model.resident_bytes() + placement.resident_layers * model.layer_bytes()),
+        "weight_buffers": float(buffers),
+        "activations": float(n * model.hidden_bytes(batch_size * prompt_len)),
+        "kv_cache": float(kv_all if placement.kv == "gpu" else 2 * model.kv_bytes(batch_size, tokens_final)),
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def default_placement(model: ModelSpec, profile: HardwareProfile, kv: str = "gpu") -> Placement:
+    """Experts to CPU memory first; to disk when host memory cannot hold the weights (attention
+    and gate then stay in host memory as long as they fit)."""
+    host = profile.host.memory_bytes * HOST_HEADROOM
+    streamed = model.num_layers * model.layer_bytes()
+    if streamed <= host:
+        return Placement(kv=kv)
+    dense = model.num_layers * (model.attention_bytes() + model.gate_bytes())
+    if dense <= host:
+        return Placement(experts="disk", kv=kv)
+    return Placement(attention="disk", gate="disk", experts="disk", kv=kv)
+
+
+def largest_fitting_n(model: ModelSpec, profile: HardwareProfile, batch_size: int, prompt_len: int, gen_len: int,
+                      placement: Placement, buffering: str = "expert-aware", n_max: int = 256) -> int:
+    """The most batches whose memory fits on the GPU (0 when not even one does)."""
+    capacity = profile.gpu.usable_bytes
+    return next((n for n in range(n_max, 0, -1) if memory_needed(model, batch_size, n, prompt_len, gen_len,
+                                                                   placement, buffering)["total"] <= capacity), 0)
+
+
+def plan(model: ModelSpec, profile: HardwareProfile, batch_size: int, prompt_len: int = 512, gen_len: int = 32,
+         popularity: np.ndarray | None = None, placement: Placement | None = None, n_max: int = 256,
+         cost: CostModel | None = None, resident_layers: bool = True) -> Plan:
+    """Pick n (and where the KV cache goes) for a Klotski pipeline on `profile`."""
+    cost = cost or CostModel(profile)
+    notes: list[str] = []
+    placement = placement or default_placement(model, profile)
+    if placement.uses_disk:
+        notes.append(f"weights exceed {HOST_HEADROOM:.0%} of host memory: {placement.describe()}")
+    if popularity is None:
+        popularity = np.full((model.num_layers, model.num_experts), 1 / model.num_experts)
+        notes.append("no routing statistics given: uniform routing assumed (the worst case)")
+    kv_len = prompt_len + gen_len // 2  # a representative decode step
+    h2d = "pcie_h2d"
+    t = {
+        "t_cA": cost.compute_seconds("attention", model.attention_flops(batch_size, 1, kv_len),
+                                     model.attention_io_bytes(batch_size, 1, kv_len), batch_size, kv_len),
+        "t_cG": cost.compute_seconds("gate", model.gate_flops(batch_size), model.gate_io_bytes(batch_size), batch_size),
+        "t_IO_G": cost.transfer_seconds(h2d, model.gate_bytes()),
+        "t_IO_E": cost.transfer_seconds(h2d, model.expert_bytes()),
+        "t_IO_A": cost.transfer_seconds(h2d, model.attention_bytes()),
+    }
+    K = model.top_k
+
+    def expert_time(tokens: float) -> float:
+        tok = max(1, int(round(tokens)))
+        return cost.compute_seconds("expert", model.expert_flops(tok), model.expert_io_bytes(tok), tok)
+
+    def group_terms(n: int) -> dict[str, float]:
+        act = expert_activity(model, popularity, n * batch_size)
+        hot = np.vectorize(expert_time)(act["hot_tokens"]).sum(axis=1).mean()
+        cold = (act["cold_p_used"] * np.vectorize(expert_time)(act["cold_tokens_if_used"])).sum(axis=1).mean()
+        return {"t_c_hotE": float(hot), "sum_Q_t_cE": float(cold), "Q": float(act["cold_p_used"].sum(axis=1).mean())}
+
+    def inequalities(n: int) -> tuple[Inequality, ...]:
+        g = group_terms(n)
+        base = n * (t["t_cA"] + t["t_cG"])
+        return (
+            Inequality("(4) n*t_cA >= t_IO_G", n * t["t_cA"], t["t_IO_G"]),
+            Inequality("(5) n*(t_cA+t_cG) >= t_IO_G + K*t_IO_E", base, t["t_IO_G"] + K * t["t_IO_E"]),
+            Inequality("(6) ... + t_c_hotE >= t_IO_G + (K+1)*t_IO_E", base + g["t_c_hotE"],
+                       t["t_IO_G"] + (K + 1) * t["t_IO_E"]),
+            Inequality("(7) ... + sum_Q t_cE >= t_IO_G + (K+|Q|)*t_IO_E + t_IO_A",
+                       base + g["t_c_hotE"] + g["sum_Q_t_cE"], t["t_IO_G"] + (K + g["Q"]) * t["t_IO_E"] + t["t_IO_A"]),
+        )
+
+    n_io = next((n for n in range(1, n_max + 1) if all(i.holds for i in inequalities(n))), None)
+    capacity = profile.gpu.usable_bytes
+
+    def fits(n: int, pl: Placement) -> bool:
+        return memory_needed(model, batch_size, n, prompt_len, gen_len, pl)["total"] <= capacity
+
+    def largest_fitting(pl: Placement) -> int:
+        return largest_fitting_n(model, profile, batch_size, prompt_len, gen_len, pl, n_max=n_max)
+
+    want = n_io or n_max
+    if n_io is None:
+        notes.append(f"no n <= {n_max} closes the bubbles on this hardware: the link is too slow for the "
+                     f"compute (try a calibrated profile); taking the most that memory allows")
+    n_memory = largest_fitting(placement)
+    if n_memory == 0 and placement.kv == "gpu":
+        notes.append("not even one batch's KV cache fits on the GPU next to the weight buffers: KV cache "
+                     "moved to host memory (loaded per batch and layer over PCIe)")
+        placement = replace(placement, kv="cpu")
+        n_memory = largest_fitting(placement)
+    if n_memory == 0:
+        notes.append("the weight buffers alone exceed GPU memory: the run will report out-of-memory")
+        n = 1
+    elif want > n_memory:
+        mem = memory_needed(model, batch_size, want, prompt_len, gen_len, placement)
+        notes.append(f"n lowered from {want} to {n_memory}: {want} batches need {mem['total'] / GIB:.1f} GiB "
+                     f"(KV cache {mem['kv_cache'] / GIB:.1f} GiB) but {capacity / GIB:.1f} GiB are usable")
+        n = n_memory
+    else:
+        n = want
+    if resident_layers and n_memory and n <= n_memory:
+        spare = capacity - memory_needed(model, batch_size, n, prompt_len, gen_len, placement)["total"]
+        keep = min(model.num_layers, int(spare // model.layer_bytes()))
+        if keep > 0:
+            placement = replace(placement, resident_layers=keep)
+            while keep > 0 and not fits(n, placement):
+                keep -= 1
+                placement = replace(placement, resident_layers=keep)
+            if keep:
+                notes.append(f"{keep} layer(s) kept resident on the GPU with the spare memory")
+    terms = dict(t)
+    terms.update(group_terms(n))
+    return Plan(n=n, n_io=n_io, n_memory=n_memory, placement=placement, terms=terms,
+                inequalities=inequalities(n), memory=memory_needed(model, batch_size, n, prompt_len, gen_len, placement),
+                notes=tuple(notes))
+
+
+def format_plan(p: Plan, model: ModelSpec, profile: HardwareProfile, batch_size: int) -> str:
+    ms = 1e3
+    lines = [f"planner: {model.name} on {profile.name}, batch size {batch_size}, K = {model.top_k} hot experts",
+             "terms (ms):"]
+    labels = {"t_cA": "attention of one batch", "t_cG": "gate of one batch", "t_IO_G": "gate transfer",
+              "t_IO_E": "one expert transfer", "t_IO_A": "attention transfer",
+              "t_c_hotE": "hot experts over the group", "sum_Q_t_cE": "cold experts over the group"}
+    for key, label in labels.items():
+        lines.append(f"  {key:11} {p.terms[key] * ms:10.3f}   {label}")
+    lines.append(f"  {'|Q|':11} {p.terms['Q']:10.2f}   expected cold experts per layer")
+    lines.append(f"smallest n meeting (4)-(7): {p.n_io if p.n_io is not None else 'none'}; "
+                 f"memory allows n <= {p.n_memory}")
+    lines.append(f"at n = {p.n}:")
+    for ineq in p.inequalities:
+        lines.append(f"  {ineq.name:55} {ineq.lhs * ms:10.3f} >= {ineq.rhs * ms:10.3f}  "
+                     f"{'ok' if ineq.holds else 'NOT MET'}")
+    lines.append("GPU memory: " + ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in p.memory.items()) +
+                 f" (usable {profile.gpu.usable_bytes / GIB:.2f} GiB)")
+    lines.append(f"placement: {p.placement.describe()}")
+    lines.extend(f"note: {note}" for note in p.notes)
+    lines.append(f"=> n = {p.n}")
+    return "\n".join(lines)

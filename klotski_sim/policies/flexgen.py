@@ -1,0 +1,80 @@
+"""FlexGen-style multi-batch (Sheng et al., ICML 2023; KLOTSKI.md "Baselines").
+
+A block of n batches shares each loaded layer, in zig-zag order: for each step, for each layer
+j, for each batch k — `load_weight(j+1)` (at k = 0), `load_cache(j, k+1)`, `compute(j, k)`,
+`store_cache(j, k-1)`. MoE layers load whole (every expert); each batch computes the experts
+its own tokens chose. KV loads and stores run on their own streams when the cache is on the CPU.
+
+Two overlap models, option `overlap`:
+- `code` (default, what FlexGen's implementation does): the next layer's weights are issued at
+  k = 0 and `sync()` after the first batch is a device-wide synchronise, so those weights must
+  land within the first batch's step or the block stalls.
+- `model` (what FlexGen's cost model assumes): the next layer's load overlaps the whole block.
+"""
+
+from __future__ import annotations
+
+from ..schedule import Schedule
+from .base import OpEmitter, PolicyInput, register
+
+OVERLAPS = ("code", "model")
+
+
+@register("flexgen", "FlexGen zig-zag block of n batches, whole-layer loads; overlap=code|model",
+          defaults={"overlap": "code"})
+def build(inp: PolicyInput) -> Schedule:
+    overlap = inp.options["overlap"]
+    if overlap not in OVERLAPS:
+        raise ValueError(f"flexgen overlap must be one of {OVERLAPS}, got {overlap!r}")
+    em = OpEmitter(inp)
+    m, sh, counts = inp.model, inp.shape, inp.routing.counts
+    batches = range(sh.num_batches)
+    order = [(step, layer) for step in range(sh.num_steps) for layer in range(m.num_layers)]
+
+    def load_weight(g: int, after: list[str]) -> list[str] | None:
+        """All of layer g (attention, gate, every expert), or None for a resident layer."""
+        step, layer = order[g]
+        if em.is_resident(layer):
+            return None
+        at = f"s{step}/L{layer}"
+        ops = [em.fetch(f"{at}/load_attn", "attention", m.attention_bytes(), "weights", "h2d_weights", after,
+                        step=step, layer=layer),
+               em.fetch(f"{at}/load_gate", "gate", m.gate_bytes(), "weights", "h2d_weights", after,
+                        step=step, layer=layer)]
+        ops += [em.fetch(f"{at}/load_E{e}", "experts", m.expert_bytes(), "moe_weights", "h2d_weights", after,
+                         step=step, layer=layer, expert=e) for e in range(m.num_experts)]
+        return ops
+
+    layer_done: list[str] = []
+    loads = {0: load_weight(0, [])}
+    for g, (step, layer) in enumerate(order):
+        if layer == 0:
+            for b in batches:
+                em.embed(f"s{step}/b{b}/embed", step, b)
+        current = loads.pop(g)
+        # load_weight(j+1) at k = 0: its buffer is free once layer j-1 is done (double buffering)
+        if g + 1 < len(order):
+            loads[g + 1] = load_weight(g + 1, [layer_done[-1]] if layer_done else [])
+        upcoming = loads.get(g + 1) or []
+        attn_w, gate_w, expert_w = (current[0], current[1], current[2:]) if current else (None, None, [])
+        at = f"s{step}/L{layer}"
+        op = ""
+        for k in batches:
+            # FlexGen's code: sync() after batch 0 waits for the weights issued at k = 0
+            sync = upcoming if overlap == "code" and k == 1 else []
+            last_batch = k == batches[-1]
+            em.attention(f"{at}/b{k}/attn", step, layer, k, [attn_w, *sync],
+                         free=(attn_w,) if attn_w and last_batch else ())
+            op = em.gate(f"{at}/b{k}/gate", step, layer, k, [gate_w], free=(gate_w,) if gate_w and last_batch else ())
+            chosen = [e for e in range(m.num_experts) if counts[step, layer, k, e] > 0]
+            for i, e in enumerate(chosen):
+                # the layer's last expert op waits for, then releases, the whole MoE layer
+                end_of_layer = last_batch and i == len(chosen) - 1
+                deps = list(expert_w) if end_of_layer else ([expert_w[e]] if expert_w else [])
+                op = em.expert(f"{at}/b{k}/E{e}", step, layer, e, (k,), int(counts[step, layer, k, e]), deps,
+                               free=tuple(expert_w) if end_of_layer else ())
+        layer_done.append(op)
+        if layer == m.num_layers - 1:
+            for b in batches:
+                em.lm_head(f"s{step}/b{b}/lm_head", step, b)
+    return em.build("flexgen", overlap=overlap)

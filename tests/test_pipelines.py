@@ -1,0 +1,270 @@
+"""The multi-batch policies (ablation ladder, oracle, FlexGen), the prefetcher and the planner."""
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from klotski_sim.engine import simulate
+from klotski_sim.hardware import load_profile, with_overrides
+from klotski_sim.model import get_model
+from klotski_sim.planner import memory_needed, plan
+from klotski_sim.policies import Placement, PolicyInput, build_schedule
+from klotski_sim.prefetch import CorrelationTable
+from klotski_sim.routing import RoutingTable, RunShape
+from klotski_sim.trace import replay
+from klotski_sim.trace_synth import synthesize
+
+from .conftest import make_profile
+
+MULTI = ("multi-batch", "hot-prefetch", "klotski", "klotski-oracle", "flexgen")
+EXPERT_LOADS = ("moe_weights", "hot_expert", "cold_expert")
+
+
+def make_input(model="tiny-mixtral", bs=2, n=3, P=6, G=3, routing="calibrated", seed=0, placement=None,
+               profile=None, warmup=4, options=None):
+    m = get_model(model)
+    shape = RunShape(bs, n, P, G)
+    trace = synthesize(m, shape.num_sequences + warmup, P, G, routing, seed)
+    rep = replay(trace, m, shape, warmup_sequences=warmup)
+    return PolicyInput(m, profile or load_profile("rtx3090"), rep.routing, placement or Placement(),
+                       options or {}, warmup=rep.warmup)
+
+
+@pytest.mark.parametrize("policy", MULTI + ("single-batch",))
+@pytest.mark.parametrize("placement", [Placement(), Placement(kv="cpu"), Placement(experts="disk"),
+                                       Placement(resident_layers=1)])
+def test_every_policy_validates_and_runs(policy, placement):
+    inp = make_input(placement=placement)
+    s = build_schedule(policy, inp)
+    tl = simulate(s, inp.profile)
+    assert tl.status == "ok" and len(tl) == len(s)
+    # every routed (step, layer, expert) with tokens is computed over exactly its tokens
+    counts = inp.routing.counts
+    done = Counter()
+    for o in s.ops:
+        if o.category == "expert":
+            done[(o.step, o.layer, o.expert)] += o.tokens
+    expected = {(st_, l, e): int(counts[st_, l, :, e].sum()) for st_ in range(3) for l in range(2) for e in range(4)
+                if counts[st_, l, :, e].sum()}
+    assert dict(done) == expected
+
+
+@pytest.mark.parametrize("policy", MULTI)
+def test_each_expert_loads_at_most_once_per_layer_and_step(policy):
+    s = build_schedule(policy, make_input(model="mixtral-8x7b", bs=2, n=3, P=4, G=3))
+    loads = Counter((o.step, o.layer, o.expert) for o in s.ops if o.category in EXPERT_LOADS and o.dst == "gpu")
+    assert loads and max(loads.values()) == 1
+
+
+@pytest.mark.parametrize("policy", ("hot-prefetch", "klotski"))
+def test_cold_loads_never_start_before_the_gate_that_revealed_them(policy):
+    inp = make_input(model="mixtral-8x7b", bs=2, n=3, P=4, G=4)
+    s = build_schedule(policy, inp)
+    tl = simulate(s, inp.profile)
+    df = tl.df.set_index("op_id")
+    counts = inp.routing.counts
+    cold = [o for o in s.ops if o.category == "cold_expert"]
+    assert cold
+    for o in cold:
+        gates = [s.op(d) for d in o.deps if s.op(d).category == "gate"]
+        assert len(gates) == 1
+        g = gates[0]
+        assert (g.step, g.layer) == (o.step, o.layer) and counts[o.step, o.layer, g.batch, o.expert] > 0
+        # no earlier gate of the group had revealed it
+        assert all(counts[o.step, o.layer, b, o.expert] == 0 for b in range(g.batch))
+        assert df.at[o.id, "start"] >= df.at[g.id, "end"]
+
+
+def test_klotski_computes_hot_experts_first_then_cold_in_arrival_order():
+    inp = make_input(model="mixtral-8x7b", bs=2, n=3, P=4, G=4)
+    s = build_schedule("klotski", inp)
+    loads = {}
+    for i, o in enumerate(s.ops):
+        if o.category in ("hot_expert", "cold_expert"):
+            loads[(o.step, o.layer, o.expert)] = (0 if o.category == "hot_expert" else 1, i)
+    for step in range(4):
+        for layer in range(inp.model.num_layers):
+            order = [loads[(o.step, o.layer, o.expert)] for o in s.ops
+                     if o.category == "expert" and (o.step, o.layer) == (step, layer)]
+            assert order == sorted(order)  # hot (0) before cold (1), cold by issue position
+
+
+def test_hot_prefetch_without_reorder_runs_in_expert_id_order():
+    s = build_schedule("hot-prefetch", make_input(model="mixtral-8x7b", bs=2, n=3, P=4, G=3))
+    for step in range(3):
+        for layer in range(32):
+            experts = [o.expert for o in s.ops if o.category == "expert" and (o.step, o.layer) == (step, layer)]
+            assert experts == sorted(experts)
+
+
+def _hot_sets(schedule):
+    hot = {}
+    for o in schedule.ops:
+        if o.category == "hot_expert":
+            hot.setdefault((o.step, o.layer), []).append(o.expert)
+    return hot
+
+
+@given(cut_step=st.integers(0, 2), cut_layer=st.integers(0, 1), seed=st.integers(0, 10_000))
+def test_prefetch_never_uses_the_future(cut_step, cut_layer, seed):
+    """Changing the trace after (step, layer) never changes hot sets up to and including it."""
+    inp = make_input(n=2, G=3)
+    ids = inp.routing.ids.copy()
+    rng = np.random.default_rng(seed)
+    future = ids.copy()
+    sh = inp.shape
+    for step in range(sh.num_steps):
+        for layer in range(inp.model.num_layers):
+            if (step, layer) > (cut_step, cut_layer):
+                pos = sh.step_positions(step)
+                shape = future[:, :, pos, layer, :].shape
+                keys = rng.random(shape[:-1] + (4,))
+                future[:, :, pos, layer, :] = np.argsort(keys, axis=-1)[..., :2]
+    changed = PolicyInput(inp.model, inp.profile, RoutingTable(future, sh, 4), inp.placement, {}, inp.warmup)
+    a, b = _hot_sets(build_schedule("klotski", inp)), _hot_sets(build_schedule("klotski", changed))
+    # the hot set of layer j is chosen from layer j-1 of the same step: it may depend on the cut
+    for key in a:
+        if key <= (cut_step, cut_layer):
+            assert a[key] == b[key], key
+
+
+def test_correlation_table_follows_the_paper():
+    t = CorrelationTable(num_layers=2, num_experts=4, top_k=2)
+    t.observe(0, np.array([[0, 1], [0, 2]]), None)
+    assert t.predict(0, None, 2) == [0, 1]  # T0 counts: e0=2, e1=1, e2=1 (tie -> lower id)
+    # layer 1: tokens that chose {0,1} in layer 0 chose {3,2} in layer 1
+    t.observe(1, np.array([[3, 2]]), np.array([[0, 1]]))
+    assert t.pairs[1][0].tolist() == [0, 0, 1, 1]
+    assert sorted(t.predict(1, np.array([5, 0, 0, 0]), 2)) == [2, 3]
+
+
+def test_prefetch_precision_is_reported():
+    s = build_schedule("klotski", make_input(model="mixtral-8x7b", bs=4, n=4, P=8, G=4))
+    pf = s.meta["prefetch"]
+    assert 0 <= pf["hot_identification"] <= 1 and pf["precision"] > 0.5 and pf["predictions"] == 4 * 32
+
+
+def _tput(policy, routing, n=4, seed=0, model="mixtral-8x7b"):
+    inp = make_input(model=model, bs=8, n=n, P=16, G=6, routing=routing, seed=seed)
+    return simulate(build_schedule(policy, inp), inp.profile).summary()
+
+
+def test_reorder_shrinks_intra_layer_bubbles_with_skewed_routing():
+    # a slow link and slow compute make loads and hot compute comparable
+    slow = with_overrides(load_profile("rtx3090"), {"gpu.kernel_overhead_s": 2e-4})
+    m = get_model("mixtral-8x7b")
+    shape = RunShape(2, 2, 8, 6)
+    trace = synthesize(m, shape.num_sequences + 8, 8, 6, "zipf:1.5", 0)
+    rep = replay(trace, m, shape, warmup_sequences=8)
+    inp = PolicyInput(m, slow, rep.routing, Placement(), {}, rep.warmup)
+    klotski = simulate(build_schedule("klotski", inp), slow).summary()
+    no_reorder = simulate(build_schedule("hot-prefetch", inp), slow).summary()
+    assert klotski.bubble_intra_s < no_reorder.bubble_intra_s
+
+
+def test_klotski_advantage_over_multi_batch_shrinks_with_uniform_routing():
+    gain = {}
+    for routing in ("zipf:1.5", "uniform"):
+        gain[routing] = _tput("klotski", routing, n=1).throughput_tok_s / _tput("multi-batch", routing, n=1).throughput_tok_s
+    assert gain["uniform"] < gain["zipf:1.5"]
+
+
+def test_more_batches_never_reduce_expert_load_volume():
+    m = get_model("mixtral-8x7b")
+    trace = synthesize(m, 8 * 2 + 4, 4, 4, "calibrated", 0)
+    volume = []
+    for n in (1, 2, 4, 8):
+        rep = replay(trace, m, RunShape(2, n, 4, 4), warmup_sequences=4)
+        inp = PolicyInput(m, load_profile("rtx3090"), rep.routing, Placement(), {}, rep.warmup)
+        s = build_schedule("klotski", inp)
+        per_step = Counter()
+        for o in s.ops:
+            if o.category in EXPERT_LOADS:
+                per_step[o.step] += o.bytes
+        volume.append([per_step[k] for k in range(4)])
+    for small, big in zip(volume, volume[1:]):
+        assert all(b >= a for a, b in zip(small, big))
+
+
+@pytest.mark.parametrize("overlap", ["code", "model"])
+def test_flexgen_overlap_variants(overlap):
+    inp = make_input(model="mixtral-8x7b", bs=2, n=3, P=4, G=3, options={"overlap": overlap})
+    s = build_schedule("flexgen", inp)
+    assert s.meta["overlap"] == overlap
+    second_batch_attention = [o for o in s.ops if o.category == "attention" and o.batch == 1 and o.layer == 0]
+    waits_for_next_layer = any(s.op(d).layer == 1 for d in second_batch_attention[0].deps)
+    assert waits_for_next_layer == (overlap == "code")
+    code = simulate(build_schedule("flexgen", make_input(model="mixtral-8x7b", bs=2, n=3, P=4, G=3)), inp.profile)
+    model = simulate(s, inp.profile)
+    if overlap == "model":
+        assert model.makespan <= code.makespan
+    with pytest.raises(ValueError, match="overlap must be"):
+        build_schedule("flexgen", make_input(options={"overlap": "sometimes"}))
+
+
+def test_disk_weights_are_staged_through_host_memory_within_the_window():
+    inp = make_input(placement=Placement(experts="disk", disk_window=2), n=2, G=3)
+    s = build_schedule("klotski", inp)
+    tl = simulate(s, inp.profile)
+    df = tl.df.set_index("op_id")
+    reads = [o for o in s.ops if o.stream == "disk_read"]
+    assert reads and all(o.category in ("moe_weights",) for o in reads)
+    for o in s.ops:
+        if o.stream != "disk_read" and o.category in EXPERT_LOADS:
+            disk = [d for d in o.deps if s.op(d).stream == "disk_read"]
+            assert len(disk) == 1 and df.at[disk[0], "end"] <= df.at[o.id, "start"]
+
+
+def test_flexgen_runs_out_of_memory_with_too_many_batches():
+    small = with_overrides(load_profile("rtx3090"), {"gpu.memory_bytes": 8e9})
+    inp = make_input(model="mixtral-8x7b", bs=16, n=4, P=512, G=2, profile=small)
+    assert simulate(build_schedule("flexgen", inp), small).status == "oom"
+
+
+# ---- planner ----------------------------------------------------------------------------------
+def _slow_profile(**gpu):
+    return make_profile(peak_flops=1e9, **gpu)
+
+
+def test_planner_terms_by_hand():
+    """tiny-mixtral, bs 2, P 8, G 4 on 1 GFLOP/s, 1 TB/s, 1 GB/s links, no overheads:
+    t_cA = projections 2*2*12288 + scores 2*2*(2 tokens)*(4 heads)*(16 dims)*(kv 10) = 54,272 FLOPs
+    = 54.272 us; t_cG = 2*2*64*4 = 1.024 us; t_IO_E = 49,152 B / 1 GB/s = 49.152 us;
+    t_IO_A = 24.576 us; t_IO_G = 0.512 us. (5) needs n * 55.296 us >= 98.816 us -> n = 2."""
+    p = plan(get_model("tiny-mixtral"), _slow_profile(), batch_size=2, prompt_len=8, gen_len=4)
+    t = p.terms
+    assert t["t_cA"] == pytest.approx(54.272e-6)
+    assert t["t_cG"] == pytest.approx(1.024e-6)
+    assert t["t_IO_E"] == pytest.approx(49.152e-6)
+    assert t["t_IO_A"] == pytest.approx(24.576e-6)
+    assert t["t_IO_G"] == pytest.approx(0.512e-6)
+    # uniform routing: each hot expert gets 2 of the 4 tokens (2 x 98.304 us); the 2 cold experts are
+    # used with probability 1 - 0.5^4 = 0.9375 each
+    assert t["t_c_hotE"] == pytest.approx(2 * 98.304e-6)
+    assert t["Q"] == pytest.approx(1.875)
+    assert p.n_io == 2 and p.n == 2 and all(i.holds for i in p.inequalities)
+
+
+def test_memory_cap_lowers_n_with_an_explanation():
+    m = get_model("tiny-mixtral")
+    one = memory_needed(m, 2, 1, 8, 4, Placement())["total"]
+    p = plan(m, _slow_profile(memory_bytes=one + 10), batch_size=2, prompt_len=8, gen_len=4, resident_layers=False)
+    assert p.n_io == 2 and p.n == 1 and p.n_memory == 1
+    assert any("lowered from 2 to 1" in note for note in p.notes)
+
+
+def test_planner_moves_kv_to_host_when_one_batch_does_not_fit():
+    m = get_model("mixtral-8x7b")  # 32 layers of KV cache vs one batch-layer buffered
+    no_kv = memory_needed(m, 16, 1, 512, 32, Placement(kv="cpu"))["total"]
+    p = plan(m, _slow_profile(memory_bytes=no_kv + 10), batch_size=16, resident_layers=False)
+    assert p.placement.kv == "cpu" and any("moved to host memory" in note for note in p.notes)
+
+
+def test_planner_reproduces_the_papers_memory_bound_n_order():
+    p = plan(get_model("mixtral-8x7b"), load_profile("rtx3090"), batch_size=16)
+    assert 10 <= p.n <= 20 and p.placement.kv == "gpu"  # paper: n = 15 on the 3090
+    big = plan(get_model("mixtral-8x22b"), load_profile("rtx3090"), batch_size=16)
+    assert big.placement.experts == "disk" and big.n < p.n  # 8x22B does not fit in 256 GB of DRAM
