@@ -1,4 +1,4 @@
-"""`klotski-runtime`: the real side — record routing traces from local checkpoints.
+"""`klotski-runtime`: the real side — record traces, execute schedules, calibrate, validate.
 
 Bad input ends with a one-line `error:` message and exit status 2, never a traceback.
 """
@@ -41,6 +41,120 @@ def cmd_tiny_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def _csv_ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _emulation(args: argparse.Namespace) -> dict[str, float]:
+    if args.device != "cpu" or not args.emulate_pcie:
+        return {}
+    return {"pcie_h2d": args.emulate_pcie, "pcie_d2h": args.emulate_pcie}
+
+
+def _add_device(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run (default: %(default)s)")
+    p.add_argument("--emulate-pcie", type=float, default=1e9, metavar="BYTES_PER_S",
+                   help="CPU only: emulate PCIe H2D/D2H at this rate, labelled as emulation in every output "
+                        "(0 = real memcpy speed; default: %(default)s)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU only: torch compute threads; the other cores run the copy threads (default: %(default)s)")
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    import torch
+
+    from klotski_sim.model import get_model
+
+    from .calibrate import calibrate
+
+    profile = calibrate(get_model(args.model), args.device, batch_sizes=args.batch_sizes,
+                        prompt_lens=args.prompt_lens, max_expert_tokens=args.max_expert_tokens, repeats=args.repeats,
+                        dtype=getattr(torch, args.dtype), emulate_links=_emulation(args),
+                        command="klotski-runtime " + " ".join(sys.argv[1:]),
+                        threads=args.threads if args.device == "cpu" else None)
+    Path(args.out).write_text(profile.to_yaml())
+    print(f"wrote {args.out}: {profile.gpu.name}; peak {profile.gpu.peak_flops / 1e12:.2f} TFLOP/s, memory "
+          f"{profile.gpu.memory_bandwidth / 1e9:.1f} GB/s, H2D {profile.links.pcie_h2d.bandwidth / 1e9:.2f} GB/s"
+          f"{' (emulated)' if _emulation(args) else ''}; "
+          f"{sum(len(v) for v in profile.measured.values())} measured op durations")
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from .calibrate import calibrate
+    from .validate import ALL_POLICIES, ValidationSetup, format_report, validate
+
+    policies = ALL_POLICIES if args.policy == "all" else tuple(args.policy.split(","))
+    setup = ValidationSetup(model=args.model, device=args.device, batch_size=args.batch_size,
+                            num_batches=args.num_batches, prompt_len=args.prompt_len, gen_len=args.gen_len,
+                            routing=args.routing, trace=args.trace, seed=args.seed, kv=args.kv,
+                            emulate_links=_emulation(args), checkpoint=args.checkpoint, dtype=args.dtype,
+                            threads=args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    profile_path = args.profile
+    if profile_path is None:
+        import torch
+
+        from klotski_sim.model import get_model
+
+        print(f"no --profile: calibrating {args.device} for {args.model} first ...")
+        profile = calibrate(get_model(args.model), args.device, batch_sizes=sorted({1, args.batch_size}),
+                            prompt_lens=[args.prompt_len],
+                            kv_lens=range(args.prompt_len + 1, args.prompt_len + max(2, args.gen_len)),
+                            max_expert_tokens=max(64, 2 ** (args.batch_size * args.num_batches * args.prompt_len)
+                                                  .bit_length()),
+                            dtype=getattr(torch, args.dtype), emulate_links=_emulation(args),
+                            threads=args.threads if args.device == "cpu" else None,
+                            command="klotski-runtime " + " ".join(sys.argv[1:]))
+        profile_path = str(out / "profile.yaml")
+        Path(profile_path).write_text(profile.to_yaml())
+        print(f"wrote {profile_path}")
+    report = validate(setup, profile_path, out, policies)
+    print(format_report(report))
+    print(f"wrote validation.json and <policy>/{{simulated,measured}}.parquet, validation.png to {out}/")
+    return 0
+
+
+def cmd_execute(args: argparse.Namespace) -> int:
+    import torch
+
+    from klotski_sim.model import get_model
+    from klotski_sim.routing import RoutingTable
+    from klotski_sim.schedule import Schedule
+
+    from .executor import ExecOptions, execute
+    from .kernels import WeightStore
+
+    folder = Path(args.schedule)
+    schedule = Schedule.load(folder / "schedule.json" if folder.is_dir() else folder)
+    routing_path = args.routing or (folder if folder.is_dir() else folder.parent) / "routing.npz"
+    routing = RoutingTable.load(routing_path)
+    model = get_model(args.model or schedule.meta.get("model", ""))
+    dtype = getattr(torch, args.dtype)
+    weights = (WeightStore.from_checkpoint(args.checkpoint, model, dtype=dtype) if args.checkpoint
+               else WeightStore.random(model, dtype=dtype))
+    timeline, _ = execute(schedule, model, weights, routing,
+                          ExecOptions(device=args.device, emulate_links=_emulation(args),
+                                      threads=args.threads if args.device == "cpu" else None))
+    from klotski_sim.cli import format_summary
+
+    print(format_summary(timeline.summary()))
+    if timeline.meta.get("emulated_links"):
+        print("links EMULATED: " + ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in
+                                             timeline.meta["emulated_links"]["bandwidth_bytes_per_s"].items()))
+    if args.out:
+        timeline.save_all(args.out)
+        print(f"wrote the measured timeline (summary.json, timeline.parquet/.csv, trace.json, timeline.png) to {args.out}/")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="klotski-runtime", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -58,6 +172,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="FILE", help="trace file to write (.npz)")
     p.set_defaults(func=cmd_record)
 
+    p = sub.add_parser("execute", help="execute a schedule written by `klotski-sim simulate --out DIR` and measure it")
+    p.add_argument("schedule", metavar="DIR|schedule.json")
+    p.add_argument("--routing", metavar="FILE", help="routing.npz (default: next to the schedule)")
+    p.add_argument("--model", help="model preset (default: the schedule's)")
+    p.add_argument("--checkpoint", metavar="DIR", help="load weights from a local safetensors checkpoint "
+                                                       "(default: random weights of the true shapes)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--out", metavar="DIR", help="write the measured timeline files here")
+    _add_device(p)
+    p.set_defaults(func=cmd_execute)
+
+    p = sub.add_parser("calibrate", help="microbenchmark ops and links into a hardware profile with a measured table")
+    p.add_argument("--model", default="small-mixtral", help="model whose op shapes to measure (default: %(default)s)")
+    p.add_argument("--out", required=True, metavar="FILE", help="profile YAML to write")
+    p.add_argument("--batch-sizes", type=_csv_ints, default=[1, 2, 4, 8, 16], metavar="A,B,...")
+    p.add_argument("--prompt-lens", type=_csv_ints, default=[16, 64, 256], metavar="A,B,...")
+    p.add_argument("--max-expert-tokens", type=_positive_int, default=1024)
+    p.add_argument("--repeats", type=_positive_int, default=5, help="median of this many runs per shape")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    _add_device(p)
+    p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("validate", help="simulate and execute the same schedules; report the errors")
+    p.add_argument("--policy", default="all", help="a policy, a comma-separated list, or all (default: %(default)s)")
+    p.add_argument("--model", default="small-mixtral", help="model preset (default: %(default)s)")
+    p.add_argument("--profile", metavar="FILE", help="calibrated profile (default: calibrate now, into DIR/profile.yaml)")
+    p.add_argument("--out", default="klotski-validate", metavar="DIR")
+    p.add_argument("--batch-size", type=_positive_int, default=4)
+    p.add_argument("--num-batches", type=_positive_int, default=2)
+    p.add_argument("--prompt-len", type=_positive_int, default=32)
+    p.add_argument("--gen-len", type=_positive_int, default=4)
+    p.add_argument("--routing", default="calibrated")
+    p.add_argument("--trace", metavar="FILE", help="replay a routing trace instead of synthetic routing")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv", default="gpu", choices=["gpu", "cpu"])
+    p.add_argument("--checkpoint", metavar="DIR", help="weights from a local checkpoint (default: random)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    _add_device(p)
+    p.set_defaults(func=cmd_validate)
+
     p = sub.add_parser("tiny-checkpoint", help="save a tiny random Mixtral checkpoint (for trying record/validate)")
     p.add_argument("--out", required=True, metavar="DIR")
     p.add_argument("--seed", type=int, default=0)
@@ -70,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Callable[[argparse.Namespace], int] = args.func
     try:
         return handler(args)
-    except (RecordError, TraceError, ValueError, OSError) as err:
+    except (RecordError, TraceError, ValueError, OSError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

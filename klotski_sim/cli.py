@@ -49,7 +49,9 @@ def _batches(text: str) -> int | None:
 
 def add_run_arguments(p: argparse.ArgumentParser, policy: bool = True, num_batches_default: str = "1") -> None:
     """The options that describe one configuration (shared by simulate, compare, plan...)."""
-    p.add_argument("--model", default="mixtral-8x7b", choices=sorted(PRESETS), help="model preset (default: %(default)s)")
+    p.add_argument("--model", default="mixtral-8x7b", metavar="NAME[:L]",
+                   help=f"model preset ({', '.join(sorted(PRESETS))}); NAME:L keeps its first L layers "
+                        f"(default: %(default)s)")
     p.add_argument("--hardware", default="rtx3090", metavar="NAME|FILE",
                    help=f"built-in profile ({', '.join(builtin_profile_names())}) or a profile YAML (default: %(default)s)")
     if policy:
@@ -135,7 +137,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         out = Path(args.out)
         paths = result.timeline.save_all(out, png=not args.no_png)
         result.schedule.save(out / "schedule.json")
-        print(f"wrote {', '.join(sorted(p.name for p in paths.values()))}, schedule.json to {out}/")
+        result.routing.save(out / "routing.npz")
+        print(f"wrote {', '.join(sorted(p.name for p in paths.values()))}, schedule.json, routing.npz to {out}/")
     return 0 if result.timeline.status == "ok" else 3
 
 
@@ -278,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("simulate", help="simulate one schedule and print its summary")
     add_run_arguments(p)
     p.add_argument("--out", metavar="DIR", help="write summary.json, timeline.parquet/.csv, trace.json, "
-                                                "timeline.png and schedule.json here")
+                                                "timeline.png, schedule.json and routing.npz here")
     p.add_argument("--no-png", action="store_true", help="skip the Gantt PNG (faster for big runs)")
     p.set_defaults(func=cmd_simulate)
 

@@ -78,12 +78,15 @@ class CostModel:
         self._byte_rate = gpu.memory_bandwidth * gpu.memory_efficiency
 
     def compute_seconds(self, category: str, flops: float, io_bytes: float, tokens: int = 0,
-                        kv_len: int = 0) -> float:
-        table = self.tables.get(category)
-        if table is not None:
-            measured = table.lookup(tokens, kv_len)
-            if measured is not None:
-                return measured
+                        kv_len: int = 0, phase: str = "") -> float:
+        """Measured when the profile's table covers the shape (`category:phase` first, e.g.
+        `attention:decode`, then `category`), else the roofline plus kernel overheads."""
+        for key in (f"{category}:{phase}", category) if phase else (category,):
+            table = self.tables.get(key)
+            if table is not None:
+                measured = table.lookup(tokens, kv_len)
+                if measured is not None:
+                    return measured
         roofline = max(flops / self._flop_rate, io_bytes / self._byte_rate)
         return roofline + KERNELS_PER_OP.get(category, 1) * self.profile.gpu.kernel_overhead_s
 
@@ -98,7 +101,7 @@ class CostModel:
                 return value
         if op.kind == "transfer":
             return self.transfer_seconds(resource, op.bytes)
-        return self.compute_seconds(op.category, op.flops, op.bytes, op.tokens, op.kv_len)
+        return self.compute_seconds(op.category, op.flops, op.bytes, op.tokens, op.kv_len, op.phase)
 
     def durations(self, ops: Sequence[Op], streams: Mapping[str, str] = DEFAULT_STREAMS) -> list[float]:
         return [self.duration(op, streams[op.stream]) for op in ops]

@@ -8,7 +8,7 @@ configs (see ../docs/KLOTSKI.md tables).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -170,8 +170,16 @@ PRESETS: dict[str, ModelSpec] = {
 
 
 def get_model(name: str) -> ModelSpec:
-    """Look up a preset by name; the error lists what exists."""
+    """Look up a preset by name; `NAME:L` keeps only its first L layers (a big model's few layers
+    are enough to validate a schedule on a real GPU). The error lists what exists."""
+    base, _, layers = name.partition(":")
     try:
-        return PRESETS[name]
+        spec = PRESETS[base]
     except KeyError:
-        raise ValueError(f"unknown model {name!r}; known models: {', '.join(sorted(PRESETS))}") from None
+        raise ValueError(f"unknown model {name!r}; known models: {', '.join(sorted(PRESETS))} "
+                         f"(NAME:L keeps the first L layers)") from None
+    if not layers:
+        return spec
+    if not layers.isdigit() or not 1 <= int(layers) <= spec.num_layers:
+        raise ValueError(f"model {name!r}: after ':' give a layer count from 1 to {spec.num_layers}")
+    return replace(spec, name=name, num_layers=int(layers))

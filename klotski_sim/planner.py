@@ -136,8 +136,9 @@ def plan(model: ModelSpec, profile: HardwareProfile, batch_size: int, prompt_len
     h2d = "pcie_h2d"
     t = {
         "t_cA": cost.compute_seconds("attention", model.attention_flops(batch_size, 1, kv_len),
-                                     model.attention_io_bytes(batch_size, 1, kv_len), batch_size, kv_len),
-        "t_cG": cost.compute_seconds("gate", model.gate_flops(batch_size), model.gate_io_bytes(batch_size), batch_size),
+                                     model.attention_io_bytes(batch_size, 1, kv_len), batch_size, kv_len, "decode"),
+        "t_cG": cost.compute_seconds("gate", model.gate_flops(batch_size), model.gate_io_bytes(batch_size), batch_size,
+                                     phase="decode"),
         "t_IO_G": cost.transfer_seconds(h2d, model.gate_bytes()),
         "t_IO_E": cost.transfer_seconds(h2d, model.expert_bytes()),
         "t_IO_A": cost.transfer_seconds(h2d, model.attention_bytes()),
@@ -146,7 +147,7 @@ def plan(model: ModelSpec, profile: HardwareProfile, batch_size: int, prompt_len
 
     def expert_time(tokens: float) -> float:
         tok = max(1, int(round(tokens)))
-        return cost.compute_seconds("expert", model.expert_flops(tok), model.expert_io_bytes(tok), tok)
+        return cost.compute_seconds("expert", model.expert_flops(tok), model.expert_io_bytes(tok), tok, phase="decode")
 
     def group_terms(n: int) -> dict[str, float]:
         act = expert_activity(model, popularity, n * batch_size)

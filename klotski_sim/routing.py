@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 
 import numpy as np
 
@@ -93,6 +94,24 @@ class RoutingTable:
     def tokens_per_expert(self, step: int, layer: int, batches: list[int] | range) -> np.ndarray:
         """Token count per expert over the given batches (length num_experts)."""
         return self.counts[step, layer, list(batches)].sum(axis=0)
+
+    def save(self, path: str | Path) -> None:
+        """The exact routing a schedule was built from (the runtime replays it with the schedule)."""
+        sh = self.shape
+        np.savez_compressed(path, ids=self.ids.astype(np.int16), num_experts=self.num_experts,
+                            shape=np.array([sh.batch_size, sh.num_batches, sh.prompt_len, sh.gen_len]),
+                            source=np.array(self.source))
+
+    @staticmethod
+    def load(path: str | Path) -> "RoutingTable":
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                bs, nb, p, g = (int(v) for v in z["shape"])
+                return RoutingTable(z["ids"], RunShape(bs, nb, p, g), int(z["num_experts"]), str(z["source"]))
+        except FileNotFoundError:
+            raise ValueError(f"{path}: no such routing file") from None
+        except (OSError, KeyError, ValueError, EOFError) as err:
+            raise ValueError(f"{path}: not a routing table written by klotski-sim ({err})") from None
 
     def step_ids(self, step: int, layer: int, batch: int) -> np.ndarray:
         """`[seq, tokens_of_step, slot]` expert ids of one batch at one step and layer."""

@@ -16,7 +16,7 @@ from .engine import simulate
 from .hardware import HardwareProfile, load_profile, with_overrides
 from .model import ModelSpec, get_model
 from .policies import Placement, PolicyInput, build_schedule
-from .routing import RunShape
+from .routing import RoutingTable, RunShape
 from .schedule import Schedule
 from .timeline import Timeline
 from .planner import Plan, default_placement, memory_needed, plan
@@ -88,6 +88,7 @@ class RunResult:
     schedule: Schedule
     timeline: Timeline
     plan: Plan | None = None
+    routing: "RoutingTable | None" = None
 
 
 def resolve_profile(spec: RunSpec) -> HardwareProfile:
@@ -173,7 +174,7 @@ def run(spec: RunSpec, cost: CostModel | None = None, prepared: Prepared | None 
     prep = prepared or prepare(spec)
     schedule = build_schedule(spec.policy, prep.policy_input(spec.options))
     timeline = simulate(schedule, prep.profile, cost)
-    return RunResult(spec, prep.model, prep.profile, schedule, timeline, prep.plan)
+    return RunResult(spec, prep.model, prep.profile, schedule, timeline, prep.plan, prep.replay.routing)
 
 
 def with_policy(spec: RunSpec, policy: str, **changes: Any) -> RunSpec:

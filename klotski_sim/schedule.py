@@ -25,6 +25,7 @@ VERSION = 1
 
 KINDS = ("compute", "transfer")
 TIERS = ("gpu", "cpu", "disk")
+TENSORS = ("", "attention", "gate", "expert", "kv")
 RESOURCES = ("gpu", "pcie_h2d", "pcie_d2h", "nvme")
 
 # The conventional streams and the physical resource each one runs on. Weight prefetch and
@@ -80,6 +81,7 @@ class Op(NamedTuple):
     kv_len: int = 0
     alloc: tuple[tuple[str, int], ...] = ()
     free: tuple[str, ...] = ()
+    tensor: str = ""  # what a transfer carries: attention | gate | expert | kv
 
     @property
     def batch(self) -> int:
@@ -248,6 +250,8 @@ def _check_op_fields(op: Op, streams: Mapping[str, str]) -> None:
     for name in ("flops", "bytes", "tokens", "kv_len"):
         if getattr(op, name) < 0:
             raise ScheduleError(f"op {op.id!r}: {name} must be >= 0, got {getattr(op, name)}")
+    if op.tensor not in TENSORS:
+        raise ScheduleError(f"op {op.id!r}: tensor {op.tensor!r} is not one of {TENSORS[1:]}")
     if op.kind == "transfer":
         if op.bytes <= 0:
             raise ScheduleError(f"op {op.id!r}: a transfer must move a positive number of bytes, got {op.bytes}")

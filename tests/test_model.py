@@ -52,3 +52,10 @@ def test_invalid_specs_are_rejected(field, value):
     kwargs[field] = value
     with pytest.raises(ValueError):
         ModelSpec(**kwargs)
+
+
+def test_layer_subset_of_a_preset():
+    m = get_model("mixtral-8x7b:4")
+    assert m.num_layers == 4 and m.name == "mixtral-8x7b:4" and m.expert_bytes() == 352_321_536
+    with pytest.raises(ValueError, match="from 1 to 32"):
+        get_model("mixtral-8x7b:40")

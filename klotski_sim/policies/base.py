@@ -18,6 +18,7 @@ from ..schedule import Schedule, ScheduleBuilder, gc_paused
 from ..trace import Trace
 
 TIERS = ("gpu", "cpu", "disk")
+_TENSOR = {"attention": "attention", "gate": "gate", "experts": "expert"}  # placement field -> Op.tensor
 
 
 @dataclass(frozen=True)
@@ -137,10 +138,11 @@ class OpEmitter:
         self.shape = inp.shape
         self.placement = inp.placement
         self.b = builder or ScheduleBuilder()
-        self.kv_stores: list[str] = []
+        self._last_kv_store: dict[tuple[int, int], str] = {}  # (layer, batch) -> its latest KV store
         self._attention_ops: list[str] = []
         self._kv_buffers: dict[int, list[str]] = {}
         self._staged: dict[tuple[int, int], dict[tuple[str, int], str]] = {}  # (step, layer) -> disk reads
+        self._staged_at: dict[tuple[int, int], int] = {}  # (step, layer) -> position in the staging order
         self._staged_order: list[tuple[int, int]] = []
         self._h2d_of_layer: dict[tuple[int, int], list[str]] = {}
         self._preload_resident()
@@ -169,11 +171,14 @@ class OpEmitter:
         deps = list(deps)
         key = (step, layer)
         if self.tier(what) == "disk":
-            if key not in self._staged:
+            staged_at = self._staged_at.get(key)
+            # (re)stage unless this layer is still inside the host window (single-batch streams
+            # the same (step, layer) again for every batch)
+            if staged_at is None or staged_at < len(self._staged_order) - self.placement.disk_window:
                 self._stage(step, layer)
             deps.append(self._staged[key][(what, expert)])
         op = self.b.transfer(op_id, category, stream, nbytes, "cpu", "gpu", deps, alloc=((op_id, int(nbytes)),),
-                             step=step, layer=layer, expert=expert, **tags)
+                             step=step, layer=layer, expert=expert, tensor=_TENSOR[what], **tags)
         self._h2d_of_layer.setdefault(key, []).append(op)
         return op
 
@@ -184,15 +189,16 @@ class OpEmitter:
         m, pl = self.model, self.placement
         g = len(self._staged_order)
         self._staged_order.append((step, layer))
+        self._staged_at[(step, layer)] = g
         evict = self._h2d_of_layer.get(self._staged_order[g - pl.disk_window], []) if g >= pl.disk_window else []
         reads: dict[tuple[str, int], str] = {}
         tensors = [("attention", -1, m.attention_bytes(), "weights"), ("gate", -1, m.gate_bytes(), "weights")]
         tensors += [("experts", e, m.expert_bytes(), "moe_weights") for e in range(m.num_experts)]
         for what, expert, nbytes, category in tensors:
             if self.tier(what) == "disk":
-                name = f"disk/s{step}/L{layer}/{what}" + (f"/E{expert}" if expert >= 0 else "")
+                name = f"disk/{g}/s{step}/L{layer}/{what}" + (f"/E{expert}" if expert >= 0 else "")
                 reads[(what, expert)] = self.b.transfer(name, category, "disk_read", nbytes, "disk", "cpu", evict,
-                                                        step=step, layer=layer, expert=expert)
+                                                        step=step, layer=layer, expert=expert, tensor=_TENSOR[what])
         self._staged[(step, layer)] = reads
 
     # ---- compute ------------------------------------------------------------------------------
@@ -229,9 +235,10 @@ class OpEmitter:
             # Double-buffered like FlexGen's load_cache(j, k+1): the cache of this attention may
             # load once the attention two before it has finished with its own buffer.
             past = m.kv_bytes(sh.batch_size, kv_len - new)
-            after = self._attention_ops[-2:-1]
+            # ... and once the entries of this batch's previous step have been stored
+            after = self._attention_ops[-2:-1] + [self._last_kv_store.get((layer, batch))]
             load = self.b.transfer(f"{op_id}/kv_load", "kv", "h2d_kv", past, "cpu", "gpu", after,
-                                   alloc=((f"{op_id}/kv_load", past),), **tags)
+                                   alloc=((f"{op_id}/kv_load", past),), tensor="kv", **tags)
             deps.append(load)
             free = free + (load,)
         op = self.b.compute(op_id, "attention", deps, flops=m.attention_flops(sh.batch_size, new, kv_len),
@@ -239,8 +246,9 @@ class OpEmitter:
                             kv_len=kv_len, alloc=alloc, free=free, **tags)
         self._attention_ops.append(op)
         if self.placement.kv == "cpu":
-            self.kv_stores.append(self.b.transfer(f"{op_id}/kv_store", "kv", "d2h_kv",
-                                                  m.kv_bytes(sh.batch_size, new), "gpu", "cpu", [op], **tags))
+            store = self.b.transfer(f"{op_id}/kv_store", "kv", "d2h_kv", m.kv_bytes(sh.batch_size, new), "gpu",
+                                    "cpu", [op], tensor="kv", **tags)
+            self._last_kv_store[(layer, batch)] = store
         return op
 
     def gate(self, op_id: str, step: int, layer: int, batch: int, deps: Iterable[str | None] = (),

@@ -1,0 +1,246 @@
+"""Microbenchmarks -> a HardwareProfile for the machine at hand.
+
+Each op kind is timed on the shapes the policies produce (attention by batch and KV length for
+decode, by batch and prompt for prefill; gate, expert FFN, embedding and lm_head by token count)
+and stored as the profile's measured table, which the cost model uses inside the measured range.
+Links (H2D/D2H pinned and pageable, disk reads) are timed over several sizes and fitted to
+`latency + bytes / bandwidth`. The roofline fields (peak FLOP/s, memory bandwidth, per-kernel
+overhead) are measured too, for shapes outside the table. Provenance (device, versions, date,
+command) goes into the file.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Mapping
+
+import numpy as np
+import torch
+
+from klotski_sim.hardware import HardwareProfile, profile_from_dict
+from klotski_sim.model import ModelSpec
+
+from . import kernels
+from .kernels import WeightStore
+
+MB = 1 << 20
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]:
+    """Median seconds of `fn` over `repeats` runs (after one warm-up), synchronising CUDA."""
+
+    def measure(fn: Callable[[], object], repeats: int) -> float:
+        fn()
+        samples = []
+        for _ in range(repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            samples.append(time.perf_counter() - t)
+        return statistics.median(samples)
+
+    return measure
+
+
+def _fit_link(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
+    """Least-squares `seconds = latency + bytes / bandwidth`; returns (bandwidth, latency)."""
+    slope, intercept = np.polyfit(np.asarray(sizes, float), np.asarray(seconds, float), 1)
+    slope = max(slope, 1e-15)
+    return 1.0 / slope, max(0.0, float(intercept))
+
+
+def _host_memory() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 16e9
+
+
+def calibrate(spec: ModelSpec, device: str = "cpu", batch_sizes: Iterable[int] = (1, 2, 4, 8, 16),
+              prompt_lens: Iterable[int] = (16, 64, 256), kv_lens: Iterable[int] | None = None,
+              max_expert_tokens: int = 1024, repeats: int = 5, dtype: torch.dtype = torch.bfloat16,
+              emulate_links: Mapping[str, float] | None = None, link_latency_s: float = 0.0,
+              command: str = "", threads: int | None = None) -> HardwareProfile:
+    """Measure `device` running `spec`'s ops and return a profile with a measured table.
+    `threads` sets torch's CPU threads for the measurement (use the executor's setting)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads or previous)
+    try:
+        return _calibrate(spec, device, batch_sizes, prompt_lens, kv_lens, max_expert_tokens, repeats, dtype,
+                          emulate_links, link_latency_s, command)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_lens: Iterable[int],
+               kv_lens: Iterable[int] | None, max_expert_tokens: int, repeats: int, dtype: torch.dtype,
+               emulate_links: Mapping[str, float] | None, link_latency_s: float, command: str) -> HardwareProfile:
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("CUDA was requested but torch sees no GPU (use --device cpu)")
+    measure = _timer(dev)
+    w = WeightStore.random(spec, layers=1, dtype=dtype)
+    attn = tuple(t.to(dev) for t in w.get("attention", 0))
+    gate = w.get("gate", 0)[0].to(dev)
+    expert = tuple(t.to(dev) for t in w.get("expert", 0, 0))
+    norm = w.resident["norm1/0"].to(dev)
+    embed_t, head_t, final = (w.resident[k].to(dev) for k in ("embed", "lm_head", "final_norm"))
+    h, kvh, hd = spec.hidden_size, spec.num_kv_heads, spec.head_dim
+    batch_sizes, prompt_lens = sorted(set(batch_sizes)), sorted(set(prompt_lens))
+    kv_lens = sorted(set(kv_lens or [p + d for p in prompt_lens for d in (1, 16)]))
+    measured: dict[str, list[dict]] = {k: [] for k in ("attention:decode", "attention:prefill", "gate", "expert",
+                                                       "embed", "lm_head")}
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=dev, dtype=dtype)
+
+    for bs in batch_sizes:
+        x1 = rand(bs, 1, h)
+        for kv in kv_lens:
+            past = [(rand(bs, kvh, kv - 1, hd), rand(bs, kvh, kv - 1, hd))]
+            t = measure(lambda: kernels.attention(x1, attn, norm, past, kv - 1, spec, 1e6, 1e-5), repeats)
+            measured["attention:decode"].append({"tokens": bs, "kv_len": kv, "seconds": t})
+        for p in prompt_lens:
+            xp = rand(bs, p, h)
+            t = measure(lambda: kernels.attention(xp, attn, norm, [], 0, spec, 1e6, 1e-5), repeats)
+            measured["attention:prefill"].append({"tokens": bs * p, "kv_len": p, "seconds": t})
+    token_grid = sorted({1 << i for i in range(int(np.log2(max_expert_tokens)) + 1)}
+                        | set(batch_sizes) | {bs * p for bs in batch_sizes for p in prompt_lens})
+    gnorm = w.resident["norm2/0"].to(dev)
+    for tokens in token_grid:
+        hs = rand(1, tokens, h)
+        forced = np.stack([np.arange(tokens) % spec.num_experts,
+                           (np.arange(tokens) + 1) % spec.num_experts], axis=1)[:, : spec.top_k].astype(np.int64)
+        measured["gate"].append({"tokens": tokens, "seconds": measure(
+            lambda: kernels.gate_step(hs, gnorm, gate, spec.top_k, 1e-5, forced), repeats)})
+        ids = torch.randint(0, spec.vocab_size, (tokens,))
+        measured["embed"].append({"tokens": tokens, "seconds": measure(
+            lambda: kernels.embed(ids.to(dev), embed_t), repeats)})
+        if tokens <= max(batch_sizes):
+            z = rand(tokens, 1, h)
+            measured["lm_head"].append({"tokens": tokens, "seconds": measure(
+                lambda: kernels.lm_head(z + z, final, head_t, 1e-5).argmax(-1), repeats)})
+    for tokens in sorted({1 << i for i in range(int(np.log2(max_expert_tokens)) + 1)}):
+        # what the executor does for one expert op: host-side rows, gather, SwiGLU, scale, scatter-add
+        z = rand(tokens, h)
+        gate_w = torch.full((tokens, spec.top_k), 1.0 / spec.top_k, device=dev)
+        routed = np.zeros((tokens, spec.top_k), dtype=np.int64)
+        out = torch.zeros(tokens, h, device=dev, dtype=dtype)
+
+        def one_expert() -> None:
+            rows_np, slots_np = np.nonzero(routed == 0)
+            kernels.expert_step(z, gate_w, torch.from_numpy(rows_np).to(dev), torch.from_numpy(slots_np).to(dev),
+                                expert, out)
+
+        measured["expert"].append({"tokens": tokens, "seconds": measure(one_expert, repeats)})
+
+    # roofline fields: a big GEMM, a big copy, a tiny kernel
+    n = 2048 if dev.type == "cuda" else 1024
+    a, b = rand(n, n), rand(n, n)
+    peak = 2 * n**3 / measure(lambda: a @ b, repeats)
+    big = rand(16 * MB // 2)
+    membw = 2 * big.numel() * big.element_size() / measure(lambda: big.clone(), repeats)
+    one = rand(1)
+    overhead = measure(lambda: one + one, max(repeats, 20))
+
+    links = _measure_links(dev, measure, repeats, emulate_links or {}, link_latency_s)
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        gpu_name, gpu_mem = props.name, float(props.total_memory)
+        reserved = float(torch.cuda.memory_reserved(dev)) + 512 * MB
+    else:
+        gpu_name, gpu_mem, reserved = f"CPU ({platform.processor() or platform.machine()})", _host_memory() / 2, 0.0
+    import transformers
+
+    data = {
+        "name": f"calibrated-{device}",
+        "description": f"measured by klotski-runtime calibrate on {gpu_name} for {spec.name} shapes",
+        "gpu": {"name": gpu_name, "memory_bytes": gpu_mem, "reserved_bytes": reserved, "peak_flops": peak,
+                "memory_bandwidth": membw, "compute_efficiency": 1.0, "memory_efficiency": 1.0,
+                "kernel_overhead_s": overhead},
+        "links": links,
+        "host": {"memory_bytes": _host_memory(), "cpu": platform.processor() or platform.machine()},
+        "disk": {"capacity_bytes": float(_disk_capacity())},
+        "sources": {"measured": "klotski-runtime calibrate (this file's provenance)",
+                    "gpu.memory_bytes": "CUDA device properties" if dev.type == "cuda" else
+                    "half of host memory (the CPU 'device' shares it with the host store)"},
+        "measured": measured,
+        "provenance": {
+            "device": gpu_name, "device_kind": dev.type, "model_shapes": spec.name, "dtype": str(dtype),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
+            "python": sys.version.split()[0], "host": platform.node(),
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "command": command or " ".join(sys.argv), "threads": torch.get_num_threads(),
+            "emulated_links": dict(emulate_links or {}),
+        },
+    }
+    return profile_from_dict(data, "calibration")
+
+
+def _measure_links(dev: torch.device, measure: Callable, repeats: int, emulate: Mapping[str, float],
+                   latency: float) -> dict:
+    sizes = [1 * MB, 4 * MB, 16 * MB, 64 * MB]
+    out: dict = {}
+
+    def fit(copy: Callable[[torch.Tensor], object], pin: bool) -> tuple[float, float]:
+        secs = []
+        for size in sizes:
+            src = torch.empty(size, dtype=torch.uint8)
+            if pin and dev.type == "cuda":
+                src = src.pin_memory()
+            secs.append(measure(lambda: copy(src), repeats))
+        return _fit_link(sizes, secs)
+
+    if dev.type == "cuda":
+        h2d_bw, h2d_lat = fit(lambda s: s.to(dev, non_blocking=True), pin=True)
+        pageable, _ = fit(lambda s: s.to(dev), pin=False)
+        dst = {size: torch.empty(size, dtype=torch.uint8, device=dev) for size in sizes}
+        d2h_bw, d2h_lat = fit(lambda s: dst[s.numel()].to("cpu"), pin=False)
+    else:
+        h2d_bw, h2d_lat = fit(lambda s: s.clone(), pin=False)
+        pageable, d2h_bw, d2h_lat = h2d_bw, h2d_bw, h2d_lat
+    disk_bw, disk_lat = _measure_disk(sizes, repeats)
+    out["pcie_h2d"] = {"bandwidth": emulate.get("pcie_h2d", h2d_bw), "latency_s": latency if "pcie_h2d" in emulate
+                       else h2d_lat, "copy_engines": 1}
+    out["pcie_d2h"] = {"bandwidth": emulate.get("pcie_d2h", d2h_bw), "latency_s": latency if "pcie_d2h" in emulate
+                       else d2h_lat, "copy_engines": 1}
+    out["nvme"] = {"bandwidth": emulate.get("nvme", disk_bw), "latency_s": latency if "nvme" in emulate else disk_lat,
+                   "copy_engines": 1}
+    out["pageable_h2d_bandwidth"] = pageable
+    return out
+
+
+def _measure_disk(sizes: list[int], repeats: int) -> tuple[float, float]:
+    """File reads (the page cache may serve them: this is what a re-read of staged weights costs)."""
+    secs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for size in sizes:
+            path = Path(tmp) / f"blob-{size}"
+            path.write_bytes(os.urandom(size))
+            samples = []
+            for _ in range(repeats):
+                t = time.perf_counter()
+                with open(path, "rb") as f:
+                    f.readinto(bytearray(size))
+                samples.append(time.perf_counter() - t)
+            secs.append(statistics.median(samples))
+    return _fit_link(sizes, secs)
+
+
+def _disk_capacity() -> int:
+    st = os.statvfs(tempfile.gettempdir())
+    return st.f_blocks * st.f_frsize

@@ -1,0 +1,443 @@
+"""Execute a klotski Schedule for real and measure it into a Timeline.
+
+The very Schedule the simulator ran (in memory, or the `schedule.json` that `klotski-sim simulate
+--out` writes) is executed op by op:
+
+- **CUDA**: one `torch.cuda.Stream` per schedule stream; cross-stream deps are CUDA events;
+  transfers are `copy_(non_blocking=True)` from host tensors pinned once; disk-tier weights are
+  read from real files; start/end of every op come from CUDA events.
+- **CPU** (tests, GPU-less machines): each stream is a worker thread running its ops in order;
+  deps are thread events; compute runs real torch CPU kernels; transfers are real copies from the
+  host store into a device store; disk-tier reads are real file reads. Links can be *emulated*
+  (each transfer sleeps up to `latency + bytes / bandwidth`) — every output says so.
+
+GPU memory follows the schedule's memory effects: a transfer allocates its buffer, the op that
+frees it drops it; the measured peak is reported next to the simulated one.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from klotski_sim.model import ModelSpec
+from klotski_sim.routing import RoutingTable, RunShape
+from klotski_sim.schedule import Op, Schedule, ScheduleError
+from klotski_sim.timeline import Timeline
+
+from . import kernels
+from .kernels import WeightStore
+
+RESOURCE_CAPACITY = {"gpu": 1, "pcie_h2d": 1, "pcie_d2h": 1, "nvme": 1}
+
+
+class ExecutionError(RuntimeError):
+    """An op failed while executing; the message names it."""
+
+
+@dataclass(frozen=True)
+class ExecOptions:
+    """How to execute. `emulate_links` maps a resource (`pcie_h2d`, `pcie_d2h`, `nvme`) to a
+    target bandwidth in bytes/s (CPU only); `force_routing` replays the trace's experts."""
+
+    device: str = "cpu"
+    force_routing: bool = True
+    emulate_links: Mapping[str, float] = field(default_factory=dict)
+    link_latency_s: float = 0.0
+    seed: int = 0
+    record_logits: bool = False
+    timeout_s: float = 3600.0
+    prompt: np.ndarray | None = None  # [batches, batch_size, prompt_len] token ids; random when None
+    threads: int | None = None  # torch intra-op threads on the CPU (the rest of the cores copy)
+
+
+def tensor_bytes(tensors: Any) -> int:
+    if isinstance(tensors, torch.Tensor):
+        return tensors.numel() * tensors.element_size()
+    return sum(tensor_bytes(t) for t in tensors)
+
+
+def check_compatible(schedule: Schedule, spec: ModelSpec, weights: WeightStore) -> None:
+    """A schedule runs only on the model it was built for, with weights for every layer it uses."""
+    model = schedule.meta.get("model")
+    if model != spec.name:
+        raise ScheduleError(f"schedule was built for model {model!r}, not {spec.name!r}")
+    layers = max((op.layer for op in schedule.ops), default=-1) + 1
+    if layers > weights.num_layers:
+        raise ScheduleError(f"schedule uses {layers} layers but the weights hold {weights.num_layers} "
+                            f"({weights.source}); build the schedule for fewer layers or load more")
+
+
+class OpRunner:
+    """The effect of each op on real tensors; the CPU and CUDA drivers share it."""
+
+    def __init__(self, schedule: Schedule, spec: ModelSpec, weights: WeightStore, routing: RoutingTable,
+                 options: ExecOptions, disk_dir: Path | None = None) -> None:
+        check_compatible(schedule, spec, weights)
+        self.schedule, self.spec, self.weights, self.routing, self.opt = schedule, spec, weights, routing, options
+        self.shape: RunShape = routing.shape
+        self.device = torch.device(options.device)
+        self.dtype = next(iter(weights.resident.values())).dtype
+        self.ops_by_id = {op.id: op for op in schedule.ops}
+        placement = schedule.meta.get("placement", {})
+        self.resident_layers = int(placement.get("resident_layers", 0))
+        gen = torch.Generator().manual_seed(options.seed)
+        sh = self.shape
+        self.prompt = (torch.as_tensor(options.prompt) if options.prompt is not None else
+                       torch.randint(0, spec.vocab_size, (sh.num_batches, sh.batch_size, sh.prompt_len), generator=gen))
+        self.buffers: dict[str, Any] = {}  # the device store: buffer name -> tensors
+        self.buffer_bytes: dict[str, int] = {}
+        self.lock = threading.Lock()
+        self.in_use = 0
+        self.peak = 0
+        self.memory_trace: list[tuple[float, int]] = []
+        self.t0 = time.perf_counter()
+        self.host_kv: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.pending_store: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.staging: dict[str, Any] = {}
+        self.disk_dir = disk_dir
+        # per-batch activations
+        self.x: dict[int, torch.Tensor] = {}
+        self.h: dict[int, torch.Tensor] = {}
+        self.z: dict[int, torch.Tensor] = {}
+        self.route: dict[int, tuple[torch.Tensor, torch.Tensor, np.ndarray]] = {}
+        self.moe_out: dict[int, torch.Tensor | None] = {}
+        self.next_token: dict[int, torch.Tensor] = {}
+        self.logits: dict[tuple[int, int], torch.Tensor] = {}
+        self.expert_tokens: dict[str, int] = {}
+        self.resident = {k: v.to(self.device) for k, v in weights.resident.items()}
+        self.resident_layer_tensors = {key: tuple(t.to(self.device) for t in v) for key, v in weights.tensors.items()
+                                       if key[1] < self.resident_layers}
+        self._alloc("resident", tensor_bytes(list(self.resident.values()))
+                    + tensor_bytes([t for v in self.resident_layer_tensors.values() for t in v]))
+
+    # ---- memory accounting ----------------------------------------------------------------------
+    def _alloc(self, name: str, nbytes: int) -> None:
+        with self.lock:
+            self.buffer_bytes[name] = nbytes
+            self.in_use += nbytes
+            self.peak = max(self.peak, self.in_use)
+            self.memory_trace.append((time.perf_counter() - self.t0, self.in_use))
+
+    def _free(self, name: str) -> None:
+        with self.lock:
+            self.buffers.pop(name, None)
+            self.in_use -= self.buffer_bytes.pop(name, 0)
+            self.memory_trace.append((time.perf_counter() - self.t0, self.in_use))
+
+    def _store(self, name: str, tensors: Any) -> None:
+        self.buffers[name] = tensors
+        self._alloc(name, tensor_bytes(tensors))
+
+    # ---- dispatch ---------------------------------------------------------------------------------
+    def run(self, op: Op) -> None:
+        if op.kind == "transfer":
+            if op.stream == "disk_read":
+                self._disk_read(op)
+            elif op.tensor == "kv":
+                self._kv_transfer(op)
+            else:
+                self._load_weights(op)
+        else:
+            getattr(self, "_" + op.category)(op)
+        for name in op.free:
+            self._free(name)
+
+    def weights_for(self, op: Op, tensor: str, expert: int = -1) -> tuple[torch.Tensor, ...]:
+        """The device copy of the weights an op computes with: the buffer its load filled (a
+        dependency), or the resident copy of a resident layer."""
+        for dep in op.deps:
+            d = self.ops_by_id[dep]
+            if d.kind == "transfer" and d.tensor == tensor and d.dst == "gpu" and d.layer == op.layer and (
+                    expert < 0 or d.expert == expert):
+                try:
+                    return self.buffers[dep]
+                except KeyError:
+                    raise ExecutionError(f"op {op.id!r}: buffer {dep!r} was freed before use") from None
+        key = (tensor, op.layer) if expert < 0 else (tensor, op.layer, expert)
+        if key in self.resident_layer_tensors:
+            return self.resident_layer_tensors[key]
+        raise ExecutionError(f"op {op.id!r}: no loaded {tensor} weights for layer {op.layer}"
+                             + (f" expert {expert}" if expert >= 0 else ""))
+
+    # ---- transfers --------------------------------------------------------------------------------
+    def _load_weights(self, op: Op) -> None:
+        staged = [d for d in op.deps if self.ops_by_id[d].stream == "disk_read"]
+        host = self.staging.pop(staged[0]) if staged else self.weights.get(op.tensor, op.layer, op.expert)
+        self._store(op.id, tuple(t.to(self.device, non_blocking=True) if self.device.type == "cuda"
+                                 else t.clone() for t in host))
+
+    def _disk_read(self, op: Op) -> None:
+        if self.disk_dir is None:
+            raise ExecutionError(f"op {op.id!r}: the schedule reads from disk but no disk directory was set up")
+        path = self.disk_dir / _disk_name(op.tensor, op.layer, op.expert)
+        tensors = torch.load(path, weights_only=True)
+        if self.device.type == "cuda":
+            tensors = tuple(t.pin_memory() for t in tensors)
+        self.staging[op.id] = tensors
+
+    def _kv_transfer(self, op: Op) -> None:
+        key = (op.layer, op.batch)
+        if op.stream == "d2h_kv":  # store the new entries the attention produced
+            attention = next(d for d in op.deps if self.ops_by_id[d].category == "attention")
+            k, v = self.pending_store.pop(attention)
+            self.host_kv.setdefault(key, []).append((k.to("cpu"), v.to("cpu")))
+            return
+        chunks = self.host_kv.get(key, [])
+        if not chunks:
+            raise ExecutionError(f"op {op.id!r}: no KV cache stored for layer {op.layer} batch {op.batch}")
+        k = torch.cat([c[0] for c in chunks], dim=2).to(self.device, non_blocking=True)
+        v = torch.cat([c[1] for c in chunks], dim=2).to(self.device, non_blocking=True)
+        self._store(op.id, (k, v))
+
+    # ---- compute ----------------------------------------------------------------------------------
+    def _combine(self, b: int) -> None:
+        """Apply the previous MoE layer's output to the residual stream of batch b."""
+        if self.moe_out.get(b) is not None:
+            self.x[b] = self.h[b] + self.moe_out[b].view_as(self.h[b])
+            self.moe_out[b] = None
+
+    def _embed(self, op: Op) -> None:
+        b = op.batch
+        tokens = self.prompt[b] if op.step == 0 else self.next_token[b]
+        self.x[b] = kernels.embed(tokens.to(self.device), self.resident["embed"])
+        self.moe_out[b] = None
+
+    def _attention(self, op: Op) -> None:
+        b, layer, sh = op.batch, op.layer, self.shape
+        self._combine(b)
+        pos0 = 0 if op.step == 0 else sh.prompt_len + op.step - 1
+        loaded = [d for d in op.deps if self.ops_by_id[d].tensor == "kv"]
+        if loaded:
+            past = [self.buffers[loaded[0]]]
+        else:
+            past = [self.buffers[f"kv/L{layer}/b{b}/s{s}"] for s in range(op.step)
+                    if f"kv/L{layer}/b{b}/s{s}" in self.buffers]
+        w = self.weights_for(op, "attention")
+        out, chunk = kernels.attention(self.x[b], w, self.resident[f"norm1/{layer}"], past, pos0, self.spec,
+                                       self.weights.rope_theta, self.weights.rms_eps)
+        self.h[b] = out
+        for name, _ in op.alloc:  # this step's KV entries stay on the GPU
+            self._store(name, chunk)
+        if not op.alloc:
+            self.pending_store[op.id] = chunk
+
+    def _gate(self, op: Op) -> None:
+        b, layer = op.batch, op.layer
+        (router_w,) = self.weights_for(op, "gate")
+        forced = (self.routing.step_ids(op.step, layer, b).reshape(-1, self.spec.top_k).astype(np.int64)
+                  if self.opt.force_routing else None)
+        z, weights, ids, out = kernels.gate_step(self.h[b], self.resident[f"norm2/{layer}"], router_w,
+                                                 self.spec.top_k, self.weights.rms_eps, forced)
+        self.z[b] = z
+        self.route[b] = (ids, weights, forced)
+        self.moe_out[b] = out
+
+    def _expert(self, op: Op) -> None:
+        w = self.weights_for(op, "expert", op.expert)
+        total = 0
+        for b in op.batches:
+            ids, weights, ids_np = self.route[b]
+            if ids_np is not None:  # forced routing: token rows known on the host, no device sync
+                rows_np, slots_np = np.nonzero(ids_np == op.expert)
+                rows = torch.from_numpy(rows_np).to(self.device)
+                slots = torch.from_numpy(slots_np).to(self.device)
+            else:
+                rows, slots = torch.nonzero(ids == op.expert, as_tuple=True)
+            if len(rows) == 0:
+                continue
+            total += len(rows)
+            kernels.expert_step(self.z[b], weights, rows, slots, w, self.moe_out[b])
+        self.expert_tokens[op.id] = total
+
+    def _lm_head(self, op: Op) -> None:
+        b = op.batch
+        self._combine(b)
+        last = self.x[b].reshape(self.shape.batch_size, -1, self.spec.hidden_size)[:, -1:, :]
+        logits = kernels.lm_head(last, self.resident["final_norm"], self.resident["lm_head"], self.weights.rms_eps)
+        self.next_token[b] = logits.argmax(dim=-1)
+        if self.opt.record_logits:
+            self.logits[(op.step, b)] = logits[:, 0].detach().to("cpu")
+
+
+def _disk_name(tensor: str, layer: int, expert: int) -> str:
+    return f"{tensor}-L{layer}" + (f"-E{expert}" if expert >= 0 else "") + ".pt"
+
+
+def prepare_disk(schedule: Schedule, weights: WeightStore, directory: Path) -> Path:
+    """Write every disk-tier tensor the schedule reads to its own file (real files, real reads)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for op in schedule.ops:
+        if op.stream == "disk_read":
+            path = directory / _disk_name(op.tensor, op.layer, op.expert)
+            if not path.exists():
+                torch.save(tuple(t.contiguous() for t in weights.get(op.tensor, op.layer, op.expert)), path)
+    return directory
+
+
+def topological_order(schedule: Schedule) -> list[int]:
+    """An issue order that respects deps and stream order (schedule order breaks ties)."""
+    import heapq
+
+    ops, index = schedule.ops, schedule.index
+    succs: list[list[int]] = [[] for _ in ops]
+    pending = [0] * len(ops)
+    last: dict[str, int] = {}
+    for i, op in enumerate(ops):
+        for d in op.deps:
+            succs[index[d]].append(i)
+        if op.stream in last:
+            succs[last[op.stream]].append(i)
+        pending[i] = len(op.deps) + (op.stream in last)
+        last[op.stream] = i
+    ready = [i for i in range(len(ops)) if pending[i] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for s in succs[i]:
+            pending[s] -= 1
+            if pending[s] == 0:
+                heapq.heappush(ready, s)
+    return order
+
+
+def execute(schedule: Schedule, spec: ModelSpec, weights: WeightStore, routing: RoutingTable,
+            options: ExecOptions = ExecOptions()) -> tuple[Timeline, OpRunner]:
+    """Run every op of `schedule` and return the measured Timeline (and the runner, whose state
+    holds logits and per-expert token counts for checks)."""
+    if options.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ExecutionError("CUDA was requested but torch sees no GPU (use --device cpu)")
+    if options.emulate_links and not options.device == "cpu":
+        raise ExecutionError("link emulation is for the CPU device only")
+    with tempfile.TemporaryDirectory(prefix="klotski-disk-") as tmp:
+        disk = prepare_disk(schedule, weights, Path(tmp)) if any(o.stream == "disk_read" for o in schedule.ops) else None
+        runner = OpRunner(schedule, spec, weights, routing, options, disk)
+        if options.device.startswith("cuda"):
+            start, end = _run_cuda(schedule, runner)
+            peak = max(runner.peak, torch.cuda.max_memory_allocated())
+        else:
+            previous = torch.get_num_threads()
+            switch = sys.getswitchinterval()
+            torch.set_num_threads(options.threads or previous)
+            sys.setswitchinterval(1e-4)  # hand the GIL over quickly: stream threads wait on each other
+            try:
+                start, end = _run_cpu(schedule, runner, options)
+            finally:
+                torch.set_num_threads(previous)
+                sys.setswitchinterval(switch)
+            peak = runner.peak
+    emulated = {r: bw for r, bw in options.emulate_links.items()}
+    device_name = torch.cuda.get_device_name() if options.device.startswith("cuda") else "cpu"
+    timeline = Timeline.from_schedule(
+        schedule, start, end, status="ok", peak_gpu_bytes=peak, memory_trace=runner.memory_trace,
+        capacities={r: RESOURCE_CAPACITY.get(r, 1) for r in set(schedule.streams.values())}, source="measured",
+        extra_meta={"device": device_name, "weights": weights.source, "weight_notes": weights.notes,
+                    "routing_forced": options.force_routing, "dtype": str(runner.dtype),
+                    "emulated_links": ({"bandwidth_bytes_per_s": emulated, "latency_s": options.link_latency_s,
+                                        "note": "EMULATED links: transfers sleep to the target rate"}
+                                       if emulated else {})})
+    return timeline, runner
+
+
+def _run_cpu(schedule: Schedule, runner: OpRunner, options: ExecOptions) -> tuple[list[float], list[float]]:
+    """One worker thread per stream; deps are thread events."""
+    ops, index = schedule.ops, schedule.index
+    n = len(ops)
+    done = [threading.Event() for _ in range(n)]
+    start, end = [float("nan")] * n, [float("nan")] * n
+    abort = threading.Event()
+    errors: list[BaseException] = []
+    per_stream: dict[str, list[int]] = {}
+    for i, op in enumerate(ops):
+        per_stream.setdefault(op.stream, []).append(i)
+    dep_index = [[index[d] for d in op.deps] for op in ops]
+    resources = dict(schedule.streams)
+    t0 = runner.t0
+
+    def worker(indices: list[int]) -> None:
+        try:
+            for i in indices:
+                for d in dep_index[i]:
+                    while not done[d].wait(0.05):
+                        if abort.is_set():
+                            return
+                op = ops[i]
+                begin = time.perf_counter()
+                start[i] = begin - t0
+                runner.run(op)
+                if op.kind == "transfer":
+                    bw = options.emulate_links.get(resources[op.stream])
+                    if bw:
+                        remaining = options.link_latency_s + op.bytes / bw - (time.perf_counter() - begin)
+                        if remaining > 0:
+                            time.sleep(remaining)
+                end[i] = time.perf_counter() - t0
+                done[i].set()
+        except BaseException as err:  # noqa: BLE001 - re-raised in the caller with the op named
+            errors.append(ExecutionError(f"op {ops[i].id!r} failed: {type(err).__name__}: {err}"))
+            abort.set()
+
+    threads = [threading.Thread(target=worker, args=(idx,), name=f"stream-{s}", daemon=True)
+               for s, idx in per_stream.items()]
+    runner.t0 = t0 = time.perf_counter()
+    runner.memory_trace = [(0.0, runner.in_use)]
+    for t in threads:
+        t.start()
+    deadline = time.perf_counter() + options.timeout_s
+    for t in threads:
+        t.join(max(0.0, deadline - time.perf_counter()))
+    if any(t.is_alive() for t in threads):
+        abort.set()
+        raise ExecutionError(f"execution did not finish within {options.timeout_s:.0f} s")
+    if errors:
+        raise errors[0]
+    return start, end
+
+
+def _run_cuda(schedule: Schedule, runner: OpRunner) -> tuple[list[float], list[float]]:
+    """One CUDA stream per schedule stream; cross-stream deps as events; CUDA-event timestamps."""
+    ops, index = schedule.ops, schedule.index
+    streams = {s: torch.cuda.Stream() for s in schedule.streams}
+    begin = [torch.cuda.Event(enable_timing=True) for _ in ops]
+    finish = [torch.cuda.Event(enable_timing=True) for _ in ops]
+    runner.weights.pin()  # pinned once, reused by every copy
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = torch.cuda.Event(enable_timing=True)
+    t0.record()
+    runner.t0 = time.perf_counter()
+    for i in topological_order(schedule):
+        op = ops[i]
+        stream = streams[op.stream]
+        for d in op.deps:
+            if ops[index[d]].stream != op.stream:
+                stream.wait_event(finish[index[d]])
+        with torch.cuda.stream(stream):
+            begin[i].record(stream)
+            for dep in op.deps:  # buffers made on other streams are now used on this one
+                for t in _tensors(runner.buffers.get(dep)):
+                    t.record_stream(stream)
+            runner.run(op)
+            finish[i].record(stream)
+    torch.cuda.synchronize()
+    start = [t0.elapsed_time(e) / 1e3 for e in begin]
+    end = [t0.elapsed_time(e) / 1e3 for e in finish]
+    return start, end
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if value is None:
+        return []
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [t for v in value for t in _tensors(v)]

@@ -1,0 +1,239 @@
+"""The real compute of each op kind on a Mixtral-style model, and the weights it runs on.
+
+Every op of a schedule maps to one function here: `embed`, `attention` (input RMSNorm, q/k/v/o,
+RoPE, per-batch KV cache, residual), `gate` (post-attention RMSNorm + router: softmax, top-k,
+renormalise — or routing forced from a trace), `expert` (SwiGLU over exactly the tokens routed to
+it, scaled by their gate weights and added into the batch's MoE output) and `lm_head`. The math is
+the Hugging Face Mixtral's, so with routing not forced the logits match `MixtralForCausalLM`.
+
+Weights live in a `WeightStore` (the host tier): random tensors of the model's true shapes (a few
+layers of a big model are enough), or read per tensor from a local safetensors checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+import torch
+import torch.nn.functional as F
+
+from klotski_sim.model import ModelSpec
+
+
+class WeightError(ValueError):
+    """Weights that cannot be used for this model; the message says which file and tensor."""
+
+
+@dataclass
+class WeightStore:
+    """Host-side weights keyed the way schedules name them: `("attention", L)`, `("gate", L)`,
+    `("expert", L, e)`, plus the resident tensors (embeddings, norms, lm_head)."""
+
+    spec: ModelSpec
+    tensors: dict[tuple, tuple[torch.Tensor, ...]]
+    resident: dict[str, torch.Tensor]
+    rope_theta: float = 1e6
+    rms_eps: float = 1e-5
+    source: str = "random"
+    num_layers: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def get(self, tensor: str, layer: int, expert: int = -1) -> tuple[torch.Tensor, ...]:
+        key = (tensor, layer) if expert < 0 else (tensor, layer, expert)
+        try:
+            return self.tensors[key]
+        except KeyError:
+            raise WeightError(f"no weights for {key} (the store holds {self.num_layers} layers)") from None
+
+    def to(self, dtype: torch.dtype) -> "WeightStore":
+        conv = {k: tuple(t.to(dtype) for t in v) for k, v in self.tensors.items()}
+        res = {k: v.to(dtype) for k, v in self.resident.items()}
+        return WeightStore(self.spec, conv, res, self.rope_theta, self.rms_eps, self.source, self.num_layers,
+                           list(self.notes))
+
+    def pin(self) -> None:
+        """Pin every host tensor once, so H2D copies run at full speed and asynchronously."""
+        self.tensors = {k: tuple(t.pin_memory() for t in v) for k, v in self.tensors.items()}
+
+    @staticmethod
+    def random(spec: ModelSpec, layers: int | None = None, dtype: torch.dtype = torch.bfloat16,
+               seed: int = 0) -> "WeightStore":
+        """Random weights of the true shapes. `layers` < spec.num_layers keeps only the first
+        layers (a big model's schedule must then be built for that many layers)."""
+        L = spec.num_layers if layers is None else min(layers, spec.num_layers)
+        g = torch.Generator().manual_seed(seed)
+        h, f, qd, kvd = spec.hidden_size, spec.ffn_size, spec.q_dim, spec.kv_dim
+
+        def w(out: int, inp: int) -> torch.Tensor:
+            return (torch.randn(out, inp, generator=g) / inp ** 0.5).to(dtype)
+
+        tensors: dict[tuple, tuple[torch.Tensor, ...]] = {}
+        resident = {"embed": (torch.randn(spec.vocab_size, h, generator=g) * 0.02).to(dtype),
+                    "lm_head": w(spec.vocab_size, h), "final_norm": torch.ones(h, dtype=dtype)}
+        for layer in range(L):
+            tensors[("attention", layer)] = (w(qd, h), w(kvd, h), w(kvd, h), w(h, qd))
+            tensors[("gate", layer)] = (w(spec.num_experts, h),)
+            for e in range(spec.num_experts):
+                tensors[("expert", layer, e)] = (w(f, h), w(f, h), w(h, f))  # w1, w3, w2
+            resident[f"norm1/{layer}"] = torch.ones(h, dtype=dtype)
+            resident[f"norm2/{layer}"] = torch.ones(h, dtype=dtype)
+        notes = [] if L == spec.num_layers else [f"random weights for the first {L} of {spec.num_layers} layers"]
+        return WeightStore(spec, tensors, resident, source=f"random(seed={seed})", num_layers=L, notes=notes)
+
+    @staticmethod
+    def from_checkpoint(path: str | Path, spec: ModelSpec, dtype: torch.dtype = torch.bfloat16,
+                        layers: int | None = None) -> "WeightStore":
+        """Read a local Mixtral checkpoint (config.json + *.safetensors) tensor by tensor."""
+        from safetensors import safe_open
+
+        path = Path(path)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise WeightError(f"{path}: no config.json — not a checkpoint directory")
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise WeightError(f"{path}: no *.safetensors files")
+        config = json.loads(config_file.read_text())
+        shape_checks = {"hidden_size": spec.hidden_size, "intermediate_size": spec.ffn_size,
+                        "num_local_experts": spec.num_experts, "num_experts_per_tok": spec.top_k,
+                        "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
+                        "vocab_size": spec.vocab_size}
+        bad = [f"{k}={config.get(k)} (model {spec.name!r} has {v})" for k, v in shape_checks.items()
+               if config.get(k) != v]
+        if bad:
+            raise WeightError(f"{path}: checkpoint does not match model {spec.name!r}: {'; '.join(bad)}")
+        index: dict[str, Path] = {}
+        for f in files:
+            with safe_open(f, "pt") as st:
+                for key in st.keys():
+                    index[key] = f
+
+        def load(key: str) -> torch.Tensor:
+            if key not in index:
+                raise WeightError(f"{path}: tensor {key!r} is missing from the checkpoint")
+            with safe_open(index[key], "pt") as st:
+                return st.get_tensor(key).to(dtype)
+
+        L = spec.num_layers if layers is None else min(layers, spec.num_layers)
+        tensors: dict[tuple, tuple[torch.Tensor, ...]] = {}
+        resident = {"embed": load("model.embed_tokens.weight"), "final_norm": load("model.norm.weight"),
+                    "lm_head": load("lm_head.weight") if "lm_head.weight" in index
+                    else load("model.embed_tokens.weight")}
+        for layer in range(L):
+            p = f"model.layers.{layer}"
+            tensors[("attention", layer)] = tuple(load(f"{p}.self_attn.{n}_proj.weight") for n in "qkvo")
+            moe = f"{p}.block_sparse_moe" if f"{p}.block_sparse_moe.gate.weight" in index else f"{p}.mlp"
+            tensors[("gate", layer)] = (load(f"{moe}.gate.weight"),)
+            if f"{moe}.experts.0.w1.weight" in index:
+                for e in range(spec.num_experts):
+                    tensors[("expert", layer, e)] = tuple(load(f"{moe}.experts.{e}.{n}.weight") for n in ("w1", "w3", "w2"))
+            elif f"{moe}.experts.gate_up_proj" in index:  # fused layout [E, 2f, h], [E, h, f]
+                gate_up, down = load(f"{moe}.experts.gate_up_proj"), load(f"{moe}.experts.down_proj")
+                f_ = spec.ffn_size
+                for e in range(spec.num_experts):
+                    tensors[("expert", layer, e)] = (gate_up[e, :f_].contiguous(), gate_up[e, f_:].contiguous(),
+                                                     down[e].contiguous())
+            else:
+                raise WeightError(f"{path}: no expert weights found for layer {layer}")
+            resident[f"norm1/{layer}"] = load(f"{p}.input_layernorm.weight")
+            resident[f"norm2/{layer}"] = load(f"{p}.post_attention_layernorm.weight")
+        rope = config.get("rope_parameters", {}).get("rope_theta") or config.get("rope_theta", 1e6)
+        return WeightStore(spec, tensors, resident, rope_theta=float(rope), rms_eps=float(config.get("rms_norm_eps", 1e-5)),
+                           source=f"checkpoint:{path}", num_layers=L)
+
+
+# ---- kernels --------------------------------------------------------------------------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding, Hugging Face convention (rotate_half). x: [B, heads, T, hd]."""
+    hd = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=x.device) / hd))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def embed(tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    return F.embedding(tokens, table)
+
+
+def attention(x: torch.Tensor, weights: tuple[torch.Tensor, ...], norm: torch.Tensor, past: list[tuple],
+              pos0: int, spec: ModelSpec, theta: float, eps: float) -> tuple[torch.Tensor, tuple]:
+    """x: [B, T, h] -> x + attn(norm(x)), and this step's (k, v) chunk `[B, kv_heads, T, hd]`.
+    `past` lists earlier chunks of this batch's KV cache, oldest first."""
+    wq, wk, wv, wo = weights
+    B, T, _ = x.shape
+    H, KVH, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    hs = rms_norm(x, norm, eps)
+    q = F.linear(hs, wq).view(B, T, H, hd).transpose(1, 2)
+    k = F.linear(hs, wk).view(B, T, KVH, hd).transpose(1, 2)
+    v = F.linear(hs, wv).view(B, T, KVH, hd).transpose(1, 2)
+    positions = torch.arange(pos0, pos0 + T, device=x.device)
+    q, k = rope(q, positions, theta), rope(k, positions, theta)
+    keys = torch.cat([c[0] for c in past] + [k], dim=2) if past else k
+    values = torch.cat([c[1] for c in past] + [v], dim=2) if past else v
+    rep = H // KVH
+    keys = keys.repeat_interleave(rep, dim=1)
+    values = values.repeat_interleave(rep, dim=1)
+    out = F.scaled_dot_product_attention(q, keys, values, is_causal=T > 1 and not past)
+    out = out.transpose(1, 2).reshape(B, T, H * hd)
+    return x + F.linear(out, wo), (k, v)
+
+
+def router(z: torch.Tensor, weight: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mixtral's router on `[tokens, h]`: softmax over experts, top-k, renormalise."""
+    logits = F.linear(z, weight)
+    probs = torch.softmax(logits.float(), dim=-1)
+    w, ids = torch.topk(probs, top_k, dim=-1)
+    return w / w.sum(dim=-1, keepdim=True), ids
+
+
+def forced_weights(z: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Gate weights for experts chosen elsewhere (a trace): the router's softmax restricted to
+    them and renormalised, so the combine stays realistic."""
+    logits = F.linear(z, weight).float()
+    chosen = torch.gather(logits, -1, ids)
+    return torch.softmax(chosen, dim=-1)
+
+
+def expert(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    w1, w3, w2 = weights
+    return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+
+
+def lm_head(x: torch.Tensor, norm: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.linear(rms_norm(x, norm, eps), weight).float()
+
+
+# ---- whole ops, exactly as the executor runs them (calibration times these same functions) -----
+def gate_step(h: torch.Tensor, norm: torch.Tensor, router_weight: torch.Tensor, top_k: int, eps: float,
+              forced_ids: "np.ndarray | None" = None):
+    """Post-attention RMSNorm + routing of `h` ([B, T, h]): returns the expert input `[tokens, h]`,
+    the gate weights and expert ids `[tokens, k]`, and a zeroed MoE output to accumulate into."""
+    z = rms_norm(h, norm, eps).reshape(-1, h.shape[-1])
+    if forced_ids is not None:
+        ids = torch.from_numpy(forced_ids).to(z.device)
+        weights = forced_weights(z, router_weight, ids)
+    else:
+        weights, ids = router(z, router_weight, top_k)
+    return z, weights, ids, torch.zeros_like(z)
+
+
+def expert_step(z: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
+                expert_weights: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+    """One expert over the rows routed to it, scaled by their gate weights, added into `out`."""
+    y = expert(z[rows], expert_weights) * weights[rows, slots, None].to(z.dtype)
+    out.index_add_(0, rows, y)

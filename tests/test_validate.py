@@ -1,0 +1,104 @@
+"""Calibration and validation on the CPU (the CUDA twin is the same code with another driver)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from klotski_runtime.calibrate import calibrate  # noqa: E402
+from klotski_runtime.validate import ValidationSetup, check_profile_device, format_report, validate  # noqa: E402
+from klotski_sim.cost import CostModel  # noqa: E402
+from klotski_sim.hardware import ProfileError, load_profile  # noqa: E402
+from klotski_sim.model import get_model  # noqa: E402
+
+from .conftest import ROOT  # noqa: E402
+
+TINY = get_model("tiny-mixtral")
+
+
+def _runtime(*args):
+    proc = subprocess.run([sys.executable, "-m", "klotski_runtime.cli", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=600)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def profile_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cal") / "cpu.yaml"
+    rc, out, err = _runtime("calibrate", "--device", "cpu", "--model", "tiny-mixtral", "--batch-sizes", "2",
+                            "--prompt-lens", "6", "--max-expert-tokens", "32", "--repeats", "2", "--out", str(path))
+    assert rc == 0, err
+    return path
+
+
+def test_calibration_writes_a_loadable_profile_with_a_measured_table(profile_file):
+    p = load_profile(profile_file)
+    assert p.provenance["device_kind"] == "cpu" and p.provenance["torch"] == torch.__version__
+    assert "klotski-runtime calibrate" in p.provenance["command"]
+    for category in ("attention:decode", "attention:prefill", "gate", "expert", "lm_head", "embed"):
+        assert p.measured[category], category
+    assert p.links.pcie_h2d.bandwidth == 1e9  # emulated by default, and said so
+    assert p.provenance["emulated_links"]["pcie_h2d"] == 1e9
+    # the cost model now answers from the table inside its range
+    cost = CostModel(p)
+    point = p.measured["expert"][2]
+    assert cost.compute_seconds("expert", 1.0, 1.0, point.tokens, phase="decode") == pytest.approx(point.seconds)
+
+
+def test_validate_produces_its_files_and_figures(profile_file, tmp_path):
+    setup = ValidationSetup(model="tiny-mixtral", batch_size=2, num_batches=2, prompt_len=6, gen_len=3,
+                            emulate_links={"pcie_h2d": 2e8, "pcie_d2h": 2e8}, warmup_runs=0)
+    report = validate(setup, str(profile_file), tmp_path, ("klotski", "flexgen"))
+    for policy in ("klotski", "flexgen"):
+        for name in ("simulated.parquet", "measured.parquet", "validation.png", "validation.json", "schedule.json"):
+            assert (tmp_path / policy / name).stat().st_size > 0
+        r = report["policies"][policy]
+        assert r["makespan"]["measured_s"] > 0 and r["makespan"]["error"] is not None
+        assert set(r["bubbles"]) == {"all", "inter", "intra"} and r["worst_ops"]
+    saved = json.loads((tmp_path / "validation.json").read_text())
+    assert saved["emulated_links"] == {"pcie_h2d": 2e8, "pcie_d2h": 2e8}
+    assert "EMULATED" in format_report(report)
+
+
+def test_a_profile_for_another_device_is_refused(profile_file):
+    with pytest.raises(ProfileError, match="calibrated on a cpu device"):
+        check_profile_device(load_profile(profile_file), "cuda")
+    check_profile_device(load_profile("rtx3090"), "cuda")  # spec profiles carry no device kind
+
+
+def test_validate_cli_end_to_end(tmp_path):
+    rc, out, err = _runtime("validate", "--policy", "klotski", "--model", "tiny-mixtral", "--batch-size", "2",
+                            "--num-batches", "2", "--prompt-len", "6", "--gen-len", "3", "--out", str(tmp_path))
+    assert rc == 0, err
+    assert "calibrating cpu" in out and "klotski" in out and "EMULATED" in out
+    assert (tmp_path / "profile.yaml").exists() and (tmp_path / "klotski" / "validation.png").exists()
+
+
+def test_execute_cli_runs_what_simulate_wrote(tmp_path):
+    sim = subprocess.run([sys.executable, "-m", "klotski_sim.cli", "simulate", "--model", "tiny-mixtral", "--policy",
+                          "klotski", "--num-batches", "2", "--batch-size", "2", "--prompt-len", "6", "--gen-len", "3",
+                          "--no-png", "--out", str(tmp_path / "sim")], capture_output=True, text=True, cwd=ROOT)
+    assert sim.returncode == 0, sim.stderr
+    rc, out, err = _runtime("execute", str(tmp_path / "sim"), "--out", str(tmp_path / "meas"))
+    assert rc == 0, err
+    assert "throughput" in out and "EMULATED" in out and (tmp_path / "meas" / "trace.json").exists()
+    # a schedule for another model is a clear error
+    rc, _, err = _runtime("execute", str(tmp_path / "sim"), "--model", "small-mixtral")
+    assert rc == 2 and "built for model 'tiny-mixtral'" in err and "Traceback" not in err
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path):
+    rc, _, err = _runtime("validate", "--policy", "klotski", "--model", "tiny-mixtral", "--checkpoint",
+                          str(tmp_path / "nope"), "--profile", "klotski_sim/profiles/rtx3090.yaml",
+                          "--out", str(tmp_path / "v"))
+    assert rc == 2 and "no config.json" in err and "Traceback" not in err
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_calibration(tmp_path):
+    p = calibrate(TINY, "cuda", batch_sizes=(2,), prompt_lens=(6,), max_expert_tokens=16, repeats=2)
+    assert p.provenance["device_kind"] == "cuda" and p.measured["expert"]
