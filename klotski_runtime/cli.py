@@ -8,8 +8,9 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
+from klotski_sim.cli import guarded
 from klotski_sim.trace import TraceError
 
 from .record import RecordError, read_texts, record, save_tiny_mixtral
@@ -220,16 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    handler: Callable[[argparse.Namespace], int] = args.func
-    try:
-        return handler(args)
-    except (RecordError, TraceError, ValueError, OSError, RuntimeError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    return guarded(build_parser(), argv, (RecordError, TraceError, ValueError, OSError, RuntimeError))
 
 
 if __name__ == "__main__":

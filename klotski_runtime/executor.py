@@ -30,7 +30,7 @@ import torch
 
 from klotski_sim.model import ModelSpec
 from klotski_sim.routing import RoutingTable, RunShape
-from klotski_sim.schedule import Op, Schedule, ScheduleError
+from klotski_sim.schedule import Op, Schedule, ScheduleError, topological_order
 from klotski_sim.timeline import Timeline
 
 from . import kernels
@@ -281,34 +281,6 @@ def prepare_disk(schedule: Schedule, weights: WeightStore, directory: Path) -> P
             if not path.exists():
                 torch.save(tuple(t.contiguous() for t in weights.get(op.tensor, op.layer, op.expert)), path)
     return directory
-
-
-def topological_order(schedule: Schedule) -> list[int]:
-    """An issue order that respects deps and stream order (schedule order breaks ties)."""
-    import heapq
-
-    ops, index = schedule.ops, schedule.index
-    succs: list[list[int]] = [[] for _ in ops]
-    pending = [0] * len(ops)
-    last: dict[str, int] = {}
-    for i, op in enumerate(ops):
-        for d in op.deps:
-            succs[index[d]].append(i)
-        if op.stream in last:
-            succs[last[op.stream]].append(i)
-        pending[i] = len(op.deps) + (op.stream in last)
-        last[op.stream] = i
-    ready = [i for i in range(len(ops)) if pending[i] == 0]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        i = heapq.heappop(ready)
-        order.append(i)
-        for s in succs[i]:
-            pending[s] -= 1
-            if pending[s] == 0:
-                heapq.heappush(ready, s)
-    return order
 
 
 def execute(schedule: Schedule, spec: ModelSpec, weights: WeightStore, routing: RoutingTable,

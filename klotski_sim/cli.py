@@ -17,10 +17,11 @@ import pandas as pd
 
 from .hardware import ProfileError, builtin_profile_names, load_profile
 from .model import PRESETS, get_model
-from .planner import format_plan, largest_fitting_n
+from .planner import format_plan
 from .policies import POLICIES
-from .runner import Prepared, RunSpec, prepare, run
+from .runner import RunSpec, policy_batches, prepare, run
 from .schedule import ScheduleError
+from .sweep import SweepError
 from .timeline import Summary, jsonable
 from .trace import Trace, import_jsonl
 from .trace_stats import format_stats, layer_stats
@@ -164,12 +165,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
     print(f"placement: {prep.placement.describe()}; routing: {prep.replay.routing.source}")
     results = {}
     for name in policies:
-        n = policy_batches(name, prep)
+        n = policy_batches(name, prep) if spec.num_batches is None else prep.num_batches
         if n != prep.num_batches:
             why = ("one batch in flight by definition" if name == "single-batch" else
                    f"its {POLICIES[name].buffering} weight buffers leave room for {n} batches' KV cache")
             print(f"note: {name} runs n = {n} ({why})")
-        results[name] = run(replace(spec, policy=name), prepared=prep if n == prep.num_batches else prep.narrowed(n))
+        results[name] = run(replace(spec, policy=name), prepared=prep)
     summaries = {name: r.timeline.summary() for name, r in results.items()}
     print(format_comparison(summaries))
     out = Path(args.out)
@@ -192,17 +193,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0 if all(s.status == "ok" for s in summaries.values()) else 3
 
 
-def policy_batches(name: str, prep: Prepared) -> int:
-    """n for one policy of a comparison: the shared n, except that single-batch keeps one batch
-    in flight and a policy whose weight buffers are larger may need fewer batches to fit."""
-    if name == "single-batch":
-        return 1
-    s = prep.spec
-    fit = largest_fitting_n(prep.model, prep.profile, s.batch_size, s.prompt_len, s.gen_len, prep.placement,
-                            POLICIES[name].buffering)
-    return min(prep.num_batches, fit) if fit else prep.num_batches
-
-
 def format_comparison(summaries: dict[str, Summary]) -> str:
     base = summaries.get("flexgen")
     header = (f"{'policy':15} {'n':>3} {'status':6} {'tok/s':>8} {'xFlexGen':>8} {'makespan s':>10} {'inter s':>8} "
@@ -219,6 +209,17 @@ def format_comparison(summaries: dict[str, Summary]) -> str:
 
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value:.1%}"
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from .sweep import load_spec, run_sweep, summarize
+
+    spec = load_spec(args.spec)
+    df = run_sweep(spec, args.out, workers=args.workers, dask=args.dask, progress=not args.no_progress)
+    print(summarize(df))
+    failed = int((df["status"] != "ok").sum()) if len(df) else 0
+    print(f"{len(df)} configurations in {args.out}/results.parquet ({failed} not ok: see the status and error columns)")
+    return 0
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -317,6 +318,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-png", action="store_true", help="skip the Gantt figure")
     p.set_defaults(func=cmd_compare)
 
+    p = sub.add_parser("sweep", help="run a YAML grid of configurations (resumable) into one Parquet file")
+    p.add_argument("spec", help="sweep spec YAML (see klotski_sim/sweep.py or experiments/specs/)")
+    p.add_argument("--out", required=True, metavar="DIR", help="results.parquet and rows/ go here; rerun to resume")
+    p.add_argument("--workers", type=_positive_int, default=1, help="local processes (default: %(default)s)")
+    p.add_argument("--dask", metavar="ADDRESS|local", help="run on a dask.distributed scheduler, or 'local' to "
+                                                          "start a LocalCluster with --workers workers")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_sweep)
+
     p = sub.add_parser("plan", help="Klotski's planner: every term of inequalities (4)-(7), n, memory check")
     add_run_arguments(p, policy=False)
     p.set_defaults(func=cmd_plan)
@@ -328,18 +338,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None, errors: tuple[type[BaseException], ...]
+            ) -> int:
+    """Parse, run the subcommand, and turn expected errors into one `error:` line (exit 2)."""
     args = parser.parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.func
     try:
         return handler(args)
-    except (CliError, ProfileError, ScheduleError, ValueError, OSError) as err:
+    except errors as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return guarded(build_parser(), argv, (CliError, ProfileError, ScheduleError, SweepError, ValueError, OSError))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from simpy.events import Timeout
 
 from .cost import CostModel
 from .hardware import HardwareProfile
-from .schedule import Schedule, ScheduleError, gc_paused
+from .schedule import Schedule, ScheduleError, dependency_graph, gc_paused
 from .timeline import OutOfMemory, Timeline
 
 
@@ -65,17 +65,7 @@ def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | No
 
     # Graph: successors of each op (its dependents and its stream successor), and how many
     # predecessors each op still waits for.
-    succs: list[list[int]] = [[] for _ in range(n)]
-    pending = [0] * n
-    last_in_stream: dict[str, int] = {}
-    for i, op in enumerate(ops):
-        for dep in op.deps:
-            succs[index[dep]].append(i)
-        prev = last_in_stream.get(op.stream)
-        if prev is not None:
-            succs[prev].append(i)
-        pending[i] = len(op.deps) + (prev is not None)
-        last_in_stream[op.stream] = i
+    succs, pending = dependency_graph(ops, index)
     alloc_bytes = [sum(size for _, size in op.alloc) if op.alloc else 0 for op in ops]
 
     nan = float("nan")

@@ -100,16 +100,20 @@ def memory_needed(model: ModelSpec, batch_size: int, n: int, prompt_len: int, ge
 
 
 def default_placement(model: ModelSpec, profile: HardwareProfile, kv: str = "gpu") -> Placement:
-    """Experts to CPU memory first; to disk when host memory cannot hold the weights (attention
-    and gate then stay in host memory as long as they fit)."""
+    """Experts get host memory first: when the host cannot hold every layer, the experts of the
+    last layers move to disk (as many as needed); attention and gate stay in host memory while
+    they fit, else everything streams from disk."""
     host = profile.host.memory_bytes * HOST_HEADROOM
     streamed = model.num_layers * model.layer_bytes()
     if streamed <= host:
         return Placement(kv=kv)
     dense = model.num_layers * (model.attention_bytes() + model.gate_bytes())
-    if dense <= host:
+    if dense > host:
+        return Placement(attention="disk", gate="disk", experts="disk", kv=kv)
+    in_host = int((host - dense) // model.moe_layer_bytes())
+    if in_host == 0:
         return Placement(experts="disk", kv=kv)
-    return Placement(attention="disk", gate="disk", experts="disk", kv=kv)
+    return Placement(kv=kv, disk_layers=model.num_layers - in_host)
 
 
 def largest_fitting_n(model: ModelSpec, profile: HardwareProfile, batch_size: int, prompt_len: int, gen_len: int,

@@ -15,11 +15,11 @@ from .cost import CostModel
 from .engine import simulate
 from .hardware import HardwareProfile, load_profile, with_overrides
 from .model import ModelSpec, get_model
-from .policies import Placement, PolicyInput, build_schedule
+from .policies import Placement, PolicyInput, build_schedule, get_policy
 from .routing import RoutingTable, RunShape
 from .schedule import Schedule
 from .timeline import Timeline
-from .planner import Plan, default_placement, memory_needed, plan
+from .planner import Plan, default_placement, largest_fitting_n, memory_needed, plan
 from .trace import Replay, Trace, TraceError, replay
 from .trace_stats import popularity
 from .trace_synth import base_popularity, params_for, synthesize
@@ -70,10 +70,9 @@ class Prepared:
 
     def narrowed(self, num_batches: int) -> "Prepared":
         """The same run with fewer batches: the first `num_batches` batches of the same routing."""
-        spec = replace(self.spec, num_batches=num_batches)
-        rep = replay(self.trace, self.model, spec.shape(num_batches), warmup_sequences=spec.warmup_sequences,
-                     wrap=spec.wrap, where=spec.trace or f"synthetic {spec.routing}")
-        return replace(self, spec=spec, num_batches=num_batches, replay=rep)
+        rep = replay(self.trace, self.model, self.spec.shape(num_batches), warmup_sequences=self.spec.warmup_sequences,
+                     wrap=self.spec.wrap, where=self.spec.trace or f"synthetic {self.spec.routing}")
+        return replace(self, num_batches=num_batches, replay=rep)
 
     def policy_input(self, options: Mapping[str, Any] | None = None) -> PolicyInput:
         return PolicyInput(self.model, self.profile, self.replay.routing, self.placement,
@@ -142,7 +141,7 @@ def planning_popularity(spec: RunSpec, model: ModelSpec) -> np.ndarray | None:
 def resolve_placement(spec: RunSpec, model: ModelSpec, profile: HardwareProfile) -> Placement:
     base = default_placement(model, profile)
     if spec.experts != "auto":
-        base = replace(base, experts=spec.experts)
+        base = replace(base, experts=spec.experts, disk_layers=0)
     return replace(base, kv="gpu" if spec.kv == "auto" else spec.kv, resident_layers=spec.resident_layers or 0)
 
 
@@ -160,18 +159,35 @@ def prepare(spec: RunSpec) -> Prepared:
         placement = the_plan.placement if spec.kv == "auto" else replace(the_plan.placement, kv=spec.kv)
     else:
         n = spec.num_batches
-        if spec.kv == "auto":
-            need = memory_needed(model, spec.batch_size, n, spec.prompt_len, spec.gen_len, placement)
+        if spec.kv == "auto":  # the KV cache stays on the GPU when this policy's buffers leave room
+            need = memory_needed(model, spec.batch_size, n, spec.prompt_len, spec.gen_len, placement,
+                                 get_policy(spec.policy).buffering)
             if need["total"] > profile.gpu.usable_bytes:
                 placement = replace(placement, kv="cpu")
     trace, rep = make_replay(spec, model, n)
     return Prepared(spec, model, profile, n, placement, trace, rep, the_plan)
 
 
+def policy_batches(policy: str, prep: Prepared) -> int:
+    """n for one policy when the planner chose it: single-batch keeps one batch in flight, and a
+    policy whose weight buffers are larger than Klotski's may fit fewer batches' KV cache."""
+    if policy == "single-batch":
+        return 1
+    s = prep.spec
+    fit = largest_fitting_n(prep.model, prep.profile, s.batch_size, s.prompt_len, s.gen_len, prep.placement,
+                            get_policy(policy).buffering)
+    return min(prep.num_batches, fit) if fit else prep.num_batches
+
+
 def run(spec: RunSpec, cost: CostModel | None = None, prepared: Prepared | None = None) -> RunResult:
     """Build the schedule for `spec` and simulate it (`prepared` shares routing and plan
-    between the policies of one comparison)."""
+    between the policies of one comparison). With `num_batches=None` the planner's n is used,
+    lowered for policies that need more weight memory (see `policy_batches`)."""
     prep = prepared or prepare(spec)
+    if spec.num_batches is None:
+        n = policy_batches(spec.policy, prep)
+        if n != prep.num_batches:
+            prep = prep.narrowed(n)
     schedule = build_schedule(spec.policy, prep.policy_input(spec.options))
     timeline = simulate(schedule, prep.profile, cost)
     return RunResult(spec, prep.model, prep.profile, schedule, timeline, prep.plan, prep.replay.routing)

@@ -12,13 +12,14 @@ Stream order is list order: ops of one stream run in the order they appear in `S
 from __future__ import annotations
 
 import gc
+import heapq
 import json
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, NamedTuple
+from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 FORMAT = "klotski-schedule"
 VERSION = 1
@@ -267,14 +268,11 @@ def _check_op_fields(op: Op, streams: Mapping[str, str]) -> None:
             raise ScheduleError(f"op {op.id!r}: buffer {name!r} has negative size {size}")
 
 
-def find_cycle(ops: Iterable[Op], position: Mapping[str, int] | None = None) -> list[str]:
-    """An op-id cycle in the graph of deps plus stream order, or [] when there is none (Kahn's
-    algorithm on integer indices; `position` maps ids to indices when the caller has it)."""
-    ops = list(ops)
-    position = position or {op.id: i for i, op in enumerate(ops)}
-    n = len(ops)
-    succs: list[list[int]] = [[] for _ in range(n)]
-    indegree = [0] * n
+def dependency_graph(ops: Sequence[Op], position: Mapping[str, int]) -> tuple[list[list[int]], list[int]]:
+    """Successors of each op (its dependents and its stream successor, by index) and how many
+    predecessors each op waits for: the one graph the checker, the engine and the runtime use."""
+    succs: list[list[int]] = [[] for _ in range(len(ops))]
+    indegree = [0] * len(ops)
     last: dict[str, int] = {}
     for i, op in enumerate(ops):
         for dep in op.deps:
@@ -284,6 +282,33 @@ def find_cycle(ops: Iterable[Op], position: Mapping[str, int] | None = None) -> 
             succs[prev].append(i)
         indegree[i] = len(op.deps) + (prev is not None)
         last[op.stream] = i
+    return succs, indegree
+
+
+def topological_order(schedule: "Schedule") -> list[int]:
+    """An issue order that respects deps and stream order, schedule order breaking ties (how the
+    CUDA runtime enqueues ops, so that every event it waits on has been recorded)."""
+    succs, pending = dependency_graph(schedule.ops, schedule.index)
+    ready = [i for i, p in enumerate(pending) if p == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for s in succs[i]:
+            pending[s] -= 1
+            if pending[s] == 0:
+                heapq.heappush(ready, s)
+    return order
+
+
+def find_cycle(ops: Iterable[Op], position: Mapping[str, int] | None = None) -> list[str]:
+    """An op-id cycle in the graph of deps plus stream order, or [] when there is none (Kahn's
+    algorithm on integer indices; `position` maps ids to indices when the caller has it)."""
+    ops = list(ops)
+    position = position or {op.id: i for i, op in enumerate(ops)}
+    n = len(ops)
+    succs, indegree = dependency_graph(ops, position)
     queue = [i for i in range(n) if indegree[i] == 0]
     seen = 0
     while queue:

@@ -35,7 +35,7 @@ def make_input(model="tiny-mixtral", bs=2, n=3, P=6, G=3, routing="calibrated", 
 
 @pytest.mark.parametrize("policy", MULTI + ("single-batch",))
 @pytest.mark.parametrize("placement", [Placement(), Placement(kv="cpu"), Placement(experts="disk"),
-                                       Placement(resident_layers=1)])
+                                       Placement(resident_layers=1), Placement(disk_layers=1)])
 def test_every_policy_validates_and_runs(policy, placement):
     inp = make_input(placement=placement)
     s = build_schedule(policy, inp)
@@ -267,4 +267,17 @@ def test_planner_reproduces_the_papers_memory_bound_n_order():
     p = plan(get_model("mixtral-8x7b"), load_profile("rtx3090"), batch_size=16)
     assert 10 <= p.n <= 20 and p.placement.kv == "gpu"  # paper: n = 15 on the 3090
     big = plan(get_model("mixtral-8x22b"), load_profile("rtx3090"), batch_size=16)
-    assert big.placement.experts == "disk" and big.n < p.n  # 8x22B does not fit in 256 GB of DRAM
+    # 8x22B (281 GB) does not fit in 256 GB of DRAM: the last layers' experts go to disk
+    assert big.placement.uses_disk and 0 < big.placement.disk_layers < 56 and big.n < p.n
+
+
+@pytest.mark.parametrize("policy", ("single-batch", "klotski", "flexgen"))
+def test_kv_loads_wait_for_the_previous_steps_store(policy):
+    """With the KV cache in host memory, a step's load must follow the store of the step before
+    (the runtime found this dependency missing once: the simulator would have let it race)."""
+    s = build_schedule(policy, make_input(placement=Placement(kv="cpu"), n=2, G=4))
+    stores = {(o.layer, o.batch, o.step): o.id for o in s.ops if o.stream == "d2h_kv"}
+    loads = [o for o in s.ops if o.stream == "h2d_kv"]
+    assert loads
+    for o in loads:
+        assert stores[(o.layer, o.batch, o.step - 1)] in o.deps

@@ -32,6 +32,7 @@ class Placement:
     kv: str = "gpu"
     resident_layers: int = 0
     disk_window: int = 2  # layers staged in host memory ahead of the GPU when weights live on disk
+    disk_layers: int = 0  # with experts="cpu": the last `disk_layers` layers keep their experts on disk
 
     def __post_init__(self) -> None:
         for name in ("attention", "gate", "experts"):
@@ -44,13 +45,23 @@ class Placement:
             raise ValueError("placement.resident_layers must be >= 0")
         if self.disk_window < 1:
             raise ValueError("placement.disk_window must be >= 1")
+        if self.disk_layers < 0:
+            raise ValueError("placement.disk_layers must be >= 0")
 
     @property
     def uses_disk(self) -> bool:
-        return "disk" in (self.attention, self.gate, self.experts)
+        return "disk" in (self.attention, self.gate, self.experts) or self.disk_layers > 0
+
+    def tier(self, what: str, layer: int, num_layers: int) -> str:
+        """Where `what` (attention | gate | experts) of `layer` lives before it is needed."""
+        if what == "experts" and self.disk_layers and layer >= num_layers - self.disk_layers:
+            return "disk"
+        return getattr(self, what)
 
     def describe(self) -> str:
-        text = (f"attention={self.attention} gate={self.gate} experts={self.experts} kv={self.kv} "
+        experts = self.experts if not self.disk_layers or self.experts == "disk" else \
+            f"cpu (last {self.disk_layers} layers on disk)"
+        text = (f"attention={self.attention} gate={self.gate} experts={experts} kv={self.kv} "
                 f"resident_layers={self.resident_layers}")
         return text + (f" disk_window={self.disk_window}" if self.uses_disk else "")
 
@@ -160,8 +171,8 @@ class OpEmitter:
         return layer < self.placement.resident_layers
 
     # ---- weight transfers -----------------------------------------------------------------------
-    def tier(self, what: str) -> str:
-        return getattr(self.placement, what)
+    def tier(self, what: str, layer: int) -> str:
+        return self.placement.tier(what, layer, self.model.num_layers)
 
     def fetch(self, op_id: str, what: str, nbytes: int, category: str, stream: str,
               deps: Iterable[str | None] = (), *, step: int, layer: int, expert: int = -1, **tags: Any) -> str:
@@ -170,7 +181,7 @@ class OpEmitter:
         (see `_stage`), then copied over PCIe."""
         deps = list(deps)
         key = (step, layer)
-        if self.tier(what) == "disk":
+        if self.tier(what, layer) == "disk":
             staged_at = self._staged_at.get(key)
             # (re)stage unless this layer is still inside the host window (single-batch streams
             # the same (step, layer) again for every batch)
@@ -195,7 +206,7 @@ class OpEmitter:
         tensors = [("attention", -1, m.attention_bytes(), "weights"), ("gate", -1, m.gate_bytes(), "weights")]
         tensors += [("experts", e, m.expert_bytes(), "moe_weights") for e in range(m.num_experts)]
         for what, expert, nbytes, category in tensors:
-            if self.tier(what) == "disk":
+            if self.tier(what, layer) == "disk":
                 name = f"disk/{g}/s{step}/L{layer}/{what}" + (f"/E{expert}" if expert >= 0 else "")
                 reads[(what, expert)] = self.b.transfer(name, category, "disk_read", nbytes, "disk", "cpu", evict,
                                                         step=step, layer=layer, expert=expert, tensor=_TENSOR[what])

@@ -1,0 +1,348 @@
+"""What-if sweeps: a YAML grid of configurations, run on a local process pool or a Dask cluster,
+collected into one Parquet file (one row per configuration, every input and every metric).
+
+Resumable by construction: each finished configuration is written atomically to
+`rows/<id>.json` (temp file + rename) the moment it finishes; `results.parquet` is rebuilt from
+those rows (also atomically). Rerunning the same command skips the ids already there; killing
+the sweep at any moment loses nothing that finished and never leaves a half-written file. A
+configuration that fails — out of memory, or an error — is a row with its status and error.
+
+Spec (every key optional except `policies`; lists are grid axes):
+
+    name: pcie-what-if
+    models: [mixtral-8x7b]
+    hardware: [rtx3090, h800]
+    overrides:                       # grid over dotted profile fields
+      links.pcie_h2d.bandwidth: [16e9, 32e9, 64e9]
+    policies: [klotski, flexgen]
+    batch_sizes: [16]
+    num_batches: [auto]              # or integers
+    prompt_lens: [512]
+    gen_lens: [32]
+    routings: [calibrated, uniform]  # or trace files: [trace:path/to/file.npz]
+    seeds: [0]
+    kv: [auto]
+    experts: [auto]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import time
+import traceback
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import pandas as pd
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .hardware import ProfileError, load_profile, with_overrides
+from .model import get_model
+from .policies import POLICIES
+from .timeline import jsonable
+from .trace_synth import params_for
+
+
+class SweepError(ValueError):
+    """A sweep spec that cannot run; raised before anything runs."""
+
+
+class SweepSpec(BaseModel):
+    """The grid. Unknown keys are errors (with a suggestion), so a typo never silently shrinks it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = "sweep"
+    models: list[str] = Field(default_factory=lambda: ["mixtral-8x7b"], min_length=1)
+    hardware: list[str] = Field(default_factory=lambda: ["rtx3090"], min_length=1)
+    overrides: dict[str, list[Any]] = Field(default_factory=dict)
+    policies: list[str] = Field(min_length=1)
+    batch_sizes: list[int] = Field(default_factory=lambda: [16], min_length=1)
+    num_batches: list[int | str] = Field(default_factory=lambda: ["auto"], min_length=1)
+    prompt_lens: list[int] = Field(default_factory=lambda: [512], min_length=1)
+    gen_lens: list[int] = Field(default_factory=lambda: [32], min_length=1)
+    routings: list[str] = Field(default_factory=lambda: ["calibrated"], min_length=1)
+    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    kv: list[str] = Field(default_factory=lambda: ["auto"], min_length=1)
+    experts: list[str] = Field(default_factory=lambda: ["auto"], min_length=1)
+
+    @field_validator("overrides")
+    @classmethod
+    def _numbers(cls, grid: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        """YAML 1.1 reads `16e9` as text; a number-looking override is a number."""
+        def number(v: Any) -> Any:
+            if isinstance(v, str):
+                try:
+                    return float(v)
+                except ValueError:
+                    return v
+            return v
+        return {k: [number(v) for v in values] for k, values in grid.items()}
+
+    @field_validator("batch_sizes", "prompt_lens", "gen_lens")
+    @classmethod
+    def _positive(cls, values: list[int]) -> list[int]:
+        if any(v < 1 for v in values):
+            raise ValueError("values must be >= 1")
+        return values
+
+    @field_validator("num_batches")
+    @classmethod
+    def _batches(cls, values: list[int | str]) -> list[int | str]:
+        for v in values:
+            if v != "auto" and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"num_batches entries are positive integers or 'auto', got {v!r}")
+        return values
+
+
+def load_spec(path: str | Path) -> SweepSpec:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as err:
+        raise SweepError(f"{path}: cannot read sweep spec ({err.strerror})") from None
+    except yaml.YAMLError as err:
+        raise SweepError(f"{path}: not valid YAML ({err})") from None
+    return parse_spec(data, str(path))
+
+
+def parse_spec(data: Any, where: str = "sweep spec") -> SweepSpec:
+    import difflib
+
+    if not isinstance(data, dict):
+        raise SweepError(f"{where}: a sweep spec is a mapping")
+    try:
+        spec = SweepSpec.model_validate(data)
+    except ValidationError as err:
+        lines = []
+        for e in err.errors():
+            loc = ".".join(str(p) for p in e["loc"])
+            if e["type"] == "extra_forbidden":
+                close = difflib.get_close_matches(str(e["loc"][0]), list(SweepSpec.model_fields), n=1)
+                lines.append(f"  {loc}: unknown key" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            else:
+                lines.append(f"  {loc}: {e['msg']}")
+        raise SweepError(f"{where}: invalid sweep spec\n" + "\n".join(lines)) from None
+    check_spec(spec, where)
+    return spec
+
+
+def check_spec(spec: SweepSpec, where: str) -> None:
+    """Everything that can be checked before running: models, profiles, overrides, policies,
+    routings, placements."""
+    problems = []
+    for m in spec.models:
+        try:
+            get_model(m)
+        except ValueError as err:
+            problems.append(str(err))
+    for p in spec.policies:
+        if p not in POLICIES:
+            problems.append(f"unknown policy {p!r}; known: {', '.join(POLICIES)}")
+    for h in spec.hardware:
+        try:
+            profile = load_profile(h)
+        except ProfileError as err:
+            problems.append(str(err))
+            continue
+        for field, values in spec.overrides.items():
+            for v in values:
+                try:
+                    with_overrides(profile, {field: v}, where=f"override {field}={v!r}")
+                except ProfileError as err:
+                    problems.append(str(err))
+    model = get_model(spec.models[0]) if not problems else None
+    for r in spec.routings:
+        if r.startswith("trace:"):
+            if not Path(r[6:]).exists():
+                problems.append(f"routing {r!r}: no such trace file")
+        elif model is not None:
+            try:
+                params_for(r, model)
+            except ValueError as err:
+                problems.append(str(err))
+    for kv in spec.kv:
+        if kv not in ("auto", "gpu", "cpu"):
+            problems.append(f"kv {kv!r} is not auto, gpu or cpu")
+    for ex in spec.experts:
+        if ex not in ("auto", "cpu", "disk"):
+            problems.append(f"experts {ex!r} is not auto, cpu or disk")
+    if problems:
+        raise SweepError(f"{where}: " + "; ".join(dict.fromkeys(problems)))
+
+
+def expand(spec: SweepSpec) -> list[dict[str, Any]]:
+    """Every configuration of the grid, each with a stable id (a hash of its inputs)."""
+    fields = list(spec.overrides)
+    configs = []
+    for (model, hardware, policy, bs, n, p, g, routing, seed, kv, experts, *values) in itertools.product(
+            spec.models, spec.hardware, spec.policies, spec.batch_sizes, spec.num_batches, spec.prompt_lens,
+            spec.gen_lens, spec.routings, spec.seeds, spec.kv, spec.experts,
+            *(spec.overrides[f] for f in fields)):
+        cfg = {"model": model, "hardware": hardware, "policy": policy, "batch_size": bs, "num_batches": n,
+               "prompt_len": p, "gen_len": g, "routing": routing, "seed": seed, "kv": kv, "experts": experts,
+               "overrides": dict(zip(fields, values))}
+        cfg["id"] = config_id(cfg)
+        configs.append(cfg)
+    return configs
+
+
+def config_id(cfg: dict[str, Any]) -> str:
+    canonical = json.dumps({k: v for k, v in cfg.items() if k != "id"}, sort_keys=True, default=str)
+    return hashlib.sha1(canonical.encode()).hexdigest()[:16]
+
+
+def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Simulate one configuration; never raises — a failure is a row with status `error`."""
+    from .runner import RunSpec, run
+
+    t = time.perf_counter()
+    row: dict[str, Any] = {"id": cfg["id"], **{k: v for k, v in cfg.items() if k not in ("id", "overrides")},
+                           **{f"set.{k}": v for k, v in cfg["overrides"].items()}}
+    row["num_batches"] = str(cfg["num_batches"])
+    try:
+        routing = cfg["routing"]
+        spec = RunSpec(model=cfg["model"], hardware=cfg["hardware"], policy=cfg["policy"],
+                       batch_size=cfg["batch_size"],
+                       num_batches=None if cfg["num_batches"] == "auto" else int(cfg["num_batches"]),
+                       prompt_len=cfg["prompt_len"], gen_len=cfg["gen_len"], seed=cfg["seed"],
+                       routing="calibrated" if routing.startswith("trace:") else routing,
+                       trace=routing[6:] if routing.startswith("trace:") else None,
+                       kv=cfg["kv"], experts=cfg["experts"], overrides=cfg["overrides"])
+        result = run(spec)
+        s = result.timeline.summary()
+        metrics = {k: v for k, v in s.to_dict().items()
+                   if k not in ("policy", "model", "hardware", "batch_size", "prompt_len", "gen_len", "extra",
+                                "utilization", "bubble_by_cause", "oom")}
+        row.update({f"m.{k}": v for k, v in metrics.items()})
+        row["m.n"] = s.num_batches
+        row["m.kv"] = result.timeline.meta.get("placement", {}).get("kv")
+        row["m.utilization_gpu"] = s.utilization.get("gpu", 0.0)
+        row["m.utilization_pcie_h2d"] = s.utilization.get("pcie_h2d", 0.0)
+        pf = s.extra.get("prefetch") or {}
+        row["m.hot_precision"] = pf.get("precision")
+        row["m.hot_identification"] = pf.get("hot_identification")
+        row["status"] = s.status
+        row["error"] = "" if s.status == "ok" else json.dumps(s.oom)
+    except Exception as err:  # noqa: BLE001 - recorded, the sweep goes on
+        row["status"] = "error"
+        row["error"] = f"{type(err).__name__}: {err}"
+        row["traceback"] = traceback.format_exc(limit=3)
+    row["wall_s"] = time.perf_counter() - t
+    return jsonable(row)
+
+
+def write_row(rows_dir: Path, row: dict[str, Any]) -> None:
+    """Atomically: a reader sees the whole row or none of it."""
+    tmp = rows_dir / f".{row['id']}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(row))
+    os.replace(tmp, rows_dir / f"{row['id']}.json")
+
+
+def finished_ids(rows_dir: Path) -> set[str]:
+    return {p.stem for p in rows_dir.glob("*.json")}
+
+
+def collect(out_dir: str | Path) -> pd.DataFrame:
+    """All finished rows as a DataFrame (sorted by id), also written atomically to results.parquet."""
+    out = Path(out_dir)
+    rows = []
+    for p in sorted((out / "rows").glob("*.json")):
+        try:
+            rows.append(json.loads(p.read_text()))
+        except json.JSONDecodeError:
+            continue  # cannot happen with atomic writes; a foreign file is ignored
+    df = pd.DataFrame(rows)
+    if len(df):
+        df = df.sort_values("id").reset_index(drop=True)
+        for col in df.columns:  # mixed-type columns (e.g. num_batches) as text for Parquet
+            if df[col].dtype == object:
+                df[col] = df[col].map(lambda v: v if v is None or isinstance(v, str) else json.dumps(v))
+    tmp = out / ".results.parquet.tmp"
+    df.to_parquet(tmp, index=False)
+    os.replace(tmp, out / "results.parquet")
+    return df
+
+
+def run_sweep(spec: SweepSpec, out_dir: str | Path, workers: int = 1, dask: str | None = None,
+              progress: bool = True, on_row: Callable[[dict[str, Any]], None] | None = None) -> pd.DataFrame:
+    """Run every configuration not finished yet; returns all rows."""
+    out = Path(out_dir)
+    rows_dir = out / "rows"
+    rows_dir.mkdir(parents=True, exist_ok=True)
+    (out / "spec.yaml").write_text(yaml.safe_dump(spec.model_dump(), sort_keys=False))
+    configs = expand(spec)
+    done = finished_ids(rows_dir)
+    todo = [c for c in configs if c["id"] not in done]
+
+    def finished(row: dict[str, Any]) -> None:
+        write_row(rows_dir, row)
+        if on_row:
+            on_row(row)
+
+    with _progress(progress, len(configs), len(configs) - len(todo), spec.name) as advance:
+        if dask:
+            _run_dask(todo, dask, workers, finished, advance)
+        elif workers <= 1:
+            for cfg in todo:
+                finished(run_config(cfg))
+                advance()
+        else:
+            with ProcessPoolExecutor(max_workers=workers) as pool:
+                futures = [pool.submit(run_config, c) for c in todo]
+                for fut in as_completed(futures):
+                    finished(fut.result())
+                    advance()
+    return collect(out)
+
+
+def _run_dask(todo: list[dict[str, Any]], address: str, workers: int, finished: Callable, advance: Callable) -> None:
+    try:
+        from dask.distributed import Client, LocalCluster, as_completed as dask_completed
+    except ImportError:
+        raise SweepError("--dask needs dask.distributed: pip install 'klotski[dask]'") from None
+    cluster = LocalCluster(n_workers=max(1, workers), threads_per_worker=1, processes=True,
+                           dashboard_address=None) if address == "local" else None
+    try:
+        with Client(cluster or address) as client:
+            futures = client.map(run_config, todo, pure=False)
+            for fut in dask_completed(futures):
+                finished(fut.result())
+                advance()
+    finally:
+        if cluster is not None:
+            cluster.close()
+
+
+class _progress:
+    """A rich progress bar (or nothing), as a context manager yielding `advance()`."""
+
+    def __init__(self, enabled: bool, total: int, done: int, name: str) -> None:
+        self.enabled, self.total, self.done, self.name = enabled, total, done, name
+
+    def __enter__(self) -> Callable[[], None]:
+        if not self.enabled:
+            return lambda: None
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeRemainingColumn(), transient=False)
+        self.bar.start()
+        task = self.bar.add_task(self.name, total=self.total, completed=self.done)
+        return lambda: self.bar.advance(task)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.enabled:
+            self.bar.stop()
+
+
+def summarize(df: pd.DataFrame, columns: Iterable[str] = ("policy", "hardware", "status", "m.num_batches",
+                                                           "m.throughput_tok_s", "m.bubble_s", "m.efficiency")) -> str:
+    cols = [c for c in columns if c in df.columns]
+    with pd.option_context("display.width", 200, "display.max_rows", 50, "display.float_format", "{:.3f}".format):
+        return df[cols].to_string(index=False)

@@ -1,0 +1,98 @@
+"""Sweeps: spec validation, local vs Dask, resume after a kill, failures recorded."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pandas as pd
+import pytest
+import yaml
+
+from klotski_sim.sweep import SweepError, collect, expand, parse_spec, run_sweep
+
+from .conftest import ROOT
+
+SMALL = {"name": "t", "models": ["tiny-mixtral"], "policies": ["klotski", "flexgen"], "batch_sizes": [2],
+         "num_batches": [2, "auto"], "prompt_lens": [8], "gen_lens": [3], "routings": ["calibrated", "uniform"]}
+METRICS = ["m.makespan_s", "m.throughput_tok_s", "m.bubble_s", "m.peak_gpu_bytes", "status"]
+
+
+def test_spec_errors_come_before_anything_runs():
+    with pytest.raises(SweepError, match="polices: unknown key \\(did you mean 'policies'\\?\\)"):
+        parse_spec({"polices": ["klotski"]})
+    with pytest.raises(SweepError, match="unknown hardware profile 'rtx9090'"):
+        parse_spec({"policies": ["klotski"], "hardware": ["rtx9090"]})
+    with pytest.raises(SweepError, match="links.pcie_h2d.bandwith"):
+        parse_spec({"policies": ["klotski"], "overrides": {"links.pcie_h2d.bandwith": [1e9]}})
+    with pytest.raises(SweepError, match="unknown policy 'klotsky'"):
+        parse_spec({"policies": ["klotsky"]})
+    with pytest.raises(SweepError, match="unknown routing 'zipfy'"):
+        parse_spec({"policies": ["klotski"], "routings": ["zipfy"]})
+    with pytest.raises(SweepError, match="num_batches"):
+        parse_spec({"policies": ["klotski"], "num_batches": [0]})
+    with pytest.raises(SweepError, match="greater than 0"):
+        parse_spec({"policies": ["klotski"], "overrides": {"gpu.peak_flops": [-1]}})
+
+
+def test_grid_ids_are_stable_and_unique():
+    spec = parse_spec(SMALL)
+    configs = expand(spec)
+    assert len(configs) == 2 * 2 * 2 and len({c["id"] for c in configs}) == len(configs)
+    assert [c["id"] for c in expand(parse_spec(SMALL))] == [c["id"] for c in configs]
+
+
+def test_failures_are_rows_not_crashes(tmp_path):
+    spec = parse_spec({**SMALL, "policies": ["klotski"], "num_batches": [2], "routings": ["calibrated"],
+                       "overrides": {"gpu.memory_bytes": [1e4, 1e12]}})
+    df = run_sweep(spec, tmp_path, progress=False)
+    assert sorted(df["status"]) == ["ok", "oom"]
+    assert (tmp_path / "results.parquet").exists()
+
+
+def test_local_and_dask_give_identical_results(tmp_path):
+    pytest.importorskip("dask.distributed")
+    spec = parse_spec(SMALL)
+    local = run_sweep(spec, tmp_path / "local", workers=2, progress=False)
+    dask = run_sweep(spec, tmp_path / "dask", workers=2, dask="local", progress=False)
+    assert len(local) == len(dask) == 8
+    pd.testing.assert_frame_equal(local[["id"] + METRICS], dask[["id"] + METRICS])
+
+
+def test_resume_after_a_killed_sweep_loses_and_duplicates_nothing(tmp_path):
+    spec_file = tmp_path / "spec.yaml"
+    spec = {**SMALL, "seeds": [0, 1, 2]}
+    spec_file.write_text(yaml.safe_dump(spec))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "klotski_sim.cli", "sweep", str(spec_file), "--out", str(out), "--workers", "2",
+           "--no-progress"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if (out / "rows").exists() and len(list((out / "rows").glob("*.json"))) >= 3:
+            break
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # the sweep and its worker processes, mid-run
+    proc.wait()
+    survived = {p.stem: p.read_text() for p in (out / "rows").glob("*.json")}
+    assert 0 < len(survived) < 24
+    for text in survived.values():
+        json.loads(text)  # every row on disk is whole
+    rerun = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr
+    df = pd.read_parquet(out / "results.parquet")
+    assert len(df) == 24 and df["id"].is_unique
+    for row_id, text in survived.items():  # finished rows were kept, not recomputed or rewritten
+        assert (out / "rows" / f"{row_id}.json").read_text() == text
+    assert len(collect(out)) == 24
+
+
+def test_sweep_cli_validates_spec(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("policies: [klotski]\nhardwares: [rtx3090]\n")
+    proc = subprocess.run([sys.executable, "-m", "klotski_sim.cli", "sweep", str(bad), "--out", str(tmp_path / "o")],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2 and "hardwares: unknown key (did you mean 'hardware'?)" in proc.stderr
