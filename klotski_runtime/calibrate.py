@@ -158,6 +158,7 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
     overhead = measure(lambda: one + one, max(repeats, 20))
 
     links = _measure_links(dev, measure, repeats, emulate_links or {}, link_latency_s)
+    dependency_latency = _measure_dependency_latency(dev, max(repeats, 50))
     if dev.type == "cuda":
         props = torch.cuda.get_device_properties(dev)
         gpu_name, gpu_mem = props.name, float(props.total_memory)
@@ -171,7 +172,7 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
         "description": f"measured by klotski-runtime calibrate on {gpu_name} for {spec.name} shapes",
         "gpu": {"name": gpu_name, "memory_bytes": gpu_mem, "reserved_bytes": reserved, "peak_flops": peak,
                 "memory_bandwidth": membw, "compute_efficiency": 1.0, "memory_efficiency": 1.0,
-                "kernel_overhead_s": overhead},
+                "kernel_overhead_s": overhead, "dependency_latency_s": dependency_latency},
         "links": links,
         "host": {"memory_bytes": _host_memory(), "cpu": platform.processor() or platform.machine()},
         "disk": {"capacity_bytes": float(_disk_capacity())},
@@ -188,7 +189,42 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
             "emulated_links": dict(emulate_links or {}),
         },
     }
+    draft = profile_from_dict(data, "calibration")
+    data["gpu"]["dispatch_overhead_s"] = _probe_dispatch(spec, draft, dev, dtype, emulate_links or {},
+                                                         min(batch_sizes), min(prompt_lens))
+    data["sources"]["gpu.dispatch_overhead_s"] = ("median (measured - simulated) duration of the compute ops of a "
+                                                  "small Klotski schedule run through the executor")
     return profile_from_dict(data, "calibration")
+
+
+def _probe_dispatch(spec: ModelSpec, draft: HardwareProfile, dev: torch.device, dtype: torch.dtype,
+                    emulate: Mapping[str, float], batch_size: int, prompt_len: int) -> float:
+    """The executor's fixed cost per compute op beyond the kernels the table timed (looking up
+    buffers, bookkeeping, thread hand-offs): run a small real schedule, compare with its simulation."""
+    from klotski_sim.engine import simulate
+    from klotski_sim.model import get_model
+    from klotski_sim.policies import Placement, PolicyInput, build_schedule
+    from klotski_sim.routing import RunShape
+    from klotski_sim.trace import replay
+    from klotski_sim.trace_synth import synthesize
+
+    from .executor import ExecOptions, execute
+
+    base = spec.name.split(":")[0]
+    probe = get_model(f"{base}:{min(2, spec.num_layers)}")
+    shape = RunShape(batch_size, 2, prompt_len, 3)
+    rep = replay(synthesize(probe, shape.num_sequences + 2, prompt_len, 3, "calibrated", 0), probe, shape,
+                 warmup_sequences=2)
+    schedule = build_schedule("klotski", PolicyInput(probe, draft, rep.routing, Placement(), {}, rep.warmup))
+    sim = simulate(schedule, draft).df.set_index("op_id")
+    weights = WeightStore.random(probe, dtype=dtype)
+    options = ExecOptions(device=dev.type, emulate_links=dict(emulate) if dev.type == "cpu" else {},
+                          threads=torch.get_num_threads() if dev.type == "cpu" else None)
+    execute(schedule, probe, weights, rep.routing, options)  # warm-up
+    meas = execute(schedule, probe, weights, rep.routing, options)[0].df.set_index("op_id")
+    compute = sim["resource"] == "gpu"
+    residual = (meas["end"] - meas["start"])[compute] - (sim["end"] - sim["start"])[compute]
+    return max(0.0, float(np.median(residual)))
 
 
 def _measure_links(dev: torch.device, measure: Callable, repeats: int, emulate: Mapping[str, float],
@@ -222,6 +258,71 @@ def _measure_links(dev: torch.device, measure: Callable, repeats: int, emulate: 
                    "copy_engines": 1}
     out["pageable_h2d_bandwidth"] = pageable
     return out
+
+
+def _measure_dependency_latency(dev: torch.device, rounds: int) -> float:
+    """How long after a dependency on another stream ends its successor can start.
+    CPU runtime: a thread hand-off (one worker sets an event, another wakes), timed as the
+    executor runs (short GIL switch interval). CUDA: a kernel on one stream, an event, a kernel
+    on another stream waiting for it — the gap between them, from CUDA events."""
+    if dev.type == "cuda":
+        a, b = torch.cuda.Stream(), torch.cuda.Stream()
+        x = torch.ones(1, device=dev)
+        gaps = []
+        for _ in range(rounds):
+            e1, done, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            with torch.cuda.stream(a):
+                x.add_(1)
+                e1.record(a)
+                done.record(a)
+            b.wait_event(done)
+            with torch.cuda.stream(b):
+                e2.record(b)
+                x.add_(1)
+            torch.cuda.synchronize()
+            gaps.append(e1.elapsed_time(e2) / 1e3)
+        return max(0.0, statistics.median(gaps))
+    import threading
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
+    ping, pong = threading.Event(), threading.Event()
+    stamps: list[float] = []
+
+    def responder() -> None:
+        for _ in range(rounds):
+            ping.wait()
+            stamps.append(time.perf_counter())
+            ping.clear()
+            pong.set()
+
+    stop = threading.Event()
+
+    def busy() -> None:  # the compute thread keeps the GIL busy between kernels, as in a run
+        x = torch.ones(64)
+        while not stop.is_set():
+            for _ in range(50):
+                x = x * 1.0
+            sum(range(200))
+
+    thread = threading.Thread(target=responder, daemon=True)
+    load = threading.Thread(target=busy, daemon=True)
+    thread.start()
+    load.start()
+    gaps = []
+    try:
+        for _ in range(rounds):
+            pong.clear()
+            t = time.perf_counter()
+            ping.set()
+            pong.wait(5)
+            gaps.append(stamps[-1] - t)
+    finally:
+        stop.set()
+        sys.setswitchinterval(switch)
+        thread.join(5)
+        load.join(5)
+    return max(0.0, statistics.median(gaps))
 
 
 def _measure_disk(sizes: list[int], repeats: int) -> tuple[float, float]:

@@ -1,7 +1,8 @@
 """Cost model: how long one op takes on one hardware profile.
 
 Compute ops follow a roofline with efficiencies plus a per-kernel overhead (eager PyTorch pays a
-launch and a dispatch per kernel, which dominates small decode ops); transfers cost
+launch and a dispatch per kernel, which dominates small decode ops) plus the runtime's fixed cost
+of issuing an op (`dispatch_overhead_s`, fitted by calibration); transfers cost
 `latency + bytes / bandwidth`. A profile may carry measured durations (from
 `klotski-runtime calibrate`); inside the range they cover they override the analytic value.
 """
@@ -81,14 +82,15 @@ class CostModel:
                         kv_len: int = 0, phase: str = "") -> float:
         """Measured when the profile's table covers the shape (`category:phase` first, e.g.
         `attention:decode`, then `category`), else the roofline plus kernel overheads."""
+        dispatch = self.profile.gpu.dispatch_overhead_s
         for key in (f"{category}:{phase}", category) if phase else (category,):
             table = self.tables.get(key)
             if table is not None:
                 measured = table.lookup(tokens, kv_len)
                 if measured is not None:
-                    return measured
+                    return measured + dispatch
         roofline = max(flops / self._flop_rate, io_bytes / self._byte_rate)
-        return roofline + KERNELS_PER_OP.get(category, 1) * self.profile.gpu.kernel_overhead_s
+        return roofline + KERNELS_PER_OP.get(category, 1) * self.profile.gpu.kernel_overhead_s + dispatch
 
     def transfer_seconds(self, resource: str, nbytes: float) -> float:
         link = self.profile.link(resource)

@@ -2,7 +2,8 @@
 
 The whole model is three rules, applied by callbacks on SimPy's event queue:
 
-1. An op becomes *ready* when its deps and its stream predecessor have ended (in-order streams).
+1. An op becomes *ready* when its deps and its stream predecessor have ended (in-order streams),
+   plus the profile's `dependency_latency_s` for a dependency on another stream.
 2. A ready op waits in its resource's queue (first ready, first served; ties by schedule order)
    until one of the resource's units is free (1 for the GPU, `copy_engines` for a link).
 3. A started op allocates its GPU buffers, holds its unit for its duration, then frees its
@@ -70,6 +71,11 @@ def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | No
 
     nan = float("nan")
     ready_at, start, end, blocker = [nan] * n, [nan] * n, [nan] * n, [-1] * n
+    # a dependency on another stream is seen `latency` after it ends (event signalling)
+    latency = profile.gpu.dependency_latency_s
+    stream_number = {s: k for k, s in enumerate(schedule.streams)}
+    stream_of = [stream_number[op.stream] for op in ops] if latency else []
+    ready_floor = [0.0] * n if latency else []
     free_units = [caps[r] for r in resources]
     queues: list[list[tuple[float, int]]] = [[] for _ in resources]
     preloaded = sum(size for _, size in schedule.preloaded)
@@ -119,10 +125,15 @@ def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | No
         free_units[r] += 1
         woken = None
         for s in succs[i]:
+            if latency and stream_of[s] != stream_of[i]:
+                ready_floor[s] = max(ready_floor[s], now + latency)
             pending[s] -= 1
             if not pending[s]:
-                ready_at[s] = now
                 blocker[s] = i
+                if latency and ready_floor[s] > now:
+                    Timeout(env, ready_floor[s] - now, s).callbacks.append(seen)
+                    continue
+                ready_at[s] = now
                 rs = resource_of[s]
                 heappush(queues[rs], (now, s))
                 if rs != r:
@@ -132,6 +143,14 @@ def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | No
         if woken:
             for rs in sorted(woken):
                 dispatch(rs, now)
+
+    def seen(event: Timeout) -> None:
+        """A cross-stream dependency has been signalled: the op joins its resource's queue."""
+        s = event.value
+        now = env.now
+        ready_at[s] = now
+        heappush(queues[resource_of[s]], (now, s))
+        dispatch(resource_of[s], now)
 
     if preloaded > capacity:
         oom.append(OutOfMemory(op_id="<preloaded>", time=0.0, needed_bytes=preloaded,

@@ -35,6 +35,11 @@ class GPUSpec(_Strict):
     compute_efficiency: Fraction = Field(description="share of peak FLOP/s real GEMMs reach")
     memory_efficiency: Fraction = Field(description="share of memory bandwidth real kernels reach")
     kernel_overhead_s: NonNegative = Field(description="launch + framework dispatch per kernel")
+    dispatch_overhead_s: NonNegative = Field(
+        0.0, description="fixed host cost of issuing one compute op in the runtime, beyond its kernels")
+    dependency_latency_s: NonNegative = Field(
+        0.0, description="delay before an op may start after a dependency on another stream ends "
+                         "(event signalling; a host thread hand-off in the CPU runtime)")
 
     @property
     def usable_bytes(self) -> float:

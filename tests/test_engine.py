@@ -119,7 +119,9 @@ def random_schedules(draw):
         durations.append(draw(st.floats(0, 5, allow_nan=False)))
     capacity = draw(st.sampled_from([300, 800, 1e6]))
     engines = draw(st.integers(1, 2))
-    return Schedule(tuple(ops), streams=STREAMS), durations, make_profile(memory_bytes=capacity, copy_engines=engines)
+    latency = draw(st.sampled_from([0.0, 0.3]))
+    return Schedule(tuple(ops), streams=STREAMS), durations, make_profile(memory_bytes=capacity, copy_engines=engines,
+                                                                          dependency_latency_s=latency)
 
 
 @given(random_schedules())
@@ -136,7 +138,8 @@ def test_engine_invariants(case):
             continue
         start = df.at[o.id, "start"]
         for d in o.deps:
-            assert d in df.index and df.at[d, "end"] <= start + eps
+            lag = profile.gpu.dependency_latency_s if schedule.op(d).stream != o.stream else 0.0
+            assert d in df.index and df.at[d, "end"] + lag <= start + eps
         if o.stream in prev:
             assert df.at[prev[o.stream], "end"] <= start + eps
         prev[o.stream] = o.id
@@ -177,3 +180,18 @@ def test_memory_trace_follows_allocations():
     assert tl.memory[1].tolist() == [50, 150, 50]
     assert tl.meta["peak_gpu_bytes"] == 150
     assert not math.isnan(tl.df["ready"].iloc[1])
+
+
+def test_golden_dependency_latency_delays_cross_stream_successors_only():
+    """With a 0.5 s signalling latency: a0 waits for w0 (other stream) -> starts at 2.5, not 2;
+    a1 follows a0 on the same stream without delay."""
+    s = Schedule((
+        op("w0", "transfer", "h2d_weights"),
+        op("a0", "compute", "compute", ["w0"]),
+        op("a1", "compute", "compute"),
+    ))
+    tl = simulate(s, make_profile(dependency_latency_s=0.5), durations=[2, 1, 1])
+    df = tl.df.set_index("op_id")
+    assert df.loc["a0", ["start", "end"]].tolist() == [2.5, 3.5]
+    assert df.loc["a1", "start"] == 3.5
+    assert df.loc["a0", "blocked_by"] == "w0"

@@ -45,7 +45,9 @@ def test_calibration_writes_a_loadable_profile_with_a_measured_table(profile_fil
     # the cost model now answers from the table inside its range
     cost = CostModel(p)
     point = p.measured["expert"][2]
-    assert cost.compute_seconds("expert", 1.0, 1.0, point.tokens, phase="decode") == pytest.approx(point.seconds)
+    assert cost.compute_seconds("expert", 1.0, 1.0, point.tokens, phase="decode") == pytest.approx(
+        point.seconds + p.gpu.dispatch_overhead_s)  # the executor's fitted per-op cost on top
+    assert p.gpu.dispatch_overhead_s >= 0 and p.gpu.dependency_latency_s > 0
 
 
 def test_validate_produces_its_files_and_figures(profile_file, tmp_path):
