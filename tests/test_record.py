@@ -47,3 +47,23 @@ def test_record_errors(tmp_path, checkpoint):
     (tmp_path / "empty.txt").write_text("\n\n")
     with pytest.raises(RecordError, match="no text"):
         read_texts(tmp_path / "empty.txt")
+
+
+@pytest.mark.parametrize("kind", ["olmoe", "qwen2_moe"])
+def test_records_other_moe_families(kind, tmp_path):
+    """OLMoE and Qwen-MoE routers sit at the same place (layers[i].mlp.gate) in transformers."""
+    import transformers
+
+    common = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                  num_experts=8, num_experts_per_tok=2, max_position_embeddings=256)
+    if kind == "olmoe":
+        config = transformers.OlmoeConfig(intermediate_size=16, **common)
+        model = transformers.OlmoeForCausalLM(config)
+    else:
+        config = transformers.Qwen2MoeConfig(intermediate_size=64, moe_intermediate_size=16,
+                                             shared_expert_intermediate_size=32, **common)
+        model = transformers.Qwen2MoeForCausalLM(config)
+    model.save_pretrained(tmp_path / kind)
+    trace = record(tmp_path / kind, ["mixture of experts"], max_tokens=12, gen_len=2)
+    assert trace.num_experts == 8 and trace.top_k == 2 and trace.num_layers == 2
+    assert trace.lengths.tolist() == [12 + 2] and trace.meta["hf_model_type"] == kind
