@@ -10,20 +10,10 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from klotski_sim.cli import guarded
+from klotski_sim.cli import _positive_int, guarded
 from klotski_sim.trace import TraceError
 
 from .record import RecordError, read_texts, record, save_tiny_mixtral
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def cmd_record(args: argparse.Namespace) -> int:

@@ -94,6 +94,16 @@ def _legend(fig: plt.Figure, categories: Sequence[str]) -> None:
     fig.legend(handles=handles, loc="upper center", ncol=min(8, len(handles)), frameon=False, fontsize=8)
 
 
+def _finish(fig: plt.Figure, categories: Sequence[str], path: str | Path | None, top: float, dpi: int) -> plt.Figure:
+    """Legend on top, layout, and save (closing the figure) when a path is given."""
+    _legend(fig, categories)
+    fig.tight_layout(rect=(0, 0, 1, top))
+    if path is not None:
+        fig.savefig(path, dpi=dpi)
+        plt.close(fig)
+    return fig
+
+
 def gantt(timeline: Timeline, path: str | Path | None = None, window: tuple[float, float] | None = None,
           title: str | None = None) -> plt.Figure:
     """One timeline, one lane per stream. Saved to `path` when given."""
@@ -103,12 +113,7 @@ def gantt(timeline: Timeline, path: str | Path | None = None, window: tuple[floa
     s = timeline.summary()
     ax.set_title(title or f"{s.policy} · {s.model} · {s.hardware} · bs={s.batch_size} n={s.num_batches} · "
                           f"{s.throughput_tok_s:.2f} tok/s · bubbles {s.bubble_s * 1e3:.0f} ms", fontsize=10)
-    _legend(fig, cats)
-    fig.tight_layout(rect=(0, 0, 1, 0.9))
-    if path is not None:
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-    return fig
+    return _finish(fig, cats, path, top=0.9, dpi=110)
 
 
 def moe_block_window(timeline: Timeline, step: int, layer: int, pad_layers: int = 0) -> tuple[float, float]:
@@ -147,9 +152,4 @@ def compare_gantt(timelines: Mapping[str, Timeline], path: str | Path | None = N
             window = moe_block_window(tl, *zoom)
             draw_timeline(axes[row][1], tl, window)
             axes[row][1].set_title(f"step {zoom[0]}, layer {zoom[1]} (zoom)", fontsize=9, loc="left")
-    _legend(fig, cats)
-    fig.tight_layout(rect=(0, 0, 1, 0.97))
-    if path is not None:
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-    return fig
+    return _finish(fig, cats, path, top=0.97, dpi=100)
