@@ -104,7 +104,7 @@ class ProfileError(ValueError):
     """A profile that cannot be used; the message names the file and the field."""
 
 
-def _did_you_mean(location: tuple, data: dict) -> str:
+def _did_you_mean(location: tuple) -> str:
     """For an unknown key, suggest the closest allowed one."""
     model: type[BaseModel] = HardwareProfile
     for part in location[:-1]:
@@ -127,7 +127,7 @@ def profile_from_dict(data: Any, where: str) -> HardwareProfile:
         lines = []
         for e in err.errors():
             loc = ".".join(str(p) for p in e["loc"])
-            hint = _did_you_mean(e["loc"], data) if e["type"] == "extra_forbidden" else ""
+            hint = _did_you_mean(e["loc"]) if e["type"] == "extra_forbidden" else ""
             msg = "unknown field" if e["type"] == "extra_forbidden" else e["msg"]
             lines.append(f"  {loc}: {msg}{hint}")
         raise ProfileError(f"{where}: invalid hardware profile\n" + "\n".join(lines)) from None
@@ -175,7 +175,7 @@ def with_overrides(profile: HardwareProfile, overrides: dict[str, Any], where: s
             if not isinstance(node.get(part), dict):
                 raise ProfileError(f"{where}: {dotted!r} is not a profile field")
             node = node[part]
-        if parts[-1] not in node and parts[-1] not in ("pageable_h2d_bandwidth",):
+        if parts[-1] not in node:
             raise ProfileError(f"{where}: {dotted!r} is not a profile field")
         node[parts[-1]] = value
     return profile_from_dict(data, where)

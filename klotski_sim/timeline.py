@@ -35,7 +35,6 @@ def _batch_text(batches: tuple[int, ...]) -> str:
     """"0,1,2" for a batches tuple, memoised: the same few tuples recur across thousands of ops."""
     text = _BATCH_TEXT[batches] = ",".join(map(str, batches))
     return text
-TAG_COLUMNS = ("kind", "category", "step", "phase", "layer", "batch", "batches", "expert", "tokens", "bytes", "flops")
 
 
 @dataclass(frozen=True)
@@ -129,11 +128,6 @@ class Timeline:
         else:
             memory = None
         return cls(partial(_columns_from_schedule, schedule, start, end, ready, blocked_by), meta, memory)
-
-    # ---- views ------------------------------------------------------------------------------
-    def __len__(self) -> int:
-        return len(self.columns["op_id"])
-
 
     # ---- views ------------------------------------------------------------------------------
     def __len__(self) -> int:

@@ -9,7 +9,6 @@ pytest.importorskip("transformers")
 from klotski_runtime.executor import ExecOptions, ExecutionError, execute  # noqa: E402
 from klotski_runtime.kernels import WeightStore, WeightError  # noqa: E402
 from klotski_runtime.record import save_tiny_mixtral  # noqa: E402
-from klotski_sim.engine import simulate  # noqa: E402
 from klotski_sim.hardware import load_profile  # noqa: E402
 from klotski_sim.model import get_model  # noqa: E402
 from klotski_sim.policies import Placement, PolicyInput, build_schedule  # noqa: E402
@@ -88,7 +87,7 @@ def test_matches_transformers_logits_with_unforced_routing(checkpoint):
     gen = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, TINY.vocab_size, (n, bs, P), generator=gen)
     # the model's own routing and greedy tokens, from transformers
-    seqs, hf_logits = [], []
+    hf_logits = []
     with torch.no_grad():
         ids = prompt.reshape(n * bs, P)
         for step in range(G):

@@ -1,6 +1,5 @@
 """The notebooks execute on small configurations, so they never rot."""
 
-import os
 from pathlib import Path
 
 import pytest
