@@ -6,6 +6,8 @@ Resumable by construction: each finished configuration is written atomically to
 those rows (also atomically). Rerunning the same command skips the ids already there; killing
 the sweep at any moment loses nothing that finished and never leaves a half-written file. A
 configuration that fails — out of memory, or an error — is a row with its status and error.
+The id hashes the inputs *and* the simulator's code, so rows computed by older code stay on disk
+but are neither reused nor reported.
 
 Spec (every key optional except `policies`; lists are grid axes):
 
@@ -34,6 +36,8 @@ import os
 import time
 import traceback
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from functools import lru_cache
+from importlib import resources
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -192,9 +196,32 @@ def expand(spec: SweepSpec) -> list[dict[str, Any]]:
     return configs
 
 
+@lru_cache(maxsize=1)
+def code_fingerprint() -> str:
+    """A hash of the simulator's own code and data: a result computed by other code is not a
+    result of this configuration (rows of older code are kept on disk but never reused)."""
+    root = resources.files("klotski_sim")
+    h = hashlib.sha1()
+    for path in sorted(_files(root), key=str):
+        h.update(str(path.relative_to(root) if hasattr(path, "relative_to") else path).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def _files(folder: Any) -> list[Any]:
+    out = []
+    for entry in folder.iterdir():
+        if entry.is_dir() and entry.name != "__pycache__":
+            out.extend(_files(entry))
+        elif entry.name.endswith((".py", ".yaml", ".json")):
+            out.append(entry)
+    return out
+
+
 def config_id(cfg: dict[str, Any]) -> str:
+    """Stable id of a configuration under this code (inputs + code fingerprint)."""
     canonical = json.dumps({k: v for k, v in cfg.items() if k != "id"}, sort_keys=True, default=str)
-    return hashlib.sha1(canonical.encode()).hexdigest()[:16]
+    return hashlib.sha1((canonical + code_fingerprint()).encode()).hexdigest()[:16]
 
 
 def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -202,7 +229,8 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
     from .runner import RunSpec, run
 
     t = time.perf_counter()
-    row: dict[str, Any] = {"id": cfg["id"], **{k: v for k, v in cfg.items() if k not in ("id", "overrides")},
+    row: dict[str, Any] = {"id": cfg["id"], "code": code_fingerprint(),
+                           **{k: v for k, v in cfg.items() if k not in ("id", "overrides")},
                            **{f"set.{k}": v for k, v in cfg["overrides"].items()}}
     row["num_batches"] = str(cfg["num_batches"])
     try:
@@ -248,11 +276,15 @@ def finished_ids(rows_dir: Path) -> set[str]:
     return {p.stem for p in rows_dir.glob("*.json")}
 
 
-def collect(out_dir: str | Path) -> pd.DataFrame:
-    """All finished rows as a DataFrame (sorted by id), also written atomically to results.parquet."""
+def collect(out_dir: str | Path, ids: Iterable[str] | None = None) -> pd.DataFrame:
+    """Finished rows (those in `ids`, when given: the current grid under the current code) as a
+    DataFrame sorted by id, also written atomically to results.parquet."""
     out = Path(out_dir)
+    wanted = set(ids) if ids is not None else None
     rows = []
     for p in sorted((out / "rows").glob("*.json")):
+        if wanted is not None and p.stem not in wanted:
+            continue
         try:
             rows.append(json.loads(p.read_text()))
         except json.JSONDecodeError:
@@ -298,7 +330,7 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, workers: int = 1, dask: str 
                 for fut in as_completed(futures):
                     finished(fut.result())
                     advance()
-    return collect(out)
+    return collect(out, [c["id"] for c in configs])
 
 
 def _run_dask(todo: list[dict[str, Any]], address: str, workers: int, finished: Callable, advance: Callable) -> None:

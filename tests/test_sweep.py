@@ -96,3 +96,15 @@ def test_sweep_cli_validates_spec(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "klotski_sim.cli", "sweep", str(bad), "--out", str(tmp_path / "o")],
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2 and "hardwares: unknown key (did you mean 'hardware'?)" in proc.stderr
+
+
+def test_rows_of_other_code_are_not_reused(tmp_path, monkeypatch):
+    import klotski_sim.sweep as sweep
+
+    spec = parse_spec({**SMALL, "policies": ["klotski"], "num_batches": [2], "routings": ["calibrated"]})
+    first = run_sweep(spec, tmp_path, progress=False)
+    assert len(first) == 1 and first["code"].iloc[0] == sweep.code_fingerprint()
+    monkeypatch.setattr(sweep, "code_fingerprint", lambda: "other-code")
+    second = run_sweep(spec, tmp_path, progress=False)
+    assert len(second) == 1 and second["code"].iloc[0] == "other-code"
+    assert len(list((tmp_path / "rows").glob("*.json"))) == 2  # the old row is kept, not rewritten
