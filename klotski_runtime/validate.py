@@ -9,7 +9,7 @@ Gantt (simulated above, measured below, same time axis) and `validation.json`.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -172,7 +172,3 @@ def format_report(report: dict[str, Any]) -> str:
     if report.get("emulated_links"):
         lines.append("links EMULATED: " + ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in report["emulated_links"].items()))
     return "\n".join(lines)
-
-
-def with_defaults(setup: ValidationSetup, **changes: Any) -> ValidationSetup:
-    return replace(setup, **{k: v for k, v in changes.items() if v is not None})

@@ -15,11 +15,11 @@ from .cost import CostModel
 from .engine import simulate
 from .hardware import HardwareProfile, load_profile, with_overrides
 from .model import ModelSpec, get_model
+from .planner import Plan, default_placement, largest_fitting_n, memory_needed, plan
 from .policies import Placement, PolicyInput, build_schedule, get_policy
 from .routing import RoutingTable, RunShape
 from .schedule import Schedule
 from .timeline import Timeline
-from .planner import Plan, default_placement, largest_fitting_n, memory_needed, plan
 from .trace import Replay, Trace, TraceError, replay
 from .trace_stats import popularity
 from .trace_synth import base_popularity, params_for, synthesize
@@ -191,7 +191,3 @@ def run(spec: RunSpec, cost: CostModel | None = None, prepared: Prepared | None 
     schedule = build_schedule(spec.policy, prep.policy_input(spec.options))
     timeline = simulate(schedule, prep.profile, cost)
     return RunResult(spec, prep.model, prep.profile, schedule, timeline, prep.plan, prep.replay.routing)
-
-
-def with_policy(spec: RunSpec, policy: str, **changes: Any) -> RunSpec:
-    return replace(spec, policy=policy, **changes)

@@ -149,9 +149,6 @@ class Schedule:
     def op(self, op_id: str) -> Op:
         return self.ops[self.index[op_id]]
 
-    def stream_ops(self, stream: str) -> list[Op]:
-        return [op for op in self.ops if op.stream == stream]
-
     @property
     def generated_tokens(self) -> int:
         return int(self.meta.get("generated_tokens", 0))
