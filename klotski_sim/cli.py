@@ -82,10 +82,11 @@ def add_run_arguments(p: argparse.ArgumentParser, policy: bool = True, num_batch
 
 
 def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """`KEY=VALUE` pairs (for --set and --option); values are JSON when they parse as JSON."""
     out: dict[str, Any] = {}
     for item in items:
         if "=" not in item:
-            raise CliError(f"--set expects FIELD=VALUE, got {item!r}")
+            raise CliError(f"expected KEY=VALUE, got {item!r}")
         key, value = item.split("=", 1)
         try:
             out[key.strip()] = json.loads(value)
@@ -132,7 +133,7 @@ def _oom_text(oom: dict[str, Any]) -> str:
 
 # ---- subcommands ----------------------------------------------------------------------------
 def cmd_simulate(args: argparse.Namespace) -> int:
-    result = run(spec_from_args(args))
+    result = run(spec_from_args(args, options=parse_overrides(args.options)))
     print(format_summary(result.timeline.summary()))
     if args.out:
         out = Path(args.out)
@@ -170,7 +171,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
             why = ("one batch in flight by definition" if name == "single-batch" else
                    f"its {POLICIES[name].buffering} weight buffers leave room for {n} batches' KV cache")
             print(f"note: {name} runs n = {n} ({why})")
-        results[name] = run(replace(spec, policy=name), prepared=prep)
+        options = {"overlap": args.flexgen_overlap} if name == "flexgen" else {}
+        results[name] = run(replace(spec, policy=name, options=options), prepared=prep)
     summaries = {name: r.timeline.summary() for name, r in results.items()}
     print(format_comparison(summaries))
     out = Path(args.out)
@@ -281,6 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("simulate", help="simulate one schedule and print its summary")
     add_run_arguments(p)
+    p.add_argument("--option", dest="options", action="append", default=[], metavar="KEY=VALUE",
+                   help="a policy option, e.g. --option overlap=model for flexgen (repeatable)")
     p.add_argument("--out", metavar="DIR", help="write summary.json, timeline.parquet/.csv, trace.json, "
                                                 "timeline.png, schedule.json and routing.npz here")
     p.add_argument("--no-png", action="store_true", help="skip the Gantt PNG (faster for big runs)")
@@ -313,6 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "configuration (n from the planner)")
     add_run_arguments(p, policy=False, num_batches_default="auto")
     p.add_argument("--policies", metavar="A,B,...", help=f"comma-separated (default: {','.join(COMPARE_POLICIES)})")
+    p.add_argument("--flexgen-overlap", choices=["code", "model"], default="code",
+                   help="FlexGen's overlap: its implementation's (code) or its cost model's (default: %(default)s)")
     p.add_argument("--out", default="klotski-out", metavar="DIR",
                    help="write compare.csv/.json, compare.png, trace_<policy>.json, plan.txt (default: %(default)s)")
     p.add_argument("--no-png", action="store_true", help="skip the Gantt figure")

@@ -113,3 +113,12 @@ def test_simulate_with_planner_batches(tmp_path):
     assert rc == 0, err
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["num_batches"] > 1 and "prefetch" in summary["extra"]
+
+
+def test_policy_options_from_the_cli(tmp_path):
+    rc, out, err = run_cli("simulate", "--policy", "flexgen", "--num-batches", "2", *SMALL, "--option", "overlap=model",
+                           "--out", str(tmp_path), "--no-png")
+    assert rc == 0, err
+    assert json.loads((tmp_path / "schedule.json").read_text())["meta"]["overlap"] == "model"
+    rc, _, err = run_cli("simulate", "--policy", "klotski", *SMALL, "--option", "overlap=model")
+    assert rc == 2 and "has no option" in err
