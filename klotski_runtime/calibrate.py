@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 import numpy as np
+import pandas as pd
 import torch
 
 from klotski_sim.hardware import HardwareProfile, profile_from_dict
@@ -190,17 +191,21 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
         },
     }
     draft = profile_from_dict(data, "calibration")
-    data["gpu"]["dispatch_overhead_s"] = _probe_dispatch(spec, draft, dev, dtype, emulate_links or {},
-                                                         min(batch_sizes), min(prompt_lens))
-    data["sources"]["gpu.dispatch_overhead_s"] = ("median (measured - simulated) duration of the compute ops of a "
-                                                  "small Klotski schedule run through the executor")
+    overall, by_category = _probe_dispatch(spec, draft, dev, dtype, emulate_links or {}, min(batch_sizes),
+                                           min(prompt_lens))
+    data["gpu"]["dispatch_overhead_s"] = overall
+    data["gpu"]["dispatch_overhead_by_category"] = by_category
+    data["sources"]["gpu.dispatch_overhead_s"] = ("median (measured - simulated) duration of the compute ops of "
+                                                  "small Klotski and FlexGen schedules run through the executor "
+                                                  "(per category in dispatch_overhead_by_category)")
     return profile_from_dict(data, "calibration")
 
 
 def _probe_dispatch(spec: ModelSpec, draft: HardwareProfile, dev: torch.device, dtype: torch.dtype,
-                    emulate: Mapping[str, float], batch_size: int, prompt_len: int) -> float:
+                    emulate: Mapping[str, float], batch_size: int, prompt_len: int) -> tuple[float, dict[str, float]]:
     """The executor's fixed cost per compute op beyond the kernels the table timed (looking up
-    buffers, bookkeeping, thread hand-offs): run a small real schedule, compare with its simulation."""
+    buffers, bookkeeping, thread hand-offs): run small real schedules (Klotski's batched experts
+    and FlexGen's per-batch ones), compare with their simulation; overall and per category."""
     from klotski_sim.engine import simulate
     from klotski_sim.model import get_model
     from klotski_sim.policies import Placement, PolicyInput, build_schedule
@@ -215,16 +220,22 @@ def _probe_dispatch(spec: ModelSpec, draft: HardwareProfile, dev: torch.device, 
     shape = RunShape(batch_size, 2, prompt_len, 3)
     rep = replay(synthesize(probe, shape.num_sequences + 2, prompt_len, 3, "calibrated", 0), probe, shape,
                  warmup_sequences=2)
-    schedule = build_schedule("klotski", PolicyInput(probe, draft, rep.routing, Placement(), {}, rep.warmup))
-    sim = simulate(schedule, draft).df.set_index("op_id")
     weights = WeightStore.random(probe, dtype=dtype)
     options = ExecOptions(device=dev.type, emulate_links=dict(emulate) if dev.type == "cpu" else {},
                           threads=torch.get_num_threads() if dev.type == "cpu" else None)
-    execute(schedule, probe, weights, rep.routing, options)  # warm-up
-    meas = execute(schedule, probe, weights, rep.routing, options)[0].df.set_index("op_id")
-    compute = sim["resource"] == "gpu"
-    residual = (meas["end"] - meas["start"])[compute] - (sim["end"] - sim["start"])[compute]
-    return max(0.0, float(np.median(residual)))
+    residuals = []
+    for policy in ("klotski", "flexgen"):
+        schedule = build_schedule(policy, PolicyInput(probe, draft, rep.routing, Placement(), {}, rep.warmup))
+        sim = simulate(schedule, draft).df.set_index("op_id")
+        execute(schedule, probe, weights, rep.routing, options)  # warm-up
+        meas = execute(schedule, probe, weights, rep.routing, options)[0].df.set_index("op_id")
+        compute = sim["resource"] == "gpu"
+        residuals.append(pd.DataFrame({
+            "category": sim.loc[compute, "category"],
+            "residual": ((meas["end"] - meas["start"]) - (sim["end"] - sim["start"]))[compute]}))
+    both = pd.concat(residuals)
+    by_category = {str(c): max(0.0, float(g.median())) for c, g in both.groupby("category")["residual"]}
+    return max(0.0, float(both["residual"].median())), by_category
 
 
 def _measure_links(dev: torch.device, measure: Callable, repeats: int, emulate: Mapping[str, float],

@@ -82,7 +82,8 @@ class CostModel:
                         kv_len: int = 0, phase: str = "") -> float:
         """Measured when the profile's table covers the shape (`category:phase` first, e.g.
         `attention:decode`, then `category`), else the roofline plus kernel overheads."""
-        dispatch = self.profile.gpu.dispatch_overhead_s
+        gpu = self.profile.gpu
+        dispatch = gpu.dispatch_overhead_by_category.get(category, gpu.dispatch_overhead_s)
         for key in (f"{category}:{phase}", category) if phase else (category,):
             table = self.tables.get(key)
             if table is not None:

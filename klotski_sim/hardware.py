@@ -37,6 +37,8 @@ class GPUSpec(_Strict):
     kernel_overhead_s: NonNegative = Field(description="launch + framework dispatch per kernel")
     dispatch_overhead_s: NonNegative = Field(
         0.0, description="fixed host cost of issuing one compute op in the runtime, beyond its kernels")
+    dispatch_overhead_by_category: dict[str, NonNegative] = Field(
+        default_factory=dict, description="the same per op category, where measured (overrides the above)")
     dependency_latency_s: NonNegative = Field(
         0.0, description="delay before an op may start after a dependency on another stream ends "
                          "(event signalling; a host thread hand-off in the CPU runtime)")

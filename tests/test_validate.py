@@ -46,8 +46,9 @@ def test_calibration_writes_a_loadable_profile_with_a_measured_table(profile_fil
     cost = CostModel(p)
     point = p.measured["expert"][2]
     assert cost.compute_seconds("expert", 1.0, 1.0, point.tokens, phase="decode") == pytest.approx(
-        point.seconds + p.gpu.dispatch_overhead_s)  # the executor's fitted per-op cost on top
-    assert p.gpu.dispatch_overhead_s >= 0 and p.gpu.dependency_latency_s > 0
+        point.seconds + p.gpu.dispatch_overhead_by_category.get("expert", p.gpu.dispatch_overhead_s))
+    assert p.gpu.dispatch_overhead_s >= 0 and p.gpu.dependency_latency_s > 0  # the executor's fitted costs
+    assert {"attention", "gate", "expert", "embed", "lm_head"} <= set(p.gpu.dispatch_overhead_by_category)
 
 
 def test_validate_produces_its_files_and_figures(profile_file, tmp_path):
