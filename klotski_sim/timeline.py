@@ -320,14 +320,21 @@ class Timeline:
         for t, b in zip(*self.memory):
             meta_events.append({"ph": "C", "pid": 1, "name": "GPU memory (GiB)", "ts": float(t) * 1e6,
                                 "args": {"GiB": float(b) / 2**30}})
+        # op ids and labels are plain ASCII in practice: quote them directly, fall back to
+        # json.dumps for a column that holds anything needing escapes
+        def quoter(column: np.ndarray) -> Callable[[str], str]:
+            safe = all(x.isascii() and '"' not in x and "\\" not in x and x.isprintable() for x in set(column))
+            return (lambda x: f'"{x}"') if safe else json.dumps
+
         dumps = json.dumps
+        q_id, q_blocked, q_label = quoter(c["op_id"]), quoter(c["blocked_by"]), quoter(c["category"])
         tids = [tid[s] for s in c["stream"]]
         ts = (c["start"] * 1e6).tolist()
         dur = (np.maximum(c["end"] - c["start"], 0) * 1e6).tolist()
         parts = [
-            f'{{"ph":"X","pid":1,"tid":{t},"name":{dumps(_label(cat, ly, ex, bt))},"cat":"{cat}","ts":{a!r},'
-            f'"dur":{d!r},"args":{{"op":{dumps(op)},"step":{st},"layer":{ly},"batches":"{bt}","expert":{ex},'
-            f'"tokens":{tk},"bytes":{nb},"blocked_by":{dumps(bb)}}}}}'
+            f'{{"ph":"X","pid":1,"tid":{t},"name":{q_label(_label(cat, ly, ex, bt))},"cat":"{cat}","ts":{a!r},'
+            f'"dur":{d!r},"args":{{"op":{q_id(op)},"step":{st},"layer":{ly},"batches":"{bt}","expert":{ex},'
+            f'"tokens":{tk},"bytes":{nb},"blocked_by":{q_blocked(bb)}}}}}'
             for t, cat, a, d, op, st, ly, bt, ex, tk, nb, bb in zip(
                 tids, c["category"], ts, dur, c["op_id"], c["step"].tolist(), c["layer"].tolist(), c["batches"],
                 c["expert"].tolist(), c["tokens"].tolist(), c["bytes"].tolist(), c["blocked_by"])

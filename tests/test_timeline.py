@@ -56,3 +56,11 @@ def test_exports(tmp_path):
     back = Timeline.read_parquet(paths["timeline.parquet"])
     assert back.summary() == tl.summary()
     assert np.array_equal(back.memory[1], tl.memory[1])
+
+
+def test_chrome_trace_escapes_unusual_ids():
+    ops = (Op('w"0\\', "transfer", "h2d_weights", "weights", bytes=1, src="cpu", dst="gpu"),
+           Op("a0", "compute", "compute", 'attention "x"', ('w"0\\',)))
+    tl = simulate(Schedule(ops), make_profile(), durations=[1, 1])
+    events = json.loads(tl.chrome_trace_json())["traceEvents"]
+    assert {e["args"]["op"] for e in events if e["ph"] == "X" and "op" in e.get("args", {})} == {'w"0\\', "a0"}
