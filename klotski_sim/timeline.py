@@ -332,7 +332,7 @@ class Timeline:
         ts = (c["start"] * 1e6).tolist()
         dur = (np.maximum(c["end"] - c["start"], 0) * 1e6).tolist()
         parts = [
-            f'{{"ph":"X","pid":1,"tid":{t},"name":{q_label(_label(cat, ly, ex, bt))},"cat":"{cat}","ts":{a!r},'
+            f'{{"ph":"X","pid":1,"tid":{t},"name":{q_label(_label(cat, ly, ex, bt))},"cat":{q_label(cat)},"ts":{a!r},'
             f'"dur":{d!r},"args":{{"op":{q_id(op)},"step":{st},"layer":{ly},"batches":"{bt}","expert":{ex},'
             f'"tokens":{tk},"bytes":{nb},"blocked_by":{q_blocked(bb)}}}}}'
             for t, cat, a, d, op, st, ly, bt, ex, tk, nb, bb in zip(
