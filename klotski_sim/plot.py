@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from .timeline import Timeline  # noqa: E402
+from .timeline import Timeline, merge_intervals  # noqa: E402
 
 CATEGORY_COLORS: dict[str, str] = {
     "attention": "#4C72B0",
@@ -37,21 +37,6 @@ def _color(category: str) -> str:
     return CATEGORY_COLORS.get(category, "#999999")
 
 
-def merge_close(starts: np.ndarray, ends: np.ndarray, tolerance: float) -> tuple[np.ndarray, np.ndarray]:
-    """Merge intervals separated by less than `tolerance` (less than a pixel): a 100k-op lane
-    then draws as a few thousand bars and looks the same."""
-    if len(starts) < 2:
-        return starts, ends
-    order = np.argsort(starts, kind="stable")
-    s, e = starts[order], ends[order]
-    running = np.maximum.accumulate(e)
-    new = np.concatenate(([True], s[1:] > running[:-1] + tolerance))
-    group = np.cumsum(new) - 1
-    merged_end = np.zeros(group[-1] + 1)
-    np.maximum.at(merged_end, group, e)
-    return s[new], merged_end
-
-
 def draw_timeline(ax: plt.Axes, timeline: Timeline, window: tuple[float, float] | None = None,
                   streams: Sequence[str] | None = None, show_bubbles: bool = True) -> list[str]:
     """Draw one timeline into `ax` (times in ms); returns the categories drawn, for a legend."""
@@ -66,7 +51,7 @@ def draw_timeline(ax: plt.Axes, timeline: Timeline, window: tuple[float, float] 
         starts, ends = c["start"][mask], c["end"][mask]
         for cat in dict.fromkeys(cats):
             sel = cats == cat
-            bs, be = merge_close(starts[sel], ends[sel], tolerance)
+            bs, be = merge_intervals(starts[sel], ends[sel], tolerance)
             bars = list(zip(bs * 1e3, np.maximum(be - bs, 0) * 1e3))
             ax.broken_barh(bars, (lane - 0.38, 0.76), facecolors=_color(cat), edgecolor="none")
             if cat not in drawn:
@@ -76,7 +61,7 @@ def draw_timeline(ax: plt.Axes, timeline: Timeline, window: tuple[float, float] 
         if len(bub):
             bub = bub[(bub["end"] >= t0) & (bub["start"] <= t1)]
             lane = lanes.index("compute")
-            bs, be = merge_close(bub["start"].to_numpy(), bub["end"].to_numpy(), tolerance)
+            bs, be = merge_intervals(bub["start"].to_numpy(), bub["end"].to_numpy(), tolerance)
             bars = list(zip(bs * 1e3, (be - bs) * 1e3))
             ax.broken_barh(bars, (lane - 0.45, 0.9), facecolors=(0.894, 0.102, 0.110, 0.22),
                            edgecolor="none")

@@ -70,9 +70,8 @@ class Prepared:
 
     def narrowed(self, num_batches: int) -> "Prepared":
         """The same run with fewer batches: the first `num_batches` batches of the same routing."""
-        rep = replay(self.trace, self.model, self.spec.shape(num_batches), warmup_sequences=self.spec.warmup_sequences,
-                     wrap=self.spec.wrap, where=self.spec.trace or f"synthetic {self.spec.routing}")
-        return replace(self, num_batches=num_batches, replay=rep)
+        return replace(self, num_batches=num_batches,
+                       replay=replay_run(self.spec, self.model, self.trace, num_batches))
 
     def policy_input(self, options: Mapping[str, Any] | None = None) -> PolicyInput:
         return PolicyInput(self.model, self.profile, self.replay.routing, self.placement,
@@ -112,18 +111,22 @@ def _load_trace(spec: RunSpec) -> Trace:
     return _trace_file(str(path), path.stat().st_mtime)
 
 
+def replay_run(spec: RunSpec, model: ModelSpec, trace: Trace, num_batches: int) -> Replay:
+    """The routing of n batches of `spec`, cut out of `trace` after the warm-up sequences."""
+    return replay(trace, model, spec.shape(num_batches), warmup_sequences=spec.warmup_sequences, wrap=spec.wrap,
+                  where=spec.trace or f"synthetic {spec.routing}")
+
+
 def make_replay(spec: RunSpec, model: ModelSpec, num_batches: int) -> tuple[Trace, Replay]:
     """The routing of the run: replayed from `spec.trace`, or from a synthetic trace generated
     for exactly this run (same seed -> same routing for every policy)."""
-    shape = spec.shape(num_batches)
     if spec.trace:
         trace = _load_trace(spec)
-        return trace, replay(trace, model, shape, warmup_sequences=spec.warmup_sequences, wrap=spec.wrap,
-                             where=spec.trace)
-    trace = _synthetic_trace(model, spec.routing, spec.seed, shape.num_sequences + spec.warmup_sequences,
-                             shape.prompt_len, shape.gen_len)
-    return trace, replay(trace, model, shape, warmup_sequences=spec.warmup_sequences,
-                         where=f"synthetic {spec.routing}")
+    else:
+        shape = spec.shape(num_batches)
+        trace = _synthetic_trace(model, spec.routing, spec.seed, shape.num_sequences + spec.warmup_sequences,
+                                 shape.prompt_len, shape.gen_len)
+    return trace, replay_run(spec, model, trace, num_batches)
 
 
 def planning_popularity(spec: RunSpec, model: ModelSpec) -> np.ndarray | None:

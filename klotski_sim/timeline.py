@@ -421,19 +421,25 @@ def _label(category: str, layer: int, expert: int, batches: str) -> str:
     return label
 
 
-def _union_length(starts: np.ndarray, ends: np.ndarray) -> float:
-    if len(starts) == 0:
-        return 0.0
+def merge_intervals(starts: np.ndarray, ends: np.ndarray, tolerance: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """Overlapping intervals (and those less than `tolerance` apart) merged into one, in start
+    order: the union of busy time, or a lane of bars a plot can draw in one go."""
+    if len(starts) < 2:
+        return np.asarray(starts, dtype=float), np.asarray(ends, dtype=float)
     order = np.argsort(starts, kind="stable")
     s, e = starts[order], ends[order]
     running = np.maximum.accumulate(e)
-    # A new merged interval begins where an op starts after everything before it ended.
-    new = np.concatenate(([True], s[1:] > running[:-1]))
+    # a new merged interval begins where an interval starts after everything before it ended
+    new = np.concatenate(([True], s[1:] > running[:-1] + tolerance))
     group = np.cumsum(new) - 1
-    g_start = s[new]
-    g_end = np.zeros(len(g_start))
-    np.maximum.at(g_end, group, e)
-    return float((g_end - g_start).sum())
+    merged_end = np.zeros(group[-1] + 1)
+    np.maximum.at(merged_end, group, e)
+    return s[new], merged_end
+
+
+def _union_length(starts: np.ndarray, ends: np.ndarray) -> float:
+    merged_start, merged_end = merge_intervals(starts, ends)
+    return float((merged_end - merged_start).sum())
 
 
 def jsonable(value: Any) -> Any:

@@ -193,6 +193,25 @@ class OpEmitter:
         self._h2d_of_layer.setdefault(key, []).append(op)
         return op
 
+    def fetch_attention(self, at: str, step: int, layer: int, deps: Iterable[str | None] = ()) -> str:
+        """A layer's attention weights on the weight stream (op id `{at}/load_attn`)."""
+        return self.fetch(f"{at}/load_attn", "attention", self.model.attention_bytes(), "weights", "h2d_weights",
+                          deps, step=step, layer=layer)
+
+    def fetch_layer(self, at: str, step: int, layer: int, deps: Iterable[str | None] = ()
+                    ) -> tuple[str, str, list[str]]:
+        """The whole of a layer — attention, gate and every expert — on the weight stream, as the
+        single-batch, multi-batch and FlexGen prefetches load it. Returns the attention, gate and
+        per-expert load ids."""
+        m = self.model
+        deps = list(deps)
+        attention = self.fetch_attention(at, step, layer, deps)
+        gate = self.fetch(f"{at}/load_gate", "gate", m.gate_bytes(), "weights", "h2d_weights", deps,
+                          step=step, layer=layer)
+        experts = [self.fetch(f"{at}/load_E{e}", "experts", m.expert_bytes(), "moe_weights", "h2d_weights", deps,
+                              step=step, layer=layer, expert=e) for e in range(m.num_experts)]
+        return attention, gate, experts
+
     def _stage(self, step: int, layer: int) -> None:
         """Read a whole layer's disk-resident tensors into the host staging window. The window
         holds `disk_window` layers: this read waits until the layer `disk_window` places back

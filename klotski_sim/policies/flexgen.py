@@ -36,14 +36,8 @@ def build(inp: PolicyInput) -> Schedule:
         step, layer = order[g]
         if em.is_resident(layer):
             return None
-        at = f"s{step}/L{layer}"
-        ops = [em.fetch(f"{at}/load_attn", "attention", m.attention_bytes(), "weights", "h2d_weights", after,
-                        step=step, layer=layer),
-               em.fetch(f"{at}/load_gate", "gate", m.gate_bytes(), "weights", "h2d_weights", after,
-                        step=step, layer=layer)]
-        ops += [em.fetch(f"{at}/load_E{e}", "experts", m.expert_bytes(), "moe_weights", "h2d_weights", after,
-                         step=step, layer=layer, expert=e) for e in range(m.num_experts)]
-        return ops
+        attention, gate, experts = em.fetch_layer(f"s{step}/L{layer}", step, layer, after)
+        return [attention, gate, *experts]
 
     layer_done: list[str] = []
     loads = {0: load_weight(0, [])}

@@ -74,17 +74,11 @@ def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
             elif not rung.hot_prefetch:
                 # +multi-batch: the whole layer, double-buffered (may load once layer g-2 is done)
                 after = [layer_done[-2]] if len(layer_done) >= 2 else []
-                attn_w = em.fetch(f"{at}/load_attn", "attention", m.attention_bytes(), "weights", "h2d_weights",
-                                  after, step=step, layer=j)
-                gate_w = em.fetch(f"{at}/load_gate", "gate", m.gate_bytes(), "weights", "h2d_weights", after,
-                                  step=step, layer=j)
-                for e in range(E):
-                    expert_w[e] = em.fetch(f"{at}/load_E{e}", "experts", m.expert_bytes(), "moe_weights",
-                                           "h2d_weights", after, step=step, layer=j, expert=e)
-                    load_order.append(e)
+                attn_w, gate_w, loads = em.fetch_layer(at, step, j, after)
+                expert_w = dict(enumerate(loads))
+                load_order = list(range(E))
             else:
-                attn_w = next_attention or em.fetch(f"{at}/load_attn", "attention", m.attention_bytes(), "weights",
-                                                    "h2d_weights", [], step=step, layer=j)
+                attn_w = next_attention or em.fetch_attention(at, step, j)
                 # Hot experts are chosen from what is known once the previous layer's gates ran
                 # (its expert counts over the group) and the table learned so far.
                 if rung.oracle:
@@ -122,9 +116,8 @@ def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
             # The next layer's attention weights load during this MoE layer (after its cold loads).
             nxt_step, nxt_layer = (step, j + 1) if j + 1 < L else (step + 1, 0)
             if rung.hot_prefetch and nxt_step < sh.num_steps and not em.is_resident(nxt_layer):
-                next_attention = em.fetch(f"s{nxt_step}/L{nxt_layer}/load_attn", "attention", m.attention_bytes(),
-                                          "weights", "h2d_weights", [attn_ops[-1], last_gate], step=nxt_step,
-                                          layer=nxt_layer)
+                next_attention = em.fetch_attention(f"s{nxt_step}/L{nxt_layer}", nxt_step, nxt_layer,
+                                                    [attn_ops[-1], last_gate])
 
             used = [e for e in range(E) if group_tokens[e] > 0]
             if rung.reorder and not resident:

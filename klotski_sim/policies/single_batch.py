@@ -30,13 +30,8 @@ def build(inp: PolicyInput) -> Schedule:
                     attn_w = gate_w = None
                     expert_w: list[str | None] = [None] * m.num_experts
                 else:
-                    attn_w = em.fetch(f"{at}/load_attn", "attention", m.attention_bytes(), "weights",
-                                      "h2d_weights", after, step=step, layer=layer)
-                    gate_w = em.fetch(f"{at}/load_gate", "gate", m.gate_bytes(), "weights", "h2d_weights",
-                                      after, step=step, layer=layer)
-                    expert_w = [em.fetch(f"{at}/load_E{e}", "experts", m.expert_bytes(), "moe_weights",
-                                         "h2d_weights", after, step=step, layer=layer, expert=e)
-                                for e in range(m.num_experts)]
+                    attn_w, gate_w, loads = em.fetch_layer(at, step, layer, after)
+                    expert_w = list(loads)
                 em.attention(f"{at}/attn", step, layer, batch, [attn_w], free=_own(attn_w))
                 em.gate(f"{at}/gate", step, layer, batch, [gate_w], free=_own(gate_w))
                 tokens = counts[step, layer, batch]
