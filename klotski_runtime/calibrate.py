@@ -75,21 +75,23 @@ def calibrate(spec: ModelSpec, device: str = "cpu", batch_sizes: Iterable[int] =
               prompt_lens: Iterable[int] = (16, 64, 256), kv_lens: Iterable[int] | None = None,
               max_expert_tokens: int = 1024, repeats: int = 5, dtype: torch.dtype = torch.bfloat16,
               emulate_links: Mapping[str, float] | None = None, link_latency_s: float = 0.0,
-              command: str = "", threads: int | None = None) -> HardwareProfile:
+              command: str = "", threads: int | None = None,
+              emulate_pageable: Mapping[str, float] | None = None) -> HardwareProfile:
     """Measure `device` running `spec`'s ops and return a profile with a measured table.
     `threads` sets torch's CPU threads for the measurement (use the executor's setting)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads or previous)
     try:
         return _calibrate(spec, device, batch_sizes, prompt_lens, kv_lens, max_expert_tokens, repeats, dtype,
-                          emulate_links, link_latency_s, command)
+                          emulate_links, link_latency_s, command, emulate_pageable or {})
     finally:
         torch.set_num_threads(previous)
 
 
 def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_lens: Iterable[int],
                kv_lens: Iterable[int] | None, max_expert_tokens: int, repeats: int, dtype: torch.dtype,
-               emulate_links: Mapping[str, float] | None, link_latency_s: float, command: str) -> HardwareProfile:
+               emulate_links: Mapping[str, float] | None, link_latency_s: float, command: str,
+               emulate_pageable: Mapping[str, float]) -> HardwareProfile:
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("CUDA was requested but torch sees no GPU (use --device cpu)")
@@ -103,22 +105,25 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
     h, kvh, hd = spec.hidden_size, spec.num_kv_heads, spec.head_dim
     batch_sizes, prompt_lens = sorted(set(batch_sizes)), sorted(set(prompt_lens))
     kv_lens = sorted(set(kv_lens or [p + d for p in prompt_lens for d in (1, 16)]))
-    measured: dict[str, list[dict]] = {k: [] for k in ("attention:decode", "attention:prefill", "gate", "expert",
-                                                       "embed", "lm_head")}
+    measured: dict[str, list[dict]] = {k: [] for k in ("gate", "expert", "embed", "lm_head")}
+    for impl in kernels.ATTENTION_IMPLS:
+        measured[f"attention.{impl}:decode"] = []
+        measured[f"attention.{impl}:prefill"] = []
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device=dev, dtype=dtype)
 
-    for bs in batch_sizes:
-        x1 = rand(bs, 1, h)
-        for kv in kv_lens:
-            past = [(rand(bs, kvh, kv - 1, hd), rand(bs, kvh, kv - 1, hd))]
-            t = measure(lambda: kernels.attention(x1, attn, norm, past, kv - 1, spec, 1e6, 1e-5), repeats)
-            measured["attention:decode"].append({"tokens": bs, "kv_len": kv, "seconds": t})
-        for p in prompt_lens:
-            xp = rand(bs, p, h)
-            t = measure(lambda: kernels.attention(xp, attn, norm, [], 0, spec, 1e6, 1e-5), repeats)
-            measured["attention:prefill"].append({"tokens": bs * p, "kv_len": p, "seconds": t})
+    for impl in kernels.ATTENTION_IMPLS:  # each implementation the schedules may ask for
+        for bs in batch_sizes:
+            x1 = rand(bs, 1, h)
+            for kv in kv_lens:
+                past = [(rand(bs, kvh, kv - 1, hd), rand(bs, kvh, kv - 1, hd))]
+                t = measure(lambda: kernels.attention(x1, attn, norm, past, kv - 1, spec, 1e6, 1e-5, impl), repeats)
+                measured[f"attention.{impl}:decode"].append({"tokens": bs, "kv_len": kv, "seconds": t})
+            for p in prompt_lens:
+                xp = rand(bs, p, h)
+                t = measure(lambda: kernels.attention(xp, attn, norm, [], 0, spec, 1e6, 1e-5, impl), repeats)
+                measured[f"attention.{impl}:prefill"].append({"tokens": bs * p, "kv_len": p, "seconds": t})
     token_grid = sorted({1 << i for i in range(int(np.log2(max_expert_tokens)) + 1)}
                         | set(batch_sizes) | {bs * p for bs in batch_sizes for p in prompt_lens})
     gnorm = w.resident["norm2/0"].to(dev)
@@ -158,8 +163,9 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
     one = rand(1)
     overhead = measure(lambda: one + one, max(repeats, 20))
 
-    links = _measure_links(dev, measure, repeats, emulate_links or {}, link_latency_s)
+    links = _measure_links(dev, measure, repeats, emulate_links or {}, link_latency_s, emulate_pageable)
     dependency_latency = _measure_dependency_latency(dev, max(repeats, 50))
+    host_sync = _measure_host_sync(dev, max(repeats, 50)) if dev.type == "cuda" else dependency_latency
     if dev.type == "cuda":
         props = torch.cuda.get_device_properties(dev)
         gpu_name, gpu_mem = props.name, float(props.total_memory)
@@ -173,11 +179,14 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
         "description": f"measured by klotski-runtime calibrate on {gpu_name} for {spec.name} shapes",
         "gpu": {"name": gpu_name, "memory_bytes": gpu_mem, "reserved_bytes": reserved, "peak_flops": peak,
                 "memory_bandwidth": membw, "compute_efficiency": 1.0, "memory_efficiency": 1.0,
-                "kernel_overhead_s": overhead, "dependency_latency_s": dependency_latency},
+                "kernel_overhead_s": overhead, "dependency_latency_s": dependency_latency,
+                "host_sync_latency_s": host_sync},
         "links": links,
         "host": {"memory_bytes": _host_memory(), "cpu": platform.processor() or platform.machine()},
         "disk": {"capacity_bytes": float(_disk_capacity())},
         "sources": {"measured": "klotski-runtime calibrate (this file's provenance)",
+                    "gpu.host_sync_latency_s": "CUDA: a small kernel, synchronize, the next kernel (gap between "
+                    "them); CPU: the host stream thread's wake-up after an event, as gpu.dependency_latency_s",
                     "gpu.memory_bytes": "CUDA device properties" if dev.type == "cuda" else
                     "half of host memory (the CPU 'device' shares it with the host store)"},
         "measured": measured,
@@ -222,6 +231,8 @@ def _probe_dispatch(spec: ModelSpec, draft: HardwareProfile, dev: torch.device, 
                  warmup_sequences=2)
     weights = WeightStore.random(probe, dtype=dtype)
     options = ExecOptions(device=dev.type, emulate_links=dict(emulate) if dev.type == "cpu" else {},
+                          emulate_pageable={r: draft.link(r).pageable_bandwidth for r in emulate}
+                          if dev.type == "cpu" else {},
                           threads=torch.get_num_threads() if dev.type == "cpu" else None)
     residuals = []
     for policy in ("klotski", "flexgen"):
@@ -239,7 +250,7 @@ def _probe_dispatch(spec: ModelSpec, draft: HardwareProfile, dev: torch.device, 
 
 
 def _measure_links(dev: torch.device, measure: Callable, repeats: int, emulate: Mapping[str, float],
-                   latency: float) -> dict:
+                   latency: float, emulate_pageable: Mapping[str, float]) -> dict:
     sizes = [1 * MB, 4 * MB, 16 * MB, 64 * MB]
     out: dict = {}
 
@@ -254,21 +265,41 @@ def _measure_links(dev: torch.device, measure: Callable, repeats: int, emulate: 
 
     if dev.type == "cuda":
         h2d_bw, h2d_lat = fit(lambda s: s.to(dev, non_blocking=True), pin=True)
-        pageable, _ = fit(lambda s: s.to(dev), pin=False)
+        h2d_pageable, _ = fit(lambda s: s.to(dev), pin=False)
         dst = {size: torch.empty(size, dtype=torch.uint8, device=dev) for size in sizes}
-        d2h_bw, d2h_lat = fit(lambda s: dst[s.numel()].to("cpu"), pin=False)
-    else:
+        pinned_dst = {size: torch.empty(size, dtype=torch.uint8).pin_memory() for size in sizes}
+        d2h_bw, d2h_lat = fit(lambda s: pinned_dst[s.numel()].copy_(dst[s.numel()]), pin=False)
+        d2h_pageable, _ = fit(lambda s: dst[s.numel()].to("cpu"), pin=False)
+    else:  # no pinned memory on the CPU: both are a memcpy, unless emulated
         h2d_bw, h2d_lat = fit(lambda s: s.clone(), pin=False)
-        pageable, d2h_bw, d2h_lat = h2d_bw, h2d_bw, h2d_lat
+        h2d_pageable, d2h_bw, d2h_lat, d2h_pageable = h2d_bw, h2d_bw, h2d_lat, h2d_bw
     disk_bw, disk_lat = _measure_disk(sizes, repeats)
-    out["pcie_h2d"] = {"bandwidth": emulate.get("pcie_h2d", h2d_bw), "latency_s": latency if "pcie_h2d" in emulate
-                       else h2d_lat, "copy_engines": 1}
-    out["pcie_d2h"] = {"bandwidth": emulate.get("pcie_d2h", d2h_bw), "latency_s": latency if "pcie_d2h" in emulate
-                       else d2h_lat, "copy_engines": 1}
+    out["pcie_h2d"] = {"bandwidth": emulate.get("pcie_h2d", h2d_bw),
+                       "pageable_bandwidth": emulate_pageable.get("pcie_h2d", h2d_pageable),
+                       "latency_s": latency if "pcie_h2d" in emulate else h2d_lat, "copy_engines": 1}
+    out["pcie_d2h"] = {"bandwidth": emulate.get("pcie_d2h", d2h_bw),
+                       "pageable_bandwidth": emulate_pageable.get("pcie_d2h", d2h_pageable),
+                       "latency_s": latency if "pcie_d2h" in emulate else d2h_lat, "copy_engines": 1}
     out["nvme"] = {"bandwidth": emulate.get("nvme", disk_bw), "latency_s": latency if "nvme" in emulate else disk_lat,
                    "copy_engines": 1}
-    out["pageable_h2d_bandwidth"] = pageable
     return out
+
+
+def _measure_host_sync(dev: torch.device, rounds: int) -> float:
+    """CUDA: from the end of a kernel the host synchronises on to the start of the next kernel it
+    launches (CUDA events around the synchronise): what one host sync costs the GPU."""
+    x = torch.ones(1, device=dev)
+    gaps = []
+    for _ in range(rounds):
+        done, nxt = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        x.add_(1)
+        done.record()
+        torch.cuda.synchronize()
+        nxt.record()
+        x.add_(1)
+        torch.cuda.synchronize()
+        gaps.append(done.elapsed_time(nxt) / 1e3)
+    return max(0.0, statistics.median(gaps))
 
 
 def _measure_dependency_latency(dev: torch.device, rounds: int) -> float:

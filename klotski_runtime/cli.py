@@ -42,10 +42,22 @@ def _csv_ints(text: str) -> list[int]:
     return values
 
 
+# pageable : pinned copy rate of the DGX A100 bandwidthTest (10.0 vs 25.7 GB/s H2D), the default
+# ratio when emulating pageable copies (klotski_sim/profiles/a100-80g.yaml cites the run)
+PAGEABLE_RATIO = 10.0 / 25.7
+
+
 def _emulation(args: argparse.Namespace) -> dict[str, float]:
     if args.device != "cpu" or not args.emulate_pcie:
         return {}
     return {"pcie_h2d": args.emulate_pcie, "pcie_d2h": args.emulate_pcie}
+
+
+def _pageable(args: argparse.Namespace) -> dict[str, float]:
+    """Emulated rate of copies from pageable host memory (only with emulated links)."""
+    links = _emulation(args)
+    rate = args.emulate_pageable
+    return {r: (rate if rate else bw * PAGEABLE_RATIO) for r, bw in links.items()}
 
 
 def _add_device(p: argparse.ArgumentParser) -> None:
@@ -53,6 +65,9 @@ def _add_device(p: argparse.ArgumentParser) -> None:
     p.add_argument("--emulate-pcie", type=float, default=1e9, metavar="BYTES_PER_S",
                    help="CPU only: emulate PCIe H2D/D2H at this rate, labelled as emulation in every output "
                         "(0 = real memcpy speed; default: %(default)s)")
+    p.add_argument("--emulate-pageable", type=float, default=None, metavar="BYTES_PER_S",
+                   help="CPU only: emulated rate of copies from pageable memory (default: --emulate-pcie x "
+                        f"{PAGEABLE_RATIO:.3f}, the pageable:pinned ratio of a DGX A100 bandwidthTest)")
     p.add_argument("--threads", type=int, default=1,
                    help="CPU only: torch compute threads; the other cores run the copy threads (default: %(default)s)")
 
@@ -67,7 +82,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     profile = calibrate(get_model(args.model), args.device, batch_sizes=args.batch_sizes,
                         prompt_lens=args.prompt_lens, max_expert_tokens=args.max_expert_tokens, repeats=args.repeats,
                         dtype=getattr(torch, args.dtype), emulate_links=_emulation(args),
-                        command="klotski-runtime " + " ".join(sys.argv[1:]),
+                        emulate_pageable=_pageable(args), command="klotski-runtime " + " ".join(sys.argv[1:]),
                         threads=args.threads if args.device == "cpu" else None)
     Path(args.out).write_text(profile.to_yaml())
     print(f"wrote {args.out}: {profile.gpu.name}; peak {profile.gpu.peak_flops / 1e12:.2f} TFLOP/s, memory "
@@ -85,8 +100,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     setup = ValidationSetup(model=args.model, device=args.device, batch_size=args.batch_size,
                             num_batches=args.num_batches, prompt_len=args.prompt_len, gen_len=args.gen_len,
                             routing=args.routing, trace=args.trace, seed=args.seed, kv=args.kv,
-                            emulate_links=_emulation(args), checkpoint=args.checkpoint, dtype=args.dtype,
-                            threads=args.threads)
+                            emulate_links=_emulation(args), emulate_pageable=_pageable(args),
+                            checkpoint=args.checkpoint, dtype=args.dtype, threads=args.threads, impl=args.impl)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     profile_path = args.profile
@@ -102,7 +117,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
                             max_expert_tokens=max(64, 2 ** (args.batch_size * args.num_batches * args.prompt_len)
                                                   .bit_length()),
                             dtype=getattr(torch, args.dtype), emulate_links=_emulation(args),
-                            threads=args.threads if args.device == "cpu" else None,
+                            emulate_pageable=_pageable(args), threads=args.threads if args.device == "cpu" else None,
                             command="klotski-runtime " + " ".join(sys.argv[1:]))
         profile_path = str(out / "profile.yaml")
         Path(profile_path).write_text(profile.to_yaml())
@@ -133,6 +148,7 @@ def cmd_execute(args: argparse.Namespace) -> int:
                else WeightStore.random(model, dtype=dtype))
     timeline, _ = execute(schedule, model, weights, routing,
                           ExecOptions(device=args.device, emulate_links=_emulation(args),
+                                      emulate_pageable=_pageable(args),
                                       threads=args.threads if args.device == "cpu" else None))
     from klotski_sim.cli import format_summary
 
@@ -200,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv", default="gpu", choices=["gpu", "cpu"])
     p.add_argument("--checkpoint", metavar="DIR", help="weights from a local checkpoint (default: random)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--impl", default="as-published", choices=["as-published", "ideal", "v0.1", "both"],
+                   help="implementation preset of the schedules validated (default: %(default)s)")
     _add_device(p)
     p.set_defaults(func=cmd_validate)
 

@@ -9,7 +9,12 @@ The very Schedule the simulator ran (in memory, or the `schedule.json` that `klo
 - **CPU** (tests, GPU-less machines): each stream is a worker thread running its ops in order;
   deps are thread events; compute runs real torch CPU kernels; transfers are real copies from the
   host store into a device store; disk-tier reads are real file reads. Links can be *emulated*
-  (each transfer sleeps up to `latency + bytes / bandwidth`) — every output says so.
+  (each transfer sleeps up to `latency + bytes / bandwidth`, at the pageable rate for a copy the
+  schedule marks pageable) — every output says so.
+
+Host ops (`sync`, `copy_wait`) are the issuing thread blocked: on CUDA the issuing thread waits
+for the events of what they wait for, so nothing after them is enqueued earlier; on the CPU the
+host stream's thread waits for them, and everything issued after them depends on them.
 
 GPU memory follows the schedule's memory effects: a transfer allocates its buffer, the op that
 frees it drops it; the measured peak is reported next to the simulated one.
@@ -36,7 +41,7 @@ from klotski_sim.timeline import Timeline
 from . import kernels
 from .kernels import WeightStore
 
-RESOURCE_CAPACITY = {"gpu": 1, "pcie_h2d": 1, "pcie_d2h": 1, "nvme": 1}
+RESOURCE_CAPACITY = {"gpu": 1, "pcie_h2d": 1, "pcie_d2h": 1, "nvme": 1, "host": 1}
 
 
 class ExecutionError(RuntimeError):
@@ -51,6 +56,7 @@ class ExecOptions:
     device: str = "cpu"
     force_routing: bool = True
     emulate_links: Mapping[str, float] = field(default_factory=dict)
+    emulate_pageable: Mapping[str, float] = field(default_factory=dict)  # rate of pageable copies per link
     link_latency_s: float = 0.0
     seed: int = 0
     record_logits: bool = False
@@ -116,6 +122,9 @@ class OpRunner:
         self.resident = {k: v.to(self.device) for k, v in weights.resident.items()}
         self.resident_layer_tensors = {key: tuple(t.to(self.device) for t in v) for key, v in weights.tensors.items()
                                        if key[1] < self.resident_layers}
+        # what each compute op does, by category (a table, not a name lookup)
+        self.compute_ops = {"embed": self._embed, "attention": self._attention, "gate": self._gate,
+                            "expert": self._expert, "lm_head": self._lm_head}
         self._alloc("resident", tensor_bytes(list(self.resident.values()))
                     + tensor_bytes([t for v in self.resident_layer_tensors.values() for t in v]))
 
@@ -139,6 +148,7 @@ class OpRunner:
 
     # ---- dispatch ---------------------------------------------------------------------------------
     def run(self, op: Op) -> None:
+        """Carry out one op (a host op's waiting is the driver's business: nothing to do here)."""
         if op.kind == "transfer":
             if op.stream == "disk_read":
                 self._disk_read(op)
@@ -146,8 +156,11 @@ class OpRunner:
                 self._kv_transfer(op)
             else:
                 self._load_weights(op)
-        else:
-            getattr(self, "_" + op.category)(op)
+        elif op.kind == "compute":
+            compute = self.compute_ops.get(op.category)
+            if compute is None:
+                raise ExecutionError(f"op {op.id!r}: no kernel for compute category {op.category!r}")
+            compute(op)
         for name in op.free:
             self._free(name)
 
@@ -171,9 +184,11 @@ class OpRunner:
     # ---- transfers --------------------------------------------------------------------------------
     def _load_weights(self, op: Op) -> None:
         staged = [d for d in op.deps if self.ops_by_id[d].stream == "disk_read"]
-        host = self.staging.pop(staged[0]) if staged else self.weights.get(op.tensor, op.layer, op.expert)
-        self._store(op.id, tuple(t.to(self.device, non_blocking=True) if self.device.type == "cuda"
-                                 else t.clone() for t in host))
+        cuda = self.device.type == "cuda"
+        host = (self.staging.pop(staged[0]) if staged else
+                self.weights.host(op.tensor, op.layer, op.expert, pinned=cuda and not op.pageable))
+        self._store(op.id, tuple(t.to(self.device, non_blocking=not op.pageable) if cuda else t.clone()
+                                 for t in host))
 
     def _disk_read(self, op: Op) -> None:
         if self.disk_dir is None:
@@ -223,7 +238,7 @@ class OpRunner:
                     if f"kv/L{layer}/b{b}/s{s}" in self.buffers]
         w = self.weights_for(op, "attention")
         out, chunk = kernels.attention(self.x[b], w, self.resident[f"norm1/{layer}"], past, pos0, self.spec,
-                                       self.weights.rope_theta, self.weights.rms_eps)
+                                       self.weights.rope_theta, self.weights.rms_eps, op.variant or "fused")
         self.h[b] = out
         for name, _ in op.alloc:  # this step's KV entries stay on the GPU
             self._store(name, chunk)
@@ -304,6 +319,11 @@ def execute(schedule: Schedule, spec: ModelSpec, weights: WeightStore, routing: 
         raise ExecutionError("CUDA was requested but torch sees no GPU (use --device cpu)")
     if options.emulate_links and not options.device == "cpu":
         raise ExecutionError("link emulation is for the CPU device only")
+    pageable = {schedule.streams[op.stream] for op in schedule.ops if op.pageable}
+    missing = sorted(r for r in pageable if r in options.emulate_links and r not in options.emulate_pageable)
+    if missing:
+        raise ExecutionError(f"the schedule copies from pageable memory over emulated {', '.join(missing)}: "
+                             f"give the emulated pageable rate too (emulate_pageable)")
     with tempfile.TemporaryDirectory(prefix="klotski-disk-") as tmp:
         disk = prepare_disk(schedule, weights, Path(tmp)) if any(o.stream == "disk_read" for o in schedule.ops) else None
         runner = OpRunner(schedule, spec, weights, routing, options, disk)
@@ -329,6 +349,7 @@ def execute(schedule: Schedule, spec: ModelSpec, weights: WeightStore, routing: 
         extra_meta={"device": device_name, "weights": weights.source, "weight_notes": weights.notes,
                     "routing_forced": options.force_routing, "dtype": str(runner.dtype),
                     "emulated_links": ({"bandwidth_bytes_per_s": emulated, "latency_s": options.link_latency_s,
+                                        "pageable_bytes_per_s": dict(options.emulate_pageable),
                                         "note": "EMULATED links: transfers sleep to the target rate"}
                                        if emulated else {})})
     return timeline, runner
@@ -345,7 +366,7 @@ def _run_cpu(schedule: Schedule, runner: OpRunner, options: ExecOptions) -> tupl
     per_stream: dict[str, list[int]] = {}
     for i, op in enumerate(ops):
         per_stream.setdefault(op.stream, []).append(i)
-    dep_index = [[index[d] for d in op.deps] for op in ops]
+    dep_index = [[index[d] for d in op.deps] if op.kind != "host" else [] for op in ops]
     resources = dict(schedule.streams)
     t0 = runner.t0
 
@@ -357,11 +378,21 @@ def _run_cpu(schedule: Schedule, runner: OpRunner, options: ExecOptions) -> tupl
                         if abort.is_set():
                             return
                 op = ops[i]
+                if op.kind == "host":  # the host thread is held from the moment it gets here
+                    start[i] = time.perf_counter() - t0
+                    for d in op.deps:
+                        while not done[index[d]].wait(0.05):
+                            if abort.is_set():
+                                return
+                    end[i] = time.perf_counter() - t0
+                    done[i].set()
+                    continue
                 begin = time.perf_counter()
                 start[i] = begin - t0
                 runner.run(op)
                 if op.kind == "transfer":
-                    bw = options.emulate_links.get(resources[op.stream])
+                    rates = options.emulate_pageable if op.pageable else options.emulate_links
+                    bw = rates.get(resources[op.stream])
                     if bw:
                         remaining = options.link_latency_s + op.bytes / bw - (time.perf_counter() - begin)
                         if remaining > 0:
@@ -398,11 +429,19 @@ def _run_cuda(schedule: Schedule, runner: OpRunner) -> tuple[list[float], list[f
     runner.weights.pin()  # pinned once, reused by every copy
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    host_start: dict[int, float] = {}  # host ops are timed on the host clock, started with t0
+    host_end: dict[int, float] = {}
     t0 = torch.cuda.Event(enable_timing=True)
     t0.record()
     runner.t0 = time.perf_counter()
     for i in topological_order(schedule):
         op = ops[i]
+        if op.kind == "host":  # the issuing thread blocks: nothing after it is enqueued before it ends
+            host_start[i] = time.perf_counter() - runner.t0
+            for d in op.deps:
+                finish[index[d]].synchronize()
+            host_end[i] = time.perf_counter() - runner.t0
+            continue
         stream = streams[op.stream]
         for d in op.deps:
             if ops[index[d]].stream != op.stream:
@@ -415,8 +454,8 @@ def _run_cuda(schedule: Schedule, runner: OpRunner) -> tuple[list[float], list[f
             runner.run(op)
             finish[i].record(stream)
     torch.cuda.synchronize()
-    start = [t0.elapsed_time(e) / 1e3 for e in begin]
-    end = [t0.elapsed_time(e) / 1e3 for e in finish]
+    start = [host_start[i] if i in host_start else t0.elapsed_time(e) / 1e3 for i, e in enumerate(begin)]
+    end = [host_end[i] if i in host_end else t0.elapsed_time(e) / 1e3 for i, e in enumerate(finish)]
     return start, end
 
 

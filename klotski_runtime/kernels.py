@@ -41,6 +41,7 @@ class WeightStore:
     source: str = "random"
     num_layers: int = 0
     notes: list[str] = field(default_factory=list)
+    pinned: dict[tuple, tuple[torch.Tensor, ...]] = field(default_factory=dict)
 
     def get(self, tensor: str, layer: int, expert: int = -1) -> tuple[torch.Tensor, ...]:
         key = (tensor, layer) if expert < 0 else (tensor, layer, expert)
@@ -56,8 +57,16 @@ class WeightStore:
                            list(self.notes))
 
     def pin(self) -> None:
-        """Pin every host tensor once, so H2D copies run at full speed and asynchronously."""
-        self.tensors = {k: tuple(t.pin_memory() for t in v) for k, v in self.tensors.items()}
+        """A pinned copy of every host tensor, made once, so pinned H2D copies run at full speed and
+        asynchronously; the unpinned originals stay for copies a schedule marks pageable."""
+        if not self.pinned:
+            self.pinned = {k: tuple(t.pin_memory() for t in v) for k, v in self.tensors.items()}
+
+    def host(self, tensor: str, layer: int, expert: int = -1, pinned: bool = False) -> tuple[torch.Tensor, ...]:
+        """The host copy a transfer reads: pinned (when `pin` made one) or the pageable original."""
+        if pinned and self.pinned:
+            return self.pinned[(tensor, layer) if expert < 0 else (tensor, layer, expert)]
+        return self.get(tensor, layer, expert)
 
     @staticmethod
     def random(spec: ModelSpec, layers: int | None = None, dtype: torch.dtype = torch.bfloat16,
@@ -169,10 +178,23 @@ def embed(tokens: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return F.embedding(tokens, table)
 
 
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """[B, kv_heads, T, hd] -> [B, kv_heads * n_rep, T, hd], materialised (transformers' repeat_kv)."""
+    if n_rep == 1:
+        return x
+    B, KVH, T, hd = x.shape
+    return x[:, :, None, :, :].expand(B, KVH, n_rep, T, hd).reshape(B, KVH * n_rep, T, hd)
+
+
+ATTENTION_IMPLS = ("fused", "eager")
+
+
 def attention(x: torch.Tensor, weights: tuple[torch.Tensor, ...], norm: torch.Tensor, past: list[tuple],
-              pos0: int, spec: ModelSpec, theta: float, eps: float) -> tuple[torch.Tensor, tuple]:
+              pos0: int, spec: ModelSpec, theta: float, eps: float, impl: str = "fused") -> tuple[torch.Tensor, tuple]:
     """x: [B, T, h] -> x + attn(norm(x)), and this step's (k, v) chunk `[B, kv_heads, T, hd]`.
-    `past` lists earlier chunks of this batch's KV cache, oldest first."""
+    `past` lists earlier chunks of this batch's KV cache, oldest first. `impl`: `fused` is one
+    scaled_dot_product_attention reading the KV heads as they are (GQA); `eager` is transformers'
+    eager path: repeat_kv copies, QK^T * scale, causal mask, fp32 softmax, AV, transpose back."""
     wq, wk, wv, wo = weights
     B, T, _ = x.shape
     H, KVH, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -184,10 +206,19 @@ def attention(x: torch.Tensor, weights: tuple[torch.Tensor, ...], norm: torch.Te
     q, k = rope(q, positions, theta), rope(k, positions, theta)
     keys = torch.cat([c[0] for c in past] + [k], dim=2) if past else k
     values = torch.cat([c[1] for c in past] + [v], dim=2) if past else v
-    rep = H // KVH
-    keys = keys.repeat_interleave(rep, dim=1)
-    values = values.repeat_interleave(rep, dim=1)
-    out = F.scaled_dot_product_attention(q, keys, values, is_causal=T > 1 and not past)
+    causal = T > 1 and not past
+    if impl == "fused":
+        out = F.scaled_dot_product_attention(q, keys, values, is_causal=causal, enable_gqa=H != KVH)
+    elif impl == "eager":
+        keys, values = repeat_kv(keys, H // KVH), repeat_kv(values, H // KVH)
+        scores = torch.matmul(q, keys.transpose(2, 3)) * hd ** -0.5
+        if causal:
+            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs, values)
+    else:
+        raise ValueError(f"attention impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
     out = out.transpose(1, 2).reshape(B, T, H * hd)
     return x + F.linear(out, wo), (k, v)
 

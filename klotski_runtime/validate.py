@@ -9,7 +9,7 @@ Gantt (simulated above, measured below, same time axis) and `validation.json`.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -45,6 +45,8 @@ class ValidationSetup:
     seed: int = 0
     kv: str = "gpu"
     emulate_links: Mapping[str, float] = field(default_factory=dict)
+    emulate_pageable: Mapping[str, float] = field(default_factory=dict)
+    impl: str = "as-published"  # an implementation preset, or "both" (as-published and ideal)
     checkpoint: str | None = None
     dtype: str = "bfloat16"
     warmup_runs: int = 1
@@ -129,27 +131,32 @@ def validate(setup: ValidationSetup, profile_path: str, out_dir: str | Path,
     dtype = getattr(torch, setup.dtype)
     weights = (WeightStore.from_checkpoint(setup.checkpoint, model, dtype=dtype) if setup.checkpoint
                else WeightStore.random(model, dtype=dtype, seed=setup.seed))
-    options = ExecOptions(device=setup.device, emulate_links=dict(setup.emulate_links), seed=setup.seed,
+    options = ExecOptions(device=setup.device, emulate_links=dict(setup.emulate_links),
+                          emulate_pageable=dict(setup.emulate_pageable), seed=setup.seed,
                           threads=setup.threads if setup.device == "cpu" else None)
     report: dict[str, Any] = {"setup": asdict(setup), "profile": profile_path, "policies": {}}
-    for name in policies:
+    impls = ("as-published", "ideal") if setup.impl == "both" else (setup.impl,)
+    runs = [(name, impl) for name in policies for impl in impls]
+    for name, impl in runs:
+        key = name if len(impls) == 1 else f"{name}/{impl}"
         p = prep.narrowed(1) if name == "single-batch" and prep.num_batches > 1 else prep
-        schedule = build_schedule(name, p.policy_input())
+        schedule = build_schedule(name, replace(p.policy_input(), impl=impl))
         sim = simulate(schedule, p.profile)
         for _ in range(setup.warmup_runs):  # first-touch costs (allocator, lazy init) are not the schedule's
             execute(schedule, model, weights, p.replay.routing, options)
         meas, _ = execute(schedule, model, weights, p.replay.routing, options)
         result = compare(sim, meas)
-        folder = out / name
+        result["impl"] = impl
+        folder = out / key.replace("/", "-")
         folder.mkdir(exist_ok=True)
         sim.to_parquet(folder / "simulated.parquet")
         meas.to_parquet(folder / "measured.parquet")
         schedule.save(folder / "schedule.json")
         side_by_side(sim, meas, folder / "validation.png",
-                     f"{name} · {model.name} · {setup.device} · n={p.num_batches} bs={setup.batch_size} "
+                     f"{key} · {model.name} · {setup.device} · n={p.num_batches} bs={setup.batch_size} "
                      f"P={setup.prompt_len} G={setup.gen_len}")
         (folder / "validation.json").write_text(json.dumps(jsonable(result), indent=2))
-        report["policies"][name] = result
+        report["policies"][key] = result
     report["emulated_links"] = dict(setup.emulate_links)
     (out / "validation.json").write_text(json.dumps(jsonable(report), indent=2))
     return report
@@ -159,14 +166,14 @@ def format_report(report: dict[str, Any]) -> str:
     def pct(v: float | None) -> str:
         return "   n/a" if v is None else f"{v:+6.1%}"
 
-    lines = [f"{'policy':15} {'sim ms':>8} {'meas ms':>8} {'makespan':>8} {'bubbles':>8} {'inter':>7} {'intra':>7}  "
+    lines = [f"{'policy':28} {'sim ms':>8} {'meas ms':>8} {'makespan':>8} {'bubbles':>8} {'inter':>7} {'intra':>7}  "
              f"worst category"]
     for name, r in report["policies"].items():
         cats = {c: v for c, v in r["per_category"].items() if v["error"] is not None}
         worst = max(cats.items(), key=lambda kv: abs(kv[1]["error"]), default=(None, None))
         wtext = f"{worst[0]} {pct(worst[1]['error'])}" if worst[0] else "-"
         b = r["bubbles"]
-        lines.append(f"{name:15} {r['makespan']['simulated_s'] * 1e3:8.1f} {r['makespan']['measured_s'] * 1e3:8.1f} "
+        lines.append(f"{name:28} {r['makespan']['simulated_s'] * 1e3:8.1f} {r['makespan']['measured_s'] * 1e3:8.1f} "
                      f"{pct(r['makespan']['error'])} {pct(b['all']['error'])} {pct(b['inter']['error'])} "
                      f"{pct(b['intra']['error'])}  {wtext}")
     if report.get("emulated_links"):

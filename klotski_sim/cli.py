@@ -18,8 +18,9 @@ import pandas as pd
 from .hardware import ProfileError, builtin_profile_names, load_profile
 from .model import PRESETS, get_model
 from .planner import format_plan
+from .impl import PRESET_NAMES
 from .policies import POLICIES
-from .runner import RunSpec, policy_batches, prepare, run
+from .runner import RunResult, RunSpec, policy_batches, prepare, run
 from .schedule import ScheduleError
 from .sweep import SweepError
 from .timeline import Summary, jsonable
@@ -48,7 +49,12 @@ def _batches(text: str) -> int | None:
     return None if text == "auto" else _positive_int(text)
 
 
-def add_run_arguments(p: argparse.ArgumentParser, policy: bool = True, num_batches_default: str = "1") -> None:
+IMPL_HELP = ("implementation preset: as-published (what each system's public code does, docs/implementations.md), "
+             "ideal (the best implementation of the same schedule), v0.1 (what klotski 0.1 simulated)")
+
+
+def add_run_arguments(p: argparse.ArgumentParser, policy: bool = True, num_batches_default: str = "1",
+                      impl_choices: Sequence[str] = PRESET_NAMES) -> None:
     """The options that describe one configuration (shared by simulate, compare, plan...)."""
     p.add_argument("--model", default="mixtral-8x7b", metavar="NAME[:L]",
                    help=f"model preset ({', '.join(sorted(PRESETS))}); NAME:L keeps its first L layers "
@@ -79,6 +85,8 @@ def add_run_arguments(p: argparse.ArgumentParser, policy: bool = True, num_batch
                    help="layers kept whole on the GPU (default: the planner's choice with --num-batches auto, else 0)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a profile field, e.g. --set links.pcie_h2d.bandwidth=32e9 (repeatable)")
+    p.add_argument("--impl", default="as-published", choices=list(impl_choices),
+                   help=IMPL_HELP + " (default: %(default)s)")
 
 
 def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
@@ -100,7 +108,7 @@ def spec_from_args(args: argparse.Namespace, **changes: Any) -> RunSpec:
                   batch_size=args.batch_size, num_batches=args.num_batches, prompt_len=args.prompt_len,
                   gen_len=args.gen_len, seed=args.seed, routing=args.routing, trace=args.trace, wrap=args.wrap,
                   warmup_sequences=args.warmup_sequences, kv=args.kv, experts=args.experts,
-                  resident_layers=args.resident_layers,
+                  resident_layers=args.resident_layers, impl=args.impl,
                   overrides=parse_overrides(args.overrides))
     fields.update(changes)
     return RunSpec(**fields)
@@ -108,14 +116,17 @@ def spec_from_args(args: argparse.Namespace, **changes: Any) -> RunSpec:
 
 def format_summary(s: Summary) -> str:
     lines = [
-        f"policy      {s.policy}   model {s.model}   hardware {s.hardware}",
+        f"policy      {s.policy}   model {s.model}   hardware {s.hardware}   impl {s.impl}",
         f"workload    n={s.num_batches} x bs={s.batch_size}, prompt {s.prompt_len}, generate {s.gen_len} "
         f"({s.generated_tokens} tokens)",
         f"status      {s.status}" + (f"  ({_oom_text(s.oom)})" if s.oom else ""),
-        f"makespan    {s.makespan_s:.3f} s   (prefill {s.prefill_s:.3f} s, decode step {s.decode_step_s * 1e3:.1f} ms)",
-        f"throughput  {s.throughput_tok_s:.3f} generated tok/s",
+        f"makespan    {s.makespan_s:.3f} s   (prefill {s.prefill_s:.3f} s, decode {s.decode_s:.3f} s, "
+        f"decode step {s.decode_step_s * 1e3:.1f} ms, MoE block {s.moe_block_s * 1e3:.1f} ms)",
+        f"throughput  {s.throughput_tok_s:.3f} generated tok/s end to end   "
+        f"{s.decode_throughput_tok_s:.3f} tok/s decode only",
         f"GPU busy    {s.gpu_busy_s:.3f} s   bubbles {s.bubble_s:.3f} s "
-        f"(inter-layer {s.bubble_inter_s:.3f} s, intra-layer {s.bubble_intra_s:.3f} s)",
+        f"(inter-layer {s.bubble_inter_s:.3f} s, intra-layer {s.bubble_intra_s:.3f} s)   "
+        f"host blocked {s.host_blocked_s:.3f} s",
         f"bound       {s.lower_bound_s:.3f} s on {s.lower_bound_resource}   efficiency {s.efficiency:.1%}",
         f"peak GPU    {s.peak_gpu_bytes / GIB:.2f} GiB   ops {s.num_ops}",
         "utilisation " + "  ".join(f"{r} {u:.1%}" for r, u in s.utilization.items()),
@@ -155,7 +166,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    spec = spec_from_args(args, policy="klotski")
+    impls = ["as-published", "ideal"] if args.impl == "both" else [args.impl]
+    spec = spec_from_args(args, policy="klotski", impl=impls[0])
     policies = args.policies.split(",") if args.policies else list(COMPARE_POLICIES)
     for name in policies:
         if name not in POLICIES:
@@ -163,49 +175,78 @@ def cmd_compare(args: argparse.Namespace) -> int:
     prep = prepare(spec)
     if prep.plan is not None:
         print(f"planner: n = {prep.num_batches} ({'; '.join(prep.plan.notes) or 'bubbles closed within memory'})")
-    print(f"placement: {prep.placement.describe()}; routing: {prep.replay.routing.source}")
-    results = {}
+    print(f"placement: {prep.placement.describe()}; routing: {prep.replay.routing.source}; "
+          f"implementation: {' and '.join(impls)}")
+    results: dict[tuple[str, str], RunResult] = {}
     for name in policies:
         n = policy_batches(name, prep) if spec.num_batches is None else prep.num_batches
         if n != prep.num_batches:
             why = ("one batch in flight by definition" if name == "single-batch" else
                    f"its {POLICIES[name].buffering} weight buffers leave room for {n} batches' KV cache")
             print(f"note: {name} runs n = {n} ({why})")
-        options = {"overlap": args.flexgen_overlap} if name == "flexgen" else {}
-        results[name] = run(replace(spec, policy=name, options=options), prepared=prep)
-    summaries = {name: r.timeline.summary() for name, r in results.items()}
+        options = {"overlap": args.flexgen_overlap} if name == "flexgen" and args.flexgen_overlap else {}
+        for impl in impls:
+            results[(name, impl)] = run(replace(spec, policy=name, options=options, impl=impl), prepared=prep)
+    summaries = {key: r.timeline.summary() for key, r in results.items()}
     print(format_comparison(summaries))
+    if len(impls) > 1:
+        print(format_left_on_table(summaries, policies))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = [{"policy": name, **s.to_dict()} for name, s in summaries.items()]
+    rows = [{"policy": name, "impl_preset": impl, **s.to_dict()} for (name, impl), s in summaries.items()]
     (out / "compare.json").write_text(json.dumps(jsonable(rows), indent=2))
     pd.DataFrame([{k: v for k, v in r.items() if not isinstance(v, dict)} for r in rows]).to_csv(
         out / "compare.csv", index=False)
-    for name, r in results.items():
-        r.timeline.to_chrome_trace(out / f"trace_{name}.json")
+    for (name, impl), r in results.items():
+        r.timeline.to_chrome_trace(out / f"trace_{name}{'' if len(impls) == 1 else '_' + impl}.json")
     if prep.plan is not None:
         (out / "plan.txt").write_text(format_plan(prep.plan, prep.model, prep.profile, spec.batch_size) + "\n")
     if not args.no_png:
         from .plot import compare_gantt
 
         zoom = (min(1, spec.gen_len - 1), prep.model.num_layers // 2)
-        compare_gantt({name: r.timeline for name, r in results.items()}, out / "compare.png", zoom=zoom)
+        compare_gantt({_label(name, impl, impls): r.timeline for (name, impl), r in results.items()},
+                      out / "compare.png", zoom=zoom)
     print(f"wrote compare.csv, compare.json, {'compare.png, ' if not args.no_png else ''}trace_<policy>.json"
           f"{', plan.txt' if prep.plan else ''} to {out}/")
     return 0 if all(s.status == "ok" for s in summaries.values()) else 3
 
 
-def format_comparison(summaries: dict[str, Summary]) -> str:
-    base = summaries.get("flexgen")
-    header = (f"{'policy':15} {'n':>3} {'status':6} {'tok/s':>8} {'xFlexGen':>8} {'makespan s':>10} {'inter s':>8} "
-              f"{'intra s':>8} {'effic.':>6} {'peak GiB':>8} {'hot prec.':>9} {'hot id.':>7}")
+def _label(name: str, impl: str, impls: Sequence[str]) -> str:
+    return name if len(impls) == 1 else f"{name} ({impl})"
+
+
+def format_comparison(summaries: dict[tuple[str, str], Summary]) -> str:
+    """One row per (policy, preset); x FlexGen compares with FlexGen under the same preset."""
+    header = (f"{'policy':15} {'impl':12} {'n':>3} {'status':6} {'tok/s':>7} {'decode':>7} {'xFlexGen':>8} "
+              f"{'makespan s':>10} {'inter s':>8} {'intra s':>8} {'host s':>7} {'effic.':>6} {'peak GiB':>8} "
+              f"{'hot prec.':>9} {'hot id.':>7}")
     lines = [header, "-" * len(header)]
-    for name, s in summaries.items():
+    for (name, impl), s in summaries.items():
+        base = summaries.get(("flexgen", impl))
         pf = s.extra.get("prefetch") or {}
         ratio = (s.throughput_tok_s / base.throughput_tok_s) if base and base.throughput_tok_s else float("nan")
-        lines.append(f"{name:15} {s.num_batches:3d} {s.status:6} {s.throughput_tok_s:8.2f} {ratio:8.2f} "
-                     f"{s.makespan_s:10.2f} {s.bubble_inter_s:8.2f} {s.bubble_intra_s:8.2f} {s.efficiency:6.1%} "
-                     f"{s.peak_gpu_bytes / GIB:8.2f} {_pct(pf.get('precision')):>9} {_pct(pf.get('hot_identification')):>7}")
+        lines.append(f"{name:15} {s.impl[:12]:12} {s.num_batches:3d} {s.status:6} {s.throughput_tok_s:7.2f} "
+                     f"{s.decode_throughput_tok_s:7.2f} {ratio:8.2f} {s.makespan_s:10.2f} {s.bubble_inter_s:8.2f} "
+                     f"{s.bubble_intra_s:8.2f} {s.host_blocked_s:7.2f} {s.efficiency:6.1%} "
+                     f"{s.peak_gpu_bytes / GIB:8.2f} {_pct(pf.get('precision')):>9} "
+                     f"{_pct(pf.get('hot_identification')):>7}")
+    lines.append("tok/s: generated tokens / makespan (prefill included); decode: tokens after the first / decode "
+                 "time; host s: the host thread blocked on syncs and pageable copies")
+    return "\n".join(lines)
+
+
+def format_left_on_table(summaries: dict[tuple[str, str], Summary], policies: Sequence[str]) -> str:
+    """What an ideal implementation of each schedule would gain over its published one."""
+    lines = ["what is left on the table (ideal vs as-published, same schedule):"]
+    for name in policies:
+        pub, ideal = summaries.get((name, "as-published")), summaries.get((name, "ideal"))
+        if not pub or not ideal or not pub.throughput_tok_s or not pub.decode_throughput_tok_s:
+            continue
+        lines.append(f"  {name:15} tok/s {pub.throughput_tok_s:7.2f} -> {ideal.throughput_tok_s:7.2f} "
+                     f"({ideal.throughput_tok_s / pub.throughput_tok_s - 1:+.1%}); decode "
+                     f"{pub.decode_throughput_tok_s:7.2f} -> {ideal.decode_throughput_tok_s:7.2f} "
+                     f"({ideal.decode_throughput_tok_s / pub.decode_throughput_tok_s - 1:+.1%})")
     return "\n".join(lines)
 
 
@@ -315,10 +356,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("compare", help="the main job: the ablation ladder, Klotski's oracle and FlexGen on one "
                                        "configuration (n from the planner)")
-    add_run_arguments(p, policy=False, num_batches_default="auto")
+    add_run_arguments(p, policy=False, num_batches_default="auto", impl_choices=(*PRESET_NAMES, "both"))
     p.add_argument("--policies", metavar="A,B,...", help=f"comma-separated (default: {','.join(COMPARE_POLICIES)})")
-    p.add_argument("--flexgen-overlap", choices=["code", "model"], default="code",
-                   help="FlexGen's overlap: its implementation's (code) or its cost model's (default: %(default)s)")
+    p.add_argument("--flexgen-overlap", choices=["code", "model"], default=None,
+                   help="FlexGen's overlap: its implementation's (code) or its cost model's (default: the "
+                        "preset's: code for as-published and v0.1, model for ideal)")
     p.add_argument("--out", default="klotski-out", metavar="DIR",
                    help="write compare.csv/.json, compare.png, trace_<policy>.json, plan.txt (default: %(default)s)")
     p.add_argument("--no-png", action="store_true", help="skip the Gantt figure")

@@ -3,8 +3,10 @@
 Compute ops follow a roofline with efficiencies plus a per-kernel overhead (eager PyTorch pays a
 launch and a dispatch per kernel, which dominates small decode ops) plus the runtime's fixed cost
 of issuing an op (`dispatch_overhead_s`, fitted by calibration); transfers cost
-`latency + bytes / bandwidth`. A profile may carry measured durations (from
-`klotski-runtime calibrate`); inside the range they cover they override the analytic value.
+`latency + bytes / bandwidth` at the link's pinned or pageable bandwidth; a host op (the host
+thread blocked on a sync or a pageable copy) costs the profile's host-sync latency on top of its
+wait. A profile may carry measured durations (from `klotski-runtime calibrate`); inside the range
+they cover they override the analytic value.
 """
 
 from __future__ import annotations
@@ -18,14 +20,23 @@ from .schedule import DEFAULT_STREAMS, Op
 # Kernels one op launches in an eager PyTorch implementation of a Mixtral layer (HF-style):
 # attention = input RMSNorm, q/k/v/o, RoPE, KV append, SDPA, residual; gate = post-attention
 # RMSNorm, router GEMM, softmax, top-k, renormalise; expert = gather, w1, w3, SiLU*mul, w2,
-# scale, scatter-add. The overhead per kernel comes from the profile.
+# scale, scatter-add. The overhead per kernel comes from the profile. `category.variant` keys
+# count an implementation's own kernels: eager attention adds repeat_kv's two expand+copy
+# kernels, QK^T, the scale, the mask add, the fp32 up-cast, softmax, the down-cast, AV and the
+# transpose back (transformers' `eager_attention_forward`) in place of the one SDPA kernel.
 KERNELS_PER_OP: dict[str, int] = {
     "attention": 25,
+    "attention.fused": 25,
+    "attention.eager": 34,
     "gate": 12,
     "expert": 8,
     "embed": 2,
     "lm_head": 4,
 }
+
+
+class CostError(ValueError):
+    """An op the profile cannot cost (a pageable copy on a link without a pageable bandwidth)."""
 
 
 class MeasuredTable:
@@ -79,23 +90,35 @@ class CostModel:
         self._byte_rate = gpu.memory_bandwidth * gpu.memory_efficiency
 
     def compute_seconds(self, category: str, flops: float, io_bytes: float, tokens: int = 0,
-                        kv_len: int = 0, phase: str = "") -> float:
+                        kv_len: int = 0, phase: str = "", variant: str = "") -> float:
         """Measured when the profile's table covers the shape (`category:phase` first, e.g.
-        `attention:decode`, then `category`), else the roofline plus kernel overheads."""
+        `attention:decode`, then `category`; with a variant `attention.eager:decode`, then
+        `attention.eager` — never another variant's table), else the roofline plus kernel overheads."""
         gpu = self.profile.gpu
         dispatch = gpu.dispatch_overhead_by_category.get(category, gpu.dispatch_overhead_s)
-        for key in (f"{category}:{phase}", category) if phase else (category,):
+        name = f"{category}.{variant}" if variant else category
+        for key in (f"{name}:{phase}", name) if phase else (name,):
             table = self.tables.get(key)
             if table is not None:
                 measured = table.lookup(tokens, kv_len)
                 if measured is not None:
                     return measured + dispatch
         roofline = max(flops / self._flop_rate, io_bytes / self._byte_rate)
-        return roofline + KERNELS_PER_OP.get(category, 1) * self.profile.gpu.kernel_overhead_s + dispatch
+        kernels = KERNELS_PER_OP.get(name) or KERNELS_PER_OP.get(category, 1)
+        return roofline + kernels * gpu.kernel_overhead_s + dispatch
 
-    def transfer_seconds(self, resource: str, nbytes: float) -> float:
+    def transfer_seconds(self, resource: str, nbytes: float, pageable: bool = False) -> float:
         link = self.profile.link(resource)
-        return link.latency_s + nbytes / link.bandwidth
+        if not pageable:
+            return link.latency_s + nbytes / link.bandwidth
+        if link.pageable_bandwidth is None:
+            raise CostError(f"hardware profile {self.profile.name!r}: links.{resource}.pageable_bandwidth is not "
+                            f"set, but the schedule copies from pageable host memory (set it, or use pinned copies)")
+        return link.latency_s + nbytes / link.pageable_bandwidth
+
+    def host_seconds(self) -> float:
+        """What a host op costs beyond its wait: the host-sync round trip."""
+        return self.profile.gpu.host_sync_latency_s
 
     def duration(self, op: Op, resource: str) -> float:
         if self.override is not None:
@@ -103,8 +126,10 @@ class CostModel:
             if value is not None:
                 return value
         if op.kind == "transfer":
-            return self.transfer_seconds(resource, op.bytes)
-        return self.compute_seconds(op.category, op.flops, op.bytes, op.tokens, op.kv_len, op.phase)
+            return self.transfer_seconds(resource, op.bytes, op.pageable)
+        if op.kind == "host":
+            return self.host_seconds()
+        return self.compute_seconds(op.category, op.flops, op.bytes, op.tokens, op.kv_len, op.phase, op.variant)
 
     def durations(self, ops: Sequence[Op], streams: Mapping[str, str] = DEFAULT_STREAMS) -> list[float]:
         return [self.duration(op, streams[op.stream]) for op in ops]

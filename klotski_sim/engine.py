@@ -5,9 +5,14 @@ The whole model is three rules, applied by callbacks on SimPy's event queue:
 1. An op becomes *ready* when its deps and its stream predecessor have ended (in-order streams),
    plus the profile's `dependency_latency_s` for a dependency on another stream.
 2. A ready op waits in its resource's queue (first ready, first served; ties by schedule order)
-   until one of the resource's units is free (1 for the GPU, `copy_engines` for a link).
+   until one of the resource's units is free (1 for the GPU and the host thread, `copy_engines`
+   for a link).
 3. A started op allocates its GPU buffers, holds its unit for its duration, then frees its
    buffers and wakes its successors.
+
+A host op (the host thread blocked on a sync or a pageable copy) is timed from the moment the
+host reaches it — its predecessor on the host stream ended — to the end of its wait plus its
+own latency: the host is occupied for all of it.
 
 Only one SimPy event is created per op (its completion), not a process and a resource request
 per op: that is what makes the engine fast (see experiments/bench_engine.py). Nothing here waits
@@ -36,8 +41,8 @@ def resource_capacities(schedule: Schedule, profile: HardwareProfile) -> dict[st
     """Units per resource: one GPU compute unit; each link as many as its copy engines."""
     caps = {}
     for resource in set(schedule.streams.values()):
-        caps[resource] = 1 if resource == "gpu" else profile.link(resource).copy_engines
-    return caps
+        caps[resource] = 1 if resource in ("gpu", "host") else profile.link(resource).copy_engines
+    return dict(sorted(caps.items()))
 
 
 def simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | None = None,
@@ -71,6 +76,9 @@ def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | No
 
     nan = float("nan")
     ready_at, start, end, blocker = [nan] * n, [nan] * n, [nan] * n, [-1] * n
+    # host ops: when the host thread reached them (their host-stream predecessor ended)
+    is_host = [op.kind == "host" for op in ops]
+    arrival = [0.0 if h else nan for h in is_host]
     # a dependency on another stream is seen `latency` after it ends (event signalling)
     latency = profile.gpu.dependency_latency_s
     stream_number = {s: k for k, s in enumerate(schedule.streams)}
@@ -105,7 +113,7 @@ def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | No
                     mem[1] = mem[0]
                 memory_trace.append((now, mem[0]))
             free_units[r] -= 1
-            start[i] = now
+            start[i] = arrival[i] if is_host[i] else now
             Timeout(env, durations[i], i).callbacks.append(finish)
 
     def finish(event: Timeout) -> None:
@@ -125,6 +133,8 @@ def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | No
         free_units[r] += 1
         woken = None
         for s in succs[i]:
+            if is_host[s] and is_host[i]:
+                arrival[s] = now  # the host thread moves on to its next wait
             if latency and stream_of[s] != stream_of[i]:
                 ready_floor[s] = max(ready_floor[s], now + latency)
             pending[s] -= 1

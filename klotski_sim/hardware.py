@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 Positive = Annotated[float, Field(gt=0)]
 NonNegative = Annotated[float, Field(ge=0)]
@@ -42,6 +42,9 @@ class GPUSpec(_Strict):
     dependency_latency_s: NonNegative = Field(
         0.0, description="delay before an op may start after a dependency on another stream ends "
                          "(event signalling; a host thread hand-off in the CPU runtime)")
+    host_sync_latency_s: NonNegative = Field(
+        0.0, description="from the end of the GPU work a host synchronisation waits for to the moment "
+                         "the host thread runs again (cudaStreamSynchronize / .tolist() round trip)")
 
     @property
     def usable_bytes(self) -> float:
@@ -49,9 +52,12 @@ class GPUSpec(_Strict):
 
 
 class LinkSpec(_Strict):
-    """One direction of one link; `copy_engines` transfers may run on it at once."""
+    """One direction of one link; `copy_engines` transfers may run on it at once. PCIe links
+    carry both the pinned and the pageable (unpinned host memory) bandwidth of large copies."""
 
-    bandwidth: Positive = Field(description="sustained bytes/s for large pinned copies")
+    bandwidth: Positive = Field(description="sustained bytes/s for large copies from/to pinned host memory")
+    pageable_bandwidth: Positive | None = Field(
+        None, description="sustained bytes/s for large copies from/to pageable (unpinned) host memory")
     latency_s: NonNegative = 0.0
     copy_engines: Annotated[int, Field(ge=1)] = 1
 
@@ -60,7 +66,14 @@ class LinksSpec(_Strict):
     pcie_h2d: LinkSpec
     pcie_d2h: LinkSpec
     nvme: LinkSpec = Field(description="disk -> host memory reads")
-    pageable_h2d_bandwidth: Positive | None = Field(None, description="H2D from unpinned memory")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "pageable_h2d_bandwidth" in data:
+            raise ValueError("links.pageable_h2d_bandwidth has moved to links.pcie_h2d.pageable_bandwidth "
+                             "(and links.pcie_d2h.pageable_bandwidth for the other direction)")
+        return data
 
 
 class HostSpec(_Strict):

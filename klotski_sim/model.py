@@ -106,19 +106,36 @@ class ModelSpec:
         return tokens * self.hidden_size * self.dtype_bytes
 
     # ---- FLOPs ------------------------------------------------------------------------------
-    def attention_flops(self, sequences: int, new_tokens: int, kv_len: int) -> int:
+    def attention_flops(self, sequences: int, new_tokens: int, kv_len: int, impl: str = "fused") -> int:
         """Attention over `sequences` sequences, each adding `new_tokens` to a cache that then holds
-        `kv_len` tokens. Prefill (new_tokens == kv_len) is causal, so each query sees half on average."""
+        `kv_len` tokens. Prefill (new_tokens == kv_len) is causal: a fused kernel skips the masked
+        half (each query sees half on average); the eager path multiplies the whole square."""
         tokens = sequences * new_tokens
         projections = 2 * tokens * self.attention_params()
-        visible = (kv_len + 1) / 2 if new_tokens == kv_len and new_tokens > 1 else kv_len
+        causal = new_tokens == kv_len and new_tokens > 1 and impl == "fused"
+        visible = (kv_len + 1) / 2 if causal else kv_len
         scores = 2 * 2 * tokens * self.num_heads * self.head_dim * visible  # QK^T and AV
         return int(projections + scores)
 
-    def attention_io_bytes(self, sequences: int, new_tokens: int, kv_len: int) -> int:
-        """GPU memory traffic of attention: weights once, KV cache read, activations in and out."""
-        return (self.attention_bytes() + self.kv_bytes(sequences, kv_len)
-                + 2 * self.hidden_bytes(sequences * new_tokens))
+    def attention_io_bytes(self, sequences: int, new_tokens: int, kv_len: int, impl: str = "fused") -> int:
+        """GPU memory traffic of attention. `fused`: weights once, the KV cache read once,
+        activations in and out. `eager` (transformers' `eager_attention_forward` after
+        `DynamicCache.update`): the cache is concatenated (read + written), `repeat_kv` reads it and
+        writes num_heads/num_kv_heads copies, QK^T and AV read those copies, the scores
+        [heads x new x kv_len] go through matmul, scale, mask, fp32 softmax and the cast back
+        (24 bytes per score in bf16), and the output is transposed back (read + write)."""
+        kv = self.kv_bytes(sequences, kv_len)
+        hidden = self.hidden_bytes(sequences * new_tokens)
+        if impl == "fused":
+            return self.attention_bytes() + kv + 2 * hidden
+        if impl != "eager":
+            raise ValueError(f"attention impl must be 'fused' or 'eager', got {impl!r}")
+        rep = self.num_heads // self.num_kv_heads
+        concat = 2 * kv
+        repeat = (1 + rep) * kv
+        matmuls = rep * kv
+        scores = sequences * self.num_heads * new_tokens * kv_len * (8 * self.dtype_bytes + 8)
+        return self.attention_bytes() + concat + repeat + matmuls + scores + 4 * hidden
 
     def gate_flops(self, tokens: int) -> int:
         shared = 2 * tokens * 3 * self.hidden_size * self.shared_ffn_size * self.num_shared_experts

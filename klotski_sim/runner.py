@@ -47,6 +47,7 @@ class RunSpec:
     resident_layers: int | None = None  # None: the planner's choice with auto n, else 0
     overrides: Mapping[str, Any] = field(default_factory=dict)
     options: Mapping[str, Any] = field(default_factory=dict)
+    impl: str = "as-published"  # implementation preset (klotski_sim.impl); `options` override it
 
     def shape(self, num_batches: int) -> RunShape:
         return RunShape(self.batch_size, num_batches, self.prompt_len, self.gen_len)
@@ -75,7 +76,8 @@ class Prepared:
 
     def policy_input(self, options: Mapping[str, Any] | None = None) -> PolicyInput:
         return PolicyInput(self.model, self.profile, self.replay.routing, self.placement,
-                           dict(self.spec.options if options is None else options), warmup=self.replay.warmup)
+                           dict(self.spec.options if options is None else options), warmup=self.replay.warmup,
+                           impl=self.spec.impl)
 
 
 @dataclass
@@ -191,6 +193,6 @@ def run(spec: RunSpec, cost: CostModel | None = None, prepared: Prepared | None 
         n = policy_batches(spec.policy, prep)
         if n != prep.num_batches:
             prep = prep.narrowed(n)
-    schedule = build_schedule(spec.policy, prep.policy_input(spec.options))
+    schedule = build_schedule(spec.policy, replace(prep.policy_input(spec.options), impl=spec.impl))
     timeline = simulate(schedule, prep.profile, cost)
     return RunResult(spec, prep.model, prep.profile, schedule, timeline, prep.plan, prep.replay.routing)

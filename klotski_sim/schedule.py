@@ -24,10 +24,11 @@ from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Sequence
 FORMAT = "klotski-schedule"
 VERSION = 1
 
-KINDS = ("compute", "transfer")
+KINDS = ("compute", "transfer", "host")
 TIERS = ("gpu", "cpu", "disk")
 TENSORS = ("", "attention", "gate", "expert", "kv")
-RESOURCES = ("gpu", "pcie_h2d", "pcie_d2h", "nvme")
+RESOURCES = ("gpu", "pcie_h2d", "pcie_d2h", "nvme", "host")
+HOST_STREAM = "host"
 
 # The conventional streams and the physical resource each one runs on. Weight prefetch and
 # expert loads share the one H2D copy engine (KLOTSKI.md: inferred single serial copy engine).
@@ -38,6 +39,7 @@ DEFAULT_STREAMS: dict[str, str] = {
     "h2d_kv": "pcie_h2d",
     "d2h_kv": "pcie_d2h",
     "disk_read": "nvme",
+    HOST_STREAM: "host",
 }
 
 
@@ -62,6 +64,13 @@ class ScheduleError(ValueError):
 class Op(NamedTuple):
     """One unit of work on one stream. `bytes` is the data moved (transfer) or the memory traffic
     the roofline charges (compute). `batches` lists the batches whose tokens the op touches.
+
+    A `host` op is the host thread blocked: it begins when the host thread reaches it (its
+    predecessor on the host stream has ended) and ends once its deps have ended plus its own
+    latency (a `sync` waits for a GPU op; a `copy_wait` for a pageable copy). Ops issued after it
+    depend on it, so a blocked host delays everything it would have issued next.
+    `pageable` marks a transfer from unpinned host memory (slower, and it blocks the host);
+    `variant` names how a compute op is implemented (`fused` or `eager` attention).
     (A NamedTuple: immutable like a frozen dataclass, and cheap to create by the hundred thousand.)"""
 
     id: str
@@ -83,6 +92,8 @@ class Op(NamedTuple):
     alloc: tuple[tuple[str, int], ...] = ()
     free: tuple[str, ...] = ()
     tensor: str = ""  # what a transfer carries: attention | gate | expert | kv
+    pageable: bool = False  # a transfer from unpinned host memory
+    variant: str = ""  # implementation of a compute op (attention: fused | eager)
 
     @property
     def batch(self) -> int:
@@ -256,10 +267,17 @@ def _check_op_fields(op: Op, streams: Mapping[str, str]) -> None:
         if op.src not in TIERS or op.dst not in TIERS or op.src == op.dst:
             raise ScheduleError(f"op {op.id!r}: transfer needs distinct src/dst tiers from {TIERS}, "
                                 f"got {op.src!r} -> {op.dst!r}")
-        if streams[op.stream] == "gpu":
-            raise ScheduleError(f"op {op.id!r}: transfer placed on compute stream {op.stream!r}")
+        if streams[op.stream] in ("gpu", "host"):
+            raise ScheduleError(f"op {op.id!r}: transfer placed on {streams[op.stream]} stream {op.stream!r}")
+    elif op.kind == "host":
+        if streams[op.stream] != "host":
+            raise ScheduleError(f"op {op.id!r}: host op placed on {streams[op.stream]} stream {op.stream!r}")
+        if op.alloc or op.free:
+            raise ScheduleError(f"op {op.id!r}: a host op cannot allocate or free GPU buffers")
     elif streams[op.stream] != "gpu":
         raise ScheduleError(f"op {op.id!r}: compute op placed on {streams[op.stream]} stream {op.stream!r}")
+    if op.pageable and op.kind != "transfer":
+        raise ScheduleError(f"op {op.id!r}: only a transfer can be pageable")
     for name, size in op.alloc:
         if size < 0:
             raise ScheduleError(f"op {op.id!r}: buffer {name!r} has negative size {size}")
@@ -343,6 +361,9 @@ class ScheduleBuilder:
         self.ops: list[Op] = []
         self.preloaded: list[tuple[str, int]] = []
         self._ids: set[str] = set()
+        self._barrier: str | None = None  # the latest host op: ops issued after it wait for it
+        self._past_barrier: set[str] = set()  # streams whose next op already waits for it
+        self._last_on_stream: dict[str, str] = {}
 
     def add(self, op_id: str, kind: str, stream: str, category: str, deps: Iterable[str | None] = (),
             **tags: Any) -> str:
@@ -350,8 +371,27 @@ class ScheduleBuilder:
             raise ScheduleError(f"duplicate op id {op_id!r}")
         self._ids.add(op_id)
         clean = tuple(dict.fromkeys(d for d in deps if d is not None)) if deps else ()
+        if self._barrier is not None and stream not in self._past_barrier:
+            # issued after the host was blocked: the first op of each stream waits for the host
+            # (later ones follow it in stream order)
+            self._past_barrier.add(stream)
+            if self._barrier not in clean:
+                clean += (self._barrier,)
         self.ops.append(Op(op_id, kind, stream, category, clean, **tags))
+        self._last_on_stream[stream] = op_id
         return op_id
+
+    def last_issued(self) -> list[str]:
+        """The latest op of every stream but the host's: what a device-wide synchronise waits for."""
+        return [op for stream, op in self._last_on_stream.items() if stream != HOST_STREAM]
+
+    def host_wait(self, op_id: str, category: str, waits_for: Iterable[str | None], **tags: Any) -> str:
+        """The host thread blocks until `waits_for` have ended (`sync`: a host synchronisation;
+        `copy_wait`: a pageable copy). Every op added after this one waits for it."""
+        op = self.add(op_id, "host", HOST_STREAM, category, waits_for, **tags)
+        self._barrier = op
+        self._past_barrier = {HOST_STREAM}
+        return op
 
     def compute(self, op_id: str, category: str, deps: Iterable[str | None] = (), stream: str = "compute",
                 **tags: Any) -> str:

@@ -68,10 +68,14 @@ class Summary:
     status: str
     source: str
     makespan_s: float
-    throughput_tok_s: float
+    throughput_tok_s: float  # generated tokens / makespan (prefill included): the papers' end-to-end figure
+    decode_throughput_tok_s: float  # tokens generated after the first / decode time (Klotski's and FlexGen's code)
     prefill_s: float
+    decode_s: float  # makespan minus the prefill windows
     decode_step_s: float
+    moe_block_s: float  # one layer of one decode step over all n batches (mean)
     gpu_busy_s: float
+    host_blocked_s: float  # the host thread waiting on syncs and pageable copies
     bubble_s: float
     bubble_inter_s: float
     bubble_intra_s: float
@@ -81,6 +85,7 @@ class Summary:
     peak_gpu_bytes: int
     num_ops: int
     generated_tokens: int
+    impl: str = ""
     utilization: dict[str, float] = field(default_factory=dict)
     bubble_by_cause: dict[str, float] = field(default_factory=dict)
     oom: dict[str, Any] | None = None
@@ -228,6 +233,42 @@ class Timeline:
         latencies.loc[first.index] = first
         return latencies.groupby(level="step").mean()
 
+    def prefill_seconds(self) -> float:
+        """Wall time spent in prefill: from the start to the first GPU op, and for each batch from
+        its first to its last step-0 GPU op (overlapping windows counted once). What is left of the
+        makespan is decode time, as Klotski's and FlexGen's code time it (iterations 1..G-1)."""
+        c = self.columns
+        gpu = c["resource"] == "gpu"
+        if not gpu.any():
+            return 0.0
+        starts, ends = [0.0], [float(c["start"][gpu].min())]
+        pre = gpu & (c["step"] == 0)
+        if pre.any():
+            frame = pd.DataFrame({"batch": c["batches"][pre], "start": c["start"][pre], "end": c["end"][pre]})
+            windows = frame.groupby("batch").agg(start=("start", "min"), end=("end", "max"))
+            starts += windows["start"].tolist()
+            ends += windows["end"].tolist()
+        return _union_length(np.asarray(starts), np.asarray(ends))
+
+    def moe_block_seconds(self) -> float:
+        """Mean time of one MoE block — one layer of one decode step over every batch in flight:
+        the time between the ends of consecutive runs of GPU ops of one (step, layer)."""
+        c = self.columns
+        mask = (c["resource"] == "gpu") & (c["layer"] >= 0)
+        if not mask.any():
+            return 0.0
+        order = np.argsort(c["start"][mask], kind="stable")
+        steps, layers = c["step"][mask][order], c["layer"][mask][order]
+        ends = c["end"][mask][order]
+        new = np.concatenate(([True], (steps[1:] != steps[:-1]) | (layers[1:] != layers[:-1])))
+        block = np.cumsum(new) - 1
+        block_end = np.zeros(block[-1] + 1)
+        np.maximum.at(block_end, block, ends)
+        block_step = steps[new]
+        spans = np.diff(block_end)
+        decode = block_step[1:] >= 1
+        return float(spans[decode].mean()) if decode.any() else 0.0
+
     def summary(self) -> Summary:
         if "summary" not in self._memo:
             self._memo["summary"] = self._summarize()
@@ -239,11 +280,17 @@ class Timeline:
         work = self.work_seconds()
         makespan = self.makespan
         bub = self.bubbles()
-        bound_resource, bound = max(work.items(), key=lambda kv: kv[1]) if work else ("", 0.0)
+        # the host's busy time is mostly waiting for other resources: not a bound of its own
+        devices = {r: w for r, w in work.items() if r != "host"}
+        bound_resource, bound = max(devices.items(), key=lambda kv: kv[1]) if devices else ("", 0.0)
         steps = self.step_latencies()
         decode = steps[steps.index >= 1]
         generated = int(m.get("generated_tokens", 0))
         ok = self.status == "ok"
+        prefill_total = self.prefill_seconds()
+        decode_s = max(0.0, makespan - prefill_total)
+        sequences = int(m.get("batch_size", 0)) * int(m.get("num_batches", 0))
+        decode_tokens = max(0, generated - sequences)
         return Summary(
             policy=str(m.get("policy", "")), model=str(m.get("model", "")), hardware=str(m.get("hardware", "")),
             batch_size=int(m.get("batch_size", 0)), num_batches=int(m.get("num_batches", 0)),
@@ -251,9 +298,13 @@ class Timeline:
             status=self.status, source=str(m.get("source", "")),
             makespan_s=makespan,
             throughput_tok_s=generated / makespan if ok and makespan > 0 else 0.0,
+            decode_throughput_tok_s=decode_tokens / decode_s if ok and decode_s > 0 else 0.0,
             prefill_s=float(steps.get(0, 0.0)) if len(steps) else 0.0,
+            decode_s=decode_s,
             decode_step_s=float(decode.mean()) if len(decode) else 0.0,
+            moe_block_s=self.moe_block_seconds(),
             gpu_busy_s=busy.get("gpu", 0.0),
+            host_blocked_s=busy.get("host", 0.0),
             bubble_s=float(bub["duration"].sum()),
             bubble_inter_s=float(bub.loc[bub["kind"] == "inter", "duration"].sum()),
             bubble_intra_s=float(bub.loc[bub["kind"] == "intra", "duration"].sum()),
@@ -262,11 +313,12 @@ class Timeline:
             peak_gpu_bytes=int(m.get("peak_gpu_bytes", 0)),
             num_ops=int(m.get("num_ops", len(self))),
             generated_tokens=generated,
+            impl=str(m.get("impl", "")),
             utilization={r: (b / makespan if makespan > 0 else 0.0) for r, b in busy.items()},
             bubble_by_cause={str(k): float(v) for k, v in bub.groupby("cause")["duration"].sum().items()},
             oom=m.get("oom"),
-            extra={k: m[k] for k in ("trace", "routing", "placement", "prefetch", "overlap", "emulated_links")
-                   if k in m},
+            extra={k: m[k] for k in ("trace", "routing", "placement", "prefetch", "overlap", "emulated_links",
+                                     "options") if k in m},
         )
 
     # ---- exports ----------------------------------------------------------------------------

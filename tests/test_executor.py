@@ -21,26 +21,31 @@ TINY = get_model("tiny-mixtral")
 POLICIES = ("single-batch", "multi-batch", "hot-prefetch", "klotski", "klotski-oracle", "flexgen")
 
 
-def _input(placement=Placement(), n=2, bs=2, P=6, G=3, model=TINY):
+def _input(placement=Placement(), n=2, bs=2, P=6, G=3, model=TINY, impl="as-published", options=None):
     shape = RunShape(bs, n, P, G)
     trace = synthesize(model, shape.num_sequences + 2, P, G, "calibrated", 0)
     rep = replay(trace, model, shape, warmup_sequences=2)
-    return PolicyInput(model, load_profile("rtx3090"), rep.routing, placement, {}, warmup=rep.warmup)
+    return PolicyInput(model, load_profile("rtx3090"), rep.routing, placement, options or {}, warmup=rep.warmup,
+                       impl=impl)
 
 
+@pytest.mark.parametrize("impl", ["as-published", "ideal"])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("placement", [Placement(), Placement(kv="cpu"), Placement(experts="disk")],
                          ids=["kv-gpu", "kv-cpu", "experts-disk"])
-def test_every_policy_executes_on_cpu(policy, placement):
-    inp = _input(placement)
+def test_every_policy_executes_on_cpu(policy, placement, impl):
+    inp = _input(placement, impl=impl)
     schedule = build_schedule(policy, inp)
     weights = WeightStore.random(TINY)
     tl, runner = execute(schedule, TINY, weights, inp.routing)
     df = tl.df.set_index("op_id")
     assert len(tl) == len(schedule) and tl.meta["source"] == "measured"
-    for op in schedule.ops:  # every op ran once, after its deps and its stream predecessor
-        for d in op.deps:
-            assert df.at[d, "end"] <= df.at[op.id, "start"] + 1e-9
+    for op in schedule.ops:  # every op ran once, after its deps (a host op: it waits for them) and its
+        for d in op.deps:    # stream predecessor
+            if op.kind == "host":
+                assert df.at[d, "end"] <= df.at[op.id, "end"] + 1e-9
+            else:
+                assert df.at[d, "end"] <= df.at[op.id, "start"] + 1e-9
     for stream, group in df.groupby("stream"):
         order = [o.id for o in schedule.ops if o.stream == stream]
         starts = group.loc[order, "start"].to_numpy()
@@ -51,6 +56,45 @@ def test_every_policy_executes_on_cpu(policy, placement):
             assert runner.expert_tokens[op.id] == op.tokens
     assert runner.in_use == runner.buffer_bytes.get("resident", 0)  # every buffer freed at the end
     assert tl.meta["peak_gpu_bytes"] > 0
+
+
+@pytest.mark.parametrize("options", [{"copy_memory_weights": "pageable", "copy_memory_kv": "pageable"},
+                                     {"attention_impl": "eager"}, {"sync": "per-expert", "expert_ops": "per-batch"},
+                                     {"cold_order": "most-tokens-first"}], ids=["pageable", "eager", "syncs", "order"])
+def test_each_option_executes_and_pageable_copies_run_at_their_rate(options):
+    inp = _input(Placement(kv="cpu"), impl="ideal", options=options)
+    schedule = build_schedule("klotski", inp)
+    rates = {"pcie_h2d": 200e6, "pcie_d2h": 200e6}
+    slow = {"pcie_h2d": 50e6, "pcie_d2h": 50e6}
+    tl, runner = execute(schedule, TINY, WeightStore.random(TINY), inp.routing,
+                         ExecOptions(emulate_links=rates, emulate_pageable=slow))
+    df = tl.df
+    assert len(tl) == len(schedule)
+    copies = df[df["resource"].isin(["pcie_h2d", "pcie_d2h"])]
+    pageable = {o.id for o in schedule.ops if o.pageable}
+    assert bool(pageable) == ("copy_memory_kv" in options)
+    for row in copies.itertuples():
+        rate = 50e6 if row.op_id in pageable else 200e6
+        assert row.end - row.start >= row.bytes / rate * 0.99
+    if pageable:  # emulating the link but not its pageable rate would silently copy pageable at the pinned rate
+        with pytest.raises(ExecutionError, match="pageable"):
+            execute(schedule, TINY, WeightStore.random(TINY), inp.routing, ExecOptions(emulate_links=rates))
+
+
+def test_eager_and_fused_attention_agree():
+    x = torch.randn(2, 5, TINY.hidden_size)
+    w = WeightStore.random(TINY, dtype=torch.float32)
+    from klotski_runtime import kernels
+
+    args = (x, w.get("attention", 0), w.resident["norm1/0"], [], 0, TINY, 1e6, 1e-5)
+    fused, _ = kernels.attention(*args, "fused")
+    eager, _ = kernels.attention(*args, "eager")
+    torch.testing.assert_close(fused, eager, atol=1e-5, rtol=1e-5)
+    past = [(torch.randn(2, TINY.num_kv_heads, 5, TINY.head_dim), torch.randn(2, TINY.num_kv_heads, 5, TINY.head_dim))]
+    x1 = x[:, :1]
+    fused, _ = kernels.attention(x1, *args[1:3], past, 5, TINY, 1e6, 1e-5, "fused")
+    eager, _ = kernels.attention(x1, *args[1:3], past, 5, TINY, 1e6, 1e-5, "eager")
+    torch.testing.assert_close(fused, eager, atol=1e-5, rtol=1e-5)
 
 
 def test_schedule_json_roundtrip_executes(tmp_path):

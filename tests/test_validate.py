@@ -38,7 +38,8 @@ def test_calibration_writes_a_loadable_profile_with_a_measured_table(profile_fil
     p = load_profile(profile_file)
     assert p.provenance["device_kind"] == "cpu" and p.provenance["torch"] == torch.__version__
     assert "klotski-runtime calibrate" in p.provenance["command"]
-    for category in ("attention:decode", "attention:prefill", "gate", "expert", "lm_head", "embed"):
+    for category in ("attention.fused:decode", "attention.eager:decode", "attention.fused:prefill",
+                     "attention.eager:prefill", "gate", "expert", "lm_head", "embed"):
         assert p.measured[category], category
     assert p.links.pcie_h2d.bandwidth == 1e9  # emulated by default, and said so
     assert p.provenance["emulated_links"]["pcie_h2d"] == 1e9

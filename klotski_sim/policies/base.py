@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from ..hardware import HardwareProfile
+from ..impl import IMPL_CHOICES, PRESET_NAMES, Impl, preset_options
 from ..model import ModelSpec
 from ..routing import RoutingTable, RunShape
 from ..schedule import Schedule, ScheduleBuilder, gc_paused
@@ -76,6 +77,7 @@ class PolicyInput:
     placement: Placement = field(default_factory=Placement)
     options: Mapping[str, Any] = field(default_factory=dict)
     warmup: "Trace | None" = None  # disjoint sequences for a prefetcher's pre-run
+    impl: str = "as-published"  # implementation preset (klotski_sim.impl); `options` override it
 
     @property
     def shape(self) -> RunShape:
@@ -92,26 +94,48 @@ BUFFERING = ("whole-layer", "expert-aware")
 class PolicyInfo:
     """A registered policy. `buffering` says what GPU weight buffers it needs: `whole-layer`
     (two whole layers, double-buffered) or `expert-aware` (two attention buffers, the gate and
-    at most one MoE layer of experts) — the planner sizes n with it."""
+    at most one MoE layer of experts) — the planner sizes n with it. `impl_options` are the
+    implementation choices (klotski_sim.impl) it honours; `presets` gives, per preset, the values
+    that differ from the generic ones — for `as-published`, every choice of that system's code."""
 
     name: str
     description: str
     build: PolicyBuilder
     defaults: Mapping[str, Any] = field(default_factory=dict)
     buffering: str = "whole-layer"
+    impl_options: tuple[str, ...] = ()
+    presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    def preset(self, name: str) -> dict[str, Any]:
+        """All option values the preset `name` gives this policy."""
+        own = dict(self.presets.get(name, {}))
+        stray = set(own) - set(self.impl_options) - set(self.defaults)
+        if stray:
+            raise ValueError(f"policy {self.name!r}: preset {name!r} sets options it does not have: {sorted(stray)}")
+        out = preset_options(name, self.impl_options, {k: v for k, v in own.items() if k in IMPL_CHOICES})
+        out.update(own)
+        return out
 
 
 POLICIES: dict[str, PolicyInfo] = {}
 
 
 def register(name: str, description: str, defaults: Mapping[str, Any] | None = None,
-             buffering: str = "whole-layer") -> Callable[[PolicyBuilder], PolicyBuilder]:
+             buffering: str = "whole-layer", impl_options: tuple[str, ...] = (),
+             presets: Mapping[str, Mapping[str, Any]] | None = None) -> Callable[[PolicyBuilder], PolicyBuilder]:
     """Decorator: make a build function available as `--policy NAME`."""
     if buffering not in BUFFERING:
         raise ValueError(f"buffering must be one of {BUFFERING}")
+    unknown = set(impl_options) - set(IMPL_CHOICES)
+    if unknown:
+        raise ValueError(f"policy {name!r}: unknown implementation options {sorted(unknown)}")
 
     def wrap(fn: PolicyBuilder) -> PolicyBuilder:
-        POLICIES[name] = PolicyInfo(name, description, fn, dict(defaults or {}), buffering)
+        info = PolicyInfo(name, description, fn, dict(defaults or {}), buffering, tuple(impl_options),
+                          dict(presets or {}))
+        for preset in PRESET_NAMES:
+            info.preset(preset)  # every preset must be complete for this policy
+        POLICIES[name] = info
         return fn
 
     return wrap
@@ -124,15 +148,33 @@ def get_policy(name: str) -> PolicyInfo:
         raise ValueError(f"unknown policy {name!r}; known policies: {', '.join(POLICIES)}") from None
 
 
+def resolve_options(name: str, impl: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """A policy's options: its defaults, then the implementation preset, then `options`."""
+    info = get_policy(name)
+    resolved = dict(info.defaults)
+    resolved.update({k: Impl().__dict__[k] for k in info.impl_options})
+    resolved.update(info.preset(impl))
+    unknown = set(options) - set(resolved)
+    if unknown:
+        raise ValueError(f"policy {name!r} has no option(s) {sorted(unknown)}; options: {sorted(resolved) or 'none'}")
+    resolved.update(options)
+    Impl.from_options(resolved)  # refuse a value outside an option's choices
+    return resolved
+
+
+def impl_label(name: str, impl: str, options: Mapping[str, Any]) -> str:
+    """The preset name, with the options that depart from it (`as-published+sync=none`)."""
+    base = get_policy(name).preset(impl)
+    changed = [f"{k}={v}" for k, v in sorted(options.items()) if k in base and base[k] != v]
+    return impl + ("+" + ",".join(changed) if changed else "")
+
+
 def build_schedule(name: str, inp: PolicyInput) -> Schedule:
     info = get_policy(name)
-    options = dict(info.defaults)
-    unknown = set(inp.options) - set(options)
-    if unknown:
-        raise ValueError(f"policy {name!r} has no option(s) {sorted(unknown)}; options: {sorted(options) or 'none'}")
-    options.update(inp.options)
+    options = resolve_options(name, inp.impl, inp.options)
     with gc_paused():
-        return info.build(PolicyInput(inp.model, inp.profile, inp.routing, inp.placement, options, inp.warmup))
+        return info.build(PolicyInput(inp.model, inp.profile, inp.routing, inp.placement, options, inp.warmup,
+                                      inp.impl))
 
 
 class OpEmitter:
@@ -149,6 +191,7 @@ class OpEmitter:
         self.shape = inp.shape
         self.placement = inp.placement
         self.b = builder or ScheduleBuilder()
+        self.impl = Impl.from_options(inp.options)
         self._last_kv_store: dict[tuple[int, int], str] = {}  # (layer, batch) -> its latest KV store
         self._attention_ops: list[str] = []
         self._kv_buffers: dict[int, list[str]] = {}
@@ -188,8 +231,11 @@ class OpEmitter:
             if staged_at is None or staged_at < len(self._staged_order) - self.placement.disk_window:
                 self._stage(step, layer)
             deps.append(self._staged[key][(what, expert)])
+        pageable = self.impl.copy_memory_weights == "pageable"
         op = self.b.transfer(op_id, category, stream, nbytes, "cpu", "gpu", deps, alloc=((op_id, int(nbytes)),),
-                             step=step, layer=layer, expert=expert, tensor=_TENSOR[what], **tags)
+                             step=step, layer=layer, expert=expert, tensor=_TENSOR[what], pageable=pageable, **tags)
+        if pageable:
+            self.copy_wait(op)
         self._h2d_of_layer.setdefault(key, []).append(op)
         return op
 
@@ -267,17 +313,25 @@ class OpEmitter:
             past = m.kv_bytes(sh.batch_size, kv_len - new)
             # ... and once the entries of this batch's previous step have been stored
             after = self._attention_ops[-2:-1] + [self._last_kv_store.get((layer, batch))]
+            pageable = self.impl.copy_memory_kv == "pageable"
             load = self.b.transfer(f"{op_id}/kv_load", "kv", "h2d_kv", past, "cpu", "gpu", after,
-                                   alloc=((f"{op_id}/kv_load", past),), tensor="kv", **tags)
+                                   alloc=((f"{op_id}/kv_load", past),), tensor="kv", pageable=pageable, **tags)
+            if pageable:
+                self.copy_wait(load)
             deps.append(load)
             free = free + (load,)
-        op = self.b.compute(op_id, "attention", deps, flops=m.attention_flops(sh.batch_size, new, kv_len),
-                            bytes=m.attention_io_bytes(sh.batch_size, new, kv_len), tokens=sh.batch_size * new,
-                            kv_len=kv_len, alloc=alloc, free=free, **tags)
+        variant = self.impl.attention_impl
+        op = self.b.compute(op_id, "attention", deps, flops=m.attention_flops(sh.batch_size, new, kv_len, variant),
+                            bytes=m.attention_io_bytes(sh.batch_size, new, kv_len, variant),
+                            tokens=sh.batch_size * new, kv_len=kv_len, alloc=alloc, free=free, variant=variant,
+                            **tags)
         self._attention_ops.append(op)
         if self.placement.kv == "cpu":
+            pageable = self.impl.copy_memory_kv == "pageable"
             store = self.b.transfer(f"{op_id}/kv_store", "kv", "d2h_kv", m.kv_bytes(sh.batch_size, new), "gpu",
-                                    "cpu", [op], tensor="kv", **tags)
+                                    "cpu", [op], tensor="kv", pageable=pageable, **tags)
+            if pageable:
+                self.copy_wait(store)
             self._last_kv_store[(layer, batch)] = store
         return op
 
@@ -295,6 +349,33 @@ class OpEmitter:
                               bytes=self.model.expert_io_bytes(tokens), step=step, phase=self.phase(step),
                               layer=layer, batches=tuple(batches), expert=expert, tokens=tokens, free=tuple(free))
 
+    # ---- the host thread -------------------------------------------------------------------------
+    def sync(self, at: str, waits_for: Iterable[str | None]) -> str | None:
+        """The host waits for `waits_for` (`torch.cuda.synchronize`, `stream.synchronize` or a
+        `.tolist()`) before issuing anything else; op id `{at}/sync`."""
+        waits = [w for w in waits_for if w is not None]
+        return self.b.host_wait(f"{at}/sync", "sync", waits) if waits else None
+
+    def sync_device(self, at: str) -> str | None:
+        """A device-wide synchronise: the host waits for everything issued so far."""
+        return self.sync(at, self.b.last_issued())
+
+    def copy_wait(self, copy: str) -> str:
+        """A copy from/to pageable memory holds the host thread until it has finished."""
+        return self.b.host_wait(f"{copy}/wait", "copy_wait", [copy])
+
+    def cold_order(self, step: int, layer: int, batch: int, experts: Iterable[int]) -> list[int]:
+        """The order in which this batch's on-demand loads of `experts` are issued (option `cold_order`)."""
+        experts = list(experts)
+        order = self.impl.cold_order
+        if order == "expert-id":
+            return sorted(experts)
+        if order == "most-tokens-first":
+            tokens = self.inp.routing.counts[step, layer, batch]
+            return sorted(experts, key=lambda e: (-int(tokens[e]), e))
+        wanted = set(experts)
+        return [e for e in self.inp.routing.first_use(step, layer, batch) if e in wanted]
+
     # ---- helpers --------------------------------------------------------------------------------
     def _new_tokens(self, step: int) -> int:
         return self.shape.prompt_len if step == 0 else 1
@@ -308,6 +389,7 @@ class OpEmitter:
         meta = dict(policy=policy, model=m.name, hardware=self.inp.profile.name, batch_size=sh.batch_size,
                     num_batches=sh.num_batches, prompt_len=sh.prompt_len, gen_len=sh.gen_len,
                     generated_tokens=sh.generated_tokens, placement=asdict(self.placement),
-                    routing=self.inp.routing.source, options=dict(self.inp.options))
+                    routing=self.inp.routing.source, options=dict(self.inp.options),
+                    impl=impl_label(policy, self.inp.impl, self.inp.options))
         meta.update(extra_meta)
         return self.b.build(meta)

@@ -10,6 +10,10 @@ Two overlap models, option `overlap`:
   k = 0 and `sync()` after the first batch is a device-wide synchronise, so those weights must
   land within the first batch's step or the block stalls.
 - `model` (what FlexGen's cost model assumes): the next layer's load overlaps the whole block.
+
+With `sync=per-sublayer` the host runs FlexGen's `sync()` (a device-wide synchronise) after every
+(layer, batch) step, so it waits for every transfer issued so far — `overlap=code`'s stall then
+comes from the host model itself.
 """
 
 from __future__ import annotations
@@ -20,8 +24,17 @@ from .base import OpEmitter, PolicyInput, register
 OVERLAPS = ("code", "model")
 
 
+# FlexGen's flex_opt.py as Klotski ran it on Mixtral (docs/implementations.md): `sync()` after every
+# compute step, weights pinned (--pin-weight defaults to True), the KV cache in unpinned memory
+# (init_cache_one_gpu_batch), and the shared backend's eager GQA attention and per-expert loop with
+# a `.tolist()` per expert (MoE_computation), each batch computing its own experts.
+AS_PUBLISHED = {"sync": "per-expert", "copy_memory_weights": "pinned", "copy_memory_kv": "pageable",
+                "attention_impl": "eager", "overlap": "code"}
+
+
 @register("flexgen", "FlexGen zig-zag block of n batches, whole-layer loads; overlap=code|model",
-          defaults={"overlap": "code"})
+          defaults={"overlap": "code"}, impl_options=("sync", "copy_memory_weights", "copy_memory_kv", "attention_impl"),
+          presets={"as-published": AS_PUBLISHED, "ideal": {"overlap": "model"}, "v0.1": {"overlap": "code"}})
 def build(inp: PolicyInput) -> Schedule:
     overlap = inp.options["overlap"]
     if overlap not in OVERLAPS:
@@ -65,8 +78,12 @@ def build(inp: PolicyInput) -> Schedule:
                 # the layer's last expert op waits for, then releases, the whole MoE layer
                 end_of_layer = last_batch and i == len(chosen) - 1
                 deps = list(expert_w) if end_of_layer else ([expert_w[e]] if expert_w else [])
+                if em.impl.sync_experts:  # the expert's token rows read on the host (`.tolist()`)
+                    em.sync(f"{at}/b{k}/E{e}/rows", [op])
                 op = em.expert(f"{at}/b{k}/E{e}", step, layer, e, (k,), int(counts[step, layer, k, e]), deps,
                                free=tuple(expert_w) if end_of_layer else ())
+            if em.impl.sync_sublayers:  # FlexGen's sync() after compute(j, k): device-wide
+                em.sync_device(f"{at}/b{k}")
         layer_done.append(op)
         if layer == m.num_layers - 1:
             for b in batches:

@@ -47,6 +47,7 @@ RUNGS: dict[str, Rung] = {
 
 def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
     em = OpEmitter(inp)
+    impl = em.impl
     m, sh, routing = inp.model, inp.shape, inp.routing
     counts = routing.counts  # [step, layer, batch, expert]
     L, E, K = m.num_layers, m.num_experts, m.top_k
@@ -57,6 +58,10 @@ def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
     stats = PrefetchStats()
     layer_done: list[str] = []  # last MoE op of each layer, in order of use
     next_attention: str | None = None  # attention weights fetched during the previous MoE layer
+    # multi-batch loads its MoE layer whole; `at-gate`: when the gate sub-layer starts (after the
+    # previous MoE layer), with attention weights fetched during the previous MoE layer
+    moe_at_gate = not rung.hot_prefetch and impl.moe_load == "at-gate"
+    sublayer_sync = impl.sync_sublayers
 
     for step in range(sh.num_steps):
         for b in batches:
@@ -68,15 +73,23 @@ def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
             expert_w: dict[int, str] = {}
             load_order: list[int] = []  # experts in the order their loads were issued
             prev_moe = layer_done[-1] if layer_done else None
+            prefetched: list[str] = []  # this layer's loads on the weight stream so far
 
             if resident:
                 attn_w = gate_w = None
-            elif not rung.hot_prefetch:
+            elif not rung.hot_prefetch and not moe_at_gate:
                 # +multi-batch: the whole layer, double-buffered (may load once layer g-2 is done)
                 after = [layer_done[-2]] if len(layer_done) >= 2 else []
                 attn_w, gate_w, loads = em.fetch_layer(at, step, j, after)
                 expert_w = dict(enumerate(loads))
                 load_order = list(range(E))
+                prefetched = [gate_w, *loads]
+            elif moe_at_gate:
+                after = [layer_done[-2]] if len(layer_done) >= 2 else []
+                attn_w = next_attention or em.fetch_attention(at, step, j, after)
+                gate_w = em.fetch(f"{at}/load_gate", "gate", m.gate_bytes(), "weights", "h2d_weights", [prev_moe],
+                                  step=step, layer=j)
+                prefetched = [gate_w]
             else:
                 attn_w = next_attention or em.fetch_attention(at, step, j)
                 # Hot experts are chosen from what is known once the previous layer's gates ran
@@ -94,28 +107,41 @@ def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
                     expert_w[e] = em.fetch(f"{at}/load_hot_E{e}", "experts", m.expert_bytes(), "hot_expert",
                                            "h2d_experts", [prev_moe], step=step, layer=j, expert=e)
                     load_order.append(e)
+                prefetched = [gate_w, *expert_w.values()]
             next_attention = None
 
             attn_ops = [em.attention(f"{at}/b{b}/attn", step, j, b, [attn_w],
                                      free=(attn_w,) if attn_w and b == batches[-1] else ())
                         for b in batches]
+            if sublayer_sync:  # end of the attention sub-layer: the host waits for the weight stream
+                em.sync(f"{at}/attn", prefetched or [attn_ops[-1]])
+            if moe_at_gate and not resident:
+                loads = [em.fetch(f"{at}/load_E{e}", "experts", m.expert_bytes(), "moe_weights", "h2d_weights",
+                                  [prev_moe], step=step, layer=j, expert=e) for e in range(E)]
+                expert_w = dict(enumerate(loads))
+                load_order = list(range(E))
+                prefetched = loads
             last_gate = ""
             for b in batches:
                 last_gate = em.gate(f"{at}/b{b}/gate", step, j, b, [gate_w],
                                     free=(gate_w,) if gate_w and b == batches[-1] else ())
                 if rung.hot_prefetch and not resident:
+                    if sublayer_sync:  # the routed ids are read on the host (`.tolist()`)
+                        em.sync(last_gate, [last_gate])
                     # on-demand loads: what this batch selected that is neither hot nor requested
-                    for e in np.flatnonzero(counts[step, j, b]):
-                        e = int(e)
+                    chosen = em.cold_order(step, j, b, np.flatnonzero(counts[step, j, b]).tolist())
+                    for e in chosen:
                         if e not in expert_w:
                             expert_w[e] = em.fetch(f"{at}/load_cold_E{e}", "experts", m.expert_bytes(),
                                                    "cold_expert", "h2d_experts", [last_gate], step=step, layer=j,
                                                    expert=e)
                             load_order.append(e)
+            if sublayer_sync:  # end of the gate sub-layer
+                em.sync(f"{at}/gates", prefetched or [last_gate])
 
             # The next layer's attention weights load during this MoE layer (after its cold loads).
             nxt_step, nxt_layer = (step, j + 1) if j + 1 < L else (step + 1, 0)
-            if rung.hot_prefetch and nxt_step < sh.num_steps and not em.is_resident(nxt_layer):
+            if (rung.hot_prefetch or moe_at_gate) and nxt_step < sh.num_steps and not em.is_resident(nxt_layer):
                 next_attention = em.fetch_attention(f"s{nxt_step}/L{nxt_layer}", nxt_step, nxt_layer,
                                                     [attn_ops[-1], last_gate])
 
@@ -127,11 +153,22 @@ def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
             wasted = tuple(w for e, w in expert_w.items() if group_tokens[e] == 0)  # loaded, never used
             op = last_gate
             for k, e in enumerate(order):
-                last = k == len(order) - 1
                 own = (expert_w[e],) if e in expert_w else ()
-                op = em.expert(f"{at}/E{e}", step, j, e, batches, int(group_tokens[e]),
-                               list(own) + (list(wasted) if last else []), free=own + (wasted if last else ()))
+                if impl.per_batch_experts:  # one op per batch: the weights are read again for each
+                    parts = [((b,), int(counts[step, j, b, e]), f"{at}/b{b}/E{e}") for b in batches
+                             if counts[step, j, b, e]]
+                else:
+                    parts = [(batches, int(group_tokens[e]), f"{at}/E{e}")]
+                for p, (part, tokens, op_id) in enumerate(parts):
+                    last = k == len(order) - 1 and p == len(parts) - 1
+                    frees = (own if p == len(parts) - 1 else ()) + (wasted if last else ())
+                    if impl.sync_experts:  # `.tolist()` of the expert's token rows before each expert op
+                        em.sync(f"{op_id}/rows", [op])
+                    op = em.expert(op_id, step, j, e, part, tokens, list(own) + (list(wasted) if last else []),
+                                   free=frees)
             layer_done.append(op)
+            if sublayer_sync:  # end of the MoE sub-layer: the next attention weights
+                em.sync(f"{at}/moe", [next_attention] if next_attention else [op])
             if rung.hot_prefetch and not rung.oracle:  # online learning after the MoE layer
                 pos = sh.step_positions(step)
                 cur = routing.ids[:, :, pos, j, :]
@@ -143,9 +180,29 @@ def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
                                 "oracle": rung.oracle}, **extra)
 
 
+# Klotski's public port (mindspore-lab/models, research/SYSU/Klotski), every choice cited in
+# docs/implementations.md: mixtral_MoE computes each expert batch by batch after a `.tolist()` of
+# its token rows; cold experts are requested in the order the gate's `.tolist()` meets them; the
+# host synchronises on the weight stream after every sub-layer; without a predictor the MoE layer
+# is loaded when the gate sub-layer starts; the KV cache lives in unpinned memory; attention is
+# the eager GQA path (repeat_kv, matmul, fp32 softmax, matmul).
+AS_PUBLISHED = {
+    "expert_ops": "per-batch",
+    "cold_order": "first-use",
+    "sync": "per-expert",
+    "copy_memory_weights": "pinned",
+    "copy_memory_kv": "pageable",
+    "attention_impl": "eager",
+    "moe_load": "at-gate",
+}
+_COMMON = ("expert_ops", "sync", "copy_memory_weights", "copy_memory_kv", "attention_impl")
+
+
 def _register(name: str, description: str) -> None:
     rung = RUNGS[name]
-    register(name, description, buffering="whole-layer" if not rung.hot_prefetch else "expert-aware")(
+    options = _COMMON + (("cold_order",) if rung.hot_prefetch else ("moe_load",))
+    register(name, description, buffering="whole-layer" if not rung.hot_prefetch else "expert-aware",
+             impl_options=options, presets={"as-published": {k: AS_PUBLISHED[k] for k in options}})(
         lambda inp: build_pipeline(inp, rung, name))
 
 

@@ -4,6 +4,11 @@ One batch at a time. While layer j computes, the *entire* layer j+1 — attentio
 expert of its MoE layer — is prefetched; the pipeline synchronises after every layer, so at
 most two layers of weights are on the GPU. With `num_batches > 1` the batches run one after
 another, each through its whole generation, so every policy does the same work.
+
+With `moe_load=at-gate` the loop follows Klotski's public port
+(`generation_loop_overlap_single_batch`): each sub-layer prefetches the next one — the gate
+during attention, the whole MoE layer during the gate, the next attention during the MoE layer —
+and with `sync` the host synchronises the device after every sub-layer.
 """
 
 from __future__ import annotations
@@ -11,11 +16,19 @@ from __future__ import annotations
 from ..schedule import Schedule
 from .base import OpEmitter, PolicyInput, register
 
+# Klotski's port, `generation_loop_overlap_single_batch` and `MoE_computation` (docs/implementations.md)
+AS_PUBLISHED = {"sync": "per-expert", "copy_memory_weights": "pinned", "copy_memory_kv": "pageable",
+                "attention_impl": "eager", "moe_load": "at-gate"}
 
-@register("single-batch", "one batch at a time; prefetch all of layer j+1 (whole MoE layer) while layer j computes")
+
+@register("single-batch", "one batch at a time; prefetch all of layer j+1 (whole MoE layer) while layer j computes",
+          impl_options=tuple(AS_PUBLISHED), presets={"as-published": AS_PUBLISHED})
 def build(inp: PolicyInput) -> Schedule:
     em = OpEmitter(inp)
+    if em.impl.moe_load == "at-gate":
+        return _build_per_sublayer(em)
     m, sh, counts = inp.model, inp.shape, inp.routing.counts
+    sync = em.impl.sync_sublayers
     layer_done: list[str] = []  # per streamed layer, in order of use: the op that ends it
 
     for batch in range(sh.num_batches):
@@ -33,19 +46,82 @@ def build(inp: PolicyInput) -> Schedule:
                     attn_w, gate_w, loads = em.fetch_layer(at, step, layer, after)
                     expert_w = list(loads)
                 em.attention(f"{at}/attn", step, layer, batch, [attn_w], free=_own(attn_w))
-                em.gate(f"{at}/gate", step, layer, batch, [gate_w], free=_own(gate_w))
+                if sync:
+                    em.sync_device(f"{at}/attn")
+                gate = em.gate(f"{at}/gate", step, layer, batch, [gate_w], free=_own(gate_w))
+                if sync:
+                    em.sync_device(f"{at}/gate")
                 tokens = counts[step, layer, batch]
                 active = [e for e in range(m.num_experts) if tokens[e] > 0]
                 unused = tuple(w for e, w in enumerate(expert_w) if w is not None and tokens[e] == 0)
-                op = ""
+                op = gate
                 for k, e in enumerate(active):
                     last = k == len(active) - 1
+                    if em.impl.sync_experts:
+                        em.sync(f"{at}/E{e}/rows", [op])
                     # The last expert op is the layer's sync point: it waits for the whole layer's
                     # load and releases the experts nobody used.
                     deps = [expert_w[e]] + (list(unused) if last else [])
                     op = em.expert(f"{at}/E{e}", step, layer, e, (batch,), int(tokens[e]), deps,
                                    free=_own(expert_w[e]) + (unused if last else ()))
                 layer_done.append(op)
+                if sync:
+                    em.sync_device(f"{at}/moe")
+            em.lm_head(f"{prefix}/lm_head", step, batch)
+    return em.build("single-batch")
+
+
+def _build_per_sublayer(em: OpEmitter) -> Schedule:
+    """Each sub-layer prefetches the next: gate during attention, the MoE layer during the gate,
+    the next attention during the MoE layer (the port's loop over sub-layers)."""
+    inp = em.inp
+    m, sh, counts = inp.model, inp.shape, inp.routing.counts
+    sync = em.impl.sync_sublayers
+    order = [(batch, step, layer) for batch in range(sh.num_batches) for step in range(sh.num_steps)
+             for layer in range(m.num_layers)]
+    attention_w = {0: None if em.is_resident(0) else em.fetch_attention("b0/s0/L0", 0, 0)}
+    last_attention = prev_moe = None
+    for g, (batch, step, layer) in enumerate(order):
+        prefix = f"b{batch}/s{step}"
+        at = f"{prefix}/L{layer}"
+        if layer == 0:
+            em.embed(f"{prefix}/embed", step, batch)
+        resident = em.is_resident(layer)
+        # attention sub-layer: the gate loads meanwhile (issued once the previous MoE layer is done)
+        gate_w = None if resident else em.fetch(f"{at}/load_gate", "gate", m.gate_bytes(), "weights", "h2d_weights",
+                                                [prev_moe], step=step, layer=layer)
+        attn_w = attention_w.pop(g)
+        last_attention = em.attention(f"{at}/attn", step, layer, batch, [attn_w], free=_own(attn_w))
+        if sync:
+            em.sync_device(f"{at}/attn")
+        # gate sub-layer: the whole MoE layer loads meanwhile (once the previous one is done)
+        tokens = counts[step, layer, batch]
+        expert_w: list[str | None] = [None] * m.num_experts
+        if not resident:
+            expert_w = [em.fetch(f"{at}/load_E{e}", "experts", m.expert_bytes(), "moe_weights", "h2d_weights",
+                                 [prev_moe], step=step, layer=layer, expert=e) for e in range(m.num_experts)]
+        gate = em.gate(f"{at}/gate", step, layer, batch, [gate_w], free=_own(gate_w))
+        if sync:
+            em.sync_device(f"{at}/gate")
+        # MoE sub-layer: the next attention loads meanwhile
+        if g + 1 < len(order):
+            nb, ns, nl = order[g + 1]
+            attention_w[g + 1] = None if em.is_resident(nl) else em.fetch_attention(
+                f"b{nb}/s{ns}/L{nl}", ns, nl, [last_attention])
+        active = [e for e in range(m.num_experts) if tokens[e] > 0]
+        unused = tuple(w for e, w in enumerate(expert_w) if w is not None and tokens[e] == 0)
+        op = gate
+        for k, e in enumerate(active):
+            last = k == len(active) - 1
+            if em.impl.sync_experts:
+                em.sync(f"{at}/E{e}/rows", [op])
+            deps = [expert_w[e]] + (list(unused) if last else [])
+            op = em.expert(f"{at}/E{e}", step, layer, e, (batch,), int(tokens[e]), deps,
+                           free=_own(expert_w[e]) + (unused if last else ()))
+        prev_moe = op  # one MoE layer in flight: the next one loads once this one is done
+        if sync:
+            em.sync_device(f"{at}/moe")
+        if layer == m.num_layers - 1:
             em.lm_head(f"{prefix}/lm_head", step, batch)
     return em.build("single-batch")
 
