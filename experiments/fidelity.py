@@ -1,6 +1,6 @@
 """Published measurements next to the simulator's predictions: docs/fidelity.md.
 
-    python experiments/fidelity.py [--impl as-published] [--out docs/fidelity.md] [--quick]
+    python experiments/fidelity.py [--impl both|as-published|ideal|v0.1] [--out docs/fidelity.md] [--quick]
 
 Every row is a figure a paper or a repository published, with its setting and source, and the
 simulator's prediction for that setting with the built-in profile of that machine. Nothing here is
@@ -44,19 +44,19 @@ class Figure:
     note: str = ""
     quick: bool = False
     bound: bool = False  # the published figure is an upper bound ("less than")
-    predicted: float = field(default=float("nan"))
+    predicted: dict[str, float] = field(default_factory=dict)  # preset -> prediction
     seconds: float = 0.0
 
-    @property
-    def error(self) -> float:
+    def error(self, impl: str) -> float:
+        value = self.predicted[impl]
         if self.bound:
-            return 0.0 if self.predicted <= self.published else (self.predicted - self.published) / self.published
-        return (self.predicted - self.published) / self.published
+            return 0.0 if value <= self.published else (value - self.published) / self.published
+        return (value - self.published) / self.published
 
-    def error_text(self) -> str:
-        if self.bound and self.predicted <= self.published:
+    def error_text(self, impl: str) -> str:
+        if self.bound and self.predicted[impl] <= self.published:
             return "within"
-        return f"{self.error:+.0%}"
+        return f"{self.error(impl):+.0%}"
 
 
 _RUNS: dict[tuple, Summary] = {}
@@ -156,64 +156,81 @@ def figures() -> list[Figure]:
     return out
 
 
-def ladder_gains(figs: list[Figure]) -> list[str]:
+def ladder_gains(figs: list[Figure], impls: list[str]) -> list[str]:
     """The ablation ladder's relative steps, published vs simulated (the shape a reader checks first)."""
     lines = []
     rows = [f for f in figs if f.what.startswith("Table 3")]
     for start in range(0, len(rows), 4):
         group = rows[start:start + 4]
         pub = [f.published for f in group]
-        sim = [f.predicted for f in group]
-        steps = " / ".join(f"{pub[i + 1] / pub[i] - 1:+.0%} vs {sim[i + 1] / sim[i] - 1:+.0%}" for i in range(3))
-        lines.append(f"| {group[0].setting.split(',')[0]}, {group[0].setting.split(',')[1].strip()} | {steps} |")
+        cells = [" / ".join(f"{pub[i + 1] / pub[i] - 1:+.0%}" for i in range(3))]
+        for impl in impls:
+            sim = [f.predicted[impl] for f in group]
+            cells.append(" / ".join(f"{sim[i + 1] / sim[i] - 1:+.0%}" for i in range(3)))
+        where = ", ".join(part.strip() for part in group[0].setting.split(",")[:2])
+        lines.append(f"| {where} | " + " | ".join(cells) + " |")
     return lines
 
 
-def render(figs: list[Figure], impl: str, command: str) -> str:
+def render(figs: list[Figure], impls: list[str], command: str) -> str:
+    def fmt(f: Figure, value: float) -> str:
+        return ("{:.3g}" if f.published < 10 else "{:.1f}").format(value)
+
     lines = [
         "# Fidelity: published measurements next to the simulator's predictions",
         "",
-        f"Produced by `{command}` (implementation preset `{impl}`; built-in profiles, nothing fitted to",
-        "these numbers). error = (simulated - published) / published. Where the measured system is not",
-        "one of our policies, the nearest policy is named in the note. Profiles cite a source for every",
-        "number (`klotski_sim/profiles/*.yaml`); the implementations are cited in docs/implementations.md.",
+        f"Produced by `{command}` (built-in profiles, nothing fitted to these numbers).",
+        "error = (simulated - published) / published. Where the measured system is not one of our",
+        "policies, the nearest policy is named in the note. Profiles cite a source for every number",
+        "(`klotski_sim/profiles/*.yaml`); the implementation presets are cited in",
+        "[implementations.md](implementations.md).",
         "",
-        "| system | figure | setting | published | simulated | error | source | note |",
-        "|---|---|---|---|---|---|---|---|",
+        "| system | figure | setting | published | " + " | ".join(f"{i} | error" for i in impls) +
+        " | source | note |",
+        "|---|---|---|---|" + "---|---|" * len(impls) + "---|---|",
     ]
     for f in figs:
-        fmt = "{:.3g}" if f.published < 10 else "{:.1f}"
-        lines.append(f"| {f.system} | {f.what} | {f.setting} | {fmt.format(f.published)} {f.unit} | "
-                     f"{fmt.format(f.predicted)} {f.unit} | {f.error_text()} | {f.source} | {f.note} |")
-    errors = [abs(f.error) for f in figs if f.error == f.error]
-    if errors:
-        errors.sort()
-        lines += ["", f"{len(errors)} figures from {len({f.system.split(' (')[0] for f in figs})} systems; "
-                      f"median |error| {errors[len(errors) // 2]:.0%}, "
-                      f"within 25%: {sum(e <= 0.25 for e in errors)}, within 50%: {sum(e <= 0.5 for e in errors)}."]
-    gains = ladder_gains(figs)
+        cells = " | ".join(f"{fmt(f, f.predicted[i])} {f.unit} | {f.error_text(i)}" for i in impls)
+        lines.append(f"| {f.system} | {f.what} | {f.setting} | {fmt(f, f.published)} {f.unit} | {cells} | "
+                     f"{f.source} | {f.note} |")
+    lines.append("")
+    systems = len({f.system.split(" (")[0] for f in figs})
+    for impl in impls:
+        errors = sorted(abs(f.error(impl)) for f in figs)
+        lines.append(f"- `{impl}`: {len(errors)} figures from {systems} systems; median |error| "
+                     f"{errors[len(errors) // 2]:.0%}; within 25%: {sum(e <= 0.25 for e in errors)}, "
+                     f"within 50%: {sum(e <= 0.5 for e in errors)}.")
+    if len(impls) == 2:
+        a, b = impls
+        closer = sum(abs(f.error(a)) < abs(f.error(b)) for f in figs)
+        lines.append(f"- `{a}` is closer to the published figure than `{b}` on {closer} of {len(figs)} rows.")
+    gains = ladder_gains(figs, impls)
     if gains:
-        lines += ["", "The ablation ladder's steps (published vs simulated: +multi-batch / +hot-prefetch / +reorder):",
-                  "", "| setting | steps |", "|---|---|", *gains]
+        lines += ["", "The ablation ladder's steps (+multi-batch / +hot-prefetch / +reorder):", "",
+                  "| setting | published | " + " | ".join(impls) + " |", "|---|---|" + "---|" * len(impls), *gains]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--impl", default="as-published", choices=["as-published", "ideal", "v0.1"])
+    parser.add_argument("--impl", default="both", choices=["both", "as-published", "ideal", "v0.1"],
+                        help="preset(s) to predict with (default: both = as-published and ideal)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "fidelity.md"))
     parser.add_argument("--quick", action="store_true", help="only the rows that need no full simulation")
     args = parser.parse_args(argv)
+    impls = ["as-published", "ideal"] if args.impl == "both" else [args.impl]
     figs = [f for f in figures() if f.quick or not args.quick]
     for f in figs:
         t = time.perf_counter()
-        f.predicted = float(f.predict(args.impl))
+        for impl in impls:
+            f.predicted[impl] = float(f.predict(impl))
         f.seconds = time.perf_counter() - t
-        print(f"{f.system:26} {f.what[:44]:44} published {f.published:10.4g} simulated {f.predicted:10.4g} "
-              f"{f.error_text():>7}  ({f.seconds:.1f} s)", flush=True)
-    command = "python experiments/fidelity.py" + (f" --impl {args.impl}" if args.impl != "as-published" else "") + \
+        print(f"{f.system:26} {f.what[:44]:44} published {f.published:10.4g} " +
+              " ".join(f"{i} {f.predicted[i]:10.4g} {f.error_text(i):>7}" for i in impls) +
+              f"  ({f.seconds:.1f} s)", flush=True)
+    command = "python experiments/fidelity.py" + (f" --impl {args.impl}" if args.impl != "both" else "") + \
         (" --quick" if args.quick else "")
-    Path(args.out).write_text(render(figs, args.impl, command))
+    Path(args.out).write_text(render(figs, impls, command))
     print(f"wrote {args.out}")
     return 0
 

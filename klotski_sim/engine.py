@@ -24,8 +24,10 @@ from __future__ import annotations
 import heapq
 from typing import Sequence
 
+import numpy as np
+
 import simpy
-from simpy.events import Timeout
+from simpy.events import NORMAL
 
 from .cost import CostModel
 from .hardware import HardwareProfile
@@ -35,6 +37,20 @@ from .timeline import OutOfMemory, Timeline
 
 class EngineDeadlock(ScheduleError):
     """Some ops can never start (a schedule built without validation had a cycle)."""
+
+
+class _Wake:
+    """An event on SimPy's queue for one op: its completion, or a dependency being signalled.
+    The lightest object SimPy's loop processes (`Environment.step` reads `callbacks` and `_ok`);
+    pushed straight onto the queue as `Environment.schedule` would, without Timeout's bookkeeping."""
+
+    __slots__ = ("callbacks", "_ok", "_value", "op")
+
+    def __init__(self, callback: object, op: int) -> None:
+        self.callbacks = [callback]
+        self._ok = True
+        self._value = None
+        self.op = op
 
 
 def resource_capacities(schedule: Schedule, profile: HardwareProfile) -> dict[str, int]:
@@ -61,6 +77,12 @@ def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | No
         durations = (cost or CostModel(profile)).durations(ops, schedule.streams)
     if len(durations) != n:
         raise ValueError(f"{len(durations)} durations for {n} ops")
+    checked = np.asarray(durations, dtype=float)
+    bad = np.flatnonzero(~np.isfinite(checked) | (checked < 0)) if n else []
+    if len(bad):
+        raise ScheduleError(f"op {ops[bad[0]].id!r} would last {checked[bad[0]]} s: durations must be finite and "
+                            f">= 0 (check the profile's numbers)")
+    durations = checked.tolist()
     index = schedule.index
     caps = resource_capacities(schedule, profile)
     resources = sorted(caps)
@@ -94,6 +116,11 @@ def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | No
     finished = [0]
     env = simpy.Environment()
     heappush, heappop = heapq.heappush, heapq.heappop
+    event_queue, event_ids = env._queue, env._eid  # SimPy's own queue, as Environment.schedule uses it
+
+    def at(delay: float, callback: object, i: int) -> None:
+        """Schedule `callback(event)` `delay` seconds from now on SimPy's queue."""
+        heappush(event_queue, (env._now + delay, NORMAL, next(event_ids), _Wake(callback, i)))
 
     def dispatch(r: int, now: float) -> None:
         """Start queued ops on resource r while it has free units."""
@@ -114,10 +141,10 @@ def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | No
                 memory_trace.append((now, mem[0]))
             free_units[r] -= 1
             start[i] = arrival[i] if is_host[i] else now
-            Timeout(env, durations[i], i).callbacks.append(finish)
+            at(durations[i], finish, i)
 
-    def finish(event: Timeout) -> None:
-        i = event.value
+    def finish(event: _Wake) -> None:
+        i = event.op
         now = env.now
         end[i] = now
         finished[0] += 1
@@ -141,7 +168,7 @@ def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | No
             if not pending[s]:
                 blocker[s] = i
                 if latency and ready_floor[s] > now:
-                    Timeout(env, ready_floor[s] - now, s).callbacks.append(seen)
+                    at(ready_floor[s] - now, seen, s)
                     continue
                 ready_at[s] = now
                 rs = resource_of[s]
@@ -154,9 +181,9 @@ def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | No
             for rs in sorted(woken):
                 dispatch(rs, now)
 
-    def seen(event: Timeout) -> None:
+    def seen(event: _Wake) -> None:
         """A cross-stream dependency has been signalled: the op joins its resource's queue."""
-        s = event.value
+        s = event.op
         now = env.now
         ready_at[s] = now
         heappush(queues[resource_of[s]], (now, s))

@@ -24,6 +24,7 @@ import numpy as np
 
 from .cost import CostModel
 from .hardware import HardwareProfile
+from .impl import Impl
 from .model import ModelSpec
 from .policies.base import Placement
 
@@ -126,9 +127,12 @@ def largest_fitting_n(model: ModelSpec, profile: HardwareProfile, batch_size: in
 
 def plan(model: ModelSpec, profile: HardwareProfile, batch_size: int, prompt_len: int = 512, gen_len: int = 32,
          popularity: np.ndarray | None = None, placement: Placement | None = None, n_max: int = 256,
-         cost: CostModel | None = None, resident_layers: bool = True) -> Plan:
-    """Pick n (and where the KV cache goes) for a Klotski pipeline on `profile`."""
+         cost: CostModel | None = None, resident_layers: bool = True, impl: Impl | None = None) -> Plan:
+    """Pick n (and where the KV cache goes) for a Klotski pipeline on `profile`, costing its ops as
+    the implementation `impl` runs them (attention kernel, per-batch expert ops, host syncs)."""
     cost = cost or CostModel(profile)
+    impl = impl or Impl()
+    attention = impl.attention_impl
     notes: list[str] = []
     placement = placement or default_placement(model, profile)
     if placement.uses_disk:
@@ -139,8 +143,9 @@ def plan(model: ModelSpec, profile: HardwareProfile, batch_size: int, prompt_len
     kv_len = prompt_len + gen_len // 2  # a representative decode step
     h2d = "pcie_h2d"
     t = {
-        "t_cA": cost.compute_seconds("attention", model.attention_flops(batch_size, 1, kv_len),
-                                     model.attention_io_bytes(batch_size, 1, kv_len), batch_size, kv_len, "decode"),
+        "t_cA": cost.compute_seconds("attention", model.attention_flops(batch_size, 1, kv_len, attention),
+                                     model.attention_io_bytes(batch_size, 1, kv_len, attention), batch_size, kv_len,
+                                     "decode", attention),
         "t_cG": cost.compute_seconds("gate", model.gate_flops(batch_size), model.gate_io_bytes(batch_size), batch_size,
                                      phase="decode"),
         "t_IO_G": cost.transfer_seconds(h2d, model.gate_bytes()),
@@ -149,12 +154,20 @@ def plan(model: ModelSpec, profile: HardwareProfile, batch_size: int, prompt_len
     }
     K = model.top_k
 
-    def expert_time(tokens: float) -> float:
+    sync = cost.host_seconds() if impl.sync_experts else 0.0
+
+    def op_time(tokens: float) -> float:
         tok = max(1, int(round(tokens)))
-        return cost.compute_seconds("expert", model.expert_flops(tok), model.expert_io_bytes(tok), tok, phase="decode")
+        return sync + cost.compute_seconds("expert", model.expert_flops(tok), model.expert_io_bytes(tok), tok,
+                                           phase="decode")
 
     def group_terms(n: int) -> dict[str, float]:
         act = expert_activity(model, popularity, n * batch_size)
+        if impl.per_batch_experts:  # one op per batch over its share of the tokens
+            def expert_time(tokens: float) -> float:
+                return n * op_time(tokens / n)
+        else:
+            expert_time = op_time
         hot = np.vectorize(expert_time)(act["hot_tokens"]).sum(axis=1).mean()
         cold = (act["cold_p_used"] * np.vectorize(expert_time)(act["cold_tokens_if_used"])).sum(axis=1).mean()
         return {"t_c_hotE": float(hot), "sum_Q_t_cE": float(cold), "Q": float(act["cold_p_used"].sum(axis=1).mean())}

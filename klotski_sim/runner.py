@@ -16,7 +16,9 @@ from .engine import simulate
 from .hardware import HardwareProfile, load_profile, with_overrides
 from .model import ModelSpec, get_model
 from .planner import Plan, default_placement, largest_fitting_n, memory_needed, plan
+from .impl import Impl
 from .policies import Placement, PolicyInput, build_schedule, get_policy
+from .policies.base import resolve_options
 from .routing import RoutingTable, RunShape
 from .schedule import Schedule
 from .timeline import Timeline
@@ -150,6 +152,14 @@ def resolve_placement(spec: RunSpec, model: ModelSpec, profile: HardwareProfile)
     return replace(base, kv="gpu" if spec.kv == "auto" else spec.kv, resident_layers=spec.resident_layers or 0)
 
 
+def planner_impl(spec: RunSpec) -> Impl:
+    """The implementation Klotski's planner costs: the klotski policy under the run's preset (and
+    the run's options that klotski also has)."""
+    own = set(get_policy("klotski").impl_options)
+    return Impl.from_options(resolve_options("klotski", spec.impl,
+                                             {k: v for k, v in spec.options.items() if k in own}))
+
+
 def prepare(spec: RunSpec) -> Prepared:
     """Resolve model, profile, n (planner when `num_batches` is None), placement and routing."""
     model = get_model(spec.model)
@@ -159,7 +169,7 @@ def prepare(spec: RunSpec) -> Prepared:
     if spec.num_batches is None:
         the_plan = plan(model, profile, spec.batch_size, spec.prompt_len, spec.gen_len,
                         popularity=planning_popularity(spec, model), placement=placement,
-                        resident_layers=spec.resident_layers is None)
+                        resident_layers=spec.resident_layers is None, impl=planner_impl(spec))
         n = the_plan.n
         placement = the_plan.placement if spec.kv == "auto" else replace(the_plan.placement, kv=spec.kv)
     else:

@@ -179,22 +179,17 @@ class Schedule:
             position[op.id] = i
             _check_op_fields(op, self.streams)
         allocated = {name for name, _ in self.preloaded}
-        order_in_stream: dict[str, int] = {}
-        counter: dict[str, int] = {}
-        for op in self.ops:
-            order_in_stream[op.id] = counter[op.stream] = counter.get(op.stream, -1) + 1
         ops = self.ops
-        for op in ops:
+        forward: list[tuple[Op, str]] = []  # deps on a later op: possible only in hand-made schedules
+        for i, op in enumerate(ops):
             for dep in op.deps:
                 where = position.get(dep)
                 if where is None:
                     raise ScheduleError(f"op {op.id!r} depends on unknown op {dep!r}")
-                if dep == op.id:
-                    raise ScheduleError(f"op {op.id!r} depends on itself")
-                if ops[where].stream == op.stream and order_in_stream[dep] > order_in_stream[op.id]:
-                    raise ScheduleError(
-                        f"op {op.id!r} depends on {dep!r}, which comes later on the same in-order "
-                        f"stream {op.stream!r}: the dependency contradicts stream order")
+                if where >= i:
+                    if where == i:
+                        raise ScheduleError(f"op {op.id!r} depends on itself")
+                    forward.append((op, dep))
             for name, size in op.alloc:
                 if name in allocated:
                     raise ScheduleError(f"op {op.id!r} allocates buffer {name!r}, which is already allocated")
@@ -204,6 +199,13 @@ class Schedule:
                 if name not in allocated:
                     raise ScheduleError(f"op {op.id!r} frees buffer {name!r}, which no op allocates")
         self.__dict__["index"] = position  # what `index` would compute
+        if not forward:
+            return  # every dep is on an earlier op: list order is a topological order, no cycle
+        for op, dep in forward:  # a dep on a later op of the same stream contradicts stream order
+            if ops[position[dep]].stream == op.stream:
+                raise ScheduleError(
+                    f"op {op.id!r} depends on {dep!r}, which comes later on the same in-order "
+                    f"stream {op.stream!r}: the dependency contradicts stream order")
         cycle = find_cycle(ops, position)
         if cycle:
             raise ScheduleError("schedule has a cycle (deps + stream order): " + " -> ".join(cycle))

@@ -25,6 +25,7 @@ Spec (every key optional except `policies`; lists are grid axes):
     seeds: [0]
     kv: [auto]
     experts: [auto]
+    impls: [as-published]            # implementation presets: as-published, ideal, v0.1
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .hardware import ProfileError, load_profile, with_overrides
+from .impl import PRESET_NAMES
 from .model import get_model
 from .policies import POLICIES
 from .timeline import jsonable
@@ -74,6 +76,7 @@ class SweepSpec(BaseModel):
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
     kv: list[str] = Field(default_factory=lambda: ["auto"], min_length=1)
     experts: list[str] = Field(default_factory=lambda: ["auto"], min_length=1)
+    impls: list[str] = Field(default_factory=lambda: ["as-published"], min_length=1)
 
     @field_validator("overrides")
     @classmethod
@@ -176,6 +179,9 @@ def check_spec(spec: SweepSpec, where: str) -> None:
     for ex in spec.experts:
         if ex not in ("auto", "cpu", "disk"):
             problems.append(f"experts {ex!r} is not auto, cpu or disk")
+    for impl in spec.impls:
+        if impl not in PRESET_NAMES:
+            problems.append(f"impls: {impl!r} is not one of {', '.join(PRESET_NAMES)}")
     if problems:
         raise SweepError(f"{where}: " + "; ".join(dict.fromkeys(problems)))
 
@@ -184,13 +190,13 @@ def expand(spec: SweepSpec) -> list[dict[str, Any]]:
     """Every configuration of the grid, each with a stable id (a hash of its inputs)."""
     fields = list(spec.overrides)
     configs = []
-    for (model, hardware, policy, bs, n, p, g, routing, seed, kv, experts, *values) in itertools.product(
+    for (model, hardware, policy, bs, n, p, g, routing, seed, kv, experts, impl, *values) in itertools.product(
             spec.models, spec.hardware, spec.policies, spec.batch_sizes, spec.num_batches, spec.prompt_lens,
-            spec.gen_lens, spec.routings, spec.seeds, spec.kv, spec.experts,
+            spec.gen_lens, spec.routings, spec.seeds, spec.kv, spec.experts, spec.impls,
             *(spec.overrides[f] for f in fields)):
         cfg = {"model": model, "hardware": hardware, "policy": policy, "batch_size": bs, "num_batches": n,
                "prompt_len": p, "gen_len": g, "routing": routing, "seed": seed, "kv": kv, "experts": experts,
-               "overrides": dict(zip(fields, values))}
+               "impl": impl, "overrides": dict(zip(fields, values))}
         cfg["id"] = config_id(cfg)
         configs.append(cfg)
     return configs
@@ -241,12 +247,13 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
                        prompt_len=cfg["prompt_len"], gen_len=cfg["gen_len"], seed=cfg["seed"],
                        routing="calibrated" if routing.startswith("trace:") else routing,
                        trace=routing[6:] if routing.startswith("trace:") else None,
-                       kv=cfg["kv"], experts=cfg["experts"], overrides=cfg["overrides"])
+                       kv=cfg["kv"], experts=cfg["experts"], overrides=cfg["overrides"],
+                       impl=cfg.get("impl", "as-published"))
         result = run(spec)
         s = result.timeline.summary()
         metrics = {k: v for k, v in s.to_dict().items()
                    if k not in ("policy", "model", "hardware", "batch_size", "prompt_len", "gen_len", "extra",
-                                "utilization", "bubble_by_cause", "oom")}
+                                "utilization", "bubble_by_cause", "oom", "impl")}
         row.update({f"m.{k}": v for k, v in metrics.items()})
         row["m.n"] = s.num_batches
         row["m.kv"] = result.timeline.meta.get("placement", {}).get("kv")
@@ -380,8 +387,9 @@ class _progress:
             self.bar.stop()
 
 
-def summarize(df: pd.DataFrame, columns: Iterable[str] = ("policy", "hardware", "status", "m.num_batches",
-                                                           "m.throughput_tok_s", "m.bubble_s", "m.efficiency")) -> str:
+def summarize(df: pd.DataFrame, columns: Iterable[str] = ("policy", "impl", "hardware", "status", "m.num_batches",
+                                                           "m.throughput_tok_s", "m.decode_throughput_tok_s",
+                                                           "m.bubble_s", "m.efficiency")) -> str:
     cols = [c for c in columns if c in df.columns]
     with pd.option_context("display.width", 200, "display.max_rows", 50, "display.float_format", "{:.3f}".format):
         return df[cols].to_string(index=False)

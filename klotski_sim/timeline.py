@@ -219,12 +219,21 @@ class Timeline:
         and the end of this one: the latency a sequence sees per generated token (step 0 = prefill)."""
         c = self.columns
         mask = (c["resource"] == "gpu") & (c["step"] >= 0)
+        steps, texts, op_ends = c["step"][mask], c["batches"][mask], c["end"][mask]
         ends: dict[tuple[int, int], float] = {}
-        for step, batches, end in zip(c["step"][mask], c["batches"][mask], c["end"][mask]):
-            for b in (batches.split(",") if batches else ("-1",)):
-                key = (int(b), int(step))
-                if end > ends.get(key, -math.inf):
-                    ends[key] = end
+        if len(steps):
+            num_steps = int(steps.max()) + 1
+            # group ops by the batches they touch (a handful of distinct sets): per set, the last
+            # end of each step, then shared with every batch of the set
+            codes, uniques = pd.factorize(texts)
+            last = np.full((len(uniques), num_steps), -np.inf)
+            np.maximum.at(last, (codes, steps), op_ends)
+            for text, row in zip(uniques, last):
+                for b in (text.split(",") if text else ("-1",)):
+                    for step in np.flatnonzero(row > -np.inf):
+                        key = (int(b), int(step))
+                        if row[step] > ends.get(key, -math.inf):
+                            ends[key] = float(row[step])
         if not ends:
             return pd.Series(dtype=float)
         frame = pd.Series(ends).rename_axis(["batch", "step"]).sort_index()

@@ -77,3 +77,25 @@ def test_profile_roundtrips_through_yaml(tmp_path):
     path = tmp_path / "h200.yaml"
     path.write_text(p.to_yaml())
     assert load_profile(path) == p
+
+
+def test_every_number_of_a_builtin_profile_has_a_source():
+    """Spec sheet, published measurement or calibration: written next to the value."""
+    import yaml
+    from importlib import resources
+
+    def leaves(node, prefix=""):
+        for key, value in node.items():
+            path = f"{prefix}{key}"
+            if isinstance(value, dict):
+                yield from leaves(value, path + ".")
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                yield path
+
+    for name in builtin_profile_names():
+        ref = resources.files("klotski_sim") / "profiles" / f"{name}.yaml"
+        data = yaml.safe_load(ref.read_text())
+        sources = data.get("sources", {})
+        body = {k: v for k, v in data.items() if k not in ("sources", "measured", "provenance")}
+        missing = [path for path in leaves(body) if path not in sources]
+        assert not missing, f"{name}: no source for {missing}"
