@@ -6,7 +6,11 @@ signals completion. klotski's engine instead creates one event per op and keeps 
 and queues in plain lists (see klotski_sim/engine.py). Both must produce the same timeline;
 the script checks that before it reports the ratio.
 
-    python experiments/bench_engine.py [--ops 200000] [--repeat 3]
+It also measures SimPy's own floor — events/s of its loop doing no work, one event scheduled from
+the callback of the previous one (what one op per event costs at the least) — and how the engine
+scales: ops/s and memory per op at 10k, 100k and 1M ops.
+
+    python experiments/bench_engine.py [--ops 200000] [--repeat 3] [--sizes 10000,100000,1000000]
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import simpy
 
 from klotski_sim.cost import CostModel
 from klotski_sim.engine import resource_capacities, simulate
-from klotski_sim.hardware import load_profile
+from klotski_sim.hardware import load_profile, with_overrides
 from klotski_sim.model import get_model
 from klotski_sim.policies import PolicyInput, build_schedule
 from klotski_sim.routing import RunShape
@@ -35,7 +39,54 @@ def big_schedule(min_ops: int) -> Schedule:
     n = max(1, -(-min_ops // per_batch))
     shape = RunShape(16, n, 512, 32)
     routing = synthetic_routing(m, shape, "uniform", seed=0)
-    return build_schedule("single-batch", PolicyInput(m, load_profile("rtx3090"), routing))
+    # the v0.1 preset: no host ops, which the textbook model below does not know
+    return build_schedule("single-batch", PolicyInput(m, load_profile("rtx3090"), routing, impl="v0.1"))
+
+
+def simpy_floor(events: int) -> float:
+    """Events/s of SimPy's loop alone: each event's callback schedules the next one (a Timeout)."""
+    env = simpy.Environment()
+    left = [events]
+
+    def next_one(_event: object) -> None:
+        left[0] -= 1
+        if left[0] > 0:
+            simpy.events.Timeout(env, 1e-6).callbacks.append(next_one)
+
+    gc.disable()
+    try:
+        simpy.events.Timeout(env, 1e-6).callbacks.append(next_one)
+        t = time.perf_counter()
+        env.run()
+        return events / (time.perf_counter() - t)
+    finally:
+        gc.enable()
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def scaling(sizes: list[int], profile) -> None:
+    """ops/s of the engine and memory per op (schedule + timeline) as the schedule grows."""
+    print(f"{'ops':>10} {'build s':>8} {'engine s':>9} {'engine ops/s':>13} {'bytes/op':>9}")
+    for size in sizes:
+        gc.collect()
+        before = rss_bytes()
+        t = time.perf_counter()
+        schedule = big_schedule(size)
+        build_s = time.perf_counter() - t
+        t = time.perf_counter()
+        tl = simulate(schedule, profile)
+        engine_s = time.perf_counter() - t
+        tl.summary()
+        per_op = (rss_bytes() - before) / len(schedule)
+        print(f"{len(schedule):10d} {build_s:8.2f} {engine_s:9.2f} {len(schedule) / engine_s:13,.0f} {per_op:9,.0f}")
+        del schedule, tl
 
 
 def naive_simpy(schedule: Schedule, durations: list[float], caps: dict[str, int]) -> list[float]:
@@ -79,12 +130,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", type=int, default=200_000)
     parser.add_argument("--repeat", type=int, default=3, help="best of N for each model")
+    parser.add_argument("--sizes", default="10000,100000,1000000", help="schedule sizes for the scaling table")
     args = parser.parse_args()
 
     t = time.perf_counter()
     schedule = big_schedule(args.ops)
     build_s = time.perf_counter() - t
-    profile = load_profile("rtx3090")
+    # no cross-stream signalling delay: the textbook model has none
+    profile = with_overrides(load_profile("rtx3090"), {"gpu.dependency_latency_s": 0.0})
     t = time.perf_counter()
     durations = CostModel(profile).durations(schedule.ops, schedule.streams)
     cost_s = time.perf_counter() - t
@@ -112,6 +165,11 @@ def main() -> None:
           f"metrics (summary) afterwards {summary_s:.2f} s")
     print(f"naive SimPy    : {nv:.3f} s  -> {n / nv:,.0f} ops/s (best of {args.repeat})")
     print(f"ratio          : {nv / e:.1f}x faster   identical timelines: {same}")
+    floor = simpy_floor(n)
+    print(f"SimPy floor    : {floor:,.0f} events/s (its loop alone, one Timeout per event): the engine runs at "
+          f"{n / e / floor:.0%} of it, the textbook model at {n / nv / floor:.0%}")
+    del schedule, tl
+    scaling([int(x) for x in args.sizes.split(",") if x], profile)
 
 
 if __name__ == "__main__":

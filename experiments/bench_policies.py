@@ -1,16 +1,21 @@
 """Per-policy simulation speed on the default `compare` configuration (Mixtral-8x7B, rtx3090,
-prompt 512, gen 32, bs 16, n from the planner): schedule build, engine run and ops/s, measured
-in one run, plus the whole `klotski-sim compare` wall time.
+prompt 512, gen 32, bs 16, n from the planner), per implementation preset: schedule build, engine
+run and ops/s, the whole default Klotski run (prepare + build + simulate + summary, in a fresh
+process with a cold and a warm trace cache), and `klotski-sim compare` wall time and peak memory
+— all measured in one run.
 
     python experiments/bench_policies.py
 """
 
 from __future__ import annotations
 
+import os
+import resource
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 from klotski_sim.engine import simulate
 from klotski_sim.policies import build_schedule
@@ -19,27 +24,62 @@ from klotski_sim.runner import RunSpec, prepare
 POLICIES = ("single-batch", "multi-batch", "hot-prefetch", "klotski", "klotski-oracle", "flexgen")
 
 
-def main() -> None:
-    t = time.perf_counter()
-    prep = prepare(RunSpec(num_batches=None, policy="klotski"))
-    print(f"prepare (planner + calibrated trace for n = {prep.num_batches}): {time.perf_counter() - t:.2f} s")
-    print(f"{'policy':15} {'ops':>8} {'build s':>8} {'engine s':>9} {'engine ops/s':>13} {'build+engine s':>15}")
-    for name in POLICIES:
-        p = prep.narrowed(1) if name == "single-batch" else prep
-        inp = p.policy_input()
-        inp.routing.counts  # computed once per routing, shared by policies
-        t0 = time.perf_counter()
-        schedule = build_schedule(name, inp)
-        t1 = time.perf_counter()
-        simulate(schedule, p.profile)
-        t2 = time.perf_counter()
-        print(f"{name:15} {len(schedule):8d} {t1 - t0:8.2f} {t2 - t1:9.2f} {len(schedule) / (t2 - t1):13,.0f} "
-              f"{t2 - t0:15.2f}")
+WHOLE_RUN = """
+import time
+t = time.perf_counter()
+from klotski_sim.runner import RunSpec, run
+t1 = time.perf_counter()
+r = run(RunSpec(policy="klotski", num_batches=None, impl={impl!r}))
+r.timeline.summary()
+print(f"{{t1 - t:.2f}} {{time.perf_counter() - t1:.2f}} {{len(r.schedule)}}")
+"""
+
+
+def whole_run(impl: str, cache: str) -> str:
+    """A default Klotski run in a fresh process: import time, then prepare + build + simulate + summary."""
+    env = dict(os.environ, KLOTSKI_CACHE_DIR=cache)
+    out = subprocess.run([sys.executable, "-c", WHOLE_RUN.format(impl=impl)], check=True, capture_output=True,
+                         text=True, env=env).stdout.split()
+    return f"import {out[0]} s, run {out[1]} s ({out[2]} ops)"
+
+
+def compare_wall(impl: str, *extra: str) -> str:
     with tempfile.TemporaryDirectory() as out:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
         t = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "klotski_sim.cli", "compare", "--out", out], check=True,
-                       capture_output=True)
-        print(f"klotski-sim compare (all six, with figures and traces): {time.perf_counter() - t:.1f} s wall")
+        subprocess.run([sys.executable, "-m", "klotski_sim.cli", "compare", "--impl", impl, "--out", out, *extra],
+                       check=True, capture_output=True)
+        took = time.perf_counter() - t
+        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        sizes = sum(f.stat().st_size for f in __import__("pathlib").Path(out).iterdir())
+    note = f" (peak RSS {peak / 1024:.0f} MB)" if peak > before else ""
+    return f"{took:.1f} s wall, {sizes / 1e6:.1f} MB written{note}"
+
+
+def main() -> None:
+    for impl in ("ideal", "as-published"):
+        t = time.perf_counter()
+        prep = prepare(RunSpec(num_batches=None, policy="klotski", impl=impl))
+        print(f"[{impl}] prepare (planner + calibrated trace for n = {prep.num_batches}): "
+              f"{time.perf_counter() - t:.2f} s")
+        print(f"{'policy':15} {'ops':>8} {'build s':>8} {'engine s':>9} {'engine ops/s':>13} {'build+engine s':>15}")
+        for name in POLICIES:
+            p = prep.narrowed(1) if name == "single-batch" else prep
+            inp = replace(p.policy_input(), impl=impl)
+            inp.routing.counts  # computed once per routing, shared by policies
+            t0 = time.perf_counter()
+            schedule = build_schedule(name, inp)
+            t1 = time.perf_counter()
+            simulate(schedule, p.profile)
+            t2 = time.perf_counter()
+            print(f"{name:15} {len(schedule):8d} {t1 - t0:8.2f} {t2 - t1:9.2f} {len(schedule) / (t2 - t1):13,.0f} "
+                  f"{t2 - t0:15.2f}")
+        with tempfile.TemporaryDirectory() as cache:
+            print(f"[{impl}] whole default Klotski run, fresh process: cold trace cache {whole_run(impl, cache)}; "
+                  f"warm {whole_run(impl, cache)}")
+        print(f"[{impl}] klotski-sim compare --no-png: {compare_wall(impl, '--no-png')}")
+        print(f"[{impl}] klotski-sim compare (figure): {compare_wall(impl)}")
+        print(f"[{impl}] klotski-sim compare --traces: {compare_wall(impl, '--traces')}")
 
 
 if __name__ == "__main__":

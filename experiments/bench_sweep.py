@@ -1,7 +1,12 @@
-"""Sweep throughput: a grid of >= 200 Mixtral-8x7B configurations with 1 and then 2 local worker
-processes, measured in one run; prints configurations per minute and the speed-up.
+"""Sweep throughput, measured in one run.
 
-    python experiments/bench_sweep.py [--workers 2]
+- default: a grid of 288 small Mixtral-8x7B configurations (prompt 64, gen 4) with 1 and then 2
+  local worker processes; configurations per minute and the speed-up.
+- `--default-size N`: N default-size Klotski configurations (prompt 512, gen 32, batch 16, planner
+  n; a what-if grid over the PCIe bandwidth) on `--workers` workers, per implementation preset;
+  configurations per minute and the time 1,000 of them would take at that rate.
+
+    python experiments/bench_sweep.py [--workers 2] [--default-size 40]
 """
 
 from __future__ import annotations
@@ -26,10 +31,32 @@ GRID = {
 }
 
 
+def default_size(count: int, workers: int, impl: str) -> None:
+    bandwidths = [8e9 + 48e9 * k / max(1, count - 1) for k in range(count)]
+    spec = parse_spec({"name": "bench-default", "models": ["mixtral-8x7b"], "hardware": ["rtx3090"],
+                       "policies": ["klotski"], "impls": [impl],
+                       "overrides": {"links.pcie_h2d.bandwidth": bandwidths}})
+    with tempfile.TemporaryDirectory() as out:
+        t = time.perf_counter()
+        df = run_sweep(spec, out, workers=workers, progress=False)
+        took = time.perf_counter() - t
+    assert len(df) == count and (df["status"] == "ok").all(), df["status"].value_counts()
+    rate = count / took * 60
+    print(f"{impl:13} {count} default-size configurations on {workers} workers in {took:.1f} s -> "
+          f"{rate:.0f} configurations/min; 1,000 would take {1000 / rate:.1f} min "
+          f"(ops per configuration: {int(df['m.num_ops'].median())})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--default-size", type=int, default=0, metavar="N",
+                    help="measure N default-size configurations per preset instead of the small grid")
     args = ap.parse_args()
+    if args.default_size:
+        for impl in ("ideal", "as-published"):
+            default_size(args.default_size, args.workers, impl)
+        return
     spec = parse_spec(GRID)
     n = len(expand(spec))
     times = {}

@@ -158,7 +158,7 @@ def cmd_execute(args: argparse.Namespace) -> int:
                                              timeline.meta["emulated_links"]["bandwidth_bytes_per_s"].items()))
     if args.out:
         timeline.save_all(args.out)
-        print(f"wrote the measured timeline (summary.json, timeline.parquet/.csv, trace.json, timeline.png) to {args.out}/")
+        print(f"wrote the measured timeline (summary.json, timeline.parquet/.csv, trace.json.gz, timeline.png) to {args.out}/")
     return 0
 
 

@@ -115,6 +115,11 @@ def spec_from_args(args: argparse.Namespace, **changes: Any) -> RunSpec:
 
 
 def format_summary(s: Summary) -> str:
+    if s.num_ops == 0 and s.oom:  # refused by the memory check: nothing ran
+        return "\n".join([f"policy      {s.policy}   model {s.model}   hardware {s.hardware}   impl {s.impl}",
+                          f"workload    n={s.num_batches} x bs={s.batch_size}, prompt {s.prompt_len}, generate "
+                          f"{s.gen_len} ({s.generated_tokens} tokens)",
+                          f"status      {s.status}  ({_oom_text(s.oom)})"])
     lines = [
         f"policy      {s.policy}   model {s.model}   hardware {s.hardware}   impl {s.impl}",
         f"workload    n={s.num_batches} x bs={s.batch_size}, prompt {s.prompt_len}, generate {s.gen_len} "
@@ -138,8 +143,9 @@ def format_summary(s: Summary) -> str:
 
 
 def _oom_text(oom: dict[str, Any]) -> str:
-    return (f"out of GPU memory starting {oom['op_id']}: needs {oom['needed_bytes'] / GIB:.2f} GiB, "
-            f"{oom['available_bytes'] / GIB:.2f} GiB available")
+    where = "the memory check (nothing built)" if oom["op_id"] == "<memory check>" else f"starting {oom['op_id']}"
+    return (f"out of GPU memory at {where}: needs {oom['needed_bytes'] / GIB:.2f} GiB, "
+            f"{oom['available_bytes'] / GIB:.2f} GiB available" + (f" ({oom['detail']})" if oom.get("detail") else ""))
 
 
 # ---- subcommands ----------------------------------------------------------------------------
@@ -197,8 +203,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     (out / "compare.json").write_text(json.dumps(jsonable(rows), indent=2))
     pd.DataFrame([{k: v for k, v in r.items() if not isinstance(v, dict)} for r in rows]).to_csv(
         out / "compare.csv", index=False)
-    for (name, impl), r in results.items():
-        r.timeline.to_chrome_trace(out / f"trace_{name}{'' if len(impls) == 1 else '_' + impl}.json")
+    if args.traces:
+        for (name, impl), r in results.items():
+            r.timeline.to_chrome_trace(out / f"trace_{name}{'' if len(impls) == 1 else '_' + impl}.json.gz")
     if prep.plan is not None:
         (out / "plan.txt").write_text(format_plan(prep.plan, prep.model, prep.profile, spec.batch_size) + "\n")
     if not args.no_png:
@@ -207,8 +214,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         zoom = (min(1, spec.gen_len - 1), prep.model.num_layers // 2)
         compare_gantt({_label(name, impl, impls): r.timeline for (name, impl), r in results.items()},
                       out / "compare.png", zoom=zoom)
-    print(f"wrote compare.csv, compare.json, {'compare.png, ' if not args.no_png else ''}trace_<policy>.json"
-          f"{', plan.txt' if prep.plan else ''} to {out}/")
+    print(f"wrote compare.csv, compare.json{', compare.png' if not args.no_png else ''}"
+          f"{', trace_<policy>.json.gz' if args.traces else ''}{', plan.txt' if prep.plan else ''} to {out}/")
     return 0 if all(s.status == "ok" for s in summaries.values()) else 3
 
 
@@ -326,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_arguments(p)
     p.add_argument("--option", dest="options", action="append", default=[], metavar="KEY=VALUE",
                    help="a policy option, e.g. --option overlap=model for flexgen (repeatable)")
-    p.add_argument("--out", metavar="DIR", help="write summary.json, timeline.parquet/.csv, trace.json, "
+    p.add_argument("--out", metavar="DIR", help="write summary.json, timeline.parquet/.csv, trace.json.gz, "
                                                 "timeline.png, schedule.json and routing.npz here")
     p.add_argument("--no-png", action="store_true", help="skip the Gantt PNG (faster for big runs)")
     p.set_defaults(func=cmd_simulate)
@@ -362,7 +369,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="FlexGen's overlap: its implementation's (code) or its cost model's (default: the "
                         "preset's: code for as-published and v0.1, model for ideal)")
     p.add_argument("--out", default="klotski-out", metavar="DIR",
-                   help="write compare.csv/.json, compare.png, trace_<policy>.json, plan.txt (default: %(default)s)")
+                   help="write compare.csv/.json, compare.png, plan.txt (and trace_<policy>.json.gz with --traces) "
+                        "here (default: %(default)s)")
+    p.add_argument("--traces", action="store_true",
+                   help="also write each policy's Chrome/Perfetto trace, gzip-compressed (open the .json.gz in "
+                        "ui.perfetto.dev)")
     p.add_argument("--no-png", action="store_true", help="skip the Gantt figure")
     p.set_defaults(func=cmd_compare)
 

@@ -3,7 +3,8 @@
 The whole model is three rules, applied by callbacks on SimPy's event queue:
 
 1. An op becomes *ready* when its deps and its stream predecessor have ended (in-order streams),
-   plus the profile's `dependency_latency_s` for a dependency on another stream.
+   plus the profile's `dependency_latency_s` for a dependency on another stream (not to or from
+   a host op: its `host_sync_latency_s` is the whole round trip).
 2. A ready op waits in its resource's queue (first ready, first served; ties by schedule order)
    until one of the resource's units is free (1 for the GPU and the host thread, `copy_engines`
    for a link).
@@ -31,7 +32,7 @@ from simpy.events import NORMAL
 
 from .cost import CostModel
 from .hardware import HardwareProfile
-from .schedule import Schedule, ScheduleError, dependency_graph, gc_paused
+from .schedule import Schedule, ScheduleError, dependency_arrays, gc_paused
 from .timeline import OutOfMemory, Timeline
 
 
@@ -93,8 +94,10 @@ def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | No
 
     # Graph: successors of each op (its dependents and its stream successor), and how many
     # predecessors each op still waits for.
-    succs, pending = dependency_graph(ops, index)
+    succ_ptr, succ_flat, pending = dependency_arrays(ops, index)
     alloc_bytes = [sum(size for _, size in op.alloc) if op.alloc else 0 for op in ops]
+    has_alloc = [bool(op.alloc) for op in ops]
+    free_of = [op.free for op in ops]
 
     nan = float("nan")
     ready_at, start, end, blocker = [nan] * n, [nan] * n, [nan] * n, [-1] * n
@@ -113,22 +116,21 @@ def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | No
     memory_trace: list[tuple[float, int]] = [(0.0, preloaded)]
     mem = [preloaded, preloaded]  # in use, peak
     oom: list[OutOfMemory] = []
-    finished = [0]
     env = simpy.Environment()
     heappush, heappop = heapq.heappush, heapq.heappop
     event_queue, event_ids = env._queue, env._eid  # SimPy's own queue, as Environment.schedule uses it
-
-    def at(delay: float, callback: object, i: int) -> None:
-        """Schedule `callback(event)` `delay` seconds from now on SimPy's queue."""
-        heappush(event_queue, (env._now + delay, NORMAL, next(event_ids), _Wake(callback, i)))
+    # a one-unit resource's current op ends at busy_until: an op signalled before then can wait in
+    # the queue without an event of its own (the end of the running op dispatches it)
+    single = [caps[r] == 1 for r in resources]
+    busy_until = [0.0] * len(resources)
 
     def dispatch(r: int, now: float) -> None:
         """Start queued ops on resource r while it has free units."""
         queue = queues[r]
         while queue and free_units[r] and not oom:
             i = heappop(queue)[1]
-            need = alloc_bytes[i]
-            if need or ops[i].alloc:
+            if has_alloc[i]:
+                need = alloc_bytes[i]
                 if mem[0] + need > capacity:
                     oom.append(OutOfMemory(op_id=ops[i].id, time=now, needed_bytes=mem[0] + need,
                                            available_bytes=capacity, in_use_bytes=mem[0]))
@@ -141,14 +143,15 @@ def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | No
                 memory_trace.append((now, mem[0]))
             free_units[r] -= 1
             start[i] = arrival[i] if is_host[i] else now
-            at(durations[i], finish, i)
+            done = env._now + durations[i]
+            busy_until[r] = done
+            heappush(event_queue, (done, NORMAL, next(event_ids), _Wake(finish, i)))
 
     def finish(event: _Wake) -> None:
         i = event.op
-        now = env.now
+        now = env._now
         end[i] = now
-        finished[0] += 1
-        freed = ops[i].free
+        freed = free_of[i]
         if freed:
             for name in freed:
                 if name not in buffers:
@@ -159,16 +162,26 @@ def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | No
         r = resource_of[i]
         free_units[r] += 1
         woken = None
-        for s in succs[i]:
-            if is_host[s] and is_host[i]:
+        host_i = is_host[i]
+        signal = latency and not host_i
+        for s in succ_flat[succ_ptr[i]:succ_ptr[i + 1]]:
+            if host_i and is_host[s]:
                 arrival[s] = now  # the host thread moves on to its next wait
-            if latency and stream_of[s] != stream_of[i]:
-                ready_floor[s] = max(ready_floor[s], now + latency)
+            if signal and stream_of[s] != stream_of[i] and not is_host[s]:
+                # (a host op's own latency is the whole round trip: GPU done -> host -> next launch)
+                if ready_floor[s] < now + latency:
+                    ready_floor[s] = now + latency
             pending[s] -= 1
             if not pending[s]:
                 blocker[s] = i
                 if latency and ready_floor[s] > now:
-                    at(ready_floor[s] - now, seen, s)
+                    floor = ready_floor[s]
+                    rs = resource_of[s]
+                    if single[rs] and not free_units[rs] and busy_until[rs] > floor:
+                        ready_at[s] = floor  # seen while its resource is still busy
+                        heappush(queues[rs], (floor, s))
+                    else:
+                        heappush(event_queue, (floor, NORMAL, next(event_ids), _Wake(seen, s)))
                     continue
                 ready_at[s] = now
                 rs = resource_of[s]
@@ -184,7 +197,7 @@ def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | No
     def seen(event: _Wake) -> None:
         """A cross-stream dependency has been signalled: the op joins its resource's queue."""
         s = event.op
-        now = env.now
+        now = env._now
         ready_at[s] = now
         heappush(queues[resource_of[s]], (now, s))
         dispatch(resource_of[s], now)
@@ -201,7 +214,8 @@ def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | No
             dispatch(r, 0.0)
         env.run()
 
-    if not oom and finished[0] < n:
+    never_ended = np.flatnonzero(np.isnan(np.asarray(end, dtype=float))) if n else []
+    if not oom and len(never_ended):
         stuck = [ops[i].id for i in range(n) if start[i] != start[i]]
         shown = ", ".join(stuck[:10]) + (f" ... ({len(stuck)} in all)" if len(stuck) > 10 else "")
         raise EngineDeadlock(f"deadlock: {len(stuck)} op(s) can never start: {shown}")

@@ -100,6 +100,25 @@ def memory_needed(model: ModelSpec, batch_size: int, n: int, prompt_len: int, ge
     return out
 
 
+def memory_floor(model: ModelSpec, batch_size: int, n: int, prompt_len: int, gen_len: int,
+                 placement: Placement) -> dict[str, float]:
+    """GPU bytes any schedule of this workload must hold at once — a lower bound, so a
+    configuration above it is impossible whatever the policy: the resident weights, the hidden
+    states of every batch, the KV cache at its final length (all of it on the GPU, or one batch's
+    layer in flight from host memory) and the largest single weight tensor in use."""
+    tokens_final = prompt_len + gen_len - 1
+    kv_layer = model.kv_bytes(batch_size, tokens_final)
+    out = {
+        "resident": float(model.resident_bytes() + placement.resident_layers * model.layer_bytes()),
+        "activations": float(n * model.hidden_bytes(batch_size * prompt_len)),
+        "kv_cache": float(n * model.num_layers * kv_layer if placement.kv == "gpu" else kv_layer),
+        "one_weight_tensor": float(max(model.attention_bytes(), model.expert_bytes(), model.gate_bytes())
+                                   if placement.resident_layers < model.num_layers else 0),
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
 def default_placement(model: ModelSpec, profile: HardwareProfile, kv: str = "gpu") -> Placement:
     """Experts get host memory first: when the host cannot hold every layer, the experts of the
     last layers move to disk (as many as needed); attention and gate stay in host memory while

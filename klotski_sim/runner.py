@@ -11,17 +11,18 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from .cache import cached_trace
 from .cost import CostModel
 from .engine import simulate
 from .hardware import HardwareProfile, load_profile, with_overrides
 from .model import ModelSpec, get_model
-from .planner import Plan, default_placement, largest_fitting_n, memory_needed, plan
+from .planner import Plan, default_placement, largest_fitting_n, memory_floor, memory_needed, plan
 from .impl import Impl
 from .policies import Placement, PolicyInput, build_schedule, get_policy
 from .policies.base import resolve_options
 from .routing import RoutingTable, RunShape
 from .schedule import Schedule
-from .timeline import Timeline
+from .timeline import OutOfMemory, Timeline
 from .trace import Replay, Trace, TraceError, replay
 from .trace_stats import popularity
 from .trace_synth import base_popularity, params_for, synthesize
@@ -67,12 +68,15 @@ class Prepared:
     profile: HardwareProfile
     num_batches: int
     placement: Placement
-    trace: Trace
-    replay: Replay
+    trace: Trace | None
+    replay: Replay | None
     plan: Plan | None
+    refused: OutOfMemory | None = None  # the memory check's verdict: nothing was built
 
     def narrowed(self, num_batches: int) -> "Prepared":
         """The same run with fewer batches: the first `num_batches` batches of the same routing."""
+        if self.trace is None:
+            return replace(self, num_batches=num_batches)
         return replace(self, num_batches=num_batches,
                        replay=replay_run(self.spec, self.model, self.trace, num_batches))
 
@@ -100,7 +104,8 @@ def resolve_profile(spec: RunSpec) -> HardwareProfile:
 
 @lru_cache(maxsize=4)
 def _synthetic_trace(model: ModelSpec, routing: str, seed: int, sequences: int, prompt_len: int, gen_len: int) -> Trace:
-    return synthesize(model, sequences, prompt_len, gen_len, routing, seed)
+    return cached_trace(model, routing, seed, sequences, prompt_len, gen_len,
+                        lambda: synthesize(model, sequences, prompt_len, gen_len, routing, seed))
 
 
 @lru_cache(maxsize=4)
@@ -179,6 +184,12 @@ def prepare(spec: RunSpec) -> Prepared:
                                  get_policy(spec.policy).buffering)
             if need["total"] > profile.gpu.usable_bytes:
                 placement = replace(placement, kv="cpu")
+    floor = memory_floor(model, spec.batch_size, n, spec.prompt_len, spec.gen_len, placement)
+    if floor["total"] > profile.gpu.usable_bytes:  # impossible whatever the schedule: refuse before any routing
+        refused = OutOfMemory(op_id="<memory check>", time=0.0, needed_bytes=int(floor["total"]),
+                              available_bytes=int(profile.gpu.usable_bytes), in_use_bytes=0,
+                              detail=", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in floor.items() if k != "total"))
+        return Prepared(spec, model, profile, n, placement, None, None, the_plan, refused)
     trace, rep = make_replay(spec, model, n)
     return Prepared(spec, model, profile, n, placement, trace, rep, the_plan)
 
@@ -194,11 +205,25 @@ def policy_batches(policy: str, prep: Prepared) -> int:
     return min(prep.num_batches, fit) if fit else prep.num_batches
 
 
+def refused_run(spec: RunSpec, prep: Prepared) -> RunResult:
+    """The result of a configuration the memory check refused: status `oom`, no ops."""
+    meta = dict(policy=spec.policy, model=prep.model.name, hardware=prep.profile.name, batch_size=spec.batch_size,
+                num_batches=prep.num_batches, prompt_len=spec.prompt_len, gen_len=spec.gen_len,
+                generated_tokens=spec.shape(prep.num_batches).generated_tokens, placement=asdict(prep.placement),
+                impl=spec.impl)
+    schedule = Schedule(ops=(), meta=meta)
+    timeline = Timeline.from_schedule(schedule, [], [], status="oom", oom=prep.refused, source="simulated",
+                                      extra_meta={"gpu_capacity_bytes": int(prep.profile.gpu.usable_bytes)})
+    return RunResult(spec, prep.model, prep.profile, schedule, timeline, prep.plan, None)
+
+
 def run(spec: RunSpec, cost: CostModel | None = None, prepared: Prepared | None = None) -> RunResult:
     """Build the schedule for `spec` and simulate it (`prepared` shares routing and plan
     between the policies of one comparison). With `num_batches=None` the planner's n is used,
     lowered for policies that need more weight memory (see `policy_batches`)."""
     prep = prepared or prepare(spec)
+    if prep.refused is not None:
+        return refused_run(spec, prep)
     if spec.num_batches is None:
         n = policy_batches(spec.policy, prep)
         if n != prep.num_batches:

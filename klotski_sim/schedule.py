@@ -21,6 +21,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
+import numpy as np
+
 FORMAT = "klotski-schedule"
 VERSION = 1
 
@@ -286,20 +288,33 @@ def _check_op_fields(op: Op, streams: Mapping[str, str]) -> None:
 
 
 def dependency_graph(ops: Sequence[Op], position: Mapping[str, int]) -> tuple[list[list[int]], list[int]]:
-    """Successors of each op (its dependents and its stream successor, by index) and how many
+    """Successors of each op (its dependents and its stream successor), by index, and how many
     predecessors each op waits for: the one graph the checker, the engine and the runtime use."""
-    succs: list[list[int]] = [[] for _ in range(len(ops))]
-    indegree = [0] * len(ops)
-    last: dict[str, int] = {}
-    for i, op in enumerate(ops):
-        for dep in op.deps:
-            succs[position[dep]].append(i)
-        prev = last.get(op.stream)
-        if prev is not None:
-            succs[prev].append(i)
-        indegree[i] = len(op.deps) + (prev is not None)
-        last[op.stream] = i
-    return succs, indegree
+    ptr, flat, indegree = dependency_arrays(ops, position)
+    return [flat[ptr[i]:ptr[i + 1]] for i in range(len(ops))], indegree
+
+
+def dependency_arrays(ops: Sequence[Op], position: Mapping[str, int]) -> tuple[list[int], list[int], list[int]]:
+    """The same graph in compressed form, built with numpy: the successors of op i are
+    `flat[ptr[i]:ptr[i + 1]]`; `indegree[i]` counts its predecessors (deps + stream predecessor)."""
+    n = len(ops)
+    if n == 0:
+        return [0], [], []
+    dep_counts = np.fromiter((len(op.deps) for op in ops), dtype=np.int64, count=n)
+    dep_src = np.fromiter((position[d] for op in ops for d in op.deps), dtype=np.int64, count=int(dep_counts.sum()))
+    dep_dst = np.repeat(np.arange(n, dtype=np.int64), dep_counts)
+    # stream order: each op follows the previous op of its stream
+    streams = np.fromiter((hash(op.stream) for op in ops), dtype=np.int64, count=n)
+    order = np.argsort(streams, kind="stable")  # by stream, list order within a stream
+    same = streams[order[1:]] == streams[order[:-1]]
+    stream_src, stream_dst = order[:-1][same], order[1:][same]
+    src = np.concatenate([dep_src, stream_src])
+    dst = np.concatenate([dep_dst, stream_dst])
+    by_src = np.lexsort((dst, src))  # successors in schedule order (the engine breaks ties by it)
+    ptr = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.bincount(src, minlength=n), out=ptr[1:])
+    indegree = np.bincount(dst, minlength=n)
+    return ptr.tolist(), dst[by_src].tolist(), indegree.tolist()
 
 
 def topological_order(schedule: "Schedule") -> list[int]:

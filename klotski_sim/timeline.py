@@ -17,12 +17,13 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from functools import cached_property, partial
-from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
+
+from .schedule import Op, gc_paused
 
 if TYPE_CHECKING:
     from .schedule import Schedule
@@ -46,12 +47,13 @@ class OutOfMemory:
     needed_bytes: int
     available_bytes: int
     in_use_bytes: int
+    detail: str = ""  # what the needed bytes are made of (the memory check says)
 
     def describe(self) -> str:
         gib = 2**30
         return (f"out of GPU memory at t={self.time:.4f}s starting {self.op_id}: needs "
                 f"{self.needed_bytes / gib:.2f} GiB, {self.available_bytes / gib:.2f} GiB available "
-                f"({self.in_use_bytes / gib:.2f} GiB already in use)")
+                f"({self.in_use_bytes / gib:.2f} GiB already in use)" + (f": {self.detail}" if self.detail else ""))
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,8 @@ class Timeline:
     @property
     def columns(self) -> dict[str, np.ndarray]:
         if self._columns is None:
-            self._columns = self._build_columns()
+            with gc_paused():  # hundreds of thousands of small objects, no cycles
+                self._columns = self._build_columns()
             self._build_columns = None
         return self._columns
 
@@ -405,18 +408,28 @@ class Timeline:
                 + dumps(jsonable(self.meta)) + "}")
 
     def to_chrome_trace(self, path: str | Path) -> None:
-        Path(path).write_text(self.chrome_trace_json())
+        """Write the Chrome trace; gzip-compressed when the name ends in `.gz` (Perfetto and
+        chrome://tracing open `.json.gz` as they are: about a tenth of the size)."""
+        path = Path(path)
+        text = self.chrome_trace_json().encode()
+        if path.suffix == ".gz":
+            import gzip
+
+            with gzip.open(path, "wb", compresslevel=3) as f:
+                f.write(text)
+        else:
+            path.write_bytes(text)
 
     def save_all(self, out_dir: str | Path, *, png: bool = True) -> dict[str, Path]:
-        """Write summary.json, timeline.parquet, timeline.csv, trace.json and timeline.png."""
+        """Write summary.json, timeline.parquet, timeline.csv, trace.json.gz and timeline.png."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         paths = {name: out / name for name in
-                 ("summary.json", "timeline.parquet", "timeline.csv", "trace.json", "timeline.png")}
+                 ("summary.json", "timeline.parquet", "timeline.csv", "trace.json.gz", "timeline.png")}
         paths["summary.json"].write_text(json.dumps(jsonable(self.summary().to_dict()), indent=2))
         self.to_parquet(paths["timeline.parquet"])
         self.to_csv(paths["timeline.csv"])
-        self.to_chrome_trace(paths["trace.json"])
+        self.to_chrome_trace(paths["trace.json.gz"])
         if png:
             from .plot import gantt
 
@@ -434,38 +447,39 @@ def _columns_from_schedule(schedule: "Schedule", start: Sequence[float], end: Se
     ops = schedule.ops
     everything_ran = len(ran) == len(ops)
     sel = ops if everything_ran else [ops[i] for i in ran]
-    # One C-level pass over the ops for all tag fields, then one array per column.
-    getter = attrgetter("id", "stream", "kind", "category", "step", "phase", "layer", "batches", "expert",
-                        "tokens", "bytes", "flops")
-    rows = list(map(getter, sel))
-    (ids, streams, kinds, cats, steps, phases, layers, batches, experts, tokens, nbytes,
-     flops) = zip(*rows) if rows else ((),) * 12
-    resource_of = {s: r for s, r in schedule.streams.items()}
+    # One C-level transpose of the ops (NamedTuples) into field columns, then one array each.
+    fields = dict(zip(Op._fields, zip(*sel))) if len(sel) else {f: () for f in Op._fields}
+    streams = fields["stream"]
+    resource_of = schedule.streams
     obj = partial(np.array, dtype=object)
     blocked = np.full(len(ran), "", dtype=object)
     if blocked_by is not None:
-        b = np.asarray(blocked_by)[ran]
+        b = np.asarray(blocked_by, dtype=np.int64)[ran]
         has = np.flatnonzero(b >= 0)
-        blocked[has] = [ops[k].id for k in b[has]]
+        ids = obj(fields["id"]) if len(sel) else obj([])
+        all_ids = ids if everything_ran else obj([op.id for op in ops])
+        blocked[has] = all_ids[b[has]]
+    batches = fields["batches"]
+    memo = _BATCH_TEXT
     cols: dict[str, np.ndarray] = {
-        "op_id": obj(ids),
+        "op_id": obj(fields["id"]),
         "stream": obj(streams),
-        "resource": obj([resource_of[s] for s in streams]),
+        "resource": obj([resource_of[st] for st in streams]),
         "start": start_arr[ran],
         "end": np.asarray(end, dtype=float)[ran],
         "ready": (np.asarray(ready, dtype=float)[ran] if ready is not None else np.full(len(ran), np.nan)),
         "blocked_by": blocked,
-        "kind": obj(kinds),
-        "category": obj(cats),
-        "step": np.array(steps, dtype=np.int64),
-        "phase": obj(phases),
-        "layer": np.array(layers, dtype=np.int64),
+        "kind": obj(fields["kind"]),
+        "category": obj(fields["category"]),
+        "step": np.array(fields["step"], dtype=np.int64),
+        "phase": obj(fields["phase"]),
+        "layer": np.array(fields["layer"], dtype=np.int64),
         "batch": np.array([bt[0] if len(bt) == 1 else -1 for bt in batches], dtype=np.int64),
-        "batches": obj([_BATCH_TEXT.get(bt) or _batch_text(bt) for bt in batches]),
-        "expert": np.array(experts, dtype=np.int64),
-        "tokens": np.array(tokens, dtype=np.int64),
-        "bytes": np.array(nbytes, dtype=np.int64),
-        "flops": np.array(flops, dtype=np.float64),
+        "batches": obj([memo.get(bt) or _batch_text(bt) for bt in batches]),
+        "expert": np.array(fields["expert"], dtype=np.int64),
+        "tokens": np.array(fields["tokens"], dtype=np.int64),
+        "bytes": np.array(fields["bytes"], dtype=np.int64),
+        "flops": np.array(fields["flops"], dtype=np.float64),
     }
     return cols
 

@@ -110,8 +110,12 @@ class Trace:
             bad = int(e.max()) if e.max() >= n_exp else int(e.min())
             raise TraceError(f"{where}: expert id {bad} out of range for num_experts={n_exp}")
         if e.size and self.top_k > 1:
-            srt = np.sort(e, axis=2)
-            if np.any(srt[:, :, 1:] == srt[:, :, :-1]):
+            if self.top_k == 2:
+                twice = np.any(e[:, :, 0] == e[:, :, 1])
+            else:
+                srt = np.sort(e, axis=2)
+                twice = np.any(srt[:, :, 1:] == srt[:, :, :-1])
+            if twice:
                 raise TraceError(f"{where}: a token selects the same expert twice in one layer")
         if self.weights is not None and self.weights.shape != e.shape:
             raise TraceError(f"{where}: weights shape {self.weights.shape} differs from experts {e.shape}")

@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from klotski_sim.engine import EngineDeadlock, simulate
-from klotski_sim.schedule import Op, Schedule
+from klotski_sim.schedule import Op, Schedule, ScheduleError
 
 from .conftest import make_profile
 
@@ -195,3 +195,10 @@ def test_golden_dependency_latency_delays_cross_stream_successors_only():
     assert df.loc["a0", ["start", "end"]].tolist() == [2.5, 3.5]
     assert df.loc["a1", "start"] == 3.5
     assert df.loc["a0", "blocked_by"] == "w0"
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
+def test_non_finite_or_negative_durations_are_refused_naming_the_op(bad):
+    s = golden_schedule()
+    with pytest.raises(ScheduleError, match="op 'a0' would last"):
+        simulate(s, make_profile(), durations=[1, 1, bad, 1])

@@ -1,3 +1,4 @@
+import gzip
 import json
 
 import numpy as np
@@ -43,7 +44,7 @@ def test_exports(tmp_path):
     paths = tl.save_all(tmp_path)
     for p in paths.values():
         assert p.exists() and p.stat().st_size > 0
-    trace = json.loads(paths["trace.json"].read_text())
+    trace = json.loads(gzip.decompress(paths["trace.json.gz"].read_bytes()))
     names = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
     assert {"compute", "h2d_weights", "h2d_experts", "GPU bubbles"} <= names
     assert sum(e["ph"] == "X" and e.get("cat") != "bubble" for e in trace["traceEvents"]) == 5

@@ -152,3 +152,27 @@ def test_import_rejects_malformed_lines(tmp_path):
     (tmp_path / "bad2.jsonl").write_text('{"seq_id": 1, "token_idx": 0, "layer": 0}\n')
     with pytest.raises(TraceError, match="bad2.jsonl:1: record has none of"):
         import_jsonl(tmp_path / "bad2.jsonl")
+
+
+def test_trace_cache_serves_the_same_trace_and_survives_a_bad_file(tmp_path, monkeypatch):
+    from klotski_sim.cache import cached_trace
+
+    monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(tmp_path))
+    m = get_model("tiny-mixtral")
+    calls = []
+
+    def make():
+        calls.append(1)
+        return synthesize(m, 5, 6, 3, "calibrated", 7)
+
+    first = cached_trace(m, "calibrated", 7, 5, 6, 3, make)
+    second = cached_trace(m, "calibrated", 7, 5, 6, 3, make)
+    assert len(calls) == 1 and np.array_equal(first.experts, second.experts)
+    assert second.meta == first.meta
+    for f in (tmp_path / "traces").glob("*.npz"):  # a truncated cache file is regenerated, not trusted
+        f.write_bytes(f.read_bytes()[:100])
+    third = cached_trace(m, "calibrated", 7, 5, 6, 3, make)
+    assert len(calls) == 2 and np.array_equal(third.experts, first.experts)
+    monkeypatch.setenv("KLOTSKI_CACHE_DIR", "off")
+    cached_trace(m, "calibrated", 7, 5, 6, 3, make)
+    assert len(calls) == 3

@@ -88,7 +88,7 @@ def test_execute_cli_runs_what_simulate_wrote(tmp_path):
     assert sim.returncode == 0, sim.stderr
     rc, out, err = _runtime("execute", str(tmp_path / "sim"), "--out", str(tmp_path / "meas"))
     assert rc == 0, err
-    assert "throughput" in out and "EMULATED" in out and (tmp_path / "meas" / "trace.json").exists()
+    assert "throughput" in out and "EMULATED" in out and (tmp_path / "meas" / "trace.json.gz").exists()
     # a schedule for another model is a clear error
     rc, _, err = _runtime("execute", str(tmp_path / "sim"), "--model", "small-mixtral")
     assert rc == 2 and "built for model 'tiny-mixtral'" in err and "Traceback" not in err

@@ -192,6 +192,7 @@ class OpEmitter:
         self.placement = inp.placement
         self.b = builder or ScheduleBuilder()
         self.impl = Impl.from_options(inp.options)
+        self._attention_costs: dict[tuple[int, int], tuple[int, int]] = {}
         self._last_kv_store: dict[tuple[int, int], str] = {}  # (layer, batch) -> its latest KV store
         self._attention_ops: list[str] = []
         self._kv_buffers: dict[int, list[str]] = {}
@@ -321,10 +322,9 @@ class OpEmitter:
             deps.append(load)
             free = free + (load,)
         variant = self.impl.attention_impl
-        op = self.b.compute(op_id, "attention", deps, flops=m.attention_flops(sh.batch_size, new, kv_len, variant),
-                            bytes=m.attention_io_bytes(sh.batch_size, new, kv_len, variant),
-                            tokens=sh.batch_size * new, kv_len=kv_len, alloc=alloc, free=free, variant=variant,
-                            **tags)
+        flops, nbytes = self._attention_cost(new, kv_len)
+        op = self.b.compute(op_id, "attention", deps, flops=flops, bytes=nbytes, tokens=sh.batch_size * new,
+                            kv_len=kv_len, alloc=alloc, free=free, variant=variant, **tags)
         self._attention_ops.append(op)
         if self.placement.kv == "cpu":
             pageable = self.impl.copy_memory_kv == "pageable"
@@ -348,6 +348,16 @@ class OpEmitter:
         return self.b.compute(op_id, "expert", deps, flops=self.model.expert_flops(tokens),
                               bytes=self.model.expert_io_bytes(tokens), step=step, phase=self.phase(step),
                               layer=layer, batches=tuple(batches), expert=expert, tokens=tokens, free=tuple(free))
+
+    def _attention_cost(self, new: int, kv_len: int) -> tuple[int, int]:
+        """FLOPs and bytes of one batch's attention (the same for every batch and layer of a step)."""
+        key = (new, kv_len)
+        cost = self._attention_costs.get(key)
+        if cost is None:
+            m, bs, variant = self.model, self.shape.batch_size, self.impl.attention_impl
+            cost = self._attention_costs[key] = (m.attention_flops(bs, new, kv_len, variant),
+                                                 m.attention_io_bytes(bs, new, kv_len, variant))
+        return cost
 
     # ---- the host thread -------------------------------------------------------------------------
     def sync(self, at: str, waits_for: Iterable[str | None]) -> str | None:
