@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import zipfile
 from dataclasses import asdict
 from importlib import resources
 from pathlib import Path
@@ -50,8 +51,8 @@ def cached_trace(model: ModelSpec, routing: str, seed: int, sequences: int, prom
         with np.load(path, allow_pickle=False) as z:
             meta = json.loads(str(z["meta"]))
             return Trace(z["experts"], z["seq_offsets"], z["prompt_lens"], meta)
-    except (OSError, ValueError, KeyError):
-        pass  # not there yet (or unreadable): make it
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+        pass  # not there yet, or unreadable (a truncated file is a ValueError/BadZipFile): make it
     trace = make()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
