@@ -22,6 +22,7 @@ frees it drops it; the measured peak is reported next to the simulated one.
 
 from __future__ import annotations
 
+import heapq
 import sys
 import tempfile
 import threading
@@ -44,6 +45,34 @@ from .kernels import WeightStore
 RESOURCE_CAPACITY = {"gpu": 1, "pcie_h2d": 1, "pcie_d2h": 1, "nvme": 1, "host": 1}
 
 
+class ResourceGate:
+    """The units of one resource, shared by the threads of the streams mapped to it, served as the
+    simulator serves them (klotski_sim.engine, rule 2): first ready first, ties by schedule order.
+    Without it two copy streams on one link would copy at once, each at the full emulated rate."""
+
+    def __init__(self, units: int) -> None:
+        self.units = units
+        self.waiting: list[tuple[float, int]] = []
+        self.cond = threading.Condition()
+
+    def acquire(self, ready: float, i: int, abort: threading.Event) -> bool:
+        """Wait for a unit; False when the run was aborted meanwhile."""
+        with self.cond:
+            heapq.heappush(self.waiting, (ready, i))
+            while not (self.units and self.waiting[0][1] == i):
+                self.cond.wait(0.05)
+                if abort.is_set():
+                    return False
+            heapq.heappop(self.waiting)
+            self.units -= 1
+            return True
+
+    def release(self) -> None:
+        with self.cond:
+            self.units += 1
+            self.cond.notify_all()
+
+
 class ExecutionError(RuntimeError):
     """An op failed while executing; the message names it."""
 
@@ -63,6 +92,7 @@ class ExecOptions:
     timeout_s: float = 3600.0
     prompt: np.ndarray | None = None  # [batches, batch_size, prompt_len] token ids; random when None
     threads: int | None = None  # torch intra-op threads on the CPU (the rest of the cores copy)
+    capacities: Mapping[str, int] | None = None  # units per resource (engine.resource_capacities); None: 1 each
 
 
 def tensor_bytes(tensors: Any) -> int:
@@ -345,7 +375,8 @@ def execute(schedule: Schedule, spec: ModelSpec, weights: WeightStore, routing: 
     device_name = torch.cuda.get_device_name() if options.device.startswith("cuda") else "cpu"
     timeline = Timeline.from_schedule(
         schedule, start, end, status="ok", peak_gpu_bytes=peak, memory_trace=runner.memory_trace,
-        capacities={r: RESOURCE_CAPACITY.get(r, 1) for r in set(schedule.streams.values())}, source="measured",
+        capacities={r: (dict(RESOURCE_CAPACITY) | dict(options.capacities or {})).get(r, 1)
+                    for r in sorted(set(schedule.streams.values()))}, source="measured",
         extra_meta={"device": device_name, "weights": weights.source, "weight_notes": weights.notes,
                     "routing_forced": options.force_routing, "dtype": str(runner.dtype),
                     "emulated_links": ({"bandwidth_bytes_per_s": emulated, "latency_s": options.link_latency_s,
@@ -368,6 +399,8 @@ def _run_cpu(schedule: Schedule, runner: OpRunner, options: ExecOptions) -> tupl
         per_stream.setdefault(op.stream, []).append(i)
     dep_index = [[index[d] for d in op.deps] if op.kind != "host" else [] for op in ops]
     resources = dict(schedule.streams)
+    caps = dict(RESOURCE_CAPACITY) | dict(options.capacities or {})
+    gates = {r: ResourceGate(caps.get(r, 1)) for r in set(resources.values())}
     t0 = runner.t0
 
     def worker(indices: list[int]) -> None:
@@ -387,17 +420,23 @@ def _run_cpu(schedule: Schedule, runner: OpRunner, options: ExecOptions) -> tupl
                     end[i] = time.perf_counter() - t0
                     done[i].set()
                     continue
-                begin = time.perf_counter()
-                start[i] = begin - t0
-                runner.run(op)
-                if op.kind == "transfer":
-                    rates = options.emulate_pageable if op.pageable else options.emulate_links
-                    bw = rates.get(resources[op.stream])
-                    if bw:
-                        remaining = options.link_latency_s + op.bytes / bw - (time.perf_counter() - begin)
-                        if remaining > 0:
-                            time.sleep(remaining)
-                end[i] = time.perf_counter() - t0
+                gate = gates[resources[op.stream]]
+                if not gate.acquire(time.perf_counter(), i, abort):
+                    return
+                try:
+                    begin = time.perf_counter()
+                    start[i] = begin - t0
+                    runner.run(op)
+                    if op.kind == "transfer":
+                        rates = options.emulate_pageable if op.pageable else options.emulate_links
+                        bw = rates.get(resources[op.stream])
+                        if bw:
+                            remaining = options.link_latency_s + op.bytes / bw - (time.perf_counter() - begin)
+                            if remaining > 0:
+                                time.sleep(remaining)
+                    end[i] = time.perf_counter() - t0
+                finally:
+                    gate.release()
                 done[i].set()
         except BaseException as err:  # noqa: BLE001 - re-raised in the caller with the op named
             errors.append(ExecutionError(f"op {ops[i].id!r} failed: {type(err).__name__}: {err}"))

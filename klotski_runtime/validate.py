@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from klotski_sim.engine import simulate
+from klotski_sim.engine import resource_capacities, simulate
 from klotski_sim.hardware import HardwareProfile, ProfileError
 from klotski_sim.model import get_model
 from klotski_sim.policies import build_schedule
@@ -142,6 +142,7 @@ def validate(setup: ValidationSetup, profile_path: str, out_dir: str | Path,
         p = prep.narrowed(1) if name == "single-batch" and prep.num_batches > 1 else prep
         schedule = build_schedule(name, replace(p.policy_input(), impl=impl))
         sim = simulate(schedule, p.profile)
+        options = replace(options, capacities=resource_capacities(schedule, p.profile))  # one definition
         for _ in range(setup.warmup_runs):  # first-touch costs (allocator, lazy init) are not the schedule's
             execute(schedule, model, weights, p.replay.routing, options)
         meas, _ = execute(schedule, model, weights, p.replay.routing, options)
