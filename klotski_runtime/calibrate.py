@@ -32,6 +32,7 @@ from . import kernels
 from .kernels import WeightStore
 
 MB = 1 << 20
+PROBE_BATCHES, PROBE_GEN = 3, 3  # the dispatch probes' batch count and generation length
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]:
@@ -205,8 +206,12 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
     data["gpu"]["dispatch_overhead_s"] = overall
     data["gpu"]["dispatch_overhead_by_category"] = by_category
     data["sources"]["gpu.dispatch_overhead_s"] = ("median (measured - simulated) duration of the compute ops of "
-                                                  "small Klotski and FlexGen schedules run through the executor "
-                                                  "(per category in dispatch_overhead_by_category)")
+                                                  "small Klotski and FlexGen probe schedules run through the executor "
+                                                  f"(2 layers, batch {min(batch_sizes)}, {PROBE_BATCHES} batches, "
+                                                  f"prompt {min(prompt_lens)}, {PROBE_GEN} generated; per category "
+                                                  "in dispatch_overhead_by_category)")
+    data["provenance"]["probe"] = {"layers": min(2, spec.num_layers), "batch_size": min(batch_sizes),
+                                   "num_batches": PROBE_BATCHES, "prompt_len": min(prompt_lens), "gen_len": PROBE_GEN}
     return profile_from_dict(data, "calibration")
 
 
@@ -224,10 +229,12 @@ def _probe_dispatch(spec: ModelSpec, draft: HardwareProfile, dev: torch.device, 
 
     from .executor import ExecOptions, execute
 
+    # out of sample: the probes have their own layer count, batch size, batch count, prompt and
+    # generation lengths, so a validation that uses this profile is not checked on its own fit
     base = spec.name.split(":")[0]
     probe = get_model(f"{base}:{min(2, spec.num_layers)}")
-    shape = RunShape(batch_size, 2, prompt_len, 3)
-    rep = replay(synthesize(probe, shape.num_sequences + 2, prompt_len, 3, "calibrated", 0), probe, shape,
+    shape = RunShape(batch_size, PROBE_BATCHES, prompt_len, PROBE_GEN)
+    rep = replay(synthesize(probe, shape.num_sequences + 2, prompt_len, PROBE_GEN, "calibrated", 0), probe, shape,
                  warmup_sequences=2)
     weights = WeightStore.random(probe, dtype=dtype)
     options = ExecOptions(device=dev.type, emulate_links=dict(emulate) if dev.type == "cpu" else {},

@@ -101,7 +101,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
                             num_batches=args.num_batches, prompt_len=args.prompt_len, gen_len=args.gen_len,
                             routing=args.routing, trace=args.trace, seed=args.seed, kv=args.kv,
                             emulate_links=_emulation(args), emulate_pageable=_pageable(args),
-                            checkpoint=args.checkpoint, dtype=args.dtype, threads=args.threads, impl=args.impl)
+                            checkpoint=args.checkpoint, dtype=args.dtype, threads=args.threads, impl=args.impl,
+                            repeats=args.repeats)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     profile_path = args.profile
@@ -111,8 +112,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
         from klotski_sim.model import get_model
 
         print(f"no --profile: calibrating {args.device} for {args.model} first ...")
+        # the dispatch probes run at batch 1 and half the prompt: out of sample for this validation
         profile = calibrate(get_model(args.model), args.device, batch_sizes=sorted({1, args.batch_size}),
-                            prompt_lens=[args.prompt_len],
+                            prompt_lens=sorted({max(1, args.prompt_len // 2), args.prompt_len}),
                             kv_lens=range(args.prompt_len + 1, args.prompt_len + max(2, args.gen_len)),
                             max_expert_tokens=max(64, 2 ** (args.batch_size * args.num_batches * args.prompt_len)
                                                   .bit_length()),
@@ -218,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--impl", default="as-published", choices=["as-published", "ideal", "v0.1", "both"],
                    help="implementation preset of the schedules validated (default: %(default)s)")
+    p.add_argument("--repeats", type=_positive_int, default=3,
+                   help="measured runs per schedule; errors are reported as median and spread (default: %(default)s)")
     _add_device(p)
     p.set_defaults(func=cmd_validate)
 

@@ -45,6 +45,29 @@ from .kernels import WeightStore
 RESOURCE_CAPACITY = {"gpu": 1, "pcie_h2d": 1, "pcie_d2h": 1, "nvme": 1, "host": 1}
 
 
+class PinnedPool:
+    """Reused pinned host buffers for staging disk reads before their H2D copy (pinning a fresh
+    buffer per read costs more than the read). A buffer goes back to the pool with the event of the
+    copy that reads it, and is handed out again only once that event has completed."""
+
+    def __init__(self) -> None:
+        self.free: dict[tuple, list[tuple[torch.Tensor, Any]]] = {}
+        self.lock = threading.Lock()
+
+    def take(self, like: torch.Tensor) -> torch.Tensor:
+        key = (tuple(like.shape), like.dtype)
+        with self.lock:
+            for k, (buf, done) in enumerate(self.free.get(key, [])):
+                if done is None or done.query():
+                    del self.free[key][k]
+                    return buf
+        return torch.empty(like.shape, dtype=like.dtype).pin_memory()
+
+    def give_back(self, buf: torch.Tensor, done: Any) -> None:
+        with self.lock:
+            self.free.setdefault((tuple(buf.shape), buf.dtype), []).append((buf, done))
+
+
 class ResourceGate:
     """The units of one resource, shared by the threads of the streams mapped to it, served as the
     simulator serves them (klotski_sim.engine, rule 2): first ready first, ties by schedule order.
@@ -140,6 +163,9 @@ class OpRunner:
         self.pending_store: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.staging: dict[str, Any] = {}
         self.disk_dir = disk_dir
+        self.pinned_pool = PinnedPool()
+        self.staged_from_pool: dict[str, tuple[torch.Tensor, ...]] = {}  # H2D op -> pooled buffers it reads
+        self.disk_times: dict[str, tuple[float, float]] = {}  # disk read -> host-clock start, end
         # per-batch activations
         self.x: dict[int, torch.Tensor] = {}
         self.h: dict[int, torch.Tensor] = {}
@@ -217,30 +243,58 @@ class OpRunner:
         cuda = self.device.type == "cuda"
         host = (self.staging.pop(staged[0]) if staged else
                 self.weights.host(op.tensor, op.layer, op.expert, pinned=cuda and not op.pageable))
+        if staged and cuda:
+            self.staged_from_pool[op.id] = host  # back to the pool once this copy has finished
         self._store(op.id, tuple(t.to(self.device, non_blocking=not op.pageable) if cuda else t.clone()
                                  for t in host))
 
     def _disk_read(self, op: Op) -> None:
+        """A real file read into host memory (on CUDA: into reused pinned buffers), timed around the
+        read itself on the host clock."""
         if self.disk_dir is None:
             raise ExecutionError(f"op {op.id!r}: the schedule reads from disk but no disk directory was set up")
         path = self.disk_dir / _disk_name(op.tensor, op.layer, op.expert)
+        begin = time.perf_counter()
         tensors = torch.load(path, weights_only=True)
         if self.device.type == "cuda":
-            tensors = tuple(t.pin_memory() for t in tensors)
+            tensors = tuple(self.pinned_pool.take(t).copy_(t) for t in tensors)
+        self.disk_times[op.id] = (begin - self.t0, time.perf_counter() - self.t0)
         self.staging[op.id] = tensors
 
     def _kv_transfer(self, op: Op) -> None:
+        """KV cache to and from host memory. Pinned (as a schedule's `pageable=False` says): the
+        store copies into pinned host buffers and the load copies each stored chunk into a device
+        buffer, both asynchronously on their streams (ordered on the GPU by the stores' events, no
+        host wait); pageable: blocking copies, as the simulator models them."""
         key = (op.layer, op.batch)
+        cuda = self.device.type == "cuda"
         if op.stream == "d2h_kv":  # store the new entries the attention produced
             attention = next(d for d in op.deps if self.ops_by_id[d].category == "attention")
             k, v = self.pending_store.pop(attention)
-            self.host_kv.setdefault(key, []).append((k.to("cpu"), v.to("cpu")))
+            if cuda and not op.pageable:
+                hk = torch.empty(k.shape, dtype=k.dtype, pin_memory=True).copy_(k, non_blocking=True)
+                hv = torch.empty(v.shape, dtype=v.dtype, pin_memory=True).copy_(v, non_blocking=True)
+            else:
+                hk, hv = k.to("cpu"), v.to("cpu")
+            self.host_kv.setdefault(key, []).append((hk, hv))
             return
         chunks = self.host_kv.get(key, [])
         if not chunks:
             raise ExecutionError(f"op {op.id!r}: no KV cache stored for layer {op.layer} batch {op.batch}")
-        k = torch.cat([c[0] for c in chunks], dim=2).to(self.device, non_blocking=True)
-        v = torch.cat([c[1] for c in chunks], dim=2).to(self.device, non_blocking=True)
+        if cuda:
+            shape = list(chunks[0][0].shape)
+            shape[2] = sum(c[0].shape[2] for c in chunks)
+            k = torch.empty(shape, dtype=chunks[0][0].dtype, device=self.device)
+            v = torch.empty(shape, dtype=chunks[0][1].dtype, device=self.device)
+            at = 0
+            for ck, cv in chunks:
+                width = ck.shape[2]
+                k[:, :, at:at + width].copy_(ck, non_blocking=not op.pageable)
+                v[:, :, at:at + width].copy_(cv, non_blocking=not op.pageable)
+                at += width
+        else:
+            k = torch.cat([c[0] for c in chunks], dim=2)
+            v = torch.cat([c[1] for c in chunks], dim=2)
         self._store(op.id, (k, v))
 
     # ---- compute ----------------------------------------------------------------------------------
@@ -377,7 +431,9 @@ def execute(schedule: Schedule, spec: ModelSpec, weights: WeightStore, routing: 
         schedule, start, end, status="ok", peak_gpu_bytes=peak, memory_trace=runner.memory_trace,
         capacities={r: (dict(RESOURCE_CAPACITY) | dict(options.capacities or {})).get(r, 1)
                     for r in sorted(set(schedule.streams.values()))}, source="measured",
-        extra_meta={"device": device_name, "weights": weights.source, "weight_notes": weights.notes,
+        extra_meta={"device": device_name, "hardware": device_name if device_name == "cpu" else
+                    f"{device_name} (schedule for {schedule.meta.get('hardware')})",
+                    "weights": weights.source, "weight_notes": weights.notes,
                     "routing_forced": options.force_routing, "dtype": str(runner.dtype),
                     "emulated_links": ({"bandwidth_bytes_per_s": emulated, "latency_s": options.link_latency_s,
                                         "pageable_bytes_per_s": dict(options.emulate_pageable),
@@ -470,6 +526,12 @@ def _run_cuda(schedule: Schedule, runner: OpRunner) -> tuple[list[float], list[f
     torch.cuda.reset_peak_memory_stats()
     host_start: dict[int, float] = {}  # host ops are timed on the host clock, started with t0
     host_end: dict[int, float] = {}
+    # disk reads run on a thread of their own, in stream order, as FlexGen's and Klotski's copy
+    # threads do; the H2D copy that stages a read waits for it only when it is issued
+    from concurrent.futures import ThreadPoolExecutor
+
+    reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="disk_read")
+    reads: dict[str, Any] = {}
     t0 = torch.cuda.Event(enable_timing=True)
     t0.record()
     runner.t0 = time.perf_counter()
@@ -478,9 +540,19 @@ def _run_cuda(schedule: Schedule, runner: OpRunner) -> tuple[list[float], list[f
         if op.kind == "host":  # the issuing thread blocks: nothing after it is enqueued before it ends
             host_start[i] = time.perf_counter() - runner.t0
             for d in op.deps:
-                finish[index[d]].synchronize()
+                if d in reads:
+                    reads[d].result()
+                else:
+                    finish[index[d]].synchronize()
             host_end[i] = time.perf_counter() - runner.t0
             continue
+        if op.stream == "disk_read":
+            waits = [reads[d] for d in op.deps if d in reads]
+            reads[op.id] = reader.submit(lambda o=op, w=waits: ([f.result() for f in w], runner.run(o)))
+            continue
+        for d in op.deps:  # a copy of staged weights needs the read done (a host wait, as in the systems)
+            if d in reads:
+                reads[d].result()
         stream = streams[op.stream]
         for d in op.deps:
             if ops[index[d]].stream != op.stream:
@@ -492,7 +564,16 @@ def _run_cuda(schedule: Schedule, runner: OpRunner) -> tuple[list[float], list[f
                     t.record_stream(stream)
             runner.run(op)
             finish[i].record(stream)
+        pooled = runner.staged_from_pool.pop(op.id, None)
+        if pooled:
+            for buf in pooled:
+                runner.pinned_pool.give_back(buf, finish[i])
+    for future in reads.values():
+        future.result()
+    reader.shutdown()
     torch.cuda.synchronize()
+    for op_id, (a, b) in runner.disk_times.items():  # timed around the read itself, on the host clock
+        host_start[index[op_id]], host_end[index[op_id]] = a, b
     start = [host_start[i] if i in host_start else t0.elapsed_time(e) / 1e3 for i, e in enumerate(begin)]
     end = [host_end[i] if i in host_end else t0.elapsed_time(e) / 1e3 for i, e in enumerate(finish)]
     return start, end

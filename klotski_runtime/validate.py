@@ -9,6 +9,7 @@ Gantt (simulated above, measured below, same time axis) and `validation.json`.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -50,6 +51,7 @@ class ValidationSetup:
     checkpoint: str | None = None
     dtype: str = "bfloat16"
     warmup_runs: int = 1
+    repeats: int = 3  # measured runs per schedule: errors are reported as median and spread
     threads: int | None = 1  # CPU: torch threads for compute; the other cores run the copy threads
 
 
@@ -116,9 +118,47 @@ def side_by_side(sim: Timeline, meas: Timeline, path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def machine_load() -> dict[str, float]:
+    """What distorts a measurement on a shared machine: the 1-minute load average per core, and
+    the CPU time stolen by the hypervisor (cumulative jiffies; compare two readings)."""
+    out = {"load_per_core": os.getloadavg()[0] / max(1, os.cpu_count() or 1), "steal_jiffies": 0.0,
+           "total_jiffies": 0.0}
+    try:
+        with open("/proc/stat") as f:
+            fields = [float(v) for v in f.readline().split()[1:]]
+        out["total_jiffies"] = sum(fields)
+        out["steal_jiffies"] = fields[7] if len(fields) > 7 else 0.0
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def refit_dispatch(profile: HardwareProfile, sim: Timeline, meas: Timeline) -> HardwareProfile:
+    """The profile with its per-category dispatch cost refitted on this very measurement: what an
+    in-sample calibration would have given (the reported in-sample error uses it)."""
+    ds, dm = sim.df.set_index("op_id"), meas.df.set_index("op_id")
+    compute = ds["resource"] == "gpu"
+    residual = (dm["end"] - dm["start"]) - (ds["end"] - ds["start"])
+    frame = pd.DataFrame({"category": ds.loc[compute, "category"], "residual": residual[compute]})
+    gpu = profile.gpu
+    fitted = {str(c): max(0.0, gpu.dispatch_overhead_by_category.get(str(c), gpu.dispatch_overhead_s) + float(v))
+              for c, v in frame.groupby("category")["residual"].median().items()}
+    return profile.model_copy(update={"gpu": gpu.model_copy(update={
+        "dispatch_overhead_by_category": {**gpu.dispatch_overhead_by_category, **fitted}})})
+
+
+def _spread(values: list[float | None]) -> dict[str, float | None]:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return {"median": None, "min": None, "max": None}
+    return {"median": float(np.median(vals)), "min": float(min(vals)), "max": float(max(vals))}
+
+
 def validate(setup: ValidationSetup, profile_path: str, out_dir: str | Path,
              policies: tuple[str, ...] = ALL_POLICIES) -> dict[str, Any]:
-    """Run every policy; returns (and writes) the report."""
+    """Run every policy `setup.repeats` times; returns (and writes) the report: for each schedule the
+    errors of the median run, the median and spread of every error over the runs, and the same
+    errors with the dispatch costs refitted on the measurement itself (in-sample)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     spec = RunSpec(model=setup.model, hardware=profile_path, policy=policies[0], batch_size=setup.batch_size,
@@ -134,9 +174,12 @@ def validate(setup: ValidationSetup, profile_path: str, out_dir: str | Path,
     options = ExecOptions(device=setup.device, emulate_links=dict(setup.emulate_links),
                           emulate_pageable=dict(setup.emulate_pageable), seed=setup.seed,
                           threads=setup.threads if setup.device == "cpu" else None)
-    report: dict[str, Any] = {"setup": asdict(setup), "profile": profile_path, "policies": {}}
+    report: dict[str, Any] = {"setup": asdict(setup), "profile": profile_path, "policies": {},
+                              "calibration_probe": prep.profile.provenance.get("probe")}
+    load_before = machine_load()
     impls = ("as-published", "ideal") if setup.impl == "both" else (setup.impl,)
     runs = [(name, impl) for name in policies for impl in impls]
+    spreads: list[float] = []  # run-to-run spread of the measured makespan, per schedule
     for name, impl in runs:
         key = name if len(impls) == 1 else f"{name}/{impl}"
         p = prep.narrowed(1) if name == "single-batch" and prep.num_batches > 1 else prep
@@ -145,9 +188,21 @@ def validate(setup: ValidationSetup, profile_path: str, out_dir: str | Path,
         options = replace(options, capacities=resource_capacities(schedule, p.profile))  # one definition
         for _ in range(setup.warmup_runs):  # first-touch costs (allocator, lazy init) are not the schedule's
             execute(schedule, model, weights, p.replay.routing, options)
-        meas, _ = execute(schedule, model, weights, p.replay.routing, options)
-        result = compare(sim, meas)
+        measured = [execute(schedule, model, weights, p.replay.routing, options)[0]
+                    for _ in range(max(1, setup.repeats))]
+        results = [compare(sim, m) for m in measured]
+        median_run = int(np.argsort([m.makespan for m in measured])[len(measured) // 2])
+        meas = measured[median_run]
+        result = results[median_run]
         result["impl"] = impl
+        result["repeats"] = {
+            "makespan": _spread([r["makespan"]["error"] for r in results]),
+            **{f"bubbles_{k}": _spread([r["bubbles"][k]["error"] for r in results]) for k in ("all", "inter", "intra")},
+            "measured_makespan_s": [m.makespan for m in measured]}
+        in_sample = refit_dispatch(p.profile, sim, meas)
+        result["in_sample"] = compare(simulate(schedule, in_sample), meas)
+        spans = [m.makespan for m in measured]
+        spreads.append((max(spans) - min(spans)) / float(np.median(spans)) if len(spans) > 1 else 0.0)
         folder = out / key.replace("/", "-")
         folder.mkdir(exist_ok=True)
         sim.to_parquet(folder / "simulated.parquet")
@@ -159,24 +214,60 @@ def validate(setup: ValidationSetup, profile_path: str, out_dir: str | Path,
         (folder / "validation.json").write_text(json.dumps(jsonable(result), indent=2))
         report["policies"][key] = result
     report["emulated_links"] = dict(setup.emulate_links)
+    report["machine"] = machine_conditions(load_before, machine_load(), spreads)
     (out / "validation.json").write_text(json.dumps(jsonable(report), indent=2))
     return report
+
+
+LOAD_WARNING, STEAL_WARNING, SPREAD_WARNING = 0.5, 0.02, 0.05
+
+
+def machine_conditions(before: dict[str, float], after: dict[str, float], spreads: list[float]) -> dict[str, Any]:
+    """The measured load during validation, and warnings when it was high enough to distort it:
+    load average, CPU time stolen by the hypervisor, and how much the executor's own runs of one
+    schedule disagreed with each other (their makespans' spread)."""
+    total = after["total_jiffies"] - before["total_jiffies"]
+    steal = (after["steal_jiffies"] - before["steal_jiffies"]) / total if total > 0 else 0.0
+    load = max(before["load_per_core"], after["load_per_core"])
+    spread = max(spreads) if spreads else 0.0
+    warnings = []
+    if load > LOAD_WARNING:
+        warnings.append(f"load average {load:.2f} per core during validation (above {LOAD_WARNING}): other work "
+                        f"shares the cores, measured durations are inflated")
+    if steal > STEAL_WARNING:
+        warnings.append(f"{steal:.1%} of CPU time stolen by the hypervisor during validation")
+    if spread > SPREAD_WARNING:
+        warnings.append(f"repeated runs of one schedule differ by up to {spread:.1%} in makespan (above "
+                        f"{SPREAD_WARNING:.0%}): the machine was not quiet; trust the medians, not single runs")
+    return {"load_per_core": load, "steal_share": steal, "max_run_spread": spread, "warnings": warnings}
 
 
 def format_report(report: dict[str, Any]) -> str:
     def pct(v: float | None) -> str:
         return "   n/a" if v is None else f"{v:+6.1%}"
 
-    lines = [f"{'policy':28} {'sim ms':>8} {'meas ms':>8} {'makespan':>8} {'bubbles':>8} {'inter':>7} {'intra':>7}  "
-             f"worst category"]
+    def spread(s: dict[str, float | None]) -> str:
+        if s.get("median") is None:
+            return "n/a"
+        return f"{s['median']:+.1%} [{s['min']:+.1%}, {s['max']:+.1%}]"
+
+    lines = [f"{'policy':28} {'sim ms':>8} {'meas ms':>8} {'makespan':>26} {'bubbles':>26} {'inter':>7} {'intra':>7} "
+             f"{'in-sample':>9}  worst category",
+             f"{'':28} {'':>8} {'(median)':>8} {'median [min, max] of runs':>26} {'median [min, max]':>26}"]
     for name, r in report["policies"].items():
         cats = {c: v for c, v in r["per_category"].items() if v["error"] is not None}
         worst = max(cats.items(), key=lambda kv: abs(kv[1]["error"]), default=(None, None))
         wtext = f"{worst[0]} {pct(worst[1]['error'])}" if worst[0] else "-"
         b = r["bubbles"]
+        rep = r.get("repeats", {})
         lines.append(f"{name:28} {r['makespan']['simulated_s'] * 1e3:8.1f} {r['makespan']['measured_s'] * 1e3:8.1f} "
-                     f"{pct(r['makespan']['error'])} {pct(b['all']['error'])} {pct(b['inter']['error'])} "
-                     f"{pct(b['intra']['error'])}  {wtext}")
+                     f"{spread(rep.get('makespan', {})):>26} {spread(rep.get('bubbles_all', {})):>26} "
+                     f"{pct(b['inter']['error'])} {pct(b['intra']['error'])} "
+                     f"{pct(r.get('in_sample', {}).get('makespan', {}).get('error'))}  {wtext}")
+    lines.append("errors: (simulated - measured) / measured, out of sample (dispatch costs calibrated on other "
+                 "shapes); in-sample: makespan error with them refitted on this measurement")
     if report.get("emulated_links"):
         lines.append("links EMULATED: " + ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in report["emulated_links"].items()))
+    for w in report.get("machine", {}).get("warnings", []):
+        lines.append(f"WARNING: {w}")
     return "\n".join(lines)

@@ -120,6 +120,8 @@ def format_summary(s: Summary) -> str:
                           f"workload    n={s.num_batches} x bs={s.batch_size}, prompt {s.prompt_len}, generate "
                           f"{s.gen_len} ({s.generated_tokens} tokens)",
                           f"status      {s.status}  ({_oom_text(s.oom)})"])
+    on_cpu = s.source == "measured" and s.hardware.startswith("cpu")
+    device = "CPU" if on_cpu else "GPU"  # a CPU run's "device" is the CPU and its memory host memory
     lines = [
         f"policy      {s.policy}   model {s.model}   hardware {s.hardware}   impl {s.impl}",
         f"workload    n={s.num_batches} x bs={s.batch_size}, prompt {s.prompt_len}, generate {s.gen_len} "
@@ -129,11 +131,12 @@ def format_summary(s: Summary) -> str:
         f"decode step {s.decode_step_s * 1e3:.1f} ms, MoE block {s.moe_block_s * 1e3:.1f} ms)",
         f"throughput  {s.throughput_tok_s:.3f} generated tok/s end to end   "
         f"{s.decode_throughput_tok_s:.3f} tok/s decode only",
-        f"GPU busy    {s.gpu_busy_s:.3f} s   bubbles {s.bubble_s:.3f} s "
+        f"{device} busy    {s.gpu_busy_s:.3f} s   bubbles {s.bubble_s:.3f} s "
         f"(inter-layer {s.bubble_inter_s:.3f} s, intra-layer {s.bubble_intra_s:.3f} s)   "
         f"host blocked {s.host_blocked_s:.3f} s",
         f"bound       {s.lower_bound_s:.3f} s on {s.lower_bound_resource}   efficiency {s.efficiency:.1%}",
-        f"peak GPU    {s.peak_gpu_bytes / GIB:.2f} GiB   ops {s.num_ops}",
+        f"peak {'host' if on_cpu else 'GPU'}    {s.peak_gpu_bytes / GIB:.2f} GiB"
+        f"{' (the CPU runtime device store, in host memory)' if on_cpu else ''}   ops {s.num_ops}",
         "utilisation " + "  ".join(f"{r} {u:.1%}" for r, u in s.utilization.items()),
     ]
     if s.bubble_by_cause:

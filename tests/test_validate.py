@@ -106,3 +106,42 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
 def test_cuda_calibration(tmp_path):
     p = calibrate(TINY, "cuda", batch_sizes=(2,), prompt_lens=(6,), max_expert_tokens=16, repeats=2)
     assert p.provenance["device_kind"] == "cuda" and p.measured["expert"]
+
+
+@pytest.mark.slow
+def test_small_mixtral_validation_error_is_bounded(tmp_path):
+    """Emulated links, small-mixtral, dispatch costs calibrated out of sample (other batch size,
+    batch count, prompt and layer count): the median makespan error of 3 runs is within 10% and the
+    bubble error within 20% for Klotski and FlexGen as published."""
+    from klotski_sim.model import get_model
+
+    links = {"pcie_h2d": 1e9, "pcie_d2h": 1e9}
+    pageable = {k: v * 10.0 / 25.7 for k, v in links.items()}
+    profile = calibrate(get_model("small-mixtral"), "cpu", batch_sizes=(1, 4), prompt_lens=(16, 32),
+                        kv_lens=range(33, 37), max_expert_tokens=256, repeats=3, emulate_links=links,
+                        emulate_pageable=pageable, threads=1)
+    path = tmp_path / "profile.yaml"
+    path.write_text(profile.to_yaml())
+    assert profile.provenance["probe"]["batch_size"] == 1 and profile.provenance["probe"]["prompt_len"] == 16
+    setup = ValidationSetup(model="small-mixtral", batch_size=4, num_batches=2, prompt_len=32, gen_len=4,
+                            emulate_links=links, emulate_pageable=pageable, repeats=3)
+    report = validate(setup, str(path), tmp_path / "v", ("klotski", "flexgen"))
+    for name, r in report["policies"].items():
+        makespan = r["repeats"]["makespan"]["median"]
+        bubbles = r["repeats"]["bubbles_all"]["median"]
+        assert abs(makespan) <= 0.10, (name, makespan)
+        assert abs(bubbles) <= 0.20, (name, bubbles)
+        assert r["repeats"]["makespan"]["min"] <= makespan <= r["repeats"]["makespan"]["max"]
+        assert r["in_sample"]["makespan"]["error"] is not None
+    assert "load_per_core" in report["machine"]
+
+
+def test_machine_conditions_warn_about_load_steal_and_spread():
+    from klotski_runtime.validate import machine_conditions
+
+    quiet = {"load_per_core": 0.1, "steal_jiffies": 0.0, "total_jiffies": 1000.0}
+    busy = {"load_per_core": 1.5, "steal_jiffies": 100.0, "total_jiffies": 2000.0}
+    assert machine_conditions(quiet, quiet, [0.01, 0.02])["warnings"] == []
+    warned = machine_conditions(quiet, busy, [0.01, 0.2])
+    text = " ".join(warned["warnings"])
+    assert "load average 1.50" in text and "10.0% of CPU time stolen" in text and "differ by up to 20.0%" in text
