@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from klotski_sim.cli import _positive_int, guarded
-from klotski_sim.trace import TraceError
+from klotski_sim.argtypes import positive_float, positive_int
+from klotski_sim.cli import guarded
 
-from .record import RecordError, read_texts, record, save_tiny_mixtral
+from .record import read_texts, record, save_tiny_mixtral
 
 
 def cmd_record(args: argparse.Namespace) -> int:
@@ -48,9 +48,14 @@ PAGEABLE_RATIO = 10.0 / 25.7
 
 
 def _emulation(args: argparse.Namespace) -> dict[str, float]:
-    if args.device != "cpu" or not args.emulate_pcie:
+    if args.device != "cpu" or args.emulate_pcie == "off":
         return {}
     return {"pcie_h2d": args.emulate_pcie, "pcie_d2h": args.emulate_pcie}
+
+
+def _rate_or_off(text: str) -> float | str:
+    """A link rate to emulate (finite, > 0), or `off` for real memcpy speed."""
+    return "off" if text == "off" else positive_float(text)
 
 
 def _pageable(args: argparse.Namespace) -> dict[str, float]:
@@ -62,10 +67,10 @@ def _pageable(args: argparse.Namespace) -> dict[str, float]:
 
 def _add_device(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run (default: %(default)s)")
-    p.add_argument("--emulate-pcie", type=float, default=1e9, metavar="BYTES_PER_S",
+    p.add_argument("--emulate-pcie", type=_rate_or_off, default=1e9, metavar="BYTES_PER_S|off",
                    help="CPU only: emulate PCIe H2D/D2H at this rate, labelled as emulation in every output "
-                        "(0 = real memcpy speed; default: %(default)s)")
-    p.add_argument("--emulate-pageable", type=float, default=None, metavar="BYTES_PER_S",
+                        "(off = real memcpy speed; default: %(default)s)")
+    p.add_argument("--emulate-pageable", type=positive_float, default=None, metavar="BYTES_PER_S",
                    help="CPU only: emulated rate of copies from pageable memory (default: --emulate-pcie x "
                         f"{PAGEABLE_RATIO:.3f}, the pageable:pinned ratio of a DGX A100 bandwidthTest)")
     p.add_argument("--threads", type=int, default=1,
@@ -153,26 +158,28 @@ def cmd_execute(args: argparse.Namespace) -> int:
                                       emulate_pageable=_pageable(args),
                                       threads=args.threads if args.device == "cpu" else None))
     from klotski_sim.cli import format_summary
+    from klotski_sim.exports import save_all
 
     print(format_summary(timeline.summary()))
     if timeline.meta.get("emulated_links"):
         print("links EMULATED: " + ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in
                                              timeline.meta["emulated_links"]["bandwidth_bytes_per_s"].items()))
     if args.out:
-        timeline.save_all(args.out)
+        save_all(timeline, args.out)
         print(f"wrote the measured timeline (summary.json, timeline.parquet/.csv, trace.json.gz, timeline.png) to {args.out}/")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="klotski-runtime", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("record", help="record a routing trace from a local Hugging Face MoE checkpoint")
     p.add_argument("--model-dir", required=True, metavar="DIR", help="checkpoint directory (config.json + weights)")
     p.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text; blank-line separated paragraphs "
                                                                  "are sequences")
-    p.add_argument("--max-tokens", type=_positive_int, default=512, help="prompt tokens per sequence (default: %(default)s)")
+    p.add_argument("--max-tokens", type=positive_int, default=512, help="prompt tokens per sequence (default: %(default)s)")
     p.add_argument("--gen-len", type=int, default=32, help="greedy tokens generated per sequence (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     p.add_argument("--dataset", help="dataset name for the provenance (default: the text file's name)")
@@ -197,8 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="FILE", help="profile YAML to write")
     p.add_argument("--batch-sizes", type=_csv_ints, default=[1, 2, 4, 8, 16], metavar="A,B,...")
     p.add_argument("--prompt-lens", type=_csv_ints, default=[16, 64, 256], metavar="A,B,...")
-    p.add_argument("--max-expert-tokens", type=_positive_int, default=1024)
-    p.add_argument("--repeats", type=_positive_int, default=5, help="median of this many runs per shape")
+    p.add_argument("--max-expert-tokens", type=positive_int, default=1024)
+    p.add_argument("--repeats", type=positive_int, default=5, help="median of this many runs per shape")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     _add_device(p)
     p.set_defaults(func=cmd_calibrate)
@@ -208,10 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="small-mixtral", help="model preset (default: %(default)s)")
     p.add_argument("--profile", metavar="FILE", help="calibrated profile (default: calibrate now, into DIR/profile.yaml)")
     p.add_argument("--out", default="klotski-validate", metavar="DIR")
-    p.add_argument("--batch-size", type=_positive_int, default=4)
-    p.add_argument("--num-batches", type=_positive_int, default=2)
-    p.add_argument("--prompt-len", type=_positive_int, default=32)
-    p.add_argument("--gen-len", type=_positive_int, default=4)
+    p.add_argument("--batch-size", type=positive_int, default=4)
+    p.add_argument("--num-batches", type=positive_int, default=2)
+    p.add_argument("--prompt-len", type=positive_int, default=32)
+    p.add_argument("--gen-len", type=positive_int, default=4)
     p.add_argument("--routing", default="calibrated")
     p.add_argument("--trace", metavar="FILE", help="replay a routing trace instead of synthetic routing")
     p.add_argument("--seed", type=int, default=0)
@@ -220,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--impl", default="as-published", choices=["as-published", "ideal", "v0.1", "both"],
                    help="implementation preset of the schedules validated (default: %(default)s)")
-    p.add_argument("--repeats", type=_positive_int, default=3,
+    p.add_argument("--repeats", type=positive_int, default=3,
                    help="measured runs per schedule; errors are reported as median and spread (default: %(default)s)")
     _add_device(p)
     p.set_defaults(func=cmd_validate)
@@ -233,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return guarded(build_parser(), argv, (RecordError, TraceError, ValueError, OSError, RuntimeError))
+    return guarded(build_parser(), argv)
 
 
 if __name__ == "__main__":

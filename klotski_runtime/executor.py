@@ -34,6 +34,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
+from klotski_sim.errors import KlotskiError
 from klotski_sim.model import ModelSpec
 from klotski_sim.routing import RoutingTable, RunShape
 from klotski_sim.schedule import Op, Schedule, ScheduleError, topological_order
@@ -96,7 +97,7 @@ class ResourceGate:
             self.cond.notify_all()
 
 
-class ExecutionError(RuntimeError):
+class ExecutionError(KlotskiError):
     """An op failed while executing; the message names it."""
 
 
@@ -124,11 +125,31 @@ def tensor_bytes(tensors: Any) -> int:
     return sum(tensor_bytes(t) for t in tensors)
 
 
-def check_compatible(schedule: Schedule, spec: ModelSpec, weights: WeightStore) -> None:
-    """A schedule runs only on the model it was built for, with weights for every layer it uses."""
+MAX_TRANSFER_S = 3600.0  # an emulated copy longer than this is a mistake (a rate off by orders of magnitude)
+
+
+def check_compatible(schedule: Schedule, spec: ModelSpec, weights: WeightStore,
+                     routing: RoutingTable | None = None) -> None:
+    """A schedule runs only on the model it was built for, with weights for every layer it uses
+    and the routing it was built from (same shape and experts), checked before anything runs."""
     model = schedule.meta.get("model")
     if model != spec.name:
         raise ScheduleError(f"schedule was built for model {model!r}, not {spec.name!r}")
+    if routing is not None:
+        sh, meta = routing.shape, schedule.meta
+        wanted = {"batch_size": sh.batch_size, "num_batches": sh.num_batches, "prompt_len": sh.prompt_len,
+                  "gen_len": sh.gen_len}
+        wrong = [f"{k} {meta.get(k)!r} vs {v}" for k, v in wanted.items() if meta.get(k) != v]
+        if wrong:
+            raise ScheduleError(f"the routing does not belong to this schedule (schedule vs routing: {'; '.join(wrong)})")
+        if routing.num_experts != spec.num_experts or routing.num_layers != spec.num_layers:
+            raise ScheduleError(f"the routing has {routing.num_experts} experts x {routing.num_layers} layers, the "
+                                f"model {spec.num_experts} x {spec.num_layers}")
+        bad = next((op for op in schedule.ops if any(b >= sh.num_batches for b in op.batches)
+                    or op.expert >= spec.num_experts), None)
+        if bad is not None:
+            raise ScheduleError(f"op {bad.id!r}: batches {list(bad.batches)} / expert {bad.expert} outside the run "
+                                f"({sh.num_batches} batches, {spec.num_experts} experts)")
     layers = max((op.layer for op in schedule.ops), default=-1) + 1
     if layers > weights.num_layers:
         raise ScheduleError(f"schedule uses {layers} layers but the weights hold {weights.num_layers} "
@@ -140,7 +161,7 @@ class OpRunner:
 
     def __init__(self, schedule: Schedule, spec: ModelSpec, weights: WeightStore, routing: RoutingTable,
                  options: ExecOptions, disk_dir: Path | None = None) -> None:
-        check_compatible(schedule, spec, weights)
+        check_compatible(schedule, spec, weights, routing)
         self.schedule, self.spec, self.weights, self.routing, self.opt = schedule, spec, weights, routing, options
         self.shape: RunShape = routing.shape
         self.device = torch.device(options.device)
@@ -403,6 +424,11 @@ def execute(schedule: Schedule, spec: ModelSpec, weights: WeightStore, routing: 
         raise ExecutionError("CUDA was requested but torch sees no GPU (use --device cpu)")
     if options.emulate_links and not options.device == "cpu":
         raise ExecutionError("link emulation is for the CPU device only")
+    for op in schedule.ops:
+        rate = (options.emulate_pageable if op.pageable else options.emulate_links).get(schedule.streams[op.stream])
+        if op.kind == "transfer" and rate and op.bytes / rate > MAX_TRANSFER_S:
+            raise ExecutionError(f"op {op.id!r} would copy {op.bytes:,} bytes at {rate:.3g} B/s for "
+                                 f"{op.bytes / rate / 3600:.1f} h: refused (check the emulated rate)")
     pageable = {schedule.streams[op.stream] for op in schedule.ops if op.pageable}
     missing = sorted(r for r in pageable if r in options.emulate_links and r not in options.emulate_pageable)
     if missing:

@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-
 import torch
 import torch.nn.functional as F
 
+from klotski_sim.errors import KlotskiError
 from klotski_sim.model import ModelSpec
 
 
-class WeightError(ValueError):
+class WeightError(KlotskiError):
     """Weights that cannot be used for this model; the message says which file and tensor."""
 
 

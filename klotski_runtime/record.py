@@ -18,10 +18,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from klotski_sim.errors import KlotskiError
 from klotski_sim.trace import Trace, TraceError
 
 
-class RecordError(ValueError):
+class RecordError(KlotskiError):
     """A checkpoint or input that cannot be recorded from; the message says why."""
 
 

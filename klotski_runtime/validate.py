@@ -19,6 +19,7 @@ import pandas as pd
 import torch
 
 from klotski_sim.engine import resource_capacities, simulate
+from klotski_sim.exports import to_parquet
 from klotski_sim.hardware import HardwareProfile, ProfileError
 from klotski_sim.model import get_model
 from klotski_sim.policies import build_schedule
@@ -99,7 +100,7 @@ def compare(sim: Timeline, meas: Timeline, worst: int = 10) -> dict[str, Any]:
 def side_by_side(sim: Timeline, meas: Timeline, path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
-    from klotski_sim.plot import _legend, draw_timeline
+    from klotski_sim.plot import draw_timeline, legend
 
     horizon = max(sim.makespan, meas.makespan)
     lanes = sim.streams()
@@ -112,7 +113,7 @@ def side_by_side(sim: Timeline, meas: Timeline, path: Path, title: str) -> None:
     emulated = " (links EMULATED)" if meas.meta.get("emulated_links") else ""
     axes[1].set_title(f"measured on {meas.meta.get('device')}{emulated}: makespan {meas.makespan * 1e3:.1f} ms",
                       fontsize=9, loc="left")
-    _legend(fig, cats)
+    legend(fig, cats)
     fig.tight_layout(rect=(0, 0, 1, 0.93))
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -205,8 +206,8 @@ def validate(setup: ValidationSetup, profile_path: str, out_dir: str | Path,
         spreads.append((max(spans) - min(spans)) / float(np.median(spans)) if len(spans) > 1 else 0.0)
         folder = out / key.replace("/", "-")
         folder.mkdir(exist_ok=True)
-        sim.to_parquet(folder / "simulated.parquet")
-        meas.to_parquet(folder / "measured.parquet")
+        to_parquet(sim, folder / "simulated.parquet")
+        to_parquet(meas, folder / "measured.parquet")
         schedule.save(folder / "schedule.json")
         side_by_side(sim, meas, folder / "validation.png",
                      f"{key} · {model.name} · {setup.device} · n={p.num_batches} bs={setup.batch_size} "

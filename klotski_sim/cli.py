@@ -15,14 +15,15 @@ from typing import Any, Callable, Sequence
 
 import pandas as pd
 
-from .hardware import ProfileError, builtin_profile_names, load_profile
+from .argtypes import batches, nonnegative_int, positive_int
+from .errors import KlotskiError
+from .exports import save_all, to_chrome_trace
+from .hardware import builtin_profile_names, load_profile
+from .impl import PRESET_NAMES
 from .model import PRESETS, get_model
 from .planner import format_plan
-from .impl import PRESET_NAMES
 from .policies import POLICIES
 from .runner import RunResult, RunSpec, policy_batches, prepare, run
-from .schedule import ScheduleError
-from .sweep import SweepError
 from .timeline import Summary, jsonable
 from .trace import Trace, import_jsonl
 from .trace_stats import format_stats, layer_stats
@@ -31,29 +32,15 @@ from .trace_synth import synthesize
 GIB = 2**30
 
 
-class CliError(Exception):
+class CliError(KlotskiError):
     """A user-facing error: printed as one line, exit status 2."""
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _batches(text: str) -> int | None:
-    return None if text == "auto" else _positive_int(text)
 
 
 IMPL_HELP = ("implementation preset: as-published (what each system's public code does, docs/implementations.md), "
              "ideal (the best implementation of the same schedule), v0.1 (what klotski 0.1 simulated)")
 
 
-def add_run_arguments(p: argparse.ArgumentParser, policy: bool = True, num_batches_default: str = "1",
+def add_run_arguments(p: argparse.ArgumentParser, policy: bool = True, num_batches: bool = True,
                       impl_choices: Sequence[str] = PRESET_NAMES) -> None:
     """The options that describe one configuration (shared by simulate, compare, plan...)."""
     p.add_argument("--model", default="mixtral-8x7b", metavar="NAME[:L]",
@@ -63,11 +50,13 @@ def add_run_arguments(p: argparse.ArgumentParser, policy: bool = True, num_batch
                    help=f"built-in profile ({', '.join(builtin_profile_names())}) or a profile YAML (default: %(default)s)")
     if policy:
         p.add_argument("--policy", default="single-batch", choices=list(POLICIES), help="schedule (default: %(default)s)")
-    p.add_argument("--batch-size", type=_positive_int, default=16, help="sequences per batch (default: %(default)s)")
-    p.add_argument("--num-batches", type=_batches, default=num_batches_default,
-                   help="batches n, or 'auto' for the planner's choice (default: %(default)s)")
-    p.add_argument("--prompt-len", type=_positive_int, default=512, help="prompt tokens P (default: %(default)s)")
-    p.add_argument("--gen-len", type=_positive_int, default=32, help="generated tokens G (default: %(default)s)")
+    p.add_argument("--batch-size", type=positive_int, default=16, help="sequences per batch (default: %(default)s)")
+    if num_batches:
+        p.add_argument("--num-batches", type=batches, default="auto",
+                       help="batches n, or 'auto' for the planner's choice (default: %(default)s; single-batch "
+                            "keeps one batch in flight)")
+    p.add_argument("--prompt-len", type=positive_int, default=512, help="prompt tokens P (default: %(default)s)")
+    p.add_argument("--gen-len", type=positive_int, default=32, help="generated tokens G (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the routing generator (default: %(default)s)")
     p.add_argument("--routing", default="calibrated", metavar="KIND",
                    help="synthetic routing when no --trace is given: calibrated, uniform, zipf:<a>, skewed "
@@ -75,13 +64,13 @@ def add_run_arguments(p: argparse.ArgumentParser, policy: bool = True, num_batch
     p.add_argument("--trace", metavar="FILE", help="replay a routing trace (.npz from `trace synth`, `trace import` "
                                                    "or `klotski-runtime record`)")
     p.add_argument("--wrap", action="store_true", help="let a trace with too few sequences reuse them")
-    p.add_argument("--warmup-sequences", type=int, default=8, metavar="N",
+    p.add_argument("--warmup-sequences", type=nonnegative_int, default=8, metavar="N",
                    help="trace sequences reserved for the prefetcher's pre-run, never evaluated (default: %(default)s)")
     p.add_argument("--kv", default="auto", choices=["auto", "gpu", "cpu"],
                    help="where the KV cache lives; auto = GPU when n batches fit (default: %(default)s)")
     p.add_argument("--experts", default="auto", choices=["auto", "cpu", "disk"],
                    help="where experts live; auto = host memory, disk when it is short (default: %(default)s)")
-    p.add_argument("--resident-layers", type=int, default=None, metavar="N",
+    p.add_argument("--resident-layers", type=nonnegative_int, default=None, metavar="N",
                    help="layers kept whole on the GPU (default: the planner's choice with --num-batches auto, else 0)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a profile field, e.g. --set links.pcie_h2d.bandwidth=32e9 (repeatable)")
@@ -105,7 +94,7 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
 
 def spec_from_args(args: argparse.Namespace, **changes: Any) -> RunSpec:
     fields = dict(model=args.model, hardware=args.hardware, policy=getattr(args, "policy", "single-batch"),
-                  batch_size=args.batch_size, num_batches=args.num_batches, prompt_len=args.prompt_len,
+                  batch_size=args.batch_size, num_batches=getattr(args, "num_batches", None), prompt_len=args.prompt_len,
                   gen_len=args.gen_len, seed=args.seed, routing=args.routing, trace=args.trace, wrap=args.wrap,
                   warmup_sequences=args.warmup_sequences, kv=args.kv, experts=args.experts,
                   resident_layers=args.resident_layers, impl=args.impl,
@@ -157,7 +146,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print(format_summary(result.timeline.summary()))
     if args.out:
         out = Path(args.out)
-        paths = result.timeline.save_all(out, png=not args.no_png)
+        paths = save_all(result.timeline, out, png=not args.no_png)
         result.schedule.save(out / "schedule.json")
         result.routing.save(out / "routing.npz")
         print(f"wrote {', '.join(sorted(p.name for p in paths.values()))}, schedule.json, routing.npz to {out}/")
@@ -208,7 +197,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         out / "compare.csv", index=False)
     if args.traces:
         for (name, impl), r in results.items():
-            r.timeline.to_chrome_trace(out / f"trace_{name}{'' if len(impls) == 1 else '_' + impl}.json.gz")
+            to_chrome_trace(r.timeline, out / f"trace_{name}{'' if len(impls) == 1 else '_' + impl}.json.gz")
     if prep.plan is not None:
         (out / "plan.txt").write_text(format_plan(prep.plan, prep.model, prep.profile, spec.batch_size) + "\n")
     if not args.no_png:
@@ -264,10 +253,20 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value:.1%}"
 
 
+SWEEP_CONFIRM = 10_000  # a grid larger than this runs only with --yes
+SECONDS_PER_CONFIG = 5.0  # a default-size configuration, as-published (experiments/bench_sweep.py)
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from .sweep import load_spec, run_sweep, summarize
+    from .sweep import grid_size, load_spec, run_sweep, summarize
 
     spec = load_spec(args.spec)
+    size = grid_size(spec)
+    minutes = size * SECONDS_PER_CONFIG / max(1, args.workers) / 60
+    print(f"{size} configurations in the grid (about {minutes:.0f} min at {SECONDS_PER_CONFIG:.0f} s each on "
+          f"{args.workers} worker(s), if none is done yet)")
+    if size > SWEEP_CONFIRM and not args.yes:
+        raise CliError(f"{args.spec}: {size} configurations is more than {SWEEP_CONFIRM}; add --yes to run them")
     df = run_sweep(spec, args.out, workers=args.workers, dask=args.dask, progress=not args.no_progress)
     print(summarize(df))
     failed = int((df["status"] != "ok").sum()) if len(df) else 0
@@ -330,6 +329,7 @@ def cmd_trace_import(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="klotski-sim", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("simulate", help="simulate one schedule and print its summary")
@@ -345,8 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
         dest="trace_command", required=True)
     p = tp.add_parser("synth", help="generate a synthetic routing trace calibrated to real models")
     p.add_argument("--model", default="mixtral-8x7b", choices=sorted(PRESETS))
-    p.add_argument("--sequences", type=_positive_int, default=512)
-    p.add_argument("--prompt-len", type=_positive_int, default=512)
+    p.add_argument("--sequences", type=positive_int, default=512)
+    p.add_argument("--prompt-len", type=positive_int, default=512)
     p.add_argument("--gen-len", type=int, default=32)
     p.add_argument("--routing", default="calibrated", metavar="KIND", help="calibrated, uniform, zipf:<a>, skewed")
     p.add_argument("--seed", type=int, default=0)
@@ -361,12 +361,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file")
     p.add_argument("--out", metavar="FILE", help="output .npz (default: FILE with .npz)")
     p.add_argument("--model", choices=sorted(PRESETS), help="check the log against this model and record its name")
-    p.add_argument("--num-experts", type=_positive_int, help="experts per layer (default: the largest id + 1)")
+    p.add_argument("--num-experts", type=positive_int, help="experts per layer (default: the largest id + 1)")
     p.set_defaults(func=cmd_trace_import)
 
     p = sub.add_parser("compare", help="the main job: the ablation ladder, Klotski's oracle and FlexGen on one "
                                        "configuration (n from the planner)")
-    add_run_arguments(p, policy=False, num_batches_default="auto", impl_choices=(*PRESET_NAMES, "both"))
+    add_run_arguments(p, policy=False, impl_choices=(*PRESET_NAMES, "both"))
     p.add_argument("--policies", metavar="A,B,...", help=f"comma-separated (default: {','.join(COMPARE_POLICIES)})")
     p.add_argument("--flexgen-overlap", choices=["code", "model"], default=None,
                    help="FlexGen's overlap: its implementation's (code) or its cost model's (default: the "
@@ -383,14 +383,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sweep", help="run a YAML grid of configurations (resumable) into one Parquet file")
     p.add_argument("spec", help="sweep spec YAML (see klotski_sim/sweep.py or experiments/specs/)")
     p.add_argument("--out", required=True, metavar="DIR", help="results.parquet and rows/ go here; rerun to resume")
-    p.add_argument("--workers", type=_positive_int, default=1, help="local processes (default: %(default)s)")
+    p.add_argument("--workers", type=positive_int, default=1, help="local processes (default: %(default)s)")
     p.add_argument("--dask", metavar="ADDRESS|local", help="run on a dask.distributed scheduler, or 'local' to "
                                                           "start a LocalCluster with --workers workers")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--yes", action="store_true", help=f"run a grid of more than {10_000:,} configurations")
     p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser("plan", help="Klotski's planner: every term of inequalities (4)-(7), n, memory check")
-    add_run_arguments(p, policy=False)
+    add_run_arguments(p, policy=False, num_batches=False)
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("models", help="list model presets with their sizes")
@@ -400,14 +401,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None, errors: tuple[type[BaseException], ...]
-            ) -> int:
-    """Parse, run the subcommand, and turn expected errors into one `error:` line (exit 2)."""
+def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
+    """Parse, run the subcommand, and turn the user's errors (KlotskiError, and OSError for files)
+    into one `error:` line (exit 2). Anything else is a bug and shows its traceback; `--debug`
+    shows the traceback of a user error too."""
     args = parser.parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.func
     try:
         return handler(args)
-    except errors as err:
+    except (KlotskiError, OSError) as err:
+        if getattr(args, "debug", False):
+            raise
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -416,7 +420,7 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None, errors:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return guarded(build_parser(), argv, (CliError, ProfileError, ScheduleError, SweepError, ValueError, OSError))
+    return guarded(build_parser(), argv)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 from typing import Callable, Mapping, Sequence
 
+from .errors import KlotskiError
 from .hardware import HardwareProfile, MeasuredPoint
 from .schedule import DEFAULT_STREAMS, Op
 
@@ -35,7 +36,7 @@ KERNELS_PER_OP: dict[str, int] = {
 }
 
 
-class CostError(ValueError):
+class CostError(KlotskiError):
     """An op the profile cannot cost (a pageable copy on a link without a pageable bandwidth)."""
 
 

@@ -26,11 +26,11 @@ import heapq
 from typing import Sequence
 
 import numpy as np
-
 import simpy
 from simpy.events import NORMAL
 
 from .cost import CostModel
+from .errors import UsageError
 from .hardware import HardwareProfile
 from .schedule import Schedule, ScheduleError, dependency_arrays, gc_paused
 from .timeline import OutOfMemory, Timeline
@@ -77,7 +77,7 @@ def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | No
     if durations is None:
         durations = (cost or CostModel(profile)).durations(ops, schedule.streams)
     if len(durations) != n:
-        raise ValueError(f"{len(durations)} durations for {n} ops")
+        raise UsageError(f"{len(durations)} durations for {n} ops")
     checked = np.asarray(durations, dtype=float)
     bad = np.flatnonzero(~np.isfinite(checked) | (checked < 0)) if n else []
     if len(bad):

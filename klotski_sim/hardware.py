@@ -15,9 +15,12 @@ from typing import Annotated, Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-Positive = Annotated[float, Field(gt=0)]
-NonNegative = Annotated[float, Field(ge=0)]
-Fraction = Annotated[float, Field(gt=0, le=1)]
+from .errors import KlotskiError, UsageError
+from .yamlfile import load_yaml
+
+Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]  # finite: an infinite bandwidth is no what-if
+NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Fraction = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
 
 
 class _Strict(BaseModel):
@@ -46,6 +49,13 @@ class GPUSpec(_Strict):
         0.0, description="from the end of the GPU work a host synchronisation waits for to the moment "
                          "the host thread runs again (cudaStreamSynchronize / .tolist() round trip)")
 
+    @model_validator(mode="after")
+    def _reserved_fits(self) -> "GPUSpec":
+        if self.reserved_bytes >= self.memory_bytes:
+            raise ValueError(f"reserved_bytes ({self.reserved_bytes:.4g}) must be below memory_bytes "
+                             f"({self.memory_bytes:.4g})")
+        return self
+
     @property
     def usable_bytes(self) -> float:
         return self.memory_bytes - self.reserved_bytes
@@ -71,7 +81,7 @@ class LinksSpec(_Strict):
     @classmethod
     def _moved_fields(cls, data: Any) -> Any:
         if isinstance(data, dict) and "pageable_h2d_bandwidth" in data:
-            raise ValueError("links.pageable_h2d_bandwidth has moved to links.pcie_h2d.pageable_bandwidth "
+            raise UsageError("links.pageable_h2d_bandwidth has moved to links.pcie_h2d.pageable_bandwidth "
                              "(and links.pcie_d2h.pageable_bandwidth for the other direction)")
         return data
 
@@ -115,7 +125,7 @@ class HardwareProfile(_Strict):
         return yaml.safe_dump(self.model_dump(mode="json", exclude_none=True), sort_keys=False)
 
 
-class ProfileError(ValueError):
+class ProfileError(KlotskiError):
     """A profile that cannot be used; the message names the file and the field."""
 
 
@@ -152,13 +162,9 @@ def load_profile_file(path: str | Path) -> HardwareProfile:
     path = Path(path)
     try:
         text = path.read_text()
-    except OSError as err:
-        raise ProfileError(f"{path}: cannot read profile ({err.strerror})") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise ProfileError(f"{path}: not valid YAML ({err})") from None
-    return profile_from_dict(data, str(path))
+    except (OSError, UnicodeDecodeError) as err:
+        raise ProfileError(f"{path}: cannot read profile ({getattr(err, 'strerror', None) or err})") from None
+    return profile_from_dict(load_yaml(text, str(path), ProfileError), str(path))
 
 
 def builtin_profile_names() -> list[str]:

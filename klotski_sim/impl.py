@@ -33,6 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
+from .errors import UsageError
+
 IMPL_CHOICES: dict[str, tuple[str, ...]] = {
     "expert_ops": ("batched", "per-batch"),
     "cold_order": ("first-use", "expert-id", "most-tokens-first"),
@@ -77,7 +79,7 @@ class Impl:
         for f in fields(self):
             value = getattr(self, f.name)
             if value not in IMPL_CHOICES[f.name]:
-                raise ValueError(f"option {f.name}={value!r} is not one of {', '.join(IMPL_CHOICES[f.name])}")
+                raise UsageError(f"option {f.name}={value!r} is not one of {', '.join(IMPL_CHOICES[f.name])}")
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> "Impl":
@@ -100,9 +102,9 @@ class Impl:
 def preset_options(preset: str, supported: tuple[str, ...], as_published: Mapping[str, str]) -> dict[str, str]:
     """The option values a preset gives a policy that honours the `supported` options."""
     if preset not in PRESET_NAMES:
-        raise ValueError(f"unknown implementation preset {preset!r}; presets: {', '.join(PRESET_NAMES)}")
+        raise UsageError(f"unknown implementation preset {preset!r}; presets: {', '.join(PRESET_NAMES)}")
     table = {"as-published": as_published, "ideal": IDEAL, "v0.1": V0_1}[preset]
     missing = [k for k in supported if k not in table]
     if missing:
-        raise ValueError(f"preset {preset!r} does not set {missing}")
+        raise UsageError(f"preset {preset!r} does not set {missing}")
     return {k: table[k] for k in supported}

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from .errors import UsageError
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -35,13 +37,13 @@ class ModelSpec:
                            "num_heads", "num_kv_heads", "head_dim", "vocab_size", "dtype_bytes"):
             value = getattr(self, field_name)
             if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"model {self.name!r}: {field_name} must be a positive integer, got {value!r}")
+                raise UsageError(f"model {self.name!r}: {field_name} must be a positive integer, got {value!r}")
         if self.top_k > self.num_experts:
-            raise ValueError(f"model {self.name!r}: top_k={self.top_k} > num_experts={self.num_experts}")
+            raise UsageError(f"model {self.name!r}: top_k={self.top_k} > num_experts={self.num_experts}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"model {self.name!r}: num_heads must be a multiple of num_kv_heads")
+            raise UsageError(f"model {self.name!r}: num_heads must be a multiple of num_kv_heads")
         if self.num_shared_experts < 0 or self.shared_ffn_size < 0:
-            raise ValueError(f"model {self.name!r}: shared expert sizes must be >= 0")
+            raise UsageError(f"model {self.name!r}: shared expert sizes must be >= 0")
 
     # ---- weights (bytes) -------------------------------------------------------------------
     @property
@@ -129,7 +131,7 @@ class ModelSpec:
         if impl == "fused":
             return self.attention_bytes() + kv + 2 * hidden
         if impl != "eager":
-            raise ValueError(f"attention impl must be 'fused' or 'eager', got {impl!r}")
+            raise UsageError(f"attention impl must be 'fused' or 'eager', got {impl!r}")
         rep = self.num_heads // self.num_kv_heads
         concat = 2 * kv
         repeat = (1 + rep) * kv
@@ -193,10 +195,10 @@ def get_model(name: str) -> ModelSpec:
     try:
         spec = PRESETS[base]
     except KeyError:
-        raise ValueError(f"unknown model {name!r}; known models: {', '.join(sorted(PRESETS))} "
+        raise UsageError(f"unknown model {name!r}; known models: {', '.join(sorted(PRESETS))} "
                          f"(NAME:L keeps the first L layers)") from None
     if not layers:
         return spec
     if not layers.isdigit() or not 1 <= int(layers) <= spec.num_layers:
-        raise ValueError(f"model {name!r}: after ':' give a layer count from 1 to {spec.num_layers}")
+        raise UsageError(f"model {name!r}: after ':' give a layer count from 1 to {spec.num_layers}")
     return replace(spec, name=name, num_layers=int(layers))

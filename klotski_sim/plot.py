@@ -9,14 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping, Sequence
 
-import matplotlib
+import matplotlib.pyplot as plt  # the backend is the caller's: a notebook's inline one, Agg on a headless box
+import numpy as np
+from matplotlib.patches import Patch
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
-
-from .timeline import Timeline, merge_intervals  # noqa: E402
+from .timeline import Timeline, merge_intervals
 
 CATEGORY_COLORS: dict[str, str] = {
     "attention": "#4C72B0",
@@ -73,7 +70,7 @@ def draw_timeline(ax: plt.Axes, timeline: Timeline, window: tuple[float, float] 
     return drawn
 
 
-def _legend(fig: plt.Figure, categories: Sequence[str]) -> None:
+def legend(fig: plt.Figure, categories: Sequence[str]) -> None:
     handles = [Patch(color=_color(cat), label=cat) for cat in categories]
     handles.append(Patch(facecolor=(0.894, 0.102, 0.110, 0.22), label="GPU bubble"))
     fig.legend(handles=handles, loc="upper center", ncol=min(8, len(handles)), frameon=False, fontsize=8)
@@ -81,7 +78,7 @@ def _legend(fig: plt.Figure, categories: Sequence[str]) -> None:
 
 def _finish(fig: plt.Figure, categories: Sequence[str], path: str | Path | None, top: float, dpi: int) -> plt.Figure:
     """Legend on top, layout, and save (closing the figure) when a path is given."""
-    _legend(fig, categories)
+    legend(fig, categories)
     fig.tight_layout(rect=(0, 0, 1, top))
     if path is not None:
         fig.savefig(path, dpi=dpi)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import UsageError
+
 
 @dataclass(frozen=True)
 class RunShape:
@@ -29,7 +31,7 @@ class RunShape:
         for name in ("batch_size", "num_batches", "prompt_len", "gen_len"):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                raise UsageError(f"{name} must be a positive integer, got {value!r}")
 
     @property
     def num_steps(self) -> int:
@@ -66,9 +68,9 @@ class RoutingTable:
     def __init__(self, ids: np.ndarray, shape: RunShape, num_experts: int, source: str = "") -> None:
         expected = (shape.num_batches, shape.batch_size, shape.tokens_per_sequence)
         if ids.ndim != 5 or ids.shape[:3] != expected:
-            raise ValueError(f"routing ids have shape {ids.shape}, expected {expected} + (layers, top_k)")
+            raise UsageError(f"routing ids have shape {ids.shape}, expected {expected} + (layers, top_k)")
         if ids.size and (ids.min() < 0 or ids.max() >= num_experts):
-            raise ValueError(f"routing ids out of range [0, {num_experts})")
+            raise UsageError(f"routing ids out of range [0, {num_experts})")
         self.ids = ids
         self.shape = shape
         self.num_experts = num_experts
@@ -109,9 +111,9 @@ class RoutingTable:
                 bs, nb, p, g = (int(v) for v in z["shape"])
                 return RoutingTable(z["ids"], RunShape(bs, nb, p, g), int(z["num_experts"]), str(z["source"]))
         except FileNotFoundError:
-            raise ValueError(f"{path}: no such routing file") from None
+            raise UsageError(f"{path}: no such routing file") from None
         except (OSError, KeyError, ValueError, EOFError) as err:
-            raise ValueError(f"{path}: not a routing table written by klotski-sim ({err})") from None
+            raise UsageError(f"{path}: not a routing table written by klotski-sim ({err})") from None
 
     def first_use(self, step: int, layer: int, batch: int) -> list[int]:
         """The experts one batch uses at one step and layer, in the order its tokens first select

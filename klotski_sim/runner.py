@@ -14,10 +14,18 @@ import numpy as np
 from .cache import cached_trace
 from .cost import CostModel
 from .engine import simulate
+from .errors import UsageError
 from .hardware import HardwareProfile, load_profile, with_overrides
-from .model import ModelSpec, get_model
-from .planner import Plan, default_placement, largest_fitting_n, memory_floor, memory_needed, plan
 from .impl import Impl
+from .model import ModelSpec, get_model
+from .planner import (
+    Plan,
+    default_placement,
+    largest_fitting_n,
+    memory_floor,
+    memory_needed,
+    plan,
+)
 from .policies import Placement, PolicyInput, build_schedule, get_policy
 from .policies.base import resolve_options
 from .routing import RoutingTable, RunShape
@@ -151,6 +159,10 @@ def planning_popularity(spec: RunSpec, model: ModelSpec) -> np.ndarray | None:
 
 
 def resolve_placement(spec: RunSpec, model: ModelSpec, profile: HardwareProfile) -> Placement:
+    if spec.resident_layers is not None and not 0 <= spec.resident_layers <= model.num_layers:
+        raise UsageError(f"--resident-layers {spec.resident_layers}: {model.name} has {model.num_layers} layers")
+    if spec.warmup_sequences < 0:
+        raise UsageError(f"--warmup-sequences {spec.warmup_sequences}: must be >= 0")
     base = default_placement(model, profile)
     if spec.experts != "auto":
         base = replace(base, experts=spec.experts, disk_layers=0)

@@ -23,6 +23,8 @@ from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
+from .errors import KlotskiError
+
 FORMAT = "klotski-schedule"
 VERSION = 1
 
@@ -59,7 +61,7 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-class ScheduleError(ValueError):
+class ScheduleError(KlotskiError):
     """A schedule that cannot run; the message names the offending op."""
 
 
@@ -113,22 +115,48 @@ class Op(NamedTuple):
 
     @staticmethod
     def from_dict(data: Mapping[str, Any]) -> "Op":
+        """An op from its JSON form; every field's type is checked (a schedule.json is user input)."""
+        if not isinstance(data, Mapping):
+            raise ScheduleError(f"an op must be a JSON object, got {type(data).__name__}")
+        op_id = data.get("id", "?")
         unknown = set(data) - set(Op._fields)
         if unknown:
-            raise ScheduleError(f"op {data.get('id', '?')!r}: unknown field(s) {sorted(unknown)}")
-        try:
-            kwargs = dict(data)
-            for name in ("deps", "batches", "free"):
-                if name in kwargs:
-                    kwargs[name] = tuple(kwargs[name])
-            if "alloc" in kwargs:
-                kwargs["alloc"] = tuple((str(n), int(b)) for n, b in kwargs["alloc"])
-            for name in ("id", "kind", "stream", "category"):
-                if not isinstance(kwargs.get(name), str):
-                    raise TypeError(f"{name} must be a string")
-            return Op(**kwargs)
-        except (TypeError, ValueError) as err:
-            raise ScheduleError(f"op {data.get('id', '?')!r}: malformed ({err})") from None
+            raise ScheduleError(f"op {op_id!r}: unknown field(s) {sorted(unknown)}")
+        kwargs: dict[str, Any] = {}
+        for name, value in data.items():
+            kind = _FIELD_TYPES[name]
+            if kind == "str":
+                ok = isinstance(value, str)
+            elif kind == "int":
+                ok = isinstance(value, int) and not isinstance(value, bool) and abs(value) < 1 << 62
+            elif kind == "bool":
+                ok = isinstance(value, bool)
+            elif kind == "strs":
+                ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+                value = tuple(value) if ok else value
+            elif kind == "ints":
+                ok = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+                value = tuple(value) if ok else value
+            else:  # alloc: [[name, bytes], ...]
+                ok = isinstance(value, list) and all(
+                    isinstance(a, list) and len(a) == 2 and isinstance(a[0], str) and isinstance(a[1], int)
+                    and not isinstance(a[1], bool) for a in value)
+                value = tuple((a[0], a[1]) for a in value) if ok else value
+            if not ok:
+                raise ScheduleError(f"op {op_id!r}: field {name!r} must be {_TYPE_TEXT[kind]}, got {value!r:.60}")
+            kwargs[name] = value
+        missing = [name for name in ("id", "kind", "stream", "category") if name not in kwargs]
+        if missing:
+            raise ScheduleError(f"op {op_id!r}: missing field(s) {missing}")
+        return Op(**kwargs)
+
+
+_FIELD_TYPES = {"id": "str", "kind": "str", "stream": "str", "category": "str", "deps": "strs", "flops": "int",
+                "bytes": "int", "src": "str", "dst": "str", "step": "int", "phase": "str", "layer": "int",
+                "batches": "ints", "expert": "int", "tokens": "int", "kv_len": "int", "alloc": "alloc",
+                "free": "strs", "tensor": "str", "pageable": "bool", "variant": "str"}
+_TYPE_TEXT = {"str": "a string", "int": "an integer", "bool": "true or false", "strs": "a list of strings",
+              "ints": "a list of integers", "alloc": "a list of [name, bytes] pairs"}
 
 
 @dataclass(frozen=True)
@@ -232,13 +260,23 @@ class Schedule:
             raise ScheduleError(f"{where}: not a klotski schedule (missing format: {FORMAT!r})")
         if data.get("version") != VERSION:
             raise ScheduleError(f"{where}: schedule format version {data.get('version')!r}, expected {VERSION}")
+        for key, kind in (("ops", list), ("streams", dict), ("preloaded", list), ("meta", dict)):
+            if key in data and not isinstance(data[key], kind):
+                raise ScheduleError(f"{where}: {key!r} must be a JSON {'array' if kind is list else 'object'}")
+        if "ops" not in data or "streams" not in data:
+            raise ScheduleError(f"{where}: missing key {'ops' if 'ops' not in data else 'streams'!r}")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in data["streams"].items()):
+            raise ScheduleError(f"{where}: streams must map stream names to resource names")
+        preloaded = data.get("preloaded", [])
+        if not all(isinstance(b, list) and len(b) == 2 and isinstance(b[0], str) and isinstance(b[1], int)
+                   and not isinstance(b[1], bool) and b[1] >= 0 for b in preloaded):
+            raise ScheduleError(f"{where}: preloaded must be a list of [name, bytes] pairs")
         try:
             ops = [Op.from_dict(o) for o in data["ops"]]
-            return Schedule(ops=tuple(ops), streams=dict(data["streams"]),
-                            preloaded=tuple(tuple(b) for b in data.get("preloaded", [])),
-                            meta=dict(data.get("meta", {})))
-        except KeyError as err:
-            raise ScheduleError(f"{where}: missing key {err}") from None
+        except ScheduleError as err:
+            raise ScheduleError(f"{where}: {err}") from None
+        return Schedule(ops=tuple(ops), streams=dict(data["streams"]), preloaded=tuple(tuple(b) for b in preloaded),
+                        meta=dict(data.get("meta", {})))
 
     @staticmethod
     def load(path: str | Path) -> "Schedule":
@@ -263,6 +301,11 @@ def _check_op_fields(op: Op, streams: Mapping[str, str]) -> None:
     for name in ("flops", "bytes", "tokens", "kv_len"):
         if getattr(op, name) < 0:
             raise ScheduleError(f"op {op.id!r}: {name} must be >= 0, got {getattr(op, name)}")
+    for name in ("step", "layer", "expert"):
+        if getattr(op, name) < -1:
+            raise ScheduleError(f"op {op.id!r}: {name} must be >= 0 (or -1: none), got {getattr(op, name)}")
+    if any(b < 0 for b in op.batches):
+        raise ScheduleError(f"op {op.id!r}: batches must be >= 0, got {list(op.batches)}")
     if op.tensor not in TENSORS:
         raise ScheduleError(f"op {op.id!r}: tensor {op.tensor!r} is not one of {TENSORS[1:]}")
     if op.kind == "transfer":

@@ -30,9 +30,11 @@ Spec (every key optional except `policies`; lists are grid axes):
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import itertools
 import json
+import math
 import os
 import time
 import traceback
@@ -44,17 +46,27 @@ from typing import Any, Callable, Iterable
 
 import pandas as pd
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+)
 
+from .errors import KlotskiError, UsageError
 from .hardware import ProfileError, load_profile, with_overrides
 from .impl import PRESET_NAMES
 from .model import get_model
 from .policies import POLICIES
 from .timeline import jsonable
 from .trace_synth import params_for
+from .yamlfile import load_yaml
 
 
-class SweepError(ValueError):
+class SweepError(KlotskiError):
     """A sweep spec that cannot run; raised before anything runs."""
 
 
@@ -68,12 +80,12 @@ class SweepSpec(BaseModel):
     hardware: list[str] = Field(default_factory=lambda: ["rtx3090"], min_length=1)
     overrides: dict[str, list[Any]] = Field(default_factory=dict)
     policies: list[str] = Field(min_length=1)
-    batch_sizes: list[int] = Field(default_factory=lambda: [16], min_length=1)
-    num_batches: list[int | str] = Field(default_factory=lambda: ["auto"], min_length=1)
-    prompt_lens: list[int] = Field(default_factory=lambda: [512], min_length=1)
-    gen_lens: list[int] = Field(default_factory=lambda: [32], min_length=1)
-    routings: list[str] = Field(default_factory=lambda: ["calibrated"], min_length=1)
-    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    batch_sizes: list[StrictInt] = Field(default_factory=lambda: [16], min_length=1)
+    num_batches: list[StrictInt | StrictStr] = Field(default_factory=lambda: ["auto"], min_length=1)
+    prompt_lens: list[StrictInt] = Field(default_factory=lambda: [512], min_length=1)
+    gen_lens: list[StrictInt] = Field(default_factory=lambda: [32], min_length=1)
+    routings: list[StrictStr] = Field(default_factory=lambda: ["calibrated"], min_length=1)
+    seeds: list[StrictInt] = Field(default_factory=lambda: [0], min_length=1)
     kv: list[str] = Field(default_factory=lambda: ["auto"], min_length=1)
     experts: list[str] = Field(default_factory=lambda: ["auto"], min_length=1)
     impls: list[str] = Field(default_factory=lambda: ["as-published"], min_length=1)
@@ -85,9 +97,11 @@ class SweepSpec(BaseModel):
         def number(v: Any) -> Any:
             if isinstance(v, str):
                 try:
-                    return float(v)
+                    v = float(v)
                 except ValueError:
                     return v
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ValueError(f"override values must be finite, got {v!r}")
             return v
         return {k: [number(v) for v in values] for k, values in grid.items()}
 
@@ -95,7 +109,7 @@ class SweepSpec(BaseModel):
     @classmethod
     def _positive(cls, values: list[int]) -> list[int]:
         if any(v < 1 for v in values):
-            raise ValueError("values must be >= 1")
+            raise UsageError("values must be >= 1")
         return values
 
     @field_validator("num_batches")
@@ -103,19 +117,17 @@ class SweepSpec(BaseModel):
     def _batches(cls, values: list[int | str]) -> list[int | str]:
         for v in values:
             if v != "auto" and (not isinstance(v, int) or v < 1):
-                raise ValueError(f"num_batches entries are positive integers or 'auto', got {v!r}")
+                raise UsageError(f"num_batches entries are positive integers or 'auto', got {v!r}")
         return values
 
 
 def load_spec(path: str | Path) -> SweepSpec:
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as err:
-        raise SweepError(f"{path}: cannot read sweep spec ({err.strerror})") from None
-    except yaml.YAMLError as err:
-        raise SweepError(f"{path}: not valid YAML ({err})") from None
-    return parse_spec(data, str(path))
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise SweepError(f"{path}: cannot read sweep spec ({getattr(err, 'strerror', None) or err})") from None
+    return parse_spec(load_yaml(text, str(path), SweepError), str(path))
 
 
 def parse_spec(data: Any, where: str = "sweep spec") -> SweepSpec:
@@ -184,6 +196,16 @@ def check_spec(spec: SweepSpec, where: str) -> None:
             problems.append(f"impls: {impl!r} is not one of {', '.join(PRESET_NAMES)}")
     if problems:
         raise SweepError(f"{where}: " + "; ".join(dict.fromkeys(problems)))
+
+
+def grid_size(spec: SweepSpec) -> int:
+    """How many configurations the grid holds (without building them)."""
+    size = 1
+    for axis in (spec.models, spec.hardware, spec.policies, spec.batch_sizes, spec.num_batches, spec.prompt_lens,
+                 spec.gen_lens, spec.routings, spec.seeds, spec.kv, spec.experts, spec.impls,
+                 *spec.overrides.values()):
+        size *= len(axis)
+    return size
 
 
 def expand(spec: SweepSpec) -> list[dict[str, Any]]:
@@ -302,7 +324,7 @@ def collect(out_dir: str | Path, ids: Iterable[str] | None = None) -> pd.DataFra
         for col in df.columns:  # mixed-type columns (e.g. num_batches) as text for Parquet
             if df[col].dtype == object:
                 df[col] = df[col].map(lambda v: v if v is None or isinstance(v, str) else json.dumps(v))
-    tmp = out / ".results.parquet.tmp"
+    tmp = out / f".results.parquet.{os.getpid()}.tmp"
     df.to_parquet(tmp, index=False)
     os.replace(tmp, out / "results.parquet")
     return df
@@ -310,10 +332,43 @@ def collect(out_dir: str | Path, ids: Iterable[str] | None = None) -> pd.DataFra
 
 def run_sweep(spec: SweepSpec, out_dir: str | Path, workers: int = 1, dask: str | None = None,
               progress: bool = True, on_row: Callable[[dict[str, Any]], None] | None = None) -> pd.DataFrame:
-    """Run every configuration not finished yet; returns all rows."""
+    """Run every configuration not finished yet; returns all rows. One sweep at a time writes to
+    an output folder (a lock file says which process): a second one is refused, not interleaved."""
     out = Path(out_dir)
     rows_dir = out / "rows"
     rows_dir.mkdir(parents=True, exist_ok=True)
+    with _locked(out):
+        return _run_sweep(spec, out, rows_dir, workers, dask, progress, on_row)
+
+
+class _locked:
+    """An exclusive lock on `out/.lock` for the duration of a sweep."""
+
+    def __init__(self, out: Path) -> None:
+        self.path = out / ".lock"
+
+    def __enter__(self) -> None:
+        self.file = open(self.path, "a+")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self.file.seek(0)
+            holder = self.file.read().strip() or "another process"
+            self.file.close()
+            raise SweepError(f"{self.path.parent}: another sweep is writing there ({holder}); wait for it or use "
+                             f"another --out") from None
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(f"pid {os.getpid()}")
+        self.file.flush()
+
+    def __exit__(self, *exc: object) -> None:
+        fcntl.flock(self.file, fcntl.LOCK_UN)
+        self.file.close()
+
+
+def _run_sweep(spec: SweepSpec, out: Path, rows_dir: Path, workers: int, dask: str | None, progress: bool,
+               on_row: Callable[[dict[str, Any]], None] | None) -> pd.DataFrame:
     (out / "spec.yaml").write_text(yaml.safe_dump(spec.model_dump(), sort_keys=False))
     configs = expand(spec)
     done = finished_ids(rows_dir)

@@ -13,11 +13,9 @@ category of the op whose completion made that op ready (the last dependency to a
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from functools import cached_property, partial
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -333,112 +331,6 @@ class Timeline:
                                      "options") if k in m},
         )
 
-    # ---- exports ----------------------------------------------------------------------------
-    def to_parquet(self, path: str | Path) -> None:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        table = pa.Table.from_pandas(self.df, preserve_index=False)
-        meta = dict(table.schema.metadata or {})
-        meta[b"klotski"] = json.dumps(jsonable(self.meta)).encode()
-        meta[b"klotski_memory"] = json.dumps([self.memory[0].tolist(), self.memory[1].tolist()]).encode()
-        pq.write_table(table.replace_schema_metadata(meta), str(path))
-
-    @classmethod
-    def read_parquet(cls, path: str | Path) -> "Timeline":
-        import pyarrow.parquet as pq
-
-        table = pq.read_table(str(path))
-        meta = json.loads((table.schema.metadata or {}).get(b"klotski", b"{}"))
-        mem = json.loads((table.schema.metadata or {}).get(b"klotski_memory", b"[[],[]]"))
-        df = table.to_pandas()
-        cols = {name: df[name].to_numpy() for name in df.columns}
-        return cls(cols, meta, (np.asarray(mem[0], dtype=float), np.asarray(mem[1], dtype=np.int64)))
-
-    def to_csv(self, path: str | Path) -> None:
-        self.df.to_csv(path, index=False)
-
-    def chrome_trace(self) -> dict[str, Any]:
-        """Chrome/Perfetto trace: one track per stream, a bubble track, GPU memory as a counter."""
-        return json.loads(self.chrome_trace_json())
-
-    def chrome_trace_json(self) -> str:
-        """The Chrome trace as JSON text, written event by event (a dict per op would cost
-        seconds for the 100k-op timelines of a comparison)."""
-        c = self.columns
-        streams = self.streams()
-        tid = {s: k + 1 for k, s in enumerate(streams)}
-        label = f"{self.meta.get('policy', '')} {self.meta.get('model', '')} {self.meta.get('hardware', '')}".strip()
-        meta_events: list[dict[str, Any]] = [
-            {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": label or "klotski"}}]
-        for s, t in tid.items():
-            meta_events.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": t, "args": {"name": s}})
-            meta_events.append({"ph": "M", "name": "thread_sort_index", "pid": 1, "tid": t, "args": {"sort_index": t}})
-        bubble_tid = len(tid) + 1
-        meta_events.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": bubble_tid,
-                            "args": {"name": "GPU bubbles"}})
-        for row in self.bubbles().itertuples():
-            meta_events.append({"ph": "X", "pid": 1, "tid": bubble_tid, "name": f"bubble ({row.kind})",
-                                "cat": "bubble", "ts": row.start * 1e6, "dur": row.duration * 1e6,
-                                "args": {"ended_by": row.next_op, "cause": row.cause}})
-        for t, b in zip(*self.memory):
-            meta_events.append({"ph": "C", "pid": 1, "name": "GPU memory (GiB)", "ts": float(t) * 1e6,
-                                "args": {"GiB": float(b) / 2**30}})
-        # op ids and labels are plain ASCII in practice: quote them directly, fall back to
-        # json.dumps for a column that holds anything needing escapes
-        def quoter(column: np.ndarray) -> Callable[[str], str]:
-            safe = all(x.isascii() and '"' not in x and "\\" not in x and x.isprintable() for x in set(column))
-            return (lambda x: f'"{x}"') if safe else json.dumps
-
-        dumps = json.dumps
-        q_id, q_blocked, q_label = quoter(c["op_id"]), quoter(c["blocked_by"]), quoter(c["category"])
-        tids = [tid[s] for s in c["stream"]]
-        ts = (c["start"] * 1e6).tolist()
-        dur = (np.maximum(c["end"] - c["start"], 0) * 1e6).tolist()
-        parts = [
-            f'{{"ph":"X","pid":1,"tid":{t},"name":{q_label(_label(cat, ly, ex, bt))},"cat":{q_label(cat)},"ts":{a!r},'
-            f'"dur":{d!r},"args":{{"op":{q_id(op)},"step":{st},"layer":{ly},"batches":"{bt}","expert":{ex},'
-            f'"tokens":{tk},"bytes":{nb},"blocked_by":{q_blocked(bb)}}}}}'
-            for t, cat, a, d, op, st, ly, bt, ex, tk, nb, bb in zip(
-                tids, c["category"], ts, dur, c["op_id"], c["step"].tolist(), c["layer"].tolist(), c["batches"],
-                c["expert"].tolist(), c["tokens"].tolist(), c["bytes"].tolist(), c["blocked_by"])
-        ]
-        parts.extend(dumps(e) for e in meta_events)
-        return ('{"traceEvents":[' + ",".join(parts) + '],"displayTimeUnit":"ms","metadata":'
-                + dumps(jsonable(self.meta)) + "}")
-
-    def to_chrome_trace(self, path: str | Path) -> None:
-        """Write the Chrome trace; gzip-compressed when the name ends in `.gz` (Perfetto and
-        chrome://tracing open `.json.gz` as they are: about a tenth of the size)."""
-        path = Path(path)
-        text = self.chrome_trace_json().encode()
-        if path.suffix == ".gz":
-            import gzip
-
-            with gzip.open(path, "wb", compresslevel=3) as f:
-                f.write(text)
-        else:
-            path.write_bytes(text)
-
-    def save_all(self, out_dir: str | Path, *, png: bool = True) -> dict[str, Path]:
-        """Write summary.json, timeline.parquet, timeline.csv, trace.json.gz and timeline.png."""
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        paths = {name: out / name for name in
-                 ("summary.json", "timeline.parquet", "timeline.csv", "trace.json.gz", "timeline.png")}
-        paths["summary.json"].write_text(json.dumps(jsonable(self.summary().to_dict()), indent=2))
-        self.to_parquet(paths["timeline.parquet"])
-        self.to_csv(paths["timeline.csv"])
-        self.to_chrome_trace(paths["trace.json.gz"])
-        if png:
-            from .plot import gantt
-
-            gantt(self, paths["timeline.png"])
-        else:
-            del paths["timeline.png"]
-        return paths
-
-
 def _columns_from_schedule(schedule: "Schedule", start: Sequence[float], end: Sequence[float],
                            ready: Sequence[float] | None, blocked_by: Sequence[int] | None) -> dict[str, np.ndarray]:
     """Timeline columns: the measured/simulated times joined with each op's tags."""
@@ -482,18 +374,6 @@ def _columns_from_schedule(schedule: "Schedule", start: Sequence[float], end: Se
         "flops": np.array(fields["flops"], dtype=np.float64),
     }
     return cols
-
-
-def _label(category: str, layer: int, expert: int, batches: str) -> str:
-    """A short event name: `expert L3 E5 b[0,1]`."""
-    label = category
-    if layer >= 0:
-        label += f" L{layer}"
-    if expert >= 0:
-        label += f" E{expert}"
-    if batches:
-        label += f" b{batches}" if "," not in batches else f" b[{batches}]"
-    return label
 
 
 def merge_intervals(starts: np.ndarray, ends: np.ndarray, tolerance: float = 0.0) -> tuple[np.ndarray, np.ndarray]:

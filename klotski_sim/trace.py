@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import json
 import zipfile
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import numpy as np
 
+from .errors import KlotskiError
 from .model import ModelSpec
 from .routing import RoutingTable, RunShape
 
@@ -33,7 +35,18 @@ VERSION = 1
 REQUIRED_META = ("model", "num_experts", "top_k", "num_layers")
 
 
-class TraceError(ValueError):
+MAX_TRACE_BYTES = 8 << 30  # decompressed arrays of one trace file
+MAX_IMPORT_TOKENS = 1 << 20  # token positions per sequence in an imported log
+MAX_IMPORT_INDEX = 1 << 14  # layers and expert ids in an imported log (stored as int16)
+
+
+def _declared_bytes(path: Path) -> int:
+    """What the arrays of an .npz declare they decompress to, read from its zip directory."""
+    with zipfile.ZipFile(path) as archive:
+        return sum(info.file_size for info in archive.infolist())
+
+
+class TraceError(KlotskiError):
     """A trace that cannot be used; the message says what is wrong with which file."""
 
 
@@ -152,19 +165,33 @@ class Trace:
     def load(path: str | Path) -> "Trace":
         path = Path(path)
         try:
+            declared = _declared_bytes(path)
+            if declared > MAX_TRACE_BYTES:  # a small file that would decompress to gigabytes
+                raise TraceError(f"{path}: its arrays would take {declared / 2**30:.1f} GiB once decompressed "
+                                 f"(at most {MAX_TRACE_BYTES / 2**30:.0f} GiB): refused before loading")
             with np.load(path, allow_pickle=False) as z:
                 names = set(z.files)
                 missing = {"experts", "seq_offsets", "prompt_lens", "meta"} - names
                 if missing:
                     raise TraceError(f"{path}: not a routing trace (missing {', '.join(sorted(missing))})")
                 meta = json.loads(str(z["meta"]))
+                if not isinstance(meta, dict):
+                    raise TraceError(f"{path}: meta must be a JSON object, got {type(meta).__name__}")
                 arrays = {k: z[k] for k in ("experts", "seq_offsets", "prompt_lens")}
+                for name in ("seq_offsets", "prompt_lens"):
+                    if not np.issubdtype(arrays[name].dtype, np.integer) or arrays[name].ndim != 1:
+                        raise TraceError(f"{path}: {name} must be a 1-d integer array, got {arrays[name].dtype} "
+                                         f"of shape {arrays[name].shape}")
+                for key in ("num_experts", "top_k", "num_layers"):
+                    value = meta.get(key)
+                    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 1 << 16:
+                        raise TraceError(f"{path}: meta {key} must be an integer from 1 to 65536, got {value!r}")
                 weights = z["weights"] if "weights" in names else None
         except TraceError:
             raise
         except FileNotFoundError:
             raise TraceError(f"{path}: no such trace file") from None
-        except (zipfile.BadZipFile, EOFError, OSError, ValueError, KeyError) as err:
+        except (zipfile.BadZipFile, EOFError, OSError, ValueError, KeyError, json.JSONDecodeError) as err:
             raise TraceError(f"{path}: cannot read trace, the file is truncated or corrupt ({err})") from None
         if meta.get("format") != FORMAT:
             raise TraceError(f"{path}: not a klotski routing trace (format {meta.get('format')!r})")
@@ -266,33 +293,52 @@ def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str
         seq, tok, layer = pick(rec, "seq", lineno), pick(rec, "tok", lineno), pick(rec, "layer", lineno)
         experts = pick(rec, "experts", lineno)
         weights = pick(rec, "weights", lineno, required=False)
-        if not isinstance(experts, list) or not experts or not all(isinstance(x, int) for x in experts):
+        if not isinstance(experts, list) or not experts or not all(
+                isinstance(x, int) and not isinstance(x, bool) for x in experts):
             raise TraceError(f"{path}:{lineno}: experts must be a non-empty list of integers")
-        if not isinstance(tok, int) or not isinstance(layer, int) or tok < 0 or layer < 0:
-            raise TraceError(f"{path}:{lineno}: token index and layer must be non-negative integers")
+        if not all(0 <= x < MAX_IMPORT_INDEX for x in experts):
+            raise TraceError(f"{path}:{lineno}: expert ids must be from 0 to {MAX_IMPORT_INDEX - 1}, got {experts}")
+        if not isinstance(tok, int) or not isinstance(layer, int) or isinstance(tok, bool) or isinstance(layer, bool):
+            raise TraceError(f"{path}:{lineno}: token index and layer must be integers")
+        if not 0 <= tok < MAX_IMPORT_TOKENS or not 0 <= layer < MAX_IMPORT_INDEX:
+            raise TraceError(f"{path}:{lineno}: token index must be from 0 to {MAX_IMPORT_TOKENS - 1} and layer "
+                             f"from 0 to {MAX_IMPORT_INDEX - 1}, got token {tok} layer {layer}")
+        if not isinstance(seq, (int, str)) or isinstance(seq, bool):
+            raise TraceError(f"{path}:{lineno}: the sequence id must be an integer or a string, got {seq!r}")
+        if weights is not None and (not isinstance(weights, list) or len(weights) != len(experts)
+                                    or not all(isinstance(w, (int, float)) for w in weights)):
+            raise TraceError(f"{path}:{lineno}: gate weights must be a list of numbers, one per expert")
         if top_k is None:
             top_k = len(experts)
         elif len(experts) != top_k:
             raise TraceError(f"{path}:{lineno}: {len(experts)} experts, earlier records had {top_k}")
         if prompt_len_field in rec:
-            prompt_lens[seq] = int(rec[prompt_len_field])
+            value = rec[prompt_len_field]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise TraceError(f"{path}:{lineno}: {prompt_len_field} must be an integer >= 0, got {value!r}")
+            prompt_lens[seq] = value
         records.setdefault(seq, {})[(tok, layer)] = (experts, weights)
     if not records:
         raise TraceError(f"{path}: no records")
     num_layers = 1 + max(layer for seq in records.values() for (_, layer) in seq)
     max_id = max(e for seq in records.values() for ex, _ in seq.values() for e in ex)
     n_exp = num_experts if num_experts is not None else max_id + 1
+    if max_id >= n_exp:
+        raise TraceError(f"{path}: expert id {max_id} is out of range for --num-experts {n_exp}")
     problems: list[str] = []
     experts_out, weights_out, lengths, plens = [], [], [], []
     has_weights = all(w is not None for seq in records.values() for _, w in seq.values())
     for seq, table in records.items():
         max_tok = max(t for t, _ in table)
-        holes = [(t, layer) for t in range(max_tok + 1) for layer in range(num_layers) if (t, layer) not in table]
-        usable = max_tok + 1
-        if holes:
-            usable = min(t for t, _ in holes)
-            problems.append(f"sequence {seq!r}: {len(holes)} missing (token, layer) entries, first at token "
-                            f"{holes[0][0]} layer {holes[0][1]}; kept its first {usable} tokens")
+        per_token = Counter(t for t, _ in table)
+        # the first token with a layer missing (counting, not listing, the holes: a log of a few
+        # records at absurd positions must not allocate their square)
+        usable = next((t for t in range(max_tok + 1) if per_token.get(t, 0) < num_layers), max_tok + 1)
+        missing = (max_tok + 1) * num_layers - len(table)
+        if missing:
+            layer = next(layer for layer in range(num_layers) if (usable, layer) not in table)
+            problems.append(f"sequence {seq!r}: {missing} missing (token, layer) entries, first at token "
+                            f"{usable} layer {layer}; kept its first {usable} tokens")
         if usable == 0:
             continue
         experts_out.append(np.array([[table[(t, layer)][0] for layer in range(num_layers)] for t in range(usable)]))

@@ -29,6 +29,7 @@ from importlib import resources
 
 import numpy as np
 
+from .errors import UsageError
 from .model import ModelSpec
 from .routing import RoutingTable, RunShape
 from .trace import Trace, replay
@@ -69,11 +70,11 @@ def params_for(routing: str, model: ModelSpec) -> SynthParams:
         try:
             a = float(routing.split(":", 1)[1])
         except ValueError:
-            raise ValueError(f"zipf routing needs an exponent, e.g. zipf:1.2, got {routing!r}") from None
-        if a < 0:
-            raise ValueError(f"zipf exponent must be >= 0, got {a}")
+            raise UsageError(f"zipf routing needs an exponent, e.g. zipf:1.2, got {routing!r}") from None
+        if not 0 <= a <= 100:  # (NaN fails too)
+            raise UsageError(f"--routing {routing}: the zipf exponent must be a number from 0 to 100")
         return SynthParams(None, 0.0, 0.0, 0.0, "zipf", a)
-    raise ValueError(f"unknown routing {routing!r}; choose from {', '.join(ROUTINGS)}")
+    raise UsageError(f"unknown routing {routing!r}; choose from {', '.join(ROUTINGS)}")
 
 
 @lru_cache(maxsize=None)
@@ -162,7 +163,7 @@ def synthesize(model: ModelSpec, sequences: int, prompt_len: int, gen_len: int, 
     """A trace of `sequences` sequences of prompt_len + gen_len tokens each. Gate weights (the
     softmax of the drawn logits over the chosen experts) only on request: they triple the file."""
     if sequences < 1 or prompt_len < 1 or gen_len < 0:
-        raise ValueError("sequences and prompt_len must be >= 1, gen_len >= 0")
+        raise UsageError("sequences and prompt_len must be >= 1, gen_len >= 0")
     params = params_for(routing, model)
     rng = np.random.default_rng(seed)
     L, E, k = model.num_layers, model.num_experts, model.top_k

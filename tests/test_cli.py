@@ -1,11 +1,12 @@
 import gzip
+
 """End to end, as a user runs it."""
 
 import json
 
 from .conftest import run_cli
 
-SMALL = ["--prompt-len", "16", "--gen-len", "3", "--batch-size", "4"]
+SMALL = ["--num-batches", "1", "--prompt-len", "16", "--gen-len", "3", "--batch-size", "4"]
 
 
 def test_simulate_writes_every_file(tmp_path):

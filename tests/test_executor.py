@@ -7,7 +7,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from klotski_runtime.executor import ExecOptions, ExecutionError, execute  # noqa: E402
-from klotski_runtime.kernels import WeightStore, WeightError  # noqa: E402
+from klotski_runtime.kernels import WeightError, WeightStore  # noqa: E402
 from klotski_runtime.record import save_tiny_mixtral  # noqa: E402
 from klotski_sim.hardware import load_profile  # noqa: E402
 from klotski_sim.model import get_model  # noqa: E402

@@ -1,7 +1,12 @@
 import pytest
 import yaml
 
-from klotski_sim.hardware import ProfileError, builtin_profile_names, load_profile, with_overrides
+from klotski_sim.hardware import (
+    ProfileError,
+    builtin_profile_names,
+    load_profile,
+    with_overrides,
+)
 
 
 def test_builtin_profiles_load_with_sources():
@@ -81,8 +86,9 @@ def test_profile_roundtrips_through_yaml(tmp_path):
 
 def test_every_number_of_a_builtin_profile_has_a_source():
     """Spec sheet, published measurement or calibration: written next to the value."""
-    import yaml
     from importlib import resources
+
+    import yaml
 
     def leaves(node, prefix=""):
         for key, value in node.items():

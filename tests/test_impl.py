@@ -7,10 +7,16 @@ import pytest
 
 from klotski_sim.cost import CostError, CostModel
 from klotski_sim.engine import simulate
-from klotski_sim.hardware import load_profile, with_overrides
+from klotski_sim.hardware import load_profile
 from klotski_sim.impl import IMPL_CHOICES
 from klotski_sim.model import get_model
-from klotski_sim.policies import POLICIES, Placement, PolicyInput, build_schedule, get_policy
+from klotski_sim.policies import (
+    POLICIES,
+    Placement,
+    PolicyInput,
+    build_schedule,
+    get_policy,
+)
 from klotski_sim.routing import RoutingTable, RunShape
 from klotski_sim.runner import RunSpec, run
 from klotski_sim.schedule import Op, Schedule, ScheduleBuilder
@@ -110,7 +116,7 @@ def test_engine_host_op_golden():
     b = ScheduleBuilder()
     g = b.compute("g", "attention")
     b.host_wait("s1", "sync", [g])
-    a2 = b.compute("a2", "attention", stream="compute")
+    b.compute("a2", "attention", stream="compute")
     w = b.transfer("w", "weights", "h2d_weights", 10, "cpu", "gpu")
     b.host_wait("s2", "sync", [w])
     sched = b.build({})

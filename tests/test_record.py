@@ -6,7 +6,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from klotski_runtime.record import RecordError, load_moe_model, read_texts, record, save_tiny_mixtral  # noqa: E402
+from klotski_runtime.record import (  # noqa: E402
+    RecordError,
+    load_moe_model,
+    read_texts,
+    record,
+    save_tiny_mixtral,
+)
 from klotski_sim.model import get_model  # noqa: E402
 
 TEXT = "The quick brown fox jumps over the lazy dog.\n\nExperts stream over PCIe while the GPU waits.\n"

@@ -46,7 +46,7 @@ def test_grid_ids_are_stable_and_unique():
 
 def test_failures_are_rows_not_crashes(tmp_path):
     spec = parse_spec({**SMALL, "policies": ["klotski"], "num_batches": [2], "routings": ["calibrated"],
-                       "overrides": {"gpu.memory_bytes": [1e4, 1e12]}})
+                       "overrides": {"gpu.memory_bytes": [1.0000001e9, 1e12]}})  # 100 usable bytes: oom
     df = run_sweep(spec, tmp_path, progress=False)
     assert sorted(df["status"]) == ["ok", "oom"]
     assert (tmp_path / "results.parquet").exists()

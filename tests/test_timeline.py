@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from klotski_sim.engine import simulate
+from klotski_sim.exports import chrome_trace_json, read_parquet, save_all
 from klotski_sim.schedule import Op, Schedule
-from klotski_sim.timeline import Timeline
 
 from .conftest import make_profile
 
@@ -41,7 +41,7 @@ def test_step_latency_and_throughput():
 
 def test_exports(tmp_path):
     tl = _timeline()
-    paths = tl.save_all(tmp_path)
+    paths = save_all(tl, tmp_path)
     for p in paths.values():
         assert p.exists() and p.stat().st_size > 0
     trace = json.loads(gzip.decompress(paths["trace.json.gz"].read_bytes()))
@@ -54,7 +54,7 @@ def test_exports(tmp_path):
                 "makespan_s", "throughput_tok_s", "gpu_busy_s", "bubble_s", "bubble_inter_s", "bubble_intra_s",
                 "lower_bound_s", "efficiency", "peak_gpu_bytes", "num_ops"):
         assert key in summary
-    back = Timeline.read_parquet(paths["timeline.parquet"])
+    back = read_parquet(paths["timeline.parquet"])
     assert back.summary() == tl.summary()
     assert np.array_equal(back.memory[1], tl.memory[1])
 
@@ -63,5 +63,5 @@ def test_chrome_trace_escapes_unusual_ids():
     ops = (Op('w"0\\', "transfer", "h2d_weights", "weights", bytes=1, src="cpu", dst="gpu"),
            Op("a0", "compute", "compute", 'attention "x"', ('w"0\\',)))
     tl = simulate(Schedule(ops), make_profile(), durations=[1, 1])
-    events = json.loads(tl.chrome_trace_json())["traceEvents"]
+    events = json.loads(chrome_trace_json(tl))["traceEvents"]
     assert {e["args"]["op"] for e in events if e["ph"] == "X" and "op" in e.get("args", {})} == {'w"0\\', "a0"}

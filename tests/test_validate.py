@@ -9,7 +9,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from klotski_runtime.calibrate import calibrate  # noqa: E402
-from klotski_runtime.validate import ValidationSetup, check_profile_device, format_report, validate  # noqa: E402
+from klotski_runtime.validate import (  # noqa: E402
+    ValidationSetup,
+    check_profile_device,
+    format_report,
+    validate,
+)
 from klotski_sim.cost import CostModel  # noqa: E402
 from klotski_sim.hardware import ProfileError, load_profile  # noqa: E402
 from klotski_sim.model import get_model  # noqa: E402

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
+from ..errors import UsageError
 from ..hardware import HardwareProfile
 from ..impl import IMPL_CHOICES, PRESET_NAMES, Impl, preset_options
 from ..model import ModelSpec
@@ -38,16 +39,16 @@ class Placement:
     def __post_init__(self) -> None:
         for name in ("attention", "gate", "experts"):
             if getattr(self, name) not in ("cpu", "disk"):
-                raise ValueError(f"placement.{name} must be 'cpu' or 'disk' (use resident_layers to keep "
+                raise UsageError(f"placement.{name} must be 'cpu' or 'disk' (use resident_layers to keep "
                                  f"layers on the GPU), got {getattr(self, name)!r}")
         if self.kv not in ("gpu", "cpu"):
-            raise ValueError(f"placement.kv must be 'gpu' or 'cpu', got {self.kv!r}")
+            raise UsageError(f"placement.kv must be 'gpu' or 'cpu', got {self.kv!r}")
         if self.resident_layers < 0:
-            raise ValueError("placement.resident_layers must be >= 0")
+            raise UsageError("placement.resident_layers must be >= 0")
         if self.disk_window < 1:
-            raise ValueError("placement.disk_window must be >= 1")
+            raise UsageError("placement.disk_window must be >= 1")
         if self.disk_layers < 0:
-            raise ValueError("placement.disk_layers must be >= 0")
+            raise UsageError("placement.disk_layers must be >= 0")
 
     @property
     def uses_disk(self) -> bool:
@@ -111,7 +112,7 @@ class PolicyInfo:
         own = dict(self.presets.get(name, {}))
         stray = set(own) - set(self.impl_options) - set(self.defaults)
         if stray:
-            raise ValueError(f"policy {self.name!r}: preset {name!r} sets options it does not have: {sorted(stray)}")
+            raise UsageError(f"policy {self.name!r}: preset {name!r} sets options it does not have: {sorted(stray)}")
         out = preset_options(name, self.impl_options, {k: v for k, v in own.items() if k in IMPL_CHOICES})
         out.update(own)
         return out
@@ -125,10 +126,10 @@ def register(name: str, description: str, defaults: Mapping[str, Any] | None = N
              presets: Mapping[str, Mapping[str, Any]] | None = None) -> Callable[[PolicyBuilder], PolicyBuilder]:
     """Decorator: make a build function available as `--policy NAME`."""
     if buffering not in BUFFERING:
-        raise ValueError(f"buffering must be one of {BUFFERING}")
+        raise UsageError(f"buffering must be one of {BUFFERING}")
     unknown = set(impl_options) - set(IMPL_CHOICES)
     if unknown:
-        raise ValueError(f"policy {name!r}: unknown implementation options {sorted(unknown)}")
+        raise UsageError(f"policy {name!r}: unknown implementation options {sorted(unknown)}")
 
     def wrap(fn: PolicyBuilder) -> PolicyBuilder:
         info = PolicyInfo(name, description, fn, dict(defaults or {}), buffering, tuple(impl_options),
@@ -145,7 +146,7 @@ def get_policy(name: str) -> PolicyInfo:
     try:
         return POLICIES[name]
     except KeyError:
-        raise ValueError(f"unknown policy {name!r}; known policies: {', '.join(POLICIES)}") from None
+        raise UsageError(f"unknown policy {name!r}; known policies: {', '.join(POLICIES)}") from None
 
 
 def resolve_options(name: str, impl: str, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -156,7 +157,7 @@ def resolve_options(name: str, impl: str, options: Mapping[str, Any]) -> dict[st
     resolved.update(info.preset(impl))
     unknown = set(options) - set(resolved)
     if unknown:
-        raise ValueError(f"policy {name!r} has no option(s) {sorted(unknown)}; options: {sorted(resolved) or 'none'}")
+        raise UsageError(f"policy {name!r} has no option(s) {sorted(unknown)}; options: {sorted(resolved) or 'none'}")
     resolved.update(options)
     Impl.from_options(resolved)  # refuse a value outside an option's choices
     return resolved

@@ -18,6 +18,7 @@ comes from the host model itself.
 
 from __future__ import annotations
 
+from ..errors import UsageError
 from ..schedule import Schedule
 from .base import OpEmitter, PolicyInput, register
 
@@ -38,7 +39,7 @@ AS_PUBLISHED = {"sync": "per-expert", "copy_memory_weights": "pinned", "copy_mem
 def build(inp: PolicyInput) -> Schedule:
     overlap = inp.options["overlap"]
     if overlap not in OVERLAPS:
-        raise ValueError(f"flexgen overlap must be one of {OVERLAPS}, got {overlap!r}")
+        raise UsageError(f"flexgen overlap must be one of {OVERLAPS}, got {overlap!r}")
     em = OpEmitter(inp)
     m, sh, counts = inp.model, inp.shape, inp.routing.counts
     batches = range(sh.num_batches)

@@ -1,0 +1,16 @@
+"""The project's one base exception.
+
+Every error a user can cause — a bad flag, file, field or configuration — is a `KlotskiError`
+(a ValueError, so callers that catch ValueError keep working) and is shown by both CLIs as one
+`error:` line with exit status 2. Anything else is a bug in klotski and shows its traceback.
+"""
+
+from __future__ import annotations
+
+
+class KlotskiError(ValueError):
+    """Something the user asked for cannot be done; the message names the flag, file or field."""
+
+
+class UsageError(KlotskiError):
+    """A value that is not allowed (a model, policy, option or size), refused before anything runs."""

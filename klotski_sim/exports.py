@@ -1,0 +1,141 @@
+"""Writing a Timeline out: Parquet (with its metadata, read back losslessly), CSV, the
+Chrome/Perfetto trace (one track per stream, a GPU-bubble track, GPU memory as a counter; `.gz`
+compressed on request) and the set of files `simulate --out` writes. The metrics live in
+timeline.py; this module only serialises them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from .timeline import Timeline, jsonable
+
+
+def to_parquet(timeline: Timeline, path: str | Path) -> None:
+    """Columns and metadata (the run's meta and its memory trace), read back by `read_parquet`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pandas(timeline.df, preserve_index=False)
+    meta = dict(table.schema.metadata or {})
+    meta[b"klotski"] = json.dumps(jsonable(timeline.meta)).encode()
+    meta[b"klotski_memory"] = json.dumps([timeline.memory[0].tolist(), timeline.memory[1].tolist()]).encode()
+    pq.write_table(table.replace_schema_metadata(meta), str(path))
+
+
+def read_parquet(path: str | Path) -> Timeline:
+    """A Timeline written by `to_parquet` (a simulated or a measured one)."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(str(path))
+    meta = json.loads((table.schema.metadata or {}).get(b"klotski", b"{}"))
+    mem = json.loads((table.schema.metadata or {}).get(b"klotski_memory", b"[[],[]]"))
+    df = table.to_pandas()
+    cols = {name: df[name].to_numpy() for name in df.columns}
+    return Timeline(cols, meta, (np.asarray(mem[0], dtype=float), np.asarray(mem[1], dtype=np.int64)))
+
+
+def to_csv(timeline: Timeline, path: str | Path) -> None:
+    timeline.df.to_csv(path, index=False)
+
+
+def chrome_trace(timeline: Timeline) -> dict[str, Any]:
+    """Chrome/Perfetto trace: one track per stream, a bubble track, GPU memory as a counter."""
+    return json.loads(chrome_trace_json(timeline))
+
+
+def chrome_trace_json(timeline: Timeline) -> str:
+    """The Chrome trace as JSON text, written event by event (a dict per op would cost
+    seconds for the 100k-op timelines of a comparison)."""
+    c = timeline.columns
+    streams = timeline.streams()
+    tid = {s: k + 1 for k, s in enumerate(streams)}
+    label = f"{timeline.meta.get('policy', '')} {timeline.meta.get('model', '')} {timeline.meta.get('hardware', '')}".strip()
+    meta_events: list[dict[str, Any]] = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": label or "klotski"}}]
+    for s, t in tid.items():
+        meta_events.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": t, "args": {"name": s}})
+        meta_events.append({"ph": "M", "name": "thread_sort_index", "pid": 1, "tid": t, "args": {"sort_index": t}})
+    bubble_tid = len(tid) + 1
+    meta_events.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": bubble_tid,
+                        "args": {"name": "GPU bubbles"}})
+    for row in timeline.bubbles().itertuples():
+        meta_events.append({"ph": "X", "pid": 1, "tid": bubble_tid, "name": f"bubble ({row.kind})",
+                            "cat": "bubble", "ts": row.start * 1e6, "dur": row.duration * 1e6,
+                            "args": {"ended_by": row.next_op, "cause": row.cause}})
+    for t, b in zip(*timeline.memory):
+        meta_events.append({"ph": "C", "pid": 1, "name": "GPU memory (GiB)", "ts": float(t) * 1e6,
+                            "args": {"GiB": float(b) / 2**30}})
+    # op ids and labels are plain ASCII in practice: quote them directly, fall back to
+    # json.dumps for a column that holds anything needing escapes
+    def quoter(column: np.ndarray) -> Callable[[str], str]:
+        safe = all(x.isascii() and '"' not in x and "\\" not in x and x.isprintable() for x in set(column))
+        return (lambda x: f'"{x}"') if safe else json.dumps
+
+    dumps = json.dumps
+    q_id, q_blocked, q_label = quoter(c["op_id"]), quoter(c["blocked_by"]), quoter(c["category"])
+    tids = [tid[s] for s in c["stream"]]
+    ts = (c["start"] * 1e6).tolist()
+    dur = (np.maximum(c["end"] - c["start"], 0) * 1e6).tolist()
+    parts = [
+        f'{{"ph":"X","pid":1,"tid":{t},"name":{q_label(_label(cat, ly, ex, bt))},"cat":{q_label(cat)},"ts":{a!r},'
+        f'"dur":{d!r},"args":{{"op":{q_id(op)},"step":{st},"layer":{ly},"batches":"{bt}","expert":{ex},'
+        f'"tokens":{tk},"bytes":{nb},"blocked_by":{q_blocked(bb)}}}}}'
+        for t, cat, a, d, op, st, ly, bt, ex, tk, nb, bb in zip(
+            tids, c["category"], ts, dur, c["op_id"], c["step"].tolist(), c["layer"].tolist(), c["batches"],
+            c["expert"].tolist(), c["tokens"].tolist(), c["bytes"].tolist(), c["blocked_by"])
+    ]
+    parts.extend(dumps(e) for e in meta_events)
+    return ('{"traceEvents":[' + ",".join(parts) + '],"displayTimeUnit":"ms","metadata":'
+            + dumps(jsonable(timeline.meta)) + "}")
+
+
+def to_chrome_trace(timeline: Timeline, path: str | Path) -> None:
+    """Write the Chrome trace; gzip-compressed when the name ends in `.gz` (Perfetto and
+    chrome://tracing open `.json.gz` as they are: about a tenth of the size)."""
+    path = Path(path)
+    text = chrome_trace_json(timeline).encode()
+    if path.suffix == ".gz":
+        import gzip
+
+        with gzip.open(path, "wb", compresslevel=3) as f:
+            f.write(text)
+    else:
+        path.write_bytes(text)
+
+
+def save_all(timeline: Timeline, out_dir: str | Path, *, png: bool = True) -> dict[str, Path]:
+    """Write summary.json, timeline.parquet, timeline.csv, trace.json.gz and timeline.png."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {name: out / name for name in
+             ("summary.json", "timeline.parquet", "timeline.csv", "trace.json.gz", "timeline.png")}
+    paths["summary.json"].write_text(json.dumps(jsonable(timeline.summary().to_dict()), indent=2))
+    to_parquet(timeline, paths["timeline.parquet"])
+    to_csv(timeline, paths["timeline.csv"])
+    to_chrome_trace(timeline, paths["trace.json.gz"])
+    if png:
+        from .plot import gantt
+
+        gantt(timeline, paths["timeline.png"])
+    else:
+        del paths["timeline.png"]
+    return paths
+
+
+def _label(category: str, layer: int, expert: int, batches: str) -> str:
+    """A short event name: `expert L3 E5 b[0,1]`."""
+    label = category
+    if layer >= 0:
+        label += f" L{layer}"
+    if expert >= 0:
+        label += f" E{expert}"
+    if batches:
+        label += f" b{batches}" if "," not in batches else f" b[{batches}]"
+    return label
+
+

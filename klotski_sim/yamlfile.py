@@ -1,0 +1,28 @@
+"""Reading the YAML files a user hands us (profiles, sweep specs) without letting one of them
+exhaust the machine: a size cap, and a cap on aliases (a "billion laughs" document expands
+aliases of aliases into gigabytes; its events, counted first, are few)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from .errors import KlotskiError
+
+MAX_BYTES = 1 << 20  # no profile or sweep spec comes near a megabyte
+MAX_ALIASES = 100
+
+
+def load_yaml(text: str, where: str, error: type[KlotskiError] = KlotskiError) -> Any:
+    """Parse `text` with the safe loader; `where` names the file in every error."""
+    if len(text) > MAX_BYTES:
+        raise error(f"{where}: {len(text):,} bytes is too large for a YAML file here (at most {MAX_BYTES:,})")
+    try:
+        aliases = sum(isinstance(event, yaml.AliasEvent) for event in yaml.parse(text, Loader=yaml.SafeLoader))
+        if aliases > MAX_ALIASES:
+            raise error(f"{where}: {aliases} YAML aliases (at most {MAX_ALIASES}): refused, it could expand "
+                        f"without bound")
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise error(f"{where}: not valid YAML ({str(err).splitlines()[0]})") from err
