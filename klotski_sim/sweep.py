@@ -403,8 +403,15 @@ def _run_dask(todo: list[dict[str, Any]], address: str, workers: int, finished: 
         raise SweepError("--dask needs dask.distributed: pip install 'klotski[dask]'") from None
     cluster = LocalCluster(n_workers=max(1, workers), threads_per_worker=1, processes=True,
                            dashboard_address=None) if address == "local" else None
+    if cluster is None:
+        _check_dask_address(address)
     try:
-        with Client(cluster or address) as client:
+        try:
+            client = Client(cluster or address, timeout=DASK_TIMEOUT_S)
+        except (OSError, TimeoutError, ValueError) as err:
+            raise SweepError(f"--dask {address}: no Dask scheduler answered within {DASK_TIMEOUT_S} s "
+                             f"({type(err).__name__}: {err})") from err
+        with client:
             futures = client.map(run_config, todo, pure=False)
             for fut in dask_completed(futures):
                 finished(fut.result())
@@ -412,6 +419,37 @@ def _run_dask(todo: list[dict[str, Any]], address: str, workers: int, finished: 
     finally:
         if cluster is not None:
             cluster.close()
+
+
+DASK_TIMEOUT_S = 10
+
+
+def _check_dask_address(address: str) -> None:
+    """Before handing an address to Dask's client, see what answers there. A Dask scheduler speaks
+    first: an 8-byte little-endian message length, then its handshake. Anything else — silence (an
+    HTTP server waits for its client), a banner, an absurd length — is refused with what answered:
+    the client would read such bytes as a length and try to allocate it."""
+    import socket
+    from urllib.parse import urlparse
+
+    parsed = urlparse(address if "://" in address else f"tcp://{address}")
+    if parsed.scheme != "tcp" or not parsed.hostname or not parsed.port:
+        raise SweepError(f"--dask {address!r}: give a scheduler address like tcp://HOST:8786, or 'local'")
+    try:
+        with socket.create_connection((parsed.hostname, parsed.port), timeout=DASK_TIMEOUT_S) as sock:
+            sock.settimeout(3.0)
+            try:
+                greeting = sock.recv(64)
+            except OSError:
+                greeting = b""
+    except OSError as err:
+        raise SweepError(f"--dask {address}: cannot connect ({err})") from err
+    if len(greeting) < 8:
+        raise SweepError(f"--dask {address}: the service there did not greet as a Dask scheduler does "
+                         f"(it sent {greeting[:40]!r} in 3 s)")
+    length = int.from_bytes(greeting[:8], "little")
+    if not 0 < length < 1 << 20:
+        raise SweepError(f"--dask {address}: not a Dask scheduler; it answered {greeting[:40]!r}")
 
 
 class _progress:

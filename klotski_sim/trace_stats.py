@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from .trace import Trace
+from .trace import Trace, TraceError
 
 GROUP_BATCH_SIZE = 16
 GROUP_NS = (1, 4, 16)
@@ -48,6 +48,8 @@ def _mutual_information_bits(a: np.ndarray, b: np.ndarray, E: int) -> tuple[floa
 def layer_stats(trace: Trace, group_batch_size: int = GROUP_BATCH_SIZE,
                 group_ns: tuple[int, ...] = GROUP_NS) -> pd.DataFrame:
     """One row per layer; see the module docstring for the columns."""
+    if len(trace.experts) == 0:
+        raise TraceError("the trace holds no tokens: there is nothing to measure")
     E, L, k = trace.num_experts, trace.num_layers, trace.top_k
     ex = trace.experts
     shares = popularity(trace).to_numpy()

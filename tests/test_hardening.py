@@ -1,0 +1,124 @@
+"""Bad input ends in one clear line naming the flag, file or field — by class, as the hostile
+battery found them (huge sizes, non-finite values, alias bombs, impostor services, concurrent
+sweeps, mismatched files)."""
+
+from __future__ import annotations
+
+import http.server
+import socket
+import threading
+
+import pytest
+import yaml
+
+from klotski_sim.errors import KlotskiError
+from klotski_sim.hardware import (
+    ProfileError,
+    load_profile,
+    load_profile_file,
+    with_overrides,
+)
+from klotski_sim.sweep import SweepError, _locked, grid_size, parse_spec, run_sweep
+
+from .conftest import run_cli
+
+TINY = {"name": "t", "models": ["tiny-mixtral"], "policies": ["klotski"], "batch_sizes": [2], "num_batches": [2],
+        "prompt_lens": [4], "gen_lens": [2]}
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("gpu.memory_bytes", float("inf"), "finite"), ("gpu.kernel_overhead_s", float("nan"), "finite"),
+    ("gpu.reserved_bytes", 1e12, "reserved_bytes"), ("links.pcie_h2d.bandwidth", -1.0, "greater than 0")])
+def test_non_finite_and_inconsistent_profile_values_are_refused(field, value, message):
+    with pytest.raises(ProfileError, match=message):
+        with_overrides(load_profile("rtx3090"), {field: value})
+
+
+def test_yaml_alias_bomb_is_refused(tmp_path):
+    lines = ['a: &a ["x", "x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    for k in range(1, 12):
+        prev, cur = chr(ord("a") + k - 1), chr(ord("a") + k)
+        lines.append(f"{cur}: &{cur} [" + ", ".join([f"*{prev}"] * 10) + "]")
+    path = tmp_path / "bomb.yaml"
+    path.write_text("\n".join(lines))
+    with pytest.raises(ProfileError, match="aliases"):
+        load_profile_file(path)
+    rc, out, err = run_cli("sweep", str(path), "--out", str(tmp_path / "o"))
+    assert rc == 2 and "aliases" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("args,flag", [
+    (["--batch-size", "1000000000"], "memory check"), (["--prompt-len", "1000000000"], "memory check"),
+    (["--warmup-sequences", "-1"], "--warmup-sequences"), (["--resident-layers", "99"], "--resident-layers"),
+    (["--routing", "zipf:nan"], "zipf"), (["--set", "gpu.memory_bytes=Infinity"], "gpu.memory_bytes")])
+def test_bad_flags_end_in_one_line(args, flag):
+    rc, out, err = run_cli("simulate", "--policy", "klotski", "--gen-len", "2", *args)
+    assert rc in (2, 3) and flag in (err + out) and "Traceback" not in err
+
+
+def test_sweep_grid_types_are_strict():
+    with pytest.raises(SweepError, match="batch_sizes"):
+        parse_spec({**TINY, "batch_sizes": [True]})
+    with pytest.raises(SweepError, match="finite"):
+        parse_spec({**TINY, "overrides": {"links.pcie_h2d.bandwidth": [float("inf")]}})
+
+
+def test_a_huge_grid_asks_for_yes(tmp_path):
+    spec = {**TINY, "seeds": list(range(200)), "batch_sizes": list(range(1, 101))}
+    assert grid_size(parse_spec(spec)) == 20_000
+    path = tmp_path / "big.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    rc, out, err = run_cli("sweep", str(path), "--out", str(tmp_path / "o"))
+    assert rc == 2 and "20000 configurations" in err and "--yes" in err
+
+
+def test_two_sweeps_into_one_folder_do_not_interleave(tmp_path):
+    with _locked(tmp_path):
+        with pytest.raises(SweepError, match="another sweep is writing there"):
+            run_sweep(parse_spec(TINY), tmp_path, progress=False)
+    assert len(run_sweep(parse_spec(TINY), tmp_path, progress=False)) == 1  # free again afterwards
+
+
+def test_dask_pointed_at_another_service_says_what_answered(tmp_path):
+    pytest.importorskip("dask.distributed")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(SweepError, match="did not greet as a Dask scheduler"):
+            run_sweep(parse_spec(TINY), tmp_path, dask=f"tcp://127.0.0.1:{server.server_address[1]}",
+                      progress=False)
+    finally:
+        server.shutdown()
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(SweepError, match="cannot connect"):
+        run_sweep(parse_spec(TINY), tmp_path / "b", dask=f"tcp://127.0.0.1:{port}", progress=False)
+
+
+def test_every_user_error_is_a_klotski_error():
+    for cls in (ProfileError, SweepError):
+        assert issubclass(cls, KlotskiError)
+    pytest.importorskip("torch")
+    from klotski_runtime.executor import ExecutionError
+    from klotski_runtime.kernels import WeightError
+
+    assert issubclass(ExecutionError, KlotskiError) and issubclass(WeightError, KlotskiError)
+
+
+def test_execute_refuses_routing_of_another_run(tmp_path):
+    pytest.importorskip("torch")
+    common = ["--model", "tiny-mixtral", "--policy", "klotski", "--batch-size", "2", "--prompt-len", "4",
+              "--gen-len", "2", "--no-png"]
+    assert run_cli("simulate", *common, "--num-batches", "2", "--out", str(tmp_path / "a"))[0] == 0
+    assert run_cli("simulate", *common, "--num-batches", "3", "--out", str(tmp_path / "b"))[0] == 0
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    proc = subprocess.run([sys.executable, "-m", "klotski_runtime.cli", "execute", str(tmp_path / "a"),
+                           "--routing", str(tmp_path / "b" / "routing.npz")], capture_output=True, text=True,
+                          cwd=ROOT)
+    assert proc.returncode == 2 and "does not belong to this schedule" in proc.stderr
+    assert "Traceback" not in proc.stderr
