@@ -202,11 +202,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="microbenchmark ops and links into a hardware profile with a measured table")
     p.add_argument("--model", default="small-mixtral", help="model whose op shapes to measure (default: %(default)s)")
     p.add_argument("--out", required=True, metavar="FILE", help="profile YAML to write")
-    p.add_argument("--batch-sizes", type=_csv_ints, default=[1, 2, 4, 8, 16], metavar="A,B,...")
-    p.add_argument("--prompt-lens", type=_csv_ints, default=[16, 64, 256], metavar="A,B,...")
-    p.add_argument("--max-expert-tokens", type=positive_int, default=1024)
-    p.add_argument("--repeats", type=positive_int, default=5, help="median of this many runs per shape")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--batch-sizes", type=_csv_ints, default=[1, 2, 4, 8, 16], metavar="A,B,...",
+                   help="batch sizes to time attention at (default: 1,2,4,8,16)")
+    p.add_argument("--prompt-lens", type=_csv_ints, default=[16, 64, 256], metavar="A,B,...",
+                   help="prompt lengths to time prefill at (default: 16,64,256)")
+    p.add_argument("--max-expert-tokens", type=positive_int, default=1024,
+                   help="largest token count timed for one expert op (default: %(default)s)")
+    p.add_argument("--repeats", type=positive_int, default=5, help="median of this many runs per shape (default: 5)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="weight and activation dtype (default: %(default)s)")
     _add_device(p)
     p.set_defaults(func=cmd_calibrate)
 
@@ -214,17 +218,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default="all", help="a policy, a comma-separated list, or all (default: %(default)s)")
     p.add_argument("--model", default="small-mixtral", help="model preset (default: %(default)s)")
     p.add_argument("--profile", metavar="FILE", help="calibrated profile (default: calibrate now, into DIR/profile.yaml)")
-    p.add_argument("--out", default="klotski-validate", metavar="DIR")
-    p.add_argument("--batch-size", type=positive_int, default=4)
-    p.add_argument("--num-batches", type=positive_int, default=2)
-    p.add_argument("--prompt-len", type=positive_int, default=32)
-    p.add_argument("--gen-len", type=positive_int, default=4)
-    p.add_argument("--routing", default="calibrated")
+    p.add_argument("--out", default="klotski-validate", metavar="DIR", help="where to write (default: %(default)s)")
+    p.add_argument("--batch-size", type=positive_int, default=4, help="sequences per batch (default: %(default)s)")
+    p.add_argument("--num-batches", type=positive_int, default=2, help="batches n (default: %(default)s)")
+    p.add_argument("--prompt-len", type=positive_int, default=32, help="prompt tokens (default: %(default)s)")
+    p.add_argument("--gen-len", type=positive_int, default=4, help="generated tokens (default: %(default)s)")
+    p.add_argument("--routing", default="calibrated", help="synthetic routing kind (default: %(default)s)")
     p.add_argument("--trace", metavar="FILE", help="replay a routing trace instead of synthetic routing")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kv", default="gpu", choices=["gpu", "cpu"])
+    p.add_argument("--seed", type=int, default=0, help="routing and weight seed (default: %(default)s)")
+    p.add_argument("--kv", default="gpu", choices=["gpu", "cpu"], help="where the KV cache lives (default: %(default)s)")
     p.add_argument("--checkpoint", metavar="DIR", help="weights from a local checkpoint (default: random)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="weight and activation dtype (default: %(default)s)")
     p.add_argument("--impl", default="as-published", choices=["as-published", "ideal", "v0.1", "both"],
                    help="implementation preset of the schedules validated (default: %(default)s)")
     p.add_argument("--repeats", type=positive_int, default=3,

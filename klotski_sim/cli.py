@@ -344,28 +344,33 @@ def build_parser() -> argparse.ArgumentParser:
     tp = sub.add_parser("trace", help="routing traces: synth, stats, import").add_subparsers(
         dest="trace_command", required=True)
     p = tp.add_parser("synth", help="generate a synthetic routing trace calibrated to real models")
-    p.add_argument("--model", default="mixtral-8x7b", choices=sorted(PRESETS))
-    p.add_argument("--sequences", type=positive_int, default=512)
-    p.add_argument("--prompt-len", type=positive_int, default=512)
-    p.add_argument("--gen-len", type=int, default=32)
-    p.add_argument("--routing", default="calibrated", metavar="KIND", help="calibrated, uniform, zipf:<a>, skewed")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default="mixtral-8x7b", choices=sorted(PRESETS), help="model preset (default: %(default)s)")
+    p.add_argument("--sequences", type=positive_int, default=512, help="sequences to generate (default: %(default)s)")
+    p.add_argument("--prompt-len", type=positive_int, default=512, help="prompt tokens per sequence (default: %(default)s)")
+    p.add_argument("--gen-len", type=nonnegative_int, default=32,
+                   help="generated tokens per sequence (default: %(default)s)")
+    p.add_argument("--routing", default="calibrated", metavar="KIND",
+                   help="calibrated, uniform, zipf:<a>, skewed (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="generator seed (default: %(default)s)")
     p.add_argument("--with-weights", action="store_true", help="also store synthetic gate weights (3x larger file)")
-    p.add_argument("--out", required=True, metavar="FILE")
+    p.add_argument("--out", required=True, metavar="FILE", help="trace file to write (.npz)")
     p.set_defaults(func=cmd_trace_synth)
     p = tp.add_parser("stats", help="per-layer statistics: popularity, stickiness, layer correlation, group skew")
-    p.add_argument("file")
+    p.add_argument("file", help="a routing trace (.npz)")
     p.add_argument("--csv", metavar="FILE", help="also write the per-layer table as CSV")
     p.set_defaults(func=cmd_trace_stats)
     p = tp.add_parser("import", help="convert a JSON-lines routing log (one record per token per layer) to a trace")
-    p.add_argument("file")
+    p.add_argument("file", help="JSON lines, one record per token and layer: seq_id, token_idx, layer, experts "
+                                "[, gating_probs][, prompt_len: the sequence's prompt length]")
     p.add_argument("--out", metavar="FILE", help="output .npz (default: FILE with .npz)")
     p.add_argument("--model", choices=sorted(PRESETS), help="check the log against this model and record its name")
     p.add_argument("--num-experts", type=positive_int, help="experts per layer (default: the largest id + 1)")
     p.set_defaults(func=cmd_trace_import)
 
     p = sub.add_parser("compare", help="the main job: the ablation ladder, Klotski's oracle and FlexGen on one "
-                                       "configuration (n from the planner)")
+                                       "configuration (n from the planner)",
+                       description="Simulate the ablation ladder, Klotski's oracle and FlexGen on one configuration "
+                                   "and print one row per policy (and implementation preset).")
     add_run_arguments(p, policy=False, impl_choices=(*PRESET_NAMES, "both"))
     p.add_argument("--policies", metavar="A,B,...", help=f"comma-separated (default: {','.join(COMPARE_POLICIES)})")
     p.add_argument("--flexgen-overlap", choices=["code", "model"], default=None,

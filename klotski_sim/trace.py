@@ -143,8 +143,8 @@ class Trace:
         if self.num_layers != model.num_layers:
             problems.append(f"{self.num_layers} layers vs {model.num_layers}")
         if problems:
-            raise TraceError(f"{where}: recorded for {self.meta.get('model')!r}, which does not match model "
-                             f"{model.name!r}: {'; '.join(problems)}")
+            raise TraceError(f"{where}: the trace (recorded for {self.meta.get('model')!r}) has another shape than "
+                             f"model {model.name!r} (trace vs model: {'; '.join(problems)})")
 
     # ---- files ------------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
@@ -275,6 +275,7 @@ def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str
         return None
 
     records: dict[Any, dict[tuple[int, int], tuple[list[int], list[float] | None]]] = {}
+    duplicates: list[str] = []
     prompt_lens: dict[Any, int] = {}
     top_k = None
     try:
@@ -317,7 +318,11 @@ def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise TraceError(f"{path}:{lineno}: {prompt_len_field} must be an integer >= 0, got {value!r}")
             prompt_lens[seq] = value
-        records.setdefault(seq, {})[(tok, layer)] = (experts, weights)
+        table = records.setdefault(seq, {})
+        if (tok, layer) in table:
+            duplicates.append(f"{path}:{lineno}: sequence {seq!r} token {tok} layer {layer} appears again; the "
+                              f"later record is kept")
+        table[(tok, layer)] = (experts, weights)
     if not records:
         raise TraceError(f"{path}: no records")
     num_layers = 1 + max(layer for seq in records.values() for (_, layer) in seq)
@@ -325,7 +330,8 @@ def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str
     n_exp = num_experts if num_experts is not None else max_id + 1
     if max_id >= n_exp:
         raise TraceError(f"{path}: expert id {max_id} is out of range for --num-experts {n_exp}")
-    problems: list[str] = []
+    problems: list[str] = duplicates[:20] + ([f"... and {len(duplicates) - 20} more duplicated records"]
+                                             if len(duplicates) > 20 else [])
     experts_out, weights_out, lengths, plens = [], [], [], []
     has_weights = all(w is not None for seq in records.values() for _, w in seq.values())
     for seq, table in records.items():

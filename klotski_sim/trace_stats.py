@@ -140,8 +140,9 @@ def format_stats(trace: Trace, df: pd.DataFrame | None = None) -> str:
              f"(lengths {int(trace.lengths.min())}-{int(trace.lengths.max())})",
              f"source: {m.get('source', '?')}; recorder: {m.get('recorder', '?')}; dataset: {m.get('dataset', '?')}"]
     random_top1 = 1 / trace.num_experts
-    lines.append(f"random routing would give: max_share {trace.top_k / trace.num_experts:.3f}, "
-                 f"stick_top1 {random_top1:.3f}, mi_next_bits 0")
+    # a uniform router spreads each layer's choices evenly: every expert's share is 1/E
+    lines.append(f"uniform routing would give: max_share {1 / trace.num_experts:.3f}, "
+                 f"stick_top1 {random_top1:.3f}, mi_next_bits 0 (before the small-sample bias)")
     shown = df if len(df) <= 16 else df.iloc[np.unique(np.linspace(0, len(df) - 1, 8).astype(int))]
     table = pd.concat([shown, df.mean().to_frame("mean").T])
     with pd.option_context("display.width", 200, "display.max_columns", 30, "display.float_format", "{:.3f}".format):
