@@ -28,8 +28,8 @@ from klotski_sim.hardware import load_profile, with_overrides
 from klotski_sim.model import get_model
 from klotski_sim.policies import PolicyInput, build_schedule
 from klotski_sim.routing import RunShape
-from klotski_sim.trace_synth import synthetic_routing
 from klotski_sim.schedule import Schedule
+from klotski_sim.trace_synth import synthetic_routing
 
 
 def big_schedule(min_ops: int) -> Schedule:

@@ -15,7 +15,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from klotski_sim.hardware import load_profile  # noqa: E402
 from klotski_sim.sweep import load_spec, run_sweep  # noqa: E402
+
+PCIE_GBPS = load_profile("rtx3090").links.pcie_h2d.bandwidth / 1e9
 
 HERE = Path(__file__).resolve().parent
 SPECS, RESULTS = HERE / "specs", HERE / "results"
@@ -60,7 +63,7 @@ def ablation(workers: int) -> None:
         ax.set_ylabel("generated tokens / s")
         ax.tick_params(axis="x", rotation=30)
         ax.set_ylim(0, max(vals) * 1.25)
-    fig.suptitle("ablation ladder (prompt 512, 32 generated, batch 16, n from the planner)")
+    fig.suptitle("ablation ladder (prompt 512, 32 generated, batch 16, n from the planner; as-published)")
     save(df, "ablation", fig)
 
 
@@ -104,7 +107,8 @@ def batches(workers: int) -> None:
     axes[0].text(pick, axes[0].get_ylim()[1] * 0.95, f" planner: n={pick}", fontsize=8)
     axes[2].axhline(23.07, color="r", lw=0.8)
     axes[0].legend(fontsize=8)
-    fig.suptitle("Mixtral-8x7B on rtx3090, batch 16 (hollow: KV cache in host memory, the only way n fits)")
+    fig.suptitle("Mixtral-8x7B on rtx3090, batch 16, as-published (hollow: KV cache in host memory, the only "
+                 "way n fits)")
     save(df, "batches", fig)
 
 
@@ -141,7 +145,7 @@ def links(workers: int) -> None:
                          color=COLORS[p])
     axes[0].set(xlabel="PCIe H2D GB/s (gen3 ~8-12, gen4 ~17-25, gen5 ~50)", ylabel="generated tokens / s",
                 title="experts in host memory")
-    axes[1].set(xlabel="NVMe GB/s", ylabel="generated tokens / s", title="experts on disk (PCIe 16.8 GB/s)")
+    axes[1].set(xlabel="NVMe GB/s", ylabel="generated tokens / s", title=f"experts on disk (PCIe {PCIE_GBPS:.1f} GB/s, the profile's)")
     axes[0].legend(fontsize=8)
     save(pd.concat([pcie, nvme]), "links", fig)
 

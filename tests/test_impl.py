@@ -259,3 +259,24 @@ def test_counter_of_host_ops_per_preset():
         for policy in POLICIES:
             _, s = build(policy, preset)
             assert bool(Counter(o.kind for o in s.ops)["host"]) == want, (policy, preset)
+
+
+def test_fidelity_script_quick_rows(tmp_path):
+    """The component rows of docs/fidelity.md come from the cost model as documented."""
+    import importlib.util
+    import sys
+
+    from .conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("fidelity", ROOT / "experiments" / "fidelity.py")
+    fidelity = importlib.util.module_from_spec(spec)
+    sys.modules["fidelity"] = fidelity  # dataclasses look their module up
+    spec.loader.exec_module(fidelity)
+    assert fidelity.main(["--quick", "--out", str(tmp_path / "f.md")]) == 0
+    text = (tmp_path / "f.md").read_text()
+    assert text.count("| Klotski |") == 3 and "as-published" in text and "ideal" in text
+    profile = load_profile("rtx3090")
+    expert = get_model("mixtral-8x7b").expert_bytes()
+    assert fidelity.expert_transfer_ms("as-published") == pytest.approx(
+        1e3 * (profile.links.pcie_h2d.latency_s + expert / profile.links.pcie_h2d.bandwidth))
+    assert fidelity.attention_ms("as-published") > fidelity.attention_ms("ideal")  # eager moves more bytes
