@@ -103,6 +103,11 @@ def spec_from_args(args: argparse.Namespace, **changes: Any) -> RunSpec:
     return RunSpec(**fields)
 
 
+def _warn_if_wrapped(source: str) -> None:
+    if "WRAPPED" in source:
+        print(f"warning: {source[source.index('WRAPPED'):].rstrip(')')}", file=sys.stderr)
+
+
 def format_summary(s: Summary) -> str:
     if s.num_ops == 0 and s.oom:  # refused by the memory check: nothing ran
         return "\n".join([f"policy      {s.policy}   model {s.model}   hardware {s.hardware}   impl {s.impl}",
@@ -144,6 +149,7 @@ def _oom_text(oom: dict[str, Any]) -> str:
 def cmd_simulate(args: argparse.Namespace) -> int:
     result = run(spec_from_args(args, options=parse_overrides(args.options)))
     print(format_summary(result.timeline.summary()))
+    _warn_if_wrapped(result.timeline.meta.get("routing", ""))
     if args.out:
         out = Path(args.out)
         paths = save_all(result.timeline, out, png=not args.no_png)
@@ -173,8 +179,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     prep = prepare(spec)
     if prep.plan is not None:
         print(f"planner: n = {prep.num_batches} ({'; '.join(prep.plan.notes) or 'bubbles closed within memory'})")
-    print(f"placement: {prep.placement.describe()}; routing: {prep.replay.routing.source}; "
+    routing_source = prep.replay.routing.source if prep.replay else "not built (refused by the memory check)"
+    print(f"placement: {prep.placement.describe()}; routing: {routing_source}; "
           f"implementation: {' and '.join(impls)}")
+    _warn_if_wrapped(routing_source)
     results: dict[tuple[str, str], RunResult] = {}
     for name in policies:
         n = policy_batches(name, prep) if spec.num_batches is None else prep.num_batches
@@ -267,8 +275,18 @@ def cmd_sweep(args: argparse.Namespace) -> int:
           f"{args.workers} worker(s), if none is done yet)")
     if size > SWEEP_CONFIRM and not args.yes:
         raise CliError(f"{args.spec}: {size} configurations is more than {SWEEP_CONFIRM}; add --yes to run them")
+    done_before = len(list((Path(args.out) / "rows").glob("*.json"))) if (Path(args.out) / "rows").is_dir() else 0
     df = run_sweep(spec, args.out, workers=args.workers, dask=args.dask, progress=not args.no_progress)
-    print(summarize(df))
+    if done_before:
+        print(f"resumed: {min(done_before, size)} of {size} configurations were already done (rows of other code "
+              f"or grids are kept but not reused)")
+    swept = [k for k, values in (("model", spec.models), ("hardware", spec.hardware), ("policy", spec.policies),
+                                 ("impl", spec.impls), ("batch_size", spec.batch_sizes),
+                                 ("num_batches", spec.num_batches), ("prompt_len", spec.prompt_lens),
+                                 ("gen_len", spec.gen_lens), ("routing", spec.routings), ("seed", spec.seeds),
+                                 ("kv", spec.kv), ("experts", spec.experts)) if len(values) > 1]
+    swept += [f"set.{k}" for k in spec.overrides]
+    print(summarize(df, swept))
     failed = int((df["status"] != "ok").sum()) if len(df) else 0
     print(f"{len(df)} configurations in {args.out}/results.parquet ({failed} not ok: see the status and error columns)")
     return 0

@@ -480,9 +480,14 @@ class _progress:
             self.bar.stop()
 
 
-def summarize(df: pd.DataFrame, columns: Iterable[str] = ("policy", "impl", "hardware", "status", "m.num_batches",
-                                                           "m.throughput_tok_s", "m.decode_throughput_tok_s",
-                                                           "m.bubble_s", "m.efficiency")) -> str:
-    cols = [c for c in columns if c in df.columns]
-    with pd.option_context("display.width", 200, "display.max_rows", 50, "display.float_format", "{:.3f}".format):
-        return df[cols].to_string(index=False)
+def summarize(df: pd.DataFrame, swept: Iterable[str] = ("policy",)) -> str:
+    """The table a sweep prints: the swept columns first (sorted by the grid), then the headline
+    metrics."""
+    keys = [c for c in dict.fromkeys(["policy", *swept]) if c in df.columns]
+    metrics = [c for c in ("status", "m.num_batches", "m.throughput_tok_s", "m.decode_throughput_tok_s",
+                           "m.bubble_s", "m.efficiency") if c in df.columns]
+    if not len(df):
+        return "(no rows)"
+    table = df[keys + metrics].sort_values(keys, kind="stable") if keys else df[metrics]
+    with pd.option_context("display.width", 200, "display.max_rows", 60, "display.float_format", "{:.3f}".format):
+        return table.to_string(index=False)

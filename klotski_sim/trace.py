@@ -243,7 +243,10 @@ def replay(trace: Trace, model: ModelSpec, shape: RunShape, *, warmup_sequences:
     ids = trace.experts[rows]  # [seqs, tokens, layers, k]
     ids = ids.reshape(shape.num_batches, shape.batch_size, need_tokens, trace.num_layers, trace.top_k)
     wrapped = len(pool) < need_seqs
-    source = f"{trace.meta.get('source', where)}" + (" (wrapped: sequences reused)" if wrapped else "")
+    # reusing sequences repeats their routing, which flatters any predictor: say by how much
+    source = f"{trace.meta.get('source', where)}" + (
+        f" (WRAPPED: {len(pool)} distinct sequences for {need_seqs} needed, {len(pool) / need_seqs:.0%}; reused "
+        f"routing inflates prefetch accuracy and throughput)" if wrapped else "")
     routing = RoutingTable(ids, shape, model.num_experts, source=source)
     return Replay(routing, trace.subset(range(warmup_sequences)), tuple(chosen), wrapped)
 
