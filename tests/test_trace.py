@@ -77,7 +77,7 @@ def test_replay_shapes_warmup_and_wrap():
     with pytest.raises(TraceError, match="--wrap"):
         replay(t, TINY, RunShape(2, 3, 6, 3), warmup_sequences=2)
     wrapped = replay(t, TINY, RunShape(2, 3, 6, 3), warmup_sequences=2, wrap=True)
-    assert wrapped.wrapped and "wrapped" in wrapped.routing.source
+    assert wrapped.wrapped and "WRAPPED: 4 distinct sequences for 6 needed" in wrapped.routing.source
     with pytest.raises(TraceError, match="no sequence has the 19 tokens"):
         replay(t, TINY, RunShape(1, 1, 10, 10))
 
