@@ -216,7 +216,7 @@ def render(figs: list[Figure], impls: list[str], command: str) -> str:
     systems = len({f.system.split(" (")[0] for f in figs})
     for impl in impls:
         errors = sorted(abs(f.error(impl)) for f in figs)
-        lines.append(f"- `{impl}`: {len(errors)} figures from {systems} systems; median |error| "
+        lines.append(f"- `{impl}`: {len(errors)} figures from {systems} system{'s' if systems != 1 else ''}; median |error| "
                      f"{errors[len(errors) // 2]:.0%}; within 25%: {sum(e <= 0.25 for e in errors)}, "
                      f"within 50%: {sum(e <= 0.5 for e in errors)}.")
     if len(impls) == 2:
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         for impl in impls:
             f.predicted[impl] = float(f.predict(impl))
         f.seconds = time.perf_counter() - t
-        print(f"{f.system:26} {f.what[:44]:44} published {f.published:10.4g} " +
+        print(f"{f.system:26} {f.what[:60]:60} published {f.published:10.4g} " +
               " ".join(f"{i} {f.predicted[i]:10.4g} {f.error_text(i):>7}" for i in impls) +
               f"  ({f.seconds:.1f} s)", flush=True)
     command = "python experiments/fidelity.py" + (f" --impl {args.impl}" if args.impl != "both" else "") + \

@@ -69,11 +69,24 @@ class WeightStore:
         return self.get(tensor, layer, expert)
 
     @staticmethod
+    def check_fits(spec: ModelSpec, layers: int, dtype: torch.dtype, where: str) -> None:
+        """Refuse, before allocating, weights that host memory cannot hold (a model of 90 GB on a
+        24 GB machine would otherwise allocate for minutes and die)."""
+        per_layer = spec.layer_bytes() // spec.dtype_bytes * torch.finfo(dtype).bits // 8
+        need = per_layer * layers + spec.resident_bytes() // spec.dtype_bytes * torch.finfo(dtype).bits // 8
+        available = _available_host_memory()
+        if available and need > 0.8 * available:
+            raise WeightError(f"{where}: {spec.name} needs {need / 2**30:.1f} GiB of host memory for its weights "
+                              f"({layers} layers, {dtype}), {available / 2**30:.1f} GiB are available: use fewer "
+                              f"layers (NAME:L) or a smaller model")
+
+    @staticmethod
     def random(spec: ModelSpec, layers: int | None = None, dtype: torch.dtype = torch.bfloat16,
                seed: int = 0) -> "WeightStore":
         """Random weights of the true shapes. `layers` < spec.num_layers keeps only the first
         layers (a big model's schedule must then be built for that many layers)."""
         L = spec.num_layers if layers is None else min(layers, spec.num_layers)
+        WeightStore.check_fits(spec, L, dtype, "random weights")
         g = torch.Generator().manual_seed(seed)
         h, f, qd, kvd = spec.hidden_size, spec.ffn_size, spec.q_dim, spec.kv_dim
 
@@ -153,6 +166,18 @@ class WeightStore:
         rope = config.get("rope_parameters", {}).get("rope_theta") or config.get("rope_theta", 1e6)
         return WeightStore(spec, tensors, resident, rope_theta=float(rope), rms_eps=float(config.get("rms_norm_eps", 1e-5)),
                            source=f"checkpoint:{path}", num_layers=L)
+
+
+def _available_host_memory() -> int:
+    """MemAvailable from /proc/meminfo (0 when unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 # ---- kernels --------------------------------------------------------------------------------------

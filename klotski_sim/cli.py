@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -103,6 +104,11 @@ def spec_from_args(args: argparse.Namespace, **changes: Any) -> RunSpec:
     return RunSpec(**fields)
 
 
+def _device_name(resource: str, on_cpu: bool) -> str:
+    """In a CPU run the `gpu` resource is the CPU's compute thread."""
+    return "cpu-compute" if on_cpu and resource == "gpu" else resource
+
+
 def _warn_if_wrapped(source: str) -> None:
     if "WRAPPED" in source:
         print(f"warning: {source[source.index('WRAPPED'):].rstrip(')')}", file=sys.stderr)
@@ -128,10 +134,11 @@ def format_summary(s: Summary) -> str:
         f"{device} busy    {s.gpu_busy_s:.3f} s   bubbles {s.bubble_s:.3f} s "
         f"(inter-layer {s.bubble_inter_s:.3f} s, intra-layer {s.bubble_intra_s:.3f} s)   "
         f"host blocked {s.host_blocked_s:.3f} s",
-        f"bound       {s.lower_bound_s:.3f} s on {s.lower_bound_resource}   efficiency {s.efficiency:.1%}",
+        f"bound       {s.lower_bound_s:.3f} s on {_device_name(s.lower_bound_resource, on_cpu)}   "
+        f"efficiency {s.efficiency:.1%}",
         f"peak {'host' if on_cpu else 'GPU'}    {s.peak_gpu_bytes / GIB:.2f} GiB"
         f"{' (the CPU runtime device store, in host memory)' if on_cpu else ''}   ops {s.num_ops}",
-        "utilisation " + "  ".join(f"{r} {u:.1%}" for r, u in s.utilization.items()),
+        "utilisation " + "  ".join(f"{_device_name(r, on_cpu)} {u:.1%}" for r, u in s.utilization.items()),
     ]
     if s.bubble_by_cause:
         lines.append("bubbles by cause " + "  ".join(f"{c} {v:.3f} s" for c, v in
@@ -271,7 +278,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
     size = grid_size(spec)
     minutes = size * SECONDS_PER_CONFIG / max(1, args.workers) / 60
-    print(f"{size} configurations in the grid (about {minutes:.0f} min at {SECONDS_PER_CONFIG:.0f} s each on "
+    took = f"{minutes:.0f} min" if minutes >= 1 else f"{minutes * 60:.0f} s"
+    print(f"{size} configurations in the grid (about {took} at {SECONDS_PER_CONFIG:.0f} s each on "
           f"{args.workers} worker(s), if none is done yet)")
     if size > SWEEP_CONFIRM and not args.yes:
         raise CliError(f"{args.spec}: {size} configurations is more than {SWEEP_CONFIRM}; add --yes to run them")
@@ -432,6 +440,9 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     handler: Callable[[argparse.Namespace], int] = args.func
     try:
         return handler(args)
+    except BrokenPipeError:  # the reader (`| head`) has gone: nothing more to say
+        sys.stdout = open(os.devnull, "w")
+        return 0
     except (KlotskiError, OSError) as err:
         if getattr(args, "debug", False):
             raise
