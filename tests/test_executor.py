@@ -220,3 +220,11 @@ def test_measured_timelines_respect_every_resources_capacity(policy, impl, kv, n
             continue
         assert _max_overlap(group["start"].tolist(), group["end"].tolist()) <= caps[resource], resource
     assert tl.meta["capacities"] == caps
+
+
+def test_weights_that_host_memory_cannot_hold_are_refused_before_allocating(monkeypatch):
+    from klotski_runtime import kernels
+
+    monkeypatch.setattr(kernels, "_available_host_memory", lambda: 1 << 20)  # 1 MiB free
+    with pytest.raises(WeightError, match="needs .* GiB of host memory"):
+        WeightStore.random(get_model("small-mixtral"))
