@@ -62,14 +62,7 @@ def _fit_link(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
 
 
 def _host_memory() -> float:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 16e9
+    return float(kernels.host_memory("MemTotal") or 16e9)
 
 
 def calibrate(spec: ModelSpec, device: str = "cpu", batch_sizes: Iterable[int] = (1, 2, 4, 8, 16),

@@ -46,6 +46,13 @@ from .kernels import WeightStore
 RESOURCE_CAPACITY = {"gpu": 1, "pcie_h2d": 1, "pcie_d2h": 1, "nvme": 1, "host": 1}
 
 
+def resource_units(schedule: Schedule, options: "ExecOptions") -> dict[str, int]:
+    """Units of each resource the schedule uses: the options' (the engine's capacities, passed by
+    validate), else one each."""
+    given = dict(options.capacities or {})
+    return {r: given.get(r, RESOURCE_CAPACITY.get(r, 1)) for r in sorted(set(schedule.streams.values()))}
+
+
 class PinnedPool:
     """Reused pinned host buffers for staging disk reads before their H2D copy (pinning a fresh
     buffer per read costs more than the read). A buffer goes back to the pool with the event of the
@@ -455,8 +462,7 @@ def execute(schedule: Schedule, spec: ModelSpec, weights: WeightStore, routing: 
     device_name = torch.cuda.get_device_name() if options.device.startswith("cuda") else "cpu"
     timeline = Timeline.from_schedule(
         schedule, start, end, status="ok", peak_gpu_bytes=peak, memory_trace=runner.memory_trace,
-        capacities={r: (dict(RESOURCE_CAPACITY) | dict(options.capacities or {})).get(r, 1)
-                    for r in sorted(set(schedule.streams.values()))}, source="measured",
+        capacities=resource_units(schedule, options), source="measured",
         extra_meta={"device": device_name, "hardware": device_name if device_name == "cpu" else
                     f"{device_name} (schedule for {schedule.meta.get('hardware')})",
                     "weights": weights.source, "weight_notes": weights.notes,
@@ -481,8 +487,7 @@ def _run_cpu(schedule: Schedule, runner: OpRunner, options: ExecOptions) -> tupl
         per_stream.setdefault(op.stream, []).append(i)
     dep_index = [[index[d] for d in op.deps] if op.kind != "host" else [] for op in ops]
     resources = dict(schedule.streams)
-    caps = dict(RESOURCE_CAPACITY) | dict(options.capacities or {})
-    gates = {r: ResourceGate(caps.get(r, 1)) for r in set(resources.values())}
+    gates = {r: ResourceGate(units) for r, units in resource_units(schedule, options).items()}
     t0 = runner.t0
 
     def worker(indices: list[int]) -> None:

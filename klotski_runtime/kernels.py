@@ -72,9 +72,9 @@ class WeightStore:
     def check_fits(spec: ModelSpec, layers: int, dtype: torch.dtype, where: str) -> None:
         """Refuse, before allocating, weights that host memory cannot hold (a model of 90 GB on a
         24 GB machine would otherwise allocate for minutes and die)."""
-        per_layer = spec.layer_bytes() // spec.dtype_bytes * torch.finfo(dtype).bits // 8
-        need = per_layer * layers + spec.resident_bytes() // spec.dtype_bytes * torch.finfo(dtype).bits // 8
-        available = _available_host_memory()
+        params = (spec.layer_bytes() * layers + spec.resident_bytes()) // spec.dtype_bytes
+        need = params * torch.finfo(dtype).bits // 8
+        available = host_memory()
         if available and need > 0.8 * available:
             raise WeightError(f"{where}: {spec.name} needs {need / 2**30:.1f} GiB of host memory for its weights "
                               f"({layers} layers, {dtype}), {available / 2**30:.1f} GiB are available: use fewer "
@@ -168,12 +168,12 @@ class WeightStore:
                            source=f"checkpoint:{path}", num_layers=L)
 
 
-def _available_host_memory() -> int:
-    """MemAvailable from /proc/meminfo (0 when unknown)."""
+def host_memory(field: str = "MemAvailable") -> int:
+    """A /proc/meminfo field in bytes (`MemAvailable`, `MemTotal`); 0 when unknown."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError):
         pass

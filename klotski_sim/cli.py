@@ -418,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dask", metavar="ADDRESS|local", help="run on a dask.distributed scheduler, or 'local' to "
                                                           "start a LocalCluster with --workers workers")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--yes", action="store_true", help=f"run a grid of more than {10_000:,} configurations")
+    p.add_argument("--yes", action="store_true", help=f"run a grid of more than {SWEEP_CONFIRM:,} configurations")
     p.set_defaults(func=cmd_sweep)
 
     p = sub.add_parser("plan", help="Klotski's planner: every term of inequalities (4)-(7), n, memory check")

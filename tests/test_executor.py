@@ -225,6 +225,6 @@ def test_measured_timelines_respect_every_resources_capacity(policy, impl, kv, n
 def test_weights_that_host_memory_cannot_hold_are_refused_before_allocating(monkeypatch):
     from klotski_runtime import kernels
 
-    monkeypatch.setattr(kernels, "_available_host_memory", lambda: 1 << 20)  # 1 MiB free
+    monkeypatch.setattr(kernels, "host_memory", lambda field="MemAvailable": 1 << 20)  # 1 MiB free
     with pytest.raises(WeightError, match="needs .* GiB of host memory"):
         WeightStore.random(get_model("small-mixtral"))

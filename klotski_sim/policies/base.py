@@ -153,7 +153,8 @@ def resolve_options(name: str, impl: str, options: Mapping[str, Any]) -> dict[st
     """A policy's options: its defaults, then the implementation preset, then `options`."""
     info = get_policy(name)
     resolved = dict(info.defaults)
-    resolved.update({k: Impl().__dict__[k] for k in info.impl_options})
+    defaults = Impl()
+    resolved.update({k: getattr(defaults, k) for k in info.impl_options})
     resolved.update(info.preset(impl))
     unknown = set(options) - set(resolved)
     if unknown:
@@ -251,14 +252,22 @@ class OpEmitter:
         """The whole of a layer — attention, gate and every expert — on the weight stream, as the
         single-batch, multi-batch and FlexGen prefetches load it. Returns the attention, gate and
         per-expert load ids."""
-        m = self.model
         deps = list(deps)
         attention = self.fetch_attention(at, step, layer, deps)
-        gate = self.fetch(f"{at}/load_gate", "gate", m.gate_bytes(), "weights", "h2d_weights", deps,
+        gate = self.fetch_gate(at, step, layer, deps)
+        return attention, gate, self.fetch_moe_layer(at, step, layer, deps)
+
+    def fetch_gate(self, at: str, step: int, layer: int, deps: Iterable[str | None] = (),
+                   stream: str = "h2d_weights") -> str:
+        """A layer's gate (router) weights (op id `{at}/load_gate`)."""
+        return self.fetch(f"{at}/load_gate", "gate", self.model.gate_bytes(), "weights", stream, deps,
                           step=step, layer=layer)
-        experts = [self.fetch(f"{at}/load_E{e}", "experts", m.expert_bytes(), "moe_weights", "h2d_weights", deps,
-                              step=step, layer=layer, expert=e) for e in range(m.num_experts)]
-        return attention, gate, experts
+
+    def fetch_moe_layer(self, at: str, step: int, layer: int, deps: Iterable[str | None] = ()) -> list[str]:
+        """Every expert of a layer on the weight stream (op ids `{at}/load_E{e}`), in expert-id order."""
+        deps = list(deps)
+        return [self.fetch(f"{at}/load_E{e}", "experts", self.model.expert_bytes(), "moe_weights", "h2d_weights",
+                           deps, step=step, layer=layer, expert=e) for e in range(self.model.num_experts)]
 
     def _stage(self, step: int, layer: int) -> None:
         """Read a whole layer's disk-resident tensors into the host staging window. The window

@@ -87,8 +87,7 @@ def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
             elif moe_at_gate:
                 after = [layer_done[-2]] if len(layer_done) >= 2 else []
                 attn_w = next_attention or em.fetch_attention(at, step, j, after)
-                gate_w = em.fetch(f"{at}/load_gate", "gate", m.gate_bytes(), "weights", "h2d_weights", [prev_moe],
-                                  step=step, layer=j)
+                gate_w = em.fetch_gate(at, step, j, [prev_moe])
                 prefetched = [gate_w]
             else:
                 attn_w = next_attention or em.fetch_attention(at, step, j)
@@ -101,8 +100,7 @@ def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
                     hot = table.predict(j, prev_counts, K)
                     stats.record(hot, group_tokens)
                 # Gate and hot experts load during attention: issued as the previous MoE ends.
-                gate_w = em.fetch(f"{at}/load_gate", "gate", m.gate_bytes(), "weights", "h2d_experts", [prev_moe],
-                                  step=step, layer=j)
+                gate_w = em.fetch_gate(at, step, j, [prev_moe], stream="h2d_experts")
                 for e in hot:
                     expert_w[e] = em.fetch(f"{at}/load_hot_E{e}", "experts", m.expert_bytes(), "hot_expert",
                                            "h2d_experts", [prev_moe], step=step, layer=j, expert=e)
@@ -116,8 +114,7 @@ def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
             if sublayer_sync:  # end of the attention sub-layer: the host waits for the weight stream
                 em.sync(f"{at}/attn", prefetched or [attn_ops[-1]])
             if moe_at_gate and not resident:
-                loads = [em.fetch(f"{at}/load_E{e}", "experts", m.expert_bytes(), "moe_weights", "h2d_weights",
-                                  [prev_moe], step=step, layer=j, expert=e) for e in range(E)]
+                loads = em.fetch_moe_layer(at, step, j, [prev_moe])
                 expert_w = dict(enumerate(loads))
                 load_order = list(range(E))
                 prefetched = loads

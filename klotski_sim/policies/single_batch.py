@@ -13,6 +13,8 @@ and with `sync` the host synchronises the device after every sub-layer.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from ..schedule import Schedule
 from .base import OpEmitter, PolicyInput, register
 
@@ -51,20 +53,7 @@ def build(inp: PolicyInput) -> Schedule:
                 gate = em.gate(f"{at}/gate", step, layer, batch, [gate_w], free=_own(gate_w))
                 if sync:
                     em.sync_device(f"{at}/gate")
-                tokens = counts[step, layer, batch]
-                active = [e for e in range(m.num_experts) if tokens[e] > 0]
-                unused = tuple(w for e, w in enumerate(expert_w) if w is not None and tokens[e] == 0)
-                op = gate
-                for k, e in enumerate(active):
-                    last = k == len(active) - 1
-                    if em.impl.sync_experts:
-                        em.sync(f"{at}/E{e}/rows", [op])
-                    # The last expert op is the layer's sync point: it waits for the whole layer's
-                    # load and releases the experts nobody used.
-                    deps = [expert_w[e]] + (list(unused) if last else [])
-                    op = em.expert(f"{at}/E{e}", step, layer, e, (batch,), int(tokens[e]), deps,
-                                   free=_own(expert_w[e]) + (unused if last else ()))
-                layer_done.append(op)
+                layer_done.append(_experts(em, at, step, layer, batch, counts[step, layer, batch], expert_w, gate))
                 if sync:
                     em.sync_device(f"{at}/moe")
             em.lm_head(f"{prefix}/lm_head", step, batch)
@@ -88,8 +77,7 @@ def _build_per_sublayer(em: OpEmitter) -> Schedule:
             em.embed(f"{prefix}/embed", step, batch)
         resident = em.is_resident(layer)
         # attention sub-layer: the gate loads meanwhile (issued once the previous MoE layer is done)
-        gate_w = None if resident else em.fetch(f"{at}/load_gate", "gate", m.gate_bytes(), "weights", "h2d_weights",
-                                                [prev_moe], step=step, layer=layer)
+        gate_w = None if resident else em.fetch_gate(at, step, layer, [prev_moe])
         attn_w = attention_w.pop(g)
         last_attention = em.attention(f"{at}/attn", step, layer, batch, [attn_w], free=_own(attn_w))
         if sync:
@@ -98,8 +86,7 @@ def _build_per_sublayer(em: OpEmitter) -> Schedule:
         tokens = counts[step, layer, batch]
         expert_w: list[str | None] = [None] * m.num_experts
         if not resident:
-            expert_w = [em.fetch(f"{at}/load_E{e}", "experts", m.expert_bytes(), "moe_weights", "h2d_weights",
-                                 [prev_moe], step=step, layer=layer, expert=e) for e in range(m.num_experts)]
+            expert_w = list(em.fetch_moe_layer(at, step, layer, [prev_moe]))
         gate = em.gate(f"{at}/gate", step, layer, batch, [gate_w], free=_own(gate_w))
         if sync:
             em.sync_device(f"{at}/gate")
@@ -108,22 +95,31 @@ def _build_per_sublayer(em: OpEmitter) -> Schedule:
             nb, ns, nl = order[g + 1]
             attention_w[g + 1] = None if em.is_resident(nl) else em.fetch_attention(
                 f"b{nb}/s{ns}/L{nl}", ns, nl, [last_attention])
-        active = [e for e in range(m.num_experts) if tokens[e] > 0]
-        unused = tuple(w for e, w in enumerate(expert_w) if w is not None and tokens[e] == 0)
-        op = gate
-        for k, e in enumerate(active):
-            last = k == len(active) - 1
-            if em.impl.sync_experts:
-                em.sync(f"{at}/E{e}/rows", [op])
-            deps = [expert_w[e]] + (list(unused) if last else [])
-            op = em.expert(f"{at}/E{e}", step, layer, e, (batch,), int(tokens[e]), deps,
-                           free=_own(expert_w[e]) + (unused if last else ()))
-        prev_moe = op  # one MoE layer in flight: the next one loads once this one is done
+        # one MoE layer in flight: the next one loads once this one is done
+        prev_moe = _experts(em, at, step, layer, batch, tokens, expert_w, gate)
         if sync:
             em.sync_device(f"{at}/moe")
         if layer == m.num_layers - 1:
             em.lm_head(f"{prefix}/lm_head", step, batch)
     return em.build("single-batch")
+
+
+def _experts(em: OpEmitter, at: str, step: int, layer: int, batch: int, tokens: Sequence[int],
+             expert_w: list[str | None], after: str) -> str:
+    """The batch's experts in id order (as `MoE_computation` walks them), each after a `.tolist()`
+    wait with `sync=per-expert`; returns the last expert op. It is the layer's sync point: it waits
+    for the whole layer's load and releases the experts nobody used."""
+    active = [e for e in range(len(tokens)) if tokens[e] > 0]
+    unused = tuple(w for e, w in enumerate(expert_w) if w is not None and tokens[e] == 0)
+    op = after
+    for k, e in enumerate(active):
+        last = k == len(active) - 1
+        if em.impl.sync_experts:
+            em.sync(f"{at}/E{e}/rows", [op])
+        deps = [expert_w[e]] + (list(unused) if last else [])
+        op = em.expert(f"{at}/E{e}", step, layer, e, (batch,), int(tokens[e]), deps,
+                       free=_own(expert_w[e]) + (unused if last else ()))
+    return op
 
 
 def _own(buffer: str | None) -> tuple[str, ...]:
