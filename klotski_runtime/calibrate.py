@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 import pandas as pd
@@ -147,6 +147,7 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
                                 expert, out)
 
         measured["expert"].append({"tokens": tokens, "seconds": measure(one_expert, repeats)})
+    cpu_section = _measure_host_cpu(spec, w, dtype, repeats, max_expert_tokens, measured)
 
     # roofline fields: a big GEMM, a big copy, a tiny kernel
     n = 2048 if dev.type == "cuda" else 1024
@@ -177,12 +178,15 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
                 "host_sync_latency_s": host_sync},
         "links": links,
         "host": {"memory_bytes": _host_memory(), "cpu": platform.processor() or platform.machine()},
+        "cpu": cpu_section,
         "disk": {"capacity_bytes": float(_disk_capacity())},
         "sources": {"measured": "klotski-runtime calibrate (this file's provenance)",
                     "gpu.host_sync_latency_s": "CUDA: a small kernel, synchronize, the next kernel (gap between "
                     "them); CPU: the host stream thread's wake-up after an event, as gpu.dependency_latency_s",
                     "gpu.memory_bytes": "CUDA device properties" if dev.type == "cuda" else
-                    "half of host memory (the CPU 'device' shares it with the host store)"},
+                    "half of host memory (the CPU 'device' shares it with the host store)",
+                    "cpu": "measured on the host CPU with torch: a GEMM, a large copy, the executor's CPU expert "
+                           "(measured['cpu:expert']); op_overhead_s = the probe's expert dispatch cost"},
         "measured": measured,
         "provenance": {
             "device": gpu_name, "device_kind": dev.type, "model_shapes": spec.name, "dtype": str(dtype),
@@ -198,6 +202,7 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
                                            min(prompt_lens))
     data["gpu"]["dispatch_overhead_s"] = overall
     data["gpu"]["dispatch_overhead_by_category"] = by_category
+    data["cpu"]["op_overhead_s"] = by_category.get("expert", overall)
     data["sources"]["gpu.dispatch_overhead_s"] = ("median (measured - simulated) duration of the compute ops of "
                                                   "small Klotski and FlexGen probe schedules run through the executor "
                                                   f"(2 layers, batch {min(batch_sizes)}, {PROBE_BATCHES} batches, "
@@ -206,6 +211,34 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
     data["provenance"]["probe"] = {"layers": min(2, spec.num_layers), "batch_size": min(batch_sizes),
                                    "num_batches": PROBE_BATCHES, "prompt_len": min(prompt_lens), "gen_len": PROBE_GEN}
     return profile_from_dict(data, "calibration")
+
+
+DTYPE_KEYS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+CPU_EXPERT_MAX_TOKENS = 256  # CPU experts serve few tokens; above this the roofline answers
+
+
+def _measure_host_cpu(spec: ModelSpec, w: WeightStore, dtype: torch.dtype, repeats: int, max_expert_tokens: int,
+                      measured: dict[str, list[dict]]) -> dict[str, Any]:
+    """The host CPU as a compute device (a profile's `cpu:` section): its GEMM rate and copy
+    bandwidth in the run's dtype, and the executor's CPU expert (host weights, CPU hidden
+    states) over a grid of token counts into `measured['cpu:expert']`."""
+    cpu = torch.device("cpu")
+    measure = _timer(cpu)
+    n = 1024
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    flops = 2 * n**3 / measure(lambda: a @ b, repeats)
+    big = torch.randn(16 * MB // 2, dtype=dtype)
+    bandwidth = 2 * big.numel() * big.element_size() / measure(lambda: big.clone(), repeats)
+    weights = w.get("expert", 0, 0)
+    measured["cpu:expert"] = []
+    for tokens in sorted({1 << i for i in range(int(np.log2(min(max_expert_tokens, CPU_EXPERT_MAX_TOKENS))) + 1)}):
+        x = torch.randn(tokens, spec.hidden_size, dtype=dtype)
+        scale = torch.full((tokens,), 1.0 / spec.top_k, dtype=dtype)
+        measured["cpu:expert"].append({"tokens": tokens, "seconds": measure(
+            lambda: kernels.expert(x, weights) * scale[:, None], repeats)})
+    key = DTYPE_KEYS.get(dtype, str(dtype).replace("torch.", ""))
+    return {"name": platform.processor() or platform.machine(), "cores": os.cpu_count() or 1,
+            "flops": {key: flops}, "compute_dtype": key, "memory_bandwidth": bandwidth, "op_overhead_s": 0.0}
 
 
 def _probe_dispatch(spec: ModelSpec, draft: HardwareProfile, dev: torch.device, dtype: torch.dtype,

@@ -204,11 +204,18 @@ class OpRunner:
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
         self.expert_tokens: dict[str, int] = {}
         self.resident = {k: v.to(self.device) for k, v in weights.resident.items()}
+        # weights on the GPU for the whole run: whole resident layers, and single tensors a policy
+        # keeps there (meta `resident_weights`: [tensor, layer, expert] — Fiddler's attention, gates
+        # and popular experts)
+        pinned_there = {tuple(k[:2]) if k[2] < 0 else tuple(k) for k in schedule.meta.get("resident_weights", ())}
         self.resident_layer_tensors = {key: tuple(t.to(self.device) for t in v) for key, v in weights.tensors.items()
-                                       if key[1] < self.resident_layers}
+                                       if key[1] < self.resident_layers or key in pinned_there}
+        self.host_activations: dict[str, dict[int, torch.Tensor]] = {}  # d2h_act op -> batch -> hidden states
+        self.cpu_results: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}  # CPU expert -> outputs
         # what each compute op does, by category (a table, not a name lookup)
         self.compute_ops = {"embed": self._embed, "attention": self._attention, "gate": self._gate,
-                            "expert": self._expert, "lm_head": self._lm_head}
+                            "expert": self._expert, "lm_head": self._lm_head, "combine": lambda op: None}
+        self.on_cpu = {s for s, r in schedule.streams.items() if r == "cpu"}
         self._alloc("resident", tensor_bytes(list(self.resident.values()))
                     + tensor_bytes([t for v in self.resident_layer_tensors.values() for t in v]))
 
@@ -238,8 +245,14 @@ class OpRunner:
                 self._disk_read(op)
             elif op.tensor == "kv":
                 self._kv_transfer(op)
+            elif op.tensor == "activation":
+                self._activation_transfer(op)
             else:
                 self._load_weights(op)
+        elif op.kind == "compute" and op.stream in self.on_cpu:
+            if op.category != "expert":
+                raise ExecutionError(f"op {op.id!r}: the host CPU runs expert ops only, not {op.category!r}")
+            self._cpu_expert(op)
         elif op.kind == "compute":
             compute = self.compute_ops.get(op.category)
             if compute is None:
@@ -324,6 +337,41 @@ class OpRunner:
             k = torch.cat([c[0] for c in chunks], dim=2)
             v = torch.cat([c[1] for c in chunks], dim=2)
         self._store(op.id, (k, v))
+
+    def _activation_transfer(self, op: Op) -> None:
+        """Hidden states down to host memory for CPU experts (`d2h_act`), or a CPU expert's output
+        back up (`h2d_act`), added into its batches' MoE output on arrival."""
+        if op.dst == "cpu":
+            self.host_activations[op.id] = {b: self.z[b].to("cpu", copy=True) for b in op.batches}
+            return
+        source = next((d for d in op.deps if d in self.cpu_results), None)
+        if source is None:
+            raise ExecutionError(f"op {op.id!r}: no CPU expert output to bring back (deps {list(op.deps)})")
+        for b, rows, y in self.cpu_results.pop(source):
+            self.moe_out[b].index_add_(0, rows, y.to(self.device))
+
+    def _cpu_expert(self, op: Op) -> None:
+        """One expert on the host CPU, from its weights in host memory and the hidden states a
+        `d2h_act` copy brought down; its output waits for the `h2d_act` copy that follows."""
+        down = next((d for d in op.deps if d in self.host_activations), None)
+        if down is None:
+            raise ExecutionError(f"op {op.id!r}: a CPU expert needs its hidden states copied down first")
+        hidden = self.host_activations[down]
+        w = self.weights.host("expert", op.layer, op.expert)
+        results, tokens = [], 0
+        for b in op.batches:
+            ids, weights, ids_np = self.route[b]
+            mask = (ids_np == op.expert) if ids_np is not None else (ids == op.expert).cpu().numpy()
+            rows_np, slots_np = np.nonzero(mask)
+            if not len(rows_np):
+                continue
+            rows, slots = torch.from_numpy(rows_np), torch.from_numpy(slots_np)
+            scale = weights.to("cpu")[rows, slots]
+            y = kernels.expert(hidden[b][rows], w) * scale[:, None].to(hidden[b].dtype)
+            results.append((b, rows.to(self.device), y))
+            tokens += len(rows_np)
+        self.expert_tokens[op.id] = tokens
+        self.cpu_results[op.id] = results
 
     # ---- compute ----------------------------------------------------------------------------------
     def _combine(self, b: int) -> None:
@@ -427,6 +475,11 @@ def execute(schedule: Schedule, spec: ModelSpec, weights: WeightStore, routing: 
             options: ExecOptions = ExecOptions()) -> tuple[Timeline, OpRunner]:
     """Run every op of `schedule` and return the measured Timeline (and the runner, whose state
     holds logits and per-expert token counts for checks)."""
+    host_compute = sorted({op.stream for op in schedule.ops if schedule.streams[op.stream] == "cpu"})
+    if host_compute and options.device.startswith("cuda"):
+        raise ExecutionError(f"the schedule computes on the host CPU (stream {host_compute[0]!r}, policy "
+                             f"{schedule.meta.get('policy', '?')!r}); the CUDA executor does not run host compute "
+                             f"streams yet: execute it with --device cpu")
     if options.device.startswith("cuda") and not torch.cuda.is_available():
         raise ExecutionError("CUDA was requested but torch sees no GPU (use --device cpu)")
     if options.emulate_links and not options.device == "cpu":

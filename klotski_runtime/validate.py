@@ -138,9 +138,9 @@ def refit_dispatch(profile: HardwareProfile, sim: Timeline, meas: Timeline) -> H
     """The profile with its per-category dispatch cost refitted on this very measurement: what an
     in-sample calibration would have given (the reported in-sample error uses it)."""
     ds, dm = sim.df.set_index("op_id"), meas.df.set_index("op_id")
-    compute = ds["resource"] == "gpu"
-    residual = (dm["end"] - dm["start"]) - (ds["end"] - ds["start"])
-    frame = pd.DataFrame({"category": ds.loc[compute, "category"], "residual": residual[compute]})
+    compute = ds.index[ds["resource"] == "gpu"]
+    residual = (dm["end"] - dm["start"]).reindex(ds.index) - (ds["end"] - ds["start"])
+    frame = pd.DataFrame({"category": ds.loc[compute, "category"], "residual": residual.loc[compute]})
     gpu = profile.gpu
     fitted = {str(c): max(0.0, gpu.dispatch_overhead_by_category.get(str(c), gpu.dispatch_overhead_s) + float(v))
               for c, v in frame.groupby("category")["residual"].median().items()}

@@ -194,7 +194,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     for name in policies:
         n = policy_batches(name, prep) if spec.num_batches is None else prep.num_batches
         if n != prep.num_batches:
-            why = ("one batch in flight by definition" if name == "single-batch" else
+            why = ("one batch in flight by definition" if POLICIES[name].one_batch else
                    f"its {POLICIES[name].buffering} weight buffers leave room for {n} batches' KV cache")
             print(f"note: {name} runs n = {n} ({why})")
         options = {"overlap": args.flexgen_overlap} if name == "flexgen" and args.flexgen_overlap else {}
@@ -311,12 +311,14 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def cmd_profiles(args: argparse.Namespace) -> int:
     print(f"{'name':10} {'GPU':26} {'mem GiB':>7} {'TFLOP/s':>7} {'HBM GB/s':>8} {'H2D GB/s':>8} "
-          f"{'NVMe GB/s':>9} {'host GB':>7}")
+          f"{'NVMe GB/s':>9} {'host GB':>7}  CPU compute (CPU-expert policies)")
     for name in builtin_profile_names():
         p = load_profile(name)
+        cpu = (f"{p.cpu.cores} cores, {p.cpu.flop_rate / 1e12:.1f} TFLOP/s {p.cpu.compute_dtype}, "
+               f"{p.cpu.memory_bandwidth / 1e9:.0f} GB/s" if p.cpu else "-")
         print(f"{name:10} {p.gpu.name[:26]:26} {p.gpu.memory_bytes / GIB:7.1f} {p.gpu.peak_flops / 1e12:7.0f} "
               f"{p.gpu.memory_bandwidth / 1e9:8.0f} {p.links.pcie_h2d.bandwidth / 1e9:8.1f} "
-              f"{p.links.nvme.bandwidth / 1e9:9.1f} {p.host.memory_bytes / 1e9:7.0f}")
+              f"{p.links.nvme.bandwidth / 1e9:9.1f} {p.host.memory_bytes / 1e9:7.0f}  {cpu}")
     return 0
 
 

@@ -117,6 +117,17 @@ class CostModel:
                             f"set, but the schedule copies from pageable host memory (set it, or use pinned copies)")
         return link.latency_s + nbytes / link.pageable_bandwidth
 
+    def cpu_seconds(self, flops: float, io_bytes: float, category: str = "expert", tokens: int = 0) -> float:
+        """A compute op on the host CPU: measured when the profile's `cpu:<category>` table covers
+        the token count, else a roofline on its sustained FLOP/s (in its compute dtype) and DRAM
+        bandwidth; plus a fixed cost per op. The profile must have a `cpu:` section."""
+        cpu = self.profile.require_cpu("this schedule")
+        table = self.tables.get(f"cpu:{category}")
+        measured = table.lookup(tokens) if table is not None else None
+        if measured is not None:
+            return measured + cpu.op_overhead_s
+        return max(flops / cpu.flop_rate, io_bytes / cpu.memory_bandwidth) + cpu.op_overhead_s
+
     def host_seconds(self) -> float:
         """What a host op costs beyond its wait: the host-sync round trip."""
         return self.profile.gpu.host_sync_latency_s
@@ -130,6 +141,8 @@ class CostModel:
             return self.transfer_seconds(resource, op.bytes, op.pageable)
         if op.kind == "host":
             return self.host_seconds()
+        if resource == "cpu":
+            return self.cpu_seconds(op.flops, op.bytes, op.category, op.tokens)
         return self.compute_seconds(op.category, op.flops, op.bytes, op.tokens, op.kv_len, op.phase, op.variant)
 
     def durations(self, ops: Sequence[Op], streams: Mapping[str, str] = DEFAULT_STREAMS) -> list[float]:

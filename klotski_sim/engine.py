@@ -55,10 +55,11 @@ class _Wake:
 
 
 def resource_capacities(schedule: Schedule, profile: HardwareProfile) -> dict[str, int]:
-    """Units per resource: one GPU compute unit; each link as many as its copy engines."""
+    """Units per resource: one GPU compute unit, one host thread, one CPU compute stream (an op
+    there uses every core); each link as many as its copy engines."""
     caps = {}
     for resource in set(schedule.streams.values()):
-        caps[resource] = 1 if resource in ("gpu", "host") else profile.link(resource).copy_engines
+        caps[resource] = 1 if resource in ("gpu", "host", "cpu") else profile.link(resource).copy_engines
     return dict(sorted(caps.items()))
 
 

@@ -91,6 +91,33 @@ class HostSpec(_Strict):
     cpu: str = "unknown"
 
 
+class CPUSpec(_Strict):
+    """The host CPU as a compute device, for schedules that run cold experts (Fiddler, llama.cpp)
+    or decode attention (MoE-Lightning) on it instead of moving weights over PCIe. Small-batch expert
+    compute on a CPU is bound by how fast it streams the weights from DRAM, large-batch by its
+    FLOP/s in the dtype it computes in — which depends on the ISA (AVX-512, AVX512-BF16, AMX)."""
+
+    name: str
+    cores: Annotated[int, Field(ge=1)]
+    isa: list[str] = Field(default_factory=list, description="vector/matrix extensions, e.g. avx512, amx")
+    flops: dict[str, Positive] = Field(description="sustained FLOP/s of a multi-threaded GEMM, per compute dtype")
+    compute_dtype: str = Field(description="the dtype expert weights are computed in on this CPU (a key of flops)")
+    memory_bandwidth: Positive = Field(description="sustained DRAM read bytes/s of all cores (weights streamed once)")
+    op_overhead_s: NonNegative = Field(
+        0.0, description="fixed cost of one CPU op: framework dispatch and waking the thread pool")
+
+    @model_validator(mode="after")
+    def _dtype_has_flops(self) -> "CPUSpec":
+        if self.compute_dtype not in self.flops:
+            raise ValueError(f"compute_dtype {self.compute_dtype!r} has no entry in flops "
+                             f"(has: {', '.join(sorted(self.flops)) or 'none'})")
+        return self
+
+    @property
+    def flop_rate(self) -> float:
+        return self.flops[self.compute_dtype]
+
+
 class DiskSpec(_Strict):
     capacity_bytes: Positive
 
@@ -112,6 +139,7 @@ class HardwareProfile(_Strict):
     links: LinksSpec
     host: HostSpec
     disk: DiskSpec
+    cpu: CPUSpec | None = Field(None, description="the host CPU as a compute device (CPU-expert policies need it)")
     sources: dict[str, str] = Field(default_factory=dict, description="field -> where the number comes from")
     measured: dict[str, list[MeasuredPoint]] = Field(
         default_factory=dict, description="op category -> measured durations (from calibrate)")
@@ -120,6 +148,13 @@ class HardwareProfile(_Strict):
     def link(self, resource: str) -> LinkSpec:
         """The link behind a transfer resource name (`pcie_h2d`, `pcie_d2h`, `nvme`)."""
         return getattr(self.links, resource)
+
+    def require_cpu(self, who: str) -> CPUSpec:
+        """The CPU section, or a one-line refusal naming what needs it."""
+        if self.cpu is None:
+            raise UsageError(f"{who} computes on the CPU, but hardware profile {self.name!r} has no `cpu:` section "
+                             f"(cores, flops, compute_dtype, memory_bandwidth); add one or pick a profile that has it")
+        return self.cpu
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json", exclude_none=True), sort_keys=False)

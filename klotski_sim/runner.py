@@ -207,9 +207,9 @@ def prepare(spec: RunSpec) -> Prepared:
 
 
 def policy_batches(policy: str, prep: Prepared) -> int:
-    """n for one policy when the planner chose it: single-batch keeps one batch in flight, and a
+    """n for one policy when the planner chose it: single-batch (and any `one_batch` policy) keeps one batch in flight, and a
     policy whose weight buffers are larger than Klotski's may fit fewer batches' KV cache."""
-    if policy == "single-batch":
+    if get_policy(policy).one_batch:
         return 1
     s = prep.spec
     fit = largest_fitting_n(prep.model, prep.profile, s.batch_size, s.prompt_len, s.gen_len, prep.placement,

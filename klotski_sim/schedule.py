@@ -30,8 +30,8 @@ VERSION = 1
 
 KINDS = ("compute", "transfer", "host")
 TIERS = ("gpu", "cpu", "disk")
-TENSORS = ("", "attention", "gate", "expert", "kv")
-RESOURCES = ("gpu", "pcie_h2d", "pcie_d2h", "nvme", "host")
+TENSORS = ("", "attention", "gate", "expert", "kv", "activation")
+RESOURCES = ("gpu", "pcie_h2d", "pcie_d2h", "nvme", "host", "cpu")
 HOST_STREAM = "host"
 
 # The conventional streams and the physical resource each one runs on. Weight prefetch and
@@ -44,6 +44,14 @@ DEFAULT_STREAMS: dict[str, str] = {
     "d2h_kv": "pcie_d2h",
     "disk_read": "nvme",
     HOST_STREAM: "host",
+}
+
+# Streams of schedules that also compute on the host CPU: its compute stream, and the activations
+# that cross PCIe to and from it (on the same one copy engine per direction as everything else).
+CPU_STREAMS: dict[str, str] = {
+    "cpu_compute": "cpu",
+    "d2h_act": "pcie_d2h",
+    "h2d_act": "pcie_h2d",
 }
 
 
@@ -314,15 +322,17 @@ def _check_op_fields(op: Op, streams: Mapping[str, str]) -> None:
         if op.src not in TIERS or op.dst not in TIERS or op.src == op.dst:
             raise ScheduleError(f"op {op.id!r}: transfer needs distinct src/dst tiers from {TIERS}, "
                                 f"got {op.src!r} -> {op.dst!r}")
-        if streams[op.stream] in ("gpu", "host"):
+        if streams[op.stream] in ("gpu", "host", "cpu"):
             raise ScheduleError(f"op {op.id!r}: transfer placed on {streams[op.stream]} stream {op.stream!r}")
     elif op.kind == "host":
         if streams[op.stream] != "host":
             raise ScheduleError(f"op {op.id!r}: host op placed on {streams[op.stream]} stream {op.stream!r}")
         if op.alloc or op.free:
             raise ScheduleError(f"op {op.id!r}: a host op cannot allocate or free GPU buffers")
-    elif streams[op.stream] != "gpu":
+    elif streams[op.stream] not in ("gpu", "cpu"):
         raise ScheduleError(f"op {op.id!r}: compute op placed on {streams[op.stream]} stream {op.stream!r}")
+    elif streams[op.stream] == "cpu" and op.alloc:
+        raise ScheduleError(f"op {op.id!r}: a CPU compute op cannot allocate GPU buffers")
     if op.pageable and op.kind != "transfer":
         raise ScheduleError(f"op {op.id!r}: only a transfer can be pageable")
     for name, size in op.alloc:

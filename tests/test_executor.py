@@ -228,3 +228,31 @@ def test_weights_that_host_memory_cannot_hold_are_refused_before_allocating(monk
     monkeypatch.setattr(kernels, "host_memory", lambda field="MemAvailable": 1 << 20)  # 1 MiB free
     with pytest.raises(WeightError, match="needs .* GiB of host memory"):
         WeightStore.random(get_model("small-mixtral"))
+
+
+@pytest.mark.parametrize("policy", ["fiddler", "llamacpp-moe", "klotski-hybrid"])
+@pytest.mark.parametrize("impl", ["as-published", "ideal"])
+def test_cpu_expert_policies_execute_and_compute_what_klotski_computes(policy, impl):
+    """Experts on the host CPU stream: hidden states down, the expert on host weights, the output
+    back into its batches — the same logits as Klotski's all-GPU schedule (fp32, forced routing)."""
+    from .test_cpu_experts import cpu_profile
+
+    base = _input(n=2, bs=2, P=6, G=3, impl=impl)
+    profile = cpu_profile(memory_bytes=3.2e5, memory_bandwidth=1e12, flops={"bf16": 1e13})  # few experts fit
+    inp = PolicyInput(TINY, profile, base.routing, base.placement, {}, base.warmup, impl)
+    schedule = build_schedule(policy, inp)
+    on_cpu = [o for o in schedule.ops if o.stream == "cpu_compute"]
+    assert on_cpu, "the configuration must put experts on the CPU"
+    weights = WeightStore.random(TINY, dtype=torch.float32)
+    tl, runner = execute(schedule, TINY, weights, inp.routing, ExecOptions(record_logits=True))
+    ref_schedule = build_schedule("klotski", PolicyInput(TINY, load_profile("rtx3090"), inp.routing, warmup=inp.warmup))
+    _, ref = execute(ref_schedule, TINY, weights, inp.routing, ExecOptions(record_logits=True))
+    for key, logits in ref.logits.items():
+        torch.testing.assert_close(runner.logits[key], logits, atol=1e-4, rtol=1e-4)
+    for op in schedule.ops:
+        if op.category == "expert":
+            assert runner.expert_tokens[op.id] == op.tokens
+    assert set(tl.columns["resource"]) >= {"cpu", "pcie_d2h"}
+    assert runner.in_use == runner.buffer_bytes.get("resident", 0)
+    with pytest.raises(ExecutionError, match="does not run host compute"):
+        execute(schedule, TINY, weights, inp.routing, ExecOptions(device="cuda"))

@@ -22,13 +22,20 @@ from klotski_sim.runner import RunSpec, run
 from klotski_sim.schedule import Op, Schedule, ScheduleBuilder
 
 from .conftest import make_profile
+from .test_cpu_experts import cpu_profile
 from .test_pipelines import make_input
 
 LADDER = ("multi-batch", "hot-prefetch", "klotski", "klotski-oracle")
 
 
+CPU_EXPERT_POLICIES = ("fiddler", "llamacpp-moe")
+
+
 def build(policy, impl="ideal", **options):
-    inp = make_input(model="tiny-mixtral", bs=3, n=3, P=5, G=3)
+    if policy in CPU_EXPERT_POLICIES:  # experts that do not all fit on the GPU, so some run on the CPU
+        inp = make_input(model="mixtral-8x7b:2", bs=3, n=1, P=5, G=3, profile=cpu_profile(memory_bytes=2e9))
+    else:
+        inp = make_input(model="tiny-mixtral", bs=3, n=3, P=5, G=3)
     return inp, build_schedule(policy, PolicyInput(inp.model, inp.profile, inp.routing, inp.placement, options,
                                                    inp.warmup, impl))
 

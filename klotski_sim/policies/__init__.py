@@ -1,6 +1,6 @@
 """Policies: one file each, registered by name (see base.register)."""
 
-from . import flexgen, klotski, single_batch  # noqa: F401  (each registers itself)
+from . import fiddler, flexgen, klotski, single_batch  # noqa: F401  (each registers itself)
 from .base import POLICIES, Placement, PolicyInput, build_schedule, get_policy, register
 
 # The ablation ladder, rung by rung (README and `klotski-sim compare`).

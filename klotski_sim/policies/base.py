@@ -106,6 +106,7 @@ class PolicyInfo:
     buffering: str = "whole-layer"
     impl_options: tuple[str, ...] = ()
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    one_batch: bool = False  # one batch in flight by definition: the planner's n does not apply
 
     def preset(self, name: str) -> dict[str, Any]:
         """All option values the preset `name` gives this policy."""
@@ -123,7 +124,8 @@ POLICIES: dict[str, PolicyInfo] = {}
 
 def register(name: str, description: str, defaults: Mapping[str, Any] | None = None,
              buffering: str = "whole-layer", impl_options: tuple[str, ...] = (),
-             presets: Mapping[str, Mapping[str, Any]] | None = None) -> Callable[[PolicyBuilder], PolicyBuilder]:
+             presets: Mapping[str, Mapping[str, Any]] | None = None,
+             one_batch: bool = False) -> Callable[[PolicyBuilder], PolicyBuilder]:
     """Decorator: make a build function available as `--policy NAME`."""
     if buffering not in BUFFERING:
         raise UsageError(f"buffering must be one of {BUFFERING}")
@@ -133,7 +135,7 @@ def register(name: str, description: str, defaults: Mapping[str, Any] | None = N
 
     def wrap(fn: PolicyBuilder) -> PolicyBuilder:
         info = PolicyInfo(name, description, fn, dict(defaults or {}), buffering, tuple(impl_options),
-                          dict(presets or {}))
+                          dict(presets or {}), one_batch)
         for preset in PRESET_NAMES:
             info.preset(preset)  # every preset must be complete for this policy
         POLICIES[name] = info
@@ -397,6 +399,10 @@ class OpEmitter:
         return [e for e in self.inp.routing.first_use(step, layer, batch) if e in wanted]
 
     # ---- helpers --------------------------------------------------------------------------------
+    def new_tokens(self, step: int) -> int:
+        """Tokens each sequence adds at `step`: the prompt, then one."""
+        return self._new_tokens(step)
+
     def _new_tokens(self, step: int) -> int:
         return self.shape.prompt_len if step == 0 else 1
 

@@ -11,6 +11,13 @@ rungs of its ablation ladder, each a named configuration of the same loop:
                    their loads were issued, so cold loads hide behind hot compute.
 - `klotski-oracle`: a perfect predictor — every expert the group will use is prefetched during
                    attention, most-used first: the upper bound of what better prediction buys.
+- `klotski-hybrid` (ours, beyond the paper): Klotski, but each cold expert a gate reveals goes to
+                   whichever of the PCIe link and the host CPU would finish it first, counting what
+                   each already has to do in this layer (list scheduling); a CPU expert runs over the
+                   group's tokens once every gate has run, in parallel with the GPU's hot experts and
+                   the remaining loads, and its output crosses PCIe back before the next layer. Its
+                   token count is estimated from the gates run so far (later gates have not run
+                   yet). Needs the profile's `cpu:` section.
 
 Per layer j of a group of n batches:
 attention(b) for every b -> gate(b) for every b (each followed by its on-demand loads) -> experts,
@@ -23,8 +30,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..cost import CostModel
 from ..prefetch import CorrelationTable, PrefetchStats
-from ..schedule import Schedule
+from ..schedule import CPU_STREAMS, DEFAULT_STREAMS, Schedule, ScheduleBuilder
 from .base import OpEmitter, PolicyInput, register
 
 
@@ -35,6 +43,7 @@ class Rung:
     hot_prefetch: bool  # gate + hot experts during attention, the rest on demand
     reorder: bool  # hot experts first, then cold ones in arrival order
     oracle: bool = False  # perfect knowledge of the group's experts
+    cpu_cold: bool = False  # cold experts may run on the host CPU instead of loading
 
 
 RUNGS: dict[str, Rung] = {
@@ -42,11 +51,43 @@ RUNGS: dict[str, Rung] = {
     "hot-prefetch": Rung(hot_prefetch=True, reorder=False),
     "klotski": Rung(hot_prefetch=True, reorder=True),
     "klotski-oracle": Rung(hot_prefetch=True, reorder=True, oracle=True),
+    "klotski-hybrid": Rung(hot_prefetch=True, reorder=True, cpu_cold=True),
 }
 
 
+class ColdSplit:
+    """Per layer, which cold experts run on the CPU: each goes to whichever side would finish it
+    first given what that side already has in this layer (the link: the cold loads issued; the
+    CPU: the experts given to it), priced by the cost model that will time the ops."""
+
+    def __init__(self, inp: PolicyInput) -> None:
+        inp.profile.require_cpu("policy 'klotski-hybrid'")
+        self.model, self.cost = inp.model, CostModel(inp.profile)
+        self.link_busy = self.cpu_busy = 0.0
+
+    def new_layer(self) -> None:
+        self.link_busy = self.cpu_busy = 0.0
+
+    def cpu_seconds(self, tokens: int) -> float:
+        """The CPU path of one expert: compute over `tokens`, then its output back over PCIe."""
+        m, c = self.model, self.cost
+        return c.cpu_seconds(m.expert_flops(tokens), m.expert_io_bytes(tokens), "expert", tokens) + \
+            c.transfer_seconds("pcie_h2d", m.hidden_bytes(tokens))
+
+    def to_cpu(self, tokens: float) -> bool:
+        load = self.cost.transfer_seconds("pcie_h2d", self.model.expert_bytes())
+        on_cpu = self.cpu_seconds(max(1, int(round(tokens))))
+        if self.cpu_busy + on_cpu < self.link_busy + load:
+            self.cpu_busy += on_cpu
+            return True
+        self.link_busy += load
+        return False
+
+
+
 def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
-    em = OpEmitter(inp)
+    split = ColdSplit(inp) if rung.cpu_cold else None
+    em = OpEmitter(inp, ScheduleBuilder({**DEFAULT_STREAMS, **CPU_STREAMS}) if split else None)
     impl = em.impl
     m, sh, routing = inp.model, inp.shape, inp.routing
     counts = routing.counts  # [step, layer, batch, expert]
@@ -62,6 +103,8 @@ def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
     # previous MoE layer), with attention weights fetched during the previous MoE layer
     moe_at_gate = not rung.hot_prefetch and impl.moe_load == "at-gate"
     sublayer_sync = impl.sync_sublayers
+    cpu_out: list[str] = []  # the previous layer's CPU expert outputs, back on the GPU
+    on_cpu_count = 0
 
     for step in range(sh.num_steps):
         for b in batches:
@@ -108,7 +151,7 @@ def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
                 prefetched = [gate_w, *expert_w.values()]
             next_attention = None
 
-            attn_ops = [em.attention(f"{at}/b{b}/attn", step, j, b, [attn_w],
+            attn_ops = [em.attention(f"{at}/b{b}/attn", step, j, b, [attn_w, *cpu_out],
                                      free=(attn_w,) if attn_w and b == batches[-1] else ())
                         for b in batches]
             if sublayer_sync:  # end of the attention sub-layer: the host waits for the weight stream
@@ -119,6 +162,10 @@ def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
                 load_order = list(range(E))
                 prefetched = loads
             last_gate = ""
+            cpu_experts: list[int] = []
+            gates: list[str] = []
+            if split:
+                split.new_layer()
             for b in batches:
                 last_gate = em.gate(f"{at}/b{b}/gate", step, j, b, [gate_w],
                                     free=(gate_w,) if gate_w and b == batches[-1] else ())
@@ -127,12 +174,19 @@ def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
                         em.sync(last_gate, [last_gate])
                     # on-demand loads: what this batch selected that is neither hot nor requested
                     chosen = em.cold_order(step, j, b, np.flatnonzero(counts[step, j, b]).tolist())
+                    seen = counts[step, j, :b + 1].sum(axis=0)  # tokens per expert over the gates run so far
                     for e in chosen:
+                        if e in cpu_experts:
+                            continue
+                        if split and e not in expert_w and split.to_cpu(seen[e] * len(batches) / (b + 1)):
+                            cpu_experts.append(e)
+                            continue
                         if e not in expert_w:
                             expert_w[e] = em.fetch(f"{at}/load_cold_E{e}", "experts", m.expert_bytes(),
                                                    "cold_expert", "h2d_experts", [last_gate], step=step, layer=j,
                                                    expert=e)
                             load_order.append(e)
+                gates.append(last_gate)
             if sublayer_sync:  # end of the gate sub-layer
                 em.sync(f"{at}/gates", prefetched or [last_gate])
 
@@ -142,7 +196,23 @@ def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
                 next_attention = em.fetch_attention(f"s{nxt_step}/L{nxt_layer}", nxt_step, nxt_layer,
                                                     [attn_ops[-1], last_gate])
 
-            used = [e for e in range(E) if group_tokens[e] > 0]
+            # CPU experts: the group's hidden states go down once every gate has run, each expert runs
+            # over the group's tokens on the CPU, its output comes back before the next layer
+            cpu_out = []
+            if cpu_experts:
+                tokens_now = sh.batch_size * em.new_tokens(step) * len(batches)
+                down = em.b.transfer(f"{at}/hidden_down", "activation", "d2h_act", m.hidden_bytes(tokens_now),
+                                     "gpu", "cpu", gates, step=step, layer=j, batches=batches, tensor="activation")
+                for e in cpu_experts:
+                    n = int(group_tokens[e])
+                    cpu = em.b.compute(f"{at}/cpu_E{e}", "expert", [down], stream="cpu_compute",
+                                       flops=m.expert_flops(n), bytes=m.expert_io_bytes(n), step=step,
+                                       phase=em.phase(step), layer=j, batches=batches, expert=e, tokens=n)
+                    cpu_out.append(em.b.transfer(f"{at}/cpu_E{e}/up", "activation", "h2d_act", m.hidden_bytes(n),
+                                                 "cpu", "gpu", [cpu], step=step, layer=j, batches=batches,
+                                                 expert=e, tensor="activation"))
+                on_cpu_count += len(cpu_experts)
+            used = [e for e in range(E) if group_tokens[e] > 0 and e not in cpu_experts]
             if rung.reorder and not resident:
                 order = [e for e in load_order if group_tokens[e] > 0]  # hot first, then cold by arrival
             else:
@@ -171,8 +241,11 @@ def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
                 cur = routing.ids[:, :, pos, j, :]
                 table.observe(j, cur, routing.ids[:, :, pos, j - 1, :] if j else None)
         for b in batches:
-            em.lm_head(f"s{step}/b{b}/lm_head", step, b)
+            em.lm_head(f"s{step}/b{b}/lm_head", step, b, cpu_out)
+        cpu_out = []
     extra = {"prefetch": stats.to_dict()} if rung.hot_prefetch and not rung.oracle else {}
+    if split:
+        extra["cpu_experts"] = on_cpu_count
     return em.build(name, rung={"hot_prefetch": rung.hot_prefetch, "reorder": rung.reorder,
                                 "oracle": rung.oracle}, **extra)
 
@@ -208,3 +281,5 @@ _register("hot-prefetch", "+hot-prefetch: gate + predicted hot experts during at
                           "expert-id order")
 _register("klotski", "Klotski: hot-prefetch + reorder (hot experts first, cold in arrival order)")
 _register("klotski-oracle", "Klotski with a perfect predictor: every used expert prefetched, most-used first")
+_register("klotski-hybrid", "Klotski + each cold expert on the CPU when it would finish there before the link "
+                            "(needs a profile with a cpu: section)")
