@@ -12,8 +12,15 @@
 # are missing (the device machine), put their wheels in .whl/ (see experiments/README.md) and they
 # are installed into /tmp/site first.
 #
-#   bash experiments/gpu_validate.sh
+#   bash experiments/gpu_validate.sh [all|ladder|cpu-experts]
+#
+# `cpu-experts` checks the schedules that compute cold experts on the host CPU (fiddler,
+# llamacpp-moe, klotski-hybrid, next to klotski) against the CUDA executor, with the GPU's memory
+# capped in the profile so that some experts must stay in host memory.
 set -uo pipefail
+PART=${1:-all}
+DEVICE=${DEVICE:-cuda}  # DEVICE=cpu: a dry run of this script on a machine without a GPU
+SUF=$([ "$PART" = cpu-experts ] && echo "-cpu-experts" || true)
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 if ! python3 -c "import simpy, pydantic" 2>/dev/null; then
@@ -24,14 +31,19 @@ if ! python3 -c "import simpy, pydantic" 2>/dev/null; then
     echo "simpy/pydantic missing and no wheels in .whl/: see experiments/README.md" >&2; exit 2
   fi
 fi
-python3 - <<'PY' || { echo "no CUDA GPU visible to torch: nothing to do" >&2; exit 2; }
+if [ "$DEVICE" = cuda ]; then
+  python3 - <<'PY' || { echo "no CUDA GPU visible to torch: nothing to do" >&2; exit 2; }
 import sys, torch
 sys.exit(0 if torch.cuda.is_available() else 1)
 PY
-GPU=$(python3 -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-'))")
-OUT_DIR="experiments/results/$GPU"
+  GPU=$(python3 -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-'))")
+else
+  GPU=dry-run-cpu
+fi
+OUT_DIR="${OUT_DIR:-experiments/results/$GPU}"
 mkdir -p "$OUT_DIR"
-LOG="$OUT_DIR/log.txt"
+LOG="$OUT_DIR/log$SUF.txt"
+README="$OUT_DIR/README$SUF.md"
 : > "$LOG"
 start=$(date +%s)
 {
@@ -43,12 +55,15 @@ start=$(date +%s)
   nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.max,pcie.link.width.max --format=csv 2>/dev/null || true
   echo "host: $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo)"
   echo
-} > "$OUT_DIR/README.md"
+} > "$README"
 
 copy_out() {  # the device machine brings back what is under $OUT (8 files at most)
   [ -n "${OUT:-}" ] || return 0
-  cp "$OUT_DIR"/README.md "$LOG" "$OUT_DIR"/profile-*.yaml "$OUT/" 2>/dev/null
-  for d in small-mixtral small-mixtral-kv-cpu mixtral-8x7b-4layers; do
+  cp "$README" "$LOG" "$OUT/" 2>/dev/null
+  [ "$PART" = cpu-experts ] && cp "$OUT_DIR"/profile-*-capped.yaml "$OUT/" 2>/dev/null
+  [ "$PART" = cpu-experts ] || cp "$OUT_DIR"/profile-*.yaml "$OUT/" 2>/dev/null
+  for d in small-mixtral small-mixtral-kv-cpu mixtral-8x7b-4layers small-mixtral-cpu-experts \
+           mixtral-8x7b-4layers-cpu-experts; do
     cp "$OUT_DIR/$d/validation.json" "$OUT/$d-validation.json" 2>/dev/null
   done
   return 0
@@ -64,24 +79,54 @@ step() {
   timeout --kill-after=10 "$limit" python3 -m klotski_runtime.cli --debug "$@" 2>&1 | tee -a "$LOG"
   local rc=${PIPESTATUS[0]}
   echo "  (rc $rc, $(( $(date +%s) - t )) s)" | tee -a "$LOG"
-  [ "$rc" = 0 ] || echo "- FAILED (rc $rc; 124 = over its ${limit} s limit): \`klotski-runtime $*\`" >> "$OUT_DIR/README.md"
+  [ "$rc" = 0 ] || echo "- FAILED (rc $rc; 124 = over its ${limit} s limit): \`klotski-runtime $*\`" >> "$README"
 }
 
 SM="--model small-mixtral --profile $OUT_DIR/profile-small-mixtral.yaml --batch-size 16 --num-batches 4 --prompt-len 128 --gen-len 8"
 MX="--model mixtral-8x7b:4 --profile $OUT_DIR/profile-mixtral-8x7b.yaml --batch-size 16 --num-batches 4 --prompt-len 128 --gen-len 8"
 
+capped() {  # capped SRC DST BYTES: a copy of a calibrated profile with less GPU memory
+  python3 - "$@" <<'PY'
+import sys, yaml
+src, dst, cap = sys.argv[1], sys.argv[2], float(sys.argv[3])
+data = yaml.safe_load(open(src))
+data["gpu"]["memory_bytes"], data["gpu"]["reserved_bytes"] = cap, 0.0  # the cap is what the schedules may use
+data["name"] = data["name"] + f"-capped-{cap / 1e9:g}GB"
+data.setdefault("sources", {})["gpu.memory_bytes"] = f"capped at {cap:g} bytes by gpu_validate.sh so that experts spill"
+yaml.safe_dump(data, open(dst, "w"), sort_keys=False)
+PY
+}
+
+if [ "$PART" = cpu-experts ]; then
+  CPUX="fiddler,llamacpp-moe,klotski-hybrid,klotski"
+  step 60 calibrate --device $DEVICE --model small-mixtral --batch-sizes 1,16 --prompt-lens 128 \
+      --max-expert-tokens 2048 --out "$OUT_DIR/profile-small-mixtral.yaml"
+  capped "$OUT_DIR/profile-small-mixtral.yaml" "$OUT_DIR/profile-small-mixtral-capped.yaml" 0.65e9
+  step 60 validate --policy $CPUX --impl both --repeats 2 --device $DEVICE --model small-mixtral \
+      --profile "$OUT_DIR/profile-small-mixtral-capped.yaml" --batch-size 16 --num-batches 4 --prompt-len 128 \
+      --gen-len 8 --out "$OUT_DIR/small-mixtral-cpu-experts"
+  step 90 calibrate --device $DEVICE --model mixtral-8x7b:4 --batch-sizes 1,16 --prompt-lens 128 \
+      --max-expert-tokens 2048 --out "$OUT_DIR/profile-mixtral-8x7b.yaml"
+  capped "$OUT_DIR/profile-mixtral-8x7b.yaml" "$OUT_DIR/profile-mixtral-8x7b-capped.yaml" 10e9
+  step 150 validate --policy $CPUX --impl both --repeats 1 --device $DEVICE --model mixtral-8x7b:4 \
+      --profile "$OUT_DIR/profile-mixtral-8x7b-capped.yaml" --batch-size 16 --num-batches 4 --prompt-len 128 \
+      --gen-len 8 --out "$OUT_DIR/mixtral-8x7b-4layers-cpu-experts"
+fi
+
+if [ "$PART" = all ] || [ "$PART" = ladder ]; then
 # 1. small-mixtral (whole model): calibrate, then all policies, both presets; then the KV cache in
 #    host memory (pinned async stores and loads) for the two multi-batch systems that offload it
-step 90 calibrate --device cuda --model small-mixtral --batch-sizes 1,4,8,16 --prompt-lens 64,128 \
+step 90 calibrate --device $DEVICE --model small-mixtral --batch-sizes 1,4,8,16 --prompt-lens 64,128 \
     --max-expert-tokens 2048 --out "$OUT_DIR/profile-small-mixtral.yaml"
-step 100 validate --policy all --impl both --repeats 3 --device cuda $SM --out "$OUT_DIR/small-mixtral"
-step 40 validate --policy klotski,flexgen --impl both --repeats 3 --device cuda --kv cpu $SM \
+step 100 validate --policy all --impl both --repeats 3 --device $DEVICE $SM --out "$OUT_DIR/small-mixtral"
+step 40 validate --policy klotski,flexgen --impl both --repeats 3 --device $DEVICE --kv cpu $SM \
     --out "$OUT_DIR/small-mixtral-kv-cpu"
 
 # 2. Mixtral-8x7B shapes, first 4 of 32 layers (random weights of the true shapes)
-step 90 calibrate --device cuda --model mixtral-8x7b:4 --batch-sizes 1,4,16 --prompt-lens 64,128 \
+step 90 calibrate --device $DEVICE --model mixtral-8x7b:4 --batch-sizes 1,4,16 --prompt-lens 64,128 \
     --max-expert-tokens 2048 --out "$OUT_DIR/profile-mixtral-8x7b.yaml"
-step 300 validate --policy all --impl both --repeats 3 --device cuda $MX --out "$OUT_DIR/mixtral-8x7b-4layers"
+step 300 validate --policy all --impl both --repeats 3 --device $DEVICE $MX --out "$OUT_DIR/mixtral-8x7b-4layers"
+fi
 
 {
   echo
@@ -92,5 +137,5 @@ step 300 validate --policy all --impl both --repeats 3 --device cuda $MX --out "
   echo '```'
   echo
   echo "Wall time: $(( $(date +%s) - start )) s."
-} >> "$OUT_DIR/README.md"
+} >> "$README"
 echo "wrote $OUT_DIR/"

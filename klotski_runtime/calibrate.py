@@ -215,6 +215,7 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
 
 DTYPE_KEYS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 CPU_EXPERT_MAX_TOKENS = 256  # CPU experts serve few tokens; above this the roofline answers
+CPU_EXPERT_MAX_SECONDS = 0.25  # ... and above the first token count whose expert takes this long
 
 
 def _measure_host_cpu(spec: ModelSpec, w: WeightStore, dtype: torch.dtype, repeats: int, max_expert_tokens: int,
@@ -234,8 +235,10 @@ def _measure_host_cpu(spec: ModelSpec, w: WeightStore, dtype: torch.dtype, repea
     for tokens in sorted({1 << i for i in range(int(np.log2(min(max_expert_tokens, CPU_EXPERT_MAX_TOKENS))) + 1)}):
         x = torch.randn(tokens, spec.hidden_size, dtype=dtype)
         scale = torch.full((tokens,), 1.0 / spec.top_k, dtype=dtype)
-        measured["cpu:expert"].append({"tokens": tokens, "seconds": measure(
-            lambda: kernels.expert(x, weights) * scale[:, None], repeats)})
+        seconds = measure(lambda: kernels.expert(x, weights) * scale[:, None], repeats)
+        measured["cpu:expert"].append({"tokens": tokens, "seconds": seconds})
+        if seconds > CPU_EXPERT_MAX_SECONDS:  # a slow CPU (no native bf16): the roofline answers above this
+            break
     key = DTYPE_KEYS.get(dtype, str(dtype).replace("torch.", ""))
     return {"name": platform.processor() or platform.machine(), "cores": os.cpu_count() or 1,
             "flops": {key: flops}, "compute_dtype": key, "memory_bandwidth": bandwidth, "op_overhead_s": 0.0}

@@ -341,14 +341,21 @@ class OpRunner:
     def _activation_transfer(self, op: Op) -> None:
         """Hidden states down to host memory for CPU experts (`d2h_act`), or a CPU expert's output
         back up (`h2d_act`), added into its batches' MoE output on arrival."""
-        if op.dst == "cpu":
-            self.host_activations[op.id] = {b: self.z[b].to("cpu", copy=True) for b in op.batches}
+        cuda = self.device.type == "cuda"
+        if op.dst == "cpu":  # on CUDA into pinned memory, asynchronously (the CPU op waits for this op's event)
+            self.host_activations[op.id] = {
+                b: (torch.empty(self.z[b].shape, dtype=self.z[b].dtype, pin_memory=True).copy_(
+                    self.z[b], non_blocking=not op.pageable) if cuda else self.z[b].to("cpu", copy=True))
+                for b in op.batches}
             return
         source = next((d for d in op.deps if d in self.cpu_results), None)
         if source is None:
             raise ExecutionError(f"op {op.id!r}: no CPU expert output to bring back (deps {list(op.deps)})")
         for b, rows, y in self.cpu_results.pop(source):
-            self.moe_out[b].index_add_(0, rows, y.to(self.device))
+            out = self.moe_out[b]
+            if cuda:  # used on this copy stream as well as the compute stream (atomic adds on both)
+                out.record_stream(torch.cuda.current_stream())
+            out.index_add_(0, rows, y.to(self.device, non_blocking=cuda and y.is_pinned()))
 
     def _cpu_expert(self, op: Op) -> None:
         """One expert on the host CPU, from its weights in host memory and the hidden states a
@@ -368,6 +375,8 @@ class OpRunner:
             rows, slots = torch.from_numpy(rows_np), torch.from_numpy(slots_np)
             scale = weights.to("cpu")[rows, slots]
             y = kernels.expert(hidden[b][rows], w) * scale[:, None].to(hidden[b].dtype)
+            if self.device.type == "cuda":
+                y = y.pin_memory()
             results.append((b, rows.to(self.device), y))
             tokens += len(rows_np)
         self.expert_tokens[op.id] = tokens
@@ -475,11 +484,6 @@ def execute(schedule: Schedule, spec: ModelSpec, weights: WeightStore, routing: 
             options: ExecOptions = ExecOptions()) -> tuple[Timeline, OpRunner]:
     """Run every op of `schedule` and return the measured Timeline (and the runner, whose state
     holds logits and per-expert token counts for checks)."""
-    host_compute = sorted({op.stream for op in schedule.ops if schedule.streams[op.stream] == "cpu"})
-    if host_compute and options.device.startswith("cuda"):
-        raise ExecutionError(f"the schedule computes on the host CPU (stream {host_compute[0]!r}, policy "
-                             f"{schedule.meta.get('policy', '?')!r}); the CUDA executor does not run host compute "
-                             f"streams yet: execute it with --device cpu")
     if options.device.startswith("cuda") and not torch.cuda.is_available():
         raise ExecutionError("CUDA was requested but torch sees no GPU (use --device cpu)")
     if options.emulate_links and not options.device == "cpu":
@@ -616,6 +620,16 @@ def _run_cuda(schedule: Schedule, runner: OpRunner) -> tuple[list[float], list[f
 
     reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="disk_read")
     reads: dict[str, Any] = {}
+    # host CPU compute (CPU experts) runs on a thread of its own, in stream order, timed on the host
+    # clock; it waits for the GPU work it reads (the hidden states' copy) by that op's CUDA event
+    cpu_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu_compute")
+
+    def on_host_cpu(op: Op, waits: list[Any]) -> None:
+        for w in waits:
+            w.result() if hasattr(w, "result") else w.synchronize()
+        host_start[index[op.id]] = time.perf_counter() - runner.t0
+        runner.run(op)
+        host_end[index[op.id]] = time.perf_counter() - runner.t0
     t0 = torch.cuda.Event(enable_timing=True)
     t0.record()
     runner.t0 = time.perf_counter()
@@ -629,6 +643,10 @@ def _run_cuda(schedule: Schedule, runner: OpRunner) -> tuple[list[float], list[f
                 else:
                     finish[index[d]].synchronize()
             host_end[i] = time.perf_counter() - runner.t0
+            continue
+        if op.stream in runner.on_cpu:
+            waits = [reads[d] if d in reads else finish[index[d]] for d in op.deps]
+            reads[op.id] = cpu_worker.submit(on_host_cpu, op, waits)
             continue
         if op.stream == "disk_read":
             waits = [reads[d] for d in op.deps if d in reads]
@@ -655,6 +673,7 @@ def _run_cuda(schedule: Schedule, runner: OpRunner) -> tuple[list[float], list[f
     for future in reads.values():
         future.result()
     reader.shutdown()
+    cpu_worker.shutdown()
     torch.cuda.synchronize()
     for op_id, (a, b) in runner.disk_times.items():  # timed around the read itself, on the host clock
         host_start[index[op_id]], host_end[index[op_id]] = a, b

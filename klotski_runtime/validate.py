@@ -186,6 +186,13 @@ def validate(setup: ValidationSetup, profile_path: str, out_dir: str | Path,
         p = prep.narrowed(1) if name == "single-batch" and prep.num_batches > 1 else prep
         schedule = build_schedule(name, replace(p.policy_input(), impl=impl))
         sim = simulate(schedule, p.profile)
+        if sim.status != "ok":  # a measurement of a run the simulator says cannot happen compares nothing
+            oom = sim.meta.get("oom") or {}
+            where = (f" at {oom['op_id']} (needs {oom['needed_bytes'] / 2**30:.2f} GiB, "
+                     f"{oom['available_bytes'] / 2**30:.2f} GiB usable)" if oom else "")
+            report["policies"][key] = {"skipped": f"the simulated run ends with status {sim.status}{where}: give "
+                                                  f"the profile more GPU memory, or run a smaller batch", "impl": impl}
+            continue
         options = replace(options, capacities=resource_capacities(schedule, p.profile))  # one definition
         for _ in range(setup.warmup_runs):  # first-touch costs (allocator, lazy init) are not the schedule's
             execute(schedule, model, weights, p.replay.routing, options)
@@ -256,6 +263,9 @@ def format_report(report: dict[str, Any]) -> str:
              f"{'in-sample':>9}  worst category",
              f"{'':28} {'':>8} {'(median)':>8} {'median [min, max] of runs':>26} {'median [min, max]':>26}"]
     for name, r in report["policies"].items():
+        if "skipped" in r:
+            lines.append(f"{name:28} not compared: {r['skipped']}")
+            continue
         cats = {c: v for c, v in r["per_category"].items() if v["error"] is not None}
         worst = max(cats.items(), key=lambda kv: abs(kv[1]["error"]), default=(None, None))
         wtext = f"{worst[0]} {pct(worst[1]['error'])}" if worst[0] else "-"

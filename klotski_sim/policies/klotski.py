@@ -196,22 +196,6 @@ def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
                 next_attention = em.fetch_attention(f"s{nxt_step}/L{nxt_layer}", nxt_step, nxt_layer,
                                                     [attn_ops[-1], last_gate])
 
-            # CPU experts: the group's hidden states go down once every gate has run, each expert runs
-            # over the group's tokens on the CPU, its output comes back before the next layer
-            cpu_out = []
-            if cpu_experts:
-                tokens_now = sh.batch_size * em.new_tokens(step) * len(batches)
-                down = em.b.transfer(f"{at}/hidden_down", "activation", "d2h_act", m.hidden_bytes(tokens_now),
-                                     "gpu", "cpu", gates, step=step, layer=j, batches=batches, tensor="activation")
-                for e in cpu_experts:
-                    n = int(group_tokens[e])
-                    cpu = em.b.compute(f"{at}/cpu_E{e}", "expert", [down], stream="cpu_compute",
-                                       flops=m.expert_flops(n), bytes=m.expert_io_bytes(n), step=step,
-                                       phase=em.phase(step), layer=j, batches=batches, expert=e, tokens=n)
-                    cpu_out.append(em.b.transfer(f"{at}/cpu_E{e}/up", "activation", "h2d_act", m.hidden_bytes(n),
-                                                 "cpu", "gpu", [cpu], step=step, layer=j, batches=batches,
-                                                 expert=e, tensor="activation"))
-                on_cpu_count += len(cpu_experts)
             used = [e for e in range(E) if group_tokens[e] > 0 and e not in cpu_experts]
             if rung.reorder and not resident:
                 order = [e for e in load_order if group_tokens[e] > 0]  # hot first, then cold by arrival
@@ -234,6 +218,23 @@ def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
                     op = em.expert(op_id, step, j, e, part, tokens, list(own) + (list(wasted) if last else []),
                                    free=frees)
             layer_done.append(op)
+            # CPU experts, issued after the GPU's (whose work is then in flight): the group's hidden states
+            # go down once every gate has run, each expert runs over the group's tokens on the CPU, its
+            # output comes back before the next layer
+            cpu_out = []
+            if cpu_experts:
+                tokens_now = sh.batch_size * em.new_tokens(step) * len(batches)
+                down = em.b.transfer(f"{at}/hidden_down", "activation", "d2h_act", m.hidden_bytes(tokens_now),
+                                     "gpu", "cpu", gates, step=step, layer=j, batches=batches, tensor="activation")
+                for e in cpu_experts:
+                    n = int(group_tokens[e])
+                    cpu = em.b.compute(f"{at}/cpu_E{e}", "expert", [down], stream="cpu_compute",
+                                       flops=m.expert_flops(n), bytes=m.expert_io_bytes(n), step=step,
+                                       phase=em.phase(step), layer=j, batches=batches, expert=e, tokens=n)
+                    cpu_out.append(em.b.transfer(f"{at}/cpu_E{e}/up", "activation", "h2d_act", m.hidden_bytes(n),
+                                                 "cpu", "gpu", [cpu], step=step, layer=j, batches=batches,
+                                                 expert=e, tensor="activation"))
+                on_cpu_count += len(cpu_experts)
             if sublayer_sync:  # end of the MoE sub-layer: the next attention weights
                 em.sync(f"{at}/moe", [next_attention] if next_attention else [op])
             if rung.hot_prefetch and not rung.oracle:  # online learning after the MoE layer
