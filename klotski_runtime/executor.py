@@ -212,6 +212,12 @@ class OpRunner:
                                        if key[1] < self.resident_layers or key in pinned_there}
         self.host_activations: dict[str, dict[int, torch.Tensor]] = {}  # d2h_act op -> batch -> hidden states
         self.cpu_results: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}  # CPU expert -> outputs
+        self.activation_readers: dict[str, int] = {}  # d2h_act op -> CPU experts still to read it
+        for o in schedule.ops:
+            if schedule.streams[o.stream] == "cpu":
+                for d in o.deps:
+                    if self.ops_by_id[d].tensor == "activation":
+                        self.activation_readers[d] = self.activation_readers.get(d, 0) + 1
         # what each compute op does, by category (a table, not a name lookup)
         self.compute_ops = {"embed": self._embed, "attention": self._attention, "gate": self._gate,
                             "expert": self._expert, "lm_head": self._lm_head, "combine": lambda op: None}
@@ -339,48 +345,70 @@ class OpRunner:
         self._store(op.id, (k, v))
 
     def _activation_transfer(self, op: Op) -> None:
-        """Hidden states down to host memory for CPU experts (`d2h_act`), or a CPU expert's output
-        back up (`h2d_act`), added into its batches' MoE output on arrival."""
+        """Hidden states down to host memory for CPU experts (`d2h_act`, with the routing weights
+        and, unless forced, the routed ids: the CPU thread then never reads GPU memory), or a CPU
+        expert's output back up (`h2d_act`), added into its batches' MoE output on arrival. On CUDA
+        the copies are asynchronous through pooled pinned buffers (the CPU op waits for this op's
+        event; the pool takes a buffer back once the copy that reads it has finished)."""
         cuda = self.device.type == "cuda"
-        if op.dst == "cpu":  # on CUDA into pinned memory, asynchronously (the CPU op waits for this op's event)
+
+        def down(t: torch.Tensor) -> torch.Tensor:
+            if not cuda:
+                return t.to("cpu", copy=True)
+            return self.pinned_pool.take(t).copy_(t, non_blocking=not op.pageable)
+
+        if op.dst == "cpu":
             self.host_activations[op.id] = {
-                b: (torch.empty(self.z[b].shape, dtype=self.z[b].dtype, pin_memory=True).copy_(
-                    self.z[b], non_blocking=not op.pageable) if cuda else self.z[b].to("cpu", copy=True))
-                for b in op.batches}
+                b: (down(self.z[b]), down(self.route[b][1]),
+                    down(self.route[b][0]) if self.route[b][2] is None else None) for b in op.batches}
             return
         source = next((d for d in op.deps if d in self.cpu_results), None)
         if source is None:
             raise ExecutionError(f"op {op.id!r}: no CPU expert output to bring back (deps {list(op.deps)})")
-        for b, rows, y in self.cpu_results.pop(source):
+        results = self.cpu_results.pop(source)
+        for b, rows, y in results:
             out = self.moe_out[b]
             if cuda:  # used on this copy stream as well as the compute stream (atomic adds on both)
                 out.record_stream(torch.cuda.current_stream())
-            out.index_add_(0, rows, y.to(self.device, non_blocking=cuda and y.is_pinned()))
+            out.index_add_(0, rows.to(self.device), y.to(self.device, non_blocking=cuda))
+        if cuda:
+            self.staged_from_pool[op.id] = tuple(y for _, _, y in results)
 
     def _cpu_expert(self, op: Op) -> None:
-        """One expert on the host CPU, from its weights in host memory and the hidden states a
-        `d2h_act` copy brought down; its output waits for the `h2d_act` copy that follows."""
+        """One expert on the host CPU, from its weights in host memory and what a `d2h_act` copy
+        brought down; its output waits for the `h2d_act` copy that follows."""
         down = next((d for d in op.deps if d in self.host_activations), None)
         if down is None:
             raise ExecutionError(f"op {op.id!r}: a CPU expert needs its hidden states copied down first")
-        hidden = self.host_activations[down]
+        host = self.host_activations[down]
         w = self.weights.host("expert", op.layer, op.expert)
         results, tokens = [], 0
         for b in op.batches:
-            ids, weights, ids_np = self.route[b]
-            mask = (ids_np == op.expert) if ids_np is not None else (ids == op.expert).cpu().numpy()
-            rows_np, slots_np = np.nonzero(mask)
+            hidden, scales, ids = host[b]
+            forced = self.route[b][2]
+            rows_np, slots_np = np.nonzero((forced if forced is not None else ids.numpy()) == op.expert)
             if not len(rows_np):
                 continue
             rows, slots = torch.from_numpy(rows_np), torch.from_numpy(slots_np)
-            scale = weights.to("cpu")[rows, slots]
-            y = kernels.expert(hidden[b][rows], w) * scale[:, None].to(hidden[b].dtype)
+            y = kernels.expert(hidden[rows], w) * scales[rows, slots][:, None].to(hidden.dtype)
             if self.device.type == "cuda":
-                y = y.pin_memory()
-            results.append((b, rows.to(self.device), y))
+                y = self.pinned_pool.take(y).copy_(y)
+            results.append((b, rows, y))
             tokens += len(rows_np)
         self.expert_tokens[op.id] = tokens
         self.cpu_results[op.id] = results
+        self._release_activations(down)
+
+    def _release_activations(self, down: str) -> None:
+        """The last CPU expert reading a `d2h_act` copy hands its buffers back to the pool."""
+        with self.lock:
+            self.activation_readers[down] -= 1
+            last = self.activation_readers[down] == 0
+        if last:
+            for tensors in self.host_activations.pop(down).values():
+                for t in tensors:
+                    if t is not None and self.device.type == "cuda":
+                        self.pinned_pool.give_back(t, None)
 
     # ---- compute ----------------------------------------------------------------------------------
     def _combine(self, b: int) -> None:

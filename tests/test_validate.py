@@ -150,3 +150,29 @@ def test_machine_conditions_warn_about_load_steal_and_spread():
     warned = machine_conditions(quiet, busy, [0.01, 0.2])
     text = " ".join(warned["warnings"])
     assert "load average 1.50" in text and "10.0% of CPU time stolen" in text and "differ by up to 20.0%" in text
+
+
+def test_calibration_measures_the_host_cpu_and_cpu_expert_policies_validate(profile_file, tmp_path):
+    import yaml
+
+    p = load_profile(profile_file)
+    assert p.cpu is not None and p.cpu.cores >= 1 and p.cpu.flop_rate > 0 and p.cpu.memory_bandwidth > 0
+    table = p.measured["cpu:expert"]
+    assert table and [pt.tokens for pt in table] == sorted(pt.tokens for pt in table)
+    # the simulator prices a CPU expert from that table inside its range
+    cost = CostModel(p)
+    assert cost.cpu_seconds(1.0, 1.0, "expert", table[0].tokens) == pytest.approx(table[0].seconds
+                                                                                 + p.cpu.op_overhead_s)
+    # little GPU memory: Fiddler must put experts on the CPU; a whole-layer upload cannot fit (skipped, said why)
+    data = yaml.safe_load(profile_file.read_text())
+    data["gpu"]["memory_bytes"], data["gpu"]["reserved_bytes"] = 3.0e5, 0.0
+    capped = tmp_path / "capped.yaml"
+    capped.write_text(yaml.safe_dump(data))
+    # prompt 2 x 16 = 32 tokens: llama.cpp's rule uploads whole layers in prefill
+    setup = ValidationSetup(model="tiny-mixtral", batch_size=2, num_batches=2, prompt_len=16, gen_len=3, repeats=1,
+                            impl="ideal")
+    report = validate(setup, str(capped), tmp_path / "out", ("fiddler", "llamacpp-moe", "klotski-hybrid"))
+    fiddler = report["policies"]["fiddler"]
+    assert fiddler["per_category"]["expert"]["ops"] > 0 and abs(fiddler["makespan"]["error"]) < 1.0
+    assert "skipped" in report["policies"]["llamacpp-moe"] and "oom" in report["policies"]["llamacpp-moe"]["skipped"]
+    assert "not compared" in format_report(report)
