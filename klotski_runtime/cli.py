@@ -216,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("validate", help="simulate and execute the same schedules; report the errors")
     p.add_argument("--policy", default="all", help="a policy, a comma-separated list, or all (default: %(default)s)")
+    p.add_argument("--policy-file", action="append", default=[], metavar="FILE.py",
+                   help="a Python file that registers your own policy (docs/own-schedule.md); repeatable")
     p.add_argument("--model", default="small-mixtral", help="model preset (default: %(default)s)")
     p.add_argument("--profile", metavar="FILE", help="calibrated profile (default: calibrate now, into DIR/profile.yaml)")
     p.add_argument("--out", default="klotski-validate", metavar="DIR", help="where to write (default: %(default)s)")
@@ -245,6 +247,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from klotski_sim.errors import KlotskiError
+    from klotski_sim.policies.plugins import load_entry_points, load_policy_files, policy_files_in
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:  # your own policies, before the command looks policies up
+        load_entry_points()
+        load_policy_files(policy_files_in(argv))
+    except KlotskiError as err:
+        if "--debug" in argv:
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     return guarded(build_parser(), argv)
 
 

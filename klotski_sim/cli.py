@@ -24,6 +24,7 @@ from .impl import PRESET_NAMES
 from .model import PRESETS, get_model
 from .planner import format_plan
 from .policies import POLICIES
+from .policies.plugins import load_entry_points, load_policy_files, policy_files_in
 from .runner import RunResult, RunSpec, policy_batches, prepare, run
 from .timeline import Summary, jsonable
 from .trace import Trace, import_jsonl
@@ -51,6 +52,8 @@ def add_run_arguments(p: argparse.ArgumentParser, policy: bool = True, num_batch
                    help=f"built-in profile ({', '.join(builtin_profile_names())}) or a profile YAML (default: %(default)s)")
     if policy:
         p.add_argument("--policy", default="single-batch", choices=list(POLICIES), help="schedule (default: %(default)s)")
+    p.add_argument("--policy-file", action="append", default=[], metavar="FILE.py",
+                   help="a Python file that registers your own policy (docs/own-schedule.md); repeatable")
     p.add_argument("--batch-size", type=positive_int, default=16, help="sequences per batch (default: %(default)s)")
     if num_batches:
         p.add_argument("--num-batches", type=batches, default="auto",
@@ -456,6 +459,15 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:  # policies from outside the package first: argparse's --policy choices must include them
+        load_entry_points()
+        load_policy_files(policy_files_in(argv))
+    except KlotskiError as err:
+        if "--debug" in argv:
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     return guarded(build_parser(), argv)
 
 

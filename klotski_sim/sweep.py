@@ -26,6 +26,7 @@ Spec (every key optional except `policies`; lists are grid axes):
     kv: [auto]
     experts: [auto]
     impls: [as-published]            # implementation presets: as-published, ideal, v0.1
+    policy_files: [my_policy.py]     # your own policies (paths relative to this spec; docs/own-schedule.md)
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from .hardware import ProfileError, load_profile, with_overrides
 from .impl import PRESET_NAMES
 from .model import get_model
 from .policies import POLICIES
+from .policies.plugins import load_policy_files
 from .timeline import jsonable
 from .trace_synth import params_for
 from .yamlfile import load_yaml
@@ -89,6 +91,7 @@ class SweepSpec(BaseModel):
     kv: list[str] = Field(default_factory=lambda: ["auto"], min_length=1)
     experts: list[str] = Field(default_factory=lambda: ["auto"], min_length=1)
     impls: list[str] = Field(default_factory=lambda: ["as-published"], min_length=1)
+    policy_files: list[StrictStr] = Field(default_factory=list)  # your own policies (relative to the spec)
 
     @field_validator("overrides")
     @classmethod
@@ -127,7 +130,11 @@ def load_spec(path: str | Path) -> SweepSpec:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as err:
         raise SweepError(f"{path}: cannot read sweep spec ({getattr(err, 'strerror', None) or err})") from None
-    return parse_spec(load_yaml(text, str(path), SweepError), str(path))
+    data = load_yaml(text, str(path), SweepError)
+    if isinstance(data, dict) and isinstance(data.get("policy_files"), list):  # relative to the spec file
+        data["policy_files"] = [str(path.parent / f) if isinstance(f, str) and not Path(f).is_absolute() else f
+                                for f in data["policy_files"]]
+    return parse_spec(data, str(path))
 
 
 def parse_spec(data: Any, where: str = "sweep spec") -> SweepSpec:
@@ -160,6 +167,10 @@ def check_spec(spec: SweepSpec, where: str) -> None:
             get_model(m)
         except ValueError as err:
             problems.append(str(err))
+    try:
+        load_policy_files(spec.policy_files)
+    except KlotskiError as err:
+        problems.append(str(err))
     for p in spec.policies:
         if p not in POLICIES:
             problems.append(f"unknown policy {p!r}; known: {', '.join(POLICIES)}")
@@ -219,6 +230,8 @@ def expand(spec: SweepSpec) -> list[dict[str, Any]]:
         cfg = {"model": model, "hardware": hardware, "policy": policy, "batch_size": bs, "num_batches": n,
                "prompt_len": p, "gen_len": g, "routing": routing, "seed": seed, "kv": kv, "experts": experts,
                "impl": impl, "overrides": dict(zip(fields, values))}
+        if spec.policy_files:  # the files' contents are part of the configuration (an edit is a new result)
+            cfg["policy_files"] = {f: hashlib.sha1(Path(f).read_bytes()).hexdigest()[:12] for f in spec.policy_files}
         cfg["id"] = config_id(cfg)
         configs.append(cfg)
     return configs
@@ -258,10 +271,11 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
     t = time.perf_counter()
     row: dict[str, Any] = {"id": cfg["id"], "code": code_fingerprint(),
-                           **{k: v for k, v in cfg.items() if k not in ("id", "overrides")},
+                           **{k: v for k, v in cfg.items() if k not in ("id", "overrides", "policy_files")},
                            **{f"set.{k}": v for k, v in cfg["overrides"].items()}}
     row["num_batches"] = str(cfg["num_batches"])
     try:
+        load_policy_files(cfg.get("policy_files", {}))  # a worker process imports them itself
         routing = cfg["routing"]
         spec = RunSpec(model=cfg["model"], hardware=cfg["hardware"], policy=cfg["policy"],
                        batch_size=cfg["batch_size"],

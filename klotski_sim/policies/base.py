@@ -134,6 +134,9 @@ def register(name: str, description: str, defaults: Mapping[str, Any] | None = N
         raise UsageError(f"policy {name!r}: unknown implementation options {sorted(unknown)}")
 
     def wrap(fn: PolicyBuilder) -> PolicyBuilder:
+        if name in POLICIES and POLICIES[name].build is not fn:
+            raise UsageError(f"policy {name!r} is already registered (by {POLICIES[name].build.__module__}); "
+                             f"give yours another name")
         info = PolicyInfo(name, description, fn, dict(defaults or {}), buffering, tuple(impl_options),
                           dict(presets or {}), one_batch)
         for preset in PRESET_NAMES:

@@ -1,0 +1,94 @@
+"""Which schedule wins where: from a sweep's results.parquet, the best policy (highest generated
+tokens/s end to end) per (hardware profile x model x batch size), as a grid figure and a markdown
+table with the winner's throughput and its margin over the runner-up.
+
+    klotski-sim sweep experiments/specs/where-wins.yaml --out klotski-where-wins --workers 2 --yes
+    python experiments/where_wins.py klotski-where-wins/results.parquet --out docs/where-wins.png
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # a script: no display
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+COLORS = {"klotski": "#4c72b0", "klotski-hybrid": "#55a868", "fiddler": "#c44e52", "llamacpp-moe": "#8172b2",
+          "flexgen": "#ccb974", "tie": "#bbbbbb"}
+TIE = 0.005  # policies within 0.5% of the best share the cell
+SHORT = {"klotski": "K", "klotski-hybrid": "KH", "fiddler": "F", "llamacpp-moe": "L", "flexgen": "FG"}
+
+
+def winners(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per (hardware, model, batch size): the best policy, its tok/s, the runner-up's."""
+    ok = df[df["m.status"] == "ok"]
+    rows = []
+    for (hw, model, bs), group in ok.groupby(["hardware", "model", "batch_size"]):
+        ranked = group.sort_values("m.throughput_tok_s", ascending=False)
+        top = ranked["m.throughput_tok_s"].iloc[0]
+        tied = ranked[ranked["m.throughput_tok_s"] >= top * (1 - TIE)]
+        best = ranked.iloc[0]
+        second = ranked.iloc[len(tied)] if len(ranked) > len(tied) else None
+        rows.append({"hardware": hw, "model": model, "batch_size": int(bs),
+                     "best": " = ".join(sorted(tied["policy"])),
+                     "tok_s": best["m.throughput_tok_s"], "n": int(best["m.n"]),
+                     "runner_up": second["policy"] if second is not None else "",
+                     "margin": best["m.throughput_tok_s"] / second["m.throughput_tok_s"] - 1 if second is not None
+                     else float("nan"),
+                     "failed": ", ".join(sorted(df[(df["hardware"] == hw) & (df["model"] == model)
+                                                   & (df["batch_size"] == bs) & (df["m.status"] != "ok")]["policy"]))})
+    return pd.DataFrame(rows)
+
+
+def figure(win: pd.DataFrame, out: Path) -> None:
+    hws = sorted(win["hardware"].unique())
+    cols = sorted({(m, b) for m, b in zip(win["model"], win["batch_size"])})
+    fig, ax = plt.subplots(figsize=(1.15 * len(cols) + 2, 0.75 * len(hws) + 1.6))
+    for i, hw in enumerate(hws):
+        for j, (model, bs) in enumerate(cols):
+            cell = win[(win["hardware"] == hw) & (win["model"] == model) & (win["batch_size"] == bs)]
+            if cell.empty:
+                continue
+            r = cell.iloc[0]
+            color = COLORS["tie"] if " = " in r["best"] else COLORS.get(r["best"], "#999999")
+            ax.add_patch(plt.Rectangle((j, i), 1, 1, color=color, alpha=0.85))
+            tie = "\n" + " = ".join(SHORT.get(p, p) for p in r["best"].split(" = ")) if " = " in r["best"] else ""
+            ax.text(j + 0.5, i + 0.5, f"{r['tok_s']:.0f}\n+{r['margin']:.0%}{tie}", ha="center", va="center",
+                    fontsize=7)
+    ax.set_xlim(0, len(cols))
+    ax.set_ylim(0, len(hws))
+    ax.set_xticks([j + 0.5 for j in range(len(cols))])
+    ax.set_xticklabels([f"{m}\nbs {b}" for m, b in cols], fontsize=6, rotation=45, ha="right")
+    ax.set_yticks([i + 0.5 for i in range(len(hws))])
+    ax.set_yticklabels(hws)
+    ax.set_title("best policy (tok/s end to end, margin over the runner-up; ties: K klotski, KH klotski-hybrid, "
+                 "F fiddler, L llamacpp-moe)", fontsize=8)
+    shown = {("tie" if " = " in b else b) for b in win["best"]}
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for p, c in COLORS.items() if p in shown]
+    ax.legend(handles, [p if p != "tie" else f"tie (within {TIE:.1%})" for p in COLORS if p in shown], fontsize=7,
+              loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(out, dpi=130)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", type=Path)
+    parser.add_argument("--out", type=Path, default=Path("where-wins.png"))
+    args = parser.parse_args()
+    win = winners(pd.read_parquet(args.results))
+    figure(win, args.out)
+    print("| hardware | model | bs | best | n | tok/s | runner-up | margin | not ok |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in win.itertuples():
+        print(f"| {r.hardware} | {r.model} | {r.batch_size} | {r.best} | {r.n} | {r.tok_s:.1f} | {r.runner_up} | "
+              f"{r.margin:+.0%} | {r.failed or '-'} |")
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

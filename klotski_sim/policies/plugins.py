@@ -1,0 +1,90 @@
+"""Policies from outside the package: a Python file (`--policy-file my_policy.py`) or an installed
+package's entry point in the group `klotski.policies`. Either one registers its policy with
+`klotski_sim.policies.register`, and from then on it is a policy like the built-in ones: in
+`simulate`, `compare --policies`, sweeps (`policy_files:`) and the runtime's `validate`.
+docs/own-schedule.md walks through a 40-line example.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+import traceback
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from ..errors import KlotskiError, UsageError
+from .base import POLICIES
+
+ENTRY_POINT_GROUP = "klotski.policies"
+_loaded: dict[str, list[str]] = {}  # resolved path -> the policies it registered
+
+
+def load_policy_file(path: str | Path) -> list[str]:
+    """Import a file that registers policies (once per process); returns their names. A missing
+    file, a syntax error or an exception while importing is one line naming the file and line."""
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"--policy-file {path}: no such file")
+    key = str(p.resolve())
+    if key in _loaded:
+        return _loaded[key]
+    before = set(POLICIES)
+    module_name = "klotski_policy_file_" + hashlib.sha1(key.encode()).hexdigest()[:12]
+    spec = importlib.util.spec_from_file_location(module_name, p)
+    if spec is None or spec.loader is None:
+        raise UsageError(f"--policy-file {path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as err:
+        sys.modules.pop(module_name, None)
+        raise UsageError(f"{path}:{err.lineno}: syntax error: {err.msg}") from None
+    except KlotskiError as err:
+        sys.modules.pop(module_name, None)
+        raise UsageError(f"{path}: {err}") from None
+    except Exception as err:  # noqa: BLE001 - the user's file: name where it failed
+        sys.modules.pop(module_name, None)
+        frames = [f for f in traceback.extract_tb(err.__traceback__) if Path(f.filename).resolve() == p.resolve()]
+        line = f":{frames[-1].lineno}" if frames else ""
+        raise UsageError(f"{path}{line}: {type(err).__name__}: {err}") from err
+    added = sorted(set(POLICIES) - before)
+    if not added:
+        raise UsageError(f"{path}: registers no policy (decorate a build function with "
+                         f"klotski_sim.policies.register)")
+    _loaded[key] = added
+    return added
+
+
+def load_policy_files(paths: Iterable[str | Path]) -> list[str]:
+    return [name for path in paths for name in load_policy_file(path)]
+
+
+def load_entry_points() -> list[str]:
+    """Policies of installed packages (entry point group `klotski.policies`, each naming a module
+    that registers policies when imported)."""
+    from importlib.metadata import entry_points
+
+    before = set(POLICIES)
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            ep.load()
+        except KlotskiError:
+            raise
+        except Exception as err:  # noqa: BLE001 - an installed plugin that does not import
+            raise UsageError(f"entry point {ep.name!r} ({ep.value}) of group {ENTRY_POINT_GROUP} does not load: "
+                             f"{type(err).__name__}: {err}") from err
+    return sorted(set(POLICIES) - before)
+
+
+def policy_files_in(argv: Sequence[str]) -> list[str]:
+    """The `--policy-file` values of a command line, found before argparse builds its choices."""
+    out = []
+    for k, arg in enumerate(argv):
+        if arg == "--policy-file" and k + 1 < len(argv):
+            out.append(argv[k + 1])
+        elif arg.startswith("--policy-file="):
+            out.append(arg.split("=", 1)[1])
+    return out

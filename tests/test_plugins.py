@@ -1,0 +1,131 @@
+"""Your own schedule in one file: --policy-file, entry points, sweeps and the runtime."""
+
+import json
+import subprocess
+import sys
+from collections import OrderedDict
+from importlib.metadata import EntryPoint
+
+import pytest
+
+from klotski_sim.errors import UsageError
+from klotski_sim.policies import POLICIES, register
+from klotski_sim.policies.plugins import load_entry_points, load_policy_file
+from klotski_sim.runner import RunSpec, run
+
+from .conftest import ROOT, run_cli
+
+EXAMPLE = ROOT / "examples" / "lru_single_batch.py"
+
+
+def lru_hits(routing, slots):
+    """Brute force: replay the run's expert accesses (batch, step, layer, expert in id order) through
+    an LRU of `slots` entries."""
+    cache, hits, misses = OrderedDict(), 0, 0
+    counts = routing.counts
+    for b in range(routing.shape.num_batches):
+        for s in range(routing.shape.num_steps):
+            for layer in range(routing.num_layers):
+                for e in counts[s, layer, b].nonzero()[0]:
+                    key = (layer, int(e))
+                    if key in cache:
+                        hits += 1
+                        cache.move_to_end(key)
+                    else:
+                        misses += 1
+                        if len(cache) >= slots:
+                            cache.popitem(last=False)
+                        cache[key] = True
+    return hits, misses
+
+
+@pytest.mark.parametrize("slots", [1, 3, 8])
+def test_the_example_cache_hits_equal_a_brute_force_replay(slots):
+    load_policy_file(EXAMPLE)
+    r = run(RunSpec(model="tiny-mixtral", policy="lru-single-batch", batch_size=2, num_batches=2, prompt_len=5,
+                    gen_len=4, options={"slots": slots}))
+    assert r.timeline.status == "ok"
+    cache = r.schedule.meta["cache"]
+    assert (cache["hits"], cache["misses"]) == lru_hits(r.routing, slots)
+    loads = [o for o in r.schedule.ops if o.kind == "transfer" and o.tensor == "expert"]
+    assert len(loads) == cache["misses"]
+    assert r.timeline.summary().peak_gpu_bytes > 0
+
+
+def test_policy_file_in_simulate_and_compare(tmp_path):
+    code, out, err = run_cli("simulate", "--policy-file", str(EXAMPLE), "--policy", "lru-single-batch", "--model",
+                             "tiny-mixtral", "--no-png", "--out", str(tmp_path / "sim"))
+    assert code == 0, err
+    assert "lru-single-batch" in out
+    assert json.loads((tmp_path / "sim" / "summary.json").read_text())["policy"] == "lru-single-batch"
+    code, out, err = run_cli("compare", "--policy-file", str(EXAMPLE), "--policies", "single-batch,lru-single-batch",
+                             "--model", "tiny-mixtral", "--no-png", "--out", str(tmp_path / "cmp"))
+    assert code == 0, err
+    assert "lru-single-batch" in out and "single-batch" in out
+
+
+def test_policy_file_in_a_sweep(tmp_path):
+    (tmp_path / "my_policy.py").write_text(EXAMPLE.read_text())
+    (tmp_path / "spec.yaml").write_text("policies: [lru-single-batch, single-batch]\nmodels: [tiny-mixtral]\n"
+                                        "batch_sizes: [2]\nprompt_lens: [8]\ngen_lens: [3]\n"
+                                        "policy_files: [my_policy.py]\n")
+    code, out, err = run_cli("sweep", str(tmp_path / "spec.yaml"), "--out", str(tmp_path / "out"), "--no-progress",
+                             "--workers", "2")
+    assert code == 0, err
+    import pandas as pd
+
+    df = pd.read_parquet(tmp_path / "out" / "results.parquet")
+    assert set(df["policy"]) == {"lru-single-batch", "single-batch"} and set(df["status"]) == {"ok"}
+
+
+def test_policy_file_in_the_runtime(tmp_path):
+    pytest.importorskip("torch")
+    proc = subprocess.run([sys.executable, "-m", "klotski_runtime.cli", "validate", "--policy-file", str(EXAMPLE),
+                           "--policy", "lru-single-batch", "--model", "tiny-mixtral", "--repeats", "1",
+                           "--out", str(tmp_path / "v")], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "v" / "validation.json").read_text())
+    assert "lru-single-batch" in report["policies"]
+
+
+@pytest.mark.parametrize("body, message", [
+    ("def f(:\n", "bad.py:1: syntax error"),
+    ("x = 1\nundefined_name\n", "bad.py:2: NameError"),
+    ("x = 1\n", "registers no policy"),
+    ("from klotski_sim.policies import register\n@register('klotski', 'mine')\ndef b(inp):\n    pass\n",
+     "already registered"),
+])
+def test_a_bad_policy_file_is_one_line(tmp_path, body, message):
+    bad = tmp_path / "bad.py"
+    bad.write_text(body)
+    code, out, err = run_cli("simulate", "--policy-file", str(bad), "--model", "tiny-mixtral", "--no-png")
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+    code, out, err = run_cli("simulate", "--policy-file", str(tmp_path / "missing.py"), "--no-png")
+    assert code == 2 and "missing.py: no such file" in err
+
+
+def test_entry_points_register_installed_policies(tmp_path, monkeypatch):
+    (tmp_path / "klotski_plugin_demo.py").write_text(
+        "from klotski_sim.policies import register\n"
+        "from klotski_sim.policies.single_batch import build\n"
+        "register('demo-plugin', 'an installed policy')(lambda inp: build(inp))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ep = EntryPoint("demo", "klotski_plugin_demo", "klotski.policies")
+    import importlib.metadata
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [ep] if group == "klotski.policies"
+                        else [])
+    try:
+        assert load_entry_points() == ["demo-plugin"]
+        assert "demo-plugin" in POLICIES
+    finally:
+        POLICIES.pop("demo-plugin", None)
+    broken = EntryPoint("broken", "no_such_module_here", "klotski.policies")
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [broken])
+    with pytest.raises(UsageError, match="entry point 'broken'.*does not load"):
+        load_entry_points()
+
+
+def test_register_refuses_a_second_policy_of_the_same_name():
+    with pytest.raises(UsageError, match="already registered"):
+        register("flexgen", "another flexgen")(lambda inp: None)
