@@ -28,6 +28,13 @@ class WeightError(KlotskiError):
     """Weights that cannot be used for this model; the message says which file and tensor."""
 
 
+def refuse_quantised(spec: ModelSpec) -> None:
+    """Quantised experts are simulated, not executed: the runtime holds weights in one dtype."""
+    if spec.quantised:
+        raise WeightError(f"model {spec.name!r}: the runtime does not execute quantised experts yet (the simulator "
+                          f"does); run the model without '@int{spec.expert_bits}'")
+
+
 @dataclass
 class WeightStore:
     """Host-side weights keyed the way schedules name them: `("attention", L)`, `("gate", L)`,
@@ -85,6 +92,7 @@ class WeightStore:
                seed: int = 0) -> "WeightStore":
         """Random weights of the true shapes. `layers` < spec.num_layers keeps only the first
         layers (a big model's schedule must then be built for that many layers)."""
+        refuse_quantised(spec)
         L = spec.num_layers if layers is None else min(layers, spec.num_layers)
         WeightStore.check_fits(spec, L, dtype, "random weights")
         g = torch.Generator().manual_seed(seed)
@@ -110,6 +118,7 @@ class WeightStore:
     def from_checkpoint(path: str | Path, spec: ModelSpec, dtype: torch.dtype = torch.bfloat16,
                         layers: int | None = None) -> "WeightStore":
         """Read a local Mixtral checkpoint (config.json + *.safetensors) tensor by tensor."""
+        refuse_quantised(spec)
         from safetensors import safe_open
 
         path = Path(path)

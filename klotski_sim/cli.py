@@ -45,9 +45,9 @@ IMPL_HELP = ("implementation preset: as-published (what each system's public cod
 def add_run_arguments(p: argparse.ArgumentParser, policy: bool = True, num_batches: bool = True,
                       impl_choices: Sequence[str] = PRESET_NAMES) -> None:
     """The options that describe one configuration (shared by simulate, compare, plan...)."""
-    p.add_argument("--model", default="mixtral-8x7b", metavar="NAME[:L]",
-                   help=f"model preset ({', '.join(sorted(PRESETS))}); NAME:L keeps its first L layers "
-                        f"(default: %(default)s)")
+    p.add_argument("--model", default="mixtral-8x7b", metavar="NAME[:L][@intN]",
+                   help=f"model preset ({', '.join(sorted(PRESETS))}); NAME:L keeps its first L layers, "
+                        f"@int8|int4|int3|int2[:gG][:fp32] quantises its experts (default: %(default)s)")
     p.add_argument("--hardware", default="rtx3090", metavar="NAME|FILE",
                    help=f"built-in profile ({', '.join(builtin_profile_names())}) or a profile YAML (default: %(default)s)")
     if policy:
@@ -309,6 +309,8 @@ def cmd_models(args: argparse.Namespace) -> int:
     for m in PRESETS.values():
         print(f"{m.name:20} {m.num_layers:6} {m.num_experts:7} {m.top_k:5} {m.hidden_size:6} {m.ffn_size:6} "
               f"{m.expert_bytes() / 1e6:9.1f} {m.layer_bytes() / 1e6:9.1f} {m.total_bytes() / 1e9:8.1f}")
+    print("NAME:L keeps the first L layers; NAME@int4 (int8, int3, int2; :gG group size, :fp32 scales) quantises "
+          "the routed experts, e.g. mixtral-8x7b@int4:g16:fp32 (Klotski's port)")
     return 0
 
 

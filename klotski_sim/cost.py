@@ -33,6 +33,7 @@ KERNELS_PER_OP: dict[str, int] = {
     "expert": 8,
     "embed": 2,
     "lm_head": 4,
+    "dequant": 4,  # HQQ dequantize: unpack the codes, subtract the zeros, multiply by the scales, reshape + cast
 }
 
 

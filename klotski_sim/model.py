@@ -8,6 +8,7 @@ configs (see ../docs/KLOTSKI.md tables).
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 
 from .errors import UsageError
@@ -31,6 +32,9 @@ class ModelSpec:
     num_shared_experts: int = 0  # always-active experts (Qwen-MoE / DeepSeek style)
     shared_ffn_size: int = 0  # intermediate size of one shared expert
     hf_model_type: str = "mixtral"  # transformers' config.model_type this shape mirrors
+    expert_bits: int = 0  # routed experts group-quantised to this many bits (0: stored in dtype_bytes)
+    quant_group: int = 64  # weights per (scale, zero) pair
+    quant_meta_bytes: int = 4  # bytes of one group's scale + zero (fp16 each; 8 for fp32)
 
     def __post_init__(self) -> None:
         for field_name in ("num_layers", "num_experts", "top_k", "hidden_size", "ffn_size",
@@ -72,9 +76,37 @@ class ModelSpec:
         shared_gate = self.hidden_size * self.dtype_bytes if self.num_shared_experts else 0
         return router + shared_gate + self.shared_expert_bytes()
 
+    def expert_params(self) -> int:
+        """Weights of one routed SwiGLU expert: w1, w3 (h x f) and w2 (f x h)."""
+        return 3 * self.hidden_size * self.ffn_size
+
     def expert_bytes(self) -> int:
-        """One routed SwiGLU expert: w1, w3 (h x f) and w2 (f x h)."""
-        return 3 * self.hidden_size * self.ffn_size * self.dtype_bytes
+        """One routed expert as stored and moved: its weights in the model dtype, or quantised —
+        the packed codes (HQQ packs 3-bit codes ten to an int32: 3.2 bits each) plus one scale and
+        one zero per group."""
+        params = self.expert_params()
+        if not self.expert_bits:
+            return params * self.dtype_bytes
+        packed_bits = PACKED_BITS[self.expert_bits]
+        return math.ceil(params * packed_bits / 8) + math.ceil(params / self.quant_group) * self.quant_meta_bytes
+
+    @property
+    def quantised(self) -> bool:
+        return bool(self.expert_bits)
+
+    def expert_buffer_bytes(self) -> int:
+        """GPU bytes one streamed expert holds once usable: dequantised into the model dtype when
+        quantised (the packed copy is freed after dequantising)."""
+        return self.expert_params() * self.dtype_bytes if self.expert_bits else self.expert_bytes()
+
+    def resident_layer_bytes(self) -> int:
+        """GPU bytes of a layer kept whole on the GPU: its experts dequantised once, when quantised."""
+        return self.attention_bytes() + self.gate_bytes() + self.num_experts * self.expert_buffer_bytes()
+
+    def moe_layer_buffer_bytes(self) -> int:
+        """GPU bytes of a whole MoE layer in flight: every expert usable, plus one packed copy
+        being dequantised when quantised."""
+        return self.num_experts * self.expert_buffer_bytes() + (self.expert_bytes() if self.expert_bits else 0)
 
     def moe_layer_bytes(self) -> int:
         return self.num_experts * self.expert_bytes()
@@ -149,8 +181,21 @@ class ModelSpec:
     def expert_flops(self, tokens: int) -> int:
         return 2 * tokens * 3 * self.hidden_size * self.ffn_size
 
-    def expert_io_bytes(self, tokens: int) -> int:
-        return self.expert_bytes() + 2 * self.hidden_bytes(tokens)
+    def expert_io_bytes(self, tokens: int, stored: bool = False) -> int:
+        """Memory traffic of one expert op: its weights in the model dtype (on the GPU a quantised
+        expert is dequantised once, after its copy: `dequant_*`), or as stored (`stored=True`: a
+        CPU kernel that computes on the packed codes, as llama.cpp's do), plus activations."""
+        weights = self.expert_bytes() if stored else self.expert_params() * self.dtype_bytes
+        return weights + 2 * self.hidden_bytes(tokens)
+
+    def dequant_flops(self) -> int:
+        """Dequantising one expert: a subtract and a multiply per weight ((W_q - zero) * scale)."""
+        return 2 * self.expert_params()
+
+    def dequant_io_bytes(self) -> int:
+        """Dequantising one expert as HQQ's `dequantize` (and Klotski's port) runs it: read the codes,
+        scales and zeros, write the weights in the model dtype."""
+        return self.expert_bytes() + self.expert_params() * self.dtype_bytes
 
     def lm_head_flops(self, tokens: int) -> int:
         return 2 * tokens * self.hidden_size * self.vocab_size
@@ -188,9 +233,38 @@ PRESETS: dict[str, ModelSpec] = {
 }
 
 
+# bits a packed code occupies (HQQ's bit packing: uint8 for 8, two to a byte for 4, ten to an int32
+# for 3, four to a byte for 2)
+PACKED_BITS: dict[int, float] = {8: 8.0, 4: 4.0, 3: 3.2, 2: 2.0}
+
+
+def quantised(spec: ModelSpec, text: str, where: str) -> ModelSpec:
+    """`intN[:gG][:fp16|fp32]`: routed experts in N bits, groups of G weights (default 64, HQQ's
+    usual), scale and zero in fp16 (default) or fp32 (Klotski's port: `int4:g16:fp32`)."""
+    parts = text.split(":")
+    bits = parts[0][3:] if parts[0].startswith("int") else ""
+    if not bits.isdigit() or int(bits) not in PACKED_BITS:
+        raise UsageError(f"model {where!r}: expert dtype must be int8, int4, int3 or int2 (then :gG and :fp16|fp32), "
+                         f"got {parts[0]!r}")
+    group, meta = 64, 4
+    for part in parts[1:]:
+        if part.startswith("g") and part[1:].isdigit() and int(part[1:]) > 0:
+            group = int(part[1:])
+        elif part in ("fp16", "fp32"):
+            meta = 4 if part == "fp16" else 8
+        else:
+            raise UsageError(f"model {where!r}: unknown quantisation setting {part!r} (gG: group size; fp16|fp32: "
+                             f"the dtype of scales and zeros)")
+    return replace(spec, expert_bits=int(bits), quant_group=group, quant_meta_bytes=meta)
+
+
 def get_model(name: str) -> ModelSpec:
     """Look up a preset by name; `NAME:L` keeps only its first L layers (a big model's few layers
-    are enough to validate a schedule on a real GPU). The error lists what exists."""
+    are enough to validate a schedule on a real GPU) and `@intN[:gG][:fp32]` quantises its routed
+    experts (`mixtral-8x7b@int4`). The error lists what exists."""
+    plain, at, dtype = name.partition("@")
+    if at:
+        return replace(quantised(get_model(plain), dtype, name), name=name)
     base, _, layers = name.partition(":")
     try:
         spec = PRESETS[base]

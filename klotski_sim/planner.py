@@ -85,13 +85,13 @@ def memory_needed(model: ModelSpec, batch_size: int, n: int, prompt_len: int, ge
     if not streamed:
         buffers = 0
     elif buffering == "whole-layer":
-        buffers = 2 * model.layer_bytes()
+        buffers = 2 * (model.attention_bytes() + model.gate_bytes() + model.moe_layer_buffer_bytes())
     else:
-        buffers = 2 * model.attention_bytes() + model.gate_bytes() + model.moe_layer_bytes()
+        buffers = 2 * model.attention_bytes() + model.gate_bytes() + model.moe_layer_buffer_bytes()
     tokens_final = prompt_len + gen_len - 1
     kv_all = n * model.num_layers * model.kv_bytes(batch_size, tokens_final)
     out = {
-        "resident": float(model.resident_bytes() + placement.resident_layers * model.layer_bytes()),
+        "resident": float(model.resident_bytes() + placement.resident_layers * model.resident_layer_bytes()),
         "weight_buffers": float(buffers),
         "activations": float(n * model.hidden_bytes(batch_size * prompt_len)),
         "kv_cache": float(kv_all if placement.kv == "gpu" else 2 * model.kv_bytes(batch_size, tokens_final)),
@@ -109,7 +109,7 @@ def memory_floor(model: ModelSpec, batch_size: int, n: int, prompt_len: int, gen
     tokens_final = prompt_len + gen_len - 1
     kv_layer = model.kv_bytes(batch_size, tokens_final)
     out = {
-        "resident": float(model.resident_bytes() + placement.resident_layers * model.layer_bytes()),
+        "resident": float(model.resident_bytes() + placement.resident_layers * model.resident_layer_bytes()),
         "activations": float(n * model.hidden_bytes(batch_size * prompt_len)),
         "kv_cache": float(n * model.num_layers * kv_layer if placement.kv == "gpu" else kv_layer),
         "one_weight_tensor": float(max(model.attention_bytes(), model.expert_bytes(), model.gate_bytes())
@@ -234,7 +234,7 @@ def plan(model: ModelSpec, profile: HardwareProfile, batch_size: int, prompt_len
         n = want
     if resident_layers and n_memory and n <= n_memory:
         spare = capacity - memory_needed(model, batch_size, n, prompt_len, gen_len, placement)["total"]
-        keep = min(model.num_layers, int(spare // model.layer_bytes()))
+        keep = min(model.num_layers, int(spare // model.resident_layer_bytes()))
         if keep > 0:
             placement = replace(placement, resident_layers=keep)
             while keep > 0 and not fits(n, placement):

@@ -78,7 +78,7 @@ def test_the_cost_rule_never_picks_the_side_its_cost_model_says_is_slower(cpu_bw
             continue
         decided += 1
         n = tokens[(step, layer, batch, expert)]
-        cpu_path = (cost.cpu_seconds(m.expert_flops(n), m.expert_io_bytes(n), "expert", n)
+        cpu_path = (cost.cpu_seconds(m.expert_flops(n), m.expert_io_bytes(n, stored=True), "expert", n)
                     + cost.transfer_seconds("pcie_d2h", m.hidden_bytes(n))
                     + cost.transfer_seconds("pcie_h2d", m.hidden_bytes(n)))
         gpu_path = (cost.transfer_seconds("pcie_h2d", m.expert_bytes())

@@ -214,7 +214,7 @@ class OpEmitter:
         m = self.model
         self.b.preload("resident/embed+lm_head+norms", m.resident_bytes())
         for j in range(min(self.placement.resident_layers, m.num_layers)):
-            self.b.preload(f"resident/L{j}", m.layer_bytes())
+            self.b.preload(f"resident/L{j}", m.resident_layer_bytes())
         for batch in range(self.shape.num_batches):
             self.b.preload(f"hidden/b{batch}", m.hidden_bytes(self.shape.batch_size * self.shape.prompt_len))
 
@@ -245,7 +245,19 @@ class OpEmitter:
         if pageable:
             self.copy_wait(op)
         self._h2d_of_layer.setdefault(key, []).append(op)
+        if what == "experts" and self.model.quantised:
+            return self.dequantise(op, step, layer, expert)
         return op
+
+    def dequantise(self, load: str, step: int, layer: int, expert: int) -> str:
+        """A quantised expert, once copied, is dequantised on the GPU into a buffer in the model
+        dtype (HQQ's `dequantize`; Klotski's port does it in `load_weight`); the packed copy is
+        freed. Callers use (and free) the returned buffer as they would the copy's."""
+        m = self.model
+        op_id = f"{load}/dequant"
+        return self.b.compute(op_id, "dequant", [load], flops=m.dequant_flops(), bytes=m.dequant_io_bytes(),
+                              alloc=((op_id, m.expert_params() * m.dtype_bytes),), free=(load,), step=step,
+                              phase=self.phase(step), layer=layer, expert=expert)
 
     def fetch_attention(self, at: str, step: int, layer: int, deps: Iterable[str | None] = ()) -> str:
         """A layer's attention weights on the weight stream (op id `{at}/load_attn`)."""

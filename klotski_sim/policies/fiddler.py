@@ -47,9 +47,10 @@ def gpu_expert_slots(inp: PolicyInput, streaming_buffers: int) -> int:
     kv = m.num_layers * m.kv_bytes(sh.batch_size * sh.num_batches, sh.prompt_len + sh.gen_len) \
         if inp.placement.kv == "gpu" else 0
     fixed = (m.resident_bytes() + m.num_layers * (m.attention_bytes() + m.gate_bytes()) + kv
-             + sh.num_batches * m.hidden_bytes(sh.batch_size * sh.prompt_len) + streaming_buffers * m.expert_bytes())
+             + sh.num_batches * m.hidden_bytes(sh.batch_size * sh.prompt_len)
+             + streaming_buffers * m.expert_buffer_bytes() + (m.expert_bytes() if m.quantised else 0))
     spare = inp.profile.gpu.usable_bytes - fixed
-    return int(max(0, min(m.num_layers * m.num_experts, spare // m.expert_bytes())))
+    return int(max(0, min(m.num_layers * m.num_experts, spare // m.expert_buffer_bytes())))
 
 
 def popular_experts(inp: PolicyInput, slots: int) -> set[tuple[int, int]]:
@@ -77,13 +78,14 @@ class CpuOrTransfer:
         """The CPU path: (the layer's hidden states down,) the expert on the CPU, its output up."""
         m, c = self.inp.model, self.cost
         down = c.transfer_seconds("pcie_d2h", m.hidden_bytes(tokens)) if hidden_down else 0.0
-        return (down + c.cpu_seconds(m.expert_flops(tokens), m.expert_io_bytes(tokens), "expert", tokens)
+        return (down + c.cpu_seconds(m.expert_flops(tokens), m.expert_io_bytes(tokens, stored=True), "expert", tokens)
                 + c.transfer_seconds("pcie_h2d", m.hidden_bytes(tokens)))
 
     def gpu_seconds(self, tokens: int) -> float:
         """The transfer path: the weights over PCIe, then the expert on the GPU."""
         m, c = self.inp.model, self.cost
-        return (c.transfer_seconds("pcie_h2d", m.expert_bytes())
+        dequant = c.compute_seconds("dequant", m.dequant_flops(), m.dequant_io_bytes()) if m.quantised else 0.0
+        return (c.transfer_seconds("pcie_h2d", m.expert_bytes()) + dequant
                 + c.compute_seconds("expert", m.expert_flops(tokens), m.expert_io_bytes(tokens), tokens))
 
     def on_cpu(self, tokens: int, hidden_down: bool) -> bool:
@@ -114,7 +116,7 @@ def _build(inp: PolicyInput, name: str) -> Schedule:
     em.b.preload("resident/attention+gate", m.num_layers * (m.attention_bytes() + m.gate_bytes()))
     slots = gpu_expert_slots(inp, 2 * m.num_experts if rule == "layer-tokens" else buffers)
     on_gpu = popular_experts(inp, slots)
-    em.b.preload("resident/experts", len(on_gpu) * m.expert_bytes())
+    em.b.preload("resident/experts", len(on_gpu) * m.expert_buffer_bytes())  # dequantised once, when quantised
     placed = {"gpu": 0, "cpu": 0, "transfer": 0}
     streamed: list[str] = []  # expert ops that used a streaming buffer, in order
 
@@ -181,7 +183,7 @@ def _build(inp: PolicyInput, name: str) -> Schedule:
                         em.sync(f"{at}/cpu_E{e}/rows", [gate])
                     src = hidden or down(at, step, layer, batch, n, gate, e)
                     cpu = em.b.compute(f"{at}/cpu_E{e}", "expert", [src], stream="cpu_compute",
-                                       flops=m.expert_flops(n), bytes=m.expert_io_bytes(n), step=step,
+                                       flops=m.expert_flops(n), bytes=m.expert_io_bytes(n, stored=True), step=step,
                                        phase=em.phase(step), layer=layer, batches=(batch,), expert=e, tokens=n)
                     if opts["cpu_blocks_host"]:
                         em.sync(f"{at}/cpu_E{e}", [cpu])

@@ -71,7 +71,7 @@ class ColdSplit:
     def cpu_seconds(self, tokens: int) -> float:
         """The CPU path of one expert: compute over `tokens`, then its output back over PCIe."""
         m, c = self.model, self.cost
-        return c.cpu_seconds(m.expert_flops(tokens), m.expert_io_bytes(tokens), "expert", tokens) + \
+        return c.cpu_seconds(m.expert_flops(tokens), m.expert_io_bytes(tokens, stored=True), "expert", tokens) + \
             c.transfer_seconds("pcie_h2d", m.hidden_bytes(tokens))
 
     def to_cpu(self, tokens: float) -> bool:
@@ -229,7 +229,7 @@ def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
                 for e in cpu_experts:
                     n = int(group_tokens[e])
                     cpu = em.b.compute(f"{at}/cpu_E{e}", "expert", [down], stream="cpu_compute",
-                                       flops=m.expert_flops(n), bytes=m.expert_io_bytes(n), step=step,
+                                       flops=m.expert_flops(n), bytes=m.expert_io_bytes(n, stored=True), step=step,
                                        phase=em.phase(step), layer=j, batches=batches, expert=e, tokens=n)
                     cpu_out.append(em.b.transfer(f"{at}/cpu_E{e}/up", "activation", "h2d_act", m.hidden_bytes(n),
                                                  "cpu", "gpu", [cpu], step=step, layer=j, batches=batches,

@@ -1,0 +1,100 @@
+"""Quantised experts (`--model NAME@intN[:gG][:fp32]`): bytes, dequantisation ops, memory."""
+
+import pytest
+
+from klotski_sim.engine import simulate
+from klotski_sim.errors import UsageError
+from klotski_sim.model import get_model
+from klotski_sim.policies import build_schedule
+
+from .conftest import run_cli
+from .test_pipelines import make_input
+
+MIXTRAL_EXPERT_PARAMS = 3 * 4096 * 14336  # 176,160,768
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("mixtral-8x7b", MIXTRAL_EXPERT_PARAMS * 2),
+    # HQQ 4-bit, groups of 64, fp16 scale + zero: half a byte per weight + 4 bytes per 64 weights
+    ("mixtral-8x7b@int4", MIXTRAL_EXPERT_PARAMS // 2 + MIXTRAL_EXPERT_PARAMS // 64 * 4),
+    # Klotski's port (main.py: HQQConfig(num_bits=4, group_size=16) for experts; fp32 scale and zero)
+    ("mixtral-8x7b@int4:g16:fp32", MIXTRAL_EXPERT_PARAMS // 2 + MIXTRAL_EXPERT_PARAMS // 16 * 8),
+    ("mixtral-8x7b@int8", MIXTRAL_EXPERT_PARAMS + MIXTRAL_EXPERT_PARAMS // 64 * 4),
+    # 3-bit codes packed ten to an int32
+    ("mixtral-8x7b@int3", -(-MIXTRAL_EXPERT_PARAMS * 32 // 10 // 8) + MIXTRAL_EXPERT_PARAMS // 64 * 4),
+    ("mixtral-8x7b@int2:g128", MIXTRAL_EXPERT_PARAMS // 4 + MIXTRAL_EXPERT_PARAMS // 128 * 4),
+])
+def test_quantised_bytes_match_a_hand_computation(name, expected):
+    assert get_model(name).expert_bytes() == pytest.approx(expected, abs=4)
+
+
+def test_the_port_s_group_of_16_with_fp32_metadata_only_halves_the_bytes():
+    assert get_model("mixtral-8x7b@int4:g16:fp32").expert_bytes() == MIXTRAL_EXPERT_PARAMS  # 1 byte per weight
+
+
+@pytest.mark.parametrize("name", ["mixtral-8x7b@int5", "mixtral-8x7b@fp8", "mixtral-8x7b@int4:g0",
+                                  "mixtral-8x7b@int4:fp8", "mixtral-8x7b@int4:x"])
+def test_bad_quantisation_is_refused(name):
+    with pytest.raises(UsageError, match="model"):
+        get_model(name)
+
+
+@pytest.mark.parametrize("policy", ["single-batch", "klotski", "flexgen", "fiddler", "klotski-hybrid"])
+def test_every_streamed_expert_is_dequantised_once_after_its_copy(policy):
+    from .test_cpu_experts import cpu_profile
+
+    profile = {"fiddler": cpu_profile(memory_bytes=2.5e9, link=25e9),  # so that some experts are copied
+               "klotski-hybrid": cpu_profile(memory_bytes=6e9, link=25e9)}.get(policy)
+    inp = make_input(model="mixtral-8x7b:2@int4", bs=2, n=2, P=40, G=3, profile=profile)  # prefill: 20 tokens an expert
+    s = build_schedule(policy, inp)
+    m = inp.model
+    loads = {o.id: o for o in s.ops if o.kind == "transfer" and o.tensor == "expert"}
+    dequants = [o for o in s.ops if o.category == "dequant"]
+    assert loads and len(dequants) == len(loads)
+    kinds = {o.id: o.kind for o in s.ops}
+    for d in dequants:
+        (load,) = [x for x in d.deps if kinds[x] != "host"]  # (and the host, where it has just synchronised)
+        assert load in loads and loads[load].bytes == m.expert_bytes()
+        assert d.free == (load,) and d.alloc[0][1] == m.expert_buffer_bytes() == m.expert_params() * 2
+        assert d.bytes == m.expert_bytes() + m.expert_params() * 2
+    uses = {dep for o in s.ops if o.category == "expert" and o.stream == "compute" for dep in o.deps}
+    assert not (uses & set(loads))  # experts compute on the dequantised buffer, never on the packed copy
+    tl = simulate(s, inp.profile)
+    assert tl.status == "ok"
+
+
+def test_unquantised_schedules_have_no_dequant_ops():
+    s = build_schedule("klotski", make_input(model="mixtral-8x7b:2", bs=2, n=2, P=6, G=3))
+    assert not [o for o in s.ops if o.category == "dequant"]
+
+
+def test_quantised_experts_cost_less_to_move_and_the_planner_counts_the_dequantised_buffers():
+    from klotski_sim.hardware import load_profile
+    from klotski_sim.planner import Placement, memory_needed
+
+    bf16, q4 = get_model("mixtral-8x7b"), get_model("mixtral-8x7b@int4")
+    assert q4.expert_bytes() < 0.3 * bf16.expert_bytes()
+    need_bf16 = memory_needed(bf16, 16, 4, 512, 32, Placement())
+    need_q4 = memory_needed(q4, 16, 4, 512, 32, Placement())
+    # a whole MoE layer in flight is dequantised: as big as bf16's, plus one packed copy
+    assert need_q4["weight_buffers"] == need_bf16["weight_buffers"] + q4.expert_bytes()
+    assert load_profile("rtx3090")  # the default profile runs it (tested end to end below)
+
+
+def test_the_runtime_refuses_quantised_models_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    pytest.importorskip("torch")
+    proc = subprocess.run([sys.executable, "-m", "klotski_runtime.cli", "validate", "--model", "tiny-mixtral@int4",
+                           "--profile", str(ROOT / "klotski_sim" / "profiles" / "rtx3090.yaml"), "--out",
+                           str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "quantised experts" in proc.stderr
+
+
+def test_simulate_a_quantised_model_end_to_end():
+    code, out, err = run_cli("simulate", "--model", "mixtral-8x7b:4@int4", "--policy", "klotski", "--no-png")
+    assert code == 0, err
+    assert "mixtral-8x7b:4@int4" in out and "status      ok" in out
