@@ -28,11 +28,15 @@ class WeightError(KlotskiError):
     """Weights that cannot be used for this model; the message says which file and tensor."""
 
 
-def refuse_quantised(spec: ModelSpec) -> None:
-    """Quantised experts are simulated, not executed: the runtime holds weights in one dtype."""
+def refuse_unsupported(spec: ModelSpec) -> None:
+    """What the simulator models but these Mixtral-style kernels do not run yet: quantised
+    experts, multi-head latent attention, dense first layers."""
     if spec.quantised:
         raise WeightError(f"model {spec.name!r}: the runtime does not execute quantised experts yet (the simulator "
                           f"does); run the model without '@int{spec.expert_bits}'")
+    if spec.mla or spec.first_dense_layers:
+        raise WeightError(f"model {spec.name!r}: the runtime's kernels are Mixtral-style (GQA attention, every layer "
+                          f"MoE); this model's MLA / dense first layers are simulated only")
 
 
 @dataclass
@@ -92,7 +96,7 @@ class WeightStore:
                seed: int = 0) -> "WeightStore":
         """Random weights of the true shapes. `layers` < spec.num_layers keeps only the first
         layers (a big model's schedule must then be built for that many layers)."""
-        refuse_quantised(spec)
+        refuse_unsupported(spec)
         L = spec.num_layers if layers is None else min(layers, spec.num_layers)
         WeightStore.check_fits(spec, L, dtype, "random weights")
         g = torch.Generator().manual_seed(seed)
@@ -118,7 +122,7 @@ class WeightStore:
     def from_checkpoint(path: str | Path, spec: ModelSpec, dtype: torch.dtype = torch.bfloat16,
                         layers: int | None = None) -> "WeightStore":
         """Read a local Mixtral checkpoint (config.json + *.safetensors) tensor by tensor."""
-        refuse_quantised(spec)
+        refuse_unsupported(spec)
         from safetensors import safe_open
 
         path = Path(path)

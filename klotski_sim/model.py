@@ -35,6 +35,14 @@ class ModelSpec:
     expert_bits: int = 0  # routed experts group-quantised to this many bits (0: stored in dtype_bytes)
     quant_group: int = 64  # weights per (scale, zero) pair
     quant_meta_bytes: int = 4  # bytes of one group's scale + zero (fp16 each; 8 for fp32)
+    first_dense_layers: int = 0  # DeepSeek's first_k_dense_replace: these layers have a dense MLP, no experts
+    dense_ffn_size: int = 0  # intermediate size of that dense MLP
+    # Multi-head latent attention (DeepSeek-V2/V3); kv_lora_rank > 0 turns it on
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # 0: queries are not compressed (V2-Lite)
+    qk_rope_dim: int = 0
+    qk_nope_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self) -> None:
         for field_name in ("num_layers", "num_experts", "top_k", "hidden_size", "ffn_size",
@@ -48,6 +56,23 @@ class ModelSpec:
             raise UsageError(f"model {self.name!r}: num_heads must be a multiple of num_kv_heads")
         if self.num_shared_experts < 0 or self.shared_ffn_size < 0:
             raise UsageError(f"model {self.name!r}: shared expert sizes must be >= 0")
+        if not 0 <= self.first_dense_layers < self.num_layers or (self.first_dense_layers and self.dense_ffn_size <= 0):
+            raise UsageError(f"model {self.name!r}: first_dense_layers must leave at least one MoE layer and come "
+                             f"with dense_ffn_size > 0")
+        if self.mla and min(self.qk_rope_dim, self.qk_nope_dim, self.v_head_dim) <= 0:
+            raise UsageError(f"model {self.name!r}: MLA needs qk_rope_dim, qk_nope_dim and v_head_dim > 0")
+
+    # ---- which layers have experts -----------------------------------------------------------
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    def is_moe(self, layer: int = -1) -> bool:
+        """Whether `layer` routes to experts (-1: a MoE layer, the one streaming is sized for)."""
+        return layer < 0 or layer >= self.first_dense_layers
+
+    def experts_in(self, layer: int) -> int:
+        return self.num_experts if self.is_moe(layer) else 0
 
     # ---- weights (bytes) -------------------------------------------------------------------
     @property
@@ -59,9 +84,17 @@ class ModelSpec:
         return self.num_kv_heads * self.head_dim
 
     def attention_params(self) -> int:
-        """q, k, v, o projections (the RMSNorm vectors are counted in resident_bytes)."""
+        """q, k, v, o projections (the RMSNorm vectors are counted in resident_bytes). MLA
+        (DeepSeek-V2/V3 `MLA` module): q (through a rank-q_lora bottleneck when set), the joint
+        KV down-projection to the latent plus the shared RoPE key, its up-projection to every
+        head's K (no-RoPE part) and V, and o."""
         h = self.hidden_size
-        return h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
+        if not self.mla:
+            return h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
+        heads, qk = self.num_heads, self.qk_nope_dim + self.qk_rope_dim
+        q = h * self.q_lora_rank + self.q_lora_rank * heads * qk if self.q_lora_rank else h * heads * qk
+        kv = h * (self.kv_lora_rank + self.qk_rope_dim) + self.kv_lora_rank * heads * (self.qk_nope_dim + self.v_head_dim)
+        return q + kv + heads * self.v_head_dim * h
 
     def attention_bytes(self) -> int:
         return self.attention_params() * self.dtype_bytes
@@ -69,9 +102,14 @@ class ModelSpec:
     def shared_expert_bytes(self) -> int:
         return self.num_shared_experts * 3 * self.hidden_size * self.shared_ffn_size * self.dtype_bytes
 
-    def gate_bytes(self) -> int:
+    def dense_mlp_bytes(self) -> int:
+        return 3 * self.hidden_size * self.dense_ffn_size * self.dtype_bytes
+
+    def gate_bytes(self, layer: int = -1) -> int:
         """Router weights, plus the shared experts: the gate op also runs them, since they are
-        always active and need no routing decision."""
+        always active and need no routing decision. In a dense layer the gate op is the dense MLP."""
+        if not self.is_moe(layer):
+            return self.dense_mlp_bytes()
         router = self.hidden_size * self.num_experts * self.dtype_bytes
         shared_gate = self.hidden_size * self.dtype_bytes if self.num_shared_experts else 0
         return router + shared_gate + self.shared_expert_bytes()
@@ -99,20 +137,29 @@ class ModelSpec:
         quantised (the packed copy is freed after dequantising)."""
         return self.expert_params() * self.dtype_bytes if self.expert_bits else self.expert_bytes()
 
-    def resident_layer_bytes(self) -> int:
+    def resident_layer_bytes(self, layer: int = -1) -> int:
         """GPU bytes of a layer kept whole on the GPU: its experts dequantised once, when quantised."""
-        return self.attention_bytes() + self.gate_bytes() + self.num_experts * self.expert_buffer_bytes()
+        return self.attention_bytes() + self.gate_bytes(layer) + self.experts_in(layer) * self.expert_buffer_bytes()
+
+    def resident_layers_bytes(self, count: int) -> int:
+        """GPU bytes of the first `count` layers kept whole."""
+        return sum(self.resident_layer_bytes(j) for j in range(min(count, self.num_layers)))
 
     def moe_layer_buffer_bytes(self) -> int:
         """GPU bytes of a whole MoE layer in flight: every expert usable, plus one packed copy
         being dequantised when quantised."""
         return self.num_experts * self.expert_buffer_bytes() + (self.expert_bytes() if self.expert_bits else 0)
 
-    def moe_layer_bytes(self) -> int:
-        return self.num_experts * self.expert_bytes()
+    def moe_layer_bytes(self, layer: int = -1) -> int:
+        return self.experts_in(layer) * self.expert_bytes()
 
-    def layer_bytes(self) -> int:
-        return self.attention_bytes() + self.gate_bytes() + self.moe_layer_bytes()
+    def layer_bytes(self, layer: int = -1) -> int:
+        """One layer's weights as stored (-1: a MoE layer)."""
+        return self.attention_bytes() + self.gate_bytes(layer) + self.moe_layer_bytes(layer)
+
+    def layers_bytes(self) -> int:
+        """Every layer's weights as stored."""
+        return sum(self.layer_bytes(j) for j in range(self.num_layers))
 
     def embedding_bytes(self) -> int:
         return self.vocab_size * self.hidden_size * self.dtype_bytes
@@ -124,11 +171,15 @@ class ModelSpec:
         return 2 * self.embedding_bytes() + norms
 
     def total_bytes(self) -> int:
-        return self.resident_bytes() + self.num_layers * self.layer_bytes()
+        return self.resident_bytes() + self.layers_bytes()
 
     # ---- per-token state (bytes) -----------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
-        """K and V of one token in one layer."""
+        """K and V of one token in one layer; with MLA the cached latent and the shared RoPE key
+        (kv_lora_rank + qk_rope_dim values: DeepSeek-V3 inference/model.py caches these, the
+        DeepSeek-V2 paper's (d_c + d_h^R) per layer)."""
+        if self.mla:
+            return (self.kv_lora_rank + self.qk_rope_dim) * self.dtype_bytes
         return 2 * self.kv_dim * self.dtype_bytes
 
     def kv_bytes(self, sequences: int, tokens: int) -> int:
@@ -148,7 +199,10 @@ class ModelSpec:
         projections = 2 * tokens * self.attention_params()
         causal = new_tokens == kv_len and new_tokens > 1 and impl == "fused"
         visible = (kv_len + 1) / 2 if causal else kv_len
-        scores = 2 * 2 * tokens * self.num_heads * self.head_dim * visible  # QK^T and AV
+        if self.mla:  # absorbed: scores over the latent + RoPE key, values from the latent
+            scores = 2 * tokens * self.num_heads * visible * (2 * self.kv_lora_rank + self.qk_rope_dim)
+        else:
+            scores = 2 * 2 * tokens * self.num_heads * self.head_dim * visible  # QK^T and AV
         return int(projections + scores)
 
     def attention_io_bytes(self, sequences: int, new_tokens: int, kv_len: int, impl: str = "fused") -> int:
@@ -171,12 +225,14 @@ class ModelSpec:
         scores = sequences * self.num_heads * new_tokens * kv_len * (8 * self.dtype_bytes + 8)
         return self.attention_bytes() + concat + repeat + matmuls + scores + 4 * hidden
 
-    def gate_flops(self, tokens: int) -> int:
+    def gate_flops(self, tokens: int, layer: int = -1) -> int:
+        if not self.is_moe(layer):  # the dense MLP
+            return 2 * tokens * 3 * self.hidden_size * self.dense_ffn_size
         shared = 2 * tokens * 3 * self.hidden_size * self.shared_ffn_size * self.num_shared_experts
         return 2 * tokens * self.hidden_size * self.num_experts + shared
 
-    def gate_io_bytes(self, tokens: int) -> int:
-        return self.gate_bytes() + 2 * self.hidden_bytes(tokens)
+    def gate_io_bytes(self, tokens: int, layer: int = -1) -> int:
+        return self.gate_bytes(layer) + 2 * self.hidden_bytes(tokens)
 
     def expert_flops(self, tokens: int) -> int:
         return 2 * tokens * 3 * self.hidden_size * self.ffn_size
@@ -223,6 +279,26 @@ PRESETS: dict[str, ModelSpec] = {
         ModelSpec("qwen1.5-moe-a2.7b", num_layers=24, num_experts=60, top_k=4, hidden_size=2048,
                   ffn_size=1408, num_heads=16, num_kv_heads=16, head_dim=128, vocab_size=151936,
                   num_shared_experts=1, shared_ffn_size=5632, hf_model_type="qwen2_moe"),
+        # Qwen/Qwen3-30B-A3B config.json: 48 layers, all MoE (decoder_sparse_step 1, mlp_only_layers []),
+        # 128 experts of width 768, top-8 (norm_topk_prob), no shared expert, GQA 32/4 heads of 128.
+        ModelSpec("qwen3-30b-a3b", num_layers=48, num_experts=128, top_k=8, hidden_size=2048, ffn_size=768,
+                  num_heads=32, num_kv_heads=4, head_dim=128, vocab_size=151936, hf_model_type="qwen3_moe"),
+        # deepseek-ai/DeepSeek-V2-Lite config.json (and DeepSeek's 16B inference config): 27 layers, the
+        # first dense (first_k_dense_replace 1, intermediate 10944), then 64 routed experts of width
+        # 1408, top-6, 2 shared; MLA with kv_lora_rank 512, no query compression, rope 64 / nope 128 /
+        # v 128, 16 heads; vocab 102400.
+        ModelSpec("deepseek-v2-lite", num_layers=27, num_experts=64, top_k=6, hidden_size=2048, ffn_size=1408,
+                  num_heads=16, num_kv_heads=16, head_dim=192, vocab_size=102400, num_shared_experts=2,
+                  shared_ffn_size=1408, first_dense_layers=1, dense_ffn_size=10944, kv_lora_rank=512,
+                  qk_rope_dim=64, qk_nope_dim=128, v_head_dim=128, hf_model_type="deepseek_v2"),
+        # deepseek-ai/DeepSeek-V3 config.json: 61 layers (the MTP layer is not counted), the first 3
+        # dense (intermediate 18432), then 256 routed experts of width 2048, top-8, 1 shared; MLA with
+        # kv_lora_rank 512, q_lora_rank 1536, rope 64 / nope 128 / v 128, 128 heads; vocab 129280.
+        # Weights in bf16 (the config's torch_dtype; the released checkpoint is FP8 with block scales).
+        ModelSpec("deepseek-v3", num_layers=61, num_experts=256, top_k=8, hidden_size=7168, ffn_size=2048,
+                  num_heads=128, num_kv_heads=128, head_dim=192, vocab_size=129280, num_shared_experts=1,
+                  shared_ffn_size=2048, first_dense_layers=3, dense_ffn_size=18432, kv_lora_rank=512,
+                  q_lora_rank=1536, qk_rope_dim=64, qk_nope_dim=128, v_head_dim=128, hf_model_type="deepseek_v3"),
         # A quarter-width Mixtral: big enough that transfers dominate on a CPU, small enough to run.
         ModelSpec("small-mixtral", num_layers=4, num_experts=8, top_k=2, hidden_size=1024,
                   ffn_size=3584, num_heads=16, num_kv_heads=4, head_dim=64, vocab_size=32000),

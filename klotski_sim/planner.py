@@ -91,7 +91,7 @@ def memory_needed(model: ModelSpec, batch_size: int, n: int, prompt_len: int, ge
     tokens_final = prompt_len + gen_len - 1
     kv_all = n * model.num_layers * model.kv_bytes(batch_size, tokens_final)
     out = {
-        "resident": float(model.resident_bytes() + placement.resident_layers * model.resident_layer_bytes()),
+        "resident": float(model.resident_bytes() + model.resident_layers_bytes(placement.resident_layers)),
         "weight_buffers": float(buffers),
         "activations": float(n * model.hidden_bytes(batch_size * prompt_len)),
         "kv_cache": float(kv_all if placement.kv == "gpu" else 2 * model.kv_bytes(batch_size, tokens_final)),
@@ -109,10 +109,11 @@ def memory_floor(model: ModelSpec, batch_size: int, n: int, prompt_len: int, gen
     tokens_final = prompt_len + gen_len - 1
     kv_layer = model.kv_bytes(batch_size, tokens_final)
     out = {
-        "resident": float(model.resident_bytes() + placement.resident_layers * model.resident_layer_bytes()),
+        "resident": float(model.resident_bytes() + model.resident_layers_bytes(placement.resident_layers)),
         "activations": float(n * model.hidden_bytes(batch_size * prompt_len)),
         "kv_cache": float(n * model.num_layers * kv_layer if placement.kv == "gpu" else kv_layer),
-        "one_weight_tensor": float(max(model.attention_bytes(), model.expert_bytes(), model.gate_bytes())
+        "one_weight_tensor": float(max(model.attention_bytes(), model.expert_bytes(), model.gate_bytes(),
+                                       model.gate_bytes(0))
                                    if placement.resident_layers < model.num_layers else 0),
     }
     out["total"] = sum(out.values())
@@ -124,10 +125,10 @@ def default_placement(model: ModelSpec, profile: HardwareProfile, kv: str = "gpu
     last layers move to disk (as many as needed); attention and gate stay in host memory while
     they fit, else everything streams from disk."""
     host = profile.host.memory_bytes * HOST_HEADROOM
-    streamed = model.num_layers * model.layer_bytes()
+    streamed = model.layers_bytes()
     if streamed <= host:
         return Placement(kv=kv)
-    dense = model.num_layers * (model.attention_bytes() + model.gate_bytes())
+    dense = sum(model.attention_bytes() + model.gate_bytes(j) for j in range(model.num_layers))
     if dense > host:
         return Placement(attention="disk", gate="disk", experts="disk", kv=kv)
     in_host = int((host - dense) // model.moe_layer_bytes())
@@ -234,7 +235,9 @@ def plan(model: ModelSpec, profile: HardwareProfile, batch_size: int, prompt_len
         n = want
     if resident_layers and n_memory and n <= n_memory:
         spare = capacity - memory_needed(model, batch_size, n, prompt_len, gen_len, placement)["total"]
-        keep = min(model.num_layers, int(spare // model.resident_layer_bytes()))
+        keep = 0
+        while keep < model.num_layers and model.resident_layers_bytes(keep + 1) <= spare:
+            keep += 1
         if keep > 0:
             placement = replace(placement, resident_layers=keep)
             while keep > 0 and not fits(n, placement):

@@ -65,7 +65,8 @@ class RunShape:
 class RoutingTable:
     """Top-k expert ids of every token of a run: `ids[batch, seq, position, layer, slot]`."""
 
-    def __init__(self, ids: np.ndarray, shape: RunShape, num_experts: int, source: str = "") -> None:
+    def __init__(self, ids: np.ndarray, shape: RunShape, num_experts: int, source: str = "",
+                 dense_layers: int = 0) -> None:
         expected = (shape.num_batches, shape.batch_size, shape.tokens_per_sequence)
         if ids.ndim != 5 or ids.shape[:3] != expected:
             raise UsageError(f"routing ids have shape {ids.shape}, expected {expected} + (layers, top_k)")
@@ -77,6 +78,7 @@ class RoutingTable:
         self.num_layers = ids.shape[3]
         self.top_k = ids.shape[4]
         self.source = source
+        self.dense_layers = dense_layers  # the model's first layers have no experts: they route nothing
 
     @cached_property
     def counts(self) -> np.ndarray:
@@ -90,8 +92,9 @@ class RoutingTable:
         pos_step = step_of_position.reshape(1, 1, -1, 1, 1)
         layer = np.arange(L).reshape(1, 1, 1, L, 1)
         flat = ((pos_step * L + layer) * nb + b) * E + self.ids.astype(np.int64)
-        counts = np.bincount(flat.ravel(), minlength=sh.num_steps * L * nb * E)
-        return counts.reshape(sh.num_steps, L, nb, E)
+        counts = np.bincount(flat.ravel(), minlength=sh.num_steps * L * nb * E).reshape(sh.num_steps, L, nb, E)
+        counts[:, : self.dense_layers] = 0
+        return counts
 
     def tokens_per_expert(self, step: int, layer: int, batches: list[int] | range) -> np.ndarray:
         """Token count per expert over the given batches (length num_experts)."""
@@ -102,14 +105,15 @@ class RoutingTable:
         sh = self.shape
         np.savez_compressed(path, ids=self.ids.astype(np.int16), num_experts=self.num_experts,
                             shape=np.array([sh.batch_size, sh.num_batches, sh.prompt_len, sh.gen_len]),
-                            source=np.array(self.source))
+                            source=np.array(self.source), dense_layers=self.dense_layers)
 
     @staticmethod
     def load(path: str | Path) -> "RoutingTable":
         try:
             with np.load(path, allow_pickle=False) as z:
                 bs, nb, p, g = (int(v) for v in z["shape"])
-                return RoutingTable(z["ids"], RunShape(bs, nb, p, g), int(z["num_experts"]), str(z["source"]))
+                dense = int(z["dense_layers"]) if "dense_layers" in z.files else 0
+                return RoutingTable(z["ids"], RunShape(bs, nb, p, g), int(z["num_experts"]), str(z["source"]), dense)
         except FileNotFoundError:
             raise UsageError(f"{path}: no such routing file") from None
         except (OSError, KeyError, ValueError, EOFError) as err:

@@ -247,7 +247,7 @@ def replay(trace: Trace, model: ModelSpec, shape: RunShape, *, warmup_sequences:
     source = f"{trace.meta.get('source', where)}" + (
         f" (WRAPPED: {len(pool)} distinct sequences for {need_seqs} needed, {len(pool) / need_seqs:.0%}; reused "
         f"routing inflates prefetch accuracy and throughput)" if wrapped else "")
-    routing = RoutingTable(ids, shape, model.num_experts, source=source)
+    routing = RoutingTable(ids, shape, model.num_experts, source=source, dense_layers=model.first_dense_layers)
     return Replay(routing, trace.subset(range(warmup_sequences)), tuple(chosen), wrapped)
 
 

@@ -59,3 +59,63 @@ def test_layer_subset_of_a_preset():
     assert m.num_layers == 4 and m.name == "mixtral-8x7b:4" and m.expert_bytes() == 352_321_536
     with pytest.raises(ValueError, match="from 1 to 32"):
         get_model("mixtral-8x7b:40")
+
+
+def _active_params(m):
+    """Parameters one token uses: embeddings and lm_head, every layer's attention, and per layer the
+    dense MLP or the router, shared experts and top-k routed experts."""
+    total = 2 * m.embedding_bytes()
+    for j in range(m.num_layers):
+        total += m.attention_bytes() + (m.gate_bytes(j) + m.top_k * m.expert_bytes() if m.is_moe(j)
+                                        else m.dense_mlp_bytes())
+    return total / m.dtype_bytes
+
+
+@pytest.mark.parametrize("name, total_b, active_b", [
+    ("deepseek-v3", 671, 37),  # DeepSeek-V3 technical report: 671B total, 37B activated (MTP module not counted)
+    ("qwen3-30b-a3b", 30.5, 3.3),  # Qwen3-30B-A3B model card: 30.5B total, 3.3B activated
+    ("deepseek-v2-lite", 15.7, None),  # DeepSeek-V2-Lite model card: 15.7B total
+    ("mixtral-8x7b", 46.7, 12.9),  # Mixtral of Experts paper: 47B total, 13B active
+])
+def test_new_presets_have_their_published_parameter_counts(name, total_b, active_b):
+    m = get_model(name)
+    assert m.total_bytes() / m.dtype_bytes / 1e9 == pytest.approx(total_b, rel=0.01)
+    if active_b:
+        assert _active_params(m) / 1e9 == pytest.approx(active_b, rel=0.025)
+
+
+def test_mla_caches_the_latent_and_the_rope_key():
+    for name in ("deepseek-v2-lite", "deepseek-v3"):
+        assert get_model(name).kv_bytes_per_token() == (512 + 64) * 2
+    assert get_model("qwen3-30b-a3b").kv_bytes_per_token() == 2 * 4 * 128 * 2
+
+
+@pytest.mark.parametrize("policy", ["single-batch", "klotski", "flexgen"])
+def test_dense_first_layers_route_nothing_and_run_their_mlp_in_the_gate_op(policy):
+    from klotski_sim.engine import simulate
+    from klotski_sim.policies import build_schedule
+
+    from .test_pipelines import make_input
+
+    inp = make_input(model="deepseek-v2-lite:3", bs=2, n=2, P=6, G=3)
+    m = inp.model
+    assert m.first_dense_layers == 1 and not inp.routing.counts[:, 0].any() and inp.routing.counts[:, 1:].any()
+    s = build_schedule(policy, inp)
+    assert not [o for o in s.ops if o.layer == 0 and (o.category == "expert" or o.tensor == "expert")]
+    assert [o for o in s.ops if o.layer == 1 and o.category == "expert"]
+    gate0 = next(o for o in s.ops if o.category == "gate" and o.layer == 0)
+    gate1 = next(o for o in s.ops if o.category == "gate" and o.layer == 1)
+    assert gate0.flops == m.gate_flops(gate0.tokens, 0) == 2 * gate0.tokens * 3 * m.hidden_size * m.dense_ffn_size
+    assert gate1.flops == m.gate_flops(gate1.tokens, 1)
+    loads = [o for o in s.ops if o.kind == "transfer" and o.tensor == "gate" and o.layer == 0]
+    assert all(o.bytes == m.dense_mlp_bytes() for o in loads)
+    assert simulate(s, inp.profile).status == "ok"
+
+
+def test_the_runtime_refuses_what_its_kernels_do_not_run():
+    torch = pytest.importorskip("torch")
+    from klotski_runtime.kernels import WeightError, WeightStore
+
+    for name in ("deepseek-v2-lite:2", "qwen3-30b-a3b:1@int4"):
+        with pytest.raises(WeightError, match="simulated only|quantised"):
+            WeightStore.random(get_model(name), dtype=torch.float32)

@@ -214,7 +214,7 @@ class OpEmitter:
         m = self.model
         self.b.preload("resident/embed+lm_head+norms", m.resident_bytes())
         for j in range(min(self.placement.resident_layers, m.num_layers)):
-            self.b.preload(f"resident/L{j}", m.resident_layer_bytes())
+            self.b.preload(f"resident/L{j}", m.resident_layer_bytes(j))
         for batch in range(self.shape.num_batches):
             self.b.preload(f"hidden/b{batch}", m.hidden_bytes(self.shape.batch_size * self.shape.prompt_len))
 
@@ -277,14 +277,14 @@ class OpEmitter:
     def fetch_gate(self, at: str, step: int, layer: int, deps: Iterable[str | None] = (),
                    stream: str = "h2d_weights") -> str:
         """A layer's gate (router) weights (op id `{at}/load_gate`)."""
-        return self.fetch(f"{at}/load_gate", "gate", self.model.gate_bytes(), "weights", stream, deps,
+        return self.fetch(f"{at}/load_gate", "gate", self.model.gate_bytes(layer), "weights", stream, deps,
                           step=step, layer=layer)
 
     def fetch_moe_layer(self, at: str, step: int, layer: int, deps: Iterable[str | None] = ()) -> list[str]:
         """Every expert of a layer on the weight stream (op ids `{at}/load_E{e}`), in expert-id order."""
         deps = list(deps)
         return [self.fetch(f"{at}/load_E{e}", "experts", self.model.expert_bytes(), "moe_weights", "h2d_weights",
-                           deps, step=step, layer=layer, expert=e) for e in range(self.model.num_experts)]
+                           deps, step=step, layer=layer, expert=e) for e in range(self.model.experts_in(layer))]
 
     def _stage(self, step: int, layer: int) -> None:
         """Read a whole layer's disk-resident tensors into the host staging window. The window
@@ -296,8 +296,8 @@ class OpEmitter:
         self._staged_at[(step, layer)] = g
         evict = self._h2d_of_layer.get(self._staged_order[g - pl.disk_window], []) if g >= pl.disk_window else []
         reads: dict[tuple[str, int], str] = {}
-        tensors = [("attention", -1, m.attention_bytes(), "weights"), ("gate", -1, m.gate_bytes(), "weights")]
-        tensors += [("experts", e, m.expert_bytes(), "moe_weights") for e in range(m.num_experts)]
+        tensors = [("attention", -1, m.attention_bytes(), "weights"), ("gate", -1, m.gate_bytes(layer), "weights")]
+        tensors += [("experts", e, m.expert_bytes(), "moe_weights") for e in range(m.experts_in(layer))]
         for what, expert, nbytes, category in tensors:
             if self.tier(what, layer) == "disk":
                 name = f"disk/{g}/s{step}/L{layer}/{what}" + (f"/E{expert}" if expert >= 0 else "")
@@ -365,8 +365,8 @@ class OpEmitter:
     def gate(self, op_id: str, step: int, layer: int, batch: int, deps: Iterable[str | None] = (),
              free: tuple[str, ...] = ()) -> str:
         tokens = self._new_tokens(step) * self.shape.batch_size
-        return self.b.compute(op_id, "gate", deps, flops=self.model.gate_flops(tokens),
-                              bytes=self.model.gate_io_bytes(tokens), step=step, phase=self.phase(step),
+        return self.b.compute(op_id, "gate", deps, flops=self.model.gate_flops(tokens, layer),
+                              bytes=self.model.gate_io_bytes(tokens, layer), step=step, phase=self.phase(step),
                               layer=layer, batches=(batch,), tokens=tokens, free=tuple(free))
 
     def expert(self, op_id: str, step: int, layer: int, expert: int, batches: Iterable[int], tokens: int,

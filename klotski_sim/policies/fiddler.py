@@ -46,11 +46,12 @@ def gpu_expert_slots(inp: PolicyInput, streaming_buffers: int) -> int:
     m, sh = inp.model, inp.shape
     kv = m.num_layers * m.kv_bytes(sh.batch_size * sh.num_batches, sh.prompt_len + sh.gen_len) \
         if inp.placement.kv == "gpu" else 0
-    fixed = (m.resident_bytes() + m.num_layers * (m.attention_bytes() + m.gate_bytes()) + kv
+    fixed = (m.resident_bytes() + sum(m.attention_bytes() + m.gate_bytes(j) for j in range(m.num_layers)) + kv
              + sh.num_batches * m.hidden_bytes(sh.batch_size * sh.prompt_len)
              + streaming_buffers * m.expert_buffer_bytes() + (m.expert_bytes() if m.quantised else 0))
     spare = inp.profile.gpu.usable_bytes - fixed
-    return int(max(0, min(m.num_layers * m.num_experts, spare // m.expert_buffer_bytes())))
+    moe_experts = (m.num_layers - m.first_dense_layers) * m.num_experts
+    return int(max(0, min(moe_experts, spare // m.expert_buffer_bytes())))
 
 
 def popular_experts(inp: PolicyInput, slots: int) -> set[tuple[int, int]]:
@@ -61,8 +62,10 @@ def popular_experts(inp: PolicyInput, slots: int) -> set[tuple[int, int]]:
     if inp.warmup is not None and len(inp.warmup.experts):
         ex = inp.warmup.experts  # [tokens, layers, k]
         for layer in range(m.num_layers):
-            counts[layer] = np.bincount(ex[:, layer, :].ravel(), minlength=m.num_experts)[: m.num_experts]
-    order = np.argsort(-counts.ravel(), kind="stable")[:slots]
+            if m.is_moe(layer):
+                counts[layer] = np.bincount(ex[:, layer, :].ravel(), minlength=m.num_experts)[: m.num_experts]
+    counts[: m.first_dense_layers] = -1  # dense layers have no experts to keep
+    order = np.argsort(-counts.ravel(), kind="stable")[:min(slots, (m.num_layers - m.first_dense_layers) * m.num_experts)]
     return {(int(i) // m.num_experts, int(i) % m.num_experts) for i in order}
 
 
@@ -113,7 +116,7 @@ def _build(inp: PolicyInput, name: str) -> Schedule:
     inp = replace(inp, placement=replace(inp.placement, resident_layers=0))
     em = OpEmitter(inp, ScheduleBuilder({**DEFAULT_STREAMS, **CPU_STREAMS}))
     m, sh, counts = inp.model, inp.shape, inp.routing.counts
-    em.b.preload("resident/attention+gate", m.num_layers * (m.attention_bytes() + m.gate_bytes()))
+    em.b.preload("resident/attention+gate", sum(m.attention_bytes() + m.gate_bytes(j) for j in range(m.num_layers)))
     slots = gpu_expert_slots(inp, 2 * m.num_experts if rule == "layer-tokens" else buffers)
     on_gpu = popular_experts(inp, slots)
     em.b.preload("resident/experts", len(on_gpu) * m.expert_buffer_bytes())  # dequantised once, when quantised

@@ -136,7 +136,9 @@ def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
                 attn_w = next_attention or em.fetch_attention(at, step, j)
                 # Hot experts are chosen from what is known once the previous layer's gates ran
                 # (its expert counts over the group) and the table learned so far.
-                if rung.oracle:
+                if not m.is_moe(j):  # a dense layer: no experts to predict
+                    hot = []
+                elif rung.oracle:
                     hot = [int(e) for e in np.argsort(-group_tokens, kind="stable") if group_tokens[e] > 0]
                 else:
                     prev_counts = counts[step, j - 1].sum(axis=0) if j > 0 else None
