@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 import pandas as pd
 
-from .argtypes import batches, nonnegative_int, positive_int
+from .argtypes import batches, nonnegative_int, positive_float, positive_int
 from .errors import KlotskiError
 from .exports import save_all, to_chrome_trace
 from .hardware import builtin_profile_names, load_profile
@@ -303,6 +303,55 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_optimize(args: argparse.Namespace) -> int:
+    from .optimize import Search, check_search, ok_rows, pareto_front, simulate_command, winner
+    from .sweep import run_sweep
+
+    def ints(text: str, flag: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(v) for v in text.split(","))
+        except ValueError:
+            raise CliError(f"{flag}: give comma-separated positive integers, got {text!r}") from None
+        if not values or min(values) < 1:
+            raise CliError(f"{flag}: give comma-separated positive integers, got {text!r}")
+        return values
+
+    search = Search(model=args.model, hardware=args.hardware, prompt_len=args.prompt_len, gen_len=args.gen_len,
+                    policies=tuple(args.policies.split(",")) if args.policies else (),
+                    impls=("as-published", "ideal") if args.impl == "both" else (args.impl,),
+                    batch_sizes=ints(args.batch_sizes, "--batch-sizes"),
+                    expert_dtypes=tuple(args.expert_dtypes.split(",")), kv=tuple(args.kv.split(",")),
+                    max_token_latency_s=args.max_token_latency, budget=args.budget, seed=args.seed)
+    check_search(search)
+    spec = search.spec()
+    ids, size = search.selected_ids(spec)
+    sampled = f" (a seeded sample of {len(ids)}: the grid exceeds --budget)" if len(ids) < size else ""
+    print(f"optimize {args.model} on {args.hardware}: {size} configurations{sampled} — policies "
+          f"{', '.join(search.policy_names())}; impl {', '.join(search.impls)}; batch sizes "
+          f"{', '.join(map(str, search.batch_sizes))}; experts {', '.join(search.expert_dtypes)}; kv "
+          f"{', '.join(search.kv)}; n from the planner")
+    df = run_sweep(spec, args.out, workers=args.workers, progress=not args.no_progress, only=ids)
+    ok = ok_rows(df)
+    print(f"{len(ok)} of {len(df)} ran to the end (the rest do not fit in GPU memory); results in "
+          f"{args.out}/results.parquet")
+    if ok.empty:
+        raise CliError("no configuration fits: try smaller --batch-sizes or --expert-dtypes int4")
+    front = pareto_front(ok)
+    print("Pareto front (throughput vs per-token latency = the decode step):")
+    print(f"  {'tok/s':>8} {'latency s':>9}  {'policy':15} {'impl':12} {'bs':>4} {'n':>3} {'kv':4} model")
+    for _, r in front.iterrows():
+        print(f"  {r['m.throughput_tok_s']:8.1f} {r['m.decode_step_s']:9.3f}  {r['policy']:15} {r['impl']:12} "
+              f"{int(r['batch_size']):4d} {int(r['m.n']):3d} {str(r['m.kv']):4} {r['model']}")
+    best = winner(ok, args.max_token_latency)
+    if best is None:
+        raise CliError(f"no configuration meets --max-token-latency {args.max_token_latency} s (the fastest token "
+                       f"takes {ok['m.decode_step_s'].min():.3f} s)")
+    cap = f" within {args.max_token_latency} s per token" if args.max_token_latency else ""
+    print(f"winner{cap}: {best['m.throughput_tok_s']:.1f} tok/s, {best['m.decode_step_s']:.3f} s per token")
+    print(f"  {simulate_command(best, args.policy_file)}")
+    return 0
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     print(f"{'name':20} {'layers':>6} {'experts':>7} {'top-k':>5} {'hidden':>6} {'ffn':>6} "
           f"{'expert MB':>9} {'layer MB':>9} {'total GB':>8}")
@@ -427,6 +476,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--yes", action="store_true", help=f"run a grid of more than {SWEEP_CONFIRM:,} configurations")
     p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("optimize", help="search policy x preset x batch size x KV placement x expert dtype for the "
+                                        "highest throughput (Pareto front against per-token latency)",
+                       description="Exhaustive search (memory-floor pruned, n from the planner) on the sweep "
+                                   "machinery; prints the Pareto front and the winner as a runnable simulate command.")
+    p.add_argument("--model", default="mixtral-8x7b", metavar="NAME[:L]", help="model preset (default: %(default)s)")
+    p.add_argument("--hardware", default="rtx3090", metavar="NAME|FILE", help="profile (default: %(default)s)")
+    p.add_argument("--prompt-len", type=positive_int, default=512, help="prompt tokens (default: %(default)s)")
+    p.add_argument("--gen-len", type=positive_int, default=32, help="generated tokens (default: %(default)s)")
+    p.add_argument("--max-token-latency", type=positive_float, default=None, metavar="S",
+                   help="seconds a sequence may wait per generated token (default: no cap)")
+    p.add_argument("--budget", type=positive_int, default=400,
+                   help="evaluate at most this many configurations (a seeded sample above it; default: %(default)s)")
+    p.add_argument("--policies", metavar="A,B,...", help="default: every policy the profile can run")
+    p.add_argument("--impl", choices=[*PRESET_NAMES, "both"], default="both", help="presets (default: %(default)s)")
+    p.add_argument("--batch-sizes", default="1,4,16,64", metavar="B,...", help="(default: %(default)s)")
+    p.add_argument("--expert-dtypes", default="bf16,int4", metavar="D,...",
+                   help="bf16 and/or int8|int4|int3|int2 (default: %(default)s)")
+    p.add_argument("--kv", default="auto,cpu", metavar="K,...", help="KV cache placements (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the routing and of the sample (default: %(default)s)")
+    p.add_argument("--workers", type=positive_int, default=2, help="local processes (default: %(default)s)")
+    p.add_argument("--policy-file", action="append", default=[], metavar="FILE.py", help="your own policy (repeatable)")
+    p.add_argument("--out", default="klotski-optimize", metavar="DIR", help="results (resumable; default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_optimize)
 
     p = sub.add_parser("plan", help="Klotski's planner: every term of inequalities (4)-(7), n, memory check")
     add_run_arguments(p, policy=False, num_batches=False)

@@ -1,0 +1,124 @@
+"""`klotski-sim optimize`: the best way to run one model on one machine, searched over policy x
+implementation preset x batch size x n x KV placement x expert dtype.
+
+An exhaustive search of that grid, run on the sweep machinery (process pool, resumable, one
+Parquet row per configuration). It is pruned the way the planner bounds a run: a configuration
+whose memory floor (resident weights, activations and KV cache, before any schedule) exceeds the
+GPU is refused without building anything, in well under a second; the planner picks n where n is
+`auto`. Why not an optimisation library: the grid is a few hundred points of a discrete,
+non-smooth objective (out-of-memory cliffs, policy switches), each evaluation takes seconds, and
+an exhaustive grid is reproducible and resumable; above `--budget` points a seeded sample of the
+grid is evaluated, and said so. Results: the Pareto front of throughput against per-token
+latency (the decode step: how long each sequence waits for its next token), and the winner —
+the highest throughput within `--max-token-latency` — as a `klotski-sim simulate` command that
+reproduces its numbers.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import pandas as pd
+
+from .errors import UsageError
+from .hardware import load_profile
+from .model import get_model
+from .policies import POLICIES
+from .sweep import SweepSpec, check_spec, expand
+
+DEFAULT_BATCH_SIZES = (1, 4, 16, 64)
+DEFAULT_EXPERT_DTYPES = ("bf16", "int4")
+DEFAULT_KV = ("auto", "cpu")
+
+
+@dataclass(frozen=True)
+class Search:
+    """What `optimize` searches, and its limits."""
+
+    model: str
+    hardware: str
+    prompt_len: int = 512
+    gen_len: int = 32
+    policies: tuple[str, ...] = ()
+    impls: tuple[str, ...] = ("as-published", "ideal")
+    batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
+    expert_dtypes: tuple[str, ...] = DEFAULT_EXPERT_DTYPES
+    kv: tuple[str, ...] = DEFAULT_KV
+    max_token_latency_s: float | None = None
+    budget: int = 400
+    seed: int = 0
+
+    def policy_names(self) -> tuple[str, ...]:
+        """The chosen policies, or every registered one this profile can run (CPU-expert
+        policies need a `cpu:` section)."""
+        if self.policies:
+            return self.policies
+        has_cpu = load_profile(self.hardware).cpu is not None
+        needs_cpu = {"fiddler", "llamacpp-moe", "klotski-hybrid"}
+        return tuple(p for p in POLICIES if has_cpu or p not in needs_cpu)
+
+    def models(self) -> list[str]:
+        get_model(self.model)  # a bad name is refused before anything runs
+        return [self.model if d == "bf16" else f"{self.model}@{d}" for d in self.expert_dtypes]
+
+    def spec(self) -> SweepSpec:
+        spec = SweepSpec(name=f"optimize-{self.model}-{self.hardware}", models=self.models(), hardware=[self.hardware],
+                         policies=list(self.policy_names()), batch_sizes=list(self.batch_sizes),
+                         num_batches=["auto"], prompt_lens=[self.prompt_len], gen_lens=[self.gen_len],
+                         kv=list(self.kv), impls=list(self.impls))
+        check_spec(spec, "optimize")
+        return spec
+
+    def selected_ids(self, spec: SweepSpec) -> tuple[list[str], int]:
+        """The configurations to evaluate (all, or a seeded sample of `budget`), and the grid size."""
+        configs = expand(spec)
+        ids = [c["id"] for c in configs]
+        if len(ids) <= self.budget:
+            return ids, len(ids)
+        return sorted(random.Random(self.seed).sample(ids, self.budget)), len(ids)
+
+
+def pareto_front(df: pd.DataFrame) -> pd.DataFrame:
+    """The configurations no other one beats on both throughput (higher) and per-token latency
+    (lower), sorted by latency."""
+    rows = df.sort_values(["m.decode_step_s", "m.throughput_tok_s"], ascending=[True, False])
+    front, best = [], -1.0
+    for idx, r in rows.iterrows():
+        if r["m.throughput_tok_s"] > best:
+            front.append(idx)
+            best = r["m.throughput_tok_s"]
+    return rows.loc[front]
+
+
+def winner(df: pd.DataFrame, max_latency_s: float | None) -> pd.Series | None:
+    ok = df if max_latency_s is None else df[df["m.decode_step_s"] <= max_latency_s]
+    if ok.empty:
+        return None
+    return ok.sort_values(["m.throughput_tok_s", "m.decode_step_s"], ascending=[False, True]).iloc[0]
+
+
+def simulate_command(row: pd.Series | dict[str, Any], policy_files: Sequence[str] = ()) -> str:
+    """The `klotski-sim simulate` command that reproduces one row."""
+    files = "".join(f" --policy-file {f}" for f in policy_files)
+    return (f"klotski-sim simulate --model {row['model']} --hardware {row['hardware']} --policy {row['policy']} "
+            f"--impl {row['impl']} --batch-size {int(row['batch_size'])} --num-batches {row['num_batches']} "
+            f"--kv {row['kv']} --prompt-len {int(row['prompt_len'])} --gen-len {int(row['gen_len'])}{files}")
+
+
+def ok_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """Finished runs only (out-of-memory and refused configurations are not candidates)."""
+    if df.empty:
+        return df
+    return df[(df["status"] == "ok") & (df["m.throughput_tok_s"] > 0)]
+
+
+def check_search(s: Search) -> None:
+    if s.budget < 1:
+        raise UsageError(f"--budget must be >= 1, got {s.budget}")
+    if s.max_token_latency_s is not None and not s.max_token_latency_s > 0:
+        raise UsageError(f"--max-token-latency must be > 0 seconds, got {s.max_token_latency_s}")
+    for d in s.expert_dtypes:
+        if d != "bf16":
+            get_model(f"{s.model}@{d}")  # refuses a bad dtype with its own message

@@ -1,0 +1,81 @@
+"""`klotski-sim optimize`: the Pareto front, the latency cap, the budget, and a winner that reproduces."""
+
+import re
+
+import pandas as pd
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from klotski_sim.optimize import Search, pareto_front, winner
+
+from .conftest import run_cli
+
+SMALL = ("--model", "tiny-mixtral", "--batch-sizes", "1,4", "--policies", "klotski,fiddler,single-batch",
+         "--expert-dtypes", "bf16,int4", "--kv", "auto", "--prompt-len", "16", "--gen-len", "4", "--no-progress",
+         "--workers", "1")
+
+
+def _throughput(text: str) -> float:
+    return float(re.search(r"throughput\s+([\d.]+) generated tok/s", text).group(1))
+
+
+def test_the_winner_reproduces_through_simulate(tmp_path):
+    code, out, err = run_cli("optimize", *SMALL, "--out", str(tmp_path / "opt"))
+    assert code == 0, err
+    best = float(re.search(r"winner: ([\d.]+) tok/s", out).group(1))
+    command = out.strip().splitlines()[-1].split()
+    assert command[:2] == ["klotski-sim", "simulate"]
+    code, sim_out, err = run_cli(*command[1:], "--no-png")
+    assert code == 0, err
+    assert _throughput(sim_out) == pytest.approx(best, abs=0.06)  # both printed to one decimal or more
+    df = pd.read_parquet(tmp_path / "opt" / "results.parquet")
+    assert len(df) == 2 * 3 * 2 * 2  # batch sizes x policies x dtypes x presets
+    assert best == pytest.approx(df[df["status"] == "ok"]["m.throughput_tok_s"].max(), abs=0.06)
+
+
+def test_the_latency_cap_is_honoured_and_an_impossible_cap_is_one_line(tmp_path):
+    code, out, err = run_cli("optimize", *SMALL, "--out", str(tmp_path / "opt"))
+    df = pd.read_parquet(tmp_path / "opt" / "results.parquet")
+    ok = df[df["status"] == "ok"]
+    cap = float(ok["m.decode_step_s"].median())
+    code, out, err = run_cli("optimize", *SMALL, "--out", str(tmp_path / "opt"), "--max-token-latency", str(cap))
+    assert code == 0, err
+    latency = float(re.search(r"tok/s, ([\d.]+) s per token", out).group(1))
+    assert latency <= cap + 5e-4
+    code, out, err = run_cli("optimize", *SMALL, "--out", str(tmp_path / "opt"), "--max-token-latency", "1e-9")
+    assert code == 2 and err.count("\n") == 1 and "--max-token-latency" in err
+
+
+def test_above_the_budget_a_seeded_sample_is_evaluated_and_said(tmp_path):
+    code, out, err = run_cli("optimize", *SMALL, "--budget", "5", "--out", str(tmp_path / "opt"))
+    assert code == 0, err
+    assert "a seeded sample of 5" in out
+    assert len(pd.read_parquet(tmp_path / "opt" / "results.parquet")) == 5
+    ids_a, size = Search("tiny-mixtral", "rtx3090", budget=5, batch_sizes=(1, 4)).selected_ids(
+        Search("tiny-mixtral", "rtx3090", batch_sizes=(1, 4)).spec())
+    assert len(ids_a) == 5 and size > 5
+
+
+@pytest.mark.parametrize("args, message", [(("--expert-dtypes", "int5"), "int8, int4"),
+                                           (("--batch-sizes", "0,4"), "--batch-sizes"),
+                                           (("--policies", "nope"), "unknown policy")])
+def test_bad_search_settings_are_one_line(tmp_path, args, message):
+    code, out, err = run_cli("optimize", "--model", "tiny-mixtral", *args, "--out", str(tmp_path / "o"))
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
+@given(st.lists(st.tuples(st.floats(0.1, 100), st.floats(0.001, 10)), min_size=1, max_size=30))
+def test_the_front_is_exactly_the_undominated_points(points):
+    df = pd.DataFrame({"m.throughput_tok_s": [p[0] for p in points], "m.decode_step_s": [p[1] for p in points]})
+    front = pareto_front(df)
+    for i, r in df.iterrows():
+        dominated = ((df["m.throughput_tok_s"] >= r["m.throughput_tok_s"]) & (df["m.decode_step_s"] <= r["m.decode_step_s"])
+                     & ((df["m.throughput_tok_s"] > r["m.throughput_tok_s"]) | (df["m.decode_step_s"] < r["m.decode_step_s"])))
+        if not dominated.any():  # every undominated point is on the front (or an exact duplicate of one)
+            assert ((front["m.throughput_tok_s"] == r["m.throughput_tok_s"])
+                    & (front["m.decode_step_s"] == r["m.decode_step_s"])).any()
+    for i, r in front.iterrows():  # and nothing on the front is dominated
+        assert not ((df["m.throughput_tok_s"] > r["m.throughput_tok_s"]) & (df["m.decode_step_s"] <= r["m.decode_step_s"])).any()
+    best = winner(df, None)
+    assert best["m.throughput_tok_s"] == df["m.throughput_tok_s"].max()
