@@ -146,6 +146,16 @@ def format_summary(s: Summary) -> str:
     if s.bubble_by_cause:
         lines.append("bubbles by cause " + "  ".join(f"{c} {v:.3f} s" for c, v in
                                                       sorted(s.bubble_by_cause.items(), key=lambda kv: -kv[1])))
+    cache = s.extra.get("expert_cache")
+    if cache:
+        lines.append(f"expert cache {cache['slots']} slots ({cache['policy']}): hit rate {cache['hit_rate']:.1%} "
+                     f"({cache['hits']} hits, {cache['misses']} misses)")
+    if "expert_placement" in s.extra:
+        placed = s.extra["expert_placement"]
+        lines.append(f"experts     {placed.get('gpu', 0)} on resident weights, {placed.get('cpu', 0)} on the CPU, "
+                     f"{placed.get('transfer', 0)} copied over PCIe")
+    elif "cpu_experts" in s.extra:
+        lines.append(f"experts     {s.extra['cpu_experts']} cold expert ops on the CPU")
     return "\n".join(lines)
 
 
@@ -491,10 +501,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="evaluate at most this many configurations (a seeded sample above it; default: %(default)s)")
     p.add_argument("--policies", metavar="A,B,...", help="default: every policy the profile can run")
     p.add_argument("--impl", choices=[*PRESET_NAMES, "both"], default="both", help="presets (default: %(default)s)")
-    p.add_argument("--batch-sizes", default="1,4,16,64", metavar="B,...", help="(default: %(default)s)")
+    p.add_argument("--batch-sizes", default="4,16,64", metavar="B,...", help="(default: %(default)s)")
     p.add_argument("--expert-dtypes", default="bf16,int4", metavar="D,...",
                    help="bf16 and/or int8|int4|int3|int2 (default: %(default)s)")
-    p.add_argument("--kv", default="auto,cpu", metavar="K,...", help="KV cache placements (default: %(default)s)")
+    p.add_argument("--kv", default="auto", metavar="K,...",
+                   help="KV cache placements: auto (on the GPU when it fits), gpu, cpu (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the routing and of the sample (default: %(default)s)")
     p.add_argument("--workers", type=positive_int, default=2, help="local processes (default: %(default)s)")
     p.add_argument("--policy-file", action="append", default=[], metavar="FILE.py", help="your own policy (repeatable)")

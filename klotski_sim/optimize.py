@@ -28,9 +28,9 @@ from .model import get_model
 from .policies import POLICIES
 from .sweep import SweepSpec, check_spec, expand
 
-DEFAULT_BATCH_SIZES = (1, 4, 16, 64)
+DEFAULT_BATCH_SIZES = (4, 16, 64)
 DEFAULT_EXPERT_DTYPES = ("bf16", "int4")
-DEFAULT_KV = ("auto", "cpu")
+DEFAULT_KV = ("auto",)
 
 
 @dataclass(frozen=True)

@@ -328,7 +328,8 @@ class Timeline:
             bubble_by_cause={str(k): float(v) for k, v in bub.groupby("cause")["duration"].sum().items()},
             oom=m.get("oom"),
             extra={k: m[k] for k in ("trace", "routing", "placement", "prefetch", "overlap", "emulated_links",
-                                     "options") if k in m},
+                                     "options", "expert_cache", "cpu_experts", "expert_placement",
+                                     "gpu_expert_slots", "cache") if k in m},
         )
 
 def _columns_from_schedule(schedule: "Schedule", start: Sequence[float], end: Sequence[float],

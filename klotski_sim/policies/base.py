@@ -154,10 +154,28 @@ def get_policy(name: str) -> PolicyInfo:
         raise UsageError(f"unknown policy {name!r}; known policies: {', '.join(POLICIES)}") from None
 
 
+# Options every policy has (the emitter carries them out): an expert cache kept across steps.
+GENERIC_OPTIONS: dict[str, Any] = {"expert_cache": 0, "cache_policy": "lru"}
+
+
+def _make_cache(inp: "PolicyInput") -> Any:
+    from .cache import ExpertCache
+
+    slots, policy = inp.options.get("expert_cache", 0), inp.options.get("cache_policy", "lru")
+    if not slots:
+        ExpertCache(0, policy)  # still refuse a bad cache_policy
+        return None
+    m = inp.model
+    pinned = ExpertCache.hot_set(inp.warmup.experts if inp.warmup is not None else None, m.num_layers,
+                                 m.num_experts, slots, m.first_dense_layers) if policy == "hot-pinned" else frozenset()
+    return ExpertCache(slots, policy, pinned)
+
+
 def resolve_options(name: str, impl: str, options: Mapping[str, Any]) -> dict[str, Any]:
     """A policy's options: its defaults, then the implementation preset, then `options`."""
     info = get_policy(name)
-    resolved = dict(info.defaults)
+    resolved = dict(GENERIC_OPTIONS)
+    resolved.update(info.defaults)
     defaults = Impl()
     resolved.update({k: getattr(defaults, k) for k in info.impl_options})
     resolved.update(info.preset(impl))
@@ -207,6 +225,7 @@ class OpEmitter:
         self._staged_at: dict[tuple[int, int], int] = {}  # (step, layer) -> position in the staging order
         self._staged_order: list[tuple[int, int]] = []
         self._h2d_of_layer: dict[tuple[int, int], list[str]] = {}
+        self.cache = _make_cache(inp)
         self._preload_resident()
 
     # ---- residency ----------------------------------------------------------------------------
@@ -231,6 +250,15 @@ class OpEmitter:
         this is two chained links: the tensor is first staged in host memory by an NVMe read
         (see `_stage`), then copied over PCIe."""
         deps = list(deps)
+        cached = False
+        if what == "experts" and self.cache is not None:  # the expert cache first: a hit copies nothing
+            held = self.cache.lookup((layer, expert))
+            if held is not None:
+                return held
+            cached, victim, victim_last = self.cache.admit((layer, expert))
+            if victim is not None:  # the copy that replaces it waits for its last use and frees it
+                deps.append(victim_last)
+                tags["free"] = tuple(tags.get("free", ())) + (victim,)
         key = (step, layer)
         if self.tier(what, layer) == "disk":
             staged_at = self._staged_at.get(key)
@@ -246,8 +274,16 @@ class OpEmitter:
             self.copy_wait(op)
         self._h2d_of_layer.setdefault(key, []).append(op)
         if what == "experts" and self.model.quantised:
-            return self.dequantise(op, step, layer, expert)
+            op = self.dequantise(op, step, layer, expert)
+        if cached:
+            self.cache.insert((layer, expert), op)
         return op
+
+    def releasable(self, buffers: Iterable[str]) -> tuple[str, ...]:
+        """The buffers an op may free: all but those the expert cache holds."""
+        if self.cache is None:
+            return tuple(buffers)
+        return tuple(b for b in buffers if not self.cache.holds(b))
 
     def dequantise(self, load: str, step: int, layer: int, expert: int) -> str:
         """A quantised expert, once copied, is dequantised on the GPU into a buffer in the model
@@ -372,9 +408,16 @@ class OpEmitter:
     def expert(self, op_id: str, step: int, layer: int, expert: int, batches: Iterable[int], tokens: int,
                deps: Iterable[str | None] = (), free: tuple[str, ...] = ()) -> str:
         """One expert over `tokens` tokens gathered from `batches`."""
-        return self.b.compute(op_id, "expert", deps, flops=self.model.expert_flops(tokens),
-                              bytes=self.model.expert_io_bytes(tokens), step=step, phase=self.phase(step),
-                              layer=layer, batches=tuple(batches), expert=expert, tokens=tokens, free=tuple(free))
+        deps = list(deps)
+        op = self.b.compute(op_id, "expert", deps, flops=self.model.expert_flops(tokens),
+                            bytes=self.model.expert_io_bytes(tokens), step=step, phase=self.phase(step),
+                            layer=layer, batches=tuple(batches), expert=expert, tokens=tokens,
+                            free=self.releasable(free))
+        if self.cache is not None:
+            for d in deps:
+                if d is not None:
+                    self.cache.used_by(d, op)
+        return op
 
     def _attention_cost(self, new: int, kv_len: int) -> tuple[int, int]:
         """FLOPs and bytes of one batch's attention (the same for every batch and layer of a step)."""
@@ -433,4 +476,10 @@ class OpEmitter:
                     routing=self.inp.routing.source, options=dict(self.inp.options),
                     impl=impl_label(policy, self.inp.impl, self.inp.options))
         meta.update(extra_meta)
+        if self.cache is not None:
+            meta["expert_cache"] = self.cache.stats()
+            held = list(self.cache.entries.values())
+            if held:  # the run ends with nothing allocated: the cache lets go of what it holds
+                self.b.compute("release_expert_cache", "combine", [self.cache.last_use.get(b, b) for b in held],
+                               free=tuple(held))
         return self.b.build(meta)

@@ -173,7 +173,7 @@ def _build(inp: PolicyInput, name: str) -> Schedule:
                     streamed.append(op)
                     layer_out.append(op)
                 if whole_layer and cold and not cpu_side:  # the upload is freed once the layer's experts are done
-                    done = em.b.compute(f"{at}/moe_done", "combine", layer_out + uploaded, free=tuple(uploaded), step=step,
+                    done = em.b.compute(f"{at}/moe_done", "combine", layer_out + uploaded, free=em.releasable(uploaded), step=step,
                                         phase=em.phase(step), layer=layer, batches=(batch,))
                     streamed.append(done)
                     layer_out = [done]
