@@ -512,6 +512,10 @@ def execute(schedule: Schedule, spec: ModelSpec, weights: WeightStore, routing: 
             options: ExecOptions = ExecOptions()) -> tuple[Timeline, OpRunner]:
     """Run every op of `schedule` and return the measured Timeline (and the runner, whose state
     holds logits and per-expert token counts for checks)."""
+    split = next((op for op in schedule.ops if op.category in ("attn_qkv", "attn_out")), None)
+    if split is not None:
+        raise ExecutionError(f"op {split.id!r}: attention split between GPU and CPU (attention_device=cpu) is "
+                             f"simulated only; the runtime's attention kernel is one op")
     if options.device.startswith("cuda") and not torch.cuda.is_available():
         raise ExecutionError("CUDA was requested but torch sees no GPU (use --device cpu)")
     if options.emulate_links and not options.device == "cpu":

@@ -34,6 +34,8 @@ KERNELS_PER_OP: dict[str, int] = {
     "embed": 2,
     "lm_head": 4,
     "dequant": 4,  # HQQ dequantize: unpack the codes, subtract the zeros, multiply by the scales, reshape + cast
+    "attn_qkv": 7,  # attention on the CPU, GPU side: input RMSNorm, q/k/v, RoPE on q and k, the copy out
+    "attn_out": 3,  # ... the copy in, o, residual
 }
 
 

@@ -182,6 +182,11 @@ def prepare(spec: RunSpec) -> Prepared:
     model = get_model(spec.model)
     profile = resolve_profile(spec)
     placement = resolve_placement(spec, model, profile)
+    attention_on_cpu = spec.options.get("attention_device") == "cpu"  # decode attention reads the KV cache there
+    if attention_on_cpu:
+        if spec.kv == "gpu":
+            raise UsageError("attention_device=cpu keeps the KV cache in host memory: --kv gpu contradicts it")
+        placement = replace(placement, kv="cpu")
     the_plan = None
     if spec.num_batches is None:
         the_plan = plan(model, profile, spec.batch_size, spec.prompt_len, spec.gen_len,
@@ -196,6 +201,8 @@ def prepare(spec: RunSpec) -> Prepared:
                                  get_policy(spec.policy).buffering)
             if need["total"] > profile.gpu.usable_bytes:
                 placement = replace(placement, kv="cpu")
+    if attention_on_cpu:
+        placement = replace(placement, kv="cpu")
     floor = memory_floor(model, spec.batch_size, n, spec.prompt_len, spec.gen_len, placement)
     if floor["total"] > profile.gpu.usable_bytes:  # impossible whatever the schedule: refuse before any routing
         refused = OutOfMemory(op_id="<memory check>", time=0.0, needed_bytes=int(floor["total"]),

@@ -16,7 +16,7 @@ from ..hardware import HardwareProfile
 from ..impl import IMPL_CHOICES, PRESET_NAMES, Impl, preset_options
 from ..model import ModelSpec
 from ..routing import RoutingTable, RunShape
-from ..schedule import Schedule, ScheduleBuilder, gc_paused
+from ..schedule import CPU_STREAMS, Schedule, ScheduleBuilder, gc_paused
 from ..trace import Trace
 
 TIERS = ("gpu", "cpu", "disk")
@@ -155,7 +155,7 @@ def get_policy(name: str) -> PolicyInfo:
 
 
 # Options every policy has (the emitter carries them out): an expert cache kept across steps.
-GENERIC_OPTIONS: dict[str, Any] = {"expert_cache": 0, "cache_policy": "lru"}
+GENERIC_OPTIONS: dict[str, Any] = {"expert_cache": 0, "cache_policy": "lru", "attention_device": "gpu"}
 
 
 def _make_cache(inp: "PolicyInput") -> Any:
@@ -169,6 +169,20 @@ def _make_cache(inp: "PolicyInput") -> Any:
     pinned = ExpertCache.hot_set(inp.warmup.experts if inp.warmup is not None else None, m.num_layers,
                                  m.num_experts, slots, m.first_dense_layers) if policy == "hot-pinned" else frozenset()
     return ExpertCache(slots, policy, pinned)
+
+
+def _attention_on_cpu(inp: "PolicyInput") -> bool:
+    where = inp.options.get("attention_device", "gpu")
+    if where not in ("gpu", "cpu"):
+        raise UsageError(f"attention_device must be gpu or cpu, got {where!r}")
+    if where == "gpu":
+        return False
+    inp.profile.require_cpu("attention_device=cpu")
+    if inp.model.mla:
+        raise UsageError(f"attention_device=cpu is modelled for GQA attention; {inp.model.name!r} uses MLA")
+    if inp.placement.kv != "cpu":
+        raise UsageError("attention_device=cpu keeps the KV cache in host memory: run it with --kv cpu")
+    return True
 
 
 def resolve_options(name: str, impl: str, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -225,7 +239,11 @@ class OpEmitter:
         self._staged_at: dict[tuple[int, int], int] = {}  # (step, layer) -> position in the staging order
         self._staged_order: list[tuple[int, int]] = []
         self._h2d_of_layer: dict[tuple[int, int], list[str]] = {}
+        self._last_cpu_attention: dict[int, str] = {}  # layer -> its latest CPU attention (host KV in order)
         self.cache = _make_cache(inp)
+        self.attention_on_cpu = _attention_on_cpu(inp)
+        if self.attention_on_cpu:
+            self.b.streams.update(CPU_STREAMS)
         self._preload_resident()
 
     # ---- residency ----------------------------------------------------------------------------
@@ -366,6 +384,8 @@ class OpEmitter:
         kv_len = sh.kv_len(step)
         tags = dict(step=step, phase=self.phase(step), layer=layer, batches=(batch,))
         deps = list(deps)
+        if self.attention_on_cpu and step > 0:
+            return self._decode_attention_on_cpu(op_id, step, layer, batch, deps, tuple(free))
         alloc: tuple[tuple[str, int], ...] = ()
         free = tuple(free)
         if self.placement.kv == "gpu":
@@ -396,6 +416,33 @@ class OpEmitter:
             if pageable:
                 self.copy_wait(store)
             self._last_kv_store[(layer, batch)] = store
+        return op
+
+    def _decode_attention_on_cpu(self, op_id: str, step: int, layer: int, batch: int, deps: list[str | None],
+                                 free: tuple[str, ...]) -> str:
+        """MoE-Lightning's CGOPipe split of a decode attention (option `attention_device=cpu`): q, k,
+        v projected on the GPU, sent to host memory, attention over the KV cache there on the CPU
+        (the new k, v appended to it), the result sent back and projected by o on the GPU. The KV
+        cache never crosses PCIe in decode."""
+        m, sh = self.model, self.shape
+        tokens, kv_len = sh.batch_size, sh.kv_len(step)
+        tags = dict(step=step, phase=self.phase(step), layer=layer, batches=(batch,))
+        h, q, kv = m.hidden_size, m.q_dim, m.kv_dim
+        qkv = self.b.compute(f"{op_id}/qkv", "attn_qkv", deps, flops=2 * tokens * h * (q + 2 * kv),
+                             bytes=h * (q + 2 * kv) * m.dtype_bytes + m.hidden_bytes(tokens)
+                             + tokens * (q + 2 * kv) * m.dtype_bytes, tokens=tokens, **tags)
+        down = self.b.transfer(f"{op_id}/qkv_down", "activation", "d2h_act", tokens * (q + 2 * kv) * m.dtype_bytes,
+                               "gpu", "cpu", [qkv, self._last_cpu_attention.get(layer)], tensor="activation", **tags)
+        core = self.b.compute(f"{op_id}/cpu", "attention", [down], stream="cpu_compute",
+                              flops=2 * 2 * tokens * m.num_heads * m.head_dim * kv_len,
+                              bytes=m.kv_bytes(tokens, kv_len) + 2 * tokens * q * m.dtype_bytes, tokens=tokens,
+                              kv_len=kv_len, **tags)
+        self._last_cpu_attention[layer] = core
+        up = self.b.transfer(f"{op_id}/out_up", "activation", "h2d_act", tokens * q * m.dtype_bytes, "cpu", "gpu",
+                             [core], tensor="activation", **tags)
+        op = self.b.compute(op_id, "attn_out", [up], flops=2 * tokens * q * h,
+                            bytes=q * h * m.dtype_bytes + 2 * m.hidden_bytes(tokens), tokens=tokens, free=free, **tags)
+        self._attention_ops.append(op)
         return op
 
     def gate(self, op_id: str, step: int, layer: int, batch: int, deps: Iterable[str | None] = (),

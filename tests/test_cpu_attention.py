@@ -1,0 +1,69 @@
+"""Decode attention on the host CPU (option attention_device=cpu, MoE-Lightning's CGOPipe split)."""
+
+import pytest
+
+from klotski_sim.engine import simulate
+from klotski_sim.errors import UsageError
+from klotski_sim.policies import Placement, PolicyInput, build_schedule
+from klotski_sim.runner import RunSpec, run
+
+from .conftest import run_cli
+from .test_cpu_experts import cpu_profile
+from .test_pipelines import make_input
+
+
+@pytest.mark.parametrize("policy", ["klotski", "flexgen", "single-batch", "fiddler"])
+def test_decode_attention_runs_on_the_cpu_and_the_kv_cache_never_crosses_pcie_in_decode(policy):
+    inp = make_input(model="small-mixtral", bs=2, n=2, P=6, G=4, placement=Placement(kv="cpu"),
+                     profile=cpu_profile(memory_bytes=4e9))
+    inp = PolicyInput(inp.model, inp.profile, inp.routing, inp.placement, {"attention_device": "cpu"}, inp.warmup,
+                      "ideal")
+    s = build_schedule(policy, inp)
+    m = inp.model
+    decode_core = [o for o in s.ops if o.category == "attention" and o.step > 0]
+    assert decode_core and all(o.stream == "cpu_compute" for o in decode_core)
+    for o in decode_core:
+        assert o.bytes == m.kv_bytes(2, o.kv_len) + 2 * 2 * m.q_dim * m.dtype_bytes
+    prefill = [o for o in s.ops if o.category == "attention" and o.step == 0]
+    assert prefill and all(o.stream == "compute" for o in prefill)
+    kv_moves = [o for o in s.ops if o.tensor == "kv"]
+    assert kv_moves and all(o.step == 0 and o.stream == "d2h_kv" for o in kv_moves)  # prefill's KV goes down once
+    down = [o for o in s.ops if o.id.endswith("/qkv_down")]
+    assert all(o.bytes == 2 * (m.q_dim + 2 * m.kv_dim) * m.dtype_bytes for o in down)
+    assert len([o for o in s.ops if o.category == "attn_qkv"]) == len([o for o in s.ops if o.category == "attn_out"])
+    assert simulate(s, inp.profile).status == "ok"
+
+
+def test_the_planner_uses_the_gpu_memory_the_kv_cache_leaves():
+    on_gpu = run(RunSpec(num_batches=None, policy="klotski"))
+    on_cpu = run(RunSpec(num_batches=None, policy="klotski", options={"attention_device": "cpu"}))
+    assert on_cpu.timeline.meta["placement"]["kv"] == "cpu"
+    assert on_cpu.schedule.meta["num_batches"] > on_gpu.schedule.meta["num_batches"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--hardware", "a100-80g"), "`cpu:` section"),
+    (("--kv", "gpu"), "--kv gpu contradicts"),
+    (("--model", "deepseek-v2-lite:2"), "MLA"),
+    (("--option", "attention_device=tpu"), "gpu or cpu"),
+])
+def test_impossible_cpu_attention_is_one_line(args, message):
+    code, out, err = run_cli("simulate", "--policy", "klotski", "--option", "attention_device=cpu", "--no-png",
+                             "--gen-len", "4", *args)
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_the_runtime_refuses_the_split_attention_in_one_line():
+    pytest.importorskip("torch")
+    from klotski_runtime.executor import ExecutionError, execute
+    from klotski_runtime.kernels import WeightStore
+
+    inp = make_input(model="tiny-mixtral", bs=2, n=1, P=4, G=3, placement=Placement(kv="cpu"),
+                     profile=cpu_profile())
+    s = build_schedule("klotski", PolicyInput(inp.model, inp.profile, inp.routing, inp.placement,
+                                              {"attention_device": "cpu"}, inp.warmup))
+    with pytest.raises(ExecutionError, match="simulated only"):
+        execute(s, inp.model, WeightStore.random(inp.model), inp.routing)
+    with pytest.raises(UsageError):
+        build_schedule("klotski", PolicyInput(inp.model, inp.profile, inp.routing, Placement(kv="gpu"),
+                                              {"attention_device": "cpu"}, inp.warmup))
