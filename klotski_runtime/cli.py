@@ -247,19 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from klotski_sim.errors import KlotskiError
-    from klotski_sim.policies.plugins import load_entry_points, load_policy_files, policy_files_in
+    from klotski_sim.policies.plugins import load_for_command_line
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:  # your own policies, before the command looks policies up
-        load_entry_points()
-        load_policy_files(policy_files_in(argv))
-    except KlotskiError as err:
-        if "--debug" in argv:
-            raise
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return guarded(build_parser(), argv)
+    failed = load_for_command_line(argv)  # your own policies, before the command looks policies up
+    return failed if failed is not None else guarded(build_parser(), argv)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from .impl import PRESET_NAMES
 from .model import PRESETS, get_model
 from .planner import format_plan
 from .policies import POLICIES
-from .policies.plugins import load_entry_points, load_policy_files, policy_files_in
+from .policies.plugins import load_for_command_line
 from .runner import RunResult, RunSpec, policy_batches, prepare, run
 from .timeline import Summary, jsonable
 from .trace import Trace, import_jsonl
@@ -547,15 +547,8 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:  # policies from outside the package first: argparse's --policy choices must include them
-        load_entry_points()
-        load_policy_files(policy_files_in(argv))
-    except KlotskiError as err:
-        if "--debug" in argv:
-            raise
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return guarded(build_parser(), argv)
+    failed = load_for_command_line(argv)  # policies from outside first: --policy's choices must include them
+    return failed if failed is not None else guarded(build_parser(), argv)
 
 
 if __name__ == "__main__":

@@ -88,3 +88,18 @@ def policy_files_in(argv: Sequence[str]) -> list[str]:
         elif arg.startswith("--policy-file="):
             out.append(arg.split("=", 1)[1])
     return out
+
+
+def load_for_command_line(argv: Sequence[str]) -> int | None:
+    """Both CLIs, before building their parsers (whose --policy choices must include these):
+    installed and `--policy-file` policies. A bad one is one `error:` line and exit status 2
+    (None: all loaded); `--debug` shows its traceback."""
+    try:
+        load_entry_points()
+        load_policy_files(policy_files_in(argv))
+    except KlotskiError as err:
+        if "--debug" in argv:
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return None
