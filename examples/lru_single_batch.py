@@ -6,13 +6,16 @@ a complete klotski policy in one file (docs/own-schedule.md walks through it).
 
 from collections import OrderedDict
 
+from klotski_sim.errors import UsageError
 from klotski_sim.policies import OpEmitter, PolicyInput, register
 
 
 @register("lru-single-batch", "single-batch with an LRU cache of `slots` experts kept across steps",
-          defaults={"slots": 8}, one_batch=True)
+          defaults={"slots": 8}, one_batch=True, manages_experts=True)
 def build(inp: PolicyInput):
     em, m, counts, slots = OpEmitter(inp), inp.model, inp.routing.counts, inp.options["slots"]
+    if slots < 1:
+        raise UsageError(f"lru-single-batch: slots must be >= 1, got {slots}")
     cache: OrderedDict = OrderedDict()  # (layer, expert) -> (its load op, the last op that used it)
     hits = misses = 0
     op = None  # the latest compute op: the next layer's weights load once it has started (double buffering)

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from klotski_sim.argtypes import positive_float, positive_int
+from klotski_sim.argtypes import OneLineParser, positive_float, positive_int
 from klotski_sim.cli import guarded
 
 from .record import read_texts, record, save_tiny_mixtral
@@ -171,7 +171,7 @@ def cmd_execute(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="klotski-runtime", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="klotski-runtime", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
 

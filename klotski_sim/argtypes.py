@@ -5,6 +5,16 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A bad argument ends in one `error:` line naming the flag and exit status 2, as every other
+    bad input does (argparse would print its usage block first; `-h` still shows it)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"error: {self.prog}: {message}", file=sys.stderr)
+        raise SystemExit(2)
 
 
 def _int_from(text: str, low: int, what: str) -> int:

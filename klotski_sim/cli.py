@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 import pandas as pd
 
-from .argtypes import batches, nonnegative_int, positive_float, positive_int
+from .argtypes import OneLineParser, batches, nonnegative_int, positive_float, positive_int
 from .errors import KlotskiError
 from .exports import save_all, to_chrome_trace
 from .hardware import builtin_profile_names, load_profile
@@ -147,7 +147,7 @@ def format_summary(s: Summary) -> str:
         lines.append("bubbles by cause " + "  ".join(f"{c} {v:.3f} s" for c, v in
                                                       sorted(s.bubble_by_cause.items(), key=lambda kv: -kv[1])))
     cache = s.extra.get("expert_cache")
-    if cache:
+    if cache and s.status == "ok":
         lines.append(f"expert cache {cache['slots']} slots ({cache['policy']}): hit rate {cache['hit_rate']:.1%} "
                      f"({cache['hits']} hits, {cache['misses']} misses)")
     if "expert_placement" in s.extra:
@@ -245,16 +245,17 @@ def _label(name: str, impl: str, impls: Sequence[str]) -> str:
 
 def format_comparison(summaries: dict[tuple[str, str], Summary]) -> str:
     """One row per (policy, preset); x FlexGen compares with FlexGen under the same preset."""
-    header = (f"{'policy':15} {'impl':12} {'n':>3} {'status':6} {'tok/s':>7} {'decode':>7} {'xFlexGen':>8} "
+    width = max([15] + [len(name) for name, _ in summaries])
+    header = (f"{'policy':{width}} {'impl':12} {'n':>3} {'status':6} {'tok/s':>7} {'decode':>7} {'xFlexGen':>8} "
               f"{'makespan s':>10} {'inter s':>8} {'intra s':>8} {'host s':>7} {'effic.':>6} {'peak GiB':>8} "
               f"{'hot prec.':>9} {'hot id.':>7}")
     lines = [header, "-" * len(header)]
     for (name, impl), s in summaries.items():
         base = summaries.get(("flexgen", impl))
         pf = s.extra.get("prefetch") or {}
-        ratio = (s.throughput_tok_s / base.throughput_tok_s) if base and base.throughput_tok_s else float("nan")
-        lines.append(f"{name:15} {s.impl[:12]:12} {s.num_batches:3d} {s.status:6} {s.throughput_tok_s:7.2f} "
-                     f"{s.decode_throughput_tok_s:7.2f} {ratio:8.2f} {s.makespan_s:10.2f} {s.bubble_inter_s:8.2f} "
+        ratio = f"{s.throughput_tok_s / base.throughput_tok_s:8.2f}" if base and base.throughput_tok_s else f"{'-':>8}"
+        lines.append(f"{name:{width}} {s.impl[:12]:12} {s.num_batches:3d} {s.status:6} {s.throughput_tok_s:7.2f} "
+                     f"{s.decode_throughput_tok_s:7.2f} {ratio} {s.makespan_s:10.2f} {s.bubble_inter_s:8.2f} "
                      f"{s.bubble_intra_s:8.2f} {s.host_blocked_s:7.2f} {s.efficiency:6.1%} "
                      f"{s.peak_gpu_bytes / GIB:8.2f} {_pct(pf.get('precision')):>9} "
                      f"{_pct(pf.get('hot_identification')):>7}")
@@ -326,6 +327,9 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             raise CliError(f"{flag}: give comma-separated positive integers, got {text!r}")
         return values
 
+    if "@" in args.model:
+        raise CliError(f"--model {args.model}: give the model without '@...'; --expert-dtypes chooses the expert "
+                       f"dtypes to search (default: bf16,int4)")
     search = Search(model=args.model, hardware=args.hardware, prompt_len=args.prompt_len, gen_len=args.gen_len,
                     policies=tuple(args.policies.split(",")) if args.policies else (),
                     impls=("as-published", "ideal") if args.impl == "both" else (args.impl,),
@@ -342,22 +346,25 @@ def cmd_optimize(args: argparse.Namespace) -> int:
           f"{', '.join(search.kv)}; n from the planner")
     df = run_sweep(spec, args.out, workers=args.workers, progress=not args.no_progress, only=ids)
     ok = ok_rows(df)
-    print(f"{len(ok)} of {len(df)} ran to the end (the rest do not fit in GPU memory); results in "
-          f"{args.out}/results.parquet")
+    rest = len(df) - len(ok)
+    print(f"{len(ok)} of {len(df)} ran to the end" + (f" ({rest} do not fit in GPU memory)" if rest else "")
+          + f"; results in {args.out}/results.parquet")
     if ok.empty:
         raise CliError("no configuration fits: try smaller --batch-sizes or --expert-dtypes int4")
     front = pareto_front(ok)
     print("Pareto front (throughput vs per-token latency = the decode step):")
     print(f"  {'tok/s':>8} {'latency s':>9}  {'policy':15} {'impl':12} {'bs':>4} {'n':>3} {'kv':4} model")
     for _, r in front.iterrows():
-        print(f"  {r['m.throughput_tok_s']:8.1f} {r['m.decode_step_s']:9.3f}  {r['policy']:15} {r['impl']:12} "
+        print(f"  {r['m.throughput_tok_s']:8.1f} {r['m.decode_step_s']:9.3g}  {r['policy']:15} {r['impl']:12} "
               f"{int(r['batch_size']):4d} {int(r['m.n']):3d} {str(r['m.kv']):4} {r['model']}")
     best = winner(ok, args.max_token_latency)
     if best is None:
         raise CliError(f"no configuration meets --max-token-latency {args.max_token_latency} s (the fastest token "
                        f"takes {ok['m.decode_step_s'].min():.3f} s)")
     cap = f" within {args.max_token_latency} s per token" if args.max_token_latency else ""
-    print(f"winner{cap}: {best['m.throughput_tok_s']:.1f} tok/s, {best['m.decode_step_s']:.3f} s per token")
+    ties = int(((ok["m.throughput_tok_s"] - best["m.throughput_tok_s"]).abs() <= 1e-9 * best["m.throughput_tok_s"]).sum()) - 1
+    tied = f" (tied with {ties} other configuration{'s' if ties > 1 else ''} in results.parquet)" if ties else ""
+    print(f"winner{cap}: {best['m.throughput_tok_s']:.1f} tok/s, {best['m.decode_step_s']:.3g} s per token{tied}")
     print(f"  {simulate_command(best, args.policy_file)}")
     return 0
 
@@ -420,7 +427,7 @@ def cmd_trace_import(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="klotski-sim", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="klotski-sim", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
 

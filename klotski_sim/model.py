@@ -324,8 +324,10 @@ def quantised(spec: ModelSpec, text: str, where: str) -> ModelSpec:
                          f"got {parts[0]!r}")
     group, meta = 64, 4
     for part in parts[1:]:
-        if part.startswith("g") and part[1:].isdigit() and int(part[1:]) > 0:
+        if part.startswith("g") and part[1:].isdigit():
             group = int(part[1:])
+            if group < 1:
+                raise UsageError(f"model {where!r}: the group size must be a positive integer, got {part!r}")
         elif part in ("fp16", "fp32"):
             meta = 4 if part == "fp16" else 8
         else:

@@ -107,6 +107,7 @@ class PolicyInfo:
     impl_options: tuple[str, ...] = ()
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     one_batch: bool = False  # one batch in flight by definition: the planner's n does not apply
+    manages_experts: bool = False  # keeps its own expert cache: the generic expert_cache option is not offered
 
     def preset(self, name: str) -> dict[str, Any]:
         """All option values the preset `name` gives this policy."""
@@ -125,7 +126,7 @@ POLICIES: dict[str, PolicyInfo] = {}
 def register(name: str, description: str, defaults: Mapping[str, Any] | None = None,
              buffering: str = "whole-layer", impl_options: tuple[str, ...] = (),
              presets: Mapping[str, Mapping[str, Any]] | None = None,
-             one_batch: bool = False) -> Callable[[PolicyBuilder], PolicyBuilder]:
+             one_batch: bool = False, manages_experts: bool = False) -> Callable[[PolicyBuilder], PolicyBuilder]:
     """Decorator: make a build function available as `--policy NAME`."""
     if buffering not in BUFFERING:
         raise UsageError(f"buffering must be one of {BUFFERING}")
@@ -138,7 +139,7 @@ def register(name: str, description: str, defaults: Mapping[str, Any] | None = N
             raise UsageError(f"policy {name!r} is already registered (by {POLICIES[name].build.__module__}); "
                              f"give yours another name")
         info = PolicyInfo(name, description, fn, dict(defaults or {}), buffering, tuple(impl_options),
-                          dict(presets or {}), one_batch)
+                          dict(presets or {}), one_batch, manages_experts)
         for preset in PRESET_NAMES:
             info.preset(preset)  # every preset must be complete for this policy
         POLICIES[name] = info
@@ -166,6 +167,9 @@ def _make_cache(inp: "PolicyInput") -> Any:
         ExpertCache(0, policy)  # still refuse a bad cache_policy
         return None
     m = inp.model
+    experts = (m.num_layers - m.first_dense_layers) * m.num_experts
+    if isinstance(slots, int) and slots > experts:
+        raise UsageError(f"expert_cache={slots} is more than the model's {experts} experts")
     pinned = ExpertCache.hot_set(inp.warmup.experts if inp.warmup is not None else None, m.num_layers,
                                  m.num_experts, slots, m.first_dense_layers) if policy == "hot-pinned" else frozenset()
     return ExpertCache(slots, policy, pinned)
@@ -193,10 +197,26 @@ def resolve_options(name: str, impl: str, options: Mapping[str, Any]) -> dict[st
     defaults = Impl()
     resolved.update({k: getattr(defaults, k) for k in info.impl_options})
     resolved.update(info.preset(impl))
+    if info.manages_experts:  # a policy that keeps its own expert cache: the generic one would fight it
+        for key in ("expert_cache", "cache_policy"):
+            resolved.pop(key, None)
     unknown = set(options) - set(resolved)
     if unknown:
         raise UsageError(f"policy {name!r} has no option(s) {sorted(unknown)}; options: {sorted(resolved) or 'none'}")
+    for key, value in options.items():  # a value of another type than the default's is a typo, not a setting
+        default = resolved[key]
+        if isinstance(default, bool) or isinstance(value, bool):
+            ok = isinstance(value, bool) == isinstance(default, bool)
+        elif isinstance(default, (int, float)):
+            ok = isinstance(value, (int, float))
+        else:
+            ok = default is None or isinstance(value, type(default))
+        if not ok:
+            raise UsageError(f"policy {name!r}: option {key} must be of type {type(default).__name__} (default "
+                             f"{default!r}), got {value!r}")
     resolved.update(options)
+    if resolved.get("cache_policy", "lru") != "lru" and not resolved.get("expert_cache"):
+        raise UsageError(f"policy {name!r}: cache_policy={resolved['cache_policy']} needs expert_cache > 0")
     Impl.from_options(resolved)  # refuse a value outside an option's choices
     return resolved
 

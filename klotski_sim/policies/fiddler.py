@@ -72,10 +72,10 @@ def popular_experts(inp: PolicyInput, slots: int) -> set[tuple[int, int]]:
 class CpuOrTransfer:
     """The per-expert choice, priced by the same cost model that will time the ops."""
 
-    def __init__(self, inp: PolicyInput, rule: str, min_batch: int) -> None:
+    def __init__(self, inp: PolicyInput, rule: str, min_batch: int, policy: str) -> None:
         self.inp, self.rule, self.min_batch = inp, rule, min_batch
         self.cost = CostModel(inp.profile)
-        inp.profile.require_cpu(f"policy with rule={rule}")
+        inp.profile.require_cpu(f"policy {policy!r}")
 
     def cpu_seconds(self, tokens: int, hidden_down: bool) -> float:
         """The CPU path: (the layer's hidden states down,) the expert on the CPU, its output up."""
@@ -111,7 +111,7 @@ def _build(inp: PolicyInput, name: str) -> Schedule:
     buffers = opts["expert_buffers"]
     if buffers not in (1, 2):
         raise UsageError(f"policy {name!r}: expert_buffers must be 1 or 2, got {buffers!r}")
-    decide = CpuOrTransfer(inp, rule, min_batch)
+    decide = CpuOrTransfer(inp, rule, min_batch, name)
     # the policy places weights itself: attention and gate all resident, experts by popularity
     inp = replace(inp, placement=replace(inp.placement, resident_layers=0))
     em = OpEmitter(inp, ScheduleBuilder({**DEFAULT_STREAMS, **CPU_STREAMS}))
