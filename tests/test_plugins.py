@@ -129,3 +129,21 @@ def test_entry_points_register_installed_policies(tmp_path, monkeypatch):
 def test_register_refuses_a_second_policy_of_the_same_name():
     with pytest.raises(UsageError, match="already registered"):
         register("flexgen", "another flexgen")(lambda inp: None)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--option", "slots=abc"), "must be of type int"),
+    (("--option", "slots=-1"), "slots must be >= 1"),
+    (("--option", "expert_cache=4"), "has no option(s) ['expert_cache']"),  # it keeps its own cache
+])
+def test_the_example_s_options_are_checked_in_one_line(args, message):
+    code, out, err = run_cli("simulate", "--policy-file", str(EXAMPLE), "--policy", "lru-single-batch",
+                             "--model", "tiny-mixtral", "--no-png", *args)
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.parametrize("argv", [("simulate", "--batch-size", "0"), ("optimize", "--budget", "0"),
+                                  ("simulate", "--policy", "nope"), ("bogus",)])
+def test_argparse_errors_are_one_line_too(argv):
+    code, out, err = run_cli(*argv)
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: klotski-sim"), err
