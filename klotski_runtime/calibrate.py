@@ -94,6 +94,9 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
     attn = tuple(t.to(dev) for t in w.get("attention", 0))
     gate = w.get("gate", 0)[0].to(dev)
     expert = tuple(t.to(dev) for t in w.get("expert", 0, 0))
+    packed = expert if spec.quantised else None
+    if packed is not None:  # a quantised expert is dequantised after its copy, then computed in the model dtype
+        expert = kernels.dequantise_expert(packed, spec, dtype)
     norm = w.resident["norm1/0"].to(dev)
     embed_t, head_t, final = (w.resident[k].to(dev) for k in ("embed", "lm_head", "final_norm"))
     h, kvh, hd = spec.hidden_size, spec.num_kv_heads, spec.head_dim
@@ -147,6 +150,9 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
                                 expert, out)
 
         measured["expert"].append({"tokens": tokens, "seconds": measure(one_expert, repeats)})
+    if packed is not None:
+        measured["dequant"] = [{"tokens": 0, "seconds": measure(
+            lambda: kernels.dequantise_expert(packed, spec, dtype), repeats)}]
     cpu_section = _measure_host_cpu(spec, w, dtype, repeats, max_expert_tokens, measured)
 
     # roofline fields: a big GEMM, a big copy, a tiny kernel
@@ -231,6 +237,8 @@ def _measure_host_cpu(spec: ModelSpec, w: WeightStore, dtype: torch.dtype, repea
     big = torch.randn(16 * MB // 2, dtype=dtype)
     bandwidth = 2 * big.numel() * big.element_size() / measure(lambda: big.clone(), repeats)
     weights = w.get("expert", 0, 0)
+    if spec.quantised:
+        weights = kernels.dequantise_expert(weights, spec, dtype)
     measured["cpu:expert"] = []
     for tokens in sorted({1 << i for i in range(int(np.log2(min(max_expert_tokens, CPU_EXPERT_MAX_TOKENS))) + 1)}):
         x = torch.randn(tokens, spec.hidden_size, dtype=dtype)
@@ -260,8 +268,8 @@ def _probe_dispatch(spec: ModelSpec, draft: HardwareProfile, dev: torch.device, 
 
     # out of sample: the probes have their own layer count, batch size, batch count, prompt and
     # generation lengths, so a validation that uses this profile is not checked on its own fit
-    base = spec.name.split(":")[0]
-    probe = get_model(f"{base}:{min(2, spec.num_layers)}")
+    plain, at, dtype_text = spec.name.partition("@")  # NAME[:L][@intN...]: the probe keeps the quantisation
+    probe = get_model(f"{plain.split(':')[0]}:{min(2, spec.num_layers)}" + (f"@{dtype_text}" if at else ""))
     shape = RunShape(batch_size, PROBE_BATCHES, prompt_len, PROBE_GEN)
     rep = replay(synthesize(probe, shape.num_sequences + 2, prompt_len, PROBE_GEN, "calibrated", 0), probe, shape,
                  warmup_sequences=2)

@@ -208,7 +208,12 @@ class OpRunner:
         # keeps there (meta `resident_weights`: [tensor, layer, expert] — Fiddler's attention, gates
         # and popular experts)
         pinned_there = {tuple(k[:2]) if k[2] < 0 else tuple(k) for k in schedule.meta.get("resident_weights", ())}
-        self.resident_layer_tensors = {key: tuple(t.to(self.device) for t in v) for key, v in weights.tensors.items()
+        def on_device(key: tuple, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+            moved = tuple(t.to(self.device) for t in tensors)  # resident experts are dequantised once
+            return kernels.dequantise_expert(moved, spec, self.dtype) if spec.quantised and \
+                key[0] == "expert" else moved
+
+        self.resident_layer_tensors = {key: on_device(key, v) for key, v in weights.tensors.items()
                                        if key[1] < self.resident_layers or key in pinned_there}
         self.host_activations: dict[str, dict[int, torch.Tensor]] = {}  # d2h_act op -> batch -> hidden states
         self.cpu_results: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}  # CPU expert -> outputs
@@ -220,7 +225,8 @@ class OpRunner:
                         self.activation_readers[d] = self.activation_readers.get(d, 0) + 1
         # what each compute op does, by category (a table, not a name lookup)
         self.compute_ops = {"embed": self._embed, "attention": self._attention, "gate": self._gate,
-                            "expert": self._expert, "lm_head": self._lm_head, "combine": lambda op: None}
+                            "expert": self._expert, "lm_head": self._lm_head, "combine": lambda op: None,
+                            "dequant": self._dequant}
         self.on_cpu = {s for s, r in schedule.streams.items() if r == "cpu"}
         self._alloc("resident", tensor_bytes(list(self.resident.values()))
                     + tensor_bytes([t for v in self.resident_layer_tensors.values() for t in v]))
@@ -272,8 +278,9 @@ class OpRunner:
         dependency), or the resident copy of a resident layer."""
         for dep in op.deps:
             d = self.ops_by_id[dep]
-            if d.kind == "transfer" and d.tensor == tensor and d.dst == "gpu" and d.layer == op.layer and (
-                    expert < 0 or d.expert == expert):
+            dequantised = d.category == "dequant" and tensor == "expert"
+            if (dequantised or d.kind == "transfer" and d.tensor == tensor and d.dst == "gpu") and \
+                    d.layer == op.layer and (expert < 0 or d.expert == expert):
                 try:
                     return self.buffers[dep]
                 except KeyError:
@@ -382,6 +389,8 @@ class OpRunner:
             raise ExecutionError(f"op {op.id!r}: a CPU expert needs its hidden states copied down first")
         host = self.host_activations[down]
         w = self.weights.host("expert", op.layer, op.expert)
+        if self.spec.quantised:  # the CPU computes on the weights in the model dtype
+            w = kernels.dequantise_expert(w, self.spec, self.dtype)
         results, tokens = [], 0
         for b in op.batches:
             hidden, scales, ids = host[b]
@@ -411,6 +420,14 @@ class OpRunner:
                         self.pinned_pool.give_back(t, None)
 
     # ---- compute ----------------------------------------------------------------------------------
+    def _dequant(self, op: Op) -> None:
+        """A quantised expert's copy, dequantised on the device into a buffer of its own (the copy
+        is freed by the op's `free`)."""
+        load = next((d for d in op.deps if d in self.buffers and self.ops_by_id[d].kind == "transfer"), None)
+        if load is None:
+            raise ExecutionError(f"op {op.id!r}: no copied expert to dequantise")
+        self._store(op.id, kernels.dequantise_expert(self.buffers[load], self.spec, self.dtype))
+
     def _combine(self, b: int) -> None:
         """Apply the previous MoE layer's output to the residual stream of batch b."""
         if self.moe_out.get(b) is not None:

@@ -29,11 +29,8 @@ class WeightError(KlotskiError):
 
 
 def refuse_unsupported(spec: ModelSpec) -> None:
-    """What the simulator models but these Mixtral-style kernels do not run yet: quantised
-    experts, multi-head latent attention, dense first layers."""
-    if spec.quantised:
-        raise WeightError(f"model {spec.name!r}: the runtime does not execute quantised experts yet (the simulator "
-                          f"does); run the model without '@int{spec.expert_bits}'")
+    """What the simulator models but these Mixtral-style kernels do not run yet: multi-head
+    latent attention, dense first layers."""
     if spec.mla or spec.first_dense_layers:
         raise WeightError(f"model {spec.name!r}: the runtime's kernels are Mixtral-style (GQA attention, every layer "
                           f"MoE); this model's MLA / dense first layers are simulated only")
@@ -112,7 +109,8 @@ class WeightStore:
             tensors[("attention", layer)] = (w(qd, h), w(kvd, h), w(kvd, h), w(h, qd))
             tensors[("gate", layer)] = (w(spec.num_experts, h),)
             for e in range(spec.num_experts):
-                tensors[("expert", layer, e)] = (w(f, h), w(f, h), w(h, f))  # w1, w3, w2
+                dense = (w(f, h), w(f, h), w(h, f))  # w1, w3, w2
+                tensors[("expert", layer, e)] = quantise_expert(dense, spec) if spec.quantised else dense
             resident[f"norm1/{layer}"] = torch.ones(h, dtype=dtype)
             resident[f"norm2/{layer}"] = torch.ones(h, dtype=dtype)
         notes = [] if L == spec.num_layers else [f"random weights for the first {L} of {spec.num_layers} layers"]
@@ -177,6 +175,8 @@ class WeightStore:
             resident[f"norm1/{layer}"] = load(f"{p}.input_layernorm.weight")
             resident[f"norm2/{layer}"] = load(f"{p}.post_attention_layernorm.weight")
         rope = config.get("rope_parameters", {}).get("rope_theta") or config.get("rope_theta", 1e6)
+        if spec.quantised:
+            tensors = {k: quantise_expert(v, spec) if k[0] == "expert" else v for k, v in tensors.items()}
         return WeightStore(spec, tensors, resident, rope_theta=float(rope), rms_eps=float(config.get("rms_norm_eps", 1e-5)),
                            source=f"checkpoint:{path}", num_layers=L)
 
@@ -275,6 +275,72 @@ def forced_weights(z: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> 
     logits = F.linear(z, weight).float()
     chosen = torch.gather(logits, -1, ids)
     return torch.softmax(chosen, dim=-1)
+
+
+# ---- quantised experts (the model's `@intN[:gG][:fp32]`) -----------------------------------------
+# Group-wise min-max affine quantisation as HQQ's `quantize` without its proximal refinement
+# (the bytes and the dequantisation are HQQ's; the rounding error is not what we measure), packed
+# as HQQ packs: uint8 for 8 bits, two codes a byte for 4, four for 2, ten to an int32 for 3.
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Flat uint8 codes (< 2**bits) -> packed tensor."""
+    if bits == 8:
+        return codes
+    if bits in (4, 2):
+        per = 8 // bits
+        rows = codes.reshape(per, -1).to(torch.uint8)
+        out = torch.zeros(rows.shape[1], dtype=torch.uint8)
+        for k in range(per):
+            out |= rows[k] << (bits * (per - 1 - k))
+        return out
+    pad = (-codes.numel()) % 10  # 3 bits: ten codes to an int32
+    rows = torch.cat([codes.to(torch.int32), torch.zeros(pad, dtype=torch.int32)]).reshape(10, -1)
+    out = torch.zeros(rows.shape[1], dtype=torch.int32)
+    for k in range(10):
+        out |= rows[k] << (3 * (9 - k))
+    return out
+
+
+def _unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """Packed tensor -> the first `count` codes, as float32."""
+    if bits == 8:
+        return packed[:count].float()
+    if bits in (4, 2):
+        per, mask = 8 // bits, (1 << bits) - 1
+        parts = [(packed >> (bits * (per - 1 - k))) & mask for k in range(per)]
+        return torch.cat(parts)[:count].float()
+    parts = [(packed >> (3 * (9 - k))) & 7 for k in range(10)]
+    return torch.cat(parts)[:count].float()
+
+
+def quantise_expert(weights: tuple[torch.Tensor, ...], spec: ModelSpec) -> tuple[torch.Tensor, ...]:
+    """(w1, w3, w2) -> per matrix (codes, scale, zero): what a quantised expert stores and moves."""
+    bits, group = spec.expert_bits, spec.quant_group
+    meta = torch.float32 if spec.quant_meta_bytes == 8 else torch.float16
+    out: list[torch.Tensor] = []
+    for w in weights:
+        flat = w.float().reshape(-1)
+        pad = (-flat.numel()) % group
+        groups = torch.cat([flat, flat[-1:].expand(pad)]).reshape(-1, group)
+        low, high = groups.min(dim=1).values, groups.max(dim=1).values
+        scale = ((high - low) / ((1 << bits) - 1)).clamp(min=1e-8)
+        codes = torch.round((groups - low[:, None]) / scale[:, None]).clamp(0, (1 << bits) - 1)
+        out += [_pack(codes.reshape(-1)[: flat.numel()].to(torch.uint8), bits), scale.to(meta), low.to(meta)]
+    return tuple(out)
+
+
+def dequantise_expert(packed: tuple[torch.Tensor, ...], spec: ModelSpec, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """HQQ's dequantize on whatever device the packed tensors are: unpack, codes * scale + zero
+    (the group's minimum), reshape, cast — (w1, w3, w2) in the model dtype."""
+    h, f, group = spec.hidden_size, spec.ffn_size, spec.quant_group
+    out = []
+    for (codes, scale, low), shape in zip(zip(packed[0::3], packed[1::3], packed[2::3]), ((f, h), (f, h), (h, f))):
+        count = shape[0] * shape[1]
+        values = _unpack(codes, spec.expert_bits, count)
+        pad = (-count) % group
+        values = torch.cat([values, values.new_zeros(pad)]).reshape(-1, group)
+        w = values * scale.float()[:, None] + low.float()[:, None]
+        out.append(w.reshape(-1)[:count].reshape(shape).to(dtype))
+    return tuple(out)
 
 
 def expert(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
