@@ -318,13 +318,14 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     from .optimize import Search, check_search, ok_rows, pareto_front, simulate_command, winner
     from .sweep import run_sweep
 
-    def ints(text: str, flag: str) -> tuple[int, ...]:
+    def ints(text: str, flag: str, low: int = 1, auto: bool = False) -> tuple:
+        what = f"comma-separated integers >= {low}" + (" or auto" if auto else "")
         try:
-            values = tuple(int(v) for v in text.split(","))
+            values = tuple(v if auto and v == "auto" else int(v) for v in text.split(","))
         except ValueError:
-            raise CliError(f"{flag}: give comma-separated positive integers, got {text!r}") from None
-        if not values or min(values) < 1:
-            raise CliError(f"{flag}: give comma-separated positive integers, got {text!r}")
+            raise CliError(f"{flag}: give {what}, got {text!r}") from None
+        if any(v != "auto" and v < low for v in values):
+            raise CliError(f"{flag}: give {what}, got {text!r}")
         return values
 
     if "@" in args.model:
@@ -335,6 +336,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
                     impls=("as-published", "ideal") if args.impl == "both" else (args.impl,),
                     batch_sizes=ints(args.batch_sizes, "--batch-sizes"),
                     expert_dtypes=tuple(args.expert_dtypes.split(",")), kv=tuple(args.kv.split(",")),
+                    cache_sizes=ints(args.cache_sizes, "--cache-sizes", low=0),
+                    resident_layers=ints(args.resident_layers, "--resident-layers", low=0, auto=True),
                     max_token_latency_s=args.max_token_latency, budget=args.budget, seed=args.seed)
     check_search(search)
     spec = search.spec()
@@ -343,7 +346,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     print(f"optimize {args.model} on {args.hardware}: {size} configurations{sampled} — policies "
           f"{', '.join(search.policy_names())}; impl {', '.join(search.impls)}; batch sizes "
           f"{', '.join(map(str, search.batch_sizes))}; experts {', '.join(search.expert_dtypes)}; kv "
-          f"{', '.join(search.kv)}; n from the planner")
+          f"{', '.join(search.kv)}; cache sizes {', '.join(map(str, search.cache_sizes))}; resident layers "
+          f"{', '.join(map(str, search.resident_layers))}; n from the planner")
     df = run_sweep(spec, args.out, workers=args.workers, progress=not args.no_progress, only=ids)
     ok = ok_rows(df)
     rest = len(df) - len(ok)
@@ -513,6 +517,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bf16 and/or int8|int4|int3|int2 (default: %(default)s)")
     p.add_argument("--kv", default="auto", metavar="K,...",
                    help="KV cache placements: auto (on the GPU when it fits), gpu, cpu (default: %(default)s)")
+    p.add_argument("--cache-sizes", default="0", metavar="C,...",
+                   help="expert-cache slots to try (option expert_cache; 0: none) (default: %(default)s)")
+    p.add_argument("--resident-layers", default="auto", metavar="R,...",
+                   help="layers kept whole on the GPU to try; auto: the planner's choice (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the routing and of the sample (default: %(default)s)")
     p.add_argument("--workers", type=positive_int, default=2, help="local processes (default: %(default)s)")
     p.add_argument("--policy-file", action="append", default=[], metavar="FILE.py", help="your own policy (repeatable)")

@@ -1,5 +1,6 @@
 """`klotski-sim optimize`: the best way to run one model on one machine, searched over policy x
-implementation preset x batch size x n x KV placement x expert dtype.
+implementation preset x batch size x n x KV placement x expert dtype x expert-cache size x
+resident layers.
 
 An exhaustive search of that grid, run on the sweep machinery (process pool, resumable, one
 Parquet row per configuration). It is pruned the way the planner bounds a run: a configuration
@@ -46,6 +47,8 @@ class Search:
     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
     expert_dtypes: tuple[str, ...] = DEFAULT_EXPERT_DTYPES
     kv: tuple[str, ...] = DEFAULT_KV
+    cache_sizes: tuple[int, ...] = (0,)  # experts kept on the GPU across steps (option expert_cache)
+    resident_layers: tuple[int | str, ...] = ("auto",)
     max_token_latency_s: float | None = None
     budget: int = 400
     seed: int = 0
@@ -67,7 +70,8 @@ class Search:
         spec = SweepSpec(name=f"optimize-{self.model}-{self.hardware}", models=self.models(), hardware=[self.hardware],
                          policies=list(self.policy_names()), batch_sizes=list(self.batch_sizes),
                          num_batches=["auto"], prompt_lens=[self.prompt_len], gen_lens=[self.gen_len],
-                         kv=list(self.kv), impls=list(self.impls))
+                         kv=list(self.kv), impls=list(self.impls), resident_layers=list(self.resident_layers),
+                         options={"expert_cache": list(self.cache_sizes)} if set(self.cache_sizes) != {0} else {})
         check_spec(spec, "optimize")
         return spec
 
@@ -102,6 +106,12 @@ def winner(df: pd.DataFrame, max_latency_s: float | None) -> pd.Series | None:
 def simulate_command(row: pd.Series | dict[str, Any], policy_files: Sequence[str] = ()) -> str:
     """The `klotski-sim simulate` command that reproduces one row."""
     files = "".join(f" --policy-file {f}" for f in policy_files)
+    cache = row.get("opt.expert_cache")
+    if cache is not None and not pd.isna(cache) and int(cache):
+        files += f" --option expert_cache={int(cache)}"
+    resident = row.get("resident_layers")
+    if resident is not None and not pd.isna(resident):
+        files += f" --resident-layers {int(resident)}"
     return (f"klotski-sim simulate --model {row['model']} --hardware {row['hardware']} --policy {row['policy']} "
             f"--impl {row['impl']} --batch-size {int(row['batch_size'])} --num-batches {row['num_batches']} "
             f"--kv {row['kv']} --prompt-len {int(row['prompt_len'])} --gen-len {int(row['gen_len'])}{files}")

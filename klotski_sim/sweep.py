@@ -27,6 +27,9 @@ Spec (every key optional except `policies`; lists are grid axes):
     experts: [auto]
     impls: [as-published]            # implementation presets: as-published, ideal, v0.1
     policy_files: [my_policy.py]     # your own policies (paths relative to this spec; docs/own-schedule.md)
+    options:                         # grid over policy options (every policy in the grid must take them)
+      expert_cache: [0, 16]
+    resident_layers: [auto, 0]       # layers kept whole on the GPU (auto: the planner's choice)
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ from .hardware import ProfileError, load_profile, with_overrides
 from .impl import PRESET_NAMES
 from .model import get_model
 from .policies import POLICIES
+from .policies.base import resolve_options
 from .policies.plugins import load_policy_files
 from .timeline import jsonable
 from .trace_synth import params_for
@@ -92,6 +96,8 @@ class SweepSpec(BaseModel):
     experts: list[str] = Field(default_factory=lambda: ["auto"], min_length=1)
     impls: list[str] = Field(default_factory=lambda: ["as-published"], min_length=1)
     policy_files: list[StrictStr] = Field(default_factory=list)  # your own policies (relative to the spec)
+    options: dict[str, list[Any]] = Field(default_factory=dict)  # grid over policy options (expert_cache: [0, 16])
+    resident_layers: list[StrictInt | StrictStr] = Field(default_factory=lambda: ["auto"], min_length=1)
 
     @field_validator("overrides")
     @classmethod
@@ -171,7 +177,17 @@ def check_spec(spec: SweepSpec, where: str) -> None:
         load_policy_files(spec.policy_files)
     except KlotskiError as err:
         problems.append(str(err))
+    for r in spec.resident_layers:
+        if r != "auto" and (not isinstance(r, int) or isinstance(r, bool) or r < 0):
+            problems.append(f"resident_layers: {r!r} is neither auto nor a layer count >= 0")
     for p in spec.policies:
+        for key, values in spec.options.items():
+            for value in values:
+                if p in POLICIES:
+                    try:
+                        resolve_options(p, spec.impls[0], {key: value})
+                    except KlotskiError as err:
+                        problems.append(f"options.{key}: {err}")
         if p not in POLICIES:
             problems.append(f"unknown policy {p!r}; known: {', '.join(POLICIES)}")
     for h in spec.hardware:
@@ -213,8 +229,8 @@ def grid_size(spec: SweepSpec) -> int:
     """How many configurations the grid holds (without building them)."""
     size = 1
     for axis in (spec.models, spec.hardware, spec.policies, spec.batch_sizes, spec.num_batches, spec.prompt_lens,
-                 spec.gen_lens, spec.routings, spec.seeds, spec.kv, spec.experts, spec.impls,
-                 *spec.overrides.values()):
+                 spec.gen_lens, spec.routings, spec.seeds, spec.kv, spec.experts, spec.impls, spec.resident_layers,
+                 *spec.overrides.values(), *spec.options.values()):
         size *= len(axis)
     return size
 
@@ -223,13 +239,19 @@ def expand(spec: SweepSpec) -> list[dict[str, Any]]:
     """Every configuration of the grid, each with a stable id (a hash of its inputs)."""
     fields = list(spec.overrides)
     configs = []
-    for (model, hardware, policy, bs, n, p, g, routing, seed, kv, experts, impl, *values) in itertools.product(
-            spec.models, spec.hardware, spec.policies, spec.batch_sizes, spec.num_batches, spec.prompt_lens,
-            spec.gen_lens, spec.routings, spec.seeds, spec.kv, spec.experts, spec.impls,
-            *(spec.overrides[f] for f in fields)):
+    option_keys = list(spec.options)
+    for (model, hardware, policy, bs, n, p, g, routing, seed, kv, experts, impl, resident, *values) in \
+            itertools.product(spec.models, spec.hardware, spec.policies, spec.batch_sizes, spec.num_batches,
+                              spec.prompt_lens, spec.gen_lens, spec.routings, spec.seeds, spec.kv, spec.experts,
+                              spec.impls, spec.resident_layers, *(spec.overrides[f] for f in fields),
+                              *(spec.options[k] for k in option_keys)):
         cfg = {"model": model, "hardware": hardware, "policy": policy, "batch_size": bs, "num_batches": n,
                "prompt_len": p, "gen_len": g, "routing": routing, "seed": seed, "kv": kv, "experts": experts,
-               "impl": impl, "overrides": dict(zip(fields, values))}
+               "impl": impl, "overrides": dict(zip(fields, values[:len(fields)]))}
+        if option_keys:  # only when swept: rows of grids without them keep their shape
+            cfg["options"] = dict(zip(option_keys, values[len(fields):]))
+        if resident != "auto":
+            cfg["resident_layers"] = resident
         if spec.policy_files:  # the files' contents are part of the configuration (an edit is a new result)
             cfg["policy_files"] = {f: hashlib.sha1(Path(f).read_bytes()).hexdigest()[:12] for f in spec.policy_files}
         cfg["id"] = config_id(cfg)
@@ -271,8 +293,9 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
     t = time.perf_counter()
     row: dict[str, Any] = {"id": cfg["id"], "code": code_fingerprint(),
-                           **{k: v for k, v in cfg.items() if k not in ("id", "overrides", "policy_files")},
-                           **{f"set.{k}": v for k, v in cfg["overrides"].items()}}
+                           **{k: v for k, v in cfg.items() if k not in ("id", "overrides", "policy_files", "options")},
+                           **{f"set.{k}": v for k, v in cfg["overrides"].items()},
+                           **{f"opt.{k}": v for k, v in cfg.get("options", {}).items()}}
     row["num_batches"] = str(cfg["num_batches"])
     try:
         load_policy_files(cfg.get("policy_files", {}))  # a worker process imports them itself
@@ -284,7 +307,8 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
                        routing="calibrated" if routing.startswith("trace:") else routing,
                        trace=routing[6:] if routing.startswith("trace:") else None,
                        kv=cfg["kv"], experts=cfg["experts"], overrides=cfg["overrides"],
-                       impl=cfg.get("impl", "as-published"))
+                       impl=cfg.get("impl", "as-published"), options=cfg.get("options", {}),
+                       resident_layers=cfg.get("resident_layers"))
         result = run(spec)
         s = result.timeline.summary()
         metrics = {k: v for k, v in s.to_dict().items()

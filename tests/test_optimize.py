@@ -79,3 +79,18 @@ def test_the_front_is_exactly_the_undominated_points(points):
         assert not ((df["m.throughput_tok_s"] > r["m.throughput_tok_s"]) & (df["m.decode_step_s"] <= r["m.decode_step_s"])).any()
     best = winner(df, None)
     assert best["m.throughput_tok_s"] == df["m.throughput_tok_s"].max()
+
+
+def test_cache_sizes_and_resident_layers_are_searched_and_the_winner_reproduces(tmp_path):
+    args = ("optimize", "--model", "tiny-mixtral", "--batch-sizes", "2", "--policies", "single-batch",
+            "--expert-dtypes", "bf16", "--impl", "ideal", "--cache-sizes", "0,4,8", "--resident-layers", "auto,0",
+            "--prompt-len", "16", "--gen-len", "4", "--no-progress", "--workers", "1", "--out", str(tmp_path / "o"))
+    code, out, err = run_cli(*args)
+    assert code == 0, err
+    df = pd.read_parquet(tmp_path / "o" / "results.parquet")
+    assert len(df) == 3 * 2 and set(df["opt.expert_cache"]) == {0, 4, 8}
+    best = float(re.search(r"winner: ([\d.]+) tok/s", out).group(1))
+    command = out.strip().splitlines()[-1].split()
+    code, sim_out, err = run_cli(*command[1:], "--no-png")
+    assert code == 0, err
+    assert _throughput(sim_out) == pytest.approx(best, abs=0.06)

@@ -108,3 +108,16 @@ def test_rows_of_other_code_are_not_reused(tmp_path, monkeypatch):
     second = run_sweep(spec, tmp_path, progress=False)
     assert len(second) == 1 and second["code"].iloc[0] == "other-code"
     assert len(list((tmp_path / "rows").glob("*.json"))) == 2  # the old row is kept, not rewritten
+
+
+def test_policy_options_and_resident_layers_are_grid_axes(tmp_path):
+    spec = parse_spec({"policies": ["klotski", "single-batch"], "models": ["tiny-mixtral"], "batch_sizes": [2],
+                       "prompt_lens": [8], "gen_lens": [3], "options": {"expert_cache": [0, 4]},
+                       "resident_layers": ["auto", 0]})
+    df = run_sweep(spec, tmp_path / "out", progress=False)
+    assert len(df) == 2 * 2 * 2 and set(df["status"]) == {"ok"}
+    assert set(df["opt.expert_cache"]) == {0, 4}
+    with pytest.raises(SweepError, match="options.expert_cache.*must be of type int"):
+        parse_spec({"policies": ["klotski"], "options": {"expert_cache": ["lots"]}})
+    with pytest.raises(SweepError, match="resident_layers"):
+        parse_spec({"policies": ["klotski"], "resident_layers": [-2]})
