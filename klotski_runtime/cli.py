@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Sequence
 
 from klotski_sim.argtypes import OneLineParser, positive_float, positive_int
-from klotski_sim.cli import guarded
+from klotski_sim.cli import guarded, parse_overrides
 
 from .record import read_texts, record, save_tiny_mixtral
 
@@ -107,7 +107,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
                             routing=args.routing, trace=args.trace, seed=args.seed, kv=args.kv,
                             emulate_links=_emulation(args), emulate_pageable=_pageable(args),
                             checkpoint=args.checkpoint, dtype=args.dtype, threads=args.threads, impl=args.impl,
-                            repeats=args.repeats)
+                            repeats=args.repeats, options=parse_overrides(args.options))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     profile_path = args.profile
@@ -218,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default="all", help="a policy, a comma-separated list, or all (default: %(default)s)")
     p.add_argument("--policy-file", action="append", default=[], metavar="FILE.py",
                    help="a Python file that registers your own policy (docs/own-schedule.md); repeatable")
+    p.add_argument("--option", dest="options", action="append", default=[], metavar="KEY=VALUE",
+                   help="a policy option for every schedule validated, e.g. expert_cache=8 or attention_device=cpu "
+                        "(repeatable)")
     p.add_argument("--model", default="small-mixtral", help="model preset (default: %(default)s)")
     p.add_argument("--profile", metavar="FILE", help="calibrated profile (default: calibrate now, into DIR/profile.yaml)")
     p.add_argument("--out", default="klotski-validate", metavar="DIR", help="where to write (default: %(default)s)")

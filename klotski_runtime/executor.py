@@ -226,7 +226,9 @@ class OpRunner:
         # what each compute op does, by category (a table, not a name lookup)
         self.compute_ops = {"embed": self._embed, "attention": self._attention, "gate": self._gate,
                             "expert": self._expert, "lm_head": self._lm_head, "combine": lambda op: None,
-                            "dequant": self._dequant}
+                            "dequant": self._dequant, "attn_qkv": self._attn_qkv, "attn_out": self._attn_out}
+        self.pending_qkv: dict[str, tuple[torch.Tensor, ...]] = {}  # attn_qkv op -> this step's q, k, v
+        self.attention_out: dict[str, torch.Tensor] = {}  # CPU attention / its h2d copy -> the heads' output
         self.on_cpu = {s for s, r in schedule.streams.items() if r == "cpu"}
         self._alloc("resident", tensor_bytes(list(self.resident.values()))
                     + tensor_bytes([t for v in self.resident_layer_tensors.values() for t in v]))
@@ -262,9 +264,12 @@ class OpRunner:
             else:
                 self._load_weights(op)
         elif op.kind == "compute" and op.stream in self.on_cpu:
-            if op.category != "expert":
-                raise ExecutionError(f"op {op.id!r}: the host CPU runs expert ops only, not {op.category!r}")
-            self._cpu_expert(op)
+            if op.category == "expert":
+                self._cpu_expert(op)
+            elif op.category == "attention":
+                self._cpu_attention(op)
+            else:
+                raise ExecutionError(f"op {op.id!r}: the host CPU runs expert and attention ops, not {op.category!r}")
         elif op.kind == "compute":
             compute = self.compute_ops.get(op.category)
             if compute is None:
@@ -364,10 +369,21 @@ class OpRunner:
                 return t.to("cpu", copy=True)
             return self.pinned_pool.take(t).copy_(t, non_blocking=not op.pageable)
 
+        qkv = next((d for d in op.deps if d in self.pending_qkv), None)
+        if op.dst == "cpu" and qkv is not None:  # attention on the CPU: this step's q, k, v go down
+            self.host_activations[op.id] = {op.batch: tuple(down(t) for t in self.pending_qkv.pop(qkv))}
+            return
         if op.dst == "cpu":
             self.host_activations[op.id] = {
                 b: (down(self.z[b]), down(self.route[b][1]),
                     down(self.route[b][0]) if self.route[b][2] is None else None) for b in op.batches}
+            return
+        attention = next((d for d in op.deps if d in self.attention_out), None)
+        if attention is not None:  # the CPU attention's output comes back
+            out = self.attention_out.pop(attention)
+            self.attention_out[op.id] = out.to(self.device, non_blocking=cuda and out.is_pinned())
+            if cuda:
+                self.staged_from_pool[op.id] = (out,)
             return
         source = next((d for d in op.deps if d in self.cpu_results), None)
         if source is None:
@@ -419,7 +435,37 @@ class OpRunner:
                     if t is not None and self.device.type == "cuda":
                         self.pinned_pool.give_back(t, None)
 
+    def _cpu_attention(self, op: Op) -> None:
+        """A decode attention on the host CPU over this batch's KV cache in host memory (the
+        prefill's stored chunk, then each decode step's k, v appended here)."""
+        down = next((d for d in op.deps if d in self.host_activations), None)
+        if down is None:
+            raise ExecutionError(f"op {op.id!r}: a CPU attention needs its q, k, v copied down first")
+        q, k, v = self.host_activations.pop(down)[op.batch]
+        key = (op.layer, op.batch)
+        past = self.host_kv.get(key, [])
+        out = kernels.attention_core(q, k, v, [tuple(t.to("cpu") for t in c) for c in past], self.spec)
+        self.host_kv.setdefault(key, []).append((k.clone(), v.clone()))
+        self.attention_out[op.id] = self.pinned_pool.take(out).copy_(out) if self.device.type == "cuda" else out
+
     # ---- compute ----------------------------------------------------------------------------------
+    def _attn_qkv(self, op: Op) -> None:
+        """The GPU half before a CPU attention: norm, q/k/v, RoPE of this step's tokens."""
+        b = op.batch
+        self._combine(b)
+        pos0 = self.shape.prompt_len + op.step - 1
+        w = self.weights_for(op, "attention")
+        self.pending_qkv[op.id] = kernels.attention_qkv(self.x[b], w, self.resident[f"norm1/{op.layer}"], pos0,
+                                                        self.spec, self.weights.rope_theta, self.weights.rms_eps)
+
+    def _attn_out(self, op: Op) -> None:
+        """The GPU half after: o over the heads' output the CPU sent back, plus the residual."""
+        up = next((d for d in op.deps if d in self.attention_out), None)
+        if up is None:
+            raise ExecutionError(f"op {op.id!r}: no attention output came back from the CPU")
+        wo = self.weights_for(op, "attention")[3]
+        self.h[op.batch] = self.x[op.batch] + torch.nn.functional.linear(self.attention_out.pop(up), wo)
+
     def _dequant(self, op: Op) -> None:
         """A quantised expert's copy, dequantised on the device into a buffer of its own (the copy
         is freed by the op's `free`)."""
@@ -529,10 +575,6 @@ def execute(schedule: Schedule, spec: ModelSpec, weights: WeightStore, routing: 
             options: ExecOptions = ExecOptions()) -> tuple[Timeline, OpRunner]:
     """Run every op of `schedule` and return the measured Timeline (and the runner, whose state
     holds logits and per-expert token counts for checks)."""
-    split = next((op for op in schedule.ops if op.category in ("attn_qkv", "attn_out")), None)
-    if split is not None:
-        raise ExecutionError(f"op {split.id!r}: attention split between GPU and CPU (attention_device=cpu) is "
-                             f"simulated only; the runtime's attention kernel is one op")
     if options.device.startswith("cuda") and not torch.cuda.is_available():
         raise ExecutionError("CUDA was requested but torch sees no GPU (use --device cpu)")
     if options.emulate_links and not options.device == "cpu":

@@ -261,6 +261,29 @@ def attention(x: torch.Tensor, weights: tuple[torch.Tensor, ...], norm: torch.Te
     return x + F.linear(out, wo), (k, v)
 
 
+# ---- attention split between GPU and CPU (option attention_device=cpu) -----------------------------
+def attention_qkv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], norm: torch.Tensor, pos0: int,
+                  spec: ModelSpec, theta: float, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The GPU half before: input RMSNorm, q/k/v, RoPE — `attention` up to its scores."""
+    wq, wk, wv, _ = weights
+    B, T, _ = x.shape
+    hs = rms_norm(x, norm, eps)
+    q = F.linear(hs, wq).view(B, T, spec.num_heads, spec.head_dim).transpose(1, 2)
+    k = F.linear(hs, wk).view(B, T, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
+    v = F.linear(hs, wv).view(B, T, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
+    positions = torch.arange(pos0, pos0 + T, device=x.device)
+    return rope(q, positions, theta), rope(k, positions, theta), v
+
+
+def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: list[tuple], spec: ModelSpec) -> torch.Tensor:
+    """The CPU half: a decode step's attention over the cache (`past` chunks, then this step's k, v)."""
+    keys = torch.cat([c[0] for c in past] + [k], dim=2)
+    values = torch.cat([c[1] for c in past] + [v], dim=2)
+    out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=spec.num_heads != spec.num_kv_heads)
+    B, _, T, _ = q.shape
+    return out.transpose(1, 2).reshape(B, T, spec.num_heads * spec.head_dim)
+
+
 def router(z: torch.Tensor, weight: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Mixtral's router on `[tokens, h]`: softmax over experts, top-k, renormalise."""
     logits = F.linear(z, weight)

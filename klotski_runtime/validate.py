@@ -54,6 +54,7 @@ class ValidationSetup:
     warmup_runs: int = 1
     repeats: int = 3  # measured runs per schedule: errors are reported as median and spread
     threads: int | None = 1  # CPU: torch threads for compute; the other cores run the copy threads
+    options: Mapping[str, Any] = field(default_factory=dict)  # policy options for every schedule (expert_cache, ...)
 
 
 def check_profile_device(profile: HardwareProfile, device: str) -> None:
@@ -165,7 +166,7 @@ def validate(setup: ValidationSetup, profile_path: str, out_dir: str | Path,
     spec = RunSpec(model=setup.model, hardware=profile_path, policy=policies[0], batch_size=setup.batch_size,
                    num_batches=setup.num_batches, prompt_len=setup.prompt_len, gen_len=setup.gen_len,
                    seed=setup.seed, routing=setup.routing, trace=setup.trace, kv=setup.kv, experts="cpu",
-                   resident_layers=0, warmup_sequences=2)
+                   resident_layers=0, warmup_sequences=2, options=dict(setup.options))
     prep = prepare(spec)
     check_profile_device(prep.profile, setup.device)
     model = get_model(setup.model)
@@ -184,7 +185,7 @@ def validate(setup: ValidationSetup, profile_path: str, out_dir: str | Path,
     for name, impl in runs:
         key = name if len(impls) == 1 else f"{name}/{impl}"
         p = prep.narrowed(1) if name == "single-batch" and prep.num_batches > 1 else prep
-        schedule = build_schedule(name, replace(p.policy_input(), impl=impl))
+        schedule = build_schedule(name, replace(p.policy_input(dict(setup.options)), impl=impl))
         sim = simulate(schedule, p.profile)
         if sim.status != "ok":  # a measurement of a run the simulator says cannot happen compares nothing
             oom = sim.meta.get("oom") or {}

@@ -53,17 +53,43 @@ def test_impossible_cpu_attention_is_one_line(args, message):
     assert code == 2 and err.count("\n") == 1 and message in err, err
 
 
-def test_the_runtime_refuses_the_split_attention_in_one_line():
-    pytest.importorskip("torch")
-    from klotski_runtime.executor import ExecutionError, execute
+def test_the_runtime_executes_the_split_attention_with_the_same_logits():
+    torch = pytest.importorskip("torch")
+    from klotski_runtime.executor import ExecOptions, execute
     from klotski_runtime.kernels import WeightStore
 
-    inp = make_input(model="tiny-mixtral", bs=2, n=1, P=4, G=3, placement=Placement(kv="cpu"),
+    inp = make_input(model="tiny-mixtral", bs=2, n=2, P=4, G=4, placement=Placement(kv="cpu"),
                      profile=cpu_profile())
-    s = build_schedule("klotski", PolicyInput(inp.model, inp.profile, inp.routing, inp.placement,
-                                              {"attention_device": "cpu"}, inp.warmup))
-    with pytest.raises(ExecutionError, match="simulated only"):
-        execute(s, inp.model, WeightStore.random(inp.model), inp.routing)
+    weights = WeightStore.random(inp.model, dtype=torch.float32)
+    for policy in ("klotski", "single-batch", "flexgen"):
+        split = build_schedule(policy, PolicyInput(inp.model, inp.profile, inp.routing, inp.placement,
+                                                   {"attention_device": "cpu"}, inp.warmup))
+        plain = build_schedule(policy, PolicyInput(inp.model, inp.profile, inp.routing, inp.placement, {},
+                                                   inp.warmup))
+        tl, run_split = execute(split, inp.model, weights, inp.routing, ExecOptions(record_logits=True))
+        _, run_plain = execute(plain, inp.model, weights, inp.routing, ExecOptions(record_logits=True))
+        for key, logits in run_plain.logits.items():
+            torch.testing.assert_close(run_split.logits[key], logits, atol=1e-4, rtol=1e-4)
+        assert "cpu" in set(tl.columns["resource"])
+        assert run_split.in_use == run_split.buffer_bytes.get("resident", 0)
     with pytest.raises(UsageError):
         build_schedule("klotski", PolicyInput(inp.model, inp.profile, inp.routing, Placement(kv="gpu"),
                                               {"attention_device": "cpu"}, inp.warmup))
+
+
+def test_validate_takes_policy_options(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    pytest.importorskip("torch")
+    proc = subprocess.run([sys.executable, "-m", "klotski_runtime.cli", "validate", "--model", "tiny-mixtral",
+                           "--policy", "klotski", "--option", "attention_device=cpu", "--kv", "cpu",
+                           "--repeats", "1", "--out", str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "validation.json").read_text())
+    assert report["setup"]["options"] == {"attention_device": "cpu"}
+    assert report["policies"]["klotski"]["per_category"]["attn_qkv"]["ops"] > 0

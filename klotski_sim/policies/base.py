@@ -451,8 +451,10 @@ class OpEmitter:
         qkv = self.b.compute(f"{op_id}/qkv", "attn_qkv", deps, flops=2 * tokens * h * (q + 2 * kv),
                              bytes=h * (q + 2 * kv) * m.dtype_bytes + m.hidden_bytes(tokens)
                              + tokens * (q + 2 * kv) * m.dtype_bytes, tokens=tokens, **tags)
+        # in order behind this layer's previous CPU attention, and behind the prefill's KV store
         down = self.b.transfer(f"{op_id}/qkv_down", "activation", "d2h_act", tokens * (q + 2 * kv) * m.dtype_bytes,
-                               "gpu", "cpu", [qkv, self._last_cpu_attention.get(layer)], tensor="activation", **tags)
+                               "gpu", "cpu", [qkv, self._last_cpu_attention.get(layer),
+                                              self._last_kv_store.get((layer, batch))], tensor="activation", **tags)
         core = self.b.compute(f"{op_id}/cpu", "attention", [down], stream="cpu_compute",
                               flops=2 * 2 * tokens * m.num_heads * m.head_dim * kv_len,
                               bytes=m.kv_bytes(tokens, kv_len) + 2 * tokens * q * m.dtype_bytes, tokens=tokens,
@@ -460,7 +462,7 @@ class OpEmitter:
         self._last_cpu_attention[layer] = core
         up = self.b.transfer(f"{op_id}/out_up", "activation", "h2d_act", tokens * q * m.dtype_bytes, "cpu", "gpu",
                              [core], tensor="activation", **tags)
-        op = self.b.compute(op_id, "attn_out", [up], flops=2 * tokens * q * h,
+        op = self.b.compute(op_id, "attn_out", [up, *deps], flops=2 * tokens * q * h,
                             bytes=q * h * m.dtype_bytes + 2 * m.hidden_bytes(tokens), tokens=tokens, free=free, **tags)
         self._attention_ops.append(op)
         return op
