@@ -92,7 +92,7 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
     measure = _timer(dev)
     w = WeightStore.random(spec, layers=1, dtype=dtype)
     attn = tuple(t.to(dev) for t in w.get("attention", 0))
-    gate = w.get("gate", 0)[0].to(dev)
+    gate, *shared = (t.to(dev) for t in w.get("gate", 0))  # the router, then any shared experts
     expert = tuple(t.to(dev) for t in w.get("expert", 0, 0))
     packed = expert if spec.quantised else None
     if packed is not None:  # a quantised expert is dequantised after its copy, then computed in the model dtype
@@ -129,7 +129,7 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
         forced = np.stack([np.arange(tokens) % spec.num_experts,
                            (np.arange(tokens) + 1) % spec.num_experts], axis=1)[:, : spec.top_k].astype(np.int64)
         measured["gate"].append({"tokens": tokens, "seconds": measure(
-            lambda: kernels.gate_step(hs, gnorm, gate, spec.top_k, 1e-5, forced), repeats)})
+            lambda: kernels.gate_step(hs, gnorm, gate, spec.top_k, 1e-5, forced, tuple(shared)), repeats)})
         ids = torch.randint(0, spec.vocab_size, (tokens,))
         measured["embed"].append({"tokens": tokens, "seconds": measure(
             lambda: kernels.embed(ids.to(dev), embed_t), repeats)})

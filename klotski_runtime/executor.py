@@ -507,11 +507,11 @@ class OpRunner:
 
     def _gate(self, op: Op) -> None:
         b, layer = op.batch, op.layer
-        (router_w,) = self.weights_for(op, "gate")
+        router_w, *shared = self.weights_for(op, "gate")
         forced = (self.routing.step_ids(op.step, layer, b).reshape(-1, self.spec.top_k).astype(np.int64)
                   if self.opt.force_routing else None)
         z, weights, ids, out = kernels.gate_step(self.h[b], self.resident[f"norm2/{layer}"], router_w,
-                                                 self.spec.top_k, self.weights.rms_eps, forced)
+                                                 self.spec.top_k, self.weights.rms_eps, forced, tuple(shared))
         self.z[b] = z
         self.route[b] = (ids, weights, forced)
         self.moe_out[b] = out

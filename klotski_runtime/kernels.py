@@ -31,7 +31,7 @@ class WeightError(KlotskiError):
 def refuse_unsupported(spec: ModelSpec) -> None:
     """What the simulator models but these Mixtral-style kernels do not run yet: multi-head
     latent attention, dense first layers."""
-    if spec.mla or spec.first_dense_layers:
+    if spec.mla or spec.first_dense_layers:  # (shared experts run: the gate op computes them)
         raise WeightError(f"model {spec.name!r}: the runtime's kernels are Mixtral-style (GQA attention, every layer "
                           f"MoE); this model's MLA / dense first layers are simulated only")
 
@@ -107,7 +107,11 @@ class WeightStore:
                     "lm_head": w(spec.vocab_size, h), "final_norm": torch.ones(h, dtype=dtype)}
         for layer in range(L):
             tensors[("attention", layer)] = (w(qd, h), w(kvd, h), w(kvd, h), w(h, qd))
-            tensors[("gate", layer)] = (w(spec.num_experts, h),)
+            shared = [w(1, h)] if spec.num_shared_experts else []  # the shared experts' gate, then each expert
+            for _ in range(spec.num_shared_experts):
+                sf = spec.shared_ffn_size
+                shared += [w(sf, h), w(sf, h), w(h, sf)]
+            tensors[("gate", layer)] = (w(spec.num_experts, h), *shared)
             for e in range(spec.num_experts):
                 dense = (w(f, h), w(f, h), w(h, f))  # w1, w3, w2
                 tensors[("expert", layer, e)] = quantise_expert(dense, spec) if spec.quantised else dense
@@ -378,16 +382,23 @@ def lm_head(x: torch.Tensor, norm: torch.Tensor, weight: torch.Tensor, eps: floa
 
 # ---- whole ops, exactly as the executor runs them (calibration times these same functions) -----
 def gate_step(h: torch.Tensor, norm: torch.Tensor, router_weight: torch.Tensor, top_k: int, eps: float,
-              forced_ids: "np.ndarray | None" = None):
+              forced_ids: "np.ndarray | None" = None, shared: tuple[torch.Tensor, ...] = ()):
     """Post-attention RMSNorm + routing of `h` ([B, T, h]): returns the expert input `[tokens, h]`,
-    the gate weights and expert ids `[tokens, k]`, and a zeroed MoE output to accumulate into."""
+    the gate weights and expert ids `[tokens, k]`, and the MoE output to accumulate into — zeros,
+    or the always-active shared experts' output (`shared`: their gate vector, then (w1, w3, w2) per
+    shared expert; Qwen-MoE's sigmoid-gated shared expert), which the gate op computes."""
     z = rms_norm(h, norm, eps).reshape(-1, h.shape[-1])
     if forced_ids is not None:
         ids = torch.from_numpy(forced_ids).to(z.device)
         weights = forced_weights(z, router_weight, ids)
     else:
         weights, ids = router(z, router_weight, top_k)
-    return z, weights, ids, torch.zeros_like(z)
+    out = torch.zeros_like(z)
+    if shared:
+        scale = torch.sigmoid(F.linear(z, shared[0]))
+        for k in range(1, len(shared), 3):
+            out = out + expert(z, shared[k:k + 3]) * scale
+    return z, weights, ids, out
 
 
 def expert_step(z: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,

@@ -258,3 +258,24 @@ def test_cpu_expert_policies_execute_and_compute_what_klotski_computes(policy, i
         _, gpu = execute(schedule, TINY, weights, inp.routing, ExecOptions(device="cuda", record_logits=True))
         for key, logits in ref.logits.items():
             torch.testing.assert_close(gpu.logits[key], logits, atol=1e-3, rtol=1e-3)
+
+
+def test_shared_experts_run_in_the_gate_op_with_the_bytes_the_simulator_counts():
+    """Qwen-MoE style: a sigmoid-gated shared expert every token goes through, computed by the gate op."""
+    from dataclasses import replace
+
+    from klotski_runtime import kernels
+
+    spec = replace(TINY, name="tiny-shared", num_shared_experts=1, shared_ffn_size=32, hf_model_type="qwen2_moe")
+    weights = WeightStore.random(spec, dtype=torch.float32)
+    gate = weights.get("gate", 0)
+    assert sum(t.numel() for t in gate) * spec.dtype_bytes == spec.gate_bytes()
+    h = torch.randn(2, 3, spec.hidden_size)
+    norm = torch.ones(spec.hidden_size)
+    z, w, ids, out = kernels.gate_step(h, norm, gate[0], spec.top_k, 1e-5, None, gate[1:])
+    expected = kernels.expert(z, gate[2:5]) * torch.sigmoid(z @ gate[1].T)
+    torch.testing.assert_close(out, expected)
+    inp = _input(model=spec, n=2, bs=2, P=4, G=3)
+    schedule = build_schedule("klotski", inp)
+    tl, runner = execute(schedule, spec, weights, inp.routing)
+    assert len(tl) == len(schedule) and runner.in_use == runner.buffer_bytes.get("resident", 0)
