@@ -90,10 +90,12 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("CUDA was requested but torch sees no GPU (use --device cpu)")
     measure = _timer(dev)
-    w = WeightStore.random(spec, layers=1, dtype=dtype)
+    moe = spec.first_dense_layers  # the first layer with experts (DeepSeek's first layers are dense)
+    w = WeightStore.random(spec, layers=moe + 1, dtype=dtype)
     attn = tuple(t.to(dev) for t in w.get("attention", 0))
-    gate, *shared = (t.to(dev) for t in w.get("gate", 0))  # the router, then any shared experts
-    expert = tuple(t.to(dev) for t in w.get("expert", 0, 0))
+    gate, *shared = (t.to(dev) for t in w.get("gate", moe))  # the router, then any shared experts
+    expert = tuple(t.to(dev) for t in w.get("expert", moe, 0))
+    dense_mlp = tuple(t.to(dev) for t in w.get("gate", 0)) if moe else None
     packed = expert if spec.quantised else None
     if packed is not None:  # a quantised expert is dequantised after its copy, then computed in the model dtype
         expert = kernels.dequantise_expert(packed, spec, dtype)
@@ -114,7 +116,7 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
         for bs in batch_sizes:
             x1 = rand(bs, 1, h)
             for kv in kv_lens:
-                past = [(rand(bs, kvh, kv - 1, hd), rand(bs, kvh, kv - 1, hd))]
+                past = [kernels.kv_chunk(spec, bs, kv - 1, dtype, dev)]
                 t = measure(lambda: kernels.attention(x1, attn, norm, past, kv - 1, spec, 1e6, 1e-5, impl), repeats)
                 measured[f"attention.{impl}:decode"].append({"tokens": bs, "kv_len": kv, "seconds": t})
             for p in prompt_lens:
@@ -123,13 +125,18 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
                 measured[f"attention.{impl}:prefill"].append({"tokens": bs * p, "kv_len": p, "seconds": t})
     token_grid = sorted({1 << i for i in range(int(np.log2(max_expert_tokens)) + 1)}
                         | set(batch_sizes) | {bs * p for bs in batch_sizes for p in prompt_lens})
-    gnorm = w.resident["norm2/0"].to(dev)
+    gnorm = w.resident[f"norm2/{moe}"].to(dev)
+    if dense_mlp is not None:
+        measured["dense_mlp"] = []
     for tokens in token_grid:
         hs = rand(1, tokens, h)
         forced = np.stack([np.arange(tokens) % spec.num_experts,
                            (np.arange(tokens) + 1) % spec.num_experts], axis=1)[:, : spec.top_k].astype(np.int64)
         measured["gate"].append({"tokens": tokens, "seconds": measure(
             lambda: kernels.gate_step(hs, gnorm, gate, spec.top_k, 1e-5, forced, tuple(shared)), repeats)})
+        if dense_mlp is not None:
+            measured["dense_mlp"].append({"tokens": tokens, "seconds": measure(
+                lambda: kernels.expert(kernels.rms_norm(hs, gnorm, 1e-5).reshape(-1, h), dense_mlp), repeats)})
         ids = torch.randint(0, spec.vocab_size, (tokens,))
         measured["embed"].append({"tokens": tokens, "seconds": measure(
             lambda: kernels.embed(ids.to(dev), embed_t), repeats)})

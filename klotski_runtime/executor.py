@@ -226,7 +226,8 @@ class OpRunner:
         # what each compute op does, by category (a table, not a name lookup)
         self.compute_ops = {"embed": self._embed, "attention": self._attention, "gate": self._gate,
                             "expert": self._expert, "lm_head": self._lm_head, "combine": lambda op: None,
-                            "dequant": self._dequant, "attn_qkv": self._attn_qkv, "attn_out": self._attn_out}
+                            "dequant": self._dequant, "attn_qkv": self._attn_qkv, "attn_out": self._attn_out,
+                            "dense_mlp": self._dense_mlp}
         self.pending_qkv: dict[str, tuple[torch.Tensor, ...]] = {}  # attn_qkv op -> this step's q, k, v
         self.attention_out: dict[str, torch.Tensor] = {}  # CPU attention / its h2d copy -> the heads' output
         self.on_cpu = {s for s, r in schedule.streams.items() if r == "cpu"}
@@ -341,10 +342,11 @@ class OpRunner:
         if not chunks:
             raise ExecutionError(f"op {op.id!r}: no KV cache stored for layer {op.layer} batch {op.batch}")
         if cuda:
-            shape = list(chunks[0][0].shape)
-            shape[2] = sum(c[0].shape[2] for c in chunks)
-            k = torch.empty(shape, dtype=chunks[0][0].dtype, device=self.device)
-            v = torch.empty(shape, dtype=chunks[0][1].dtype, device=self.device)
+            tokens = sum(c[0].shape[2] for c in chunks)  # K and V (MLA: latent and RoPE key) may differ in width
+            k = torch.empty([*chunks[0][0].shape[:2], tokens, chunks[0][0].shape[3]], dtype=chunks[0][0].dtype,
+                            device=self.device)
+            v = torch.empty([*chunks[0][1].shape[:2], tokens, chunks[0][1].shape[3]], dtype=chunks[0][1].dtype,
+                            device=self.device)
             at = 0
             for ck, cv in chunks:
                 width = ck.shape[2]
@@ -504,6 +506,12 @@ class OpRunner:
             self._store(name, chunk)
         if not op.alloc:
             self.pending_store[op.id] = chunk
+
+    def _dense_mlp(self, op: Op) -> None:
+        """A dense layer's MLP (DeepSeek's first layers), in the gate op's place: no routing, no experts."""
+        b = op.batch
+        z = kernels.rms_norm(self.h[b], self.resident[f"norm2/{op.layer}"], self.weights.rms_eps)
+        self.moe_out[b] = kernels.expert(z.reshape(-1, z.shape[-1]), self.weights_for(op, "gate"))
 
     def _gate(self, op: Op) -> None:
         b, layer = op.batch, op.layer

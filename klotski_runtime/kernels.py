@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,14 +27,6 @@ from klotski_sim.model import ModelSpec
 
 class WeightError(KlotskiError):
     """Weights that cannot be used for this model; the message says which file and tensor."""
-
-
-def refuse_unsupported(spec: ModelSpec) -> None:
-    """What the simulator models but these Mixtral-style kernels do not run yet: multi-head
-    latent attention, dense first layers."""
-    if spec.mla or spec.first_dense_layers:  # (shared experts run: the gate op computes them)
-        raise WeightError(f"model {spec.name!r}: the runtime's kernels are Mixtral-style (GQA attention, every layer "
-                          f"MoE); this model's MLA / dense first layers are simulated only")
 
 
 @dataclass
@@ -93,7 +86,6 @@ class WeightStore:
                seed: int = 0) -> "WeightStore":
         """Random weights of the true shapes. `layers` < spec.num_layers keeps only the first
         layers (a big model's schedule must then be built for that many layers)."""
-        refuse_unsupported(spec)
         L = spec.num_layers if layers is None else min(layers, spec.num_layers)
         WeightStore.check_fits(spec, L, dtype, "random weights")
         g = torch.Generator().manual_seed(seed)
@@ -106,7 +98,20 @@ class WeightStore:
         resident = {"embed": (torch.randn(spec.vocab_size, h, generator=g) * 0.02).to(dtype),
                     "lm_head": w(spec.vocab_size, h), "final_norm": torch.ones(h, dtype=dtype)}
         for layer in range(L):
-            tensors[("attention", layer)] = (w(qd, h), w(kvd, h), w(kvd, h), w(h, qd))
+            if spec.mla:
+                heads, qk = spec.num_heads, spec.qk_nope_dim + spec.qk_rope_dim
+                q = (w(spec.q_lora_rank, h), w(heads * qk, spec.q_lora_rank)) if spec.q_lora_rank else (w(heads * qk, h),)
+                tensors[("attention", layer)] = (*q, w(spec.kv_lora_rank + spec.qk_rope_dim, h),
+                                                 w(heads * (spec.qk_nope_dim + spec.v_head_dim), spec.kv_lora_rank),
+                                                 w(h, heads * spec.v_head_dim))
+            else:
+                tensors[("attention", layer)] = (w(qd, h), w(kvd, h), w(kvd, h), w(h, qd))
+            if not spec.is_moe(layer):  # a dense layer: its MLP is the gate op, no experts
+                df = spec.dense_ffn_size
+                tensors[("gate", layer)] = (w(df, h), w(df, h), w(h, df))
+                resident[f"norm1/{layer}"] = torch.ones(h, dtype=dtype)
+                resident[f"norm2/{layer}"] = torch.ones(h, dtype=dtype)
+                continue
             shared = [w(1, h)] if spec.num_shared_experts else []  # the shared experts' gate, then each expert
             for _ in range(spec.num_shared_experts):
                 sf = spec.shared_ffn_size
@@ -124,7 +129,9 @@ class WeightStore:
     def from_checkpoint(path: str | Path, spec: ModelSpec, dtype: torch.dtype = torch.bfloat16,
                         layers: int | None = None) -> "WeightStore":
         """Read a local Mixtral checkpoint (config.json + *.safetensors) tensor by tensor."""
-        refuse_unsupported(spec)
+        if spec.mla or spec.first_dense_layers or spec.num_shared_experts:
+            raise WeightError(f"model {spec.name!r}: checkpoints are read in Mixtral's layout; this model's MLA, "
+                              f"dense or shared-expert weights run with random weights only")
         from safetensors import safe_open
 
         path = Path(path)
@@ -237,6 +244,8 @@ def attention(x: torch.Tensor, weights: tuple[torch.Tensor, ...], norm: torch.Te
     `past` lists earlier chunks of this batch's KV cache, oldest first. `impl`: `fused` is one
     scaled_dot_product_attention reading the KV heads as they are (GQA); `eager` is transformers'
     eager path: repeat_kv copies, QK^T * scale, causal mask, fp32 softmax, AV, transpose back."""
+    if spec.mla:
+        return mla_attention(x, weights, norm, past, pos0, spec, theta, eps)
     wq, wk, wv, wo = weights
     B, T, _ = x.shape
     H, KVH, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -263,6 +272,43 @@ def attention(x: torch.Tensor, weights: tuple[torch.Tensor, ...], norm: torch.Te
         raise ValueError(f"attention impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
     out = out.transpose(1, 2).reshape(B, T, H * hd)
     return x + F.linear(out, wo), (k, v)
+
+
+def kv_chunk(spec: ModelSpec, batch: int, tokens: int, dtype: torch.dtype, device: Any = "cpu") -> tuple:
+    """A random KV-cache chunk of `tokens` tokens in the layout attention stores: (k, v) per KV head,
+    or MLA's (latent, shared RoPE key) — `spec.kv_bytes_per_token()` bytes a token either way."""
+    if spec.mla:
+        return (torch.randn(batch, 1, tokens, spec.kv_lora_rank, dtype=dtype, device=device),
+                torch.randn(batch, 1, tokens, spec.qk_rope_dim, dtype=dtype, device=device))
+    shape = (batch, spec.num_kv_heads, tokens, spec.head_dim)
+    return torch.randn(*shape, dtype=dtype, device=device), torch.randn(*shape, dtype=dtype, device=device)
+
+
+def mla_attention(x: torch.Tensor, weights: tuple[torch.Tensor, ...], norm: torch.Tensor, past: list[tuple],
+                  pos0: int, spec: ModelSpec, theta: float, eps: float) -> tuple[torch.Tensor, tuple]:
+    """DeepSeek's multi-head latent attention, the cache holding the normalised latent and the
+    shared RoPE key (what `spec.kv_bytes_per_token` counts); keys and values are re-expanded from
+    the latent each step (the non-absorbed form). Weights: (wq) or (wq_a, wq_b), wkv_a, wkv_b, wo;
+    the q and kv RMSNorms are unit vectors here (random weights)."""
+    B, T, _ = x.shape
+    H, nope, rope_d, vd, r = spec.num_heads, spec.qk_nope_dim, spec.qk_rope_dim, spec.v_head_dim, spec.kv_lora_rank
+    *wq, wkv_a, wkv_b, wo = weights
+    hs = rms_norm(x, norm, eps)
+    q = F.linear(rms_norm(F.linear(hs, wq[0]), torch.ones(wq[0].shape[0], dtype=hs.dtype, device=hs.device), eps),
+                 wq[1]) if len(wq) == 2 else F.linear(hs, wq[0])
+    q = q.view(B, T, H, nope + rope_d).transpose(1, 2)
+    kv = F.linear(hs, wkv_a)
+    latent = rms_norm(kv[..., :r], torch.ones(r, dtype=hs.dtype, device=hs.device), eps).unsqueeze(1)  # [B,1,T,r]
+    positions = torch.arange(pos0, pos0 + T, device=x.device)
+    k_pe = rope(kv[..., r:].unsqueeze(1), positions, theta)  # [B,1,T,rope]
+    q = torch.cat([q[..., :nope], rope(q[..., nope:], positions, theta)], dim=-1)
+    latents = torch.cat([c[0] for c in past] + [latent], dim=2)
+    k_pes = torch.cat([c[1] for c in past] + [k_pe], dim=2)
+    total = latents.shape[2]
+    expanded = F.linear(latents.squeeze(1), wkv_b).view(B, total, H, nope + vd).transpose(1, 2)
+    keys = torch.cat([expanded[..., :nope], k_pes.expand(B, H, total, rope_d)], dim=-1)
+    out = F.scaled_dot_product_attention(q, keys, expanded[..., nope:], is_causal=T > 1 and not past)
+    return x + F.linear(out.transpose(1, 2).reshape(B, T, H * vd), wo), (latent, k_pe)
 
 
 # ---- attention split between GPU and CPU (option attention_device=cpu) -----------------------------

@@ -36,6 +36,7 @@ KERNELS_PER_OP: dict[str, int] = {
     "dequant": 4,  # HQQ dequantize: unpack the codes, subtract the zeros, multiply by the scales, reshape + cast
     "attn_qkv": 7,  # attention on the CPU, GPU side: input RMSNorm, q/k/v, RoPE on q and k, the copy out
     "attn_out": 3,  # ... the copy in, o, residual
+    "dense_mlp": 6,  # a dense layer's MLP: post-attention RMSNorm, w1, w3, SiLU*mul, w2, residual
 }
 
 

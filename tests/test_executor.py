@@ -279,3 +279,30 @@ def test_shared_experts_run_in_the_gate_op_with_the_bytes_the_simulator_counts()
     schedule = build_schedule("klotski", inp)
     tl, runner = execute(schedule, spec, weights, inp.routing)
     assert len(tl) == len(schedule) and runner.in_use == runner.buffer_bytes.get("resident", 0)
+
+
+def test_a_deepseek_shaped_model_runs_mla_dense_and_shared_experts_with_the_simulated_bytes():
+    """A small DeepSeek shape (first layer dense, MLA, shared experts): the runtime's weights are
+    exactly the bytes the simulator counts, and every policy, with the KV cache on the GPU or in host
+    memory, computes the same logits (the schedules move latent KV chunks, not per-head K and V)."""
+    from dataclasses import replace
+
+    spec = replace(get_model("deepseek-v2-lite"), name="mini-deepseek", num_layers=3, hidden_size=256, ffn_size=64,
+                   dense_ffn_size=512, num_heads=4, num_kv_heads=4, head_dim=48, vocab_size=512, kv_lora_rank=64,
+                   qk_rope_dim=16, qk_nope_dim=32, v_head_dim=32, shared_ffn_size=64)
+    weights = WeightStore.random(spec, dtype=torch.float32)
+    assert sum(t.numel() for t in weights.get("attention", 0)) == spec.attention_params()
+    for layer in (0, 1):
+        assert sum(t.numel() for t in weights.get("gate", layer)) * spec.dtype_bytes == spec.gate_bytes(layer)
+    reference = None
+    for kv in ("gpu", "cpu"):
+        for policy in ("klotski", "single-batch", "flexgen"):
+            inp = _input(Placement(kv=kv), model=spec, n=2, bs=2, P=5, G=3)
+            schedule = build_schedule(policy, inp)
+            assert not [o for o in schedule.ops if o.layer == 0 and o.category == "expert"]
+            tl, runner = execute(schedule, spec, weights, inp.routing, ExecOptions(record_logits=True))
+            reference = reference or runner.logits
+            for key, logits in reference.items():
+                torch.testing.assert_close(runner.logits[key], logits, atol=1e-4, rtol=1e-4)
+            kv_moves = [o.bytes for o in schedule.ops if o.tensor == "kv" and o.stream == "d2h_kv"]
+            assert all(b % spec.kv_bytes_per_token() == 0 for b in kv_moves)

@@ -470,7 +470,8 @@ class OpEmitter:
     def gate(self, op_id: str, step: int, layer: int, batch: int, deps: Iterable[str | None] = (),
              free: tuple[str, ...] = ()) -> str:
         tokens = self._new_tokens(step) * self.shape.batch_size
-        return self.b.compute(op_id, "gate", deps, flops=self.model.gate_flops(tokens, layer),
+        category = "gate" if self.model.is_moe(layer) else "dense_mlp"  # a dense layer's MLP takes the gate's place
+        return self.b.compute(op_id, category, deps, flops=self.model.gate_flops(tokens, layer),
                               bytes=self.model.gate_io_bytes(tokens, layer), step=step, phase=self.phase(step),
                               layer=layer, batches=(batch,), tokens=tokens, free=tuple(free))
 
