@@ -101,7 +101,7 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
         expert = kernels.dequantise_expert(packed, spec, dtype)
     norm = w.resident["norm1/0"].to(dev)
     embed_t, head_t, final = (w.resident[k].to(dev) for k in ("embed", "lm_head", "final_norm"))
-    h, kvh, hd = spec.hidden_size, spec.num_kv_heads, spec.head_dim
+    h = spec.hidden_size
     batch_sizes, prompt_lens = sorted(set(batch_sizes)), sorted(set(prompt_lens))
     kv_lens = sorted(set(kv_lens or [p + d for p in prompt_lens for d in (1, 16)]))
     measured: dict[str, list[dict]] = {k: [] for k in ("gate", "expert", "embed", "lm_head")}
