@@ -28,7 +28,7 @@ from .policies.plugins import load_for_command_line
 from .runner import RunResult, RunSpec, policy_batches, prepare, run
 from .timeline import Summary, jsonable
 from .trace import Trace, import_jsonl
-from .trace_stats import format_stats, layer_stats
+from .trace_stats import format_stats, layer_stats, token_subset
 from .trace_synth import synthesize
 
 GIB = 2**30
@@ -408,7 +408,7 @@ def cmd_trace_synth(args: argparse.Namespace) -> int:
 
 
 def cmd_trace_stats(args: argparse.Namespace) -> int:
-    trace = Trace.load(args.file)
+    trace = token_subset(Trace.load(args.file), args.tokens)
     df = layer_stats(trace)
     print(format_stats(trace, df))
     if args.csv:
@@ -461,6 +461,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = tp.add_parser("stats", help="per-layer statistics: popularity, stickiness, layer correlation, group skew")
     p.add_argument("file", help="a routing trace (.npz)")
     p.add_argument("--csv", metavar="FILE", help="also write the per-layer table as CSV")
+    p.add_argument("--tokens", choices=["all", "prompt", "generated"], default="all",
+                   help="measure all tokens, the prompts' or the generated ones (default: %(default)s)")
     p.set_defaults(func=cmd_trace_stats)
     p = tp.add_parser("import", help="convert a JSON-lines routing log (one record per token per layer) to a trace")
     p.add_argument("file", help="JSON lines, one record per token and layer: seq_id, token_idx, layer, experts "

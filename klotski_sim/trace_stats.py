@@ -15,6 +15,31 @@ from .trace import Trace, TraceError
 
 GROUP_BATCH_SIZE = 16
 GROUP_NS = (1, 4, 16)
+SHUFFLES = 3  # permutations averaged for the MI baseline
+TOKEN_SETS = ("all", "prompt", "generated")
+
+
+def token_subset(trace: Trace, tokens: str) -> Trace:
+    """The trace restricted to its prompt tokens, its generated tokens, or all of them (prefill and
+    decode route differently: a prompt's tokens are seen at once, generated ones one by one)."""
+    if tokens == "all":
+        return trace
+    if tokens not in TOKEN_SETS:
+        raise TraceError(f"--tokens must be one of {', '.join(TOKEN_SETS)}, got {tokens!r}")
+    rows, lengths = [], []
+    for i in range(trace.num_sequences):
+        start, end, prompt = int(trace.seq_offsets[i]), int(trace.seq_offsets[i + 1]), int(trace.prompt_lens[i])
+        lo, hi = (start, start + prompt) if tokens == "prompt" else (start + prompt, end)
+        if hi > lo:
+            rows.append(np.arange(lo, hi))
+            lengths.append(hi - lo)
+    if not rows:
+        raise TraceError(f"the trace holds no {tokens} tokens")
+    idx = np.concatenate(rows)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    prompt_lens = np.array(lengths if tokens == "prompt" else [0] * len(lengths), dtype=np.int32)
+    return Trace(trace.experts[idx], offsets, prompt_lens, {**trace.meta, "tokens": tokens},
+                 trace.weights[idx] if trace.weights is not None else None)
 
 
 def popularity(trace: Trace) -> pd.DataFrame:
@@ -30,6 +55,13 @@ def popularity(trace: Trace) -> pd.DataFrame:
 def _entropy_bits(p: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):
         return -np.nansum(np.where(p > 0, p * np.log2(p), 0.0), axis=-1)
+
+
+def _shuffled_mi_bits(a: np.ndarray, b: np.ndarray, E: int, seed: int = 0) -> float:
+    """The plug-in MI of `a` against shuffled `b`: what independent choices read at this sample
+    size (the plug-in estimate is biased upwards by about (E-1)^2 / (2 n ln 2) bits)."""
+    rng = np.random.default_rng(seed)
+    return float(np.mean([_mutual_information_bits(a, rng.permutation(b), E)[0] for _ in range(SHUFFLES)]))
 
 
 def _mutual_information_bits(a: np.ndarray, b: np.ndarray, E: int) -> tuple[float, float]:
@@ -91,9 +123,12 @@ def layer_stats(trace: Trace, group_batch_size: int = GROUP_BATCH_SIZE,
             row["stick_top1"] = row["stick_any"] = float("nan")
         if layer + 1 < L:
             mi, acc = _mutual_information_bits(first[:, layer], first[:, layer + 1], E)
+            baseline = _shuffled_mi_bits(first[:, layer], first[:, layer + 1], E, seed=layer)
         else:
-            mi, acc = float("nan"), float("nan")
+            mi, acc, baseline = float("nan"), float("nan"), float("nan")
         row["mi_next_bits"] = mi
+        row["mi_next_shuffled_bits"] = baseline  # independence at this sample size
+        row["mi_next_excess_bits"] = mi - baseline  # the information beyond the small-sample bias
         row["next_top1_acc"] = acc
         # the shipped real measurements pair layers 7 apart (0-7, 7-15)
         row["mi_skip7_bits"] = (_mutual_information_bits(first[:, layer], first[:, layer + 7], E)[0]
@@ -101,16 +136,19 @@ def layer_stats(trace: Trace, group_batch_size: int = GROUP_BATCH_SIZE,
         rows.append(row)
     df = pd.DataFrame(rows, index=pd.RangeIndex(L, name="layer"))
 
-    # groups of n x bs sequences at the same token position
-    usable = int(lengths.min()) if trace.num_sequences else 0
+    # groups of n x bs sequences at the same token position: the longest sequences first, so one
+    # short sequence does not truncate every group
+    longest = np.argsort(-lengths, kind="stable")
     for n in group_ns:
         size = n * group_batch_size
         groups = trace.num_sequences // size
+        chosen = np.sort(longest[:groups * size])
+        usable = int(lengths[chosen].min()) if groups else 0
         if groups == 0 or usable == 0:
             df[f"hot_share_n{n}"] = np.nan
             df[f"active_n{n}"] = np.nan
             continue
-        idx = off[:groups * size, None] + np.arange(usable)[None, :]  # [seqs, positions]
+        idx = off[chosen, None] + np.arange(usable)[None, :]  # [seqs, positions]
         sel = ex[idx]  # [seqs, pos, L, k]
         sel = sel.reshape(groups, size, usable, L, k).transpose(0, 2, 3, 1, 4).reshape(groups * usable * L, size * k)
         base = (np.arange(len(sel)) * E)[:, None]
@@ -142,7 +180,15 @@ def format_stats(trace: Trace, df: pd.DataFrame | None = None) -> str:
     random_top1 = 1 / trace.num_experts
     # a uniform router spreads each layer's choices evenly: every expert's share is 1/E
     lines.append(f"uniform routing would give: max_share {1 / trace.num_experts:.3f}, "
-                 f"stick_top1 {random_top1:.3f}, mi_next_bits 0 (before the small-sample bias)")
+                 f"stick_top1 {random_top1:.3f}, mi_next_bits = mi_next_shuffled_bits (its small-sample bias), "
+                 f"so mi_next_excess_bits ~ 0")
+    if m.get("tokens", "all") != "all":
+        lines.append(f"tokens: {m['tokens']} only")
+    for n in GROUP_NS:
+        need = n * GROUP_BATCH_SIZE
+        if trace.num_sequences < need:
+            lines.append(f"hot_share_n{n}, active_n{n}: not measured — a group of n = {n} batches of "
+                         f"{GROUP_BATCH_SIZE} needs {need} sequences, the trace has {trace.num_sequences}")
     shown = df if len(df) <= 16 else df.iloc[np.unique(np.linspace(0, len(df) - 1, 8).astype(int))]
     table = pd.concat([shown, df.mean().to_frame("mean").T])
     with pd.option_context("display.width", 200, "display.max_columns", 30, "display.float_format", "{:.3f}".format):

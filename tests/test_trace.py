@@ -11,6 +11,8 @@ from klotski_sim.trace import Trace, TraceError, import_jsonl, replay
 from klotski_sim.trace_stats import layer_stats, summary
 from klotski_sim.trace_synth import synthesize
 
+from .conftest import run_cli
+
 TINY = get_model("tiny-mixtral")
 MIXTRAL = get_model("mixtral-8x7b")
 
@@ -176,3 +178,48 @@ def test_trace_cache_serves_the_same_trace_and_survives_a_bad_file(tmp_path, mon
     monkeypatch.setenv("KLOTSKI_CACHE_DIR", "off")
     cached_trace(m, "calibrated", 7, 5, 6, 3, make)
     assert len(calls) == 3
+
+
+def test_mutual_information_is_reported_against_a_shuffled_baseline():
+    from klotski_sim.model import get_model
+    from klotski_sim.trace_stats import layer_stats
+    from klotski_sim.trace_synth import synthesize
+
+    uniform = layer_stats(synthesize(get_model("mixtral-8x7b"), 40, 32, 8, "uniform", 0))
+    assert uniform["mi_next_bits"].mean() > 0.01  # the plug-in estimate reads information that is not there
+    assert abs(uniform["mi_next_excess_bits"].mean()) < 0.005  # the baseline removes it
+
+
+def test_one_short_sequence_does_not_truncate_the_groups():
+    import numpy as np
+
+    from klotski_sim.trace import Trace
+    from klotski_sim.trace_stats import layer_stats
+
+    rng = np.random.default_rng(0)
+    lengths = [20] * 16 + [2]
+    experts = rng.integers(0, 8, size=(sum(lengths), 4, 2)).astype(np.int16)
+    experts[:, :, 1] = (experts[:, :, 0] + 1) % 8
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    meta = {"model": "x", "num_experts": 8, "top_k": 2, "num_layers": 4}
+    with_short = Trace(experts, offsets, np.full(17, 2, dtype=np.int32), meta)
+    without = Trace(experts[: 16 * 20], offsets[:17], np.full(16, 2, dtype=np.int32), meta)
+    a, b = layer_stats(with_short), layer_stats(without)
+    assert np.allclose(a["hot_share_n1"], b["hot_share_n1"]) and np.allclose(a["active_n1"], b["active_n1"])
+
+
+def test_prompt_and_generated_tokens_are_measured_apart(tmp_path):
+    from klotski_sim.model import get_model
+    from klotski_sim.trace_stats import token_subset
+    from klotski_sim.trace_synth import synthesize
+
+    trace = synthesize(get_model("tiny-mixtral"), 6, 10, 5, "calibrated", 0)
+    prompt, generated = token_subset(trace, "prompt"), token_subset(trace, "generated")
+    assert len(prompt.experts) + len(generated.experts) == len(trace.experts)
+    assert (prompt.lengths == 10).all() and (generated.prompt_lens == 0).all()
+    path = tmp_path / "t.npz"
+    trace.save(path)
+    code, out, err = run_cli("trace", "stats", str(path), "--tokens", "generated")
+    assert code == 0 and "tokens: generated only" in out and "not measured — a group of n = 1" in out
+    code, out, err = run_cli("trace", "stats", str(path), "--tokens", "decode")
+    assert code == 2 and err.count("\n") == 1
