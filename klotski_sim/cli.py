@@ -418,7 +418,9 @@ def cmd_trace_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_trace_import(args: argparse.Namespace) -> int:
-    trace, problems = import_jsonl(args.file, num_experts=args.num_experts, model=args.model or "unknown")
+    trace, problems = import_jsonl(args.file, num_experts=args.num_experts, model=args.model or "unknown",
+                                   key_fields=tuple(args.key) if args.key else None, holes=args.holes,
+                                   source=args.source, license=args.license, dataset=args.dataset)
     for line in problems:
         print(f"warning: {line}", file=sys.stderr)
     if args.model:
@@ -470,6 +472,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="FILE", help="output .npz (default: FILE with .npz)")
     p.add_argument("--model", choices=sorted(PRESETS), help="check the log against this model and record its name")
     p.add_argument("--num-experts", type=positive_int, help="experts per layer (default: the largest id + 1)")
+    p.add_argument("--key", action="append", metavar="FIELD",
+                   help="a record field that, with the sequence id, names a sequence (repeatable; default: "
+                        "dataset, when the records carry it), so ids of two datasets never merge")
+    p.add_argument("--holes", choices=["cut", "longest"], default="cut",
+                   help="a sequence with missing (token, layer) records: cut it before its first hole, or keep "
+                        "its longest run of complete tokens (default: %(default)s)")
+    p.add_argument("--source", help="where the log comes from (recorded in the trace; default: the file name)")
+    p.add_argument("--license", help="the license of the routing data (recorded in the trace; default: unknown)")
+    p.add_argument("--dataset", help="the dataset it was recorded on (recorded in the trace; default: unknown)")
     p.set_defaults(func=cmd_trace_import)
 
     p = sub.add_parser("compare", help="the main job: the ablation ladder, Klotski's oracle and FlexGen on one "

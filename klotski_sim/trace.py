@@ -253,15 +253,23 @@ def replay(trace: Trace, model: ModelSpec, shape: RunShape, *, warmup_sequences:
 
 # ---- import -------------------------------------------------------------------------------------
 def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str = "unknown",
-                 prompt_len_field: str = "prompt_len") -> tuple[Trace, list[str]]:
+                 prompt_len_field: str = "prompt_len", key_fields: tuple[str, ...] | None = None,
+                 holes: str = "cut", source: str | None = None, license: str | None = None,
+                 dataset: str | None = None) -> tuple[Trace, list[str]]:
     """Read a JSON-lines routing log, one record per token per layer, e.g.
 
         {"seq_id": 3, "token_idx": 17, "layer": 5, "experts": [1, 6], "gating_probs": [0.7, 0.3]}
 
     (`request_id`/`sequence_id`, `token_id`/`position`, `expert_ids`/`topk_ids`,
     `weights`/`topk_weights` are accepted too). Returns the trace and a list of problems found;
-    missing (token, layer) entries are reported and that sequence is cut before the first hole,
-    never filled in."""
+    missing (token, layer) entries are reported and never filled in: the sequence is cut before its
+    first hole (`holes="cut"`) or keeps its longest run of complete tokens (`holes="longest"`).
+
+    A sequence is identified by its id *and* `key_fields` (default: `dataset` when the records
+    carry it), so integer ids from two datasets in one log never merge. `source`, `license` and
+    `dataset` are the trace's provenance (recorded in its metadata)."""
+    if holes not in ("cut", "longest"):
+        raise TraceError(f"holes must be cut or longest, got {holes!r}")
     path = Path(path)
     alias = {"seq": ("seq_id", "sequence_id", "request_id", "seq", "req_id"),
              "tok": ("token_idx", "token_index", "position", "token_id", "pos"),
@@ -278,6 +286,8 @@ def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str
         return None
 
     records: dict[Any, dict[tuple[int, int], tuple[list[int], list[float] | None]]] = {}
+    first_line: dict[Any, int] = {}  # sequence -> the line it starts on (errors after parsing name it)
+    max_id, max_id_line = -1, 0
     duplicates: list[str] = []
     prompt_lens: dict[Any, int] = {}
     top_k = None
@@ -309,6 +319,19 @@ def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str
                              f"from 0 to {MAX_IMPORT_INDEX - 1}, got token {tok} layer {layer}")
         if not isinstance(seq, (int, str)) or isinstance(seq, bool):
             raise TraceError(f"{path}:{lineno}: the sequence id must be an integer or a string, got {seq!r}")
+        if key_fields is None:  # decided on the first record: a dataset field namespaces the ids
+            key_fields = ("dataset",) if "dataset" in rec else ()
+        namespace = []
+        for field_name in key_fields:
+            value = rec.get(field_name)
+            if not isinstance(value, (int, str)) or isinstance(value, bool):
+                raise TraceError(f"{path}:{lineno}: key field {field_name!r} must be an integer or a string in every "
+                                 f"record, got {value!r}")
+            namespace.append(value)
+        seq = (*namespace, seq) if namespace else seq
+        first_line.setdefault(seq, lineno)
+        if max(experts) > max_id:
+            max_id, max_id_line = max(experts), lineno
         if weights is not None and (not isinstance(weights, list) or len(weights) != len(experts)
                                     or not all(isinstance(w, (int, float)) for w in weights)):
             raise TraceError(f"{path}:{lineno}: gate weights must be a list of numbers, one per expert")
@@ -329,10 +352,9 @@ def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str
     if not records:
         raise TraceError(f"{path}: no records")
     num_layers = 1 + max(layer for seq in records.values() for (_, layer) in seq)
-    max_id = max(e for seq in records.values() for ex, _ in seq.values() for e in ex)
     n_exp = num_experts if num_experts is not None else max_id + 1
     if max_id >= n_exp:
-        raise TraceError(f"{path}: expert id {max_id} is out of range for --num-experts {n_exp}")
+        raise TraceError(f"{path}:{max_id_line}: expert id {max_id} is out of range for --num-experts {n_exp}")
     problems: list[str] = duplicates[:20] + ([f"... and {len(duplicates) - 20} more duplicated records"]
                                              if len(duplicates) > 20 else [])
     experts_out, weights_out, lengths, plens = [], [], [], []
@@ -343,24 +365,39 @@ def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str
         # the first token with a layer missing (counting, not listing, the holes: a log of a few
         # records at absurd positions must not allocate their square)
         usable = next((t for t in range(max_tok + 1) if per_token.get(t, 0) < num_layers), max_tok + 1)
+        start = 0
         missing = (max_tok + 1) * num_layers - len(table)
+        if missing and holes == "longest":  # the longest run of complete tokens (complete ones are few)
+            complete = sorted(t for t, c in per_token.items() if c == num_layers)
+            best, run_start = (0, 0), None
+            for i, t in enumerate(complete):
+                if run_start is None or t != complete[i - 1] + 1:
+                    run_start = t
+                if t + 1 - run_start > best[1] - best[0]:
+                    best = (run_start, t + 1)
+            start, usable = best
         if missing:
-            layer = next(layer for layer in range(num_layers) if (usable, layer) not in table)
-            problems.append(f"sequence {seq!r}: {missing} missing (token, layer) entries, first at token "
-                            f"{usable} layer {layer}; kept its first {usable} tokens")
-        if usable == 0:
+            first_hole = next(t for t in range(max_tok + 1) if per_token.get(t, 0) < num_layers)
+            layer = next(layer for layer in range(num_layers) if (first_hole, layer) not in table)
+            kept = (f"kept its first {usable} tokens" if holes == "cut" else
+                    f"kept its longest complete run, tokens {start}-{usable - 1}")
+            problems.append(f"{path}:{first_line[seq]}: sequence {seq!r}: {missing} missing (token, layer) entries, "
+                            f"first at token {first_hole} layer {layer}; {kept}")
+        if usable - start <= 0:
             continue
-        experts_out.append(np.array([[table[(t, layer)][0] for layer in range(num_layers)] for t in range(usable)]))
+        span = range(start, usable)
+        experts_out.append(np.array([[table[(t, layer)][0] for layer in range(num_layers)] for t in span]))
         if has_weights:
             weights_out.append(np.array([[table[(t, layer)][1] for layer in range(num_layers)]
-                                         for t in range(usable)], dtype=np.float16))
-        lengths.append(usable)
-        plens.append(min(prompt_lens.get(seq, usable), usable))
+                                         for t in span], dtype=np.float16))
+        lengths.append(usable - start)
+        plens.append(max(0, min(prompt_lens.get(seq, usable), usable) - start))
     if not experts_out:
         raise TraceError(f"{path}: no sequence has a complete first token")
     meta = {"model": model, "num_experts": int(n_exp), "top_k": int(top_k), "num_layers": int(num_layers),
-            "dataset": "unknown", "recorder": f"imported from {path.name} (JSON lines)", "license": "unknown",
-            "source": f"import:{path.name}"}
+            "dataset": dataset or "unknown", "recorder": f"imported from {path.name} (JSON lines)",
+            "license": license or "unknown", "source": source or f"import:{path.name}",
+            "sequence_key": [*(key_fields or ()), "sequence id"]}
     trace = Trace(np.concatenate(experts_out).astype(np.int16),
                   np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
                   np.asarray(plens, dtype=np.int32), meta,

@@ -223,3 +223,44 @@ def test_prompt_and_generated_tokens_are_measured_apart(tmp_path):
     assert code == 0 and "tokens: generated only" in out and "not measured — a group of n = 1" in out
     code, out, err = run_cli("trace", "stats", str(path), "--tokens", "decode")
     assert code == 2 and err.count("\n") == 1
+
+
+def _log(tmp_path, records):
+    path = tmp_path / "log.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return path
+
+
+def test_sequence_ids_of_two_datasets_never_merge(tmp_path):
+    records = [{"dataset": d, "seq_id": s, "token_idx": t, "layer": l, "experts": [0, 1]}
+               for d in ("a", "b") for s in (0, 1) for t in range(3) for l in range(2)]
+    trace, problems = import_jsonl(_log(tmp_path, records))
+    assert trace.num_sequences == 4 and not problems
+    assert trace.meta["sequence_key"] == ["dataset", "sequence id"]
+    merged = [dict(r, shard=r.pop("dataset")) for r in records]  # another field name: say which with --key
+    assert import_jsonl(_log(tmp_path, merged), key_fields=("shard",))[0].num_sequences == 4
+    with pytest.raises(TraceError, match=r"log.jsonl:1: key field 'corpus'"):
+        import_jsonl(_log(tmp_path, merged), key_fields=("corpus",))
+
+
+def test_holes_cut_or_keep_the_longest_complete_run(tmp_path):
+    records = [{"seq_id": 0, "token_idx": t, "layer": l, "experts": [0, 1], "prompt_len": 4}
+               for t in range(10) for l in range(2) if not (t == 2 and l == 1)]
+    cut, problems = import_jsonl(_log(tmp_path, records))
+    assert cut.lengths.tolist() == [2] and "first at token 2 layer 1" in problems[0] and "log.jsonl:1:" in problems[0]
+    longest, problems = import_jsonl(_log(tmp_path, records), holes="longest")
+    assert longest.lengths.tolist() == [7] and "tokens 3-9" in problems[0]
+    assert longest.prompt_lens.tolist() == [1]  # tokens 3..9: one of them was prompt
+
+
+def test_provenance_flags_and_late_errors_name_the_line(tmp_path):
+    records = [{"seq_id": 0, "token_idx": t, "layer": 0, "experts": [t + 1, 0]} for t in range(3)]
+    path = _log(tmp_path, records)
+    code, out, err = run_cli("trace", "import", str(path), "--source", "vLLM --enable-return-routed-experts",
+                             "--license", "CC-BY-4.0", "--dataset", "ShareGPT", "--out", str(tmp_path / "t.npz"))
+    assert code == 0, err
+    meta = Trace.load(tmp_path / "t.npz").meta
+    assert (meta["source"], meta["license"], meta["dataset"]) == ("vLLM --enable-return-routed-experts", "CC-BY-4.0",
+                                                                  "ShareGPT")
+    with pytest.raises(TraceError, match=r"log.jsonl:3: expert id 3 is out of range for --num-experts 3"):
+        import_jsonl(path, num_experts=3)
