@@ -1,7 +1,10 @@
 """Pipeline Gantt charts: one lane per stream, colour by op category, GPU bubbles in red.
 
-Drawn with one `broken_barh` call per (lane, category), so a timeline of 100k ops still plots in
-about a second.
+Honest at any zoom: each lane is drawn in about 2,000 bins, and in every bin each category gets
+a bar exactly as long as the time it was busy there (stacked, left-aligned), so a lane that is 5%
+busy looks 5% filled however many short ops it holds — nothing is merged into a solid block. One
+`broken_barh` call per (lane, category): a timeline of 100k ops still plots in about a second.
+Long axes are in seconds, short ones in milliseconds.
 """
 
 from __future__ import annotations
@@ -20,14 +23,21 @@ CATEGORY_COLORS: dict[str, str] = {
     "gate": "#8172B2",
     "expert": "#55A868",
     "embed": "#937860",
-    "lm_head": "#937860",
+    "lm_head": "#3B3B3B",
     "weights": "#DD8452",
     "hot_expert": "#C44E52",
     "cold_expert": "#DA8BC3",
     "moe_weights": "#CCB974",
     "kv": "#64B5CD",
     "hidden": "#8C8C8C",
+    "activation": "#17BECF",
+    "dequant": "#BCBD22",
+    "attn_qkv": "#6A8FC8",
+    "attn_out": "#2F4F8F",
+    "dense_mlp": "#2CA02C",
+    "combine": "#B0B0B0",
 }
+BINS = 2000  # about a pixel at our figure widths
 
 
 def _color(category: str) -> str:
@@ -40,17 +50,21 @@ def draw_timeline(ax: plt.Axes, timeline: Timeline, window: tuple[float, float] 
     c = timeline.columns
     lanes = list(streams or timeline.streams())
     t0, t1 = window if window else (0.0, timeline.makespan)
-    tolerance = (t1 - t0) / 4000  # about a pixel at our figure widths
+    scale, unit = time_unit(t1 - t0)
+    edges = np.linspace(t0, t1, BINS + 1)
     drawn: list[str] = []
     for lane, stream in enumerate(lanes):
         mask = (c["stream"] == stream) & (c["end"] >= t0) & (c["start"] <= t1)
         cats = c["category"][mask]
         starts, ends = c["start"][mask], c["end"][mask]
+        filled = np.zeros(BINS)  # busy time already drawn in each bin (by earlier categories)
         for cat in dict.fromkeys(cats):
             sel = cats == cat
-            bs, be = merge_intervals(starts[sel], ends[sel], tolerance)
-            bars = list(zip(bs * 1e3, np.maximum(be - bs, 0) * 1e3))
+            busy = busy_per_bin(starts[sel], ends[sel], edges)
+            keep = busy > 0
+            bars = list(zip((edges[:-1][keep] + filled[keep]) * scale, busy[keep] * scale))
             ax.broken_barh(bars, (lane - 0.38, 0.76), facecolors=_color(cat), edgecolor="none")
+            filled += busy
             if cat not in drawn:
                 drawn.append(cat)
     if show_bubbles and "compute" in lanes:
@@ -58,16 +72,37 @@ def draw_timeline(ax: plt.Axes, timeline: Timeline, window: tuple[float, float] 
         if len(bub):
             bub = bub[(bub["end"] >= t0) & (bub["start"] <= t1)]
             lane = lanes.index("compute")
-            bs, be = merge_intervals(bub["start"].to_numpy(), bub["end"].to_numpy(), tolerance)
-            bars = list(zip(bs * 1e3, (be - bs) * 1e3))
+            bs, be = merge_intervals(bub["start"].to_numpy(), bub["end"].to_numpy(), 0.0)
+            bars = list(zip(bs * scale, (be - bs) * scale))
             ax.broken_barh(bars, (lane - 0.45, 0.9), facecolors=(0.894, 0.102, 0.110, 0.22),
                            edgecolor="none")
     ax.set_yticks(range(len(lanes)), lanes)
     ax.set_ylim(len(lanes) - 0.5, -0.5)
-    ax.set_xlim(t0 * 1e3, t1 * 1e3)
-    ax.set_xlabel("time (ms)")
+    ax.set_xlim(t0 * scale, t1 * scale)
+    ax.set_xlabel(f"time ({unit})")
     ax.grid(axis="x", alpha=0.3)
     return drawn
+
+
+def time_unit(span_s: float) -> tuple[float, str]:
+    """Seconds on axes longer than two seconds, milliseconds below."""
+    return (1.0, "s") if span_s > 2.0 else (1e3, "ms")
+
+
+def busy_per_bin(starts: np.ndarray, ends: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """Busy time of the union of [start, end) intervals inside each bin between `edges`: the
+    increments of the busy-time-so-far function at the bin edges."""
+    bs, be = merge_intervals(starts, ends, 0.0)
+    if not len(bs):
+        return np.zeros(len(edges) - 1)
+    cum = np.concatenate([[0.0], np.cumsum(be - bs)])  # busy time before each interval starts
+
+    def busy_before(t: np.ndarray) -> np.ndarray:
+        k = np.searchsorted(bs, t, side="right")  # intervals starting at or before t
+        inside = np.where(k > 0, np.clip(t - bs[np.maximum(k - 1, 0)], 0, (be - bs)[np.maximum(k - 1, 0)]), 0.0)
+        return cum[np.maximum(k - 1, 0)] * (k > 0) + inside
+
+    return np.diff(busy_before(edges))
 
 
 def legend(fig: plt.Figure, categories: Sequence[str]) -> None:
@@ -130,8 +165,10 @@ def compare_gantt(timelines: Mapping[str, Timeline], path: str | Path | None = N
         axes[row][0].set_title(f"{name}{status}: {s.throughput_tok_s:.2f} tok/s, makespan {s.makespan_s:.2f} s, "
                                f"bubbles inter {s.bubble_inter_s:.2f} s / intra {s.bubble_intra_s:.2f} s",
                                fontsize=9, loc="left")
-        if zoom:
-            window = moe_block_window(tl, *zoom)
-            draw_timeline(axes[row][1], tl, window)
-            axes[row][1].set_title(f"step {zoom[0]}, layer {zoom[1]} (zoom)", fontsize=9, loc="left")
+        if zoom:  # every zoom panel on one scale: as wide as the longest of the blocks
+            windows = {n: moe_block_window(timelines[n], *zoom) for n in names}
+            width = max(b - a for a, b in windows.values())
+            start = windows[name][0]
+            draw_timeline(axes[row][1], tl, (start, start + width))
+            axes[row][1].set_title(f"step {zoom[0]}, layer {zoom[1]} (zoom, one scale)", fontsize=9, loc="left")
     return _finish(fig, cats, path, top=0.97, dpi=100)

@@ -3,6 +3,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from klotski_sim.engine import simulate
 from klotski_sim.exports import chrome_trace_json, read_parquet, save_all
@@ -65,3 +67,29 @@ def test_chrome_trace_escapes_unusual_ids():
     tl = simulate(Schedule(ops), make_profile(), durations=[1, 1])
     events = json.loads(chrome_trace_json(tl))["traceEvents"]
     assert {e["args"]["op"] for e in events if e["ph"] == "X" and "op" in e.get("args", {})} == {'w"0\\', "a0"}
+
+
+@given(st.lists(st.tuples(st.floats(0, 10), st.floats(0, 3)), min_size=1, max_size=40),
+       st.floats(0, 5), st.floats(0.1, 10), st.integers(1, 50))
+def test_gantt_bins_keep_exactly_the_busy_time(intervals, t0, span, bins):
+    """The Gantt draws each bin's busy time, never a merged block: the bars add up to the union of
+    the ops' intervals inside the window, and no bin is fuller than its width."""
+    import numpy as np
+
+    from klotski_sim.plot import busy_per_bin
+    from klotski_sim.timeline import merge_intervals
+
+    starts = np.array([a for a, _ in intervals])
+    ends = starts + np.array([d for _, d in intervals])
+    edges = np.linspace(t0, t0 + span, bins + 1)
+    busy = busy_per_bin(starts, ends, edges)
+    s, e = merge_intervals(starts, ends)
+    inside = np.clip(e, t0, t0 + span) - np.clip(s, t0, t0 + span)
+    assert busy.sum() == pytest.approx(inside.sum(), abs=1e-9)
+    assert (busy <= np.diff(edges) + 1e-9).all() and (busy >= -1e-12).all()
+
+
+def test_long_axes_are_in_seconds():
+    from klotski_sim.plot import time_unit
+
+    assert time_unit(30.0) == (1.0, "s") and time_unit(0.5) == (1e3, "ms")
