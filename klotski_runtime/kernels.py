@@ -246,15 +246,10 @@ def attention(x: torch.Tensor, weights: tuple[torch.Tensor, ...], norm: torch.Te
     eager path: repeat_kv copies, QK^T * scale, causal mask, fp32 softmax, AV, transpose back."""
     if spec.mla:
         return mla_attention(x, weights, norm, past, pos0, spec, theta, eps)
-    wq, wk, wv, wo = weights
+    wo = weights[3]
     B, T, _ = x.shape
     H, KVH, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    hs = rms_norm(x, norm, eps)
-    q = F.linear(hs, wq).view(B, T, H, hd).transpose(1, 2)
-    k = F.linear(hs, wk).view(B, T, KVH, hd).transpose(1, 2)
-    v = F.linear(hs, wv).view(B, T, KVH, hd).transpose(1, 2)
-    positions = torch.arange(pos0, pos0 + T, device=x.device)
-    q, k = rope(q, positions, theta), rope(k, positions, theta)
+    q, k, v = attention_qkv(x, weights, norm, pos0, spec, theta, eps)
     keys = torch.cat([c[0] for c in past] + [k], dim=2) if past else k
     values = torch.cat([c[1] for c in past] + [v], dim=2) if past else v
     causal = T > 1 and not past

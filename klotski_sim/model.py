@@ -141,6 +141,11 @@ class ModelSpec:
         """GPU bytes of a layer kept whole on the GPU: its experts dequantised once, when quantised."""
         return self.attention_bytes() + self.gate_bytes(layer) + self.experts_in(layer) * self.expert_buffer_bytes()
 
+    def non_expert_bytes(self) -> int:
+        """Every layer's attention and gate (a dense layer's MLP included): what stays put while
+        experts move."""
+        return sum(self.attention_bytes() + self.gate_bytes(j) for j in range(self.num_layers))
+
     def resident_layers_bytes(self, count: int) -> int:
         """GPU bytes of the first `count` layers kept whole."""
         return sum(self.resident_layer_bytes(j) for j in range(min(count, self.num_layers)))

@@ -59,8 +59,7 @@ class Search:
         if self.policies:
             return self.policies
         has_cpu = load_profile(self.hardware).cpu is not None
-        needs_cpu = {"fiddler", "llamacpp-moe", "klotski-hybrid"}
-        return tuple(p for p in POLICIES if has_cpu or p not in needs_cpu)
+        return tuple(p for p, info in POLICIES.items() if has_cpu or not info.needs_cpu)
 
     def models(self) -> list[str]:
         get_model(self.model)  # a bad name is refused before anything runs

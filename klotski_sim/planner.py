@@ -128,7 +128,7 @@ def default_placement(model: ModelSpec, profile: HardwareProfile, kv: str = "gpu
     streamed = model.layers_bytes()
     if streamed <= host:
         return Placement(kv=kv)
-    dense = sum(model.attention_bytes() + model.gate_bytes(j) for j in range(model.num_layers))
+    dense = model.non_expert_bytes()
     if dense > host:
         return Placement(attention="disk", gate="disk", experts="disk", kv=kv)
     in_host = int((host - dense) // model.moe_layer_bytes())

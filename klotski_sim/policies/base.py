@@ -108,6 +108,7 @@ class PolicyInfo:
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     one_batch: bool = False  # one batch in flight by definition: the planner's n does not apply
     manages_experts: bool = False  # keeps its own expert cache: the generic expert_cache option is not offered
+    needs_cpu: bool = False  # computes on the host CPU: runs only on profiles with a `cpu:` section
 
     def preset(self, name: str) -> dict[str, Any]:
         """All option values the preset `name` gives this policy."""
@@ -126,7 +127,8 @@ POLICIES: dict[str, PolicyInfo] = {}
 def register(name: str, description: str, defaults: Mapping[str, Any] | None = None,
              buffering: str = "whole-layer", impl_options: tuple[str, ...] = (),
              presets: Mapping[str, Mapping[str, Any]] | None = None,
-             one_batch: bool = False, manages_experts: bool = False) -> Callable[[PolicyBuilder], PolicyBuilder]:
+             one_batch: bool = False, manages_experts: bool = False,
+             needs_cpu: bool = False) -> Callable[[PolicyBuilder], PolicyBuilder]:
     """Decorator: make a build function available as `--policy NAME`."""
     if buffering not in BUFFERING:
         raise UsageError(f"buffering must be one of {BUFFERING}")
@@ -139,7 +141,7 @@ def register(name: str, description: str, defaults: Mapping[str, Any] | None = N
             raise UsageError(f"policy {name!r} is already registered (by {POLICIES[name].build.__module__}); "
                              f"give yours another name")
         info = PolicyInfo(name, description, fn, dict(defaults or {}), buffering, tuple(impl_options),
-                          dict(presets or {}), one_batch, manages_experts)
+                          dict(presets or {}), one_batch, manages_experts, needs_cpu)
         for preset in PRESET_NAMES:
             info.preset(preset)  # every preset must be complete for this policy
         POLICIES[name] = info
@@ -173,6 +175,14 @@ def _make_cache(inp: "PolicyInput") -> Any:
     pinned = ExpertCache.hot_set(inp.warmup.experts if inp.warmup is not None else None, m.num_layers,
                                  m.num_experts, slots, m.first_dense_layers) if policy == "hot-pinned" else frozenset()
     return ExpertCache(slots, policy, pinned)
+
+
+def cpu_expert_seconds(cost: Any, model: ModelSpec, tokens: int, hidden_down: bool = False) -> float:
+    """What `OpEmitter.cpu_expert` costs end to end, as the CPU-expert policies price their
+    choices: (the hidden states down,) the expert on the CPU, its output back up."""
+    down = cost.transfer_seconds("pcie_d2h", model.hidden_bytes(tokens)) if hidden_down else 0.0
+    return (down + cost.cpu_seconds(model.expert_flops(tokens), model.expert_io_bytes(tokens, stored=True), "expert",
+                                    tokens) + cost.transfer_seconds("pcie_h2d", model.hidden_bytes(tokens)))
 
 
 def _attention_on_cpu(inp: "PolicyInput") -> bool:
@@ -381,7 +391,7 @@ class OpEmitter:
 
     # ---- compute ------------------------------------------------------------------------------
     def embed(self, op_id: str, step: int, batch: int, deps: Iterable[str | None] = ()) -> str:
-        tokens = self._new_tokens(step) * self.shape.batch_size
+        tokens = self.new_tokens(step) * self.shape.batch_size
         return self.b.compute(op_id, "embed", deps, bytes=self.model.hidden_bytes(tokens), step=step,
                               phase=self.phase(step), batches=(batch,), tokens=tokens)
 
@@ -400,7 +410,7 @@ class OpEmitter:
         """Attention of one batch, with its KV cache: grown on the GPU, or loaded from and stored to
         the CPU around the op."""
         m, sh = self.model, self.shape
-        new = self._new_tokens(step)
+        new = self.new_tokens(step)
         kv_len = sh.kv_len(step)
         tags = dict(step=step, phase=self.phase(step), layer=layer, batches=(batch,))
         deps = list(deps)
@@ -438,6 +448,26 @@ class OpEmitter:
             self._last_kv_store[(layer, batch)] = store
         return op
 
+    def hidden_down(self, op_id: str, step: int, layer: int, batches: Iterable[int], tokens: int,
+                    deps: Iterable[str | None], expert: int = -1) -> str:
+        """The hidden states of `tokens` tokens to host memory, for experts the CPU computes."""
+        return self.b.transfer(op_id, "activation", "d2h_act", self.model.hidden_bytes(tokens), "gpu", "cpu", deps,
+                               step=step, layer=layer, batches=tuple(batches), expert=expert, tensor="activation")
+
+    def cpu_expert(self, op_id: str, step: int, layer: int, expert: int, batches: Iterable[int], tokens: int,
+                   hidden: str, blocks_host: bool = False) -> str:
+        """One expert on the host CPU over `tokens` tokens whose hidden states `hidden` brought
+        down (on the weights as stored: packed codes when quantised); with `blocks_host` it runs on
+        the issuing thread. Returns the copy of its output back to the GPU (`{op_id}/up`)."""
+        m, batches = self.model, tuple(batches)
+        cpu = self.b.compute(op_id, "expert", [hidden], stream="cpu_compute", flops=m.expert_flops(tokens),
+                             bytes=m.expert_io_bytes(tokens, stored=True), step=step, phase=self.phase(step),
+                             layer=layer, batches=batches, expert=expert, tokens=tokens)
+        if blocks_host:
+            self.sync(op_id, [cpu])
+        return self.b.transfer(f"{op_id}/up", "activation", "h2d_act", m.hidden_bytes(tokens), "cpu", "gpu", [cpu],
+                               step=step, layer=layer, batches=batches, expert=expert, tensor="activation")
+
     def _decode_attention_on_cpu(self, op_id: str, step: int, layer: int, batch: int, deps: list[str | None],
                                  free: tuple[str, ...]) -> str:
         """MoE-Lightning's CGOPipe split of a decode attention (option `attention_device=cpu`): q, k,
@@ -469,7 +499,7 @@ class OpEmitter:
 
     def gate(self, op_id: str, step: int, layer: int, batch: int, deps: Iterable[str | None] = (),
              free: tuple[str, ...] = ()) -> str:
-        tokens = self._new_tokens(step) * self.shape.batch_size
+        tokens = self.new_tokens(step) * self.shape.batch_size
         category = "gate" if self.model.is_moe(layer) else "dense_mlp"  # a dense layer's MLP takes the gate's place
         return self.b.compute(op_id, category, deps, flops=self.model.gate_flops(tokens, layer),
                               bytes=self.model.gate_io_bytes(tokens, layer), step=step, phase=self.phase(step),
@@ -529,9 +559,6 @@ class OpEmitter:
     # ---- helpers --------------------------------------------------------------------------------
     def new_tokens(self, step: int) -> int:
         """Tokens each sequence adds at `step`: the prompt, then one."""
-        return self._new_tokens(step)
-
-    def _new_tokens(self, step: int) -> int:
         return self.shape.prompt_len if step == 0 else 1
 
     @staticmethod

@@ -33,7 +33,8 @@ import numpy as np
 from ..cost import CostModel
 from ..errors import UsageError
 from ..schedule import CPU_STREAMS, DEFAULT_STREAMS, Schedule, ScheduleBuilder
-from .base import OpEmitter, PolicyInput, register
+from .base import OpEmitter, PolicyInput, cpu_expert_seconds, register
+from .cache import ExpertCache
 
 RULES = ("cost", "expert-tokens", "layer-tokens")
 LLAMA_CPP_MIN_BATCH = 32  # ggml-cuda.cu: ops with fewer tokens stay with CPU-resident weights
@@ -46,7 +47,7 @@ def gpu_expert_slots(inp: PolicyInput, streaming_buffers: int) -> int:
     m, sh = inp.model, inp.shape
     kv = m.num_layers * m.kv_bytes(sh.batch_size * sh.num_batches, sh.prompt_len + sh.gen_len) \
         if inp.placement.kv == "gpu" else 0
-    fixed = (m.resident_bytes() + sum(m.attention_bytes() + m.gate_bytes(j) for j in range(m.num_layers)) + kv
+    fixed = (m.resident_bytes() + m.non_expert_bytes() + kv
              + sh.num_batches * m.hidden_bytes(sh.batch_size * sh.prompt_len)
              + streaming_buffers * m.expert_buffer_bytes() + (m.expert_bytes() if m.quantised else 0))
     spare = inp.profile.gpu.usable_bytes - fixed
@@ -58,15 +59,9 @@ def popular_experts(inp: PolicyInput, slots: int) -> set[tuple[int, int]]:
     """The `slots` most used (layer, expert) pairs on the warm-up sequences (ties: lower layer,
     then lower expert id); without warm-up data, the first layers' experts."""
     m = inp.model
-    counts = np.zeros((m.num_layers, m.num_experts), dtype=np.int64)
-    if inp.warmup is not None and len(inp.warmup.experts):
-        ex = inp.warmup.experts  # [tokens, layers, k]
-        for layer in range(m.num_layers):
-            if m.is_moe(layer):
-                counts[layer] = np.bincount(ex[:, layer, :].ravel(), minlength=m.num_experts)[: m.num_experts]
-    counts[: m.first_dense_layers] = -1  # dense layers have no experts to keep
-    order = np.argsort(-counts.ravel(), kind="stable")[:min(slots, (m.num_layers - m.first_dense_layers) * m.num_experts)]
-    return {(int(i) // m.num_experts, int(i) % m.num_experts) for i in order}
+    moe_experts = (m.num_layers - m.first_dense_layers) * m.num_experts
+    return set(ExpertCache.hot_set(inp.warmup.experts if inp.warmup is not None else None, m.num_layers,
+                                   m.num_experts, min(slots, moe_experts), m.first_dense_layers))
 
 
 class CpuOrTransfer:
@@ -79,10 +74,7 @@ class CpuOrTransfer:
 
     def cpu_seconds(self, tokens: int, hidden_down: bool) -> float:
         """The CPU path: (the layer's hidden states down,) the expert on the CPU, its output up."""
-        m, c = self.inp.model, self.cost
-        down = c.transfer_seconds("pcie_d2h", m.hidden_bytes(tokens)) if hidden_down else 0.0
-        return (down + c.cpu_seconds(m.expert_flops(tokens), m.expert_io_bytes(tokens, stored=True), "expert", tokens)
-                + c.transfer_seconds("pcie_h2d", m.hidden_bytes(tokens)))
+        return cpu_expert_seconds(self.cost, self.inp.model, tokens, hidden_down)
 
     def gpu_seconds(self, tokens: int) -> float:
         """The transfer path: the weights over PCIe, then the expert on the GPU."""
@@ -116,7 +108,7 @@ def _build(inp: PolicyInput, name: str) -> Schedule:
     inp = replace(inp, placement=replace(inp.placement, resident_layers=0))
     em = OpEmitter(inp, ScheduleBuilder({**DEFAULT_STREAMS, **CPU_STREAMS}))
     m, sh, counts = inp.model, inp.shape, inp.routing.counts
-    em.b.preload("resident/attention+gate", sum(m.attention_bytes() + m.gate_bytes(j) for j in range(m.num_layers)))
+    em.b.preload("resident/attention+gate", m.non_expert_bytes())
     slots = gpu_expert_slots(inp, 2 * m.num_experts if rule == "layer-tokens" else buffers)
     on_gpu = popular_experts(inp, slots)
     em.b.preload("resident/experts", len(on_gpu) * m.expert_buffer_bytes())  # dequantised once, when quantised
@@ -125,9 +117,8 @@ def _build(inp: PolicyInput, name: str) -> Schedule:
 
     def down(at: str, step: int, layer: int, batch: int, tokens: int, after: str, expert: int = -1) -> str:
         """Hidden states to host memory: blocking `.to("cpu")` as published, or one async copy per layer."""
-        op = em.b.transfer(f"{at}/hidden_down" + (f"_E{expert}" if expert >= 0 else ""), "activation", "d2h_act",
-                           m.hidden_bytes(tokens), "gpu", "cpu", [after], step=step, layer=layer,
-                           batches=(batch,), expert=expert, tensor="activation")
+        op = em.hidden_down(f"{at}/hidden_down" + (f"_E{expert}" if expert >= 0 else ""), step, layer, (batch,),
+                            tokens, [after], expert)
         if opts["act_per_expert"]:
             em.sync(f"{at}/hidden_down_E{expert}", [op])
         return op
@@ -185,14 +176,8 @@ def _build(inp: PolicyInput, name: str) -> Schedule:
                     if em.impl.sync_experts:
                         em.sync(f"{at}/cpu_E{e}/rows", [gate])
                     src = hidden or down(at, step, layer, batch, n, gate, e)
-                    cpu = em.b.compute(f"{at}/cpu_E{e}", "expert", [src], stream="cpu_compute",
-                                       flops=m.expert_flops(n), bytes=m.expert_io_bytes(n, stored=True), step=step,
-                                       phase=em.phase(step), layer=layer, batches=(batch,), expert=e, tokens=n)
-                    if opts["cpu_blocks_host"]:
-                        em.sync(f"{at}/cpu_E{e}", [cpu])
-                    layer_out.append(em.b.transfer(f"{at}/cpu_E{e}/up", "activation", "h2d_act", m.hidden_bytes(n),
-                                                   "cpu", "gpu", [cpu], step=step, layer=layer, batches=(batch,),
-                                                   expert=e, tensor="activation"))
+                    layer_out.append(em.cpu_expert(f"{at}/cpu_E{e}", step, layer, e, (batch,), n, src,
+                                                   opts["cpu_blocks_host"]))
                 if not layer_out:
                     layer_out = [gate]
             em.lm_head(f"{prefix}/lm_head", step, batch, layer_out)
@@ -227,7 +212,7 @@ def _defaults(options: dict) -> dict:
 
 @register("fiddler", "Fiddler: popular experts on the GPU; each other expert on the CPU when that beats moving "
           "it (as published: at most 9 tokens; ideal: the cost model decides)",
-          defaults=_defaults(FIDDLER_IDEAL), impl_options=IMPL_OPTIONS, one_batch=True,
+          defaults=_defaults(FIDDLER_IDEAL), impl_options=IMPL_OPTIONS, one_batch=True, needs_cpu=True,
           presets={"as-published": FIDDLER_AS_PUBLISHED, "ideal": FIDDLER_IDEAL, "v0.1": FIDDLER_IDEAL})
 def build_fiddler(inp: PolicyInput) -> Schedule:
     return _build(inp, "fiddler")
@@ -235,7 +220,7 @@ def build_fiddler(inp: PolicyInput) -> Schedule:
 
 @register("llamacpp-moe", "llama.cpp's rule: experts not on the GPU run on the CPU unless the op has >= 32 "
           "tokens (then their weights are copied over)",
-          defaults=_defaults(LLAMACPP_IDEAL), impl_options=IMPL_OPTIONS, one_batch=True,
+          defaults=_defaults(LLAMACPP_IDEAL), impl_options=IMPL_OPTIONS, one_batch=True, needs_cpu=True,
           presets={"as-published": LLAMACPP_AS_PUBLISHED, "ideal": LLAMACPP_IDEAL, "v0.1": LLAMACPP_IDEAL})
 def build_llamacpp(inp: PolicyInput) -> Schedule:
     return _build(inp, "llamacpp-moe")

@@ -33,7 +33,7 @@ import numpy as np
 from ..cost import CostModel
 from ..prefetch import CorrelationTable, PrefetchStats
 from ..schedule import CPU_STREAMS, DEFAULT_STREAMS, Schedule, ScheduleBuilder
-from .base import OpEmitter, PolicyInput, register
+from .base import OpEmitter, PolicyInput, cpu_expert_seconds, register
 
 
 @dataclass(frozen=True)
@@ -68,15 +68,9 @@ class ColdSplit:
     def new_layer(self) -> None:
         self.link_busy = self.cpu_busy = 0.0
 
-    def cpu_seconds(self, tokens: int) -> float:
-        """The CPU path of one expert: compute over `tokens`, then its output back over PCIe."""
-        m, c = self.model, self.cost
-        return c.cpu_seconds(m.expert_flops(tokens), m.expert_io_bytes(tokens, stored=True), "expert", tokens) + \
-            c.transfer_seconds("pcie_h2d", m.hidden_bytes(tokens))
-
     def to_cpu(self, tokens: float) -> bool:
         load = self.cost.transfer_seconds("pcie_h2d", self.model.expert_bytes())
-        on_cpu = self.cpu_seconds(max(1, int(round(tokens))))
+        on_cpu = cpu_expert_seconds(self.cost, self.model, max(1, int(round(tokens))))
         if self.cpu_busy + on_cpu < self.link_busy + load:
             self.cpu_busy += on_cpu
             return True
@@ -226,16 +220,9 @@ def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
             cpu_out = []
             if cpu_experts:
                 tokens_now = sh.batch_size * em.new_tokens(step) * len(batches)
-                down = em.b.transfer(f"{at}/hidden_down", "activation", "d2h_act", m.hidden_bytes(tokens_now),
-                                     "gpu", "cpu", gates, step=step, layer=j, batches=batches, tensor="activation")
-                for e in cpu_experts:
-                    n = int(group_tokens[e])
-                    cpu = em.b.compute(f"{at}/cpu_E{e}", "expert", [down], stream="cpu_compute",
-                                       flops=m.expert_flops(n), bytes=m.expert_io_bytes(n, stored=True), step=step,
-                                       phase=em.phase(step), layer=j, batches=batches, expert=e, tokens=n)
-                    cpu_out.append(em.b.transfer(f"{at}/cpu_E{e}/up", "activation", "h2d_act", m.hidden_bytes(n),
-                                                 "cpu", "gpu", [cpu], step=step, layer=j, batches=batches,
-                                                 expert=e, tensor="activation"))
+                down = em.hidden_down(f"{at}/hidden_down", step, j, batches, tokens_now, gates)
+                cpu_out = [em.cpu_expert(f"{at}/cpu_E{e}", step, j, e, batches, int(group_tokens[e]), down)
+                           for e in cpu_experts]
                 on_cpu_count += len(cpu_experts)
             if sublayer_sync:  # end of the MoE sub-layer: the next attention weights
                 em.sync(f"{at}/moe", [next_attention] if next_attention else [op])
@@ -275,7 +262,8 @@ def _register(name: str, description: str) -> None:
     rung = RUNGS[name]
     options = _COMMON + (("cold_order",) if rung.hot_prefetch else ("moe_load",))
     register(name, description, buffering="whole-layer" if not rung.hot_prefetch else "expert-aware",
-             impl_options=options, presets={"as-published": {k: AS_PUBLISHED[k] for k in options}})(
+             impl_options=options, presets={"as-published": {k: AS_PUBLISHED[k] for k in options}},
+             needs_cpu=rung.cpu_cold)(
         lambda inp: build_pipeline(inp, rung, name))
 
 
