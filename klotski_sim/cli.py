@@ -25,7 +25,7 @@ from .model import PRESETS, get_model
 from .planner import format_plan
 from .policies import POLICIES
 from .policies.plugins import load_for_command_line
-from .runner import RunResult, RunSpec, policy_batches, prepare, run
+from .runner import RunResult, RunSpec, available_cores, policy_batches, prepare, run, run_each
 from .timeline import Summary, jsonable
 from .trace import Trace, import_jsonl
 from .trace_stats import format_stats, layer_stats, token_subset
@@ -203,7 +203,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     print(f"placement: {prep.placement.describe()}; routing: {routing_source}; "
           f"implementation: {' and '.join(impls)}")
     _warn_if_wrapped(routing_source)
-    results: dict[tuple[str, str], RunResult] = {}
+    runs: dict[tuple[str, str], RunSpec] = {}
     for name in policies:
         n = policy_batches(name, prep) if spec.num_batches is None else prep.num_batches
         if n != prep.num_batches:
@@ -212,8 +212,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
             print(f"note: {name} runs n = {n} ({why})")
         options = {"overlap": args.flexgen_overlap} if name == "flexgen" and args.flexgen_overlap else {}
         for impl in impls:
-            results[(name, impl)] = run(replace(spec, policy=name, options=options, impl=impl), prepared=prep)
-    summaries = {key: r.timeline.summary() for key, r in results.items()}
+            runs[(name, impl)] = replace(spec, policy=name, options=options, impl=impl)
+    sys.stdout.flush()  # (before worker processes start)
+    timelines = dict(zip(runs, run_each(list(runs.values()), prep, args.workers or available_cores())))
+    summaries = {key: tl.summary() for key, tl in timelines.items()}
     print(format_comparison(summaries))
     if len(impls) > 1:
         print(format_left_on_table(summaries, policies))
@@ -224,15 +226,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
     pd.DataFrame([{k: v for k, v in r.items() if not isinstance(v, dict)} for r in rows]).to_csv(
         out / "compare.csv", index=False)
     if args.traces:
-        for (name, impl), r in results.items():
-            to_chrome_trace(r.timeline, out / f"trace_{name}{'' if len(impls) == 1 else '_' + impl}.json.gz")
+        for (name, impl), timeline in timelines.items():
+            to_chrome_trace(timeline, out / f"trace_{name}{'' if len(impls) == 1 else '_' + impl}.json.gz")
     if prep.plan is not None:
         (out / "plan.txt").write_text(format_plan(prep.plan, prep.model, prep.profile, spec.batch_size) + "\n")
     if not args.no_png:
         from .plot import compare_gantt
 
         zoom = (min(1, spec.gen_len - 1), prep.model.num_layers // 2)
-        compare_gantt({_label(name, impl, impls): r.timeline for (name, impl), r in results.items()},
+        compare_gantt({_label(name, impl, impls): tl for (name, impl), tl in timelines.items()},
                       out / "compare.png", zoom=zoom)
     print(f"wrote compare.csv, compare.json{', compare.png' if not args.no_png else ''}"
           f"{', trace_<policy>.json.gz' if args.traces else ''}{', plan.txt' if prep.plan else ''} to {out}/")
@@ -489,6 +491,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "and print one row per policy (and implementation preset).")
     add_run_arguments(p, policy=False, impl_choices=(*PRESET_NAMES, "both"))
     p.add_argument("--policies", metavar="A,B,...", help=f"comma-separated (default: {','.join(COMPARE_POLICIES)})")
+    p.add_argument("--workers", type=positive_int, default=None,
+                   help="processes running the policies side by side (default: one per available core)")
     p.add_argument("--flexgen-overlap", choices=["code", "model"], default=None,
                    help="FlexGen's overlap: its implementation's (code) or its cost model's (default: the "
                         "preset's: code for as-published and v0.1, model for ideal)")

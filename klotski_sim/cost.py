@@ -12,6 +12,7 @@ they cover they override the analytic value.
 from __future__ import annotations
 
 import bisect
+from operator import attrgetter
 from typing import Callable, Mapping, Sequence
 
 from .errors import KlotskiError
@@ -150,4 +151,20 @@ class CostModel:
         return self.compute_seconds(op.category, op.flops, op.bytes, op.tokens, op.kv_len, op.phase, op.variant)
 
     def durations(self, ops: Sequence[Op], streams: Mapping[str, str] = DEFAULT_STREAMS) -> list[float]:
-        return [self.duration(op, streams[op.stream]) for op in ops]
+        """Every op's duration. Ops that differ only in id, tags and deps last equally long, and a
+        schedule has few distinct ones: each is costed once (unless an override sees every op)."""
+        if self.override is not None:
+            return [self.duration(op, streams[op.stream]) for op in ops]
+        seconds: dict[tuple, float] = {}
+        out = []
+        for op, key in zip(ops, map(_COSTED_FIELDS, ops)):
+            value = seconds.get(key)
+            if value is None:
+                value = seconds[key] = self.duration(op, streams[op.stream])
+            out.append(value)
+        return out
+
+
+# what an op's duration depends on (see `CostModel.duration`)
+_COSTED_FIELDS = attrgetter("kind", "stream", "category", "flops", "bytes", "tokens", "kv_len", "phase", "variant",
+                            "pageable")

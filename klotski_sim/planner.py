@@ -176,20 +176,27 @@ def plan(model: ModelSpec, profile: HardwareProfile, batch_size: int, prompt_len
 
     sync = cost.host_seconds() if impl.sync_experts else 0.0
 
-    def op_time(tokens: float) -> float:
-        tok = max(1, int(round(tokens)))
-        return sync + cost.compute_seconds("expert", model.expert_flops(tok), model.expert_io_bytes(tok), tok,
-                                           phase="decode")
+    op_times: dict[int, float] = {}
+
+    def op_time(tok: int) -> float:
+        if tok not in op_times:
+            op_times[tok] = sync + cost.compute_seconds("expert", model.expert_flops(tok), model.expert_io_bytes(tok),
+                                                        tok, phase="decode")
+        return op_times[tok]
+
+    def expert_times(tokens: np.ndarray, ops: int) -> np.ndarray:
+        """The time of `ops` expert ops sharing `tokens` tokens, elementwise (each op's tokens
+        rounded: an op runs whole tokens); costed once per distinct token count."""
+        per_op = np.maximum(1, np.rint(tokens / ops if ops > 1 else tokens)).astype(np.int64)
+        distinct, where = np.unique(per_op, return_inverse=True)
+        times = np.array([op_time(int(t)) for t in distinct])[where.reshape(per_op.shape)]
+        return ops * times if ops > 1 else times
 
     def group_terms(n: int) -> dict[str, float]:
         act = expert_activity(model, popularity, n * batch_size)
-        if impl.per_batch_experts:  # one op per batch over its share of the tokens
-            def expert_time(tokens: float) -> float:
-                return n * op_time(tokens / n)
-        else:
-            expert_time = op_time
-        hot = np.vectorize(expert_time)(act["hot_tokens"]).sum(axis=1).mean()
-        cold = (act["cold_p_used"] * np.vectorize(expert_time)(act["cold_tokens_if_used"])).sum(axis=1).mean()
+        ops = n if impl.per_batch_experts else 1  # per batch: n ops, each over its share of the tokens
+        hot = expert_times(act["hot_tokens"], ops).sum(axis=1).mean()
+        cold = (act["cold_p_used"] * expert_times(act["cold_tokens_if_used"], ops)).sum(axis=1).mean()
         return {"t_c_hotE": float(hot), "sum_Q_t_cE": float(cold), "Q": float(act["cold_p_used"].sum(axis=1).mean())}
 
     def inequalities(n: int) -> tuple[Inequality, ...]:

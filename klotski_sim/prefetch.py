@@ -18,6 +18,8 @@ import numpy as np
 
 from .trace import Trace
 
+_CHUNK_PAIRS = 1 << 22  # (token, layer, pair) counts per bincount pass: ~16 MB of int32
+
 
 @dataclass
 class CorrelationTable:
@@ -34,25 +36,29 @@ class CorrelationTable:
         self.t0 = np.zeros(self.num_experts, dtype=np.int64)
         self.pairs = np.zeros((self.num_layers, self.num_experts, self.num_experts), dtype=np.int64)
 
-    def observe(self, layer: int, current: np.ndarray, previous: np.ndarray | None) -> None:
-        """Learn from tokens' top-k choices in `layer` (`[tokens, k]`) and, for layer >= 1, their
-        choices in the layer before (`[tokens, k]`, same tokens)."""
-        E = self.num_experts
-        current = current.reshape(-1, self.top_k).astype(np.int64)
-        if layer == 0:
-            self.t0 += np.bincount(current.ravel(), minlength=E)
+    def observe_tokens(self, ids: np.ndarray) -> None:
+        """Learn from every layer of some tokens at once (`ids[..., layer, k]`): the same counts as
+        `observe` layer by layer, in one pass over the tokens. A step's learning can wait until the
+        step ends: predicting layer L reads only T[L], which only layer L's own observation changes."""
+        L, E, K = self.num_layers, self.num_experts, self.top_k
+        tokens = ids.reshape(-1, L, K)
+        if len(tokens) == 0:
             return
-        previous = previous.reshape(-1, self.top_k).astype(np.int64)
-        flat = (previous[:, :, None] * E + current[:, None, :]).ravel()
-        self.pairs[layer] += np.bincount(flat, minlength=E * E).reshape(E, E)
+        self.t0 += np.bincount(tokens[:, 0, :].ravel(), minlength=E)
+        if L == 1:
+            return
+        wide = np.int32 if L * E * E < 2**31 else np.int64
+        offsets = (np.arange(1, L, dtype=wide) * (E * E)).reshape(-1, 1, 1)
+        span = max(1, _CHUNK_PAIRS // ((L - 1) * K * K))  # tokens per pass: bounded temporary memory
+        flat_pairs = self.pairs.reshape(-1)
+        for start in range(0, len(tokens), span):
+            block = tokens[start:start + span].astype(wide)
+            flat = offsets + block[:, :-1, :, None] * E + block[:, 1:, None, :]
+            flat_pairs += np.bincount(flat.ravel(), minlength=L * E * E)
 
     def warm_up(self, trace: Trace) -> None:
         """The pre-run: every token of the warm-up sequences, every layer."""
-        ex = trace.experts
-        if len(ex) == 0:
-            return
-        for layer in range(self.num_layers):
-            self.observe(layer, ex[:, layer, :], ex[:, layer - 1, :] if layer else None)
+        self.observe_tokens(trace.experts)
 
     def scores(self, layer: int, prev_counts: np.ndarray | None) -> np.ndarray:
         if layer == 0 or prev_counts is None:

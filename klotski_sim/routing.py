@@ -123,9 +123,7 @@ class RoutingTable:
         """The experts one batch uses at one step and layer, in the order its tokens first select
         them (tokens in order, sequence by sequence, then each token's choices in rank order):
         the order a loop over the routed ids meets them."""
-        flat = self.step_ids(step, layer, batch).reshape(-1)
-        experts, first = np.unique(flat, return_index=True)
-        return [int(e) for e in experts[np.argsort(first, kind="stable")]]
+        return list(dict.fromkeys(self.step_ids(step, layer, batch).ravel().tolist()))
 
     def step_ids(self, step: int, layer: int, batch: int) -> np.ndarray:
         """`[seq, tokens_of_step, slot]` expert ids of one batch at one step and layer."""

@@ -4,6 +4,9 @@ validate all share, so a configuration means the same thing everywhere.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
@@ -250,3 +253,37 @@ def run(spec: RunSpec, cost: CostModel | None = None, prepared: Prepared | None 
     schedule = build_schedule(spec.policy, replace(prep.policy_input(spec.options), impl=spec.impl))
     timeline = simulate(schedule, prep.profile, cost)
     return RunResult(spec, prep.model, prep.profile, schedule, timeline, prep.plan, prep.replay.routing)
+
+
+_SHARED: Prepared | None = None  # what `run_each`'s worker processes share (inherited when they fork)
+
+
+def _share(prep: Prepared) -> None:
+    global _SHARED
+    _SHARED = prep
+
+
+def _timeline_of(spec: RunSpec, prep: Prepared | None = None) -> Timeline:
+    """One run's timeline with its summary and columns derived: all that needs to leave a worker
+    (its schedule, a few times larger, stays behind)."""
+    timeline = run(spec, prepared=prep or _SHARED).timeline
+    timeline.summary()
+    timeline.columns  # noqa: B018 - built now, in the worker
+    return timeline
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its affinity, where the platform tells)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def run_each(specs: list[RunSpec], prep: Prepared, workers: int = 1) -> list[Timeline]:
+    """The timelines of several runs on one preparation (compare's policies and presets), in
+    `workers` processes when more than one: each run is independent and single-threaded."""
+    workers = min(workers, len(specs))
+    if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        return [_timeline_of(spec, prep) for spec in specs]
+    # forked workers inherit the preparation (routing, plan, policies loaded from files) as it is
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_share,
+                             initargs=(prep,)) as pool:
+        return list(pool.map(_timeline_of, specs))

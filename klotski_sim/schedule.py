@@ -430,17 +430,19 @@ class ScheduleBuilder:
         self.streams = dict(streams or DEFAULT_STREAMS)
         self.ops: list[Op] = []
         self.preloaded: list[tuple[str, int]] = []
-        self._ids: set[str] = set()
         self._barrier: str | None = None  # the latest host op: ops issued after it wait for it
         self._past_barrier: set[str] = set()  # streams whose next op already waits for it
         self._last_on_stream: dict[str, str] = {}
 
     def add(self, op_id: str, kind: str, stream: str, category: str, deps: Iterable[str | None] = (),
             **tags: Any) -> str:
-        if op_id in self._ids:
-            raise ScheduleError(f"duplicate op id {op_id!r}")
-        self._ids.add(op_id)
-        clean = tuple(dict.fromkeys(d for d in deps if d is not None)) if deps else ()
+        """Append an op (a duplicate id is reported by `build`, which validates the whole schedule)."""
+        if deps:
+            unique = dict.fromkeys(deps)  # in order, each dep once, without None
+            unique.pop(None, None)
+            clean = tuple(unique)
+        else:
+            clean = ()
         if self._barrier is not None and stream not in self._past_barrier:
             # issued after the host was blocked: the first op of each stream waits for the host
             # (later ones follow it in stream order)

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from .schedule import Schedule
 
 INTRA_LAYER_CATEGORIES = frozenset({"expert"})
-_BATCH_TEXT: dict[tuple[int, ...], str] = {}
+_BATCH_TEXT: dict[tuple[int, ...], str] = {(): ""}
 
 
 def _batch_text(batches: tuple[int, ...]) -> str:
@@ -196,11 +196,8 @@ class Timeline:
         if len(where) == 0:
             return empty
         nxt = order[where + 1]
-        by_id = {oid: k for k, oid in enumerate(c["op_id"])}
-        causes = []
-        for j in nxt:
-            b = c["blocked_by"][j]
-            causes.append(c["category"][by_id[b]] if b in by_id else "unknown")
+        blocker = pd.Index(c["op_id"]).get_indexer(c["blocked_by"][nxt])  # -1: none (or not in the timeline)
+        causes = np.where(blocker >= 0, c["category"][blocker], "unknown")
         cats = c["category"][nxt]
         return pd.DataFrame({
             "start": running_end[where],
@@ -368,7 +365,7 @@ def _columns_from_schedule(schedule: "Schedule", start: Sequence[float], end: Se
         "phase": obj(fields["phase"]),
         "layer": np.array(fields["layer"], dtype=np.int64),
         "batch": np.array([bt[0] if len(bt) == 1 else -1 for bt in batches], dtype=np.int64),
-        "batches": obj([memo.get(bt) or _batch_text(bt) for bt in batches]),
+        "batches": obj([memo[bt] if bt in memo else _batch_text(bt) for bt in batches]),
         "expert": np.array(fields["expert"], dtype=np.int64),
         "tokens": np.array(fields["tokens"], dtype=np.int64),
         "bytes": np.array(fields["bytes"], dtype=np.int64),

@@ -105,6 +105,20 @@ def test_compare_both_presets_and_the_memory_check(tmp_path):
     assert rc == 3 and "memory check (nothing built)" in out and "activations" in out and "Traceback" not in err
 
 
+def test_compare_in_worker_processes_gives_the_serial_results(tmp_path):
+    """compare runs its policies in parallel processes: the rows, traces and table are the serial run's."""
+    args = ("compare", "--prompt-len", "32", "--gen-len", "3", "--batch-size", "4", "--policies",
+            "single-batch,klotski,flexgen", "--impl", "both", "--no-png", "--traces")
+    outputs = {}
+    for workers in (1, 3):
+        out_dir = tmp_path / str(workers)
+        rc, out, err = run_cli(*args, "--workers", str(workers), "--out", str(out_dir))
+        assert rc == 0, err
+        traces = {f.name: gzip.decompress(f.read_bytes()) for f in sorted(out_dir.glob("trace_*.json.gz"))}
+        outputs[workers] = (out.replace(str(out_dir), "OUT"), (out_dir / "compare.json").read_text(), traces)
+    assert len(outputs[1][2]) == 6 and outputs[1] == outputs[3]
+
+
 def test_compare_prints_the_table_and_writes_figures(tmp_path):
     rc, out, err = run_cli("compare", "--prompt-len", "32", "--gen-len", "3", "--batch-size", "4",
                            "--traces", "--out", str(tmp_path))

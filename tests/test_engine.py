@@ -202,3 +202,22 @@ def test_non_finite_or_negative_durations_are_refused_naming_the_op(bad):
     s = golden_schedule()
     with pytest.raises(ScheduleError, match="op 'a0' would last"):
         simulate(s, make_profile(), durations=[1, 1, bad, 1])
+
+
+@pytest.mark.parametrize("policy,impl", [("klotski", "as-published"), ("flexgen", "ideal"), ("klotski-hybrid", "ideal")])
+def test_durations_costed_once_per_distinct_op_equal_costing_every_op(policy, impl):
+    """CostModel.durations costs each distinct op once: the same numbers as costing every op."""
+    from dataclasses import replace
+
+    from klotski_sim.cost import CostModel
+    from klotski_sim.policies import build_schedule
+
+    from klotski_sim.hardware import load_profile
+
+    from .test_pipelines import make_input
+
+    inp = make_input(model="mixtral-8x7b", bs=4, n=3, P=16, G=4, profile=load_profile("rtx3090"))
+    schedule = build_schedule(policy, replace(inp, impl=impl))
+    cost = CostModel(inp.profile)
+    each = [cost.duration(o, schedule.streams[o.stream]) for o in schedule.ops]
+    assert cost.durations(schedule.ops, schedule.streams) == each and len(set(each)) < len(each) / 3

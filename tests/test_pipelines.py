@@ -1,10 +1,11 @@
 """The multi-batch policies (ablation ladder, oracle, FlexGen), the prefetcher and the planner."""
 
 from collections import Counter
+from unittest.mock import patch
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from klotski_sim.engine import simulate
@@ -12,6 +13,7 @@ from klotski_sim.hardware import load_profile, with_overrides
 from klotski_sim.model import get_model
 from klotski_sim.planner import memory_needed, plan
 from klotski_sim.policies import Placement, PolicyInput, build_schedule
+from klotski_sim import prefetch
 from klotski_sim.prefetch import CorrelationTable
 from klotski_sim.routing import RoutingTable, RunShape
 from klotski_sim.trace import replay
@@ -133,12 +135,33 @@ def test_prefetch_never_uses_the_future(cut_step, cut_layer, seed):
 
 def test_correlation_table_follows_the_paper():
     t = CorrelationTable(num_layers=2, num_experts=4, top_k=2)
-    t.observe(0, np.array([[0, 1], [0, 2]]), None)
+    # two tokens: layer 0 chose {0,1} and {0,2}; layer 1 chose {3,2} and {3,1}
+    t.observe_tokens(np.array([[[0, 1], [3, 2]], [[0, 2], [3, 1]]]))
     assert t.predict(0, None, 2) == [0, 1]  # T0 counts: e0=2, e1=1, e2=1 (tie -> lower id)
-    # layer 1: tokens that chose {0,1} in layer 0 chose {3,2} in layer 1
-    t.observe(1, np.array([[3, 2]]), np.array([[0, 1]]))
-    assert t.pairs[1][0].tolist() == [0, 0, 1, 1]
-    assert sorted(t.predict(1, np.array([5, 0, 0, 0]), 2)) == [2, 3]
+    assert t.pairs[1].tolist() == [[0, 1, 1, 2], [0, 0, 1, 1], [0, 1, 0, 1], [0, 0, 0, 0]]
+    # row 0's top-2 columns: 3 (2 pairs), then 1 (tie with 2 -> lower id)
+    assert sorted(t.predict(1, np.array([5, 0, 0, 0]), 2)) == [1, 3]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 4), st.integers(2, 6), st.integers(1, 3), st.integers(0, 30), st.integers(1, 64),
+       st.integers(0, 2**31 - 1))
+def test_correlation_table_counts_every_pair_once_whatever_the_chunking(L, E, K, tokens, chunk, seed):
+    """The one-pass learner (in chunks of any size) counts what a token-by-token, layer-by-layer loop counts."""
+    K = min(K, E)
+    ids = np.random.default_rng(seed).integers(0, E, size=(tokens, L, K))
+    t = CorrelationTable(num_layers=L, num_experts=E, top_k=K)
+    with patch.object(prefetch, "_CHUNK_PAIRS", chunk):
+        t.observe_tokens(ids)
+    t0, pairs = np.zeros(E, dtype=np.int64), np.zeros((L, E, E), dtype=np.int64)
+    for token in ids:
+        for e in token[0]:
+            t0[e] += 1
+        for layer in range(1, L):
+            for prev in token[layer - 1]:
+                for cur in token[layer]:
+                    pairs[layer, prev, cur] += 1
+    assert (t.t0 == t0).all() and (t.pairs == pairs).all()
 
 
 def test_prefetch_precision_is_reported():

@@ -89,5 +89,6 @@ def test_builder_drops_none_deps_and_duplicates():
     b.compute("a", "attention", [w, None, w])
     s = b.build({})
     assert s.op("a").deps == ("w",)
-    with pytest.raises(ScheduleError):
-        b.compute("a", "attention")
+    b.compute("a", "attention")
+    with pytest.raises(ScheduleError, match="duplicate op id 'a'"):  # reported when the schedule is built
+        b.build({})

@@ -262,6 +262,7 @@ class OpEmitter:
         self.b = builder or ScheduleBuilder()
         self.impl = Impl.from_options(inp.options)
         self._attention_costs: dict[tuple[int, int], tuple[int, int]] = {}
+        self._expert_costs: dict[int, tuple[int, int]] = {}  # tokens -> FLOPs, bytes
         self._last_kv_store: dict[tuple[int, int], str] = {}  # (layer, batch) -> its latest KV store
         self._attention_ops: list[str] = []
         self._kv_buffers: dict[int, list[str]] = {}
@@ -509,10 +510,12 @@ class OpEmitter:
                deps: Iterable[str | None] = (), free: tuple[str, ...] = ()) -> str:
         """One expert over `tokens` tokens gathered from `batches`."""
         deps = list(deps)
-        op = self.b.compute(op_id, "expert", deps, flops=self.model.expert_flops(tokens),
-                            bytes=self.model.expert_io_bytes(tokens), step=step, phase=self.phase(step),
-                            layer=layer, batches=tuple(batches), expert=expert, tokens=tokens,
-                            free=self.releasable(free))
+        cost = self._expert_costs.get(tokens)
+        if cost is None:  # (an as-published schedule has an expert op per expert, batch, layer and step)
+            cost = self._expert_costs[tokens] = (self.model.expert_flops(tokens), self.model.expert_io_bytes(tokens))
+        op = self.b.add(op_id, "compute", "compute", "expert", deps, flops=cost[0], bytes=cost[1], step=step,
+                        phase=self.phase(step), layer=layer, batches=tuple(batches), expert=expert, tokens=tokens,
+                        free=self.releasable(free))
         if self.cache is not None:
             for d in deps:
                 if d is not None:

@@ -226,10 +226,8 @@ def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
                 on_cpu_count += len(cpu_experts)
             if sublayer_sync:  # end of the MoE sub-layer: the next attention weights
                 em.sync(f"{at}/moe", [next_attention] if next_attention else [op])
-            if rung.hot_prefetch and not rung.oracle:  # online learning after the MoE layer
-                pos = sh.step_positions(step)
-                cur = routing.ids[:, :, pos, j, :]
-                table.observe(j, cur, routing.ids[:, :, pos, j - 1, :] if j else None)
+        if rung.hot_prefetch and not rung.oracle:  # online learning from the step's every MoE layer
+            table.observe_tokens(routing.ids[:, :, sh.step_positions(step)])
         for b in batches:
             em.lm_head(f"s{step}/b{b}/lm_head", step, b, cpu_out)
         cpu_out = []
