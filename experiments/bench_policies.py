@@ -2,7 +2,7 @@
 prompt 512, gen 32, bs 16, n from the planner), per implementation preset: schedule build, engine
 run and ops/s, the whole default Klotski run (prepare + build + simulate + summary, in a fresh
 process with a cold and a warm trace cache), and `klotski-sim compare` wall time and peak memory
-— all measured in one run.
+(in one process, and with its default one worker process per core) — all measured in one run.
 
     python experiments/bench_policies.py
 """
@@ -77,6 +77,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as cache:
             print(f"[{impl}] whole default Klotski run, fresh process: cold trace cache {whole_run(impl, cache)}; "
                   f"warm {whole_run(impl, cache)}")
+        print(f"[{impl}] klotski-sim compare --no-png --workers 1: {compare_wall(impl, '--no-png', '--workers', '1')}")
         print(f"[{impl}] klotski-sim compare --no-png: {compare_wall(impl, '--no-png')}")
         print(f"[{impl}] klotski-sim compare (figure): {compare_wall(impl)}")
         print(f"[{impl}] klotski-sim compare --traces: {compare_wall(impl, '--traces')}")

@@ -18,7 +18,7 @@ import pandas as pd
 
 from .argtypes import OneLineParser, batches, nonnegative_int, positive_float, positive_int
 from .errors import KlotskiError
-from .exports import save_all, to_chrome_trace
+from .exports import save_all
 from .hardware import builtin_profile_names, load_profile
 from .impl import PRESET_NAMES
 from .model import PRESETS, get_model
@@ -213,21 +213,20 @@ def cmd_compare(args: argparse.Namespace) -> int:
         options = {"overlap": args.flexgen_overlap} if name == "flexgen" and args.flexgen_overlap else {}
         for impl in impls:
             runs[(name, impl)] = replace(spec, policy=name, options=options, impl=impl)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    traces = [out / f"trace_{name}{'' if len(impls) == 1 else '_' + impl}.json.gz" for name, impl in runs]
     sys.stdout.flush()  # (before worker processes start)
-    timelines = dict(zip(runs, run_each(list(runs.values()), prep, args.workers or available_cores())))
+    timelines = dict(zip(runs, run_each(list(runs.values()), prep, args.workers or available_cores(),
+                                        traces if args.traces else None)))
     summaries = {key: tl.summary() for key, tl in timelines.items()}
     print(format_comparison(summaries))
     if len(impls) > 1:
         print(format_left_on_table(summaries, policies))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     rows = [{"policy": name, "impl_preset": impl, **s.to_dict()} for (name, impl), s in summaries.items()]
     (out / "compare.json").write_text(json.dumps(jsonable(rows), indent=2))
     pd.DataFrame([{k: v for k, v in r.items() if not isinstance(v, dict)} for r in rows]).to_csv(
         out / "compare.csv", index=False)
-    if args.traces:
-        for (name, impl), timeline in timelines.items():
-            to_chrome_trace(timeline, out / f"trace_{name}{'' if len(impls) == 1 else '_' + impl}.json.gz")
     if prep.plan is not None:
         (out / "plan.txt").write_text(format_plan(prep.plan, prep.model, prep.profile, spec.batch_size) + "\n")
     if not args.no_png:

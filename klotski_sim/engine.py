@@ -32,7 +32,7 @@ from simpy.events import NORMAL
 from .cost import CostModel
 from .errors import UsageError
 from .hardware import HardwareProfile
-from .schedule import Schedule, ScheduleError, dependency_arrays, gc_paused
+from .schedule import Schedule, ScheduleError, gc_paused
 from .timeline import OutOfMemory, Timeline
 
 
@@ -85,7 +85,6 @@ def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | No
         raise ScheduleError(f"op {ops[bad[0]].id!r} would last {checked[bad[0]]} s: durations must be finite and "
                             f">= 0 (check the profile's numbers)")
     durations = checked.tolist()
-    index = schedule.index
     caps = resource_capacities(schedule, profile)
     resources = sorted(caps)
     res_number = {r: k for k, r in enumerate(resources)}
@@ -95,7 +94,8 @@ def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | No
 
     # Graph: successors of each op (its dependents and its stream successor), and how many
     # predecessors each op still waits for.
-    succ_ptr, succ_flat, pending = dependency_arrays(ops, index)
+    succ_ptr, succ_flat, indegree, _ = schedule.graph
+    pending = list(indegree)  # (the graph is the schedule's: counted down on a copy)
     alloc_bytes = [sum(size for _, size in op.alloc) if op.alloc else 0 for op in ops]
     has_alloc = [bool(op.alloc) for op in ops]
     free_of = [op.free for op in ops]

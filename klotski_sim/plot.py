@@ -3,7 +3,7 @@
 Honest at any zoom: each lane is drawn in about 2,000 bins, and in every bin each category gets
 a bar exactly as long as the time it was busy there (stacked, left-aligned), so a lane that is 5%
 busy looks 5% filled however many short ops it holds — nothing is merged into a solid block. One
-`broken_barh` call per (lane, category): a timeline of 100k ops still plots in about a second.
+compound path per (lane, category), not an artist per bar: a timeline of 300k ops plots in well under a second.
 Long axes are in seconds, short ones in milliseconds.
 """
 
@@ -14,7 +14,9 @@ from typing import Mapping, Sequence
 
 import matplotlib.pyplot as plt  # the backend is the caller's: a notebook's inline one, Agg on a headless box
 import numpy as np
+from matplotlib.collections import PathCollection
 from matplotlib.patches import Patch
+from matplotlib.path import Path as MplPath
 
 from .timeline import Timeline, merge_intervals
 
@@ -38,6 +40,7 @@ CATEGORY_COLORS: dict[str, str] = {
     "combine": "#B0B0B0",
 }
 BINS = 2000  # about a pixel at our figure widths
+BUBBLE_COLOR = (0.894, 0.102, 0.110, 0.22)
 
 
 def _color(category: str) -> str:
@@ -62,8 +65,8 @@ def draw_timeline(ax: plt.Axes, timeline: Timeline, window: tuple[float, float] 
             sel = cats == cat
             busy = busy_per_bin(starts[sel], ends[sel], edges)
             keep = busy > 0
-            bars = list(zip((edges[:-1][keep] + filled[keep]) * scale, busy[keep] * scale))
-            ax.broken_barh(bars, (lane - 0.38, 0.76), facecolors=_color(cat), edgecolor="none")
+            draw_bars(ax, (edges[:-1][keep] + filled[keep]) * scale, busy[keep] * scale, lane - 0.38, 0.76,
+                      _color(cat))
             filled += busy
             if cat not in drawn:
                 drawn.append(cat)
@@ -73,15 +76,29 @@ def draw_timeline(ax: plt.Axes, timeline: Timeline, window: tuple[float, float] 
             bub = bub[(bub["end"] >= t0) & (bub["start"] <= t1)]
             lane = lanes.index("compute")
             bs, be = merge_intervals(bub["start"].to_numpy(), bub["end"].to_numpy(), 0.0)
-            bars = list(zip(bs * scale, (be - bs) * scale))
-            ax.broken_barh(bars, (lane - 0.45, 0.9), facecolors=(0.894, 0.102, 0.110, 0.22),
-                           edgecolor="none")
+            draw_bars(ax, bs * scale, (be - bs) * scale, lane - 0.45, 0.9, BUBBLE_COLOR)
     ax.set_yticks(range(len(lanes)), lanes)
     ax.set_ylim(len(lanes) - 0.5, -0.5)
     ax.set_xlim(t0 * scale, t1 * scale)
     ax.set_xlabel(f"time ({unit})")
     ax.grid(axis="x", alpha=0.3)
     return drawn
+
+
+def draw_bars(ax: plt.Axes, x: np.ndarray, width: np.ndarray, y: float, height: float, color: object) -> None:
+    """Rectangles [x, x + width] x [y, y + height] drawn as one compound path: what `broken_barh`
+    draws, without an artist (and unit conversion) per bar — thousands of bars per lane."""
+    if not len(x):
+        return
+    x0, x1 = np.asarray(x, dtype=float), np.asarray(x, dtype=float) + np.asarray(width, dtype=float)
+    corners = np.stack([np.stack([x0, np.full_like(x0, y)], axis=1), np.stack([x1, np.full_like(x0, y)], axis=1),
+                        np.stack([x1, np.full_like(x0, y + height)], axis=1),
+                        np.stack([x0, np.full_like(x0, y + height)], axis=1),
+                        np.stack([x0, np.full_like(x0, y)], axis=1)], axis=1)  # [bars, 5, 2]
+    codes = np.tile([MplPath.MOVETO, MplPath.LINETO, MplPath.LINETO, MplPath.LINETO, MplPath.CLOSEPOLY], len(x0))
+    bars = PathCollection([MplPath(corners.reshape(-1, 2), codes)], facecolors=[color], edgecolors="none",
+                          linewidths=0, snap=True)  # snapped to pixels as broken_barh's bars are
+    ax.add_collection(bars, autolim=False)  # (the caller sets the limits)
 
 
 def time_unit(span_s: float) -> tuple[float, str]:
@@ -107,7 +124,7 @@ def busy_per_bin(starts: np.ndarray, ends: np.ndarray, edges: np.ndarray) -> np.
 
 def legend(fig: plt.Figure, categories: Sequence[str]) -> None:
     handles = [Patch(color=_color(cat), label=cat) for cat in categories]
-    handles.append(Patch(facecolor=(0.894, 0.102, 0.110, 0.22), label="GPU bubble"))
+    handles.append(Patch(facecolor=BUBBLE_COLOR, label="GPU bubble"))
     fig.legend(handles=handles, loc="upper center", ncol=min(8, len(handles)), frameon=False, fontsize=8)
 
 

@@ -88,11 +88,14 @@ class RoutingTable:
         step_of_position = np.empty(sh.tokens_per_sequence, dtype=np.int64)
         step_of_position[: sh.prompt_len] = 0
         step_of_position[sh.prompt_len:] = np.arange(1, sh.gen_len)
-        b = np.arange(nb).reshape(nb, 1, 1, 1, 1)
-        pos_step = step_of_position.reshape(1, 1, -1, 1, 1)
-        layer = np.arange(L).reshape(1, 1, 1, L, 1)
-        flat = ((pos_step * L + layer) * nb + b) * E + self.ids.astype(np.int64)
-        counts = np.bincount(flat.ravel(), minlength=sh.num_steps * L * nb * E).reshape(sh.num_steps, L, nb, E)
+        size = sh.num_steps * L * E
+        wide = np.int32 if size < 2**31 else np.int64
+        # per batch (a bounded temporary): bin = (step of the position, layer, expert)
+        offset = ((step_of_position.reshape(1, -1, 1, 1) * L + np.arange(L).reshape(1, 1, L, 1)) * E).astype(wide)
+        counts = np.empty((sh.num_steps, L, nb, E), dtype=np.int64)
+        for b in range(nb):
+            flat = offset + self.ids[b].astype(wide)
+            counts[:, :, b, :] = np.bincount(flat.ravel(), minlength=size).reshape(sh.num_steps, L, E)
         counts[:, : self.dense_layers] = 0
         return counts
 

@@ -18,6 +18,7 @@ from .cache import cached_trace
 from .cost import CostModel
 from .engine import simulate
 from .errors import UsageError
+from .exports import to_chrome_trace
 from .hardware import HardwareProfile, load_profile, with_overrides
 from .impl import Impl
 from .model import ModelSpec, get_model
@@ -263,12 +264,14 @@ def _share(prep: Prepared) -> None:
     _SHARED = prep
 
 
-def _timeline_of(spec: RunSpec, prep: Prepared | None = None) -> Timeline:
-    """One run's timeline with its summary and columns derived: all that needs to leave a worker
-    (its schedule, a few times larger, stays behind)."""
+def _timeline_of(spec: RunSpec, trace_path: Path | None = None, prep: Prepared | None = None) -> Timeline:
+    """One run's timeline with its summary and columns derived (and its Chrome trace written when
+    asked): all that needs to leave a worker (its schedule, a few times larger, stays behind)."""
     timeline = run(spec, prepared=prep or _SHARED).timeline
     timeline.summary()
     timeline.columns  # noqa: B018 - built now, in the worker
+    if trace_path is not None:
+        to_chrome_trace(timeline, trace_path)
     return timeline
 
 
@@ -277,13 +280,16 @@ def available_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def run_each(specs: list[RunSpec], prep: Prepared, workers: int = 1) -> list[Timeline]:
+def run_each(specs: list[RunSpec], prep: Prepared, workers: int = 1,
+             trace_paths: list[Path | None] | None = None) -> list[Timeline]:
     """The timelines of several runs on one preparation (compare's policies and presets), in
-    `workers` processes when more than one: each run is independent and single-threaded."""
+    `workers` processes when more than one: each run is independent and single-threaded. Each
+    run's Chrome trace is written where `trace_paths` says (by the process that ran it)."""
+    traces = trace_paths or [None] * len(specs)
     workers = min(workers, len(specs))
     if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
-        return [_timeline_of(spec, prep) for spec in specs]
+        return [_timeline_of(spec, path, prep) for spec, path in zip(specs, traces)]
     # forked workers inherit the preparation (routing, plan, policies loaded from files) as it is
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_share,
                              initargs=(prep,)) as pool:
-        return list(pool.map(_timeline_of, specs))
+        return list(pool.map(_timeline_of, specs, traces))

@@ -15,6 +15,8 @@ import gc
 import heapq
 import json
 from collections import defaultdict
+from itertools import chain
+from operator import attrgetter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -205,7 +207,8 @@ class Schedule:
     # ---- validation ------------------------------------------------------------------------
     def check(self) -> None:
         """Reject what cannot run: duplicate ids, unknown streams/deps, bad sizes, deps that
-        contradict stream order, and cycles. Every message names the op."""
+        contradict stream order, and cycles. Every message names the op. (The dependency graph
+        built on the way is kept: the engine and the runtime use it.)"""
         for stream, resource in self.streams.items():
             if resource not in RESOURCES:
                 raise ScheduleError(f"stream {stream!r} maps to unknown resource {resource!r}; "
@@ -216,18 +219,10 @@ class Schedule:
                 raise ScheduleError(f"duplicate op id {op.id!r} (positions {position[op.id]} and {i})")
             position[op.id] = i
             _check_op_fields(op, self.streams)
-        allocated = {name for name, _ in self.preloaded}
         ops = self.ops
-        forward: list[tuple[Op, str]] = []  # deps on a later op: possible only in hand-made schedules
-        for i, op in enumerate(ops):
-            for dep in op.deps:
-                where = position.get(dep)
-                if where is None:
-                    raise ScheduleError(f"op {op.id!r} depends on unknown op {dep!r}")
-                if where >= i:
-                    if where == i:
-                        raise ScheduleError(f"op {op.id!r} depends on itself")
-                    forward.append((op, dep))
+        graph = dependency_arrays(ops, position, checked=False)  # an unknown dep: a ScheduleError naming the op
+        allocated = {name for name, _ in self.preloaded}
+        for op in ops:
             for name, size in op.alloc:
                 if name in allocated:
                     raise ScheduleError(f"op {op.id!r} allocates buffer {name!r}, which is already allocated")
@@ -237,16 +232,25 @@ class Schedule:
                 if name not in allocated:
                     raise ScheduleError(f"op {op.id!r} frees buffer {name!r}, which no op allocates")
         self.__dict__["index"] = position  # what `index` would compute
-        if not forward:
+        self.__dict__["graph"] = graph
+        if not graph.forward:
             return  # every dep is on an earlier op: list order is a topological order, no cycle
-        for op, dep in forward:  # a dep on a later op of the same stream contradicts stream order
-            if ops[position[dep]].stream == op.stream:
+        for i, d in graph.forward:  # a dep on a later op of the same stream contradicts stream order
+            op, dep = ops[i], ops[d]
+            if d == i:
+                raise ScheduleError(f"op {op.id!r} depends on itself")
+            if dep.stream == op.stream:
                 raise ScheduleError(
-                    f"op {op.id!r} depends on {dep!r}, which comes later on the same in-order "
+                    f"op {op.id!r} depends on {dep.id!r}, which comes later on the same in-order "
                     f"stream {op.stream!r}: the dependency contradicts stream order")
         cycle = find_cycle(ops, position)
         if cycle:
             raise ScheduleError("schedule has a cycle (deps + stream order): " + " -> ".join(cycle))
+
+    @cached_property
+    def graph(self) -> "Graph":
+        """Successors and predecessor counts of every op (built once, by `check`)."""
+        return dependency_arrays(self.ops, self.index)
 
     # ---- serialisation ---------------------------------------------------------------------
     def to_json_dict(self) -> dict[str, Any]:
@@ -340,22 +344,43 @@ def _check_op_fields(op: Op, streams: Mapping[str, str]) -> None:
             raise ScheduleError(f"op {op.id!r}: buffer {name!r} has negative size {size}")
 
 
+class Graph(NamedTuple):
+    """The dependency graph in compressed form: the successors of op i (its dependents and its
+    stream successor, in schedule order) are `flat[ptr[i]:ptr[i + 1]]`; `indegree[i]` counts its
+    predecessors; `forward` lists the (op, dep) index pairs whose dep is not before the op in list order."""
+
+    ptr: list[int]
+    flat: list[int]
+    indegree: list[int]
+    forward: list[tuple[int, int]]
+
+
 def dependency_graph(ops: Sequence[Op], position: Mapping[str, int]) -> tuple[list[list[int]], list[int]]:
     """Successors of each op (its dependents and its stream successor), by index, and how many
     predecessors each op waits for: the one graph the checker, the engine and the runtime use."""
-    ptr, flat, indegree = dependency_arrays(ops, position)
+    ptr, flat, indegree, _ = dependency_arrays(ops, position)
     return [flat[ptr[i]:ptr[i + 1]] for i in range(len(ops))], indegree
 
 
-def dependency_arrays(ops: Sequence[Op], position: Mapping[str, int]) -> tuple[list[int], list[int], list[int]]:
-    """The same graph in compressed form, built with numpy: the successors of op i are
-    `flat[ptr[i]:ptr[i + 1]]`; `indegree[i]` counts its predecessors (deps + stream predecessor)."""
+def dependency_arrays(ops: Sequence[Op], position: Mapping[str, int], checked: bool = True) -> Graph:
+    """The graph of `ops`, built with numpy. Unless `checked` (the schedule's own check is
+    running), a dep on an unknown op raises a ScheduleError naming both."""
     n = len(ops)
     if n == 0:
-        return [0], [], []
-    dep_counts = np.fromiter((len(op.deps) for op in ops), dtype=np.int64, count=n)
-    dep_src = np.fromiter((position[d] for op in ops for d in op.deps), dtype=np.int64, count=int(dep_counts.sum()))
+        return Graph([0], [], [], [])
+    deps = list(map(attrgetter("deps"), ops))
+    dep_counts = np.fromiter(map(len, deps), dtype=np.int64, count=n)
+    try:
+        dep_src = np.fromiter(map(position.__getitem__, chain.from_iterable(deps)), dtype=np.int64,
+                              count=int(dep_counts.sum()))
+    except (KeyError, TypeError):
+        if checked:
+            raise
+        op, dep = next((op, d) for op in ops for d in op.deps if not isinstance(d, str) or d not in position)
+        raise ScheduleError(f"op {op.id!r} depends on unknown op {dep!r}") from None
     dep_dst = np.repeat(np.arange(n, dtype=np.int64), dep_counts)
+    later = np.flatnonzero(dep_src >= dep_dst)
+    forward = list(zip(dep_dst[later].tolist(), dep_src[later].tolist()))
     # stream order: each op follows the previous op of its stream
     streams = np.fromiter((hash(op.stream) for op in ops), dtype=np.int64, count=n)
     order = np.argsort(streams, kind="stable")  # by stream, list order within a stream
@@ -367,7 +392,7 @@ def dependency_arrays(ops: Sequence[Op], position: Mapping[str, int]) -> tuple[l
     ptr = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(np.bincount(src, minlength=n), out=ptr[1:])
     indegree = np.bincount(dst, minlength=n)
-    return ptr.tolist(), dst[by_src].tolist(), indegree.tolist()
+    return Graph(ptr.tolist(), dst[by_src].tolist(), indegree.tolist(), forward)
 
 
 def topological_order(schedule: "Schedule") -> list[int]:

@@ -93,3 +93,32 @@ def test_long_axes_are_in_seconds():
     from klotski_sim.plot import time_unit
 
     assert time_unit(30.0) == (1.0, "s") and time_unit(0.5) == (1e3, "ms")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_bars_drawn_as_one_path_look_exactly_like_broken_barh(seed):
+    """draw_bars (one compound path per lane and category) renders the very pixels of
+    matplotlib's broken_barh (an artist per bar), sub-pixel bars included."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from klotski_sim.plot import draw_bars
+
+    rng = np.random.default_rng(seed)
+    x = np.sort(rng.uniform(0, 100, 400))
+    width = rng.choice([0.01, 0.05, 0.3, 2.0], 400)
+    images = []
+    for method in ("broken_barh", "draw_bars"):
+        fig, ax = plt.subplots(figsize=(8, 1.5), dpi=100)
+        if method == "broken_barh":
+            ax.broken_barh(list(zip(x, width)), (0.2, 0.6), facecolors="#55A868", edgecolor="none")
+        else:
+            draw_bars(ax, x, width, 0.2, 0.6, "#55A868")
+        ax.set_xlim(0, 102)
+        ax.set_ylim(0, 1)
+        fig.canvas.draw()
+        images.append(np.asarray(fig.canvas.buffer_rgba()).copy())
+        plt.close(fig)
+    assert (images[0] != 255).any() and np.array_equal(images[0], images[1])
