@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from klotski_sim.engine import simulate
 from klotski_sim.policies import build_schedule
-from klotski_sim.runner import RunSpec, prepare
+from klotski_sim.runner import RunSpec, policy_batches, prepare
 
 POLICIES = ("single-batch", "multi-batch", "hot-prefetch", "klotski", "klotski-oracle", "flexgen")
 
@@ -62,17 +62,18 @@ def main() -> None:
         prep = prepare(RunSpec(num_batches=None, policy="klotski", impl=impl))
         print(f"[{impl}] prepare (planner + calibrated trace for n = {prep.num_batches}): "
               f"{time.perf_counter() - t:.2f} s")
-        print(f"{'policy':15} {'ops':>8} {'build s':>8} {'engine s':>9} {'engine ops/s':>13} {'build+engine s':>15}")
+        print(f"{'policy':15} {'n':>3} {'ops':>8} {'build s':>8} {'engine s':>9} {'engine ops/s':>13} {'build+engine s':>15}")
         for name in POLICIES:
-            p = prep.narrowed(1) if name == "single-batch" else prep
+            p = prep.narrowed(policy_batches(name, prep))  # each policy's n, as compare runs it
             inp = replace(p.policy_input(), impl=impl)
             inp.routing.counts  # computed once per routing, shared by policies
             t0 = time.perf_counter()
             schedule = build_schedule(name, inp)
             t1 = time.perf_counter()
-            simulate(schedule, p.profile)
+            status = simulate(schedule, p.profile).status
             t2 = time.perf_counter()
-            print(f"{name:15} {len(schedule):8d} {t1 - t0:8.2f} {t2 - t1:9.2f} {len(schedule) / (t2 - t1):13,.0f} "
+            assert status == "ok", (name, status)
+            print(f"{name:15} {p.num_batches:3d} {len(schedule):8d} {t1 - t0:8.2f} {t2 - t1:9.2f} {len(schedule) / (t2 - t1):13,.0f} "
                   f"{t2 - t0:15.2f}")
         with tempfile.TemporaryDirectory() as cache:
             print(f"[{impl}] whole default Klotski run, fresh process: cold trace cache {whole_run(impl, cache)}; "

@@ -310,13 +310,15 @@ def _check_op_fields(op: Op, streams: Mapping[str, str]) -> None:
     if op.stream not in streams:
         raise ScheduleError(f"op {op.id!r}: stream {op.stream!r} is not declared "
                             f"(streams: {', '.join(streams)})")
-    for name in ("flops", "bytes", "tokens", "kv_len"):
-        if getattr(op, name) < 0:
-            raise ScheduleError(f"op {op.id!r}: {name} must be >= 0, got {getattr(op, name)}")
-    for name in ("step", "layer", "expert"):
-        if getattr(op, name) < -1:
-            raise ScheduleError(f"op {op.id!r}: {name} must be >= 0 (or -1: none), got {getattr(op, name)}")
-    if any(b < 0 for b in op.batches):
+    if op.flops < 0 or op.bytes < 0 or op.tokens < 0 or op.kv_len < 0:  # (one test on the common path)
+        for name in ("flops", "bytes", "tokens", "kv_len"):
+            if getattr(op, name) < 0:
+                raise ScheduleError(f"op {op.id!r}: {name} must be >= 0, got {getattr(op, name)}")
+    if op.step < -1 or op.layer < -1 or op.expert < -1:
+        for name in ("step", "layer", "expert"):
+            if getattr(op, name) < -1:
+                raise ScheduleError(f"op {op.id!r}: {name} must be >= 0 (or -1: none), got {getattr(op, name)}")
+    if op.batches and min(op.batches) < 0:
         raise ScheduleError(f"op {op.id!r}: batches must be >= 0, got {list(op.batches)}")
     if op.tensor not in TENSORS:
         raise ScheduleError(f"op {op.id!r}: tensor {op.tensor!r} is not one of {TENSORS[1:]}")
