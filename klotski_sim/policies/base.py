@@ -263,6 +263,7 @@ class OpEmitter:
         self.impl = Impl.from_options(inp.options)
         self._attention_costs: dict[tuple[int, int], tuple[int, int]] = {}
         self._expert_costs: dict[int, tuple[int, int]] = {}  # tokens -> FLOPs, bytes
+        self._gate_costs: dict[tuple[int, int], tuple[str, int, int]] = {}  # (tokens, layer) -> category, FLOPs, bytes
         self._last_kv_store: dict[tuple[int, int], str] = {}  # (layer, batch) -> its latest KV store
         self._attention_ops: list[str] = []
         self._kv_buffers: dict[int, list[str]] = {}
@@ -437,8 +438,8 @@ class OpEmitter:
             free = free + (load,)
         variant = self.impl.attention_impl
         flops, nbytes = self._attention_cost(new, kv_len)
-        op = self.b.compute(op_id, "attention", deps, flops=flops, bytes=nbytes, tokens=sh.batch_size * new,
-                            kv_len=kv_len, alloc=alloc, free=free, variant=variant, **tags)
+        op = self.b.add(op_id, "compute", "compute", "attention", deps, flops=flops, bytes=nbytes,
+                        tokens=sh.batch_size * new, kv_len=kv_len, alloc=alloc, free=free, variant=variant, **tags)
         self._attention_ops.append(op)
         if self.placement.kv == "cpu":
             pageable = self.impl.copy_memory_kv == "pageable"
@@ -501,10 +502,13 @@ class OpEmitter:
     def gate(self, op_id: str, step: int, layer: int, batch: int, deps: Iterable[str | None] = (),
              free: tuple[str, ...] = ()) -> str:
         tokens = self.new_tokens(step) * self.shape.batch_size
-        category = "gate" if self.model.is_moe(layer) else "dense_mlp"  # a dense layer's MLP takes the gate's place
-        return self.b.compute(op_id, category, deps, flops=self.model.gate_flops(tokens, layer),
-                              bytes=self.model.gate_io_bytes(tokens, layer), step=step, phase=self.phase(step),
-                              layer=layer, batches=(batch,), tokens=tokens, free=tuple(free))
+        cost = self._gate_costs.get((tokens, layer))
+        if cost is None:  # a dense layer's MLP takes the gate's place
+            m = self.model
+            cost = self._gate_costs[(tokens, layer)] = ("gate" if m.is_moe(layer) else "dense_mlp",
+                                                         m.gate_flops(tokens, layer), m.gate_io_bytes(tokens, layer))
+        return self.b.add(op_id, "compute", "compute", cost[0], deps, flops=cost[1], bytes=cost[2], step=step,
+                          phase=self.phase(step), layer=layer, batches=(batch,), tokens=tokens, free=tuple(free))
 
     def expert(self, op_id: str, step: int, layer: int, expert: int, batches: Iterable[int], tokens: int,
                deps: Iterable[str | None] = (), free: tuple[str, ...] = ()) -> str:
@@ -554,8 +558,8 @@ class OpEmitter:
         if order == "expert-id":
             return sorted(experts)
         if order == "most-tokens-first":
-            tokens = self.inp.routing.counts[step, layer, batch]
-            return sorted(experts, key=lambda e: (-int(tokens[e]), e))
+            tokens = self.inp.routing.counts[step, layer, batch].tolist()
+            return sorted(experts, key=lambda e: (-tokens[e], e))
         wanted = set(experts)
         return [e for e in self.inp.routing.first_use(step, layer, batch) if e in wanted]
 

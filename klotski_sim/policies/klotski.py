@@ -162,15 +162,19 @@ def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
             gates: list[str] = []
             if split:
                 split.new_layer()
+            on_demand = rung.hot_prefetch and not resident
+            if on_demand:  # per batch: the experts it selected, and tokens per expert over the gates run so far
+                selected = [np.flatnonzero(row).tolist() for row in counts[step, j]]
+                seen_by = np.cumsum(counts[step, j], axis=0)
             for b in batches:
                 last_gate = em.gate(f"{at}/b{b}/gate", step, j, b, [gate_w],
                                     free=(gate_w,) if gate_w and b == batches[-1] else ())
-                if rung.hot_prefetch and not resident:
+                if on_demand:
                     if sublayer_sync:  # the routed ids are read on the host (`.tolist()`)
                         em.sync(last_gate, [last_gate])
                     # on-demand loads: what this batch selected that is neither hot nor requested
-                    chosen = em.cold_order(step, j, b, np.flatnonzero(counts[step, j, b]).tolist())
-                    seen = counts[step, j, :b + 1].sum(axis=0)  # tokens per expert over the gates run so far
+                    chosen = em.cold_order(step, j, b, selected[b])
+                    seen = seen_by[b]
                     for e in chosen:
                         if e in cpu_experts:
                             continue
