@@ -400,14 +400,15 @@ def dependency_arrays(ops: Sequence[Op], position: Mapping[str, int], checked: b
 def topological_order(schedule: "Schedule") -> list[int]:
     """An issue order that respects deps and stream order, schedule order breaking ties (how the
     CUDA runtime enqueues ops, so that every event it waits on has been recorded)."""
-    succs, pending = dependency_graph(schedule.ops, schedule.index)
+    ptr, flat, indegree, _ = schedule.graph
+    pending = list(indegree)
     ready = [i for i, p in enumerate(pending) if p == 0]
     heapq.heapify(ready)
     order = []
     while ready:
         i = heapq.heappop(ready)
         order.append(i)
-        for s in succs[i]:
+        for s in flat[ptr[i]:ptr[i + 1]]:
             pending[s] -= 1
             if pending[s] == 0:
                 heapq.heappush(ready, s)
