@@ -6,11 +6,17 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from typing import Any
 
 
 class OneLineParser(argparse.ArgumentParser):
     """A bad argument ends in one `error:` line naming the flag and exit status 2, as every other
-    bad input does (argparse would print its usage block first; `-h` still shows it)."""
+    bad input does (argparse would print its usage block first; `-h` still shows it). Flags are
+    never abbreviated: `--policy` must not silently mean `--policy-file` where there is no `--policy`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         print(f"error: {self.prog}: {message}", file=sys.stderr)

@@ -33,6 +33,7 @@ import numpy as np
 from ..cost import CostModel
 from ..prefetch import CorrelationTable, PrefetchStats
 from ..schedule import CPU_STREAMS, DEFAULT_STREAMS, Schedule, ScheduleBuilder
+from ..model import ModelSpec
 from .base import OpEmitter, PolicyInput, cpu_expert_seconds, register
 
 
@@ -58,19 +59,28 @@ RUNGS: dict[str, Rung] = {
 class ColdSplit:
     """Per layer, which cold experts run on the CPU: each goes to whichever side would finish it
     first given what that side already has in this layer (the link: the cold loads issued; the
-    CPU: the experts given to it), priced by the cost model that will time the ops."""
+    CPU: the experts given to it), priced by the cost model that will time the ops. The planner
+    applies the same rule to expected experts: `chance` weighs an expert by how likely it is used."""
 
-    def __init__(self, inp: PolicyInput) -> None:
-        inp.profile.require_cpu("policy 'klotski-hybrid'")
-        self.model, self.cost = inp.model, CostModel(inp.profile)
+    def __init__(self, model: ModelSpec, cost: CostModel) -> None:
+        cost.profile.require_cpu("policy 'klotski-hybrid'")
+        self.model, self.cost = model, cost
+        self.load = cost.transfer_seconds("pcie_h2d", model.expert_bytes())
+        self._on_cpu: dict[int, float] = {}
         self.link_busy = self.cpu_busy = 0.0
 
     def new_layer(self) -> None:
         self.link_busy = self.cpu_busy = 0.0
 
-    def to_cpu(self, tokens: float) -> bool:
-        load = self.cost.transfer_seconds("pcie_h2d", self.model.expert_bytes())
-        on_cpu = cpu_expert_seconds(self.cost, self.model, max(1, int(round(tokens))))
+    def cpu_seconds(self, tokens: float) -> float:
+        """An expert over `tokens` tokens on the CPU, its output back up included."""
+        tok = max(1, int(round(tokens)))
+        if tok not in self._on_cpu:
+            self._on_cpu[tok] = cpu_expert_seconds(self.cost, self.model, tok)
+        return self._on_cpu[tok]
+
+    def to_cpu(self, tokens: float, chance: float = 1.0) -> bool:
+        on_cpu, load = chance * self.cpu_seconds(tokens), chance * self.load
         if self.cpu_busy + on_cpu < self.link_busy + load:
             self.cpu_busy += on_cpu
             return True
@@ -78,9 +88,8 @@ class ColdSplit:
         return False
 
 
-
 def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
-    split = ColdSplit(inp) if rung.cpu_cold else None
+    split = ColdSplit(inp.model, CostModel(inp.profile)) if rung.cpu_cold else None
     em = OpEmitter(inp, ScheduleBuilder({**DEFAULT_STREAMS, **CPU_STREAMS}) if split else None)
     impl = em.impl
     m, sh, routing = inp.model, inp.shape, inp.routing
