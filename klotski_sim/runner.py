@@ -7,6 +7,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
@@ -298,6 +299,10 @@ def run_each(specs: list[RunSpec], prep: Prepared, workers: int = 1,
     if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
         return [_timeline_of(spec, path, prep) for spec, path in zip(specs, traces)]
     # forked workers inherit the preparation (routing, plan, policies loaded from files) as it is
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_share,
-                             initargs=(prep,)) as pool:
-        return list(pool.map(_timeline_of, specs, traces))
+    try:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_share,
+                                 initargs=(prep,)) as pool:
+            return list(pool.map(_timeline_of, specs, traces))
+    except BrokenProcessPool:
+        raise UsageError(f"a worker process died before it finished (killed, or out of host memory?): "
+                         f"rerun with --workers 1, or fewer than {workers}") from None

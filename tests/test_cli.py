@@ -1,8 +1,10 @@
-import gzip
-
 """End to end, as a user runs it."""
 
+import gzip
 import json
+import os
+
+import pytest
 
 from .conftest import run_cli
 
@@ -117,6 +119,20 @@ def test_compare_in_worker_processes_gives_the_serial_results(tmp_path):
         traces = {f.name: gzip.decompress(f.read_bytes()) for f in sorted(out_dir.glob("trace_*.json.gz"))}
         outputs[workers] = (out.replace(str(out_dir), "OUT"), (out_dir / "compare.json").read_text(), traces)
     assert len(outputs[1][2]) == 6 and outputs[1] == outputs[3]
+
+
+def _worker_dies(*args):
+    os._exit(3)
+
+
+def test_a_worker_that_dies_is_one_clear_error(monkeypatch):
+    from klotski_sim import runner
+    from klotski_sim.errors import UsageError
+
+    spec = runner.RunSpec(policy="klotski", num_batches=2, batch_size=2, prompt_len=8, gen_len=2)
+    monkeypatch.setattr(runner, "_timeline_of", _worker_dies)
+    with pytest.raises(UsageError, match="a worker process died before it finished.*--workers 1"):
+        runner.run_each([spec, spec], runner.prepare(spec), workers=2)
 
 
 def test_compare_prints_the_table_and_writes_figures(tmp_path):
