@@ -183,7 +183,7 @@ COMPARE_POLICIES = ("single-batch", "multi-batch", "hot-prefetch", "klotski", "k
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    spec = spec_from_args(args, num_batches=None)
+    spec = spec_from_args(args, num_batches=None, policy="klotski")
     prep = prepare(spec)
     print(format_plan(prep.plan, prep.model, prep.profile, spec.batch_size))
     return 0
@@ -546,9 +546,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="Klotski's planner: every term of inequalities (4)-(7), n, memory check")
     add_run_arguments(p, policy=False, num_batches=False)
-    p.add_argument("--policy", default="klotski", choices=list(POLICIES),
-                   help="whose plan: klotski-hybrid's counts the CPU's share of the cold experts (7h) "
-                        "(default: %(default)s)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("models", help="list model presets with their sizes")

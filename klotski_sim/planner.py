@@ -27,7 +27,6 @@ from .hardware import HardwareProfile
 from .impl import Impl
 from .model import ModelSpec
 from .policies.base import Placement
-from .policies.klotski import ColdSplit
 
 GIB = 2**30
 HOST_HEADROOM = 0.9  # share of host memory the offloaded weights may take
@@ -148,16 +147,10 @@ def largest_fitting_n(model: ModelSpec, profile: HardwareProfile, batch_size: in
 
 def plan(model: ModelSpec, profile: HardwareProfile, batch_size: int, prompt_len: int = 512, gen_len: int = 32,
          popularity: np.ndarray | None = None, placement: Placement | None = None, n_max: int = 256,
-         cost: CostModel | None = None, resident_layers: bool = True, impl: Impl | None = None,
-         cpu_split: bool = False) -> Plan:
+         cost: CostModel | None = None, resident_layers: bool = True, impl: Impl | None = None) -> Plan:
     """Pick n (and where the KV cache goes) for a Klotski pipeline on `profile`, costing its ops as
-    the implementation `impl` runs them (attention kernel, per-batch expert ops, host syncs).
-    With `cpu_split` (klotski-hybrid) the cold experts are split between the link and the host CPU
-    by the policy's own rule, applied to each layer's expected cold experts, and (7) becomes (7h):
-    the link's share (plus the CPU outputs coming back) must hide behind the slower of the GPU's
-    compute and the CPU's share, which run side by side."""
+    the implementation `impl` runs them (attention kernel, per-batch expert ops, host syncs)."""
     cost = cost or CostModel(profile)
-    split = ColdSplit(model, cost) if cpu_split else None
     impl = impl or Impl()
     attention = impl.attention_impl
     notes: list[str] = []
@@ -203,46 +196,19 @@ def plan(model: ModelSpec, profile: HardwareProfile, batch_size: int, prompt_len
         act = expert_activity(model, popularity, n * batch_size)
         ops = n if impl.per_batch_experts else 1  # per batch: n ops, each over its share of the tokens
         hot = expert_times(act["hot_tokens"], ops).sum(axis=1).mean()
-        p_used, tokens_if_used = act["cold_p_used"], act["cold_tokens_if_used"]
-        on_link = cpu_share(p_used, tokens_if_used) if split else np.ones(p_used.shape, dtype=bool)
-        link_p = np.where(on_link, p_used, 0.0)  # chance a cold expert is used and comes over the link
-        cold = (link_p * expert_times(tokens_if_used, ops)).sum(axis=1).mean()
-        terms = {"t_c_hotE": float(hot), "sum_Q_t_cE": float(cold), "Q": float(link_p.sum(axis=1).mean())}
-        if split:
-            cpu_p = p_used - link_p
-            cpu = np.vectorize(split.cpu_seconds, otypes=[float])(tokens_if_used) if cpu_p.any() else cpu_p
-            up = np.vectorize(lambda tok: cost.transfer_seconds(h2d, model.hidden_bytes(max(1, int(round(tok))))),
-                              otypes=[float])(tokens_if_used) if cpu_p.any() else cpu_p
-            terms.update({"Q_cpu": float(cpu_p.sum(axis=1).mean()), "t_cpu": float((cpu_p * cpu).sum(axis=1).mean()),
-                          "t_up": float((cpu_p * up).sum(axis=1).mean())})
-        return terms
-
-    def cpu_share(p_used: np.ndarray, tokens_if_used: np.ndarray) -> np.ndarray:
-        """Per layer, the policy's rule over the expected cold experts, likeliest first: True where
-        an expert goes over the link, False where the CPU computes it."""
-        on_link = np.ones(p_used.shape, dtype=bool)
-        for layer in range(p_used.shape[0]):
-            split.new_layer()
-            for c in np.argsort(-p_used[layer], kind="stable"):
-                if p_used[layer, c] > 0 and split.to_cpu(tokens_if_used[layer, c], p_used[layer, c]):
-                    on_link[layer, c] = False
-        return on_link
+        cold = (act["cold_p_used"] * expert_times(act["cold_tokens_if_used"], ops)).sum(axis=1).mean()
+        return {"t_c_hotE": float(hot), "sum_Q_t_cE": float(cold), "Q": float(act["cold_p_used"].sum(axis=1).mean())}
 
     def inequalities(n: int) -> tuple[Inequality, ...]:
         g = group_terms(n)
         base = n * (t["t_cA"] + t["t_cG"])
-        seven = (Inequality("(7) ... + sum_Q t_cE >= t_IO_G + (K+|Q|)*t_IO_E + t_IO_A",
-                            base + g["t_c_hotE"] + g["sum_Q_t_cE"],
-                            t["t_IO_G"] + (K + g["Q"]) * t["t_IO_E"] + t["t_IO_A"]) if not split else
-                 Inequality("(7h) max(... + sum_Q t_cE, t_cpu) >= t_IO_G + (K+|Q|)*t_IO_E + t_IO_A + t_up",
-                            max(base + g["t_c_hotE"] + g["sum_Q_t_cE"], g["t_cpu"]),
-                            t["t_IO_G"] + (K + g["Q"]) * t["t_IO_E"] + t["t_IO_A"] + g["t_up"]))
         return (
             Inequality("(4) n*t_cA >= t_IO_G", n * t["t_cA"], t["t_IO_G"]),
             Inequality("(5) n*(t_cA+t_cG) >= t_IO_G + K*t_IO_E", base, t["t_IO_G"] + K * t["t_IO_E"]),
             Inequality("(6) ... + t_c_hotE >= t_IO_G + (K+1)*t_IO_E", base + g["t_c_hotE"],
                        t["t_IO_G"] + (K + 1) * t["t_IO_E"]),
-            seven,
+            Inequality("(7) ... + sum_Q t_cE >= t_IO_G + (K+|Q|)*t_IO_E + t_IO_A",
+                       base + g["t_c_hotE"] + g["sum_Q_t_cE"], t["t_IO_G"] + (K + g["Q"]) * t["t_IO_E"] + t["t_IO_A"]),
         )
 
     n_io = next((n for n in range(1, n_max + 1) if all(i.holds for i in inequalities(n))), None)
@@ -300,18 +266,10 @@ def format_plan(p: Plan, model: ModelSpec, profile: HardwareProfile, batch_size:
     labels = {"t_cA": "attention of one batch", "t_cG": "gate of one batch", "t_IO_G": "gate transfer",
               "t_IO_E": "one expert transfer", "t_IO_A": "attention transfer",
               "t_c_hotE": "hot experts over the group", "sum_Q_t_cE": "cold experts over the group"}
-    if "t_cpu" in p.terms:
-        labels.update({"sum_Q_t_cE": "cold experts over the link, computed on the GPU",
-                       "t_cpu": "cold experts on the CPU (outputs back up included)",
-                       "t_up": "their outputs on the H2D link"})
     for key, label in labels.items():
         lines.append(f"  {key:11} {p.terms[key] * ms:10.3f}   {label}")
-    lines.append(f"  {'|Q|':11} {p.terms['Q']:10.2f}   expected cold experts per layer"
-                 + (" over the link" if "t_cpu" in p.terms else ""))
-    if "Q_cpu" in p.terms:
-        lines.append(f"  {'|Q_cpu|':11} {p.terms['Q_cpu']:10.2f}   expected cold experts per layer on the CPU "
-                     f"(the policy's rule on expected experts)")
-    lines.append(f"smallest n meeting (4)-(7{'h' if 'Q_cpu' in p.terms else ''}): {p.n_io if p.n_io is not None else 'none'}; "
+    lines.append(f"  {'|Q|':11} {p.terms['Q']:10.2f}   expected cold experts per layer")
+    lines.append(f"smallest n meeting (4)-(7): {p.n_io if p.n_io is not None else 'none'}; "
                  f"memory allows n <= {p.n_memory}")
     lines.append(f"at n = {p.n}:")
     for ineq in p.inequalities:

@@ -182,13 +182,6 @@ def planner_impl(spec: RunSpec) -> Impl:
                                              {k: v for k, v in spec.options.items() if k in own}))
 
 
-def policy_splits_cold_experts(policy: str) -> bool:
-    """A multi-batch pipeline that computes cold experts on the host CPU (klotski-hybrid): the
-    planner counts the CPU's share."""
-    info = get_policy(policy)
-    return info.needs_cpu and not info.one_batch
-
-
 def prepare(spec: RunSpec) -> Prepared:
     """Resolve model, profile, n (planner when `num_batches` is None), placement and routing."""
     model = get_model(spec.model)
@@ -203,8 +196,7 @@ def prepare(spec: RunSpec) -> Prepared:
     if spec.num_batches is None:
         the_plan = plan(model, profile, spec.batch_size, spec.prompt_len, spec.gen_len,
                         popularity=planning_popularity(spec, model), placement=placement,
-                        resident_layers=spec.resident_layers is None, impl=planner_impl(spec),
-                        cpu_split=policy_splits_cold_experts(spec.policy))
+                        resident_layers=spec.resident_layers is None, impl=planner_impl(spec))
         n = the_plan.n
         placement = the_plan.placement if spec.kv == "auto" else replace(the_plan.placement, kv=spec.kv)
     else:

@@ -11,9 +11,7 @@ from klotski_sim.cost import CostModel
 from klotski_sim.engine import simulate
 from klotski_sim.errors import UsageError
 from klotski_sim.hardware import ProfileError, profile_from_dict
-from klotski_sim.model import get_model
-from klotski_sim.planner import format_plan, plan
-from klotski_sim.policies import Placement, PolicyInput, build_schedule
+from klotski_sim.policies import PolicyInput, build_schedule
 from klotski_sim.policies.fiddler import gpu_expert_slots, popular_experts
 
 from .conftest import make_profile, run_cli
@@ -203,33 +201,3 @@ def test_hybrid_moves_only_cold_experts_and_computes_every_token_once():
             if nxt in start:
                 assert start[nxt] >= end[op.id]
 
-
-def _hybrid_plan(profile, model="mixtral-8x7b"):
-    m = get_model(model)
-    return m, plan(m, profile, 16, 64, 8, placement=Placement(), cpu_split=True), plan(m, profile, 16, 64, 8,
-                                                                                       placement=Placement())
-
-
-def test_hybrid_planner_with_a_hopeless_cpu_plans_as_klotski():
-    """The planner applies the policy's own rule to expected cold experts: a CPU that never wins
-    takes none, and the plan is Klotski's (its (7) under the name (7h), with nothing added)."""
-    m, hybrid, klotski = _hybrid_plan(cpu_profile(memory_bytes=80e9, memory_bandwidth=1e3, flops={"bf16": 1e3},
-                                                  link=16e9))
-    assert hybrid.terms["Q_cpu"] == 0 and hybrid.terms["t_cpu"] == 0 and hybrid.terms["Q"] == klotski.terms["Q"]
-    assert hybrid.n == klotski.n and hybrid.n_io == klotski.n_io
-    assert [(i.lhs, i.rhs) for i in hybrid.inequalities] == [(i.lhs, i.rhs) for i in klotski.inequalities]
-    assert hybrid.inequalities[-1].name.startswith("(7h)")
-
-
-def test_hybrid_planner_counts_only_the_links_share_and_hides_it_behind_the_cpu():
-    """A fast CPU takes cold experts off the link: |Q| over the link + |Q_cpu| = Klotski's |Q|,
-    and (7h)'s right side charges only the link's share (plus the outputs coming back up)."""
-    m, hybrid, klotski = _hybrid_plan(cpu_profile(memory_bytes=80e9, memory_bandwidth=1e13, flops={"bf16": 1e15},
-                                                  link=16e9))
-    t = hybrid.terms
-    assert t["Q_cpu"] > 0.5 and t["Q"] + t["Q_cpu"] == pytest.approx(klotski.terms["Q"])
-    last = hybrid.inequalities[-1]
-    assert last.rhs == pytest.approx(t["t_IO_G"] + (m.top_k + t["Q"]) * t["t_IO_E"] + t["t_IO_A"] + t["t_up"])
-    assert last.rhs < klotski.inequalities[-1].rhs and hybrid.n_io <= klotski.n_io
-    text = format_plan(hybrid, m, cpu_profile(), 16)
-    assert "|Q_cpu|" in text and "(7h)" in text

@@ -59,8 +59,7 @@ RUNGS: dict[str, Rung] = {
 class ColdSplit:
     """Per layer, which cold experts run on the CPU: each goes to whichever side would finish it
     first given what that side already has in this layer (the link: the cold loads issued; the
-    CPU: the experts given to it), priced by the cost model that will time the ops. The planner
-    applies the same rule to expected experts: `chance` weighs an expert by how likely it is used."""
+    CPU: the experts given to it), priced by the cost model that will time the ops."""
 
     def __init__(self, model: ModelSpec, cost: CostModel) -> None:
         cost.profile.require_cpu("policy 'klotski-hybrid'")
@@ -79,8 +78,8 @@ class ColdSplit:
             self._on_cpu[tok] = cpu_expert_seconds(self.cost, self.model, tok)
         return self._on_cpu[tok]
 
-    def to_cpu(self, tokens: float, chance: float = 1.0) -> bool:
-        on_cpu, load = chance * self.cpu_seconds(tokens), chance * self.load
+    def to_cpu(self, tokens: float) -> bool:
+        on_cpu, load = self.cpu_seconds(tokens), self.load
         if self.cpu_busy + on_cpu < self.link_busy + load:
             self.cpu_busy += on_cpu
             return True
