@@ -165,15 +165,18 @@ def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | No
         woken = None
         host_i = is_host[i]
         signal = latency and not host_i
+        if signal:
+            own_stream, seen_at = stream_of[i], now + latency
         for s in succ_flat[succ_ptr[i]:succ_ptr[i + 1]]:
             if host_i and is_host[s]:
                 arrival[s] = now  # the host thread moves on to its next wait
-            if signal and stream_of[s] != stream_of[i] and not is_host[s]:
+            if signal and stream_of[s] != own_stream and not is_host[s]:
                 # (a host op's own latency is the whole round trip: GPU done -> host -> next launch)
-                if ready_floor[s] < now + latency:
-                    ready_floor[s] = now + latency
-            pending[s] -= 1
-            if not pending[s]:
+                if ready_floor[s] < seen_at:
+                    ready_floor[s] = seen_at
+            left = pending[s] - 1
+            pending[s] = left
+            if not left:
                 blocker[s] = i
                 if latency and ready_floor[s] > now:
                     floor = ready_floor[s]
