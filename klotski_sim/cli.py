@@ -174,8 +174,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         out = Path(args.out)
         paths = save_all(result.timeline, out, png=not args.no_png)
         result.schedule.save(out / "schedule.json")
-        result.routing.save(out / "routing.npz")
-        print(f"wrote {', '.join(sorted(p.name for p in paths.values()))}, schedule.json, routing.npz to {out}/")
+        written = sorted(p.name for p in paths.values()) + ["schedule.json"]
+        if result.routing is not None:  # (none when the memory check refused the run before any routing)
+            result.routing.save(out / "routing.npz")
+            written.append("routing.npz")
+        print(f"wrote {', '.join(written)} to {out}/")
     return 0 if result.timeline.status == "ok" else 3
 
 

@@ -105,6 +105,13 @@ def test_compare_both_presets_and_the_memory_check(tmp_path):
     rc, out, err = run_cli("simulate", "--model", "mixtral-8x22b", "--batch-size", "64", "--num-batches", "16",
                            "--prompt-len", "4096", "--gen-len", "8", "--policy", "klotski")
     assert rc == 3 and "memory check (nothing built)" in out and "activations" in out and "Traceback" not in err
+    # ... and with --out it writes what there is (it once crashed on the routing it never built)
+    rc, out, err = run_cli("simulate", "--model", "mixtral-8x22b", "--batch-size", "64", "--num-batches", "16",
+                           "--prompt-len", "4096", "--gen-len", "8", "--policy", "klotski", "--no-png",
+                           "--out", str(tmp_path / "refused"))
+    assert rc == 3 and "Traceback" not in err and "routing.npz" not in out, err
+    summary = json.loads((tmp_path / "refused" / "summary.json").read_text())
+    assert summary["status"] == "oom" and summary["num_ops"] == 0
 
 
 def test_compare_in_worker_processes_gives_the_serial_results(tmp_path):
