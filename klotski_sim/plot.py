@@ -132,6 +132,7 @@ def _finish(fig: plt.Figure, categories: Sequence[str], path: str | Path | None,
     """Legend on top, layout, and save (closing the figure) when a path is given."""
     legend(fig, categories)
     fig.tight_layout(rect=(0, 0, 1, top))
+    fig.set_layout_engine("none")  # laid out once: else saving draws the whole figure twice
     if path is not None:
         fig.savefig(path, dpi=dpi)
         plt.close(fig)
@@ -171,6 +172,9 @@ def compare_gantt(timelines: Mapping[str, Timeline], path: str | Path | None = N
                              gridspec_kw={"height_ratios": heights, "width_ratios": [3, 2] if zoom else [1]},
                              squeeze=False)
     horizon = max(tl.makespan for tl in timelines.values())
+    if zoom:  # every zoom panel on one scale: as wide as the longest of the blocks
+        windows = {n: moe_block_window(timelines[n], *zoom) for n in names}
+        width = max(b - a for a, b in windows.values())
     cats: list[str] = []
     for row, name in enumerate(names):
         tl = timelines[name]
@@ -182,9 +186,7 @@ def compare_gantt(timelines: Mapping[str, Timeline], path: str | Path | None = N
         axes[row][0].set_title(f"{name}{status}: {s.throughput_tok_s:.2f} tok/s, makespan {s.makespan_s:.2f} s, "
                                f"bubbles inter {s.bubble_inter_s:.2f} s / intra {s.bubble_intra_s:.2f} s",
                                fontsize=9, loc="left")
-        if zoom:  # every zoom panel on one scale: as wide as the longest of the blocks
-            windows = {n: moe_block_window(timelines[n], *zoom) for n in names}
-            width = max(b - a for a, b in windows.values())
+        if zoom:
             start = windows[name][0]
             draw_timeline(axes[row][1], tl, (start, start + width))
             axes[row][1].set_title(f"step {zoom[0]}, layer {zoom[1]} (zoom, one scale)", fontsize=9, loc="left")
