@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from klotski_sim.argtypes import OneLineParser, positive_float, positive_int
-from klotski_sim.cli import guarded, parse_overrides
+from klotski_sim.argtypes import OneLineParser, nonnegative_int, positive_float, positive_int
+from klotski_sim.cli import CliError, guarded, output_folder, parse_overrides
 
 from .record import read_texts, record, save_tiny_mixtral
 
@@ -73,7 +73,7 @@ def _add_device(p: argparse.ArgumentParser) -> None:
     p.add_argument("--emulate-pageable", type=positive_float, default=None, metavar="BYTES_PER_S",
                    help="CPU only: emulated rate of copies from pageable memory (default: --emulate-pcie x "
                         f"{PAGEABLE_RATIO:.3f}, the pageable:pinned ratio of a DGX A100 bandwidthTest)")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=positive_int, default=1,
                    help="CPU only: torch compute threads; the other cores run the copy threads (default: %(default)s)")
 
 
@@ -108,8 +108,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
                             emulate_links=_emulation(args), emulate_pageable=_pageable(args),
                             checkpoint=args.checkpoint, dtype=args.dtype, threads=args.threads, impl=args.impl,
                             repeats=args.repeats, options=parse_overrides(args.options))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_folder(args.out)
     profile_path = args.profile
     if profile_path is None:
         import torch
@@ -145,8 +144,14 @@ def cmd_execute(args: argparse.Namespace) -> int:
     from .executor import ExecOptions, execute
     from .kernels import WeightStore
 
+    if args.out:
+        output_folder(args.out)
     folder = Path(args.schedule)
-    schedule = Schedule.load(folder / "schedule.json" if folder.is_dir() else folder)
+    schedule_path = folder / "schedule.json" if folder.is_dir() else folder
+    schedule = Schedule.load(schedule_path)
+    if not len(schedule):
+        raise CliError(f"{schedule_path}: the schedule has no ops (a configuration the memory check refused?): "
+                       f"nothing to execute")
     routing_path = args.routing or (folder if folder.is_dir() else folder.parent) / "routing.npz"
     routing = RoutingTable.load(routing_path)
     model = get_model(args.model or schedule.meta.get("model", ""))
@@ -230,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-len", type=positive_int, default=4, help="generated tokens (default: %(default)s)")
     p.add_argument("--routing", default="calibrated", help="synthetic routing kind (default: %(default)s)")
     p.add_argument("--trace", metavar="FILE", help="replay a routing trace instead of synthetic routing")
-    p.add_argument("--seed", type=int, default=0, help="routing and weight seed (default: %(default)s)")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="routing and weight seed (default: %(default)s)")
     p.add_argument("--kv", default="gpu", choices=["gpu", "cpu"], help="where the KV cache lives (default: %(default)s)")
     p.add_argument("--checkpoint", metavar="DIR", help="weights from a local checkpoint (default: random)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
@@ -244,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tiny-checkpoint", help="save a tiny random Mixtral checkpoint (for trying record/validate)")
     p.add_argument("--out", required=True, metavar="DIR")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=nonnegative_int, default=0)
     p.set_defaults(func=cmd_tiny_checkpoint)
     return parser
 

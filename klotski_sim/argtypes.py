@@ -41,6 +41,17 @@ def nonnegative_int(text: str) -> int:
     return _int_from(text, 0, "an integer >= 0")
 
 
+def name_list(text: str) -> list[str]:
+    """A comma-separated list of names: at least one, none twice."""
+    names = [n.strip() for n in text.split(",")]
+    if not any(names) or "" in names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
+    twice = [n for k, n in enumerate(names) if n in names[:k]]
+    if twice:
+        raise argparse.ArgumentTypeError(f"{twice[0]!r} is given twice")
+    return names
+
+
 def positive_float(text: str) -> float:
     """A finite number > 0 (NaN, infinities, zero and negatives are refused)."""
     try:

@@ -10,13 +10,13 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import pandas as pd
 
-from .argtypes import OneLineParser, batches, nonnegative_int, positive_float, positive_int
+from .argtypes import OneLineParser, batches, name_list, nonnegative_int, positive_float, positive_int
 from .errors import KlotskiError
 from .exports import save_all
 from .hardware import builtin_profile_names, load_profile
@@ -61,7 +61,7 @@ def add_run_arguments(p: argparse.ArgumentParser, policy: bool = True, num_batch
                             "keeps one batch in flight)")
     p.add_argument("--prompt-len", type=positive_int, default=512, help="prompt tokens P (default: %(default)s)")
     p.add_argument("--gen-len", type=positive_int, default=32, help="generated tokens G (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the routing generator (default: %(default)s)")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the routing generator (default: %(default)s)")
     p.add_argument("--routing", default="calibrated", metavar="KIND",
                    help="synthetic routing when no --trace is given: calibrated, uniform, zipf:<a>, skewed "
                         "(default: %(default)s)")
@@ -93,6 +93,27 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
             out[key.strip()] = json.loads(value)
         except json.JSONDecodeError:
             out[key.strip()] = value
+    return out
+
+
+def output_folder(path: str | os.PathLike, flag: str = "--out") -> Path:
+    """The folder a command writes to, made and checked before any work: a simulation is not run
+    only to find that its results cannot be written."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise CliError(f"{flag} {out}: exists and is not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise CliError(f"{flag} {out}: cannot create the folder ({err.strerror or err})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise CliError(f"{flag} {out}: the folder is not writable")
+    probe = out / f".klotski-write-test-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise CliError(f"{flag} {out}: cannot write there ({err.strerror or err})") from None
     return out
 
 
@@ -167,12 +188,17 @@ def _oom_text(oom: dict[str, Any]) -> str:
 
 # ---- subcommands ----------------------------------------------------------------------------
 def cmd_simulate(args: argparse.Namespace) -> int:
+    if args.out:
+        output_folder(args.out)
     result = run(spec_from_args(args, options=parse_overrides(args.options)))
     print(format_summary(result.timeline.summary()))
     _warn_if_wrapped(result.timeline.meta.get("routing", ""))
     if args.out:
         out = Path(args.out)
-        paths = save_all(result.timeline, out, png=not args.no_png)
+        drawn = not args.no_png and len(result.timeline) > 0
+        if not args.no_png and not drawn:
+            print("no timeline.png: nothing was simulated")
+        paths = save_all(result.timeline, out, png=drawn)
         result.schedule.save(out / "schedule.json")
         written = sorted(p.name for p in paths.values()) + ["schedule.json"]
         if result.routing is not None:  # (none when the memory check refused the run before any routing)
@@ -195,10 +221,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     impls = ["as-published", "ideal"] if args.impl == "both" else [args.impl]
     spec = spec_from_args(args, policy="klotski", impl=impls[0])
-    policies = args.policies.split(",") if args.policies else list(COMPARE_POLICIES)
+    policies = args.policies or list(COMPARE_POLICIES)
     for name in policies:
         if name not in POLICIES:
             raise CliError(f"unknown policy {name!r}; known policies: {', '.join(POLICIES)}")
+    out = output_folder(args.out)
     prep = prepare(spec)
     if prep.plan is not None:
         print(f"planner: n = {prep.num_batches} ({'; '.join(prep.plan.notes) or 'bubbles closed within memory'})")
@@ -216,12 +243,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
         options = {"overlap": args.flexgen_overlap} if name == "flexgen" and args.flexgen_overlap else {}
         for impl in impls:
             runs[(name, impl)] = replace(spec, policy=name, options=options, impl=impl)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     traces = [out / f"trace_{name}{'' if len(impls) == 1 else '_' + impl}.json.gz" for name, impl in runs]
+    simulated = prep.refused is None
+    if not simulated:
+        print(f"refused: {_oom_text(asdict(prep.refused))}; no figure or traces: nothing was simulated")
     sys.stdout.flush()  # (before worker processes start)
     timelines = dict(zip(runs, run_each(list(runs.values()), prep, args.workers or available_cores(),
-                                        traces if args.traces else None)))
+                                        traces if args.traces and simulated else None)))
     summaries = {key: tl.summary() for key, tl in timelines.items()}
     print(format_comparison(summaries))
     if len(impls) > 1:
@@ -232,14 +260,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
         out / "compare.csv", index=False)
     if prep.plan is not None:
         (out / "plan.txt").write_text(format_plan(prep.plan, prep.model, prep.profile, spec.batch_size) + "\n")
-    if not args.no_png:
+    if not args.no_png and simulated:
         from .plot import compare_gantt
 
         zoom = (min(1, spec.gen_len - 1), prep.model.num_layers // 2)
         compare_gantt({_label(name, impl, impls): tl for (name, impl), tl in timelines.items()},
                       out / "compare.png", zoom=zoom)
-    print(f"wrote compare.csv, compare.json{', compare.png' if not args.no_png else ''}"
-          f"{', trace_<policy>.json.gz' if args.traces else ''}{', plan.txt' if prep.plan else ''} to {out}/")
+    print(f"wrote compare.csv, compare.json{', compare.png' if not args.no_png and simulated else ''}"
+          f"{', trace_<policy>.json.gz' if args.traces and simulated else ''}{', plan.txt' if prep.plan else ''} "
+          f"to {out}/")
     return 0 if all(s.status == "ok" for s in summaries.values()) else 3
 
 
@@ -294,6 +323,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from .sweep import grid_size, load_spec, run_sweep, summarize
 
     spec = load_spec(args.spec)
+    output_folder(args.out)
     size = grid_size(spec)
     minutes = size * SECONDS_PER_CONFIG / max(1, args.workers) / 60
     took = f"{minutes:.0f} min" if minutes >= 1 else f"{minutes * 60:.0f} s"
@@ -336,7 +366,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         raise CliError(f"--model {args.model}: give the model without '@...'; --expert-dtypes chooses the expert "
                        f"dtypes to search (default: bf16,int4)")
     search = Search(model=args.model, hardware=args.hardware, prompt_len=args.prompt_len, gen_len=args.gen_len,
-                    policies=tuple(args.policies.split(",")) if args.policies else (),
+                    policies=tuple(args.policies or ()),
                     impls=("as-published", "ideal") if args.impl == "both" else (args.impl,),
                     batch_sizes=ints(args.batch_sizes, "--batch-sizes"),
                     expert_dtypes=tuple(args.expert_dtypes.split(",")), kv=tuple(args.kv.split(",")),
@@ -345,6 +375,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
                     max_token_latency_s=args.max_token_latency, budget=args.budget, seed=args.seed)
     check_search(search)
     spec = search.spec()
+    output_folder(args.out)
     ids, size = search.selected_ids(spec)
     sampled = f" (a seeded sample of {len(ids)}: the grid exceeds --budget)" if len(ids) < size else ""
     print(f"optimize {args.model} on {args.hardware}: {size} configurations{sampled} — policies "
@@ -358,6 +389,10 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     print(f"{len(ok)} of {len(df)} ran to the end" + (f" ({rest} do not fit in GPU memory)" if rest else "")
           + f"; results in {args.out}/results.parquet")
     if ok.empty:
+        failed = df[df["status"] == "error"] if "status" in df.columns else df.iloc[0:0]
+        if len(failed):
+            raise CliError(f"{len(failed)} of {len(df)} configurations failed and none ran to the end; the first: "
+                           f"{failed['error'].iloc[0]}")
         raise CliError("no configuration fits: try smaller --batch-sizes or --expert-dtypes int4")
     front = pareto_front(ok)
     print("Pareto front (throughput vs per-token latency = the decode step):")
@@ -460,7 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="generated tokens per sequence (default: %(default)s)")
     p.add_argument("--routing", default="calibrated", metavar="KIND",
                    help="calibrated, uniform, zipf:<a>, skewed (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="generator seed (default: %(default)s)")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="generator seed (default: %(default)s)")
     p.add_argument("--with-weights", action="store_true", help="also store synthetic gate weights (3x larger file)")
     p.add_argument("--out", required=True, metavar="FILE", help="trace file to write (.npz)")
     p.set_defaults(func=cmd_trace_synth)
@@ -492,7 +527,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Simulate the ablation ladder, Klotski's oracle and FlexGen on one configuration "
                                    "and print one row per policy (and implementation preset).")
     add_run_arguments(p, policy=False, impl_choices=(*PRESET_NAMES, "both"))
-    p.add_argument("--policies", metavar="A,B,...", help=f"comma-separated (default: {','.join(COMPARE_POLICIES)})")
+    p.add_argument("--policies", type=name_list, metavar="A,B,...",
+                   help=f"comma-separated (default: {','.join(COMPARE_POLICIES)})")
     p.add_argument("--workers", type=positive_int, default=None,
                    help="processes running the policies side by side (default: one per available core)")
     p.add_argument("--flexgen-overlap", choices=["code", "model"], default=None,
@@ -529,7 +565,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a sequence may wait per generated token (default: no cap)")
     p.add_argument("--budget", type=positive_int, default=400,
                    help="evaluate at most this many configurations (a seeded sample above it; default: %(default)s)")
-    p.add_argument("--policies", metavar="A,B,...", help="default: every policy the profile can run")
+    p.add_argument("--policies", type=name_list, metavar="A,B,...", help="default: every policy the profile can run")
     p.add_argument("--impl", choices=[*PRESET_NAMES, "both"], default="both", help="presets (default: %(default)s)")
     p.add_argument("--batch-sizes", default="4,16,64", metavar="B,...", help="(default: %(default)s)")
     p.add_argument("--expert-dtypes", default="bf16,int4", metavar="D,...",
@@ -540,7 +576,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="expert-cache slots to try (option expert_cache; 0: none) (default: %(default)s)")
     p.add_argument("--resident-layers", default="auto", metavar="R,...",
                    help="layers kept whole on the GPU to try; auto: the planner's choice (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the routing and of the sample (default: %(default)s)")
+    p.add_argument("--seed", type=nonnegative_int, default=0,
+                   help="seed of the routing and of the sample (default: %(default)s)")
     p.add_argument("--workers", type=positive_int, default=2, help="local processes (default: %(default)s)")
     p.add_argument("--policy-file", action="append", default=[], metavar="FILE.py", help="your own policy (repeatable)")
     p.add_argument("--out", default="klotski-optimize", metavar="DIR", help="results (resumable; default: %(default)s)")

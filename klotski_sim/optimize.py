@@ -70,6 +70,7 @@ class Search:
                          policies=list(self.policy_names()), batch_sizes=list(self.batch_sizes),
                          num_batches=["auto"], prompt_lens=[self.prompt_len], gen_lens=[self.gen_len],
                          kv=list(self.kv), impls=list(self.impls), resident_layers=list(self.resident_layers),
+                         seeds=[self.seed],
                          options={"expert_cache": list(self.cache_sizes)} if set(self.cache_sizes) != {0} else {})
         check_spec(spec, "optimize")
         return spec
@@ -111,6 +112,9 @@ def simulate_command(row: pd.Series | dict[str, Any], policy_files: Sequence[str
     resident = row.get("resident_layers")
     if resident is not None and not pd.isna(resident):
         files += f" --resident-layers {int(resident)}"
+    seed = row.get("seed")
+    if seed is not None and not pd.isna(seed) and int(seed):
+        files += f" --seed {int(seed)}"
     return (f"klotski-sim simulate --model {row['model']} --hardware {row['hardware']} --policy {row['policy']} "
             f"--impl {row['impl']} --batch-size {int(row['batch_size'])} --num-batches {row['num_batches']} "
             f"--kv {row['kv']} --prompt-len {int(row['prompt_len'])} --gen-len {int(row['gen_len'])}{files}")
@@ -118,8 +122,8 @@ def simulate_command(row: pd.Series | dict[str, Any], policy_files: Sequence[str
 
 def ok_rows(df: pd.DataFrame) -> pd.DataFrame:
     """Finished runs only (out-of-memory and refused configurations are not candidates)."""
-    if df.empty:
-        return df
+    if df.empty or "m.throughput_tok_s" not in df.columns:  # (no run got as far as a metric)
+        return df.iloc[0:0]
     return df[(df["status"] == "ok") & (df["m.throughput_tok_s"] > 0)]
 
 

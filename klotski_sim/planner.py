@@ -231,7 +231,11 @@ def plan(model: ModelSpec, profile: HardwareProfile, batch_size: int, prompt_len
         placement = replace(placement, kv="cpu")
         n_memory = largest_fitting(placement)
     if n_memory == 0:
-        notes.append("the weight buffers alone exceed GPU memory: the run will report out-of-memory")
+        one = memory_needed(model, batch_size, 1, prompt_len, gen_len, placement)
+        largest = max((k for k in one if k != "total"), key=one.get)
+        notes.append(f"not even one batch fits: it needs {one['total'] / GIB:.2f} GiB ({largest} "
+                     f"{one[largest] / GIB:.2f} GiB the largest part) but {capacity / GIB:.2f} GiB are usable: "
+                     f"the run will report out-of-memory")
         n = 1
     elif want > n_memory:
         mem = memory_needed(model, batch_size, want, prompt_len, gen_len, placement)

@@ -18,7 +18,7 @@ import numpy as np
 from .cache import cached_trace
 from .cost import CostModel
 from .engine import simulate
-from .errors import UsageError
+from .errors import KlotskiError, UsageError
 from .exports import to_chrome_trace
 from .hardware import HardwareProfile, load_profile, with_overrides
 from .impl import Impl
@@ -146,9 +146,24 @@ def make_replay(spec: RunSpec, model: ModelSpec, num_batches: int) -> tuple[Trac
         trace = _load_trace(spec)
     else:
         shape = spec.shape(num_batches)
-        trace = _synthetic_trace(model, spec.routing, spec.seed, shape.num_sequences + spec.warmup_sequences,
-                                 shape.prompt_len, shape.gen_len)
+        sequences = shape.num_sequences + spec.warmup_sequences
+        _check_routing_fits(model, sequences, shape.tokens_per_sequence, spec.warmup_sequences)
+        trace = _synthetic_trace(model, spec.routing, spec.seed, sequences, shape.prompt_len, shape.gen_len)
     return trace, replay_run(spec, model, trace, num_batches)
+
+
+def _check_routing_fits(model: ModelSpec, sequences: int, tokens: int, warmup: int) -> None:
+    """The synthetic routing (int16 expert ids of every token, layer and slot, and the generator's
+    working copies) must fit in host memory: refused with the numbers, not a failed allocation."""
+    need = 4 * sequences * tokens * model.num_layers * model.top_k * 2
+    try:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if need > have:
+        raise UsageError(f"the routing of {sequences} sequences ({warmup} of them --warmup-sequences) x {tokens} "
+                         f"tokens would need about {need / 2**30:.1f} GiB of host memory; this machine has "
+                         f"{have / 2**30:.1f} GiB")
 
 
 def planning_popularity(spec: RunSpec, model: ModelSpec) -> np.ndarray | None:
@@ -276,6 +291,20 @@ def _timeline_of(spec: RunSpec, trace_path: Path | None = None, prep: Prepared |
     return timeline
 
 
+class WorkerError(KlotskiError):
+    """An error raised in a worker process, brought back as text (any exception pickles this way)."""
+
+
+def _timeline_in_worker(spec: RunSpec, trace_path: Path | None) -> Timeline:
+    try:
+        return _timeline_of(spec, trace_path)
+    except KlotskiError as err:
+        raise WorkerError(str(err)) from None
+    except Exception as err:  # noqa: BLE001 - reported with where to find the traceback
+        raise WorkerError(f"{spec.policy} ({spec.impl}): {type(err).__name__}: {err} (rerun with --workers 1 "
+                          f"--debug for the traceback)") from None
+
+
 def available_cores() -> int:
     """The cores this process may run on (its affinity, where the platform tells)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -294,7 +323,7 @@ def run_each(specs: list[RunSpec], prep: Prepared, workers: int = 1,
     try:
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_share,
                                  initargs=(prep,)) as pool:
-            return list(pool.map(_timeline_of, specs, traces))
+            return list(pool.map(_timeline_in_worker, specs, traces))
     except BrokenProcessPool:
         raise UsageError(f"a worker process died before it finished (killed, or out of host memory?): "
                          f"rerun with --workers 1, or fewer than {workers}") from None

@@ -121,6 +121,31 @@ class SweepSpec(BaseModel):
             raise UsageError("values must be >= 1")
         return values
 
+    @field_validator("seeds")
+    @classmethod
+    def _seeds(cls, values: list[int]) -> list[int]:
+        if any(v < 0 for v in values):
+            raise UsageError("seeds must be >= 0")
+        return values
+
+    @field_validator("models", "hardware", "policies", "batch_sizes", "num_batches", "prompt_lens", "gen_lens",
+                     "routings", "seeds", "kv", "experts", "impls", "resident_layers")
+    @classmethod
+    def _once_each(cls, values: list[Any]) -> list[Any]:
+        """A value given twice would run the same configurations twice (and count them once)."""
+        twice = [v for k, v in enumerate(values) if v in values[:k]]
+        if twice:
+            raise UsageError(f"{twice[0]!r} is given twice")
+        return values
+
+    @field_validator("overrides", "options")
+    @classmethod
+    def _axes_not_empty(cls, grid: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        for key, values in grid.items():
+            if not values:
+                raise UsageError(f"{key}: give at least one value (an empty axis would empty the grid)")
+        return grid
+
     @field_validator("num_batches")
     @classmethod
     def _batches(cls, values: list[int | str]) -> list[int | str]:
@@ -180,6 +205,13 @@ def check_spec(spec: SweepSpec, where: str) -> None:
     for r in spec.resident_layers:
         if r != "auto" and (not isinstance(r, int) or isinstance(r, bool) or r < 0):
             problems.append(f"resident_layers: {r!r} is neither auto nor a layer count >= 0")
+        for m in spec.models:
+            try:
+                layers = get_model(m).num_layers
+            except ValueError:
+                continue
+            if isinstance(r, int) and not isinstance(r, bool) and r > layers:
+                problems.append(f"resident_layers: {r} is more than {m}'s {layers} layers")
     for p in spec.policies:
         for key, values in spec.options.items():
             for value in values:

@@ -122,3 +122,58 @@ def test_execute_refuses_routing_of_another_run(tmp_path):
                           cwd=ROOT)
     assert proc.returncode == 2 and "does not belong to this schedule" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+TINY_RUN = ["--model", "tiny-mixtral", "--prompt-len", "8", "--gen-len", "2", "--batch-size", "2"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["simulate", "--seed", "-1"], "argument --seed: expected an integer >= 0, got -1"),
+    (["simulate", *TINY_RUN, "--warmup-sequences", "100000000000"], "GiB of host memory; this machine has"),
+    (["compare", "--policies", "klotski,klotski"], "argument --policies: 'klotski' is given twice"),
+    (["compare", "--policies", ""], "argument --policies: expected comma-separated names"),
+    (["optimize", "--policies", "klotski,,flexgen"], "argument --policies: expected comma-separated names"),
+    (["compare", *TINY_RUN, "--out", "{file}"], "exists and is not a folder"),
+    (["simulate", *TINY_RUN, "--out", "{file}/sub"], "cannot create the folder"),
+    (["optimize", "--model", "tiny-mixtral", "--resident-layers", "99", "--out", "{tmp}/o"],
+     "resident_layers: 99 is more than tiny-mixtral's 2 layers"),
+])
+def test_refused_in_one_line_before_any_work(tmp_path, args, message):
+    """Found by a fuzz pass: each of these was a traceback, a silent default or work thrown away."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    args = [a.format(file=afile, tmp=tmp_path) for a in args]
+    rc, out, err = run_cli(*args)
+    assert rc == 2 and message in err and err.count("\n") == 1 and "Traceback" not in err, (out, err)
+
+
+def test_sweep_specs_refuse_empty_axes_repeats_and_negative_seeds():
+    for bad, message in (({"overrides": {"links.pcie_h2d.bandwidth": []}}, "give at least one value"),
+                         ({"options": {"expert_cache": []}}, "give at least one value"),
+                         ({"policies": ["klotski", "klotski"]}, "'klotski' is given twice"),
+                         ({"seeds": [-1]}, "seeds must be >= 0"),
+                         ({"resident_layers": [999]}, "more than")):
+        with pytest.raises(SweepError, match=message):
+            parse_spec({**TINY, **bad})
+
+
+def test_a_refused_configuration_compares_and_executes_in_one_line(tmp_path):
+    big = ["--model", "mixtral-8x22b", "--batch-size", "64", "--num-batches", "16", "--prompt-len", "4096",
+           "--gen-len", "8"]
+    rc, out, err = run_cli("compare", *big, "--traces", "--out", str(tmp_path / "c"))
+    assert rc == 3 and "refused: out of GPU memory at the memory check" in out and "GiB available" in out
+    assert not list((tmp_path / "c").glob("trace_*")) and not (tmp_path / "c" / "compare.png").exists()
+    assert "Warning" not in err, err
+    rc, out, err = run_cli("simulate", *big, "--out", str(tmp_path / "s"))
+    assert rc == 3 and "no timeline.png: nothing was simulated" in out and "Warning" not in err, err
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "klotski_runtime.cli", "execute", str(tmp_path / "s")],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and "the schedule has no ops" in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_plan_names_what_does_not_fit():
+    rc, out, err = run_cli("plan", "--batch-size", "4", "--prompt-len", "10000000000")
+    assert rc == 0 and "not even one batch fits" in out and "weight buffers alone" not in out

@@ -147,3 +147,44 @@ def test_the_example_s_options_are_checked_in_one_line(args, message):
 def test_argparse_errors_are_one_line_too(argv):
     code, out, err = run_cli(*argv)
     assert code == 2 and err.count("\n") == 1 and err.startswith("error: klotski-sim"), err
+
+
+BROKEN = '''
+from klotski_sim.errors import UsageError
+from klotski_sim.policies import register
+
+
+class TwoArgError(UsageError):  # an error that cannot be rebuilt from its pickle
+    def __init__(self, a, b):
+        super().__init__(f"bad thing {a} {b}")
+
+
+@register("broken-div", "divides by zero")
+def build_div(inp):
+    return 1 / 0
+
+
+@register("broken-pickle", "raises an error that does not pickle")
+def build_pickle(inp):
+    raise TwoArgError(1, 2)
+
+
+@register("broken-none", "returns None")
+def build_none(inp):
+    return None
+'''
+
+
+@pytest.mark.parametrize("policy,workers,message", [
+    ("broken-div", "1", "policy 'broken-div' failed at {file}:13: ZeroDivisionError: division by zero"),
+    ("broken-div", "2", "policy 'broken-div' failed at {file}:13: ZeroDivisionError: division by zero"),
+    ("broken-pickle", "2", "bad thing 1 2"),
+    ("broken-none", "1", "policy 'broken-none' returned NoneType, not a Schedule"),
+])
+def test_a_broken_policy_file_is_one_line_naming_where(tmp_path, policy, workers, message):
+    path = tmp_path / "broken.py"
+    path.write_text(BROKEN)
+    rc, out, err = run_cli("compare", "--model", "tiny-mixtral", "--prompt-len", "8", "--gen-len", "2",
+                           "--batch-size", "2", "--no-png", "--policy-file", str(path), "--policies",
+                           f"klotski,{policy}", "--workers", workers, "--out", str(tmp_path / "o"))
+    assert rc == 2 and message.format(file=path) in err and "Traceback" not in err, err

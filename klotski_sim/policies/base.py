@@ -8,10 +8,13 @@ with the right FLOPs, bytes, tags, KV traffic and memory effects, so policies on
 
 from __future__ import annotations
 
+import sys
+import traceback
 from dataclasses import asdict, dataclass, field
+from types import ModuleType
 from typing import Any, Callable, Iterable, Mapping
 
-from ..errors import UsageError
+from ..errors import KlotskiError, UsageError
 from ..hardware import HardwareProfile
 from ..impl import IMPL_CHOICES, PRESET_NAMES, Impl, preset_options
 from ..model import ModelSpec
@@ -242,8 +245,32 @@ def build_schedule(name: str, inp: PolicyInput) -> Schedule:
     info = get_policy(name)
     options = resolve_options(name, inp.impl, inp.options)
     with gc_paused():
-        return info.build(PolicyInput(inp.model, inp.profile, inp.routing, inp.placement, options, inp.warmup,
-                                      inp.impl))
+        try:
+            schedule = info.build(PolicyInput(inp.model, inp.profile, inp.routing, inp.placement, options,
+                                              inp.warmup, inp.impl))
+        except KlotskiError:
+            raise
+        except Exception as err:
+            module = sys.modules.get(getattr(info.build, "__module__", ""))
+            if module is None or module.__name__.startswith("klotski_sim."):
+                raise  # a bug of ours: the traceback is the report
+            raise PolicyError(f"policy {name!r} failed at {_where(err, module)}: {type(err).__name__}: {err} "
+                              f"(--debug shows the traceback)") from err
+    if not isinstance(schedule, Schedule):
+        raise PolicyError(f"policy {name!r} returned {type(schedule).__name__}, not a Schedule (end its build "
+                          f"function with OpEmitter.build or ScheduleBuilder.build)")
+    return schedule
+
+
+class PolicyError(UsageError):
+    """A policy from outside the package failed while building its schedule."""
+
+
+def _where(err: BaseException, module: ModuleType) -> str:
+    """`file:line` of the deepest frame of the policy's own file in the error's traceback."""
+    own = getattr(module, "__file__", None)
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if own and f.filename == own]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else (own or module.__name__)
 
 
 class OpEmitter:
