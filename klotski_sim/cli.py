@@ -25,7 +25,7 @@ from .model import PRESETS, get_model
 from .planner import format_plan
 from .policies import POLICIES
 from .policies.plugins import load_for_command_line
-from .runner import RunResult, RunSpec, available_cores, policy_batches, prepare, run, run_each
+from .runner import RunSpec, available_cores, policy_batches, prepare, run, run_each
 from .timeline import Summary, jsonable
 from .trace import Trace, import_jsonl
 from .trace_stats import format_stats, layer_stats, token_subset
