@@ -328,7 +328,12 @@ def quantised(spec: ModelSpec, text: str, where: str) -> ModelSpec:
         raise UsageError(f"model {where!r}: expert dtype must be int8, int4, int3 or int2 (then :gG and :fp16|fp32), "
                          f"got {parts[0]!r}")
     group, meta = 64, 4
+    given: set[str] = set()
     for part in parts[1:]:
+        setting = "the group size" if part.startswith("g") else "the dtype of scales and zeros"
+        if setting in given:
+            raise UsageError(f"model {where!r}: {setting} is given twice")
+        given.add(setting)
         if part.startswith("g") and part[1:].isdigit():
             group = int(part[1:])
             if group < 1:

@@ -33,7 +33,8 @@ def test_the_port_s_group_of_16_with_fp32_metadata_only_halves_the_bytes():
 
 
 @pytest.mark.parametrize("name", ["mixtral-8x7b@int5", "mixtral-8x7b@fp8", "mixtral-8x7b@int4:g0",
-                                  "mixtral-8x7b@int4:fp8", "mixtral-8x7b@int4:x"])
+                                  "mixtral-8x7b@int4:fp8", "mixtral-8x7b@int4:x", "mixtral-8x7b@int4:fp32:fp16",
+                                  "mixtral-8x7b@int4:g16:g32"])
 def test_bad_quantisation_is_refused(name):
     with pytest.raises(UsageError, match="model"):
         get_model(name)
