@@ -155,6 +155,8 @@ def cmd_execute(args: argparse.Namespace) -> int:
     routing_path = args.routing or (folder if folder.is_dir() else folder.parent) / "routing.npz"
     routing = RoutingTable.load(routing_path)
     model = get_model(args.model or schedule.meta.get("model", ""))
+    if model.name != schedule.meta.get("model"):  # before any weights are made or read
+        raise CliError(f"--model {args.model}: {schedule_path} was built for model {schedule.meta.get('model')!r}")
     dtype = getattr(torch, args.dtype)
     weights = (WeightStore.from_checkpoint(args.checkpoint, model, dtype=dtype) if args.checkpoint
                else WeightStore.random(model, dtype=dtype))
@@ -185,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text; blank-line separated paragraphs "
                                                                  "are sequences")
     p.add_argument("--max-tokens", type=positive_int, default=512, help="prompt tokens per sequence (default: %(default)s)")
-    p.add_argument("--gen-len", type=int, default=32, help="greedy tokens generated per sequence (default: %(default)s)")
+    p.add_argument("--gen-len", type=nonnegative_int, default=32,
+                   help="greedy tokens generated per sequence (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     p.add_argument("--dataset", help="dataset name for the provenance (default: the text file's name)")
     p.add_argument("--model-name", help="model name recorded in the trace, e.g. a klotski-sim preset "

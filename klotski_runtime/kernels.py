@@ -135,6 +135,8 @@ class WeightStore:
         from safetensors import safe_open
 
         path = Path(path)
+        if not path.is_dir():
+            raise WeightError(f"{path}: no such checkpoint directory")
         config_file = path / "config.json"
         if not config_file.is_file():
             raise WeightError(f"{path}: no config.json — not a checkpoint directory")

@@ -31,3 +31,16 @@ def test_record_missing_checkpoint_is_one_line(tmp_path):
     rc, _, err = run_runtime("record", "--model-dir", str(tmp_path), "--text", "traces/sample_text.txt",
                              "--out", str(tmp_path / "r.npz"))
     assert rc == 2 and "no config.json" in err and "Traceback" not in err
+
+
+def test_execute_names_the_model_mismatch_and_a_missing_checkpoint_first(tmp_path):
+    sim = subprocess.run([sys.executable, "-m", "klotski_sim.cli", "simulate", "--model", "tiny-mixtral", "--policy",
+                          "klotski", "--num-batches", "2", "--batch-size", "2", "--prompt-len", "6", "--gen-len", "3",
+                          "--no-png", "--out", str(tmp_path / "sim")], capture_output=True, text=True, cwd=ROOT)
+    assert sim.returncode == 0, sim.stderr
+    rc, out, err = run_runtime("execute", str(tmp_path / "sim"), "--model", "mixtral-8x7b")
+    assert rc == 2 and "was built for model 'tiny-mixtral'" in err and "GiB" not in err  # not the weights' size
+    rc, out, err = run_runtime("execute", str(tmp_path / "sim"), "--checkpoint", str(tmp_path / "nowhere"))
+    assert rc == 2 and "no such checkpoint directory" in err
+    rc, out, err = run_runtime("record", "--gen-len", "-1", "x")
+    assert rc == 2 and "argument --gen-len: expected an integer >= 0, got -1" in err
