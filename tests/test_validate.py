@@ -103,7 +103,7 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
     rc, _, err = _runtime("validate", "--policy", "klotski", "--model", "tiny-mixtral", "--checkpoint",
                           str(tmp_path / "nope"), "--profile", "klotski_sim/profiles/rtx3090.yaml",
                           "--out", str(tmp_path / "v"))
-    assert rc == 2 and "no config.json" in err and "Traceback" not in err
+    assert rc == 2 and "no such checkpoint directory" in err and "Traceback" not in err
 
 
 @pytest.mark.cuda
