@@ -15,11 +15,11 @@ import gc
 import heapq
 import json
 from collections import defaultdict
-from itertools import chain
-from operator import attrgetter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
+from itertools import chain
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
@@ -243,7 +243,7 @@ class Schedule:
                 raise ScheduleError(
                     f"op {op.id!r} depends on {dep.id!r}, which comes later on the same in-order "
                     f"stream {op.stream!r}: the dependency contradicts stream order")
-        cycle = find_cycle(ops, position)
+        cycle = find_cycle(ops, graph)
         if cycle:
             raise ScheduleError("schedule has a cycle (deps + stream order): " + " -> ".join(cycle))
 
@@ -357,16 +357,10 @@ class Graph(NamedTuple):
     forward: list[tuple[int, int]]
 
 
-def dependency_graph(ops: Sequence[Op], position: Mapping[str, int]) -> tuple[list[list[int]], list[int]]:
-    """Successors of each op (its dependents and its stream successor), by index, and how many
-    predecessors each op waits for: the one graph the checker, the engine and the runtime use."""
-    ptr, flat, indegree, _ = dependency_arrays(ops, position)
-    return [flat[ptr[i]:ptr[i + 1]] for i in range(len(ops))], indegree
-
-
 def dependency_arrays(ops: Sequence[Op], position: Mapping[str, int], checked: bool = True) -> Graph:
-    """The graph of `ops`, built with numpy. Unless `checked` (the schedule's own check is
-    running), a dep on an unknown op raises a ScheduleError naming both."""
+    """The graph of `ops`, built with numpy (the one graph the checker, the engine and the runtime
+    use). With `checked=False` (the schedule's own check, which has not yet looked at the deps) a
+    dep on an unknown op is a ScheduleError naming both."""
     n = len(ops)
     if n == 0:
         return Graph([0], [], [], [])
@@ -415,13 +409,12 @@ def topological_order(schedule: "Schedule") -> list[int]:
     return order
 
 
-def find_cycle(ops: Iterable[Op], position: Mapping[str, int] | None = None) -> list[str]:
-    """An op-id cycle in the graph of deps plus stream order, or [] when there is none (Kahn's
-    algorithm on integer indices; `position` maps ids to indices when the caller has it)."""
-    ops = list(ops)
-    position = position or {op.id: i for i, op in enumerate(ops)}
+def find_cycle(ops: Sequence[Op], graph: Graph) -> list[str]:
+    """An op-id cycle in `graph` (deps plus stream order), or [] when there is none (Kahn's
+    algorithm on integer indices)."""
     n = len(ops)
-    succs, indegree = dependency_graph(ops, position)
+    succs = [graph.flat[graph.ptr[i]:graph.ptr[i + 1]] for i in range(n)]
+    indegree = list(graph.indegree)
     queue = [i for i in range(n) if indegree[i] == 0]
     seen = 0
     while queue:
