@@ -99,6 +99,12 @@ class RoutingTable:
         counts[:, : self.dense_layers] = 0
         return counts
 
+    @cached_property
+    def count_rows(self) -> list[list[list[list[int]]]]:
+        """`counts` as nested lists: what policy loops index one number at a time (numpy's
+        per-element access costs a scalar object each time)."""
+        return self.counts.tolist()
+
     def tokens_per_expert(self, step: int, layer: int, batches: list[int] | range) -> np.ndarray:
         """Token count per expert over the given batches (length num_experts)."""
         return self.counts[step, layer, list(batches)].sum(axis=0)

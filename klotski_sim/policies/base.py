@@ -291,7 +291,6 @@ class OpEmitter:
         self._attention_costs: dict[tuple[int, int], tuple[int, int]] = {}
         self._expert_costs: dict[int, tuple[int, int]] = {}  # tokens -> FLOPs, bytes
         self._gate_costs: dict[tuple[int, int], tuple[str, int, int]] = {}  # (tokens, layer) -> category, FLOPs, bytes
-        self._counts_at: tuple[tuple[int, int], list[list[int]]] = ((-1, -1), [])  # a layer's routing counts, as lists
         self._last_kv_store: dict[tuple[int, int], str] = {}  # (layer, batch) -> its latest KV store
         self._attention_ops: list[str] = []
         self._kv_buffers: dict[int, list[str]] = {}
@@ -586,9 +585,7 @@ class OpEmitter:
         if order == "expert-id":
             return sorted(experts)
         if order == "most-tokens-first":
-            if self._counts_at[0] != (step, layer):  # each batch of a layer asks in turn
-                self._counts_at = ((step, layer), self.inp.routing.counts[step, layer].tolist())
-            tokens = self._counts_at[1][batch]
+            tokens = self.inp.routing.count_rows[step][layer][batch]
             return sorted(experts, key=lambda e: (-tokens[e], e))
         wanted = set(experts)
         return [e for e in self.inp.routing.first_use(step, layer, batch) if e in wanted]

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..cost import CostModel
+from ..model import ModelSpec
 from ..prefetch import CorrelationTable, PrefetchStats
 from ..schedule import CPU_STREAMS, DEFAULT_STREAMS, Schedule, ScheduleBuilder
-from ..model import ModelSpec
 from .base import OpEmitter, PolicyInput, cpu_expert_seconds, register
 
 
@@ -172,10 +172,7 @@ def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
                 split.new_layer()
             on_demand = rung.hot_prefetch and not resident
             if on_demand:  # per batch: the experts it selected, and tokens per expert over the gates run so far
-                used_by = counts[step, j] > 0
-                flat = np.nonzero(used_by)[1].tolist()  # row by row: each batch's experts in id order
-                ends = np.cumsum(used_by.sum(axis=1)).tolist()
-                selected = [flat[a:z] for a, z in zip([0, *ends[:-1]], ends)]
+                selected = [[e for e, tokens in enumerate(row) if tokens] for row in routing.count_rows[step][j]]
                 seen_by = np.cumsum(counts[step, j], axis=0)
             for b in batches:
                 last_gate = em.gate(f"{at}/b{b}/gate", step, j, b, [gate_w],
