@@ -141,7 +141,7 @@ def cmd_execute(args: argparse.Namespace) -> int:
     from klotski_sim.routing import RoutingTable
     from klotski_sim.schedule import Schedule
 
-    from .executor import ExecOptions, execute
+    from .executor import ExecOptions, check_compatible, execute
     from .kernels import WeightStore
 
     if args.out:
@@ -155,8 +155,7 @@ def cmd_execute(args: argparse.Namespace) -> int:
     routing_path = args.routing or (folder if folder.is_dir() else folder.parent) / "routing.npz"
     routing = RoutingTable.load(routing_path)
     model = get_model(args.model or schedule.meta.get("model", ""))
-    if model.name != schedule.meta.get("model"):  # before any weights are made or read
-        raise CliError(f"--model {args.model}: {schedule_path} was built for model {schedule.meta.get('model')!r}")
+    check_compatible(schedule, model, None, routing)  # before any weights are made or read
     dtype = getattr(torch, args.dtype)
     weights = (WeightStore.from_checkpoint(args.checkpoint, model, dtype=dtype) if args.checkpoint
                else WeightStore.random(model, dtype=dtype))

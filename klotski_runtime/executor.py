@@ -135,10 +135,11 @@ def tensor_bytes(tensors: Any) -> int:
 MAX_TRANSFER_S = 3600.0  # an emulated copy longer than this is a mistake (a rate off by orders of magnitude)
 
 
-def check_compatible(schedule: Schedule, spec: ModelSpec, weights: WeightStore,
+def check_compatible(schedule: Schedule, spec: ModelSpec, weights: WeightStore | None,
                      routing: RoutingTable | None = None) -> None:
     """A schedule runs only on the model it was built for, with weights for every layer it uses
-    and the routing it was built from (same shape and experts), checked before anything runs."""
+    and the routing it was built from (same shape and experts), checked before anything runs
+    (without `weights`: all but them, before they are made or read)."""
     model = schedule.meta.get("model")
     if model != spec.name:
         raise ScheduleError(f"schedule was built for model {model!r}, not {spec.name!r}")
@@ -157,6 +158,8 @@ def check_compatible(schedule: Schedule, spec: ModelSpec, weights: WeightStore,
         if bad is not None:
             raise ScheduleError(f"op {bad.id!r}: batches {list(bad.batches)} / expert {bad.expert} outside the run "
                                 f"({sh.num_batches} batches, {spec.num_experts} experts)")
+    if weights is None:
+        return
     layers = max((op.layer for op in schedule.ops), default=-1) + 1
     if layers > weights.num_layers:
         raise ScheduleError(f"schedule uses {layers} layers but the weights hold {weights.num_layers} "

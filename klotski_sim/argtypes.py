@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from typing import Any
+from typing import Any, Sequence
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -46,10 +46,15 @@ def name_list(text: str) -> list[str]:
     names = [n.strip() for n in text.split(",")]
     if not any(names) or "" in names:
         raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
-    twice = [n for k, n in enumerate(names) if n in names[:k]]
-    if twice:
-        raise argparse.ArgumentTypeError(f"{twice[0]!r} is given twice")
+    twice = first_repeat(names)
+    if twice is not None:
+        raise argparse.ArgumentTypeError(f"{twice!r} is given twice")
     return names
+
+
+def first_repeat(values: Sequence[Any]) -> Any | None:
+    """The first value that appears again in `values` (None: each is there once)."""
+    return next((v for k, v in enumerate(values) if v in values[:k]), None)
 
 
 def positive_float(text: str) -> float:

@@ -60,6 +60,7 @@ from pydantic import (
     field_validator,
 )
 
+from .argtypes import first_repeat
 from .errors import KlotskiError, UsageError
 from .hardware import ProfileError, load_profile, with_overrides
 from .impl import PRESET_NAMES
@@ -133,9 +134,9 @@ class SweepSpec(BaseModel):
     @classmethod
     def _once_each(cls, values: list[Any]) -> list[Any]:
         """A value given twice would run the same configurations twice (and count them once)."""
-        twice = [v for k, v in enumerate(values) if v in values[:k]]
-        if twice:
-            raise UsageError(f"{twice[0]!r} is given twice")
+        twice = first_repeat(values)
+        if twice is not None:
+            raise UsageError(f"{twice!r} is given twice")
         return values
 
     @field_validator("overrides", "options")
@@ -193,9 +194,10 @@ def check_spec(spec: SweepSpec, where: str) -> None:
     """Everything that can be checked before running: models, profiles, overrides, policies,
     routings, placements."""
     problems = []
+    layers: dict[str, int] = {}
     for m in spec.models:
         try:
-            get_model(m)
+            layers[m] = get_model(m).num_layers
         except ValueError as err:
             problems.append(str(err))
     try:
@@ -203,15 +205,12 @@ def check_spec(spec: SweepSpec, where: str) -> None:
     except KlotskiError as err:
         problems.append(str(err))
     for r in spec.resident_layers:
-        if r != "auto" and (not isinstance(r, int) or isinstance(r, bool) or r < 0):
+        if r == "auto":
+            continue
+        if not isinstance(r, int) or isinstance(r, bool) or r < 0:
             problems.append(f"resident_layers: {r!r} is neither auto nor a layer count >= 0")
-        for m in spec.models:
-            try:
-                layers = get_model(m).num_layers
-            except ValueError:
-                continue
-            if isinstance(r, int) and not isinstance(r, bool) and r > layers:
-                problems.append(f"resident_layers: {r} is more than {m}'s {layers} layers")
+            continue
+        problems += [f"resident_layers: {r} is more than {m}'s {n} layers" for m, n in layers.items() if r > n]
     for p in spec.policies:
         for key, values in spec.options.items():
             for value in values:
