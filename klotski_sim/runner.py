@@ -285,7 +285,7 @@ def _timeline_of(spec: RunSpec, trace_path: Path | None = None, prep: Prepared |
     asked): all that needs to leave a worker (its schedule, a few times larger, stays behind)."""
     timeline = run(spec, prepared=prep or _SHARED).timeline
     timeline.summary()
-    timeline.columns  # noqa: B018 - built now, in the worker
+    timeline.detach()  # every column built now (in the worker), the schedule let go
     if trace_path is not None:
         to_chrome_trace(timeline, trace_path)
     return timeline

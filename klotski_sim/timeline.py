@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from functools import cached_property, partial
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from functools import cached_property
+from operator import attrgetter
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -98,23 +99,19 @@ class Summary:
 class Timeline:
     """Executed ops as columns (numpy arrays); `df` gives the pandas view."""
 
-    def __init__(self, columns: Mapping[str, np.ndarray] | Callable[[], dict[str, np.ndarray]],
-                 meta: Mapping[str, Any], memory: tuple[np.ndarray, np.ndarray] | None = None) -> None:
-        """`columns` may be a function that builds them: the engine hands over its raw times and
-        the tag columns are only assembled when someone first looks."""
-        self._columns = None if callable(columns) else dict(columns)
-        self._build_columns = columns if callable(columns) else None
+    def __init__(self, columns: Mapping[str, np.ndarray], meta: Mapping[str, Any],
+                 memory: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """`columns` may be a `ScheduleColumns`: then each column is only assembled when first read."""
+        self.columns = columns if isinstance(columns, ScheduleColumns) else dict(columns)
         self.meta = dict(meta)
         self.memory = memory if memory is not None else (np.zeros(0), np.zeros(0))
         self._memo: dict[str, Any] = {}  # bubbles and summary, derived once (a Timeline never changes)
 
-    @property
-    def columns(self) -> dict[str, np.ndarray]:
-        if self._columns is None:
-            with gc_paused():  # hundreds of thousands of small objects, no cycles
-                self._columns = self._build_columns()
-            self._build_columns = None
-        return self._columns
+    def detach(self) -> None:
+        """Assemble every column now and let go of the schedule they are read from (a schedule
+        holds a few times the memory of its timeline)."""
+        if isinstance(self.columns, ScheduleColumns):
+            self.columns = self.columns.materialize()
 
     # ---- construction -----------------------------------------------------------------------
     @classmethod
@@ -133,7 +130,7 @@ class Timeline:
             memory = (np.asarray(t, dtype=float), np.asarray(b, dtype=np.int64))
         else:
             memory = None
-        return cls(partial(_columns_from_schedule, schedule, start, end, ready, blocked_by), meta, memory)
+        return cls(ScheduleColumns(schedule, start, end, ready, blocked_by), meta, memory)
 
     # ---- views ------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -141,7 +138,7 @@ class Timeline:
 
     @cached_property
     def df(self) -> pd.DataFrame:
-        return pd.DataFrame(self.columns)
+        return pd.DataFrame(dict(self.columns))
 
     @property
     def status(self) -> str:
@@ -196,7 +193,10 @@ class Timeline:
         if len(where) == 0:
             return empty
         nxt = order[where + 1]
-        blocker = pd.Index(c["op_id"]).get_indexer(c["blocked_by"][nxt])  # -1: none (or not in the timeline)
+        if isinstance(c, ScheduleColumns):  # the engine's own op indices: no look-up of op ids
+            blocker = c.blocker_rows()[nxt]
+        else:
+            blocker = pd.Index(c["op_id"]).get_indexer(c["blocked_by"][nxt])  # -1: none (or not in the timeline)
         causes = np.where(blocker >= 0, c["category"][blocker], "unknown")
         cats = c["category"][nxt]
         return pd.DataFrame({
@@ -329,49 +329,108 @@ class Timeline:
                                      "gpu_expert_slots", "cache") if k in m},
         )
 
-def _columns_from_schedule(schedule: "Schedule", start: Sequence[float], end: Sequence[float],
-                           ready: Sequence[float] | None, blocked_by: Sequence[int] | None) -> dict[str, np.ndarray]:
-    """Timeline columns: the measured/simulated times joined with each op's tags."""
-    start_arr = np.asarray(start, dtype=float)
-    ran = np.flatnonzero(~np.isnan(start_arr))
-    ops = schedule.ops
-    everything_ran = len(ran) == len(ops)
-    sel = ops if everything_ran else [ops[i] for i in ran]
-    # One C-level transpose of the ops (NamedTuples) into field columns, then one array each.
-    fields = dict(zip(Op._fields, zip(*sel))) if len(sel) else {f: () for f in Op._fields}
-    streams = fields["stream"]
-    resource_of = schedule.streams
-    obj = partial(np.array, dtype=object)
-    blocked = np.full(len(ran), "", dtype=object)
-    if blocked_by is not None:
-        b = np.asarray(blocked_by, dtype=np.int64)[ran]
-        has = np.flatnonzero(b >= 0)
-        ids = obj(fields["id"]) if len(sel) else obj([])
-        all_ids = ids if everything_ran else obj([op.id for op in ops])
-        blocked[has] = all_ids[b[has]]
-    batches = fields["batches"]
-    memo = _BATCH_TEXT
-    cols: dict[str, np.ndarray] = {
-        "op_id": obj(fields["id"]),
-        "stream": obj(streams),
-        "resource": obj([resource_of[st] for st in streams]),
-        "start": start_arr[ran],
-        "end": np.asarray(end, dtype=float)[ran],
-        "ready": (np.asarray(ready, dtype=float)[ran] if ready is not None else np.full(len(ran), np.nan)),
-        "blocked_by": blocked,
-        "kind": obj(fields["kind"]),
-        "category": obj(fields["category"]),
-        "step": np.array(fields["step"], dtype=np.int64),
-        "phase": obj(fields["phase"]),
-        "layer": np.array(fields["layer"], dtype=np.int64),
-        "batch": np.array([bt[0] if len(bt) == 1 else -1 for bt in batches], dtype=np.int64),
-        "batches": obj([memo[bt] if bt in memo else _batch_text(bt) for bt in batches]),
-        "expert": np.array(fields["expert"], dtype=np.int64),
-        "tokens": np.array(fields["tokens"], dtype=np.int64),
-        "bytes": np.array(fields["bytes"], dtype=np.int64),
-        "flops": np.array(fields["flops"], dtype=np.float64),
-    }
-    return cols
+COLUMN_NAMES = ("op_id", "stream", "resource", "start", "end", "ready", "blocked_by", "kind", "category", "step",
+                "phase", "layer", "batch", "batches", "expert", "tokens", "bytes", "flops")
+_FIELD_OF = {"op_id": "id", "stream": "stream", "kind": "kind", "category": "category", "step": "step",
+             "phase": "phase", "layer": "layer", "expert": "expert", "tokens": "tokens", "bytes": "bytes",
+             "flops": "flops"}  # column -> Op field, for the columns that are an op field as it is
+_NUMERIC = {"step": np.int64, "layer": np.int64, "expert": np.int64, "tokens": np.int64, "bytes": np.int64,
+            "flops": np.float64}
+
+
+class ScheduleColumns(Mapping[str, np.ndarray]):
+    """Timeline columns joined from the ops of a schedule and the times of a run, each assembled
+    the first time it is read: a summary reads eleven of the eighteen, and at 300k ops each one
+    costs tens of milliseconds. Pickling (a worker process handing its timeline back) sends
+    every column, without the schedule."""
+
+    def __init__(self, schedule: "Schedule", start: Sequence[float], end: Sequence[float],
+                 ready: Sequence[float] | None, blocked_by: Sequence[int] | None) -> None:
+        start_arr = np.asarray(start, dtype=float)
+        self._ran = np.flatnonzero(~np.isnan(start_arr))
+        ops = schedule.ops
+        self._all_ran = len(self._ran) == len(ops)
+        self._ops = ops if self._all_ran else [ops[i] for i in self._ran]
+        self._every_op = ops
+        self._resource_of = schedule.streams
+        self._times = (start_arr, end, ready, blocked_by)
+        self._built: dict[str, np.ndarray] = {}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        column = self._built.get(name)
+        if column is None:
+            if name not in COLUMN_NAMES:
+                raise KeyError(name)
+            with gc_paused():  # hundreds of thousands of small objects, no cycles
+                column = self._built[name] = self._make(name)
+        return column
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(COLUMN_NAMES)
+
+    def __len__(self) -> int:
+        return len(COLUMN_NAMES)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return dict, (self.materialize(),)
+
+    def materialize(self) -> dict[str, np.ndarray]:
+        """Every column (one C-level transpose of the ops when most are still to be made)."""
+        missing = [name for name in COLUMN_NAMES if name not in self._built]
+        if len(missing) > len(COLUMN_NAMES) // 2 and len(self._ops):
+            with gc_paused():
+                fields = dict(zip(Op._fields, zip(*self._ops)))
+                for name in missing:
+                    self._built[name] = self._make(name, fields)
+        return {name: self[name] for name in COLUMN_NAMES}
+
+    def blocker_rows(self) -> np.ndarray:
+        """Per row, the row of the op whose end made it ready (-1: none, or it never ran)."""
+        start, end, ready, blocked_by = self._times
+        if blocked_by is None:
+            return np.full(len(self._ran), -1, dtype=np.int64)
+        row_of_op = np.full(len(self._every_op) + 1, -1, dtype=np.int64)  # [-1] (no blocker) stays -1
+        row_of_op[self._ran] = np.arange(len(self._ran))
+        return row_of_op[np.asarray(blocked_by, dtype=np.int64)[self._ran]]
+
+    def _field(self, name: str, fields: Mapping[str, Sequence[Any]] | None) -> Sequence[Any]:
+        return fields[name] if fields is not None else list(map(attrgetter(name), self._ops))
+
+    def _make(self, name: str, fields: Mapping[str, Sequence[Any]] | None = None) -> np.ndarray:
+        ran = self._ran
+        start, end, ready, blocked_by = self._times
+        if name in _NUMERIC:
+            return np.array(self._field(_FIELD_OF[name], fields), dtype=_NUMERIC[name])
+        if name in _FIELD_OF:
+            return _objects(self._field(_FIELD_OF[name], fields))
+        if name == "resource":
+            resource_of = self._resource_of
+            return _objects([resource_of[st] for st in self._field("stream", fields)])
+        if name == "start":
+            return start[ran]
+        if name == "end":
+            return np.asarray(end, dtype=float)[ran]
+        if name == "ready":
+            return np.asarray(ready, dtype=float)[ran] if ready is not None else np.full(len(ran), np.nan)
+        if name == "blocked_by":
+            blocked = np.full(len(ran), "", dtype=object)
+            if blocked_by is not None:
+                b = np.asarray(blocked_by, dtype=np.int64)[ran]
+                has = np.flatnonzero(b >= 0)
+                ids = self["op_id"] if self._all_ran else _objects([op.id for op in self._every_op])
+                blocked[has] = ids[b[has]]
+            return blocked
+        batches = self._field("batches", fields)
+        if name == "batch":
+            return np.array([bt[0] if len(bt) == 1 else -1 for bt in batches], dtype=np.int64)
+        memo = _BATCH_TEXT  # name == "batches"
+        return _objects([memo[bt] if bt in memo else _batch_text(bt) for bt in batches])
+
+
+def _objects(values: Sequence[Any]) -> np.ndarray:
+    out = np.empty(len(values), dtype=object)
+    out[:] = values
+    return out
 
 
 def merge_intervals(starts: np.ndarray, ends: np.ndarray, tolerance: float = 0.0) -> tuple[np.ndarray, np.ndarray]:

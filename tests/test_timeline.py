@@ -2,6 +2,7 @@ import gzip
 import json
 
 import numpy as np
+import pandas as pd
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -13,7 +14,7 @@ from klotski_sim.schedule import Op, Schedule
 from .conftest import make_profile
 
 
-def _timeline():
+def _timeline_schedule():
     ops = (
         Op("w0", "transfer", "h2d_weights", "weights", bytes=1, src="cpu", dst="gpu", alloc=(("w0", 10),), step=0, layer=0),
         Op("a0", "compute", "compute", "attention", ("w0",), step=0, layer=0, batches=(0,), free=("w0",)),
@@ -21,8 +22,11 @@ def _timeline():
         Op("x0", "compute", "compute", "expert", ("e0",), step=0, layer=0, batches=(0,), expert=1),
         Op("a1", "compute", "compute", "attention", (), step=1, layer=0, batches=(0,)),
     )
-    return simulate(Schedule(ops, meta={"policy": "golden", "generated_tokens": 4}), make_profile(),
-                    durations=[1, 1, 2, 1, 1])
+    return Schedule(ops, meta={"policy": "golden", "generated_tokens": 4})
+
+
+def _timeline():
+    return simulate(_timeline_schedule(), make_profile(), durations=[1, 1, 2, 1, 1])
 
 
 def test_bubbles_are_attributed_to_the_op_that_ends_them():
@@ -122,3 +126,39 @@ def test_bars_drawn_as_one_path_look_exactly_like_broken_barh(seed):
         images.append(np.asarray(fig.canvas.buffer_rgba()).copy())
         plt.close(fig)
     assert (images[0] != 255).any() and np.array_equal(images[0], images[1])
+
+
+def _columns_equal(a, b):
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and len(a[name]) == len(b[name]), name
+        assert pd.Series(a[name]).equals(pd.Series(b[name])), name  # (NaN equals NaN here)
+
+
+@pytest.mark.parametrize("never_ran", [(), (4,), (2, 3)])
+def test_columns_made_one_at_a_time_equal_the_whole_transpose_and_pickle_whole(never_ran):
+    import pickle
+
+    from klotski_sim.timeline import ScheduleColumns, Timeline
+
+    sched = _timeline_schedule()
+    start, end = [0.0, 1.0, 1.0, 3.0, 4.0], [1.0, 2.0, 3.0, 4.0, 5.0]
+    for i in never_ran:
+        start[i] = end[i] = float("nan")
+    blocked = [-1, 0, -1, 2, 3]
+
+    def columns():
+        return ScheduleColumns(sched, start, end, None, blocked)
+
+    one_at_a_time = columns()
+    _columns_equal({name: one_at_a_time[name] for name in reversed(list(one_at_a_time))}, columns().materialize())
+    back = pickle.loads(pickle.dumps(columns()))
+    assert type(back) is dict and list(back) == list(columns())  # in the timeline's column order
+    _columns_equal(back, columns().materialize())
+    # blockers found from the engine's indices equal those found by op id (a timeline read from a file)
+    lazy = Timeline(columns(), {"generated_tokens": 4})
+    plain = Timeline(columns().materialize(), {"generated_tokens": 4})
+    assert lazy.bubbles().to_dict("list") == plain.bubbles().to_dict("list")
+    assert lazy.summary() == plain.summary()
+    with pytest.raises(KeyError):
+        columns()["no_such_column"]
