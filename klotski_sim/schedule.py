@@ -458,12 +458,14 @@ class ScheduleBuilder:
     def add(self, op_id: str, kind: str, stream: str, category: str, deps: Iterable[str | None] = (),
             **tags: Any) -> str:
         """Append an op (a duplicate id is reported by `build`, which validates the whole schedule)."""
-        if deps:
+        if not deps:
+            clean = ()
+        elif type(deps) is list and len(deps) == 1:  # the common case, without building a dict
+            clean = () if deps[0] is None else (deps[0],)
+        else:
             unique = dict.fromkeys(deps)  # in order, each dep once, without None
             unique.pop(None, None)
             clean = tuple(unique)
-        else:
-            clean = ()
         if self._barrier is not None and stream not in self._past_barrier:
             # issued after the host was blocked: the first op of each stream waits for the host
             # (later ones follow it in stream order)

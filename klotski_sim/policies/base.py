@@ -538,8 +538,12 @@ class OpEmitter:
                           phase=self.phase(step), layer=layer, batches=(batch,), tokens=tokens, free=tuple(free))
 
     def expert(self, op_id: str, step: int, layer: int, expert: int, batches: Iterable[int], tokens: int,
-               deps: Iterable[str | None] = (), free: tuple[str, ...] = ()) -> str:
-        """One expert over `tokens` tokens gathered from `batches`."""
+               deps: Iterable[str | None] = (), free: tuple[str, ...] = (), rows_of: str | None = None) -> str:
+        """One expert over `tokens` tokens gathered from `batches`. With option `sync=per-expert`
+        the host first reads the expert's token rows, which `rows_of` produced (a `.tolist()`:
+        sync op `{op_id}/rows/sync`)."""
+        if rows_of is not None and self.impl.sync_experts:
+            self.b.host_wait(f"{op_id}/rows/sync", "sync", [rows_of])
         deps = list(deps)
         cost = self._expert_costs.get(tokens)
         if cost is None:  # (an as-published schedule has an expert op per expert, batch, layer and step)

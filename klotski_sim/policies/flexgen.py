@@ -79,10 +79,8 @@ def build(inp: PolicyInput) -> Schedule:
                 # the layer's last expert op waits for, then releases, the whole MoE layer
                 end_of_layer = last_batch and i == len(chosen) - 1
                 deps = list(expert_w) if end_of_layer else ([expert_w[e]] if expert_w else [])
-                if em.impl.sync_experts:  # the expert's token rows read on the host (`.tolist()`)
-                    em.sync(f"{at}/b{k}/E{e}/rows", [op])
                 op = em.expert(f"{at}/b{k}/E{e}", step, layer, e, (k,), int(counts[step, layer, k, e]), deps,
-                               free=tuple(expert_w) if end_of_layer else ())
+                               free=tuple(expert_w) if end_of_layer else (), rows_of=op)
             if em.impl.sync_sublayers:  # FlexGen's sync() after compute(j, k): device-wide
                 em.sync_device(f"{at}/b{k}")
         layer_done.append(op)

@@ -221,10 +221,8 @@ def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
                 for p, (part, tokens, op_id) in enumerate(parts):
                     last = k == len(order) - 1 and p == len(parts) - 1
                     frees = (own if p == len(parts) - 1 else ()) + (wasted if last else ())
-                    if impl.sync_experts:  # `.tolist()` of the expert's token rows before each expert op
-                        em.sync(f"{op_id}/rows", [op])
                     op = em.expert(op_id, step, j, e, part, tokens, list(own) + (list(wasted) if last else []),
-                                   free=frees)
+                                   free=frees, rows_of=op)
             layer_done.append(op)
             # CPU experts, issued after the GPU's (whose work is then in flight): the group's hidden states
             # go down once every gate has run, each expert runs over the group's tokens on the CPU, its

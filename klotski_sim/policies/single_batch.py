@@ -114,11 +114,9 @@ def _experts(em: OpEmitter, at: str, step: int, layer: int, batch: int, tokens: 
     op = after
     for k, e in enumerate(active):
         last = k == len(active) - 1
-        if em.impl.sync_experts:
-            em.sync(f"{at}/E{e}/rows", [op])
         deps = [expert_w[e]] + (list(unused) if last else [])
         op = em.expert(f"{at}/E{e}", step, layer, e, (batch,), int(tokens[e]), deps,
-                       free=_own(expert_w[e]) + (unused if last else ()))
+                       free=_own(expert_w[e]) + (unused if last else ()), rows_of=op)
     return op
 
 
