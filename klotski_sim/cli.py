@@ -26,7 +26,7 @@ from .planner import format_plan
 from .policies import POLICIES
 from .policies.plugins import load_for_command_line
 from .runner import RunSpec, available_cores, policy_batches, prepare, run, run_each
-from .timeline import Summary, jsonable
+from .timeline import FIGURE_COLUMNS, Summary, jsonable
 from .trace import Trace, import_jsonl
 from .trace_stats import format_stats, layer_stats, token_subset
 from .trace_synth import synthesize
@@ -244,8 +244,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if not simulated:
         print(f"refused: {_oom_text(asdict(prep.refused))}; no figure or traces: nothing was simulated")
     sys.stdout.flush()  # (before worker processes start)
+    figure = not args.no_png and simulated
     timelines = dict(zip(runs, run_each(list(runs.values()), prep, args.workers or available_cores(),
-                                        traces if args.traces and simulated else None)))
+                                        traces if args.traces and simulated else None,
+                                        keep=FIGURE_COLUMNS if figure else ())))
     summaries = {key: tl.summary() for key, tl in timelines.items()}
     print(format_comparison(summaries))
     if len(impls) > 1:
@@ -256,13 +258,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
         out / "compare.csv", index=False)
     if prep.plan is not None:
         (out / "plan.txt").write_text(format_plan(prep.plan, prep.model, prep.profile, spec.batch_size) + "\n")
-    if not args.no_png and simulated:
+    if figure:
         from .plot import compare_gantt
 
         zoom = (min(1, spec.gen_len - 1), prep.model.num_layers // 2)
         compare_gantt({_label(name, impl, impls): tl for (name, impl), tl in timelines.items()},
                       out / "compare.png", zoom=zoom)
-    print(f"wrote compare.csv, compare.json{', compare.png' if not args.no_png and simulated else ''}"
+    print(f"wrote compare.csv, compare.json{', compare.png' if figure else ''}"
           f"{', trace_<policy>.json.gz' if args.traces and simulated else ''}{', plan.txt' if prep.plan else ''} "
           f"to {out}/")
     return 0 if all(s.status == "ok" for s in summaries.values()) else 3

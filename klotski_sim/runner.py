@@ -11,7 +11,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 import numpy as np
 
@@ -280,14 +280,16 @@ def _share(prep: Prepared) -> None:
     _SHARED = prep
 
 
-def _timeline_of(spec: RunSpec, trace_path: Path | None = None, prep: Prepared | None = None) -> Timeline:
-    """One run's timeline with its summary and columns derived (and its Chrome trace written when
-    asked): all that needs to leave a worker (its schedule, a few times larger, stays behind)."""
+def _timeline_of(spec: RunSpec, trace_path: Path | None = None, prep: Prepared | None = None,
+                 keep: Collection[str] | None = None) -> Timeline:
+    """One run's timeline with its summary derived and its Chrome trace written when asked, then
+    reduced to the columns `keep` names (all when None): what needs to leave a worker (its
+    schedule, a few times larger, stays behind)."""
     timeline = run(spec, prepared=prep or _SHARED).timeline
     timeline.summary()
-    timeline.detach()  # every column built now (in the worker), the schedule let go
     if trace_path is not None:
         to_chrome_trace(timeline, trace_path)
+    timeline.detach(keep)
     return timeline
 
 
@@ -295,9 +297,9 @@ class WorkerError(KlotskiError):
     """An error raised in a worker process, brought back as text (any exception pickles this way)."""
 
 
-def _timeline_in_worker(spec: RunSpec, trace_path: Path | None) -> Timeline:
+def _timeline_in_worker(spec: RunSpec, trace_path: Path | None, keep: Collection[str] | None) -> Timeline:
     try:
-        return _timeline_of(spec, trace_path)
+        return _timeline_of(spec, trace_path, keep=keep)
     except KlotskiError as err:
         raise WorkerError(str(err)) from None
     except Exception as err:  # noqa: BLE001 - reported with where to find the traceback
@@ -311,19 +313,20 @@ def available_cores() -> int:
 
 
 def run_each(specs: list[RunSpec], prep: Prepared, workers: int = 1,
-             trace_paths: list[Path | None] | None = None) -> list[Timeline]:
+             trace_paths: list[Path | None] | None = None, keep: Collection[str] | None = None) -> list[Timeline]:
     """The timelines of several runs on one preparation (compare's policies and presets), in
     `workers` processes when more than one: each run is independent and single-threaded. Each
-    run's Chrome trace is written where `trace_paths` says (by the process that ran it)."""
+    run's Chrome trace is written where `trace_paths` says (by the process that ran it); each
+    timeline keeps its summary and the columns `keep` names (all when None)."""
     traces = trace_paths or [None] * len(specs)
     workers = min(workers, len(specs))
     if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
-        return [_timeline_of(spec, path, prep) for spec, path in zip(specs, traces)]
+        return [_timeline_of(spec, path, prep, keep) for spec, path in zip(specs, traces)]
     # forked workers inherit the preparation (routing, plan, policies loaded from files) as it is
     try:
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_share,
                                  initargs=(prep,)) as pool:
-            return list(pool.map(_timeline_in_worker, specs, traces))
+            return list(pool.map(_timeline_in_worker, specs, traces, [keep] * len(specs)))
     except BrokenProcessPool:
         raise UsageError(f"a worker process died before it finished (killed, or out of host memory?): "
                          f"rerun with --workers 1, or fewer than {workers}") from None

@@ -231,8 +231,7 @@ class Schedule:
             for name in op.free:
                 if name not in allocated:
                     raise ScheduleError(f"op {op.id!r} frees buffer {name!r}, which no op allocates")
-        self.__dict__["index"] = position  # what `index` would compute
-        self.__dict__["graph"] = graph
+        self.__dict__["graph"] = graph  # (`index` is not kept: few users need it, and it costs ~50 bytes an op)
         if not graph.forward:
             return  # every dep is on an earlier op: list order is a topological order, no cycle
         for i, d in graph.forward:  # a dep on a later op of the same stream contradicts stream order

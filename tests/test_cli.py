@@ -128,7 +128,7 @@ def test_compare_in_worker_processes_gives_the_serial_results(tmp_path):
     assert len(outputs[1][2]) == 6 and outputs[1] == outputs[3]
 
 
-def _worker_dies(*args):
+def _worker_dies(*args, **kwargs):
     os._exit(3)
 
 

@@ -162,3 +162,35 @@ def test_columns_made_one_at_a_time_equal_the_whole_transpose_and_pickle_whole(n
     assert lazy.summary() == plain.summary()
     with pytest.raises(KeyError):
         columns()["no_such_column"]
+
+
+def test_a_timeline_kept_to_the_figure_columns_draws_the_same_figure():
+    """compare keeps only FIGURE_COLUMNS of each timeline (Timeline.detach): the figure needs no
+    other column (it would raise KeyError) and is pixel-identical to one drawn from every column."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from klotski_sim.plot import compare_gantt
+    from klotski_sim.runner import RunSpec, run
+    from klotski_sim.timeline import FIGURE_COLUMNS
+
+    def timelines(keep):
+        out = {}
+        for policy in ("klotski", "flexgen"):
+            tl = run(RunSpec(policy=policy, num_batches=3, prompt_len=16, gen_len=3)).timeline
+            tl.summary()
+            tl.detach(keep)
+            out[policy] = tl
+        return out
+
+    kept = timelines(FIGURE_COLUMNS)
+    assert set(kept["klotski"].columns) == set(FIGURE_COLUMNS)
+    images = []
+    for tls in (timelines(None), kept):
+        fig = compare_gantt(tls, zoom=(1, 16))
+        fig.canvas.draw()
+        images.append(np.asarray(fig.canvas.buffer_rgba()).copy())
+        plt.close(fig)
+    assert np.array_equal(images[0], images[1])

@@ -299,6 +299,8 @@ class OpEmitter:
         self._staged_order: list[tuple[int, int]] = []
         self._h2d_of_layer: dict[tuple[int, int], list[str]] = {}
         self._last_cpu_attention: dict[int, str] = {}  # layer -> its latest CPU attention (host KV in order)
+        # `(b,)` for each batch, one tuple shared by all of its ops (not a new one per op: 48 bytes each)
+        self.batch_tuple = [(b,) for b in range(self.shape.num_batches)]
         self.cache = _make_cache(inp)
         self.attention_on_cpu = _attention_on_cpu(inp)
         if self.attention_on_cpu:
@@ -422,7 +424,7 @@ class OpEmitter:
     def embed(self, op_id: str, step: int, batch: int, deps: Iterable[str | None] = ()) -> str:
         tokens = self.new_tokens(step) * self.shape.batch_size
         return self.b.compute(op_id, "embed", deps, bytes=self.model.hidden_bytes(tokens), step=step,
-                              phase=self.phase(step), batches=(batch,), tokens=tokens)
+                              phase=self.phase(step), batches=self.batch_tuple[batch], tokens=tokens)
 
     def lm_head(self, op_id: str, step: int, batch: int, deps: Iterable[str | None] = ()) -> str:
         """Logits of the last position of each sequence; after the last step the batch is done
@@ -431,7 +433,7 @@ class OpEmitter:
         done = step == self.shape.num_steps - 1
         return self.b.compute(op_id, "lm_head", deps, flops=self.model.lm_head_flops(bs),
                               bytes=self.model.lm_head_io_bytes(bs), step=step, phase=self.phase(step),
-                              batches=(batch,), tokens=bs,
+                              batches=self.batch_tuple[batch], tokens=bs,
                               free=tuple(self._kv_buffers.pop(batch, ())) if done else ())
 
     def attention(self, op_id: str, step: int, layer: int, batch: int, deps: Iterable[str | None] = (),
@@ -441,7 +443,7 @@ class OpEmitter:
         m, sh = self.model, self.shape
         new = self.new_tokens(step)
         kv_len = sh.kv_len(step)
-        tags = dict(step=step, phase=self.phase(step), layer=layer, batches=(batch,))
+        tags = dict(step=step, phase=self.phase(step), layer=layer, batches=self.batch_tuple[batch])
         deps = list(deps)
         if self.attention_on_cpu and step > 0:
             return self._decode_attention_on_cpu(op_id, step, layer, batch, deps, tuple(free))
@@ -505,7 +507,7 @@ class OpEmitter:
         cache never crosses PCIe in decode."""
         m, sh = self.model, self.shape
         tokens, kv_len = sh.batch_size, sh.kv_len(step)
-        tags = dict(step=step, phase=self.phase(step), layer=layer, batches=(batch,))
+        tags = dict(step=step, phase=self.phase(step), layer=layer, batches=self.batch_tuple[batch])
         h, q, kv = m.hidden_size, m.q_dim, m.kv_dim
         qkv = self.b.compute(f"{op_id}/qkv", "attn_qkv", deps, flops=2 * tokens * h * (q + 2 * kv),
                              bytes=h * (q + 2 * kv) * m.dtype_bytes + m.hidden_bytes(tokens)
@@ -535,7 +537,8 @@ class OpEmitter:
             cost = self._gate_costs[(tokens, layer)] = ("gate" if m.is_moe(layer) else "dense_mlp",
                                                          m.gate_flops(tokens, layer), m.gate_io_bytes(tokens, layer))
         return self.b.add(op_id, "compute", "compute", cost[0], deps, flops=cost[1], bytes=cost[2], step=step,
-                          phase=self.phase(step), layer=layer, batches=(batch,), tokens=tokens, free=tuple(free))
+                          phase=self.phase(step), layer=layer, batches=self.batch_tuple[batch], tokens=tokens,
+                          free=tuple(free))
 
     def expert(self, op_id: str, step: int, layer: int, expert: int, batches: Iterable[int], tokens: int,
                deps: Iterable[str | None] = (), free: tuple[str, ...] = (), rows_of: str | None = None) -> str:

@@ -214,7 +214,7 @@ def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
             for k, e in enumerate(order):
                 own = (expert_w[e],) if e in expert_w else ()
                 if impl.per_batch_experts:  # one op per batch: the weights are read again for each
-                    parts = [((b,), int(counts[step, j, b, e]), f"{at}/b{b}/E{e}") for b in batches
+                    parts = [(em.batch_tuple[b], int(counts[step, j, b, e]), f"{at}/b{b}/E{e}") for b in batches
                              if counts[step, j, b, e]]
                 else:
                     parts = [(batches, int(group_tokens[e]), f"{at}/E{e}")]
