@@ -25,6 +25,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from klotski_sim.cost import op_variant
 from klotski_sim.hardware import HardwareProfile, profile_from_dict
 from klotski_sim.model import ModelSpec
 
@@ -104,10 +105,15 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
     h = spec.hidden_size
     batch_sizes, prompt_lens = sorted(set(batch_sizes)), sorted(set(prompt_lens))
     kv_lens = sorted(set(kv_lens or [p + d for p in prompt_lens for d in (1, 16)]))
-    measured: dict[str, list[dict]] = {k: [] for k in ("gate", "expert", "embed", "lm_head")}
+    # tables named as the schedules' ops are (`attention.fused+qk_norm`, `gate.topk_as_is`: cost.op_variant)
+    gate_key = ".".join(filter(None, ("gate", op_variant(spec, "gate"))))
+    attention_key = {impl: f"attention.{op_variant(spec, 'attention', impl)}" for impl in kernels.ATTENTION_IMPLS}
+    qk = kernels.qk_norms(w.resident, spec, 0)
+    qk_norm = (qk[0].to(dev), qk[1].to(dev)) if qk else None
+    measured: dict[str, list[dict]] = {k: [] for k in (gate_key, "expert", "embed", "lm_head")}
     for impl in kernels.ATTENTION_IMPLS:
-        measured[f"attention.{impl}:decode"] = []
-        measured[f"attention.{impl}:prefill"] = []
+        measured[f"{attention_key[impl]}:decode"] = []
+        measured[f"{attention_key[impl]}:prefill"] = []
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device=dev, dtype=dtype)
@@ -117,12 +123,13 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
             x1 = rand(bs, 1, h)
             for kv in kv_lens:
                 past = [kernels.kv_chunk(spec, bs, kv - 1, dtype, dev)]
-                t = measure(lambda: kernels.attention(x1, attn, norm, past, kv - 1, spec, 1e6, 1e-5, impl), repeats)
-                measured[f"attention.{impl}:decode"].append({"tokens": bs, "kv_len": kv, "seconds": t})
+                t = measure(lambda: kernels.attention(x1, attn, norm, past, kv - 1, spec, 1e6, 1e-5, impl, qk_norm),
+                            repeats)
+                measured[f"{attention_key[impl]}:decode"].append({"tokens": bs, "kv_len": kv, "seconds": t})
             for p in prompt_lens:
                 xp = rand(bs, p, h)
-                t = measure(lambda: kernels.attention(xp, attn, norm, [], 0, spec, 1e6, 1e-5, impl), repeats)
-                measured[f"attention.{impl}:prefill"].append({"tokens": bs * p, "kv_len": p, "seconds": t})
+                t = measure(lambda: kernels.attention(xp, attn, norm, [], 0, spec, 1e6, 1e-5, impl, qk_norm), repeats)
+                measured[f"{attention_key[impl]}:prefill"].append({"tokens": bs * p, "kv_len": p, "seconds": t})
     token_grid = sorted({1 << i for i in range(int(np.log2(max_expert_tokens)) + 1)}
                         | set(batch_sizes) | {bs * p for bs in batch_sizes for p in prompt_lens})
     gnorm = w.resident[f"norm2/{moe}"].to(dev)
@@ -132,8 +139,9 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
         hs = rand(1, tokens, h)
         forced = np.stack([np.arange(tokens) % spec.num_experts,
                            (np.arange(tokens) + 1) % spec.num_experts], axis=1)[:, : spec.top_k].astype(np.int64)
-        measured["gate"].append({"tokens": tokens, "seconds": measure(
-            lambda: kernels.gate_step(hs, gnorm, gate, spec.top_k, 1e-5, forced, tuple(shared)), repeats)})
+        measured[gate_key].append({"tokens": tokens, "seconds": measure(
+            lambda: kernels.gate_step(hs, gnorm, gate, spec.top_k, 1e-5, forced, tuple(shared), spec.norm_topk_prob),
+            repeats)})
         if dense_mlp is not None:
             measured["dense_mlp"].append({"tokens": tokens, "seconds": measure(
                 lambda: kernels.expert(kernels.rms_norm(hs, gnorm, 1e-5).reshape(-1, h), dense_mlp), repeats)})

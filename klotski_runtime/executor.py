@@ -34,6 +34,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
+from klotski_sim.cost import variant_impl
 from klotski_sim.errors import KlotskiError
 from klotski_sim.model import ModelSpec
 from klotski_sim.routing import RoutingTable, RunShape
@@ -461,7 +462,8 @@ class OpRunner:
         pos0 = self.shape.prompt_len + op.step - 1
         w = self.weights_for(op, "attention")
         self.pending_qkv[op.id] = kernels.attention_qkv(self.x[b], w, self.resident[f"norm1/{op.layer}"], pos0,
-                                                        self.spec, self.weights.rope_theta, self.weights.rms_eps)
+                                                        self.spec, self.weights.rope_theta, self.weights.rms_eps,
+                                                        kernels.qk_norms(self.resident, self.spec, op.layer))
 
     def _attn_out(self, op: Op) -> None:
         """The GPU half after: o over the heads' output the CPU sent back, plus the residual."""
@@ -502,8 +504,10 @@ class OpRunner:
             past = [self.buffers[f"kv/L{layer}/b{b}/s{s}"] for s in range(op.step)
                     if f"kv/L{layer}/b{b}/s{s}" in self.buffers]
         w = self.weights_for(op, "attention")
+        impl = variant_impl(op.variant) or "fused"  # (without the model's tags: `fused+qk_norm`)
         out, chunk = kernels.attention(self.x[b], w, self.resident[f"norm1/{layer}"], past, pos0, self.spec,
-                                       self.weights.rope_theta, self.weights.rms_eps, op.variant or "fused")
+                                       self.weights.rope_theta, self.weights.rms_eps, impl,
+                                       kernels.qk_norms(self.resident, self.spec, layer))
         self.h[b] = out
         for name, _ in op.alloc:  # this step's KV entries stay on the GPU
             self._store(name, chunk)
@@ -522,7 +526,8 @@ class OpRunner:
         forced = (self.routing.step_ids(op.step, layer, b).reshape(-1, self.spec.top_k).astype(np.int64)
                   if self.opt.force_routing else None)
         z, weights, ids, out = kernels.gate_step(self.h[b], self.resident[f"norm2/{layer}"], router_w,
-                                                 self.spec.top_k, self.weights.rms_eps, forced, tuple(shared))
+                                                 self.spec.top_k, self.weights.rms_eps, forced, tuple(shared),
+                                                 self.spec.norm_topk_prob)
         self.z[b] = z
         self.route[b] = (ids, weights, forced)
         self.moe_out[b] = out

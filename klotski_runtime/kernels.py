@@ -1,13 +1,17 @@
 """The real compute of each op kind on a Mixtral-style model, and the weights it runs on.
 
-Every op of a schedule maps to one function here: `embed`, `attention` (input RMSNorm, q/k/v/o,
-RoPE, per-batch KV cache, residual), `gate` (post-attention RMSNorm + router: softmax, top-k,
-renormalise — or routing forced from a trace), `expert` (SwiGLU over exactly the tokens routed to
-it, scaled by their gate weights and added into the batch's MoE output) and `lm_head`. The math is
-the Hugging Face Mixtral's, so with routing not forced the logits match `MixtralForCausalLM`.
+Every op of a schedule maps to one function here: `embed`, `attention` (input RMSNorm, q/k/v,
+the q/k RMSNorm when the model has one, RoPE, per-batch KV cache, o, residual), `gate`
+(post-attention RMSNorm + router: softmax, top-k, renormalised when the model's router does — or
+routing forced from a trace), `expert` (SwiGLU over exactly the tokens routed to it, scaled by
+their gate weights and added into the batch's MoE output) and `lm_head`. The math is Hugging
+Face's, so with routing not forced the logits match `MixtralForCausalLM`, `Qwen3MoeForCausalLM`
+(q/k norm per head) and `OlmoeForCausalLM` (q/k norm over the whole projection, top-k weights
+not renormalised).
 
 Weights live in a `WeightStore` (the host tier): random tensors of the model's true shapes (a few
-layers of a big model are enough), or read per tensor from a local safetensors checkpoint.
+layers of a big model are enough), or read per tensor from a local safetensors checkpoint of one
+of those three families (`CHECKPOINT_FAMILIES`).
 """
 
 from __future__ import annotations
@@ -106,11 +110,15 @@ class WeightStore:
                                                  w(h, heads * spec.v_head_dim))
             else:
                 tensors[("attention", layer)] = (w(qd, h), w(kvd, h), w(kvd, h), w(h, qd))
+            resident[f"norm1/{layer}"] = torch.ones(h, dtype=dtype)
+            resident[f"norm2/{layer}"] = torch.ones(h, dtype=dtype)
+            if spec.qk_norm:  # unit vectors, as transformers initialises them: the same work as a checkpoint
+                q_width, k_width = spec.qk_norm_widths()
+                resident[f"q_norm/{layer}"] = torch.ones(q_width, dtype=dtype)
+                resident[f"k_norm/{layer}"] = torch.ones(k_width, dtype=dtype)
             if not spec.is_moe(layer):  # a dense layer: its MLP is the gate op, no experts
                 df = spec.dense_ffn_size
                 tensors[("gate", layer)] = (w(df, h), w(df, h), w(h, df))
-                resident[f"norm1/{layer}"] = torch.ones(h, dtype=dtype)
-                resident[f"norm2/{layer}"] = torch.ones(h, dtype=dtype)
                 continue
             shared = [w(1, h)] if spec.num_shared_experts else []  # the shared experts' gate, then each expert
             for _ in range(spec.num_shared_experts):
@@ -120,18 +128,20 @@ class WeightStore:
             for e in range(spec.num_experts):
                 dense = (w(f, h), w(f, h), w(h, f))  # w1, w3, w2
                 tensors[("expert", layer, e)] = quantise_expert(dense, spec) if spec.quantised else dense
-            resident[f"norm1/{layer}"] = torch.ones(h, dtype=dtype)
-            resident[f"norm2/{layer}"] = torch.ones(h, dtype=dtype)
         notes = [] if L == spec.num_layers else [f"random weights for the first {L} of {spec.num_layers} layers"]
         return WeightStore(spec, tensors, resident, source=f"random(seed={seed})", num_layers=L, notes=notes)
 
     @staticmethod
     def from_checkpoint(path: str | Path, spec: ModelSpec, dtype: torch.dtype = torch.bfloat16,
                         layers: int | None = None) -> "WeightStore":
-        """Read a local Mixtral checkpoint (config.json + *.safetensors) tensor by tensor."""
+        """Read a local checkpoint (config.json + *.safetensors) of a Mixtral, Qwen3-MoE or OLMoE
+        model tensor by tensor, after checking that its config is the spec's shape and math."""
         if spec.mla or spec.first_dense_layers or spec.num_shared_experts:
-            raise WeightError(f"model {spec.name!r}: checkpoints are read in Mixtral's layout; this model's MLA, "
-                              f"dense or shared-expert weights run with random weights only")
+            raise WeightError(f"model {spec.name!r}: checkpoints are read in the Mixtral, Qwen3-MoE and OLMoE "
+                              f"layouts; this model's MLA, dense or shared-expert weights run with random weights only")
+        if spec.hf_model_type not in CHECKPOINT_FAMILIES:
+            raise WeightError(f"model {spec.name!r}: checkpoints of model_type {spec.hf_model_type!r} are not read "
+                              f"(only {', '.join(CHECKPOINT_FAMILIES)}); it runs with random weights only")
         from safetensors import safe_open
 
         path = Path(path)
@@ -143,55 +153,152 @@ class WeightStore:
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise WeightError(f"{path}: no *.safetensors files")
-        config = json.loads(config_file.read_text())
-        shape_checks = {"hidden_size": spec.hidden_size, "intermediate_size": spec.ffn_size,
-                        "num_local_experts": spec.num_experts, "num_experts_per_tok": spec.top_k,
-                        "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
-                        "vocab_size": spec.vocab_size}
-        bad = [f"{k}={config.get(k)} (model {spec.name!r} has {v})" for k, v in shape_checks.items()
-               if config.get(k) != v]
-        if bad:
-            raise WeightError(f"{path}: checkpoint does not match model {spec.name!r}: {'; '.join(bad)}")
+        try:
+            config = json.loads(config_file.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise WeightError(f"{config_file}: not valid JSON ({err})") from None
+        if not isinstance(config, dict):
+            raise WeightError(f"{config_file}: not a JSON object")
+        check_config(config, spec, config_file)
         index: dict[str, Path] = {}
         for f in files:
             with safe_open(f, "pt") as st:
                 for key in st.keys():
                     index[key] = f
 
-        def load(key: str) -> torch.Tensor:
+        def load(key: str, *shape: int) -> torch.Tensor:
+            """The tensor `key` in `dtype`, refused unless it has `shape` (when given)."""
             if key not in index:
                 raise WeightError(f"{path}: tensor {key!r} is missing from the checkpoint")
             with safe_open(index[key], "pt") as st:
-                return st.get_tensor(key).to(dtype)
+                tensor = st.get_tensor(key)
+            if shape and tuple(tensor.shape) != shape:
+                raise WeightError(f"{index[key]}: tensor {key!r} has shape {list(tensor.shape)}, "
+                                  f"model {spec.name!r} needs {list(shape)}")
+            return tensor.to(dtype)
 
+        h, f_, E, V = spec.hidden_size, spec.ffn_size, spec.num_experts, spec.vocab_size
+        qd, kvd = spec.q_dim, spec.kv_dim
         L = spec.num_layers if layers is None else min(layers, spec.num_layers)
         tensors: dict[tuple, tuple[torch.Tensor, ...]] = {}
-        resident = {"embed": load("model.embed_tokens.weight"), "final_norm": load("model.norm.weight"),
-                    "lm_head": load("lm_head.weight") if "lm_head.weight" in index
-                    else load("model.embed_tokens.weight")}
+        resident = {"embed": load("model.embed_tokens.weight", V, h), "final_norm": load("model.norm.weight", h),
+                    "lm_head": load("lm_head.weight", V, h) if "lm_head.weight" in index
+                    else load("model.embed_tokens.weight", V, h)}
+        q_width, k_width = spec.qk_norm_widths()
         for layer in range(L):
             p = f"model.layers.{layer}"
-            tensors[("attention", layer)] = tuple(load(f"{p}.self_attn.{n}_proj.weight") for n in "qkvo")
+            attn = f"{p}.self_attn"
+            tensors[("attention", layer)] = (load(f"{attn}.q_proj.weight", qd, h),
+                                             load(f"{attn}.k_proj.weight", kvd, h),
+                                             load(f"{attn}.v_proj.weight", kvd, h),
+                                             load(f"{attn}.o_proj.weight", h, qd))
             moe = f"{p}.block_sparse_moe" if f"{p}.block_sparse_moe.gate.weight" in index else f"{p}.mlp"
-            tensors[("gate", layer)] = (load(f"{moe}.gate.weight"),)
-            if f"{moe}.experts.0.w1.weight" in index:
-                for e in range(spec.num_experts):
-                    tensors[("expert", layer, e)] = tuple(load(f"{moe}.experts.{e}.{n}.weight") for n in ("w1", "w3", "w2"))
-            elif f"{moe}.experts.gate_up_proj" in index:  # fused layout [E, 2f, h], [E, h, f]
-                gate_up, down = load(f"{moe}.experts.gate_up_proj"), load(f"{moe}.experts.down_proj")
-                f_ = spec.ffn_size
-                for e in range(spec.num_experts):
+            tensors[("gate", layer)] = (load(f"{moe}.gate.weight", E, h),)
+            # per expert: Mixtral's w1/w3/w2, or Qwen3-MoE's and OLMoE's gate_proj/up_proj/down_proj (the
+            # names transformers 5 saves); else the fused [E, 2f, h] (gate rows, then up) and [E, h, f]
+            names = next((n for n in (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
+                          if f"{moe}.experts.0.{n[0]}.weight" in index), None)
+            if names:
+                for e in range(E):
+                    w1, w3, w2 = (f"{moe}.experts.{e}.{n}.weight" for n in names)
+                    tensors[("expert", layer, e)] = (load(w1, f_, h), load(w3, f_, h), load(w2, h, f_))
+            elif f"{moe}.experts.gate_up_proj" in index:
+                gate_up = load(f"{moe}.experts.gate_up_proj", E, 2 * f_, h)
+                down = load(f"{moe}.experts.down_proj", E, h, f_)
+                for e in range(E):
                     tensors[("expert", layer, e)] = (gate_up[e, :f_].contiguous(), gate_up[e, f_:].contiguous(),
                                                      down[e].contiguous())
             else:
-                raise WeightError(f"{path}: no expert weights found for layer {layer}")
-            resident[f"norm1/{layer}"] = load(f"{p}.input_layernorm.weight")
-            resident[f"norm2/{layer}"] = load(f"{p}.post_attention_layernorm.weight")
-        rope = config.get("rope_parameters", {}).get("rope_theta") or config.get("rope_theta", 1e6)
+                raise WeightError(f"{path}: no expert weights found for layer {layer} (looked for "
+                                  f"{moe}.experts.0.w1, {moe}.experts.0.gate_proj and {moe}.experts.gate_up_proj)")
+            resident[f"norm1/{layer}"] = load(f"{p}.input_layernorm.weight", h)
+            resident[f"norm2/{layer}"] = load(f"{p}.post_attention_layernorm.weight", h)
+            if spec.qk_norm:
+                resident[f"q_norm/{layer}"] = load(f"{attn}.q_norm.weight", q_width)
+                resident[f"k_norm/{layer}"] = load(f"{attn}.k_norm.weight", k_width)
+        rope = (config.get("rope_parameters") or {}).get("rope_theta") or config.get("rope_theta", 1e6)
         if spec.quantised:
             tensors = {k: quantise_expert(v, spec) if k[0] == "expert" else v for k, v in tensors.items()}
         return WeightStore(spec, tensors, resident, rope_theta=float(rope), rms_eps=float(config.get("rms_norm_eps", 1e-5)),
                            source=f"checkpoint:{path}", num_layers=L)
+
+
+# ---- checkpoints of the model families the kernels compute exactly as transformers does ---------------
+# config.json keys per family: (routed experts' width, their count: the first key present), and the
+# q/k norm and top-k renormalisation the family's modeling code applies (the config's norm_topk_prob
+# when it has one; transformers' default for the family when the key is absent).
+CHECKPOINT_FAMILIES: dict[str, dict[str, Any]] = {
+    # MixtralSparseMoeBlock: always renormalises; no q/k norm
+    "mixtral": {"ffn": "intermediate_size", "experts": ("num_local_experts",), "qk_norm": "",
+                "norm_topk_prob": None},
+    # Qwen3MoeAttention: q_norm/k_norm over head_dim; Qwen3MoeTopKRouter: renormalises when norm_topk_prob
+    "qwen3_moe": {"ffn": "moe_intermediate_size", "experts": ("num_experts", "num_local_experts"), "qk_norm": "head",
+                  "norm_topk_prob": False},
+    # OlmoeAttention: q_norm/k_norm over the whole q and k projections; OlmoeTopKRouter as Qwen3's
+    "olmoe": {"ffn": "intermediate_size", "experts": ("num_experts", "num_local_experts"), "qk_norm": "full",
+              "norm_topk_prob": False},
+}
+
+
+def check_config(config: dict[str, Any], spec: ModelSpec, where: Path) -> None:
+    """Refuse, in one line naming the keys, a checkpoint config whose shapes or math differ from the
+    spec's, or that uses a feature the kernels do not compute (dense layers, clipped q/k/v, biases,
+    sliding windows)."""
+    family = CHECKPOINT_FAMILIES[spec.hf_model_type]
+    model_type = config.get("model_type", spec.hf_model_type)
+    if model_type != spec.hf_model_type:
+        raise WeightError(f"{where}: checkpoint does not match model {spec.name!r}: model_type={model_type!r} "
+                          f"(model {spec.name!r} has {spec.hf_model_type!r})")
+    heads = config.get("num_attention_heads")
+    # transformers' attention: the config's head_dim, else hidden_size // num_attention_heads
+    derived = config.get("hidden_size", 0) // heads if isinstance(heads, int) and heads > 0 else None
+    head_dim = config.get("head_dim") or derived
+    kv_heads = config.get("num_key_value_heads")
+    if spec.hf_model_type == "olmoe" and kv_heads is None:  # OlmoeConfig: None means one per query head
+        kv_heads = heads
+    experts_key = next((k for k in family["experts"] if k in config), family["experts"][0])
+    checks = {"hidden_size": (config.get("hidden_size"), spec.hidden_size),
+              family["ffn"]: (config.get(family["ffn"]), spec.ffn_size),
+              experts_key: (config.get(experts_key), spec.num_experts),
+              "num_experts_per_tok": (config.get("num_experts_per_tok"), spec.top_k),
+              "num_attention_heads": (heads, spec.num_heads),
+              "num_key_value_heads": (kv_heads, spec.num_kv_heads),
+              "head_dim": (head_dim, spec.head_dim),
+              "vocab_size": (config.get("vocab_size"), spec.vocab_size)}
+    renorm = config.get("norm_topk_prob", family["norm_topk_prob"])
+    if renorm is not None:
+        checks["norm_topk_prob"] = (renorm, spec.norm_topk_prob)
+    elif not spec.norm_topk_prob:  # Mixtral's router always renormalises
+        checks["norm_topk_prob"] = ("absent: always renormalised", spec.norm_topk_prob)
+    if spec.qk_norm != family["qk_norm"]:
+        checks["q/k norm"] = (family["qk_norm"] or "none", spec.qk_norm or "none")
+    bad = [f"{k}={got} (model {spec.name!r} has {want})" for k, (got, want) in checks.items() if got != want]
+    if bad:
+        raise WeightError(f"{where}: checkpoint does not match model {spec.name!r}: {'; '.join(bad)}")
+    unsupported = []
+    if config.get("attention_bias"):
+        unsupported.append("attention_bias=true (q/k/v/o biases)")
+    if config.get("clip_qkv") is not None:  # OlmoeAttention clamps q, k and v to +-clip_qkv
+        unsupported.append(f"clip_qkv={config['clip_qkv']} (q/k/v clipping)")
+    if config.get("use_sliding_window"):  # Qwen's switch (Mixtral's configs never set it)
+        unsupported.append(f"sliding_window={config.get('sliding_window')} (sliding-window attention)")
+    if spec.hf_model_type == "qwen3_moe":  # Qwen3MoeDecoderLayer: dense unless sparse-step and not mlp-only
+        step, mlp_only = config.get("decoder_sparse_step", 1), config.get("mlp_only_layers") or []
+        layers = config.get("num_hidden_layers", spec.num_layers)
+        dense = [j for j in range(layers) if j in mlp_only or not step or (j + 1) % step]
+        if dense:
+            unsupported.append(f"decoder_sparse_step={step}, mlp_only_layers={mlp_only} make layers {dense} dense "
+                               f"(every layer must be MoE)")
+    if unsupported:
+        raise WeightError(f"{where}: checkpoint uses what the runtime does not compute: {'; '.join(unsupported)}")
+
+
+def qk_norms(resident: dict[str, torch.Tensor], spec: ModelSpec,
+             layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The resident (q_norm, k_norm) of `layer` that attention applies, None when the model has none."""
+    if not spec.qk_norm:
+        return None
+    return resident[f"q_norm/{layer}"], resident[f"k_norm/{layer}"]
 
 
 def host_memory(field: str = "MemAvailable") -> int:
@@ -241,17 +348,20 @@ ATTENTION_IMPLS = ("fused", "eager")
 
 
 def attention(x: torch.Tensor, weights: tuple[torch.Tensor, ...], norm: torch.Tensor, past: list[tuple],
-              pos0: int, spec: ModelSpec, theta: float, eps: float, impl: str = "fused") -> tuple[torch.Tensor, tuple]:
+              pos0: int, spec: ModelSpec, theta: float, eps: float, impl: str = "fused",
+              qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, tuple]:
     """x: [B, T, h] -> x + attn(norm(x)), and this step's (k, v) chunk `[B, kv_heads, T, hd]`.
     `past` lists earlier chunks of this batch's KV cache, oldest first. `impl`: `fused` is one
     scaled_dot_product_attention reading the KV heads as they are (GQA); `eager` is transformers'
-    eager path: repeat_kv copies, QK^T * scale, causal mask, fp32 softmax, AV, transpose back."""
+    eager path: repeat_kv copies, QK^T * scale, causal mask, fp32 softmax, AV, transpose back.
+    `qk_norm`: the layer's (q_norm, k_norm) when `spec.qk_norm` says the model has them (see
+    `attention_qkv`)."""
     if spec.mla:
         return mla_attention(x, weights, norm, past, pos0, spec, theta, eps)
     wo = weights[3]
     B, T, _ = x.shape
     H, KVH, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    q, k, v = attention_qkv(x, weights, norm, pos0, spec, theta, eps)
+    q, k, v = attention_qkv(x, weights, norm, pos0, spec, theta, eps, qk_norm)
     keys = torch.cat([c[0] for c in past] + [k], dim=2) if past else k
     values = torch.cat([c[1] for c in past] + [v], dim=2) if past else v
     causal = T > 1 and not past
@@ -310,16 +420,31 @@ def mla_attention(x: torch.Tensor, weights: tuple[torch.Tensor, ...], norm: torc
 
 # ---- attention split between GPU and CPU (option attention_device=cpu) -----------------------------
 def attention_qkv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], norm: torch.Tensor, pos0: int,
-                  spec: ModelSpec, theta: float, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The GPU half before: input RMSNorm, q/k/v, RoPE — `attention` up to its scores."""
+                  spec: ModelSpec, theta: float, eps: float, qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The GPU half before: input RMSNorm, q/k/v, the q/k RMSNorm, RoPE — `attention` up to its
+    scores. The q/k norm goes between the projections and RoPE, in the model's dtype like every
+    RMSNorm here: over each head's head_dim (`spec.qk_norm == "head"`, transformers
+    Qwen3MoeAttention: q_norm/k_norm on the [.., heads, head_dim] view) or over the whole q and k
+    projections before the split into heads (`"full"`, transformers OlmoeAttention). Without
+    `qk_norm` given, a model that has one is normalised with unit weights (what random weights
+    hold), so a timing of this kernel does the same work."""
     wq, wk, wv, _ = weights
     B, T, _ = x.shape
     hs = rms_norm(x, norm, eps)
-    q = F.linear(hs, wq).view(B, T, spec.num_heads, spec.head_dim).transpose(1, 2)
-    k = F.linear(hs, wk).view(B, T, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
+    q, k = F.linear(hs, wq), F.linear(hs, wk)
+    if spec.qk_norm:
+        q_norm, k_norm = qk_norm if qk_norm is not None else (
+            torch.ones(w, dtype=hs.dtype, device=hs.device) for w in spec.qk_norm_widths())
+        if spec.qk_norm == "full":
+            q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    q = q.view(B, T, spec.num_heads, spec.head_dim)
+    k = k.view(B, T, spec.num_kv_heads, spec.head_dim)
+    if spec.qk_norm == "head":
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
     v = F.linear(hs, wv).view(B, T, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
     positions = torch.arange(pos0, pos0 + T, device=x.device)
-    return rope(q, positions, theta), rope(k, positions, theta), v
+    return rope(q.transpose(1, 2), positions, theta), rope(k.transpose(1, 2), positions, theta), v
 
 
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: list[tuple], spec: ModelSpec) -> torch.Tensor:
@@ -331,18 +456,25 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: list
     return out.transpose(1, 2).reshape(B, T, spec.num_heads * spec.head_dim)
 
 
-def router(z: torch.Tensor, weight: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mixtral's router on `[tokens, h]`: softmax over experts, top-k, renormalise."""
+def router(z: torch.Tensor, weight: torch.Tensor, top_k: int,
+           renormalise: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router on `[tokens, h]`: fp32 softmax over experts, top-k, then the k weights
+    renormalised to sum to 1 (Mixtral; Qwen3-MoE's `norm_topk_prob`) or left as the softmax's
+    probabilities (`renormalise=False`: OLMoE, Qwen1.5-MoE)."""
     logits = F.linear(z, weight)
     probs = torch.softmax(logits.float(), dim=-1)
     w, ids = torch.topk(probs, top_k, dim=-1)
-    return w / w.sum(dim=-1, keepdim=True), ids
+    return (w / w.sum(dim=-1, keepdim=True) if renormalise else w), ids
 
 
-def forced_weights(z: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Gate weights for experts chosen elsewhere (a trace): the router's softmax restricted to
-    them and renormalised, so the combine stays realistic."""
+def forced_weights(z: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor,
+                   renormalise: bool = True) -> torch.Tensor:
+    """Gate weights for experts chosen elsewhere (a trace), as the router would weight them: the
+    softmax restricted to them (renormalised), or the full softmax's probabilities of them
+    (`renormalise=False`), so the combine stays realistic."""
     logits = F.linear(z, weight).float()
+    if not renormalise:
+        return torch.gather(torch.softmax(logits, dim=-1), -1, ids)
     chosen = torch.gather(logits, -1, ids)
     return torch.softmax(chosen, dim=-1)
 
@@ -425,17 +557,19 @@ def lm_head(x: torch.Tensor, norm: torch.Tensor, weight: torch.Tensor, eps: floa
 
 # ---- whole ops, exactly as the executor runs them (calibration times these same functions) -----
 def gate_step(h: torch.Tensor, norm: torch.Tensor, router_weight: torch.Tensor, top_k: int, eps: float,
-              forced_ids: "np.ndarray | None" = None, shared: tuple[torch.Tensor, ...] = ()):
+              forced_ids: "np.ndarray | None" = None, shared: tuple[torch.Tensor, ...] = (),
+              renormalise: bool = True):
     """Post-attention RMSNorm + routing of `h` ([B, T, h]): returns the expert input `[tokens, h]`,
     the gate weights and expert ids `[tokens, k]`, and the MoE output to accumulate into — zeros,
     or the always-active shared experts' output (`shared`: their gate vector, then (w1, w3, w2) per
-    shared expert; Qwen-MoE's sigmoid-gated shared expert), which the gate op computes."""
+    shared expert; Qwen-MoE's sigmoid-gated shared expert), which the gate op computes.
+    `renormalise`: the model's `norm_topk_prob` (see `router`)."""
     z = rms_norm(h, norm, eps).reshape(-1, h.shape[-1])
     if forced_ids is not None:
         ids = torch.from_numpy(forced_ids).to(z.device)
-        weights = forced_weights(z, router_weight, ids)
+        weights = forced_weights(z, router_weight, ids, renormalise)
     else:
-        weights, ids = router(z, router_weight, top_k)
+        weights, ids = router(z, router_weight, top_k, renormalise)
     out = torch.zeros_like(z)
     if shared:
         scale = torch.sigmoid(F.linear(z, shared[0]))

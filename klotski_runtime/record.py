@@ -3,7 +3,8 @@
 Forward hooks on each decoder layer's router (`layers[i].mlp.gate`) capture, for every token
 the model processes, the router's own top-k expert ids and weights (transformers 5 routers return
 `(logits, top_k_weights, top_k_index)`; a router that returns only logits is top-k'ed here the
-same way Mixtral does it: softmax, top-k, renormalise). Each text is one sequence: prefill of
+way transformers' routers do it: softmax, top-k, renormalised unless the config's
+`norm_topk_prob` is false). Each text is one sequence: prefill of
 its first `max_tokens` tokens, then greedy decoding of `gen_len` tokens, each of which is fed
 back once, so a sequence holds `prompt + gen_len` tokens.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import datetime as _dt
 import platform
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -114,16 +115,18 @@ def record(model_dir: str | Path, texts: Sequence[str], max_tokens: int = 512, g
     routers = _routers(model)
     captured: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in routers]
     fallback = [False]
+    renormalise = bool(getattr(config, "norm_topk_prob", True))  # Mixtral's config has none: it always does
 
     def hook(layer: int):
         def capture(module, inputs, output):
             if isinstance(output, tuple) and len(output) >= 3:
                 weights, index = output[1], output[2]
-            else:  # older routers return only logits: top-k them as Mixtral does
+            else:  # older routers return only logits: top-k them as the model's router does
                 logits = output[0] if isinstance(output, tuple) else output
                 probs = torch.softmax(logits.float(), dim=-1)
                 weights, index = torch.topk(probs, top_k, dim=-1)
-                weights = weights / weights.sum(dim=-1, keepdim=True)
+                if renormalise:
+                    weights = weights / weights.sum(dim=-1, keepdim=True)
                 fallback[0] = True
             captured[layer].append((index.reshape(-1, top_k).cpu(), weights.reshape(-1, top_k).float().cpu()))
         return capture
@@ -184,5 +187,52 @@ def save_tiny_mixtral(path: str | Path, seed: int = 0, num_layers: int = 2, num_
                            num_local_experts=num_experts, num_experts_per_tok=2, max_position_embeddings=2048,
                            rms_norm_eps=1e-5, tie_word_embeddings=False)
     model = MixtralForCausalLM(config)
+    model.save_pretrained(path)
+    return Path(path)
+
+
+def _randomise_norms(model: torch.nn.Module, generator: torch.Generator) -> None:
+    """Every RMSNorm weight drawn around 1 (transformers initialises them to ones), so a comparison
+    against the model sees which norm vector is applied to what."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.5 * torch.randn(param.shape, generator=generator))
+
+
+def save_tiny_qwen3_moe(path: str | Path, seed: int = 0, num_layers: int = 2, num_experts: int = 8,
+                        hidden: int = 64, ffn: int = 32, heads: int = 4, kv_heads: int = 2, head_dim: int = 32,
+                        vocab: int = 256, norm_topk_prob: bool = True, **config: Any) -> Path:
+    """A tiny random Qwen3-MoE checkpoint: top-2, q/k norm per head, head_dim not hidden/heads (as in
+    Qwen3-30B-A3B), RMSNorm weights randomised. `config`: further Qwen3MoeConfig keys (mlp_only_layers...)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * ffn, moe_intermediate_size=ffn,
+                         num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         head_dim=head_dim, num_experts=num_experts, num_experts_per_tok=2,
+                         norm_topk_prob=norm_topk_prob, max_position_embeddings=2048, rms_norm_eps=1e-6,
+                         tie_word_embeddings=False, **config)
+    model = Qwen3MoeForCausalLM(cfg)
+    _randomise_norms(model, torch.Generator().manual_seed(seed))
+    model.save_pretrained(path)
+    return Path(path)
+
+
+def save_tiny_olmoe(path: str | Path, seed: int = 0, num_layers: int = 2, num_experts: int = 8, hidden: int = 64,
+                    ffn: int = 32, heads: int = 4, kv_heads: int = 2, vocab: int = 256, norm_topk_prob: bool = False,
+                    **config: Any) -> Path:
+    """A tiny random OLMoE checkpoint: top-2, q/k norm over the whole projections, top-k weights not
+    renormalised (OLMoE-1B-7B's norm_topk_prob), RMSNorm weights randomised. `config`: further
+    OlmoeConfig keys (clip_qkv...)."""
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = OlmoeConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=num_layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, num_experts=num_experts,
+                      num_experts_per_tok=2, norm_topk_prob=norm_topk_prob, max_position_embeddings=2048,
+                      rms_norm_eps=1e-5, tie_word_embeddings=False, pad_token_id=None, eos_token_id=None, **config)
+    model = OlmoeForCausalLM(cfg)
+    _randomise_norms(model, torch.Generator().manual_seed(seed))
     model.save_pretrained(path)
     return Path(path)

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import bisect
 from operator import attrgetter
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from .errors import KlotskiError
 from .hardware import HardwareProfile, MeasuredPoint
 from .schedule import DEFAULT_STREAMS, Op
+
+if TYPE_CHECKING:
+    from .model import ModelSpec
 
 # Kernels one op launches in an eager PyTorch implementation of a Mixtral layer (HF-style):
 # attention = input RMSNorm, q/k/v/o, RoPE, KV append, SDPA, residual; gate = post-attention
@@ -39,6 +42,43 @@ KERNELS_PER_OP: dict[str, int] = {
     "attn_out": 3,  # ... the copy in, o, residual
     "dense_mlp": 6,  # a dense layer's MLP: post-attention RMSNorm, w1, w3, SiLU*mul, w2, residual
 }
+
+
+# What a model adds to an op's kernels, by the tags its ops' `variant` carries after the
+# implementation (`attention.fused+qk_norm`; see `op_variant`). An RMSNorm is 8 kernels in
+# transformers' eager code (Qwen3MoeRMSNorm / OlmoeRMSNorm.forward: cast up, pow, mean, add eps,
+# rsqrt, multiply, cast back, scale); Mixtral's router renormalises its top-k weights with a sum
+# and a divide that OLMoE's and Qwen1.5-MoE's (norm_topk_prob false) do not launch.
+RMSNORM_KERNELS = 8
+KERNEL_TAGS: dict[str, int] = {
+    "qk_norm": 2 * RMSNORM_KERNELS,  # q_norm and k_norm before RoPE (Qwen3-MoE, OLMoE)
+    "topk_as_is": -2,  # the top-k weights are not renormalised
+}
+
+
+def op_variant(model: "ModelSpec", category: str, impl: str = "") -> str:
+    """The `variant` of one of `model`'s ops: its implementation (`impl`, e.g. fused | eager
+    attention), then, joined by `+`, the KERNEL_TAGS this model's version of the op carries — so
+    that ops which launch different kernels are costed (and calibrated) apart."""
+    tags = [impl] if impl else []
+    if model.qk_norm and category in ("attention", "attn_qkv"):
+        tags.append("qk_norm")
+    if not model.norm_topk_prob and category == "gate":
+        tags.append("topk_as_is")
+    return "+".join(tags)
+
+
+def variant_impl(variant: str) -> str:
+    """The implementation a `variant` names, without the model's tags (`fused+qk_norm` -> `fused`)."""
+    return next((p for p in variant.split("+") if p not in KERNEL_TAGS), "") if variant else ""
+
+
+def kernels_of(category: str, variant: str = "") -> int:
+    """Kernels one op launches: its implementation's count (`category.impl`, else the category's),
+    plus what its KERNEL_TAGS add."""
+    impl = variant_impl(variant)
+    base = KERNELS_PER_OP.get(f"{category}.{impl}") if impl else None
+    return (base or KERNELS_PER_OP.get(category, 1)) + sum(KERNEL_TAGS.get(p, 0) for p in variant.split("+"))
 
 
 class CostError(KlotskiError):
@@ -110,8 +150,7 @@ class CostModel:
                 if measured is not None:
                     return measured + dispatch
         roofline = max(flops / self._flop_rate, io_bytes / self._byte_rate)
-        kernels = KERNELS_PER_OP.get(name) or KERNELS_PER_OP.get(category, 1)
-        return roofline + kernels * gpu.kernel_overhead_s + dispatch
+        return roofline + kernels_of(category, variant) * gpu.kernel_overhead_s + dispatch
 
     def transfer_seconds(self, resource: str, nbytes: float, pageable: bool = False) -> float:
         link = self.profile.link(resource)

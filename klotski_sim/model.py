@@ -13,6 +13,9 @@ from dataclasses import asdict, dataclass, replace
 
 from .errors import UsageError
 
+# how q and k are normalised before RoPE: not at all, per head (Qwen3-MoE), over the whole projection (OLMoE)
+QK_NORMS: tuple[str, ...] = ("", "head", "full")
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -43,6 +46,12 @@ class ModelSpec:
     qk_rope_dim: int = 0
     qk_nope_dim: int = 0
     v_head_dim: int = 0
+    # RMSNorm of q and k after their projections, before RoPE: "" none (Mixtral), "head" over each
+    # head's head_dim (Qwen3-MoE's q_norm/k_norm), "full" over the whole q and k projections (OLMoE's)
+    qk_norm: str = ""
+    # whether the router renormalises its top-k softmax probabilities to sum to 1 (Mixtral does;
+    # OLMoE and Qwen1.5-MoE weight the experts by the full softmax's probabilities)
+    norm_topk_prob: bool = True
 
     def __post_init__(self) -> None:
         for field_name in ("num_layers", "num_experts", "top_k", "hidden_size", "ffn_size",
@@ -61,6 +70,13 @@ class ModelSpec:
                              f"with dense_ffn_size > 0")
         if self.mla and min(self.qk_rope_dim, self.qk_nope_dim, self.v_head_dim) <= 0:
             raise UsageError(f"model {self.name!r}: MLA needs qk_rope_dim, qk_nope_dim and v_head_dim > 0")
+        if self.qk_norm not in QK_NORMS:
+            raise UsageError(f"model {self.name!r}: qk_norm must be one of {', '.join(map(repr, QK_NORMS))} "
+                             f"(none, per head, over the whole projection), got {self.qk_norm!r}")
+        if self.qk_norm and self.mla:
+            raise UsageError(f"model {self.name!r}: qk_norm is for q/k/v attention; MLA normalises its own latents")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise UsageError(f"model {self.name!r}: norm_topk_prob must be true or false, got {self.norm_topk_prob!r}")
 
     # ---- which layers have experts -----------------------------------------------------------
     @property
@@ -169,10 +185,20 @@ class ModelSpec:
     def embedding_bytes(self) -> int:
         return self.vocab_size * self.hidden_size * self.dtype_bytes
 
+    def qk_norm_widths(self) -> tuple[int, int]:
+        """Lengths of one layer's q_norm and k_norm vectors: head_dim each (per head, shared by the
+        heads), or as wide as the q and k projections; (0, 0) without q/k norm."""
+        if self.qk_norm == "head":
+            return self.head_dim, self.head_dim
+        if self.qk_norm == "full":
+            return self.q_dim, self.kv_dim
+        return 0, 0
+
     def resident_bytes(self) -> int:
         """Kept on the GPU for the whole run: embedding, lm_head, final norm and the per-layer
-        RMSNorm vectors (too small to be worth streaming)."""
-        norms = (2 * self.num_layers + 1) * self.hidden_size * self.dtype_bytes
+        RMSNorm vectors, the q/k norms included (too small to be worth streaming)."""
+        norms = ((2 * self.num_layers + 1) * self.hidden_size + self.num_layers * sum(self.qk_norm_widths())) \
+            * self.dtype_bytes
         return 2 * self.embedding_bytes() + norms
 
     def total_bytes(self) -> int:
@@ -275,19 +301,23 @@ PRESETS: dict[str, ModelSpec] = {
                   ffn_size=14336, num_heads=32, num_kv_heads=8, head_dim=128, vocab_size=32000),
         ModelSpec("mixtral-8x22b", num_layers=56, num_experts=8, top_k=2, hidden_size=6144,
                   ffn_size=16384, num_heads=48, num_kv_heads=8, head_dim=128, vocab_size=32000),
-        # Fine-grained: 64 experts, top-8 (allenai/OLMoE-1B-7B-0924 config).
+        # Fine-grained: 64 experts, top-8 (allenai/OLMoE-1B-7B-0924 config); its q_norm and k_norm span
+        # the whole q and k projections, and norm_topk_prob is false (top-8 softmax weights not renormalised).
         ModelSpec("olmoe-1b-7b", num_layers=16, num_experts=64, top_k=8, hidden_size=2048,
                   ffn_size=1024, num_heads=16, num_kv_heads=16, head_dim=128, vocab_size=50304,
-                  hf_model_type="olmoe"),
+                  hf_model_type="olmoe", qk_norm="full", norm_topk_prob=False),
         # Fine-grained with a shared expert: 60 routed, top-4, one shared expert of width 5632
-        # (Qwen/Qwen1.5-MoE-A2.7B config).
+        # (Qwen/Qwen1.5-MoE-A2.7B config: no q/k norm, norm_topk_prob false).
         ModelSpec("qwen1.5-moe-a2.7b", num_layers=24, num_experts=60, top_k=4, hidden_size=2048,
                   ffn_size=1408, num_heads=16, num_kv_heads=16, head_dim=128, vocab_size=151936,
-                  num_shared_experts=1, shared_ffn_size=5632, hf_model_type="qwen2_moe"),
+                  num_shared_experts=1, shared_ffn_size=5632, hf_model_type="qwen2_moe",
+                  norm_topk_prob=False),
         # Qwen/Qwen3-30B-A3B config.json: 48 layers, all MoE (decoder_sparse_step 1, mlp_only_layers []),
-        # 128 experts of width 768, top-8 (norm_topk_prob), no shared expert, GQA 32/4 heads of 128.
+        # 128 experts of width 768, top-8 (norm_topk_prob true), no shared expert, GQA 32/4 heads of 128
+        # (head_dim 128, not hidden/heads = 64); q_norm and k_norm over each head's head_dim.
         ModelSpec("qwen3-30b-a3b", num_layers=48, num_experts=128, top_k=8, hidden_size=2048, ffn_size=768,
-                  num_heads=32, num_kv_heads=4, head_dim=128, vocab_size=151936, hf_model_type="qwen3_moe"),
+                  num_heads=32, num_kv_heads=4, head_dim=128, vocab_size=151936, hf_model_type="qwen3_moe",
+                  qk_norm="head", norm_topk_prob=True),
         # deepseek-ai/DeepSeek-V2-Lite config.json (and DeepSeek's 16B inference config): 27 layers, the
         # first dense (first_k_dense_replace 1, intermediate 10944), then 64 routed experts of width
         # 1408, top-6, 2 shared; MLA with kv_lora_rank 512, no query compression, rope 64 / nope 128 /

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .cost import CostModel
+from .cost import CostModel, op_variant
 from .hardware import HardwareProfile
 from .impl import Impl
 from .model import ModelSpec
@@ -165,9 +165,9 @@ def plan(model: ModelSpec, profile: HardwareProfile, batch_size: int, prompt_len
     t = {
         "t_cA": cost.compute_seconds("attention", model.attention_flops(batch_size, 1, kv_len, attention),
                                      model.attention_io_bytes(batch_size, 1, kv_len, attention), batch_size, kv_len,
-                                     "decode", attention),
+                                     "decode", op_variant(model, "attention", attention)),
         "t_cG": cost.compute_seconds("gate", model.gate_flops(batch_size), model.gate_io_bytes(batch_size), batch_size,
-                                     phase="decode"),
+                                     phase="decode", variant=op_variant(model, "gate")),
         "t_IO_G": cost.transfer_seconds(h2d, model.gate_bytes()),
         "t_IO_E": cost.transfer_seconds(h2d, model.expert_bytes()),
         "t_IO_A": cost.transfer_seconds(h2d, model.attention_bytes()),

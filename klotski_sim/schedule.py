@@ -84,7 +84,8 @@ class Op(NamedTuple):
     latency (a `sync` waits for a GPU op; a `copy_wait` for a pageable copy). Ops issued after it
     depend on it, so a blocked host delays everything it would have issued next.
     `pageable` marks a transfer from unpinned host memory (slower, and it blocks the host);
-    `variant` names how a compute op is implemented (`fused` or `eager` attention).
+    `variant` names how a compute op is implemented (`fused` or `eager` attention), then, joined by
+    `+`, what the model adds to its kernels (`fused+qk_norm`; cost.KERNEL_TAGS).
     (A NamedTuple: immutable like a frozen dataclass, and cheap to create by the hundred thousand.)"""
 
     id: str
@@ -107,7 +108,7 @@ class Op(NamedTuple):
     free: tuple[str, ...] = ()
     tensor: str = ""  # what a transfer carries: attention | gate | expert | kv
     pageable: bool = False  # a transfer from unpinned host memory
-    variant: str = ""  # implementation of a compute op (attention: fused | eager)
+    variant: str = ""  # implementation of a compute op (attention: fused | eager) [+ the model's kernel tags]
 
     @property
     def batch(self) -> int:

@@ -124,25 +124,10 @@ def checkpoint(tmp_path_factory):
 def test_matches_transformers_logits_with_unforced_routing(checkpoint):
     """The executor's math is Mixtral's: with the model routing itself (not forced), a run
     through the executor gives the logits of transformers' MixtralForCausalLM (fp32, atol 1e-4)."""
-    from transformers import MixtralForCausalLM
+    from .test_checkpoints import hf_reference
 
-    hf = MixtralForCausalLM.from_pretrained(checkpoint).eval()
     n, bs, P, G = 2, 2, 5, 3
-    gen = torch.Generator().manual_seed(3)
-    prompt = torch.randint(0, TINY.vocab_size, (n, bs, P), generator=gen)
-    # the model's own routing and greedy tokens, from transformers
-    hf_logits = []
-    with torch.no_grad():
-        ids = prompt.reshape(n * bs, P)
-        for step in range(G):
-            out = hf(input_ids=ids, output_router_logits=True)
-            hf_logits.append(out.logits[:, -1].reshape(n, bs, -1))
-            if step < G - 1:
-                ids = torch.cat([ids, out.logits[:, -1:].argmax(-1)], dim=1)
-        routing = torch.stack([torch.topk(torch.softmax(r.float(), -1), 2, -1).indices.reshape(n * bs, -1, 2)
-                               for r in out.router_logits], dim=2)  # [seqs, tokens, layers, k]
-    table = RoutingTable(routing.reshape(n, bs, P + G - 1, TINY.num_layers, 2).numpy().astype(np.int16),
-                         RunShape(bs, n, P, G), TINY.num_experts, "transformers")
+    hf_logits, prompt, table = hf_reference(checkpoint, "MixtralForCausalLM", TINY, n, bs, P, G)
     weights = WeightStore.from_checkpoint(checkpoint, TINY, dtype=torch.float32)
     for policy in ("klotski", "flexgen"):
         schedule = build_schedule(policy, PolicyInput(TINY, load_profile("rtx3090"), table))

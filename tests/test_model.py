@@ -112,10 +112,50 @@ def test_dense_first_layers_route_nothing_and_run_their_mlp_in_the_gate_op(polic
     assert simulate(s, inp.profile).status == "ok"
 
 
-def test_checkpoints_are_read_in_mixtral_s_layout_only(tmp_path):
+def test_checkpoints_are_read_in_the_mixtral_qwen3_moe_and_olmoe_layouts_only(tmp_path):
     pytest.importorskip("torch")
+    from dataclasses import replace
+
     from klotski_runtime.kernels import WeightError, WeightStore
 
     for name in ("deepseek-v2-lite:2", "qwen1.5-moe-a2.7b:1"):  # MLA / dense / shared experts: random weights only
-        with pytest.raises(WeightError, match="Mixtral's layout"):
+        with pytest.raises(WeightError, match="Mixtral, Qwen3-MoE and OLMoE layouts.*random weights only"):
             WeightStore.from_checkpoint(tmp_path, get_model(name))
+    other = replace(get_model("tiny-mixtral"), name="tiny-phimoe", hf_model_type="phimoe")
+    with pytest.raises(WeightError, match="model_type 'phimoe' are not read"):
+        WeightStore.from_checkpoint(tmp_path, other)
+
+
+def test_qk_norm_and_top_k_renormalisation_follow_the_published_configs():
+    """Qwen3-30B-A3B: q/k norm per head, norm_topk_prob true; OLMoE-1B-7B: q/k norm over the whole
+    projections, false; Qwen1.5-MoE-A2.7B: no q/k norm, false; Mixtral: none, renormalised."""
+    expected = {"qwen3-30b-a3b": ("head", True), "olmoe-1b-7b": ("full", False),
+                "qwen1.5-moe-a2.7b": ("", False), "mixtral-8x7b": ("", True), "deepseek-v3": ("", True)}
+    for name, (qk_norm, renorm) in expected.items():
+        m = get_model(name)
+        assert (m.qk_norm, m.norm_topk_prob) == (qk_norm, renorm), name
+    # the norm vectors are resident: one head_dim vector each for q and k (Qwen3), or q_dim + kv_dim (OLMoE)
+    qwen3, olmoe = get_model("qwen3-30b-a3b"), get_model("olmoe-1b-7b")
+
+    def base(m):  # embeddings, lm_head, the final norm and each layer's two hidden-size norms
+        return 2 * m.embedding_bytes() + (2 * m.num_layers + 1) * m.hidden_size * m.dtype_bytes
+
+    assert qwen3.resident_bytes() - base(qwen3) == 48 * 2 * 128 * 2
+    assert olmoe.resident_bytes() - base(olmoe) == 16 * (2048 + 2048) * 2
+    assert get_model("mixtral-8x7b").resident_bytes() == base(get_model("mixtral-8x7b"))
+
+
+@pytest.mark.parametrize("field,value,match", [("qk_norm", "per-head", "qk_norm must be one of"),
+                                               ("norm_topk_prob", 1, "norm_topk_prob must be true or false")])
+def test_qk_norm_and_norm_topk_prob_are_validated(field, value, match):
+    kwargs = dict(name="x", num_layers=2, num_experts=8, top_k=2, hidden_size=8, ffn_size=8, num_heads=2,
+                  num_kv_heads=1, head_dim=4, vocab_size=10)
+    with pytest.raises(ValueError, match=match):
+        ModelSpec(**kwargs, **{field: value})
+
+
+def test_mla_models_take_no_qk_norm():
+    from dataclasses import replace
+
+    with pytest.raises(ValueError, match="MLA normalises its own"):
+        replace(get_model("deepseek-v2-lite"), qk_norm="head")

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from types import ModuleType
 from typing import Any, Callable, Iterable, Mapping
 
+from ..cost import op_variant
 from ..errors import KlotskiError, UsageError
 from ..hardware import HardwareProfile
 from ..impl import IMPL_CHOICES, PRESET_NAMES, Impl, preset_options
@@ -290,7 +291,8 @@ class OpEmitter:
         self.impl = Impl.from_options(inp.options)
         self._attention_costs: dict[tuple[int, int], tuple[int, int]] = {}
         self._expert_costs: dict[int, tuple[int, int]] = {}  # tokens -> FLOPs, bytes
-        self._gate_costs: dict[tuple[int, int], tuple[str, int, int]] = {}  # (tokens, layer) -> category, FLOPs, bytes
+        # (tokens, layer) -> category, FLOPs, bytes, variant
+        self._gate_costs: dict[tuple[int, int], tuple[str, int, int, str]] = {}
         self._last_kv_store: dict[tuple[int, int], str] = {}  # (layer, batch) -> its latest KV store
         self._attention_ops: list[str] = []
         self._kv_buffers: dict[int, list[str]] = {}
@@ -302,6 +304,7 @@ class OpEmitter:
         # `(b,)` for each batch, one tuple shared by all of its ops (not a new one per op: 48 bytes each)
         self.batch_tuple = [(b,) for b in range(self.shape.num_batches)]
         self.cache = _make_cache(inp)
+        self._attention_variant = op_variant(self.model, "attention", self.impl.attention_impl)
         self.attention_on_cpu = _attention_on_cpu(inp)
         if self.attention_on_cpu:
             self.b.streams.update(CPU_STREAMS)
@@ -465,7 +468,7 @@ class OpEmitter:
                 self.copy_wait(load)
             deps.append(load)
             free = free + (load,)
-        variant = self.impl.attention_impl
+        variant = self._attention_variant
         flops, nbytes = self._attention_cost(new, kv_len)
         op = self.b.add(op_id, "compute", "compute", "attention", deps, flops=flops, bytes=nbytes,
                         tokens=sh.batch_size * new, kv_len=kv_len, alloc=alloc, free=free, variant=variant, **tags)
@@ -511,7 +514,8 @@ class OpEmitter:
         h, q, kv = m.hidden_size, m.q_dim, m.kv_dim
         qkv = self.b.compute(f"{op_id}/qkv", "attn_qkv", deps, flops=2 * tokens * h * (q + 2 * kv),
                              bytes=h * (q + 2 * kv) * m.dtype_bytes + m.hidden_bytes(tokens)
-                             + tokens * (q + 2 * kv) * m.dtype_bytes, tokens=tokens, **tags)
+                             + tokens * (q + 2 * kv) * m.dtype_bytes, tokens=tokens,
+                             variant=op_variant(m, "attn_qkv"), **tags)
         # in order behind this layer's previous CPU attention, and behind the prefill's KV store
         down = self.b.transfer(f"{op_id}/qkv_down", "activation", "d2h_act", tokens * (q + 2 * kv) * m.dtype_bytes,
                                "gpu", "cpu", [qkv, self._last_cpu_attention.get(layer),
@@ -534,11 +538,12 @@ class OpEmitter:
         cost = self._gate_costs.get((tokens, layer))
         if cost is None:  # a dense layer's MLP takes the gate's place
             m = self.model
-            cost = self._gate_costs[(tokens, layer)] = ("gate" if m.is_moe(layer) else "dense_mlp",
-                                                         m.gate_flops(tokens, layer), m.gate_io_bytes(tokens, layer))
+            category = "gate" if m.is_moe(layer) else "dense_mlp"
+            cost = self._gate_costs[(tokens, layer)] = (category, m.gate_flops(tokens, layer),
+                                                         m.gate_io_bytes(tokens, layer), op_variant(m, category))
         return self.b.add(op_id, "compute", "compute", cost[0], deps, flops=cost[1], bytes=cost[2], step=step,
                           phase=self.phase(step), layer=layer, batches=self.batch_tuple[batch], tokens=tokens,
-                          free=tuple(free))
+                          free=tuple(free), variant=cost[3])
 
     def expert(self, op_id: str, step: int, layer: int, expert: int, batches: Iterable[int], tokens: int,
                deps: Iterable[str | None] = (), free: tuple[str, ...] = (), rows_of: str | None = None) -> str:
