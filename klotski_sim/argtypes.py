@@ -41,6 +41,11 @@ def nonnegative_int(text: str) -> int:
     return _int_from(text, 0, "an integer >= 0")
 
 
+def layers_or_fill(text: str) -> int | str:
+    """Layers kept whole on the GPU: a count, or `fill` (as many as the memory n batches leave allows)."""
+    return "fill" if text == "fill" else _int_from(text, 0, "an integer >= 0 or fill")
+
+
 def name_list(text: str) -> list[str]:
     """A comma-separated list of names: at least one, none twice."""
     names = [n.strip() for n in text.split(",")]

@@ -16,7 +16,15 @@ from typing import Any, Callable, Sequence
 
 import pandas as pd
 
-from .argtypes import OneLineParser, batches, name_list, nonnegative_int, positive_float, positive_int
+from .argtypes import (
+    OneLineParser,
+    batches,
+    layers_or_fill,
+    name_list,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+)
 from .errors import KlotskiError
 from .exports import save_all
 from .hardware import builtin_profile_names, load_profile
@@ -74,8 +82,9 @@ def add_run_arguments(p: argparse.ArgumentParser, policy: bool = True, num_batch
                    help="where the KV cache lives; auto = GPU when n batches fit (default: %(default)s)")
     p.add_argument("--experts", default="auto", choices=["auto", "cpu", "disk"],
                    help="where experts live; auto = host memory, disk when it is short (default: %(default)s)")
-    p.add_argument("--resident-layers", type=nonnegative_int, default=None, metavar="N",
-                   help="layers kept whole on the GPU (default: the planner's choice with --num-batches auto, else 0)")
+    p.add_argument("--resident-layers", type=layers_or_fill, default=None, metavar="N|fill",
+                   help="layers kept whole on the GPU; fill: as many as the memory n batches leave allows "
+                        "(default: fill with --num-batches auto, else 0)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a profile field, e.g. --set links.pcie_h2d.bandwidth=32e9 (repeatable)")
     p.add_argument("--impl", default="as-published", choices=list(impl_choices),
@@ -367,6 +376,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
                     policies=tuple(args.policies or ()),
                     impls=("as-published", "ideal") if args.impl == "both" else (args.impl,),
                     batch_sizes=ints(args.batch_sizes, "--batch-sizes"),
+                    num_batches=ints(args.num_batches, "--num-batches", auto=True),
                     expert_dtypes=tuple(args.expert_dtypes.split(",")), kv=tuple(args.kv.split(",")),
                     cache_sizes=ints(args.cache_sizes, "--cache-sizes", low=0),
                     resident_layers=ints(args.resident_layers, "--resident-layers", low=0, auto=True),
@@ -380,7 +390,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
           f"{', '.join(search.policy_names())}; impl {', '.join(search.impls)}; batch sizes "
           f"{', '.join(map(str, search.batch_sizes))}; experts {', '.join(search.expert_dtypes)}; kv "
           f"{', '.join(search.kv)}; cache sizes {', '.join(map(str, search.cache_sizes))}; resident layers "
-          f"{', '.join(map(str, search.resident_layers))}; n from the planner")
+          f"{', '.join(map(str, search.resident_layers))}; n {', '.join(map(str, search.num_batches))}"
+          + (" (auto: the planner's; --num-batches auto,4,16 searches n)" if search.num_batches == ("auto",) else ""))
     df = run_sweep(spec, args.out, workers=args.workers, progress=not args.no_progress, only=ids)
     ok = ok_rows(df)
     rest = len(df) - len(ok)
@@ -566,6 +577,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", type=name_list, metavar="A,B,...", help="default: every policy the profile can run")
     p.add_argument("--impl", choices=[*PRESET_NAMES, "both"], default="both", help="presets (default: %(default)s)")
     p.add_argument("--batch-sizes", default="4,16,64", metavar="B,...", help="(default: %(default)s)")
+    p.add_argument("--num-batches", default="auto", metavar="N,...",
+                   help="batches n to try; auto: the planner's (default: %(default)s)")
     p.add_argument("--expert-dtypes", default="bf16,int4", metavar="D,...",
                    help="bf16 and/or int8|int4|int3|int2 (default: %(default)s)")
     p.add_argument("--kv", default="auto", metavar="K,...",
@@ -573,7 +586,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-sizes", default="0", metavar="C,...",
                    help="expert-cache slots to try (option expert_cache; 0: none) (default: %(default)s)")
     p.add_argument("--resident-layers", default="auto", metavar="R,...",
-                   help="layers kept whole on the GPU to try; auto: the planner's choice (default: %(default)s)")
+                   help="layers kept whole on the GPU to try; auto: as many as the memory left at n allows "
+                        "(default: %(default)s)")
     p.add_argument("--seed", type=nonnegative_int, default=0,
                    help="seed of the routing and of the sample (default: %(default)s)")
     p.add_argument("--workers", type=positive_int, default=2, help="local processes (default: %(default)s)")

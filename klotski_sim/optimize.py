@@ -1,12 +1,12 @@
 """`klotski-sim optimize`: the best way to run one model on one machine, searched over policy x
 implementation preset x batch size x n x KV placement x expert dtype x expert-cache size x
-resident layers.
+resident layers (by default as many as the memory left at each n allows).
 
 An exhaustive search of that grid, run on the sweep machinery (process pool, resumable, one
 Parquet row per configuration). It is pruned the way the planner bounds a run: a configuration
 whose memory floor (resident weights, activations and KV cache, before any schedule) exceeds the
 GPU is refused without building anything, in well under a second; the planner picks n where n is
-`auto`. Why not an optimisation library: the grid is a few hundred points of a discrete,
+`auto` (the default: `--num-batches auto,4,16` searches given values too). Why not an optimisation library: the grid is a few hundred points of a discrete,
 non-smooth objective (out-of-memory cliffs, policy switches), each evaluation takes seconds, and
 an exhaustive grid is reproducible and resumable; above `--budget` points a seeded sample of the
 grid is evaluated, and said so. Results: the Pareto front of throughput against per-token
@@ -45,6 +45,7 @@ class Search:
     policies: tuple[str, ...] = ()
     impls: tuple[str, ...] = ("as-published", "ideal")
     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
+    num_batches: tuple[int | str, ...] = ("auto",)  # n: the planner's (auto) and/or given values
     expert_dtypes: tuple[str, ...] = DEFAULT_EXPERT_DTYPES
     kv: tuple[str, ...] = DEFAULT_KV
     cache_sizes: tuple[int, ...] = (0,)  # experts kept on the GPU across steps (option expert_cache)
@@ -66,18 +67,22 @@ class Search:
         return [self.model if d == "bf16" else f"{self.model}@{d}" for d in self.expert_dtypes]
 
     def spec(self) -> SweepSpec:
+        # resident layers `auto` is the planner's use of the spare memory: at a given n, `fill` does the same
+        resident = list(dict.fromkeys("fill" if r == "auto" else r for r in self.resident_layers))
         spec = SweepSpec(name=f"optimize-{self.model}-{self.hardware}", models=self.models(), hardware=[self.hardware],
                          policies=list(self.policy_names()), batch_sizes=list(self.batch_sizes),
-                         num_batches=["auto"], prompt_lens=[self.prompt_len], gen_lens=[self.gen_len],
-                         kv=list(self.kv), impls=list(self.impls), resident_layers=list(self.resident_layers),
+                         num_batches=list(self.num_batches), prompt_lens=[self.prompt_len], gen_lens=[self.gen_len],
+                         kv=list(self.kv), impls=list(self.impls), resident_layers=resident,
                          seeds=[self.seed],
                          options={"expert_cache": list(self.cache_sizes)} if set(self.cache_sizes) != {0} else {})
         check_spec(spec, "optimize")
         return spec
 
     def selected_ids(self, spec: SweepSpec) -> tuple[list[str], int]:
-        """The configurations to evaluate (all, or a seeded sample of `budget`), and the grid size."""
-        configs = expand(spec)
+        """The configurations to evaluate (all, or a seeded sample of `budget`), and the grid size.
+        A policy with one batch in flight by definition runs at n auto only (more batches would
+        only queue behind it)."""
+        configs = [c for c in expand(spec) if c["num_batches"] == "auto" or not POLICIES[c["policy"]].one_batch]
         ids = [c["id"] for c in configs]
         if len(ids) <= self.budget:
             return ids, len(ids)
@@ -111,7 +116,7 @@ def simulate_command(row: pd.Series | dict[str, Any], policy_files: Sequence[str
         files += f" --option expert_cache={int(cache)}"
     resident = row.get("resident_layers")
     if resident is not None and not pd.isna(resident):
-        files += f" --resident-layers {int(resident)}"
+        files += f" --resident-layers {resident if resident == 'fill' else int(resident)}"
     seed = row.get("seed")
     if seed is not None and not pd.isna(seed) and int(seed):
         files += f" --seed {int(seed)}"

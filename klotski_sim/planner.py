@@ -145,6 +145,26 @@ def largest_fitting_n(model: ModelSpec, profile: HardwareProfile, batch_size: in
                                                                    placement, buffering)["total"] <= capacity), 0)
 
 
+def fill_resident_layers(model: ModelSpec, profile: HardwareProfile, batch_size: int, n: int, prompt_len: int,
+                         gen_len: int, placement: Placement, buffering: str = "expert-aware") -> Placement:
+    """`placement` with as many layers kept whole on the GPU as the memory n batches leave allows
+    (the planner's use of spare memory; `--resident-layers fill` asks for it at any n)."""
+    capacity = profile.gpu.usable_bytes
+
+    def need(pl: Placement) -> float:
+        return memory_needed(model, batch_size, n, prompt_len, gen_len, pl, buffering)["total"]
+
+    spare = capacity - need(placement)
+    keep = 0
+    while keep < model.num_layers and model.resident_layers_bytes(keep + 1) <= spare:
+        keep += 1
+    filled = replace(placement, resident_layers=keep)
+    while keep > 0 and need(filled) > capacity:
+        keep -= 1
+        filled = replace(filled, resident_layers=keep)
+    return filled
+
+
 def plan(model: ModelSpec, profile: HardwareProfile, batch_size: int, prompt_len: int = 512, gen_len: int = 32,
          popularity: np.ndarray | None = None, placement: Placement | None = None, n_max: int = 256,
          cost: CostModel | None = None, resident_layers: bool = True, impl: Impl | None = None) -> Plan:
@@ -214,9 +234,6 @@ def plan(model: ModelSpec, profile: HardwareProfile, batch_size: int, prompt_len
     n_io = next((n for n in range(1, n_max + 1) if all(i.holds for i in inequalities(n))), None)
     capacity = profile.gpu.usable_bytes
 
-    def fits(n: int, pl: Placement) -> bool:
-        return memory_needed(model, batch_size, n, prompt_len, gen_len, pl)["total"] <= capacity
-
     def largest_fitting(pl: Placement) -> int:
         return largest_fitting_n(model, profile, batch_size, prompt_len, gen_len, pl, n_max=n_max)
 
@@ -245,17 +262,9 @@ def plan(model: ModelSpec, profile: HardwareProfile, batch_size: int, prompt_len
     else:
         n = want
     if resident_layers and n_memory and n <= n_memory:
-        spare = capacity - memory_needed(model, batch_size, n, prompt_len, gen_len, placement)["total"]
-        keep = 0
-        while keep < model.num_layers and model.resident_layers_bytes(keep + 1) <= spare:
-            keep += 1
-        if keep > 0:
-            placement = replace(placement, resident_layers=keep)
-            while keep > 0 and not fits(n, placement):
-                keep -= 1
-                placement = replace(placement, resident_layers=keep)
-            if keep:
-                notes.append(f"{keep} layer(s) kept resident on the GPU with the spare memory")
+        placement = fill_resident_layers(model, profile, batch_size, n, prompt_len, gen_len, placement)
+        if placement.resident_layers:
+            notes.append(f"{placement.resident_layers} layer(s) kept resident on the GPU with the spare memory")
     terms = dict(t)
     terms.update(group_terms(n))
     return Plan(n=n, n_io=n_io, n_memory=n_memory, placement=placement, terms=terms,

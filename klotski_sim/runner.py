@@ -26,6 +26,7 @@ from .model import ModelSpec, get_model
 from .planner import (
     Plan,
     default_placement,
+    fill_resident_layers,
     largest_fitting_n,
     memory_floor,
     memory_needed,
@@ -60,7 +61,8 @@ class RunSpec:
     warmup_sequences: int = 8  # sequences kept apart for a prefetcher's pre-run (paper: batch 8)
     kv: str = "auto"  # gpu | cpu | auto (GPU when the KV cache of n batches fits)
     experts: str = "auto"  # cpu | disk | auto (disk when host memory is short)
-    resident_layers: int | None = None  # None: the planner's choice with auto n, else 0
+    # None: the planner's choice with auto n, else 0; "fill": as many as the memory n batches leave allows
+    resident_layers: int | str | None = None
     overrides: Mapping[str, Any] = field(default_factory=dict)
     options: Mapping[str, Any] = field(default_factory=dict)
     impl: str = "as-published"  # implementation preset (klotski_sim.impl); `options` override it
@@ -179,14 +181,17 @@ def planning_popularity(spec: RunSpec, model: ModelSpec) -> np.ndarray | None:
 
 
 def resolve_placement(spec: RunSpec, model: ModelSpec, profile: HardwareProfile) -> Placement:
-    if spec.resident_layers is not None and not 0 <= spec.resident_layers <= model.num_layers:
-        raise UsageError(f"--resident-layers {spec.resident_layers}: {model.name} has {model.num_layers} layers")
+    resident = spec.resident_layers
+    if resident is not None and resident != "fill" and not (
+            isinstance(resident, int) and 0 <= resident <= model.num_layers):
+        raise UsageError(f"--resident-layers {resident}: give 0..{model.num_layers} ({model.name}'s layers) or fill")
     if spec.warmup_sequences < 0:
         raise UsageError(f"--warmup-sequences {spec.warmup_sequences}: must be >= 0")
     base = default_placement(model, profile)
     if spec.experts != "auto":
         base = replace(base, experts=spec.experts, disk_layers=0)
-    return replace(base, kv="gpu" if spec.kv == "auto" else spec.kv, resident_layers=spec.resident_layers or 0)
+    return replace(base, kv="gpu" if spec.kv == "auto" else spec.kv,
+                   resident_layers=resident if isinstance(resident, int) else 0)
 
 
 def planner_impl(spec: RunSpec) -> Impl:
@@ -211,7 +216,7 @@ def prepare(spec: RunSpec) -> Prepared:
     if spec.num_batches is None:
         the_plan = plan(model, profile, spec.batch_size, spec.prompt_len, spec.gen_len,
                         popularity=planning_popularity(spec, model), placement=placement,
-                        resident_layers=spec.resident_layers is None, impl=planner_impl(spec))
+                        resident_layers=spec.resident_layers in (None, "fill"), impl=planner_impl(spec))
         n = the_plan.n
         placement = the_plan.placement if spec.kv == "auto" else replace(the_plan.placement, kv=spec.kv)
     else:
@@ -223,6 +228,9 @@ def prepare(spec: RunSpec) -> Prepared:
                 placement = replace(placement, kv="cpu")
     if attention_on_cpu:
         placement = replace(placement, kv="cpu")
+    if spec.resident_layers == "fill" and spec.num_batches is not None:
+        placement = fill_resident_layers(model, profile, spec.batch_size, n, spec.prompt_len, spec.gen_len, placement,
+                                         get_policy(spec.policy).buffering)
     floor = memory_floor(model, spec.batch_size, n, spec.prompt_len, spec.gen_len, placement)
     if floor["total"] > profile.gpu.usable_bytes:  # impossible whatever the schedule: refuse before any routing
         refused = OutOfMemory(op_id="<memory check>", time=0.0, needed_bytes=int(floor["total"]),

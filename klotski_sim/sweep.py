@@ -29,7 +29,8 @@ Spec (every key optional except `policies`; lists are grid axes):
     policy_files: [my_policy.py]     # your own policies (paths relative to this spec; docs/own-schedule.md)
     options:                         # grid over policy options (every policy in the grid must take them)
       expert_cache: [0, 16]
-    resident_layers: [auto, 0]       # layers kept whole on the GPU (auto: the planner's choice)
+    resident_layers: [auto, 0, fill] # layers kept whole on the GPU (auto: the planner's choice with n auto,
+                                     # else 0; fill: as many as the memory left at n allows)
 """
 
 from __future__ import annotations
@@ -205,10 +206,10 @@ def check_spec(spec: SweepSpec, where: str) -> None:
     except KlotskiError as err:
         problems.append(str(err))
     for r in spec.resident_layers:
-        if r == "auto":
+        if r in ("auto", "fill"):
             continue
         if not isinstance(r, int) or isinstance(r, bool) or r < 0:
-            problems.append(f"resident_layers: {r!r} is neither auto nor a layer count >= 0")
+            problems.append(f"resident_layers: {r!r} is neither auto, fill nor a layer count >= 0")
             continue
         problems += [f"resident_layers: {r} is more than {m}'s {n} layers" for m, n in layers.items() if r > n]
     for p in spec.policies:

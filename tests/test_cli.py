@@ -187,3 +187,17 @@ def test_policy_options_from_the_cli(tmp_path):
     assert json.loads((tmp_path / "schedule.json").read_text())["meta"]["overlap"] == "model"
     rc, _, err = run_cli("simulate", "--policy", "klotski", *SMALL, "--option", "overlap=model")
     assert rc == 2 and "has no option" in err
+
+
+def test_resident_layers_takes_a_count_or_fill_and_nothing_else(tmp_path):
+    code, out, err = run_cli("simulate", "--resident-layers", "most", "--out", str(tmp_path / "a"))
+    assert code == 2 and err.count("\n") == 1 and "--resident-layers" in err and "fill" in err, err
+    code, out, err = run_cli("simulate", "--model", "tiny-mixtral", "--resident-layers", "3", "--out",
+                             str(tmp_path / "b"))
+    assert code == 2 and err.count("\n") == 1 and "give 0..2" in err, err
+    code, out, err = run_cli("simulate", "--model", "mixtral-8x7b:12", "--policy", "klotski", "--batch-size", "2",
+                             "--num-batches", "2", "--prompt-len", "16", "--gen-len", "3", "--resident-layers", "fill",
+                             "--no-png", "--out", str(tmp_path / "c"))
+    assert code == 0, err
+    placement = json.loads((tmp_path / "c" / "summary.json").read_text())["extra"]["placement"]
+    assert 0 < placement["resident_layers"] < 12

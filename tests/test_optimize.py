@@ -94,3 +94,45 @@ def test_cache_sizes_and_resident_layers_are_searched_and_the_winner_reproduces(
     code, sim_out, err = run_cli(*command[1:], "--no-png")
     assert code == 0, err
     assert _throughput(sim_out) == pytest.approx(best, abs=0.06)
+
+
+def test_resident_layers_fill_at_the_planners_n_is_the_planners_placement():
+    """`fill` keeps as many whole layers as the memory n batches leave: at the planner's own n it is
+    exactly the planner's placement, and one more layer would not fit."""
+    from dataclasses import replace
+
+    from klotski_sim.planner import memory_needed
+    from klotski_sim.runner import RunSpec, prepare
+
+    kept = []
+    for hardware, bs in (("rtx3090", 16), ("h800", 16), ("rtx3090", 64)):  # (the last: n is memory-bound, none kept)
+        auto = prepare(RunSpec(hardware=hardware, batch_size=bs, num_batches=None, prompt_len=64, gen_len=4))
+        fill = prepare(RunSpec(hardware=hardware, batch_size=bs, num_batches=auto.num_batches, resident_layers="fill",
+                               prompt_len=64, gen_len=4, policy="klotski"))
+        assert fill.placement == auto.placement
+        kept.append(fill.placement.resident_layers)
+        more = replace(fill.placement, resident_layers=fill.placement.resident_layers + 1)
+        assert memory_needed(fill.model, bs, fill.num_batches, 64, 4, more)["total"] > fill.profile.gpu.usable_bytes
+    assert kept[0] > 0 and kept[1] > 0 and kept[2] == 0
+    fewer = prepare(RunSpec(num_batches=2, resident_layers="fill", prompt_len=64, gen_len=4, policy="klotski"))
+    assert fewer.placement.resident_layers > kept[0]  # fewer batches leave room for more layers
+
+
+def test_n_is_searched_and_the_winner_at_a_given_n_reproduces(tmp_path):
+    args = ("optimize", "--model", "mixtral-8x7b:12", "--batch-sizes", "2", "--policies", "klotski,fiddler",
+            "--num-batches", "auto,2", "--expert-dtypes", "bf16", "--impl", "ideal", "--prompt-len", "16",
+            "--gen-len", "3", "--no-progress", "--workers", "1", "--out", str(tmp_path / "o"))
+    code, out, err = run_cli(*args)
+    assert code == 0, err
+    assert "n auto, 2" in out
+    df = pd.read_parquet(tmp_path / "o" / "results.parquet")
+    # fiddler keeps one batch in flight by definition: it runs at n auto only
+    assert sorted(zip(df["policy"], df["num_batches"].astype(str))) == [("fiddler", "auto"), ("klotski", "2"),
+                                                                          ("klotski", "auto")]
+    assert (df["resident_layers"].astype(str) == "fill").all()
+    best = float(re.search(r"winner: ([\d.]+) tok/s", out).group(1))
+    command = out.strip().splitlines()[-1].split()
+    assert "--resident-layers" in command and command[command.index("--resident-layers") + 1] == "fill"
+    code, sim_out, err = run_cli(*command[1:], "--no-png")
+    assert code == 0, err
+    assert _throughput(sim_out) == pytest.approx(best, abs=0.06)
