@@ -6,8 +6,9 @@ An exhaustive search of that grid, run on the sweep machinery (process pool, res
 Parquet row per configuration). It is pruned the way the planner bounds a run: a configuration
 whose memory floor (resident weights, activations and KV cache, before any schedule) exceeds the
 GPU is refused without building anything, in well under a second; the planner picks n where n is
-`auto` (the default: `--num-batches auto,4,16` searches given values too). Why not an optimisation library: the grid is a few hundred points of a discrete,
-non-smooth objective (out-of-memory cliffs, policy switches), each evaluation takes seconds, and
+`auto` (the default; `--num-batches auto,4,16` searches given values too). Why not an
+optimisation library: the grid is a few hundred points of a discrete, non-smooth objective
+(out-of-memory cliffs, policy switches), each evaluation takes seconds, and
 an exhaustive grid is reproducible and resumable; above `--budget` points a seeded sample of the
 grid is evaluated, and said so. Results: the Pareto front of throughput against per-token
 latency (the decode step: how long each sequence waits for its next token), and the winner —
