@@ -13,7 +13,7 @@ from typing import Sequence
 from klotski_sim.argtypes import OneLineParser, nonnegative_int, positive_float, positive_int
 from klotski_sim.cli import CliError, guarded, output_folder, parse_overrides
 
-from .record import read_texts, record, save_tiny_mixtral
+from .record import read_texts, record, save_tiny_mixtral, save_tiny_olmoe, save_tiny_qwen3_moe
 
 
 def cmd_record(args: argparse.Namespace) -> int:
@@ -26,9 +26,15 @@ def cmd_record(args: argparse.Namespace) -> int:
     return 0
 
 
+TINY_CHECKPOINTS = {"tiny-mixtral": (save_tiny_mixtral, "Mixtral"),
+                    "tiny-qwen3-moe": (save_tiny_qwen3_moe, "Qwen3-MoE"),
+                    "tiny-olmoe": (save_tiny_olmoe, "OLMoE")}
+
+
 def cmd_tiny_checkpoint(args: argparse.Namespace) -> int:
-    path = save_tiny_mixtral(args.out, seed=args.seed)
-    print(f"wrote a tiny random Mixtral checkpoint to {path}/")
+    save, family = TINY_CHECKPOINTS[args.model]
+    path = save(args.out, seed=args.seed)
+    print(f"wrote a tiny random {family} checkpoint (model {args.model}) to {path}/")
     return 0
 
 
@@ -249,7 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_device(p)
     p.set_defaults(func=cmd_validate)
 
-    p = sub.add_parser("tiny-checkpoint", help="save a tiny random Mixtral checkpoint (for trying record/validate)")
+    p = sub.add_parser("tiny-checkpoint", help="save a tiny random checkpoint (for trying record/execute/validate)")
+    p.add_argument("--model", default="tiny-mixtral", choices=list(TINY_CHECKPOINTS),
+                   help="whose shapes and layout (default: %(default)s)")
     p.add_argument("--out", required=True, metavar="DIR")
     p.add_argument("--seed", type=nonnegative_int, default=0)
     p.set_defaults(func=cmd_tiny_checkpoint)

@@ -340,6 +340,13 @@ PRESETS: dict[str, ModelSpec] = {
         # For tests and the CPU runtime: every op runs in microseconds.
         ModelSpec("tiny-mixtral", num_layers=2, num_experts=4, top_k=2, hidden_size=64,
                   ffn_size=128, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=256),
+        # ... and its Qwen3-MoE and OLMoE twins (`klotski-runtime tiny-checkpoint --model ...` writes
+        # matching checkpoints): Qwen3's head_dim is not hidden/heads, as in Qwen3-30B-A3B (128, 2048/32)
+        ModelSpec("tiny-qwen3-moe", num_layers=2, num_experts=8, top_k=2, hidden_size=64, ffn_size=32, num_heads=4,
+                  num_kv_heads=2, head_dim=32, vocab_size=256, hf_model_type="qwen3_moe", qk_norm="head"),
+        ModelSpec("tiny-olmoe", num_layers=2, num_experts=8, top_k=2, hidden_size=64, ffn_size=32, num_heads=4,
+                  num_kv_heads=2, head_dim=16, vocab_size=256, hf_model_type="olmoe", qk_norm="full",
+                  norm_topk_prob=False),
     )
 }
 

@@ -338,6 +338,7 @@ class Timeline:
                                      "gpu_expert_slots", "cache") if k in m},
         )
 
+
 COLUMN_NAMES = ("op_id", "stream", "resource", "start", "end", "ready", "blocked_by", "kind", "category", "step",
                 "phase", "layer", "batch", "batches", "expert", "tokens", "bytes", "flops")
 # the columns the figures (klotski_sim.plot) read: all a comparison keeps of its timelines

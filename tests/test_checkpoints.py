@@ -28,12 +28,7 @@ from klotski_sim.routing import RoutingTable, RunShape  # noqa: E402
 
 from .test_cpu_experts import cpu_profile  # noqa: E402
 
-COMMON = {"num_layers": 2, "num_experts": 8, "top_k": 2, "hidden_size": 64, "ffn_size": 32, "num_heads": 4,
-          "num_kv_heads": 2, "vocab_size": 256}
-# Qwen3-MoE: head_dim 32 with hidden 64 over 4 heads (q is 128 wide), as Qwen3-30B-A3B's 128 over 2048/32
-QWEN3 = ModelSpec("tiny-qwen3-moe", head_dim=32, hf_model_type="qwen3_moe", qk_norm="head", norm_topk_prob=True,
-                  **COMMON)
-OLMOE = ModelSpec("tiny-olmoe", head_dim=16, hf_model_type="olmoe", qk_norm="full", norm_topk_prob=False, **COMMON)
+QWEN3, OLMOE = get_model("tiny-qwen3-moe"), get_model("tiny-olmoe")
 FAMILIES = {"qwen3_moe": (QWEN3, save_tiny_qwen3_moe, "Qwen3MoeForCausalLM"),
             "olmoe": (OLMOE, save_tiny_olmoe, "OlmoeForCausalLM")}
 
@@ -202,13 +197,11 @@ def test_the_simulator_counts_the_kernels_these_models_add():
             assert extra == pytest.approx((16 if op.category == "attention" else -2 if gate else 0) * overhead)
 
 
-def test_calibration_tables_are_named_as_the_ops_that_read_them(monkeypatch):
+def test_calibration_tables_are_named_as_the_ops_that_read_them():
     """calibrate times a q/k-norm model's attention and an as-is router under the names its
     schedule's ops carry, so the simulator costs them from the measurement, not the roofline."""
     from klotski_runtime.calibrate import calibrate
-    from klotski_sim.model import PRESETS
 
-    monkeypatch.setitem(PRESETS, OLMOE.name, OLMOE)  # (its dispatch probe runs a schedule by model name)
     profile = calibrate(OLMOE, "cpu", batch_sizes=(2,), prompt_lens=(5,), max_expert_tokens=8, repeats=1,
                         dtype=torch.float32)
     schedule = build_schedule("klotski", PolicyInput(OLMOE, profile, _routing(OLMOE), impl="ideal"))

@@ -44,3 +44,22 @@ def test_execute_names_the_model_mismatch_and_a_missing_checkpoint_first(tmp_pat
     assert rc == 2 and "no such checkpoint directory" in err
     rc, out, err = run_runtime("record", "--gen-len", "-1", "x")
     assert rc == 2 and "argument --gen-len: expected an integer >= 0, got -1" in err
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3-moe", "tiny-olmoe"])
+def test_a_tiny_checkpoint_of_another_family_executes_what_simulate_wrote(tmp_path, model):
+    rc, out, err = run_runtime("tiny-checkpoint", "--model", model, "--out", str(tmp_path / "ckpt"))
+    assert rc == 0 and model in out, err
+    sim = subprocess.run([sys.executable, "-m", "klotski_sim.cli", "simulate", "--model", model, "--policy", "klotski",
+                          "--num-batches", "2", "--batch-size", "2", "--prompt-len", "6", "--gen-len", "3", "--no-png",
+                          "--out", str(tmp_path / "sim")], capture_output=True, text=True, cwd=ROOT)
+    assert sim.returncode == 0, sim.stderr
+    rc, out, err = run_runtime("execute", str(tmp_path / "sim"), "--checkpoint", str(tmp_path / "ckpt"),
+                               "--out", str(tmp_path / "measured"))
+    assert rc == 0, err
+    assert (tmp_path / "measured" / "summary.json").exists()
+    other = "tiny-olmoe" if model == "tiny-qwen3-moe" else "tiny-qwen3-moe"
+    rc, _, err = run_runtime("tiny-checkpoint", "--model", other, "--out", str(tmp_path / "other"))
+    rc, out, err = run_runtime("execute", str(tmp_path / "sim"), "--checkpoint", str(tmp_path / "other"),
+                               "--out", str(tmp_path / "m2"))
+    assert rc == 2 and err.count("\n") == 1 and "does not match model" in err, err
