@@ -10,7 +10,6 @@ process with a cold and a warm trace cache), and `klotski-sim compare` wall time
 from __future__ import annotations
 
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -43,17 +42,29 @@ def whole_run(impl: str, cache: str) -> str:
     return f"import {out[0]} s, run {out[1]} s ({out[2]} ops)"
 
 
+# Runs a command and prints the peak RSS of its largest process. A small process of its own: a
+# child forked from this (by then large) benchmark would report this process's size at the fork
+# as its own peak (Linux keeps the parent's high-water mark across fork + exec).
+PEAK_OF = """
+import resource, subprocess, sys
+code = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL).returncode
+print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, code)
+"""
+
+
 def compare_wall(impl: str, *extra: str) -> str:
+    """Wall time, bytes written and the peak RSS of the command's largest process (its own, or a
+    worker's: the largest waited-for descendant)."""
     with tempfile.TemporaryDirectory() as out:
-        before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
         t = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "klotski_sim.cli", "compare", "--impl", impl, "--out", out, *extra],
-                       check=True, capture_output=True)
+        result = subprocess.run([sys.executable, "-c", PEAK_OF, sys.executable, "-m", "klotski_sim.cli", "compare",
+                                 "--impl", impl, "--out", out, *extra], check=True, capture_output=True, text=True)
         took = time.perf_counter() - t
-        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+        peak_kb, code = result.stdout.split()
+        if code != "0":
+            raise SystemExit(f"compare {impl} {' '.join(extra)} failed: {result.stderr}")
         sizes = sum(f.stat().st_size for f in __import__("pathlib").Path(out).iterdir())
-    note = f" (peak RSS {peak / 1024:.0f} MB)" if peak > before else ""
-    return f"{took:.1f} s wall, {sizes / 1e6:.1f} MB written{note}"
+    return f"{took:.1f} s wall, {sizes / 1e6:.1f} MB written, peak RSS {int(peak_kb) / 1024:.0f} MB"
 
 
 def main() -> None:
@@ -79,6 +90,7 @@ def main() -> None:
             print(f"[{impl}] whole default Klotski run, fresh process: cold trace cache {whole_run(impl, cache)}; "
                   f"warm {whole_run(impl, cache)}")
         print(f"[{impl}] klotski-sim compare --no-png --workers 1: {compare_wall(impl, '--no-png', '--workers', '1')}")
+        print(f"[{impl}] klotski-sim compare --workers 1 (figure): {compare_wall(impl, '--workers', '1')}")
         print(f"[{impl}] klotski-sim compare --no-png: {compare_wall(impl, '--no-png')}")
         print(f"[{impl}] klotski-sim compare (figure): {compare_wall(impl)}")
         print(f"[{impl}] klotski-sim compare --traces: {compare_wall(impl, '--traces')}")

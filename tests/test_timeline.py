@@ -194,3 +194,14 @@ def test_a_timeline_kept_to_the_figure_columns_draws_the_same_figure():
         images.append(np.asarray(fig.canvas.buffer_rgba()).copy())
         plt.close(fig)
     assert np.array_equal(images[0], images[1])
+
+
+@pytest.mark.parametrize("events_per_chunk", [1, 3, 1_000_000])
+def test_the_chrome_trace_written_in_pieces_is_the_whole_trace(events_per_chunk):
+    from klotski_sim.exports import chrome_trace_chunks
+
+    tl = _timeline()
+    text = "".join(chrome_trace_chunks(tl, events_per_chunk))
+    assert text == chrome_trace_json(tl)
+    events = json.loads(text)["traceEvents"]
+    assert sum(e["ph"] == "X" and e.get("cat") != "bubble" for e in events) == len(tl)
