@@ -51,8 +51,8 @@ def draw_timeline(ax: plt.Axes, timeline: Timeline, window: tuple[float, float] 
                   streams: Sequence[str] | None = None, show_bubbles: bool = True) -> list[str]:
     """Draw one timeline into `ax` (times in ms); returns the categories drawn, for a legend.
     Each lane shows, per bin of about a pixel, the busy time of each category side by side from
-    the bin's start; the compute lane's bubbles follow its busy time in the same bin (drawn one
-    bar each, the 150k bubbles of a long run took Agg 400 MB to rasterise)."""
+    the bin's start; the compute lane's bubbles follow its busy time in the same bin (a bar per
+    bubble took Agg 400 MB to rasterise the 150k bubbles of a long run)."""
     c = timeline.columns
     lanes = list(streams or timeline.streams())
     t0, t1 = window if window else (0.0, timeline.makespan)
