@@ -3,8 +3,9 @@
 - default: a grid of 288 small Mixtral-8x7B configurations (prompt 64, gen 4) with 1 and then 2
   local worker processes; configurations per minute and the speed-up.
 - `--default-size N`: N default-size Klotski configurations (prompt 512, gen 32, batch 16, planner
-  n; a what-if grid over the PCIe bandwidth) on `--workers` workers, per implementation preset;
-  configurations per minute and the time 1,000 of them would take at that rate.
+  n) on `--workers` workers, per implementation preset, twice: a what-if grid over the PCIe
+  bandwidth (schedules reused where they do not change) and N routing seeds (every schedule
+  distinct); configurations per minute and the time 1,000 of them would take at that rate.
 
     python experiments/bench_sweep.py [--workers 2] [--default-size 40]
 """
@@ -31,20 +32,27 @@ GRID = {
 }
 
 
-def default_size(count: int, workers: int, impl: str) -> None:
-    bandwidths = [8e9 + 48e9 * k / max(1, count - 1) for k in range(count)]
+def default_size(count: int, workers: int, impl: str, grid: str) -> None:
+    """`what-if`: one configuration over `count` PCIe bandwidths (a Klotski schedule does not depend
+    on the link's speed: the sweep builds it once per n and simulates it again); `distinct`: `count`
+    routing seeds, every schedule built anew (their routings synthesised beforehand, untimed)."""
+    axes: dict = ({"overrides": {"links.pcie_h2d.bandwidth": [8e9 + 48e9 * k / max(1, count - 1)
+                                                               for k in range(count)]}}
+                  if grid == "what-if" else {"seeds": list(range(count))})
     spec = parse_spec({"name": "bench-default", "models": ["mixtral-8x7b"], "hardware": ["rtx3090"],
-                       "policies": ["klotski"], "impls": [impl],
-                       "overrides": {"links.pcie_h2d.bandwidth": bandwidths}})
+                       "policies": ["klotski"], "impls": [impl], **axes})
+    if grid == "distinct":  # each seed's routing synthesised once beforehand (the trace cache): not timed
+        with tempfile.TemporaryDirectory() as out:
+            run_sweep(spec, out, workers=workers, progress=False)
     with tempfile.TemporaryDirectory() as out:
         t = time.perf_counter()
         df = run_sweep(spec, out, workers=workers, progress=False)
         took = time.perf_counter() - t
     assert len(df) == count and (df["status"] == "ok").all(), df["status"].value_counts()
     rate = count / took * 60
-    print(f"{impl:13} {count} default-size configurations on {workers} workers in {took:.1f} s -> "
+    print(f"{impl:13} {grid:8} {count} default-size configurations on {workers} workers in {took:.1f} s -> "
           f"{rate:.0f} configurations/min; 1,000 would take {1000 / rate:.1f} min "
-          f"(ops per configuration: {int(df['m.num_ops'].median())})")
+          f"(ops per configuration: {int(df['m.num_ops'].median())}; distinct n: {df['m.n'].nunique()})")
 
 
 def main() -> None:
@@ -55,7 +63,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.default_size:
         for impl in ("ideal", "as-published"):
-            default_size(args.default_size, args.workers, impl)
+            for grid in ("what-if", "distinct"):
+                default_size(args.default_size, args.workers, impl, grid)
         return
     spec = parse_spec(GRID)
     n = len(expand(spec))

@@ -264,10 +264,14 @@ def refused_run(spec: RunSpec, prep: Prepared) -> RunResult:
     return RunResult(spec, prep.model, prep.profile, schedule, timeline, prep.plan, None)
 
 
-def run(spec: RunSpec, cost: CostModel | None = None, prepared: Prepared | None = None) -> RunResult:
+def run(spec: RunSpec, cost: CostModel | None = None, prepared: Prepared | None = None,
+        reuse_schedule: bool = False) -> RunResult:
     """Build the schedule for `spec` and simulate it (`prepared` shares routing and plan
     between the policies of one comparison). With `num_batches=None` the planner's n is used,
-    lowered for policies that need more weight memory (see `policy_batches`)."""
+    lowered for policies that need more weight memory (see `policy_batches`). With
+    `reuse_schedule`, the schedule of the previous such run is simulated again when it is the same
+    schedule: the same policy, options, model, routing, n and placement, and a policy whose
+    schedule no speed of the hardware changes (a sweep over what-if hardware numbers)."""
     prep = prepared or prepare(spec)
     if prep.refused is not None:
         return refused_run(spec, prep)
@@ -275,9 +279,29 @@ def run(spec: RunSpec, cost: CostModel | None = None, prepared: Prepared | None 
         n = policy_batches(spec.policy, prep)
         if n != prep.num_batches:
             prep = prep.narrowed(n)
-    schedule = build_schedule(spec.policy, replace(prep.policy_input(spec.options), impl=spec.impl))
+    key = _schedule_key(spec, prep) if reuse_schedule else None
+    if key is not None and _LAST_SCHEDULE and _LAST_SCHEDULE[0] == key:
+        schedule = _LAST_SCHEDULE[1]
+    else:
+        schedule = build_schedule(spec.policy, replace(prep.policy_input(spec.options), impl=spec.impl))
+        _LAST_SCHEDULE[:] = [key, schedule] if key is not None else []
     timeline = simulate(schedule, prep.profile, cost)
     return RunResult(spec, prep.model, prep.profile, schedule, timeline, prep.plan, prep.replay.routing)
+
+
+_LAST_SCHEDULE: list[Any] = []  # [key, schedule] of the last run that allowed reuse (one: it may be large)
+
+
+def _schedule_key(spec: RunSpec, prep: Prepared) -> tuple[Any, ...] | None:
+    """What a speed-independent policy's schedule is a function of (None: the policy's schedule may
+    depend on the hardware's speeds, never reused). The profile enters by name and by whether it
+    has a CPU section (the only things such a schedule reads of it); the routing by what builds it."""
+    if not get_policy(spec.policy).speed_independent:
+        return None
+    trace = (spec.trace, Path(spec.trace).stat().st_mtime) if spec.trace else None
+    return (spec.policy, spec.impl, repr(sorted(spec.options.items())), spec.model, spec.batch_size,
+            prep.num_batches, spec.prompt_len, spec.gen_len, spec.seed, spec.routing, trace, spec.wrap,
+            spec.warmup_sequences, prep.placement, prep.profile.name, prep.profile.cpu is not None)
 
 
 _SHARED: Prepared | None = None  # what `run_each`'s worker processes share (inherited when they fork)

@@ -341,7 +341,7 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
                        kv=cfg["kv"], experts=cfg["experts"], overrides=cfg["overrides"],
                        impl=cfg.get("impl", "as-published"), options=cfg.get("options", {}),
                        resident_layers=cfg.get("resident_layers"))
-        result = run(spec)
+        result = run(spec, reuse_schedule=True)  # a what-if over hardware numbers builds each schedule once
         s = result.timeline.summary()
         metrics = {k: v for k, v in s.to_dict().items()
                    if k not in ("policy", "model", "hardware", "batch_size", "prompt_len", "gen_len", "extra",

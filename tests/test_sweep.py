@@ -121,3 +121,42 @@ def test_policy_options_and_resident_layers_are_grid_axes(tmp_path):
         parse_spec({"policies": ["klotski"], "options": {"expert_cache": ["lots"]}})
     with pytest.raises(SweepError, match="resident_layers"):
         parse_spec({"policies": ["klotski"], "resident_layers": [-2]})
+
+
+def test_speed_independent_policies_build_the_same_schedule_whatever_the_speeds():
+    """What `speed_independent` promises (and a sweep over hardware numbers relies on): the schedule
+    is the same under any link, GPU or CPU speed, given the same n and placement."""
+    from klotski_sim.hardware import load_profile, with_overrides
+    from klotski_sim.policies import POLICIES, PolicyInput, build_schedule
+    from klotski_sim.runner import RunSpec, prepare
+
+    base = load_profile("rtx3090")
+    faster = with_overrides(base, {"links.pcie_h2d.bandwidth": 3.1e9, "links.pcie_d2h.bandwidth": 77e9,
+                                   "gpu.peak_flops": 1e13, "gpu.memory_bandwidth": 3e11, "gpu.kernel_overhead_s": 1e-3,
+                                   "cpu.memory_bandwidth": 1e9, "cpu.op_overhead_s": 0.01})
+    prep = prepare(RunSpec(model="mixtral-8x7b:4", num_batches=3, batch_size=4, prompt_len=16, gen_len=3))
+    marked = [name for name, info in POLICIES.items() if info.speed_independent]
+    assert {"single-batch", "multi-batch", "hot-prefetch", "klotski", "klotski-oracle", "flexgen"} <= set(marked)
+    assert not POLICIES["klotski-hybrid"].speed_independent and not POLICIES["fiddler"].speed_independent
+    for name in marked:
+        for impl in ("as-published", "ideal"):
+            built = [build_schedule(name, PolicyInput(prep.model, profile, prep.replay.routing, prep.placement,
+                                                      warmup=prep.replay.warmup, impl=impl)).to_json_dict()
+                     for profile in (base, faster)]
+            assert built[0] == built[1], (name, impl)
+
+
+def test_a_what_if_over_hardware_numbers_reuses_the_schedule_and_gives_the_same_results():
+    from klotski_sim import runner
+    from klotski_sim.runner import RunSpec, run
+
+    small = dict(model="mixtral-8x7b:4", num_batches=3, batch_size=4, prompt_len=16, gen_len=3)
+    for policy, reused in (("klotski", True), ("fiddler", False)):
+        first = run(RunSpec(policy=policy, overrides={"links.pcie_h2d.bandwidth": 8e9}, **small), reuse_schedule=True)
+        spec = RunSpec(policy=policy, overrides={"links.pcie_h2d.bandwidth": 32e9}, **small)
+        second = run(spec, reuse_schedule=True)
+        assert (second.schedule is first.schedule) == reused
+        assert second.timeline.summary() == run(spec).timeline.summary()  # the same numbers as a fresh build
+    before = run(RunSpec(policy="klotski", **small), reuse_schedule=True).schedule
+    other = run(RunSpec(policy="klotski", seed=1, **small), reuse_schedule=True)  # another routing: built anew
+    assert other.schedule is not before and runner._LAST_SCHEDULE[1] is other.schedule

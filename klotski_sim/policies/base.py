@@ -113,6 +113,9 @@ class PolicyInfo:
     one_batch: bool = False  # one batch in flight by definition: the planner's n does not apply
     manages_experts: bool = False  # keeps its own expert cache: the generic expert_cache option is not offered
     needs_cpu: bool = False  # computes on the host CPU: runs only on profiles with a `cpu:` section
+    # its schedule depends on the hardware only through the n and placement it is given, never on a
+    # speed (no cost model in its decisions): a sweep over hardware numbers may build it once
+    speed_independent: bool = False
 
     def preset(self, name: str) -> dict[str, Any]:
         """All option values the preset `name` gives this policy."""
@@ -132,7 +135,7 @@ def register(name: str, description: str, defaults: Mapping[str, Any] | None = N
              buffering: str = "whole-layer", impl_options: tuple[str, ...] = (),
              presets: Mapping[str, Mapping[str, Any]] | None = None,
              one_batch: bool = False, manages_experts: bool = False,
-             needs_cpu: bool = False) -> Callable[[PolicyBuilder], PolicyBuilder]:
+             needs_cpu: bool = False, speed_independent: bool = False) -> Callable[[PolicyBuilder], PolicyBuilder]:
     """Decorator: make a build function available as `--policy NAME`."""
     if buffering not in BUFFERING:
         raise UsageError(f"buffering must be one of {BUFFERING}")
@@ -145,7 +148,7 @@ def register(name: str, description: str, defaults: Mapping[str, Any] | None = N
             raise UsageError(f"policy {name!r} is already registered (by {POLICIES[name].build.__module__}); "
                              f"give yours another name")
         info = PolicyInfo(name, description, fn, dict(defaults or {}), buffering, tuple(impl_options),
-                          dict(presets or {}), one_batch, manages_experts, needs_cpu)
+                          dict(presets or {}), one_batch, manages_experts, needs_cpu, speed_independent)
         for preset in PRESET_NAMES:
             info.preset(preset)  # every preset must be complete for this policy
         POLICIES[name] = info

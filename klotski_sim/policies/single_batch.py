@@ -24,7 +24,8 @@ AS_PUBLISHED = {"sync": "per-expert", "copy_memory_weights": "pinned", "copy_mem
 
 
 @register("single-batch", "one batch at a time; prefetch all of layer j+1 (whole MoE layer) while layer j computes",
-          impl_options=tuple(AS_PUBLISHED), presets={"as-published": AS_PUBLISHED}, one_batch=True)
+          impl_options=tuple(AS_PUBLISHED), presets={"as-published": AS_PUBLISHED}, one_batch=True,
+          speed_independent=True)
 def build(inp: PolicyInput) -> Schedule:
     em = OpEmitter(inp)
     if em.impl.moe_load == "at-gate":
