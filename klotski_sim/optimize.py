@@ -24,6 +24,7 @@ from typing import Any, Sequence
 
 import pandas as pd
 
+from .argtypes import first_repeat
 from .errors import UsageError
 from .hardware import load_profile
 from .model import get_model
@@ -138,6 +139,12 @@ def check_search(s: Search) -> None:
         raise UsageError(f"--budget must be >= 1, got {s.budget}")
     if s.max_token_latency_s is not None and not s.max_token_latency_s > 0:
         raise UsageError(f"--max-token-latency must be > 0 seconds, got {s.max_token_latency_s}")
+    for flag, values in (("--policies", s.policies), ("--impl", s.impls), ("--batch-sizes", s.batch_sizes),
+                         ("--num-batches", s.num_batches), ("--expert-dtypes", s.expert_dtypes), ("--kv", s.kv),
+                         ("--cache-sizes", s.cache_sizes), ("--resident-layers", s.resident_layers)):
+        twice = first_repeat(values)
+        if twice is not None:
+            raise UsageError(f"{flag}: {twice} is given twice")
     for d in s.expert_dtypes:
         if d != "bf16":
             get_model(f"{s.model}@{d}")  # refuses a bad dtype with its own message

@@ -59,6 +59,12 @@ def test_above_the_budget_a_seeded_sample_is_evaluated_and_said(tmp_path):
 
 @pytest.mark.parametrize("args, message", [(("--expert-dtypes", "int5"), "int8, int4"),
                                            (("--batch-sizes", "0,4"), "--batch-sizes"),
+                                           (("--batch-sizes", "4,4"), "--batch-sizes: 4 is given twice"),
+                                           (("--num-batches", "auto,8,auto"), "--num-batches: auto is given twice"),
+                                           (("--expert-dtypes", "int4,int4"), "--expert-dtypes: int4 is given twice"),
+                                           (("--kv", "gpu,gpu"), "--kv: gpu is given twice"),
+                                           (("--cache-sizes", "0,0"), "--cache-sizes: 0 is given twice"),
+                                           (("--resident-layers", "auto,auto"), "--resident-layers: auto is given"),
                                            (("--policies", "nope"), "unknown policy")])
 def test_bad_search_settings_are_one_line(tmp_path, args, message):
     code, out, err = run_cli("optimize", "--model", "tiny-mixtral", *args, "--out", str(tmp_path / "o"))
