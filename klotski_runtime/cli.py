@@ -13,10 +13,13 @@ from typing import Sequence
 from klotski_sim.argtypes import OneLineParser, nonnegative_int, positive_float, positive_int
 from klotski_sim.cli import CliError, guarded, output_folder, parse_overrides
 
-from .record import read_texts, record, save_tiny_mixtral, save_tiny_olmoe, save_tiny_qwen3_moe
+from .record import RecordError, read_texts, record, save_tiny_mixtral, save_tiny_olmoe, save_tiny_qwen3_moe
 
 
 def cmd_record(args: argparse.Namespace) -> int:
+    folder = Path(args.out).resolve().parent
+    if not folder.is_dir():
+        raise RecordError(f"--out {args.out}: folder {folder} does not exist")
     texts = read_texts(args.text)
     trace = record(args.model_dir, texts, max_tokens=args.max_tokens, gen_len=args.gen_len, device=args.device,
                    dataset=args.dataset or Path(args.text).name, model_name=args.model_name)
@@ -194,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=positive_int, default=512, help="prompt tokens per sequence (default: %(default)s)")
     p.add_argument("--gen-len", type=nonnegative_int, default=32,
                    help="greedy tokens generated per sequence (default: %(default)s)")
-    p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run (default: %(default)s)")
     p.add_argument("--dataset", help="dataset name for the provenance (default: the text file's name)")
     p.add_argument("--model-name", help="model name recorded in the trace, e.g. a klotski-sim preset "
                                         "(default: the checkpoint directory's name)")

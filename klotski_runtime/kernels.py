@@ -162,9 +162,12 @@ class WeightStore:
         check_config(config, spec, config_file)
         index: dict[str, Path] = {}
         for f in files:
-            with safe_open(f, "pt") as st:
-                for key in st.keys():
-                    index[key] = f
+            try:
+                with safe_open(f, "pt") as st:
+                    for key in st.keys():
+                        index[key] = f
+            except Exception as err:  # noqa: BLE001 - safetensors raises its own SafetensorError on a bad file
+                raise WeightError(f"{f}: not a valid safetensors file ({err})") from None
 
         def load(key: str, *shape: int) -> torch.Tensor:
             """The tensor `key` in `dtype`, refused unless it has `shape` (when given)."""
@@ -182,8 +185,8 @@ class WeightStore:
         L = spec.num_layers if layers is None else min(layers, spec.num_layers)
         tensors: dict[tuple, tuple[torch.Tensor, ...]] = {}
         resident = {"embed": load("model.embed_tokens.weight", V, h), "final_norm": load("model.norm.weight", h),
-                    "lm_head": load("lm_head.weight", V, h) if "lm_head.weight" in index
-                    else load("model.embed_tokens.weight", V, h)}
+                    "lm_head": load("model.embed_tokens.weight", V, h) if config.get("tie_word_embeddings")
+                    else load("lm_head.weight", V, h)}
         q_width, k_width = spec.qk_norm_widths()
         for layer in range(L):
             p = f"model.layers.{layer}"
@@ -216,10 +219,10 @@ class WeightStore:
             if spec.qk_norm:
                 resident[f"q_norm/{layer}"] = load(f"{attn}.q_norm.weight", q_width)
                 resident[f"k_norm/{layer}"] = load(f"{attn}.k_norm.weight", k_width)
-        rope = (config.get("rope_parameters") or {}).get("rope_theta") or config.get("rope_theta", 1e6)
         if spec.quantised:
             tensors = {k: quantise_expert(v, spec) if k[0] == "expert" else v for k, v in tensors.items()}
-        return WeightStore(spec, tensors, resident, rope_theta=float(rope), rms_eps=float(config.get("rms_norm_eps", 1e-5)),
+        return WeightStore(spec, tensors, resident, rope_theta=rope_theta(config, config_file),
+                           rms_eps=_config_number(config, "rms_norm_eps", 1e-5, config_file),
                            source=f"checkpoint:{path}", num_layers=L)
 
 
@@ -245,6 +248,21 @@ def check_config(config: dict[str, Any], spec: ModelSpec, where: Path) -> None:
     spec's, or that uses a feature the kernels do not compute (dense layers, clipped q/k/v, biases,
     sliding windows)."""
     family = CHECKPOINT_FAMILIES[spec.hf_model_type]
+    for key in ("hidden_size", "intermediate_size", "moe_intermediate_size", "num_local_experts", "num_experts",
+                "num_experts_per_tok", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+                "num_hidden_layers", "decoder_sparse_step"):
+        value = config.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise WeightError(f"{where}: {key} must be an integer, got {value!r}")
+    for key in ("norm_topk_prob", "tie_word_embeddings", "attention_bias", "use_sliding_window"):
+        if key in config and not isinstance(config[key], bool):
+            raise WeightError(f"{where}: {key} must be true or false, got {config[key]!r}")
+    mlp_only = config.get("mlp_only_layers") or []
+    if not isinstance(mlp_only, list) or not all(isinstance(j, int) and not isinstance(j, bool) for j in mlp_only):
+        raise WeightError(f"{where}: mlp_only_layers must be a list of layer numbers, got {mlp_only!r}")
+    rope_theta(config, where)  # (a bad value is one line here, before any tensor is read)
+    if _config_number(config, "rms_norm_eps", 1e-5, where) <= 0:
+        raise WeightError(f"{where}: rms_norm_eps must be > 0, got {config['rms_norm_eps']!r}")
     model_type = config.get("model_type", spec.hf_model_type)
     if model_type != spec.hf_model_type:
         raise WeightError(f"{where}: checkpoint does not match model {spec.name!r}: model_type={model_type!r} "
@@ -265,6 +283,8 @@ def check_config(config: dict[str, Any], spec: ModelSpec, where: Path) -> None:
               "num_key_value_heads": (kv_heads, spec.num_kv_heads),
               "head_dim": (head_dim, spec.head_dim),
               "vocab_size": (config.get("vocab_size"), spec.vocab_size)}
+    if config.get("num_hidden_layers", spec.num_layers) < spec.num_layers:  # (a `model:L` spec reads the first L)
+        checks["num_hidden_layers"] = (config["num_hidden_layers"], spec.num_layers)
     renorm = config.get("norm_topk_prob", family["norm_topk_prob"])
     if renorm is not None:
         checks["norm_topk_prob"] = (renorm, spec.norm_topk_prob)
@@ -280,10 +300,16 @@ def check_config(config: dict[str, Any], spec: ModelSpec, where: Path) -> None:
         unsupported.append("attention_bias=true (q/k/v/o biases)")
     if config.get("clip_qkv") is not None:  # OlmoeAttention clamps q, k and v to +-clip_qkv
         unsupported.append(f"clip_qkv={config['clip_qkv']} (q/k/v clipping)")
-    if config.get("use_sliding_window"):  # Qwen's switch (Mixtral's configs never set it)
+    if config.get("use_sliding_window") or (spec.hf_model_type == "mixtral" and config.get("sliding_window")):
+        # (Qwen's configs switch it on with use_sliding_window; Mixtral's apply any sliding_window set)
         unsupported.append(f"sliding_window={config.get('sliding_window')} (sliding-window attention)")
+    if config.get("hidden_act", "silu") != "silu":  # the experts' SwiGLU is SiLU-gated
+        unsupported.append(f"hidden_act={config['hidden_act']!r} (the kernels compute silu)")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        unsupported.append(f"rope_type={rope.get('rope_type', rope.get('type'))!r} (the kernels compute plain RoPE)")
     if spec.hf_model_type == "qwen3_moe":  # Qwen3MoeDecoderLayer: dense unless sparse-step and not mlp-only
-        step, mlp_only = config.get("decoder_sparse_step", 1), config.get("mlp_only_layers") or []
+        step = config.get("decoder_sparse_step", 1)
         layers = config.get("num_hidden_layers", spec.num_layers)
         dense = [j for j in range(layers) if j in mlp_only or not step or (j + 1) % step]
         if dense:
@@ -291,6 +317,28 @@ def check_config(config: dict[str, Any], spec: ModelSpec, where: Path) -> None:
                                f"(every layer must be MoE)")
     if unsupported:
         raise WeightError(f"{where}: checkpoint uses what the runtime does not compute: {'; '.join(unsupported)}")
+
+
+def _config_number(config: dict[str, Any], key: str, default: float, where: Path) -> float:
+    value = config.get(key, default)
+    if value is None:
+        value = default
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise WeightError(f"{where}: {key} must be a number, got {value!r}")
+    return float(value)
+
+
+def rope_theta(config: dict[str, Any], where: Path) -> float:
+    """RoPE's base: transformers 5's `rope_parameters.rope_theta`, else the older `rope_theta`."""
+    params = config.get("rope_parameters")
+    if params is not None and not isinstance(params, dict):
+        raise WeightError(f"{where}: rope_parameters must be a JSON object, got {params!r}")
+    scaling = config.get("rope_scaling")
+    if scaling is not None and not isinstance(scaling, dict):
+        raise WeightError(f"{where}: rope_scaling must be a JSON object, got {scaling!r}")
+    if params and params.get("rope_theta") is not None:
+        return _config_number(params, "rope_theta", 1e6, where)
+    return _config_number(config, "rope_theta", 1e6, where)
 
 
 def qk_norms(resident: dict[str, torch.Tensor], spec: ModelSpec,

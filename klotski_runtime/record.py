@@ -49,7 +49,12 @@ def load_moe_model(model_dir: str | Path, device: str = "cpu", dtype: torch.dtyp
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise RecordError(f"{model_dir}: no config.json — not a Hugging Face checkpoint directory")
-    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RecordError(f"--device {device}: torch sees no CUDA GPU on this machine")
+    try:
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except Exception as err:  # noqa: BLE001 - transformers raises many kinds for a config it cannot read
+        raise RecordError(f"{model_dir / 'config.json'}: transformers cannot read it ({_first_line(err)})") from None
     num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
     if not num_experts or not getattr(config, "num_experts_per_tok", None):
         raise RecordError(f"{model_dir}: {config.model_type!r} is not a mixture-of-experts model "
@@ -57,13 +62,31 @@ def load_moe_model(model_dir: str | Path, device: str = "cpu", dtype: torch.dtyp
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True,
                                                      dtype=dtype or (torch.float32 if device == "cpu" else torch.bfloat16))
-    except OSError as err:
-        raise RecordError(f"{model_dir}: cannot load weights ({err})") from None
+    except Exception as err:  # noqa: BLE001 - a bad config value or weights file surfaces as many kinds
+        raise RecordError(f"{model_dir}: cannot load the checkpoint ({_first_line(err)})") from None
     model.to(device).eval()
     tokenizer = None
     if any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     return model, tokenizer
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"
+
+
+def check_model_name(model_name: str | None, num_experts: int, top_k: int, num_layers: int, where: Path) -> None:
+    """A trace named after a klotski-sim preset must have the preset's shape (it is replayed by name)."""
+    from klotski_sim.model import PRESETS
+
+    spec = PRESETS.get(model_name or "")
+    if spec is None:
+        return
+    got, want = (num_experts, top_k, num_layers), (spec.num_experts, spec.top_k, spec.num_layers)
+    if got != want:
+        raise RecordError(f"--model-name {model_name}: {where} has {num_experts} experts, top-{top_k}, {num_layers} "
+                          f"layers; preset {model_name!r} has {spec.num_experts}, top-{spec.top_k}, {spec.num_layers}")
 
 
 def _routers(model) -> list[torch.nn.Module]:
@@ -113,6 +136,7 @@ def record(model_dir: str | Path, texts: Sequence[str], max_tokens: int = 512, g
     top_k = int(config.num_experts_per_tok)
     num_experts = int(getattr(config, "num_local_experts", None) or config.num_experts)
     routers = _routers(model)
+    check_model_name(model_name, num_experts, top_k, len(routers), Path(model_dir))
     captured: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in routers]
     fallback = [False]
     renormalise = bool(getattr(config, "norm_topk_prob", True))  # Mixtral's config has none: it always does

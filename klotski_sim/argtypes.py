@@ -23,9 +23,18 @@ class OneLineParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+def plain_int(text: str) -> int:
+    """An integer written with ASCII digits and an optional sign (Python's `int` also takes `3_0`
+    and other scripts' digits, which a command line should not)."""
+    body = text.strip()
+    if not body.lstrip("+-").isascii() or not body.lstrip("+-").isdigit() or body.count("-") + body.count("+") > 1:
+        raise ValueError(f"not an integer: {text!r}")
+    return int(body)
+
+
 def _int_from(text: str, low: int, what: str) -> int:
     try:
-        value = int(text)
+        value = plain_int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
     if value < low:

@@ -22,6 +22,7 @@ from .argtypes import (
     layers_or_fill,
     name_list,
     nonnegative_int,
+    plain_int,
     positive_float,
     positive_int,
 )
@@ -267,6 +268,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         out / "compare.csv", index=False)
     if prep.plan is not None:
         (out / "plan.txt").write_text(format_plan(prep.plan, prep.model, prep.profile, spec.batch_size) + "\n")
+    elif (out / "plan.txt").exists():  # an earlier run's plan would describe another n
+        (out / "plan.txt").unlink()
     if figure:
         from .plot import compare_gantt
 
@@ -359,13 +362,13 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     from .optimize import Search, check_search, ok_rows, pareto_front, simulate_command, winner
     from .sweep import run_sweep
 
-    def ints(text: str, flag: str, low: int = 1, auto: bool = False) -> tuple:
-        what = f"comma-separated integers >= {low}" + (" or auto" if auto else "")
+    def ints(text: str, flag: str, low: int = 1, words: tuple[str, ...] = ()) -> tuple:
+        what = f"comma-separated integers >= {low}" + "".join(f" or {w}" for w in words)
         try:
-            values = tuple(v if auto and v == "auto" else int(v) for v in text.split(","))
+            values = tuple(v if v in words else plain_int(v) for v in text.split(","))
         except ValueError:
             raise CliError(f"{flag}: give {what}, got {text!r}") from None
-        if any(v != "auto" and v < low for v in values):
+        if any(v not in words and v < low for v in values):
             raise CliError(f"{flag}: give {what}, got {text!r}")
         return values
 
@@ -376,15 +379,19 @@ def cmd_optimize(args: argparse.Namespace) -> int:
                     policies=tuple(args.policies or ()),
                     impls=("as-published", "ideal") if args.impl == "both" else (args.impl,),
                     batch_sizes=ints(args.batch_sizes, "--batch-sizes"),
-                    num_batches=ints(args.num_batches, "--num-batches", auto=True),
+                    num_batches=ints(args.num_batches, "--num-batches", words=("auto",)),
                     expert_dtypes=tuple(args.expert_dtypes.split(",")), kv=tuple(args.kv.split(",")),
                     cache_sizes=ints(args.cache_sizes, "--cache-sizes", low=0),
-                    resident_layers=ints(args.resident_layers, "--resident-layers", low=0, auto=True),
+                    resident_layers=ints(args.resident_layers, "--resident-layers", low=0, words=("auto", "fill")),
                     max_token_latency_s=args.max_token_latency, budget=args.budget, seed=args.seed)
     check_search(search)
     spec = search.spec()
     output_folder(args.out)
     ids, size = search.selected_ids(spec)
+    if not ids:
+        raise CliError(f"--num-batches {args.num_batches}: no configuration left — "
+                       f"{', '.join(search.policy_names())} keep one batch in flight by definition and run at n "
+                       f"auto only")
     sampled = f" (a seeded sample of {len(ids)}: the grid exceeds --budget)" if len(ids) < size else ""
     print(f"optimize {args.model} on {args.hardware}: {size} configurations{sampled} — policies "
           f"{', '.join(search.policy_names())}; impl {', '.join(search.impls)}; batch sizes "
@@ -394,15 +401,19 @@ def cmd_optimize(args: argparse.Namespace) -> int:
           + (" (auto: the planner's; --num-batches auto,4,16 searches n)" if search.num_batches == ("auto",) else ""))
     df = run_sweep(spec, args.out, workers=args.workers, progress=not args.no_progress, only=ids)
     ok = ok_rows(df)
-    rest = len(df) - len(ok)
-    print(f"{len(ok)} of {len(df)} ran to the end" + (f" ({rest} do not fit in GPU memory)" if rest else "")
+    failed_count = int((df["status"] == "error").sum()) if "status" in df.columns else 0
+    oom = len(df) - len(ok) - failed_count
+    notes = [f"{oom} do not fit in GPU memory"] * bool(oom) + [f"{failed_count} failed: see the error column"] * bool(
+        failed_count)
+    print(f"{len(ok)} of {len(df)} ran to the end" + (f" ({'; '.join(notes)})" if notes else "")
           + f"; results in {args.out}/results.parquet")
     if ok.empty:
         failed = df[df["status"] == "error"] if "status" in df.columns else df.iloc[0:0]
         if len(failed):
             raise CliError(f"{len(failed)} of {len(df)} configurations failed and none ran to the end; the first: "
                            f"{failed['error'].iloc[0]}")
-        raise CliError("no configuration fits: try smaller --batch-sizes or --expert-dtypes int4")
+        raise CliError(f"no configuration fits in GPU memory ({len(df)} tried): try smaller --batch-sizes, "
+                       f"--num-batches or --expert-dtypes int4")
     front = pareto_front(ok)
     print("Pareto front (throughput vs per-token latency = the decode step):")
     print(f"  {'tok/s':>8} {'latency s':>9}  {'policy':15} {'impl':12} {'bs':>4} {'n':>3} {'kv':4} model")
@@ -586,8 +597,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-sizes", default="0", metavar="C,...",
                    help="expert-cache slots to try (option expert_cache; 0: none) (default: %(default)s)")
     p.add_argument("--resident-layers", default="auto", metavar="R,...",
-                   help="layers kept whole on the GPU to try; auto: as many as the memory left at n allows "
-                        "(default: %(default)s)")
+                   help="layers kept whole on the GPU to try; auto (or fill): as many as the memory left at n "
+                        "allows (default: %(default)s)")
     p.add_argument("--seed", type=nonnegative_int, default=0,
                    help="seed of the routing and of the sample (default: %(default)s)")
     p.add_argument("--workers", type=positive_int, default=2, help="local processes (default: %(default)s)")

@@ -19,6 +19,7 @@ reproduces its numbers.
 from __future__ import annotations
 
 import random
+import shlex
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -111,8 +112,8 @@ def winner(df: pd.DataFrame, max_latency_s: float | None) -> pd.Series | None:
 
 
 def simulate_command(row: pd.Series | dict[str, Any], policy_files: Sequence[str] = ()) -> str:
-    """The `klotski-sim simulate` command that reproduces one row."""
-    files = "".join(f" --policy-file {f}" for f in policy_files)
+    """The `klotski-sim simulate` command that reproduces one row (shell-quoted: a path may hold spaces)."""
+    files = "".join(f" --policy-file {shlex.quote(f)}" for f in policy_files)
     cache = row.get("opt.expert_cache")
     if cache is not None and not pd.isna(cache) and int(cache):
         files += f" --option expert_cache={int(cache)}"
@@ -122,7 +123,8 @@ def simulate_command(row: pd.Series | dict[str, Any], policy_files: Sequence[str
     seed = row.get("seed")
     if seed is not None and not pd.isna(seed) and int(seed):
         files += f" --seed {int(seed)}"
-    return (f"klotski-sim simulate --model {row['model']} --hardware {row['hardware']} --policy {row['policy']} "
+    return (f"klotski-sim simulate --model {shlex.quote(row['model'])} --hardware {shlex.quote(row['hardware'])} "
+            f"--policy {shlex.quote(row['policy'])} "
             f"--impl {row['impl']} --batch-size {int(row['batch_size'])} --num-batches {row['num_batches']} "
             f"--kv {row['kv']} --prompt-len {int(row['prompt_len'])} --gen-len {int(row['gen_len'])}{files}")
 
@@ -148,3 +150,8 @@ def check_search(s: Search) -> None:
     for d in s.expert_dtypes:
         if d != "bf16":
             get_model(f"{s.model}@{d}")  # refuses a bad dtype with its own message
+    model = get_model(s.model)
+    experts = (model.num_layers - model.first_dense_layers) * model.num_experts
+    too_many = [c for c in s.cache_sizes if c > experts]
+    if too_many:
+        raise UsageError(f"--cache-sizes {too_many[0]}: {s.model} has {experts} routed experts to cache")

@@ -178,15 +178,19 @@ def parse_spec(data: Any, where: str = "sweep spec") -> SweepSpec:
     try:
         spec = SweepSpec.model_validate(data)
     except ValidationError as err:
-        lines = []
+        problems: dict[str, str] = {}  # one per place (a value failing every type of a union is one problem)
         for e in err.errors():
-            loc = ".".join(str(p) for p in e["loc"])
+            place = [str(p) for p in e["loc"] if str(p) not in ("int", "str", "float", "bool")]
+            loc = ".".join(place)
             if e["type"] == "extra_forbidden":
                 close = difflib.get_close_matches(str(e["loc"][0]), list(SweepSpec.model_fields), n=1)
-                lines.append(f"  {loc}: unknown key" + (f" (did you mean {close[0]!r}?)" if close else ""))
+                problems.setdefault(loc, "unknown key" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            elif e["type"] == "missing":
+                problems.setdefault(loc, "required")
             else:
-                lines.append(f"  {loc}: {e['msg']}")
-        raise SweepError(f"{where}: invalid sweep spec\n" + "\n".join(lines)) from None
+                problems.setdefault(loc, f"{e['msg'][0].lower()}{e['msg'][1:]}, got {e.get('input')!r}")
+        raise SweepError(f"{where}: invalid sweep spec: " + "; ".join(f"{k}: {v}" for k, v in problems.items())) \
+            from None
     check_spec(spec, where)
     return spec
 

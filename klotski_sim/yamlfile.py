@@ -14,6 +14,26 @@ MAX_BYTES = 1 << 20  # no profile or sweep spec comes near a megabyte
 MAX_ALIASES = 100
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """The safe loader, refusing a key given twice in one mapping (YAML keeps the last one silently:
+    `models:` written twice would sweep only the second list)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                twice = key in seen
+            except TypeError:  # an unhashable key: the base loader names it
+                break
+            if twice:
+                line = key_node.start_mark.line + 1
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice (line {line})",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_yaml(text: str, where: str, error: type[KlotskiError] = KlotskiError) -> Any:
     """Parse `text` with the safe loader; `where` names the file in every error."""
     if len(text) > MAX_BYTES:
@@ -23,6 +43,6 @@ def load_yaml(text: str, where: str, error: type[KlotskiError] = KlotskiError) -
         if aliases > MAX_ALIASES:
             raise error(f"{where}: {aliases} YAML aliases (at most {MAX_ALIASES}): refused, it could expand "
                         f"without bound")
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as err:
         raise error(f"{where}: not valid YAML ({str(err).splitlines()[0]})") from err

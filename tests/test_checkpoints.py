@@ -154,6 +154,55 @@ def test_an_olmoe_checkpoint_that_does_not_match_the_spec_is_refused_naming_the_
     assert key in _one_line_error(saved["olmoe"], replace(OLMOE, name="other", **change))
 
 
+@pytest.mark.parametrize("edit, words", [
+    ({"num_hidden_layers": "x"}, "num_hidden_layers must be an integer, got 'x'"),
+    ({"head_dim": "32"}, "head_dim must be an integer, got '32'"),
+    ({"mlp_only_layers": "x"}, "mlp_only_layers must be a list of layer numbers"),
+    ({"mlp_only_layers": [[0]]}, "mlp_only_layers must be a list of layer numbers"),
+    ({"norm_topk_prob": "yes"}, "norm_topk_prob must be true or false"),
+    ({"rms_norm_eps": "x"}, "rms_norm_eps must be a number"),
+    ({"rms_norm_eps": -1}, "rms_norm_eps must be > 0"),
+    ({"rope_parameters": [1]}, "rope_parameters must be a JSON object"),
+    ({"rope_parameters": {"rope_theta": "x", "rope_type": "default"}}, "rope_theta must be a number"),
+    ({"rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"num_hidden_layers": 1}, "num_hidden_layers=1"),
+    ({"tie_word_embeddings": False, "drop": "lm_head.weight"}, "'lm_head.weight' is missing"),
+])
+def test_a_config_value_of_the_wrong_type_or_an_uncomputed_feature_is_one_line(saved, tmp_path, edit, words):
+    """Values read from config.json are checked before use (a traceback before), and what the
+    kernels do not compute is refused, never silently computed otherwise."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "edited"
+    shutil.copytree(saved["qwen3_moe"], path)
+    config = json.loads((path / "config.json").read_text())
+    edit = dict(edit)
+    drop = edit.pop("drop", None)
+    config.update(edit)
+    (path / "config.json").write_text(json.dumps(config))
+    if drop:
+        (file,) = path.glob("*.safetensors")
+        tensors = load_file(file)
+        del tensors[drop]
+        save_file(tensors, file, metadata={"format": "pt"})
+    assert words in _one_line_error(path, QWEN3)
+
+
+@pytest.mark.parametrize("garbage", [b"", b"12345678", b"\x00" * 64])
+def test_a_safetensors_file_that_is_not_one_is_one_line(saved, tmp_path, garbage):
+    import shutil
+
+    path = tmp_path / "garbage"
+    shutil.copytree(saved["qwen3_moe"], path)
+    (file,) = path.glob("*.safetensors")
+    file.write_bytes(garbage)
+    assert "not a valid safetensors file" in _one_line_error(path, QWEN3)
+
+
 def test_a_tensor_of_the_wrong_shape_is_refused_naming_file_and_key(tmp_path):
     """Per-head vs whole-projection q/k norms differ only in their vectors' widths: a checkpoint whose
     q_norm is as wide as the projection while its config says Qwen3 (per head) is refused, not broadcast."""

@@ -12,7 +12,7 @@ from klotski_runtime.record import save_tiny_mixtral  # noqa: E402
 from klotski_sim.hardware import load_profile  # noqa: E402
 from klotski_sim.model import get_model  # noqa: E402
 from klotski_sim.policies import Placement, PolicyInput, build_schedule  # noqa: E402
-from klotski_sim.routing import RoutingTable, RunShape  # noqa: E402
+from klotski_sim.routing import RunShape  # noqa: E402
 from klotski_sim.schedule import Schedule, ScheduleError  # noqa: E402
 from klotski_sim.trace import replay  # noqa: E402
 from klotski_sim.trace_synth import synthesize  # noqa: E402

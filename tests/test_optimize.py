@@ -142,3 +142,36 @@ def test_n_is_searched_and_the_winner_at_a_given_n_reproduces(tmp_path):
     code, sim_out, err = run_cli(*command[1:], "--no-png")
     assert code == 0, err
     assert _throughput(sim_out) == pytest.approx(best, abs=0.06)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--policies", "single-batch,fiddler", "--num-batches", "3"), "keep one batch in flight"),
+    (("--cache-sizes", "0,9"), "--cache-sizes 9: tiny-mixtral has 8 routed experts"),
+    (("--num-batches", "3_0"), "--num-batches: give comma-separated integers"),
+    (("--num-batches", "\u0663"), "--num-batches: give comma-separated integers"),
+])
+def test_search_settings_that_leave_nothing_or_cannot_run_are_one_line_before_any_run(tmp_path, args, message):
+    code, out, err = run_cli("optimize", "--model", "tiny-mixtral", "--prompt-len", "8", "--gen-len", "3",
+                             "--batch-sizes", "2", "--workers", "1", "--no-progress", *args,
+                             "--out", str(tmp_path / "o"))
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "o" / "results.parquet").exists()
+
+
+def test_the_winner_command_is_shell_quoted():
+    from klotski_sim.optimize import simulate_command
+
+    row = {"model": "tiny-mixtral", "hardware": "/tmp/my prof/hw x.yaml", "policy": "klotski", "impl": "ideal",
+           "batch_size": 2, "num_batches": "auto", "kv": "auto", "prompt_len": 8, "gen_len": 3}
+    import shlex
+
+    words = shlex.split(simulate_command(row))
+    assert words[words.index("--hardware") + 1] == "/tmp/my prof/hw x.yaml"
+
+
+def test_fill_is_auto_for_optimize_resident_layers(tmp_path):
+    code, out, err = run_cli("optimize", "--model", "tiny-mixtral", "--prompt-len", "8", "--gen-len", "3",
+                             "--batch-sizes", "2", "--workers", "1", "--no-progress", "--policies", "klotski",
+                             "--impl", "ideal", "--expert-dtypes", "bf16", "--resident-layers", "fill",
+                             "--out", str(tmp_path / "o"))
+    assert code == 0, err

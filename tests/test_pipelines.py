@@ -8,12 +8,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from klotski_sim import prefetch
 from klotski_sim.engine import simulate
 from klotski_sim.hardware import load_profile, with_overrides
 from klotski_sim.model import get_model
 from klotski_sim.planner import memory_needed, plan
 from klotski_sim.policies import Placement, PolicyInput, build_schedule
-from klotski_sim import prefetch
 from klotski_sim.prefetch import CorrelationTable
 from klotski_sim.routing import RoutingTable, RunShape
 from klotski_sim.trace import replay

@@ -63,3 +63,26 @@ def test_a_tiny_checkpoint_of_another_family_executes_what_simulate_wrote(tmp_pa
     rc, out, err = run_runtime("execute", str(tmp_path / "sim"), "--checkpoint", str(tmp_path / "other"),
                                "--out", str(tmp_path / "m2"))
     assert rc == 2 and err.count("\n") == 1 and "does not match model" in err, err
+
+
+def test_record_refuses_what_it_cannot_read_in_one_line(tmp_path):
+    import json
+    import shutil
+
+    rc, _, err = run_runtime("tiny-checkpoint", "--model", "tiny-qwen3-moe", "--out", str(tmp_path / "ck"))
+    assert rc == 0, err
+    args = ("--text", "traces/sample_text.txt", "--max-tokens", "20", "--gen-len", "2")
+    bad = tmp_path / "bad"
+    shutil.copytree(tmp_path / "ck", bad)
+    (bad / "config.json").write_text(json.dumps([1, 2, 3]))
+    cases = [
+        (("--model-dir", str(bad), "--out", str(tmp_path / "r.npz")), "transformers cannot read it"),
+        (("--model-dir", str(tmp_path / "ck"), "--model-name", "tiny-mixtral", "--out", str(tmp_path / "r.npz")),
+         "--model-name tiny-mixtral"),
+        (("--model-dir", str(tmp_path / "ck"), "--out", str(tmp_path / "nodir" / "r.npz")), "does not exist"),
+        (("--model-dir", str(tmp_path / "ck"), "--device", "bogus", "--out", str(tmp_path / "r.npz")), "--device"),
+    ]
+    for extra, words in cases:
+        rc, _, err = run_runtime("record", *args, *extra)
+        errors = [line for line in err.splitlines() if line.startswith("error:")]  # (transformers logs too)
+        assert rc == 2 and len(errors) == 1 and words in errors[0] and "Traceback" not in err, (extra, err)

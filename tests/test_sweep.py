@@ -160,3 +160,21 @@ def test_a_what_if_over_hardware_numbers_reuses_the_schedule_and_gives_the_same_
     before = run(RunSpec(policy="klotski", **small), reuse_schedule=True).schedule
     other = run(RunSpec(policy="klotski", seed=1, **small), reuse_schedule=True)  # another routing: built anew
     assert other.schedule is not before and runner._LAST_SCHEDULE[1] is other.schedule
+
+
+@pytest.mark.parametrize("text, words", [
+    ("name: t\nmodels: [tiny-mixtral]\npolicies: [klotski]\nmodels: [tiny-olmoe]\n",
+     "key 'models' is given twice (line 4)"),
+    ("name: t\npolicies: [klotski]\nresident_layers: [true]\n",
+     "resident_layers.0: input should be a valid integer, got True"),
+    ("name: t\npolicies: [klotski]\nnum_batches: [2.5]\n", "num_batches.0: input should be a valid integer, got 2.5"),
+])
+def test_a_spec_key_given_twice_or_a_value_of_the_wrong_type_is_one_line_with_the_value(tmp_path, text, words):
+    from klotski_sim.errors import KlotskiError
+    from klotski_sim.sweep import load_spec
+
+    path = tmp_path / "spec.yaml"
+    path.write_text(text)
+    with pytest.raises(KlotskiError) as err:
+        load_spec(path)
+    assert "\n" not in str(err.value) and words in str(err.value), str(err.value)
