@@ -403,8 +403,11 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     ok = ok_rows(df)
     failed_count = int((df["status"] == "error").sum()) if "status" in df.columns else 0
     oom = len(df) - len(ok) - failed_count
-    notes = [f"{oom} do not fit in GPU memory"] * bool(oom) + [f"{failed_count} failed: see the error column"] * bool(
-        failed_count)
+    notes = []
+    if oom:
+        notes.append(f"{oom} do not fit in GPU memory")
+    if failed_count:
+        notes.append(f"{failed_count} failed: see the error column")
     print(f"{len(ok)} of {len(df)} ran to the end" + (f" ({'; '.join(notes)})" if notes else "")
           + f"; results in {args.out}/results.parquet")
     if ok.empty:
