@@ -159,7 +159,7 @@ class WeightStore:
             raise WeightError(f"{config_file}: not valid JSON ({err})") from None
         if not isinstance(config, dict):
             raise WeightError(f"{config_file}: not a JSON object")
-        check_config(config, spec, config_file)
+        theta, eps = check_config(config, spec, config_file)
         index: dict[str, Path] = {}
         for f in files:
             try:
@@ -221,8 +221,7 @@ class WeightStore:
                 resident[f"k_norm/{layer}"] = load(f"{attn}.k_norm.weight", k_width)
         if spec.quantised:
             tensors = {k: quantise_expert(v, spec) if k[0] == "expert" else v for k, v in tensors.items()}
-        return WeightStore(spec, tensors, resident, rope_theta=rope_theta(config, config_file),
-                           rms_eps=_config_number(config, "rms_norm_eps", 1e-5, config_file),
+        return WeightStore(spec, tensors, resident, rope_theta=theta, rms_eps=eps,
                            source=f"checkpoint:{path}", num_layers=L)
 
 
@@ -243,10 +242,10 @@ CHECKPOINT_FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
-def check_config(config: dict[str, Any], spec: ModelSpec, where: Path) -> None:
+def check_config(config: dict[str, Any], spec: ModelSpec, where: Path) -> tuple[float, float]:
     """Refuse, in one line naming the keys, a checkpoint config whose shapes or math differ from the
     spec's, or that uses a feature the kernels do not compute (dense layers, clipped q/k/v, biases,
-    sliding windows)."""
+    sliding windows); returns the RoPE base and the RMSNorm epsilon it read."""
     family = CHECKPOINT_FAMILIES[spec.hf_model_type]
     for key in ("hidden_size", "intermediate_size", "moe_intermediate_size", "num_local_experts", "num_experts",
                 "num_experts_per_tok", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
@@ -260,8 +259,9 @@ def check_config(config: dict[str, Any], spec: ModelSpec, where: Path) -> None:
     mlp_only = config.get("mlp_only_layers") or []
     if not isinstance(mlp_only, list) or not all(isinstance(j, int) and not isinstance(j, bool) for j in mlp_only):
         raise WeightError(f"{where}: mlp_only_layers must be a list of layer numbers, got {mlp_only!r}")
-    rope_theta(config, where)  # (a bad value is one line here, before any tensor is read)
-    if _config_number(config, "rms_norm_eps", 1e-5, where) <= 0:
+    theta = rope_theta(config, where)  # (a bad value is one line here, before any tensor is read)
+    eps = _config_number(config, "rms_norm_eps", 1e-5, where)
+    if eps <= 0:
         raise WeightError(f"{where}: rms_norm_eps must be > 0, got {config['rms_norm_eps']!r}")
     model_type = config.get("model_type", spec.hf_model_type)
     if model_type != spec.hf_model_type:
@@ -317,6 +317,7 @@ def check_config(config: dict[str, Any], spec: ModelSpec, where: Path) -> None:
                                f"(every layer must be MoE)")
     if unsupported:
         raise WeightError(f"{where}: checkpoint uses what the runtime does not compute: {'; '.join(unsupported)}")
+    return theta, eps
 
 
 def _config_number(config: dict[str, Any], key: str, default: float, where: Path) -> float:

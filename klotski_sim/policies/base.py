@@ -308,6 +308,7 @@ class OpEmitter:
         self.batch_tuple = [(b,) for b in range(self.shape.num_batches)]
         self.cache = _make_cache(inp)
         self._attention_variant = op_variant(self.model, "attention", self.impl.attention_impl)
+        self._qkv_variant = op_variant(self.model, "attn_qkv")  # (the GPU half of a CPU attention)
         self.attention_on_cpu = _attention_on_cpu(inp)
         if self.attention_on_cpu:
             self.b.streams.update(CPU_STREAMS)
@@ -518,7 +519,7 @@ class OpEmitter:
         qkv = self.b.compute(f"{op_id}/qkv", "attn_qkv", deps, flops=2 * tokens * h * (q + 2 * kv),
                              bytes=h * (q + 2 * kv) * m.dtype_bytes + m.hidden_bytes(tokens)
                              + tokens * (q + 2 * kv) * m.dtype_bytes, tokens=tokens,
-                             variant=op_variant(m, "attn_qkv"), **tags)
+                             variant=self._qkv_variant, **tags)
         # in order behind this layer's previous CPU attention, and behind the prefill's KV store
         down = self.b.transfer(f"{op_id}/qkv_down", "activation", "d2h_act", tokens * (q + 2 * kv) * m.dtype_bytes,
                                "gpu", "cpu", [qkv, self._last_cpu_attention.get(layer),
