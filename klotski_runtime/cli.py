@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from klotski_sim.argtypes import OneLineParser, nonnegative_int, positive_float, positive_int
+from klotski_sim.argtypes import OneLineParser, nonnegative_int, plain_int, positive_float, positive_int
 from klotski_sim.cli import CliError, guarded, output_folder, parse_overrides
 
 from .record import RecordError, read_texts, record, save_tiny_mixtral, save_tiny_olmoe, save_tiny_qwen3_moe
@@ -43,7 +43,7 @@ def cmd_tiny_checkpoint(args: argparse.Namespace) -> int:
 
 def _csv_ints(text: str) -> list[int]:
     try:
-        values = [int(v) for v in text.split(",") if v.strip()]
+        values = [plain_int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not values or min(values) < 1:
