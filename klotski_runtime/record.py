@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from klotski_sim.errors import KlotskiError
+from klotski_sim.model import PRESETS
 from klotski_sim.trace import Trace, TraceError
 
 
@@ -78,8 +79,6 @@ def _first_line(err: BaseException) -> str:
 
 def check_model_name(model_name: str | None, num_experts: int, top_k: int, num_layers: int, where: Path) -> None:
     """A trace named after a klotski-sim preset must have the preset's shape (it is replayed by name)."""
-    from klotski_sim.model import PRESETS
-
     spec = PRESETS.get(model_name or "")
     if spec is None:
         return
