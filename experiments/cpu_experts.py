@@ -1,7 +1,8 @@
 """Cold experts on the CPU against Klotski, on every built-in profile that has a `cpu:` section:
 klotski, klotski-hybrid, fiddler and llamacpp-moe under both implementation presets, at the
-default workload (Mixtral-8x7B, prompt 512, gen 32, bs 16, n from the planner; the CPU-expert
-policies keep one batch in flight). Prints a markdown table (docs/cpu-experts.md holds its output).
+default workload (Mixtral-8x7B, prompt 512, gen 32, bs 16, n from the planner — klotski-hybrid's
+from its simulated probes, per preset; fiddler and llamacpp-moe keep one batch in flight). Prints a
+markdown table (docs/cpu-experts.md holds its output).
 
     python experiments/cpu_experts.py [--model mixtral-8x7b] [--batch-size 16]
 """
@@ -12,7 +13,7 @@ import argparse
 from dataclasses import replace
 
 from klotski_sim.hardware import builtin_profile_names, load_profile
-from klotski_sim.runner import RunSpec, policy_batches, prepare, run
+from klotski_sim.runner import RunSpec, prepare, run
 
 POLICIES = ("klotski", "klotski-hybrid", "fiddler", "llamacpp-moe")
 PRESETS = ("as-published", "ideal")
@@ -25,7 +26,8 @@ def main() -> None:
     args = parser.parse_args()
     print(f"{args.model}, bs {args.batch_size}, prompt 512, gen 32; tok/s end to end (decode only); "
           f"n = batches in flight; CPU share = expert ops on the CPU / all expert ops\n")
-    print("| profile | policy | n | as-published tok/s | ideal tok/s | CPU share (ideal) | bound (ideal) |")
+    print("| profile | policy | n (as-published / ideal) | as-published tok/s | ideal tok/s | CPU share (ideal) "
+          "| bound (ideal) |")
     print("|---|---|---|---|---|---|---|")
     for hw in builtin_profile_names():
         if load_profile(hw).cpu is None:
@@ -33,17 +35,18 @@ def main() -> None:
         base = RunSpec(model=args.model, hardware=hw, batch_size=args.batch_size, num_batches=None)
         prep = prepare(base)
         for policy in POLICIES:
-            cells, share, bound = [], "", ""
+            cells, ns, share, bound = [], [], "", ""
             for impl in PRESETS:
                 r = run(replace(base, policy=policy, impl=impl), prepared=prep)
                 s = r.timeline.summary()
                 cells.append(f"{s.throughput_tok_s:.1f} ({s.decode_throughput_tok_s:.1f})")
+                ns.append(str(s.num_batches))
                 if impl == "ideal":
                     experts = [o for o in r.schedule.ops if o.category == "expert"]
                     on_cpu = sum(o.stream == "cpu_compute" for o in experts)
                     share = f"{on_cpu / max(1, len(experts)):.0%}"
                     bound = s.lower_bound_resource
-            n = policy_batches(policy, prep)
+            n = ns[0] if ns[0] == ns[1] else " / ".join(ns)
             print(f"| {hw} | {policy} | {n} | {cells[0]} | {cells[1]} | {share} | {bound} |")
 
 

@@ -34,7 +34,7 @@ from .model import PRESETS, get_model
 from .planner import format_plan
 from .policies import POLICIES
 from .policies.plugins import load_for_command_line
-from .runner import RunSpec, available_cores, policy_batches, prepare, run, run_each
+from .runner import RunSpec, available_cores, policy_batches, prepare, probe_batches, run, run_each
 from .timeline import FIGURE_COLUMNS, Summary, jsonable
 from .trace import Trace, import_jsonl
 from .trace_stats import format_stats, layer_stats, token_subset
@@ -199,6 +199,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     out = output_folder(args.out) if args.out else None
     result = run(spec_from_args(args, options=parse_overrides(args.options)))
     print(format_summary(result.timeline.summary()))
+    if result.probes is not None:
+        print(f"n = {result.probes.chosen.n} chosen by {len(result.probes.probes)} simulated probes "
+              f"(klotski-sim plan --policy {result.spec.policy} shows them)")
     _warn_if_wrapped(result.timeline.meta.get("routing", ""))
     if out is not None:
         drawn = not args.no_png and len(result.timeline) > 0
@@ -218,9 +221,17 @@ COMPARE_POLICIES = ("single-batch", "multi-batch", "hot-prefetch", "klotski", "k
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    spec = spec_from_args(args, num_batches=None, policy="klotski")
+    spec = spec_from_args(args, num_batches=None)
     prep = prepare(spec)
     print(format_plan(prep.plan, prep.model, prep.profile, spec.batch_size))
+    if prep.refused is not None:
+        print(f"refused: {_oom_text(asdict(prep.refused))}")
+    if prep.refused is not None or prep.plan.n_memory == 0:
+        return 3  # (as simulate exits on out-of-memory)
+    if POLICIES[spec.policy].probe_n:
+        print(probe_batches(spec, prep).describe(spec.policy, spec.gen_len))
+    elif spec.policy != "klotski" and policy_batches(spec.policy, prep) != prep.num_batches:
+        print(f"=> {spec.policy} runs n = {policy_batches(spec.policy, prep)}")
     return 0
 
 
@@ -246,6 +257,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
             why = ("one batch in flight by definition" if POLICIES[name].one_batch else
                    f"its {POLICIES[name].buffering} weight buffers leave room for {n} batches' KV cache")
             print(f"note: {name} runs n = {n} ({why})")
+        if POLICIES[name].probe_n and spec.num_batches is None:
+            print(f"note: {name} chooses n <= {n} by simulated probes of its own schedule (klotski-sim plan "
+                  f"--policy {name} shows them)")
         options = {"overlap": args.flexgen_overlap} if name == "flexgen" and args.flexgen_overlap else {}
         for impl in impls:
             runs[(name, impl)] = replace(spec, policy=name, options=options, impl=impl)
@@ -610,8 +624,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_optimize)
 
-    p = sub.add_parser("plan", help="Klotski's planner: every term of inequalities (4)-(7), n, memory check")
+    p = sub.add_parser("plan", help="Klotski's planner: every term of inequalities (4)-(7), n, memory check; "
+                                    "with --policy klotski-hybrid, its n by simulated probes")
     add_run_arguments(p, policy=False, num_batches=False)
+    p.add_argument("--policy", default="klotski", choices=list(POLICIES),
+                   help="whose n: klotski (the inequalities), a policy that chooses n by simulated probes "
+                        "(klotski-hybrid: the probes are shown), or another policy (the n it runs) "
+                        "(default: %(default)s)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("models", help="list model presets with their sizes")

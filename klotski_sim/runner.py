@@ -34,6 +34,7 @@ from .planner import (
 )
 from .policies import Placement, PolicyInput, build_schedule, get_policy
 from .policies.base import resolve_options
+from .probe import PROBE_GEN, Probe, ProbeSearch, search
 from .routing import RoutingTable, RunShape
 from .schedule import Schedule
 from .timeline import OutOfMemory, Timeline
@@ -110,6 +111,7 @@ class RunResult:
     timeline: Timeline
     plan: Plan | None = None
     routing: "RoutingTable | None" = None
+    probes: ProbeSearch | None = None  # how n was chosen for a `probe_n` policy with auto n
 
 
 def resolve_profile(spec: RunSpec) -> HardwareProfile:
@@ -275,10 +277,14 @@ def run(spec: RunSpec, cost: CostModel | None = None, prepared: Prepared | None 
     prep = prepared or prepare(spec)
     if prep.refused is not None:
         return refused_run(spec, prep)
+    probes = None
     if spec.num_batches is None:
         n = policy_batches(spec.policy, prep)
         if n != prep.num_batches:
             prep = prep.narrowed(n)
+        if get_policy(spec.policy).probe_n:
+            probes = probe_batches(spec, prep)
+            prep = replace(prep.narrowed(probes.chosen.n), placement=_probe_placement(spec, prep, probes.chosen.n))
     key = _schedule_key(spec, prep) if reuse_schedule else None
     if key is not None and _LAST_SCHEDULE and _LAST_SCHEDULE[0] == key:
         schedule = _LAST_SCHEDULE[1]
@@ -286,7 +292,41 @@ def run(spec: RunSpec, cost: CostModel | None = None, prepared: Prepared | None 
         schedule = build_schedule(spec.policy, replace(prep.policy_input(spec.options), impl=spec.impl))
         _LAST_SCHEDULE[:] = [key, schedule] if key is not None else []
     timeline = simulate(schedule, prep.profile, cost)
-    return RunResult(spec, prep.model, prep.profile, schedule, timeline, prep.plan, prep.replay.routing)
+    return RunResult(spec, prep.model, prep.profile, schedule, timeline, prep.plan, prep.replay.routing, probes)
+
+
+def _probe_placement(spec: RunSpec, prep: Prepared, n: int) -> Placement:
+    """The placement of a probe at n: with the planner's resident layers (`--resident-layers` not
+    given, or fill), as many whole layers as n batches leave room for; else the given ones."""
+    if spec.resident_layers not in (None, "fill"):
+        return prep.placement
+    return fill_resident_layers(prep.model, prep.profile, spec.batch_size, n, spec.prompt_len, spec.gen_len,
+                                replace(prep.placement, resident_layers=0), get_policy(spec.policy).buffering)
+
+
+def probe_batches(spec: RunSpec, prep: Prepared) -> ProbeSearch:
+    """n for a `probe_n` policy (klotski_sim/probe.py): each candidate up to the run's n simulated
+    over the prefill and a few generated tokens of the run's own first batches, at the placement
+    that n would run with; the whole run predicted from it. (The run's routing is drawn for the
+    planner's n, so no larger n is tried: `optimize --num-batches` searches beyond it.)"""
+    short = replace(spec, gen_len=min(PROBE_GEN, spec.gen_len))
+    decode_steps = spec.gen_len - 1
+
+    def measure(n: int) -> Probe:
+        rep = replay_run(short, prep.model, prep.trace, n)
+        placement = _probe_placement(spec, prep, n)
+        inp = PolicyInput(prep.model, prep.profile, rep.routing, placement, dict(spec.options), warmup=rep.warmup,
+                          impl=spec.impl)
+        schedule = build_schedule(spec.policy, inp)
+        summary = simulate(schedule, prep.profile).summary()
+        decode_experts = [op.stream for op in schedule.ops if op.category == "expert" and op.phase == "decode"]
+        on_cpu = decode_experts.count("cpu_compute") / len(decode_experts) if decode_experts else 0.0
+        step = summary.decode_step_s if decode_steps else 0.0
+        predicted = (spec.shape(n).generated_tokens / (summary.prefill_s + decode_steps * step)
+                     if summary.status == "ok" else 0.0)  # a probe out of memory is never chosen
+        return Probe(n, placement.resident_layers, summary.prefill_s, step, predicted, on_cpu)
+
+    return search(measure, prep.num_batches)
 
 
 _LAST_SCHEDULE: list[Any] = []  # [key, schedule] of the last run that allowed reuse (one: it may be large)

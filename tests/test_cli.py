@@ -166,7 +166,8 @@ def test_plan_prints_every_term():
 
 def test_flags_are_never_abbreviated():
     # `plan --policy X` once silently meant `--policy-file X` (an abbreviation), and X was never loaded
-    rc, out, err = run_cli("plan", "--policy", "mine.py")
+    # (plan has a --policy of its own since; compare has --policies and --policy-file, no --policy)
+    rc, out, err = run_cli("compare", "--policy", "mine.py")
     assert rc == 2 and err.count("\n") == 1 and "unrecognized arguments: --policy mine.py" in err
     rc, out, err = run_cli("plan", "--policy-fi", "mine.py")
     assert rc == 2 and err.count("\n") == 1 and "unrecognized arguments: --policy-fi mine.py" in err

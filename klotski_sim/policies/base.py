@@ -116,6 +116,9 @@ class PolicyInfo:
     # its schedule depends on the hardware only through the n and placement it is given, never on a
     # speed (no cost model in its decisions): a sweep over hardware numbers may build it once
     speed_independent: bool = False
+    # its best n is not what Klotski's inequalities give (its work moves between devices with n):
+    # with auto n, the planner chooses n by simulated probes (klotski_sim/probe.py)
+    probe_n: bool = False
 
     def preset(self, name: str) -> dict[str, Any]:
         """All option values the preset `name` gives this policy."""
@@ -135,7 +138,8 @@ def register(name: str, description: str, defaults: Mapping[str, Any] | None = N
              buffering: str = "whole-layer", impl_options: tuple[str, ...] = (),
              presets: Mapping[str, Mapping[str, Any]] | None = None,
              one_batch: bool = False, manages_experts: bool = False,
-             needs_cpu: bool = False, speed_independent: bool = False) -> Callable[[PolicyBuilder], PolicyBuilder]:
+             needs_cpu: bool = False, speed_independent: bool = False,
+             probe_n: bool = False) -> Callable[[PolicyBuilder], PolicyBuilder]:
     """Decorator: make a build function available as `--policy NAME`."""
     if buffering not in BUFFERING:
         raise UsageError(f"buffering must be one of {BUFFERING}")
@@ -148,7 +152,7 @@ def register(name: str, description: str, defaults: Mapping[str, Any] | None = N
             raise UsageError(f"policy {name!r} is already registered (by {POLICIES[name].build.__module__}); "
                              f"give yours another name")
         info = PolicyInfo(name, description, fn, dict(defaults or {}), buffering, tuple(impl_options),
-                          dict(presets or {}), one_batch, manages_experts, needs_cpu, speed_independent)
+                          dict(presets or {}), one_batch, manages_experts, needs_cpu, speed_independent, probe_n)
         for preset in PRESET_NAMES:
             info.preset(preset)  # every preset must be complete for this policy
         POLICIES[name] = info

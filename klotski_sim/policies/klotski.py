@@ -271,7 +271,7 @@ def _register(name: str, description: str) -> None:
     options = _COMMON + (("cold_order",) if rung.hot_prefetch else ("moe_load",))
     register(name, description, buffering="whole-layer" if not rung.hot_prefetch else "expert-aware",
              impl_options=options, presets={"as-published": {k: AS_PUBLISHED[k] for k in options}},
-             needs_cpu=rung.cpu_cold, speed_independent=not rung.cpu_cold)(
+             needs_cpu=rung.cpu_cold, speed_independent=not rung.cpu_cold, probe_n=rung.cpu_cold)(
         lambda inp: build_pipeline(inp, rung, name))
 
 
