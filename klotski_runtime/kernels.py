@@ -178,6 +178,10 @@ class WeightStore:
             if shape and tuple(tensor.shape) != shape:
                 raise WeightError(f"{index[key]}: tensor {key!r} has shape {list(tensor.shape)}, "
                                   f"model {spec.name!r} needs {list(shape)}")
+            if not tensor.is_floating_point():  # packed codes (GPTQ, AWQ, bitsandbytes): casting would compute garbage
+                raise WeightError(f"{index[key]}: tensor {key!r} is {str(tensor.dtype).removeprefix('torch.')}, "
+                                  f"not floating point: quantised checkpoints are not read (give the bf16/fp16/fp32 "
+                                  f"one; the simulator's @intN presets model quantised experts)")
             return tensor.to(dtype)
 
         h, f_, E, V = spec.hidden_size, spec.ffn_size, spec.num_experts, spec.vocab_size

@@ -218,6 +218,20 @@ def test_a_tensor_of_the_wrong_shape_is_refused_naming_file_and_key(tmp_path):
     assert str(file) in message and f"{key!r} has shape [{QWEN3.q_dim}]" in message and "needs [32]" in message, message
 
 
+def test_a_quantised_tensor_is_refused_not_cast(tmp_path):
+    """Packed integer codes cast to bf16 would compute garbage without a word."""
+    from safetensors.torch import load_file, save_file
+
+    path = save_tiny_qwen3_moe(tmp_path / "int8")
+    (file,) = path.glob("*.safetensors")
+    tensors = load_file(file)
+    key = "model.layers.0.mlp.experts.1.down_proj.weight"
+    tensors[key] = torch.zeros(tensors[key].shape, dtype=torch.int8)
+    save_file(tensors, file, metadata={"format": "pt"})
+    message = _one_line_error(path, QWEN3)
+    assert str(file) in message and f"{key!r} is int8, not floating point" in message, message
+
+
 def test_the_simulator_counts_the_kernels_these_models_add():
     """A q/k-norm model's attention launches two RMSNorms more (8 kernels each in transformers'
     eager RMSNorm); a router that keeps its top-k weights as they are skips Mixtral's sum and
