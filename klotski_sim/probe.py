@@ -6,8 +6,8 @@ by a chain (attention, gates, on-demand loads, experts, CPU outputs back before 
 attention) that three closed forms tried here did not capture (docs/cpu-experts.md, "A planner
 that chooses n"). So the planner measures: for each candidate n it simulates a probe — the run's
 own schedule, at that n with the resident layers its memory leaves room for, over the prefill and
-`PROBE_GEN` generated tokens of the run's first n batches — and predicts the whole run as the
-probe's prefill plus its mean decode step times the run's decode steps. The split between link
+a few generated tokens of the run's first n batches (`probe_gen_len`) — and predicts the whole run
+as the probe's prefill plus its mean decode step times the run's decode steps. The split between link
 and CPU follows from n through the policy's own rule, so choosing n chooses it.
 
 Candidates: the powers of two below the largest n that fits, that n itself, then the midpoints
@@ -20,8 +20,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-PROBE_GEN = 3  # generated tokens of a probe: the prefill, then two decode steps to average
+DECODE_STEPS = 2  # decode steps a probe averages at the least
+BATCH_STEPS = 16  # ... and at least this many batch-steps (n x steps): one batch's routing, so its step time,
+# varies from step to step (OLMoE, bs 4, n 1: two steps predicted 79.4 tok/s, the whole run gave 77.0)
 TIE = 0.005
+
+
+def probe_gen_len(n: int, gen_len: int) -> int:
+    """Generated tokens of the probe at n: the prefill's, then the decode steps it averages."""
+    return min(gen_len, 1 + max(DECODE_STEPS, -(-BATCH_STEPS // n)))
 
 
 @dataclass(frozen=True)
@@ -55,8 +62,8 @@ class ProbeSearch:
 
     def describe(self, policy: str, gen_len: int) -> str:
         """The probe table (`plan --policy`, `simulate`)."""
-        lines = [f"{policy}: n by simulated probes (prefill + {min(PROBE_GEN, gen_len)} generated tokens of the "
-                 f"run's first n batches, the whole run of {gen_len} generated predicted from them)",
+        lines = [f"{policy}: n by simulated probes (the prefill and {DECODE_STEPS}-{BATCH_STEPS} decode steps of the "
+                 f"run's first n batches; the whole run of {gen_len} generated predicted from them)",
                  f"  {'n':>4} {'resident':>8} {'prefill s':>10} {'decode step s':>14} {'predicted tok/s':>16} "
                  f"{'CPU experts':>12}"]
         for p in self.probes:

@@ -34,7 +34,7 @@ from .planner import (
 )
 from .policies import Placement, PolicyInput, build_schedule, get_policy
 from .policies.base import resolve_options
-from .probe import PROBE_GEN, Probe, ProbeSearch, search
+from .probe import Probe, ProbeSearch, probe_gen_len, search
 from .routing import RoutingTable, RunShape
 from .schedule import Schedule
 from .timeline import OutOfMemory, Timeline
@@ -309,11 +309,10 @@ def probe_batches(spec: RunSpec, prep: Prepared) -> ProbeSearch:
     over the prefill and a few generated tokens of the run's own first batches, at the placement
     that n would run with; the whole run predicted from it. (The run's routing is drawn for the
     planner's n, so no larger n is tried: `optimize --num-batches` searches beyond it.)"""
-    short = replace(spec, gen_len=min(PROBE_GEN, spec.gen_len))
     decode_steps = spec.gen_len - 1
 
     def measure(n: int) -> Probe:
-        rep = replay_run(short, prep.model, prep.trace, n)
+        rep = replay_run(replace(spec, gen_len=probe_gen_len(n, spec.gen_len)), prep.model, prep.trace, n)
         placement = _probe_placement(spec, prep, n)
         inp = PolicyInput(prep.model, prep.profile, rep.routing, placement, dict(spec.options), warmup=rep.warmup,
                           impl=spec.impl)
