@@ -443,6 +443,29 @@ def find_cycle(ops: Sequence[Op], graph: Graph) -> list[str]:
     return [ops[i].id for i in reversed(cycle)]
 
 
+def clean_deps(deps: Iterable[str | None]) -> tuple[str, ...]:
+    """Each dep once, in order, without the Nones that "no such op" leaves in a dep list."""
+    if not deps:
+        return ()
+    if type(deps) is list and len(deps) == 1:  # the common case, without building a dict
+        return () if deps[0] is None else (deps[0],)
+    unique = dict.fromkeys(deps)
+    unique.pop(None, None)
+    return tuple(unique)
+
+
+_new_tuple = tuple.__new__
+
+
+def compute_op(op_id: str, category: str, deps: tuple[str, ...], flops: int, nbytes: int, step: int, phase: str,
+               layer: int, batches: tuple[int, ...], expert: int, tokens: int, kv_len: int,
+               alloc: tuple[tuple[str, int], ...], free: tuple[str, ...], variant: str, stream: str = "compute") -> Op:
+    """A compute op built positionally, in Op's field order (no src/dst/tensor/pageable): a
+    policy loop makes tens of thousands, and keywords cost twice as much."""
+    return _new_tuple(Op, (op_id, "compute", stream, category, deps, flops, nbytes, "", "", step, phase, layer, batches,
+                           expert, tokens, kv_len, alloc, free, "", False, variant))
+
+
 class ScheduleBuilder:
     """Appends ops in issue order and hands back their ids; policies use it to read like the
     paper's loops (`b.transfer(...)`, `b.compute(...)`) without bookkeeping."""
@@ -458,23 +481,21 @@ class ScheduleBuilder:
     def add(self, op_id: str, kind: str, stream: str, category: str, deps: Iterable[str | None] = (),
             **tags: Any) -> str:
         """Append an op (a duplicate id is reported by `build`, which validates the whole schedule)."""
-        if not deps:
-            clean = ()
-        elif type(deps) is list and len(deps) == 1:  # the common case, without building a dict
-            clean = () if deps[0] is None else (deps[0],)
-        else:
-            unique = dict.fromkeys(deps)  # in order, each dep once, without None
-            unique.pop(None, None)
-            clean = tuple(unique)
+        return self.append(Op(op_id, kind, stream, category, clean_deps(deps), **tags))
+
+    def append(self, op: Op) -> str:
+        """Append a ready-made op whose deps are clean (`clean_deps`): the policies' hot path builds
+        its ops positionally (`compute_op`), which costs half of `add`'s keywords."""
+        stream = op.stream
         if self._barrier is not None and stream not in self._past_barrier:
             # issued after the host was blocked: the first op of each stream waits for the host
             # (later ones follow it in stream order)
             self._past_barrier.add(stream)
-            if self._barrier not in clean:
-                clean += (self._barrier,)
-        self.ops.append(Op(op_id, kind, stream, category, clean, **tags))
-        self._last_on_stream[stream] = op_id
-        return op_id
+            if self._barrier not in op.deps:
+                op = op._replace(deps=op.deps + (self._barrier,))
+        self.ops.append(op)
+        self._last_on_stream[stream] = op.id
+        return op.id
 
     def last_issued(self) -> list[str]:
         """The latest op of every stream but the host's: what a device-wide synchronise waits for."""

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from klotski_sim.schedule import Op, Schedule, ScheduleBuilder, ScheduleError
+from klotski_sim.schedule import Op, Schedule, ScheduleBuilder, ScheduleError, compute_op
 
 
 def c(op_id, deps=(), stream="compute", **kw):
@@ -92,3 +92,22 @@ def test_builder_drops_none_deps_and_duplicates():
     b.compute("a", "attention")
     with pytest.raises(ScheduleError, match="duplicate op id 'a'"):  # reported when the schedule is built
         b.build({})
+
+
+def test_a_positional_compute_op_is_the_op_keywords_build():
+    """compute_op fills Op's fields by position (the policies' hot path): a field added to or moved in
+    Op without compute_op would shift every value after it."""
+    fast = compute_op("x", "expert", ("d",), 1, 2, 3, "decode", 4, (5,), 6, 7, 8, (("a", 9),), ("b",), "fused",
+                      stream="cpu_compute")
+    assert fast == Op("x", "compute", "cpu_compute", "expert", ("d",), flops=1, bytes=2, step=3, phase="decode",
+                      layer=4, batches=(5,), expert=6, tokens=7, kv_len=8, alloc=(("a", 9),), free=("b",),
+                      variant="fused")
+    assert type(fast) is Op and fast.tensor == "" and fast.pageable is False
+
+
+def test_an_appended_op_waits_for_the_host_like_an_added_one():
+    b = ScheduleBuilder()
+    b.host_wait("sync", "sync", [])
+    b.append(compute_op("a", "gate", (), 0, 0, 0, "decode", 0, (0,), -1, 1, 0, (), (), ""))
+    b.append(compute_op("b", "gate", (), 0, 0, 0, "decode", 0, (0,), -1, 1, 0, (), (), ""))
+    assert [op.deps for op in b.ops] == [(), ("sync",), ()]  # the stream's first op only

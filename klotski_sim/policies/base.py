@@ -20,7 +20,7 @@ from ..hardware import HardwareProfile
 from ..impl import IMPL_CHOICES, PRESET_NAMES, Impl, preset_options
 from ..model import ModelSpec
 from ..routing import RoutingTable, RunShape
-from ..schedule import CPU_STREAMS, Schedule, ScheduleBuilder, gc_paused
+from ..schedule import CPU_STREAMS, Schedule, ScheduleBuilder, clean_deps, compute_op, gc_paused
 from ..trace import Trace
 
 TIERS = ("gpu", "cpu", "disk")
@@ -296,7 +296,7 @@ class OpEmitter:
         self.placement = inp.placement
         self.b = builder or ScheduleBuilder()
         self.impl = Impl.from_options(inp.options)
-        self._attention_costs: dict[tuple[int, int], tuple[int, int]] = {}
+        self._attention_costs: dict[tuple[int, int], tuple[int, int, int]] = {}
         self._expert_costs: dict[int, tuple[int, int]] = {}  # tokens -> FLOPs, bytes
         # (tokens, layer) -> category, FLOPs, bytes, variant
         self._gate_costs: dict[tuple[int, int], tuple[str, int, int, str]] = {}
@@ -452,39 +452,42 @@ class OpEmitter:
         """Attention of one batch, with its KV cache: grown on the GPU, or loaded from and stored to
         the CPU around the op."""
         m, sh = self.model, self.shape
-        new = self.new_tokens(step)
-        kv_len = sh.kv_len(step)
-        tags = dict(step=step, phase=self.phase(step), layer=layer, batches=self.batch_tuple[batch])
         deps = list(deps)
         if self.attention_on_cpu and step > 0:
             return self._decode_attention_on_cpu(op_id, step, layer, batch, deps, tuple(free))
+        new = self.new_tokens(step)
+        kv_len = sh.kv_len(step)
+        flops, nbytes, kv_new = self._attention_cost(new, kv_len)
         alloc: tuple[tuple[str, int], ...] = ()
         free = tuple(free)
-        if self.placement.kv == "gpu":
-            alloc = ((f"kv/L{layer}/b{batch}/s{step}", m.kv_bytes(sh.batch_size, new)),)
-            self._kv_buffers.setdefault(batch, []).append(alloc[0][0])
-        elif kv_len - new > 0:
-            # Double-buffered like FlexGen's load_cache(j, k+1): the cache of this attention may
-            # load once the attention two before it has finished with its own buffer.
-            past = m.kv_bytes(sh.batch_size, kv_len - new)
-            # ... and once the entries of this batch's previous step have been stored
-            after = self._attention_ops[-2:-1] + [self._last_kv_store.get((layer, batch))]
-            pageable = self.impl.copy_memory_kv == "pageable"
-            load = self.b.transfer(f"{op_id}/kv_load", "kv", "h2d_kv", past, "cpu", "gpu", after,
-                                   alloc=((f"{op_id}/kv_load", past),), tensor="kv", pageable=pageable, **tags)
-            if pageable:
-                self.copy_wait(load)
-            deps.append(load)
-            free = free + (load,)
-        variant = self._attention_variant
-        flops, nbytes = self._attention_cost(new, kv_len)
-        op = self.b.add(op_id, "compute", "compute", "attention", deps, flops=flops, bytes=nbytes,
-                        tokens=sh.batch_size * new, kv_len=kv_len, alloc=alloc, free=free, variant=variant, **tags)
+        on_gpu = self.placement.kv == "gpu"
+        if on_gpu:
+            name = f"kv/L{layer}/b{batch}/s{step}"
+            alloc = ((name, kv_new),)
+            self._kv_buffers.setdefault(batch, []).append(name)
+        else:
+            tags = dict(step=step, phase=self.phase(step), layer=layer, batches=self.batch_tuple[batch])
+            if kv_len - new > 0:
+                # Double-buffered like FlexGen's load_cache(j, k+1): the cache of this attention may
+                # load once the attention two before it has finished with its own buffer.
+                past = m.kv_bytes(sh.batch_size, kv_len - new)
+                # ... and once the entries of this batch's previous step have been stored
+                after = self._attention_ops[-2:-1] + [self._last_kv_store.get((layer, batch))]
+                pageable = self.impl.copy_memory_kv == "pageable"
+                load = self.b.transfer(f"{op_id}/kv_load", "kv", "h2d_kv", past, "cpu", "gpu", after,
+                                       alloc=((f"{op_id}/kv_load", past),), tensor="kv", pageable=pageable, **tags)
+                if pageable:
+                    self.copy_wait(load)
+                deps.append(load)
+                free = free + (load,)
+        op = self.b.append(compute_op(op_id, "attention", clean_deps(deps), flops, nbytes, step, self.phase(step), layer,
+                                      self.batch_tuple[batch], -1, sh.batch_size * new, kv_len, alloc, free,
+                                      self._attention_variant))
         self._attention_ops.append(op)
-        if self.placement.kv == "cpu":
+        if not on_gpu:
             pageable = self.impl.copy_memory_kv == "pageable"
-            store = self.b.transfer(f"{op_id}/kv_store", "kv", "d2h_kv", m.kv_bytes(sh.batch_size, new), "gpu",
-                                    "cpu", [op], tensor="kv", pageable=pageable, **tags)
+            store = self.b.transfer(f"{op_id}/kv_store", "kv", "d2h_kv", kv_new, "gpu", "cpu", [op], tensor="kv",
+                                    pageable=pageable, **tags)
             if pageable:
                 self.copy_wait(store)
             self._last_kv_store[(layer, batch)] = store
@@ -549,9 +552,8 @@ class OpEmitter:
             category = "gate" if m.is_moe(layer) else "dense_mlp"
             cost = self._gate_costs[(tokens, layer)] = (category, m.gate_flops(tokens, layer),
                                                          m.gate_io_bytes(tokens, layer), op_variant(m, category))
-        return self.b.add(op_id, "compute", "compute", cost[0], deps, flops=cost[1], bytes=cost[2], step=step,
-                          phase=self.phase(step), layer=layer, batches=self.batch_tuple[batch], tokens=tokens,
-                          free=tuple(free), variant=cost[3])
+        return self.b.append(compute_op(op_id, cost[0], clean_deps(deps), cost[1], cost[2], step, self.phase(step), layer,
+                                        self.batch_tuple[batch], -1, tokens, 0, (), tuple(free), cost[3]))
 
     def expert(self, op_id: str, step: int, layer: int, expert: int, batches: Iterable[int], tokens: int,
                deps: Iterable[str | None] = (), free: tuple[str, ...] = (), rows_of: str | None = None) -> str:
@@ -564,23 +566,23 @@ class OpEmitter:
         cost = self._expert_costs.get(tokens)
         if cost is None:  # (an as-published schedule has an expert op per expert, batch, layer and step)
             cost = self._expert_costs[tokens] = (self.model.expert_flops(tokens), self.model.expert_io_bytes(tokens))
-        op = self.b.add(op_id, "compute", "compute", "expert", deps, flops=cost[0], bytes=cost[1], step=step,
-                        phase=self.phase(step), layer=layer, batches=tuple(batches), expert=expert, tokens=tokens,
-                        free=self.releasable(free))
+        op = self.b.append(compute_op(op_id, "expert", clean_deps(deps), cost[0], cost[1], step, self.phase(step), layer,
+                                      tuple(batches), expert, tokens, 0, (), self.releasable(free), ""))
         if self.cache is not None:
             for d in deps:
                 if d is not None:
                     self.cache.used_by(d, op)
         return op
 
-    def _attention_cost(self, new: int, kv_len: int) -> tuple[int, int]:
-        """FLOPs and bytes of one batch's attention (the same for every batch and layer of a step)."""
+    def _attention_cost(self, new: int, kv_len: int) -> tuple[int, int, int]:
+        """FLOPs and bytes of one batch's attention, and the bytes of the KV entries it adds (the
+        same for every batch and layer of a step)."""
         key = (new, kv_len)
         cost = self._attention_costs.get(key)
         if cost is None:
             m, bs, variant = self.model, self.shape.batch_size, self.impl.attention_impl
             cost = self._attention_costs[key] = (m.attention_flops(bs, new, kv_len, variant),
-                                                 m.attention_io_bytes(bs, new, kv_len, variant))
+                                                 m.attention_io_bytes(bs, new, kv_len, variant), m.kv_bytes(bs, new))
         return cost
 
     # ---- the host thread -------------------------------------------------------------------------
