@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, field
 from types import ModuleType
 from typing import Any, Callable, Iterable, Mapping
 
+import numpy as np
+
 from ..cost import op_variant
 from ..errors import KlotskiError, UsageError
 from ..hardware import HardwareProfile
@@ -600,17 +602,17 @@ class OpEmitter:
         """A copy from/to pageable memory holds the host thread until it has finished."""
         return self.b.host_wait(f"{copy}/wait", "copy_wait", [copy])
 
-    def cold_order(self, step: int, layer: int, batch: int, experts: Iterable[int]) -> list[int]:
-        """The order in which this batch's on-demand loads of `experts` are issued (option `cold_order`)."""
-        experts = list(experts)
-        order = self.impl.cold_order
+    def cold_orders(self, step: int, layer: int) -> list[list[int]]:
+        """For each batch, the experts it selected at this step and layer in the order their
+        on-demand loads are issued (option `cold_order`)."""
+        routing, order = self.inp.routing, self.impl.cold_order
         if order == "expert-id":
-            return sorted(experts)
-        if order == "most-tokens-first":
-            tokens = self.inp.routing.count_rows[step][layer][batch]
-            return sorted(experts, key=lambda e: (-tokens[e], e))
-        wanted = set(experts)
-        return [e for e in self.inp.routing.first_use(step, layer, batch) if e in wanted]
+            return [[e for e, tokens in enumerate(row) if tokens] for row in routing.count_rows[step][layer]]
+        if order == "most-tokens-first":  # (a stable sort: ties in expert-id order)
+            counts = routing.counts[step, layer]
+            ranked = np.argsort(-counts, axis=1, kind="stable").tolist()
+            return [row[:used] for row, used in zip(ranked, np.count_nonzero(counts, axis=1).tolist())]
+        return [routing.first_use(step, layer, b) for b in range(self.shape.num_batches)]
 
     # ---- helpers --------------------------------------------------------------------------------
     def new_tokens(self, step: int) -> int:

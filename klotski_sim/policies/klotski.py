@@ -172,7 +172,7 @@ def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
                 split.new_layer()
             on_demand = rung.hot_prefetch and not resident
             if on_demand:  # per batch: the experts it selected, and tokens per expert over the gates run so far
-                selected = [[e for e, tokens in enumerate(row) if tokens] for row in routing.count_rows[step][j]]
+                cold_orders = em.cold_orders(step, j)
                 seen_by = np.cumsum(counts[step, j], axis=0)
             for b in batches:
                 last_gate = em.gate(f"{at}/b{b}/gate", step, j, b, [gate_w],
@@ -181,9 +181,8 @@ def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
                     if sublayer_sync:  # the routed ids are read on the host (`.tolist()`)
                         em.sync(last_gate, [last_gate])
                     # on-demand loads: what this batch selected that is neither hot nor requested
-                    chosen = em.cold_order(step, j, b, selected[b])
                     seen = seen_by[b]
-                    for e in chosen:
+                    for e in cold_orders[b]:
                         if e in cpu_experts:
                             continue
                         if split and e not in expert_w and split.to_cpu(seen[e] * len(batches) / (b + 1)):
