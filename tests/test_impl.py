@@ -81,6 +81,17 @@ def test_cold_order_golden():
         assert cold == [e for e in want if e not in hot]
 
 
+@pytest.mark.parametrize("order", ["first-use", "expert-id", "most-tokens-first"])
+def test_a_dense_layer_loads_no_experts_whatever_the_cold_order(order):
+    """DeepSeek's first layer is a dense MLP: its routed ids exist in a trace but are never used, so no
+    order may issue a load for them (first-use reads the ids themselves)."""
+    inp = make_input(model="deepseek-v2-lite:3", bs=2, n=2, P=4, G=3)
+    s = build_schedule("klotski", PolicyInput(inp.model, inp.profile, inp.routing, inp.placement,
+                                              {"cold_order": order}, inp.warmup, "ideal"))
+    loads = [o for o in s.ops if o.category in ("hot_expert", "cold_expert")]
+    assert loads and not [o for o in loads if o.layer == 0]
+
+
 def test_first_use_matches_the_routing_on_random_traces():
     inp, s = build("klotski", cold_order="first-use")
     routing = inp.routing
