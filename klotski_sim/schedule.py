@@ -455,6 +455,7 @@ def clean_deps(deps: Iterable[str | None]) -> tuple[str, ...]:
 
 
 _new_tuple = tuple.__new__
+_AFTER_DEPS = tuple(Op._field_defaults[name] for name in Op._fields[5:])  # Op's defaults after id..deps
 
 
 def compute_op(op_id: str, category: str, deps: tuple[str, ...], flops: int, nbytes: int, step: int, phase: str,
@@ -481,6 +482,8 @@ class ScheduleBuilder:
     def add(self, op_id: str, kind: str, stream: str, category: str, deps: Iterable[str | None] = (),
             **tags: Any) -> str:
         """Append an op (a duplicate id is reported by `build`, which validates the whole schedule)."""
+        if not tags:  # (most host waits: every field after the deps at its default, without keywords)
+            return self.append(_new_tuple(Op, (op_id, kind, stream, category, clean_deps(deps)) + _AFTER_DEPS))
         return self.append(Op(op_id, kind, stream, category, clean_deps(deps), **tags))
 
     def append(self, op: Op) -> str:
@@ -491,8 +494,8 @@ class ScheduleBuilder:
             # issued after the host was blocked: the first op of each stream waits for the host
             # (later ones follow it in stream order)
             self._past_barrier.add(stream)
-            if self._barrier not in op.deps:
-                op = op._replace(deps=op.deps + (self._barrier,))
+            if self._barrier not in op.deps:  # (Op's deps are its fifth field; _replace costs 6x this)
+                op = _new_tuple(Op, op[:4] + (op.deps + (self._barrier,),) + op[5:])
         self.ops.append(op)
         self._last_on_stream[stream] = op.id
         return op.id
