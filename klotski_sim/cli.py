@@ -228,10 +228,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"refused: {_oom_text(asdict(prep.refused))}")
     if prep.refused is not None or prep.plan.n_memory == 0:
         return 3  # (as simulate exits on out-of-memory)
+    n = policy_batches(spec.policy, prep)
     if POLICIES[spec.policy].probe_n:
-        print(probe_batches(spec, prep).describe(spec.policy, spec.gen_len))
-    elif spec.policy != "klotski" and policy_batches(spec.policy, prep) != prep.num_batches:
-        print(f"=> {spec.policy} runs n = {policy_batches(spec.policy, prep)}")
+        print(probe_batches(spec, prep.narrowed(n) if n != prep.num_batches else prep).describe(spec.policy,
+                                                                                                 spec.gen_len))
+    elif n != prep.num_batches:
+        print(f"=> {spec.policy} runs n = {n}")
     return 0
 
 
