@@ -57,22 +57,27 @@ class Plan:
     notes: tuple[str, ...] = field(default_factory=tuple)
 
 
-def expert_activity(model: ModelSpec, popularity: np.ndarray, tokens: int) -> dict[str, np.ndarray]:
+def expert_activity(model: ModelSpec, popularity: np.ndarray, tokens: int | np.ndarray) -> dict[str, np.ndarray]:
     """Per layer, for a group of `tokens` tokens each choosing top-k experts with the given shares
     (`[layers, experts]`, summing to 1 per layer): the K hottest experts' token counts, and each
-    other expert's chance to be used at all and its expected tokens when it is."""
+    other expert's chance to be used at all and its expected tokens when it is. `tokens` may be an
+    array of group sizes: the results then have its shape in front (`[groups, layers, experts]`)."""
     k = model.top_k
+    tokens = np.asarray(tokens)[..., None, None]
     q = np.minimum(1.0, k * popularity)  # chance a token selects expert e
     order = np.argsort(-popularity, axis=1, kind="stable")
-    hot = order[:, : model.top_k]
-    cold = order[:, model.top_k:]
     p_used = 1 - (1 - q) ** tokens
     expected_tokens = tokens * q
-    take = np.take_along_axis
+
+    def take(values: np.ndarray, columns: np.ndarray) -> np.ndarray:
+        return np.take_along_axis(values, np.broadcast_to(columns, values.shape[:-1] + columns.shape[-1:]), axis=-1)
+
+    hot, cold = order[:, :k], order[:, k:]
+    cold_p = take(p_used, cold)
     return {
-        "hot_tokens": take(expected_tokens, hot, axis=1),
-        "cold_p_used": take(p_used, cold, axis=1),
-        "cold_tokens_if_used": take(expected_tokens, cold, axis=1) / np.maximum(take(p_used, cold, axis=1), 1e-12),
+        "hot_tokens": take(expected_tokens, hot),
+        "cold_p_used": cold_p,
+        "cold_tokens_if_used": take(expected_tokens, cold) / np.maximum(cold_p, 1e-12),
     }
 
 
@@ -204,23 +209,29 @@ def plan(model: ModelSpec, profile: HardwareProfile, batch_size: int, prompt_len
                                                         tok, phase="decode")
         return op_times[tok]
 
-    def expert_times(tokens: np.ndarray, ops: int) -> np.ndarray:
+    def expert_times(tokens: np.ndarray, ops: np.ndarray) -> np.ndarray:
         """The time of `ops` expert ops sharing `tokens` tokens, elementwise (each op's tokens
         rounded: an op runs whole tokens); costed once per distinct token count."""
-        per_op = np.maximum(1, np.rint(tokens / ops if ops > 1 else tokens)).astype(np.int64)
+        per_op = np.maximum(1, np.rint(tokens / ops)).astype(np.int64)
         distinct, where = np.unique(per_op, return_inverse=True)
         times = np.array([op_time(int(t)) for t in distinct])[where.reshape(per_op.shape)]
-        return ops * times if ops > 1 else times
+        return ops * times
 
-    def group_terms(n: int) -> dict[str, float]:
-        act = expert_activity(model, popularity, n * batch_size)
-        ops = n if impl.per_batch_experts else 1  # per batch: n ops, each over its share of the tokens
-        hot = expert_times(act["hot_tokens"], ops).sum(axis=1).mean()
-        cold = (act["cold_p_used"] * expert_times(act["cold_tokens_if_used"], ops)).sum(axis=1).mean()
-        return {"t_c_hotE": float(hot), "sum_Q_t_cE": float(cold), "Q": float(act["cold_p_used"].sum(axis=1).mean())}
+    def group_terms(ns: np.ndarray) -> dict[str, np.ndarray]:
+        """The expert terms of groups of n batches, for every n in `ns` at once."""
+        act = expert_activity(model, popularity, ns * batch_size)
+        # per batch: n ops, each over its share of the tokens
+        ops = (ns if impl.per_batch_experts else np.ones_like(ns))[:, None, None]
+        hot = expert_times(act["hot_tokens"], ops).sum(axis=-1).mean(axis=-1)
+        cold = (act["cold_p_used"] * expert_times(act["cold_tokens_if_used"], ops)).sum(axis=-1).mean(axis=-1)
+        return {"t_c_hotE": hot, "sum_Q_t_cE": cold, "Q": act["cold_p_used"].sum(axis=-1).mean(axis=-1)}
 
-    def inequalities(n: int) -> tuple[Inequality, ...]:
-        g = group_terms(n)
+    def inequalities(n: int | np.ndarray) -> tuple[Inequality, ...]:
+        """(4)-(7) at n, or elementwise for an array of n (then each side is an array)."""
+        scalar = np.ndim(n) == 0
+        g = group_terms(np.atleast_1d(np.asarray(n, dtype=np.int64)))
+        if scalar:
+            g = {key: float(value[0]) for key, value in g.items()}
         base = n * (t["t_cA"] + t["t_cG"])
         return (
             Inequality("(4) n*t_cA >= t_IO_G", n * t["t_cA"], t["t_IO_G"]),
@@ -231,7 +242,9 @@ def plan(model: ModelSpec, profile: HardwareProfile, batch_size: int, prompt_len
                        base + g["t_c_hotE"] + g["sum_Q_t_cE"], t["t_IO_G"] + (K + g["Q"]) * t["t_IO_E"] + t["t_IO_A"]),
         )
 
-    n_io = next((n for n in range(1, n_max + 1) if all(i.holds for i in inequalities(n))), None)
+    candidates = np.arange(1, n_max + 1)  # every n at once: the same terms as n by n, in one pass
+    holds = np.logical_and.reduce([ineq.lhs >= ineq.rhs for ineq in inequalities(candidates)])
+    n_io = int(candidates[holds][0]) if holds.any() else None
     capacity = profile.gpu.usable_bytes
 
     def largest_fitting(pl: Placement) -> int:
@@ -266,7 +279,7 @@ def plan(model: ModelSpec, profile: HardwareProfile, batch_size: int, prompt_len
         if placement.resident_layers:
             notes.append(f"{placement.resident_layers} layer(s) kept resident on the GPU with the spare memory")
     terms = dict(t)
-    terms.update(group_terms(n))
+    terms.update({key: float(value[0]) for key, value in group_terms(np.array([n])).items()})
     return Plan(n=n, n_io=n_io, n_memory=n_memory, placement=placement, terms=terms,
                 inequalities=inequalities(n), memory=memory_needed(model, batch_size, n, prompt_len, gen_len, placement),
                 notes=tuple(notes))
