@@ -482,8 +482,8 @@ class OpEmitter:
                     self.copy_wait(load)
                 deps.append(load)
                 free = free + (load,)
-        op = self.b.append(compute_op(op_id, "attention", clean_deps(deps), flops, nbytes, step, self.phase(step), layer,
-                                      self.batch_tuple[batch], -1, sh.batch_size * new, kv_len, alloc, free,
+        op = self.b.append(compute_op(op_id, "attention", clean_deps(deps), flops, nbytes, step, self.phase(step),
+                                      layer, self.batch_tuple[batch], -1, sh.batch_size * new, kv_len, alloc, free,
                                       self._attention_variant))
         self._attention_ops.append(op)
         if not on_gpu:
@@ -554,8 +554,8 @@ class OpEmitter:
             category = "gate" if m.is_moe(layer) else "dense_mlp"
             cost = self._gate_costs[(tokens, layer)] = (category, m.gate_flops(tokens, layer),
                                                          m.gate_io_bytes(tokens, layer), op_variant(m, category))
-        return self.b.append(compute_op(op_id, cost[0], clean_deps(deps), cost[1], cost[2], step, self.phase(step), layer,
-                                        self.batch_tuple[batch], -1, tokens, 0, (), tuple(free), cost[3]))
+        return self.b.append(compute_op(op_id, cost[0], clean_deps(deps), cost[1], cost[2], step, self.phase(step),
+                                        layer, self.batch_tuple[batch], -1, tokens, 0, (), tuple(free), cost[3]))
 
     def expert(self, op_id: str, step: int, layer: int, expert: int, batches: Iterable[int], tokens: int,
                deps: Iterable[str | None] = (), free: tuple[str, ...] = (), rows_of: str | None = None) -> str:
@@ -568,8 +568,8 @@ class OpEmitter:
         cost = self._expert_costs.get(tokens)
         if cost is None:  # (an as-published schedule has an expert op per expert, batch, layer and step)
             cost = self._expert_costs[tokens] = (self.model.expert_flops(tokens), self.model.expert_io_bytes(tokens))
-        op = self.b.append(compute_op(op_id, "expert", clean_deps(deps), cost[0], cost[1], step, self.phase(step), layer,
-                                      tuple(batches), expert, tokens, 0, (), self.releasable(free), ""))
+        op = self.b.append(compute_op(op_id, "expert", clean_deps(deps), cost[0], cost[1], step, self.phase(step),
+                                      layer, tuple(batches), expert, tokens, 0, (), self.releasable(free), ""))
         if self.cache is not None:
             for d in deps:
                 if d is not None:
