@@ -283,7 +283,7 @@ def run(spec: RunSpec, cost: CostModel | None = None, prepared: Prepared | None 
         if n != prep.num_batches:
             prep = prep.narrowed(n)
         if get_policy(spec.policy).probe_n:
-            probes = probe_batches(spec, prep)
+            probes = probe_batches(spec, prep, cost)
             prep = replace(prep.narrowed(probes.chosen.n), placement=_probe_placement(spec, prep, probes.chosen.n))
     key = _schedule_key(spec, prep) if reuse_schedule else None
     if key is not None and _LAST_SCHEDULE and _LAST_SCHEDULE[0] == key:
@@ -304,7 +304,7 @@ def _probe_placement(spec: RunSpec, prep: Prepared, n: int) -> Placement:
                                 replace(prep.placement, resident_layers=0), get_policy(spec.policy).buffering)
 
 
-def probe_batches(spec: RunSpec, prep: Prepared) -> ProbeSearch:
+def probe_batches(spec: RunSpec, prep: Prepared, cost: CostModel | None = None) -> ProbeSearch:
     """n for a `probe_n` policy (klotski_sim/probe.py): each candidate up to the run's n simulated
     over the prefill and a few generated tokens of the run's own first batches, at the placement
     that n would run with; the whole run predicted from it. (The run's routing is drawn for the
@@ -317,7 +317,7 @@ def probe_batches(spec: RunSpec, prep: Prepared) -> ProbeSearch:
         inp = PolicyInput(prep.model, prep.profile, rep.routing, placement, dict(spec.options), warmup=rep.warmup,
                           impl=spec.impl)
         schedule = build_schedule(spec.policy, inp)
-        summary = simulate(schedule, prep.profile).summary()
+        summary = simulate(schedule, prep.profile, cost).summary()  # (timed as the run will be)
         decode_experts = [op.stream for op in schedule.ops if op.category == "expert" and op.phase == "decode"]
         on_cpu = decode_experts.count("cpu_compute") / len(decode_experts) if decode_experts else 0.0
         step = summary.decode_step_s if decode_steps else 0.0
