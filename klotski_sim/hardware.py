@@ -184,13 +184,14 @@ def profile_from_dict(data: Any, where: str) -> HardwareProfile:
     try:
         return HardwareProfile.model_validate(data)
     except ValidationError as err:
-        lines = []
-        for e in err.errors():
+        problems = []  # (a misspelt field first: it usually explains the missing one)
+        for e in sorted(err.errors(), key=lambda e: e["type"] != "extra_forbidden"):
             loc = ".".join(str(p) for p in e["loc"])
             hint = _did_you_mean(e["loc"]) if e["type"] == "extra_forbidden" else ""
             msg = "unknown field" if e["type"] == "extra_forbidden" else e["msg"]
-            lines.append(f"  {loc}: {msg}{hint}")
-        raise ProfileError(f"{where}: invalid hardware profile\n" + "\n".join(lines)) from None
+            problems.append(f"{loc}: {msg}{hint}")
+        shown = "; ".join(problems[:6]) + (f"; ... ({len(problems)} problems in all)" if len(problems) > 6 else "")
+        raise ProfileError(f"{where}: invalid hardware profile: {shown}") from None  # (one line, every field named)
 
 
 def load_profile_file(path: str | Path) -> HardwareProfile:

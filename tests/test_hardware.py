@@ -51,6 +51,17 @@ def test_misspelled_field_suggests_the_right_one(tmp_path):
         load_profile(_write(tmp_path, data))
     assert "gpu.memory_bandwith: unknown field" in str(err.value)
     assert "did you mean 'memory_bandwidth'" in str(err.value)
+    # one line, the misspelling named before the field it left missing
+    assert "\n" not in str(err.value)
+    assert str(err.value).index("memory_bandwith") < str(err.value).index("gpu.memory_bandwidth: Field required")
+
+
+def test_many_problems_are_one_line_with_their_count(tmp_path):
+    data = {"name": "x", "gpu": {"memory_bandwith": 1}}
+    with pytest.raises(ProfileError) as err:
+        load_profile(_write(tmp_path, data))
+    message = str(err.value)
+    assert "\n" not in message and message.endswith("problems in all)") and message.count(";") == 6, message
 
 
 def test_not_yaml_and_not_a_mapping(tmp_path):
