@@ -3,14 +3,14 @@
 Klotski's inequalities (planner.py) assume every cold expert crosses the link. `klotski-hybrid`
 sends some to the CPU, and which ones depends on the tokens each gets, so on n; its layer is bound
 by a chain (attention, gates, on-demand loads, experts, CPU outputs back before the next
-attention) that three closed forms tried here did not capture (docs/cpu-experts.md, "A planner
-that chooses n"). So the planner measures: for each candidate n it simulates a probe — the run's
+attention) that the closed forms tried for it did not capture (docs/cpu-experts.md, "n for
+klotski-hybrid: simulated probes"). So the planner measures: for each candidate n it simulates a probe — the run's
 own schedule, at that n with the resident layers its memory leaves room for, over the prefill and
 a few generated tokens of the run's first n batches (`probe_gen_len`) — and predicts the whole run
 as the probe's prefill plus its mean decode step times the run's decode steps. The split between link
 and CPU follows from n through the policy's own rule, so choosing n chooses it.
 
-Candidates: the powers of two below the largest n that fits, that n itself, then the midpoints
+Candidates: the powers of two below the planner's n (the most the run's routing holds), that n, then the midpoints
 around the best of those. Predictions within `TIE` of the best are a tie, won by the smaller n
 (less KV cache, lower per-token latency) — the margin the where-wins figure calls a tie.
 """
