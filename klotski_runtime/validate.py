@@ -184,7 +184,7 @@ def validate(setup: ValidationSetup, profile_path: str, out_dir: str | Path,
     spreads: list[float] = []  # run-to-run spread of the measured makespan, per schedule
     for name, impl in runs:
         key = name if len(impls) == 1 else f"{name}/{impl}"
-        p = prep.narrowed(1) if name == "single-batch" and prep.num_batches > 1 else prep
+        p = prep.narrowed(1) if name == "single-batch" else prep
         schedule = build_schedule(name, replace(p.policy_input(dict(setup.options)), impl=impl))
         sim = simulate(schedule, p.profile)
         if sim.status != "ok":  # a measurement of a run the simulator says cannot happen compares nothing

@@ -34,7 +34,7 @@ from .model import PRESETS, get_model
 from .planner import format_plan
 from .policies import POLICIES
 from .policies.plugins import load_for_command_line
-from .runner import RunSpec, available_cores, policy_batches, prepare, probe_batches, run, run_each
+from .runner import RunSpec, available_cores, policy_batches, policy_prepared, prepare, run, run_each
 from .timeline import FIGURE_COLUMNS, Summary, jsonable
 from .trace import Trace, import_jsonl
 from .trace_stats import format_stats, layer_stats, token_subset
@@ -228,12 +228,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"refused: {_oom_text(asdict(prep.refused))}")
     if prep.refused is not None or prep.plan.n_memory == 0:
         return 3  # (as simulate exits on out-of-memory)
-    n = policy_batches(spec.policy, prep)
-    if POLICIES[spec.policy].probe_n:
-        print(probe_batches(spec, prep.narrowed(n) if n != prep.num_batches else prep).describe(spec.policy,
-                                                                                                 spec.gen_len))
-    elif n != prep.num_batches:
-        print(f"=> {spec.policy} runs n = {n}")
+    runs, probes = policy_prepared(spec, prep)
+    if probes is not None:
+        print(probes.describe(spec.policy, spec.gen_len))
+    elif runs.num_batches != prep.num_batches:
+        print(f"=> {spec.policy} runs n = {runs.num_batches}")
     return 0
 
 

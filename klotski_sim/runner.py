@@ -91,6 +91,8 @@ class Prepared:
 
     def narrowed(self, num_batches: int) -> "Prepared":
         """The same run with fewer batches: the first `num_batches` batches of the same routing."""
+        if num_batches == self.num_batches:
+            return self
         if self.trace is None:
             return replace(self, num_batches=num_batches)
         return replace(self, num_batches=num_batches,
@@ -279,12 +281,7 @@ def run(spec: RunSpec, cost: CostModel | None = None, prepared: Prepared | None 
         return refused_run(spec, prep)
     probes = None
     if spec.num_batches is None:
-        n = policy_batches(spec.policy, prep)
-        if n != prep.num_batches:
-            prep = prep.narrowed(n)
-        if get_policy(spec.policy).probe_n:
-            probes = probe_batches(spec, prep, cost)
-            prep = replace(prep.narrowed(probes.chosen.n), placement=_probe_placement(spec, prep, probes.chosen.n))
+        prep, probes = policy_prepared(spec, prep, cost)
     key = _schedule_key(spec, prep) if reuse_schedule else None
     if key is not None and _LAST_SCHEDULE and _LAST_SCHEDULE[0] == key:
         schedule = _LAST_SCHEDULE[1]
@@ -293,6 +290,19 @@ def run(spec: RunSpec, cost: CostModel | None = None, prepared: Prepared | None 
         _LAST_SCHEDULE[:] = [key, schedule] if key is not None else []
     timeline = simulate(schedule, prep.profile, cost)
     return RunResult(spec, prep.model, prep.profile, schedule, timeline, prep.plan, prep.replay.routing, probes)
+
+
+def policy_prepared(spec: RunSpec, prep: Prepared, cost: CostModel | None = None
+                    ) -> tuple[Prepared, ProbeSearch | None]:
+    """The preparation `spec.policy` runs with when the planner chooses n: narrowed to the n its
+    buffers allow (`policy_batches`), then, for a `probe_n` policy, to the n of its best probe at
+    that n's placement (and the probes taken)."""
+    prep = prep.narrowed(policy_batches(spec.policy, prep))
+    if not get_policy(spec.policy).probe_n:
+        return prep, None
+    probes = probe_batches(spec, prep, cost)
+    n = probes.chosen.n
+    return replace(prep.narrowed(n), placement=_probe_placement(spec, prep, n)), probes
 
 
 def _probe_placement(spec: RunSpec, prep: Prepared, n: int) -> Placement:
