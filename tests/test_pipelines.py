@@ -146,16 +146,17 @@ def test_correlation_table_follows_the_paper():
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 4), st.integers(2, 6), st.integers(1, 3), st.integers(0, 30), st.integers(1, 64),
        st.integers(0, 2**31 - 1), st.booleans())
-def test_correlation_table_counts_every_pair_once_whatever_the_chunking(L, E, K, tokens, chunk, seed, one_hot):
-    """The one-pass learner (counting pairs, or multiplying one-hot matrices; in chunks of any size)
+def test_correlation_table_counts_every_pair_once_whatever_the_chunking(L, E, K, tokens, chunk, seed, by_choice):
+    """The one-pass learner (counting pairs, or pairs of whole top-k choices; in chunks of any size)
     counts what a token-by-token, layer-by-layer loop counts, for top-k choices of distinct experts
     (as every trace is: trace validation refuses an expert chosen twice)."""
     K = min(K, E)
     rng = np.random.default_rng(seed)
     ids = np.argsort(rng.random((tokens, L, E)), axis=-1)[..., :K]
     t = CorrelationTable(num_layers=L, num_experts=E, top_k=K)
-    with patch.object(prefetch, "_CHUNK_PAIRS", chunk), patch.object(prefetch, "_ONE_HOT_TOKENS", chunk), \
-            patch.object(prefetch, "_ONE_HOT_EXPERTS", 64 if one_hot else 0):
+    with patch.object(prefetch, "_CHUNK_PAIRS", chunk), patch.object(prefetch, "_CODE_TOKENS", chunk), \
+            patch.object(prefetch, "_CHOICE_CODES", 6**3 if by_choice else 0), \
+            patch.object(prefetch, "_CHOICE_PAIRS_PER_CELL", 0):
         t.observe_tokens(ids)
     t0, pairs = np.zeros(E, dtype=np.int64), np.zeros((L, E, E), dtype=np.int64)
     for token in ids:
