@@ -214,24 +214,32 @@ class Schedule:
             if resource not in RESOURCES:
                 raise ScheduleError(f"stream {stream!r} maps to unknown resource {resource!r}; "
                                     f"resources: {', '.join(RESOURCES)}")
-        position: dict[str, int] = {}
-        for i, op in enumerate(self.ops):
-            if op.id in position:
-                raise ScheduleError(f"duplicate op id {op.id!r} (positions {position[op.id]} and {i})")
-            position[op.id] = i
-            _check_op_fields(op, self.streams)
         ops = self.ops
+        position = dict(zip(map(attrgetter("id"), ops), range(len(ops))))
+        if len(position) < len(ops):  # a duplicate id: find the first, for the message
+            seen: dict[str, int] = {}
+            for i, op in enumerate(ops):
+                if op.id in seen:
+                    raise ScheduleError(f"duplicate op id {op.id!r} (positions {seen[op.id]} and {i})")
+                seen[op.id] = i
+        for op in ops:
+            _check_op_fields(op, self.streams)
         graph = dependency_arrays(ops, position, checked=False)  # an unknown dep: a ScheduleError naming the op
-        allocated = {name for name, _ in self.preloaded}
-        for op in ops:
-            for name, size in op.alloc:
-                if name in allocated:
-                    raise ScheduleError(f"op {op.id!r} allocates buffer {name!r}, which is already allocated")
-                allocated.add(name)
-        for op in ops:
-            for name in op.free:
-                if name not in allocated:
-                    raise ScheduleError(f"op {op.id!r} frees buffer {name!r}, which no op allocates")
+        preloaded = [name for name, _ in self.preloaded]
+        allocs = list(filter(None, map(attrgetter("alloc"), ops)))
+        allocated = set(preloaded).union(name for alloc in allocs for name, _ in alloc)
+        if len(allocated) < len(preloaded) + sum(map(len, allocs)):  # a buffer allocated twice: name the op
+            allocated = set(preloaded)
+            for op in ops:
+                for name, _ in op.alloc:
+                    if name in allocated:
+                        raise ScheduleError(f"op {op.id!r} allocates buffer {name!r}, which is already allocated")
+                    allocated.add(name)
+        if not allocated.issuperset(chain.from_iterable(map(attrgetter("free"), ops))):
+            for op in ops:
+                for name in op.free:
+                    if name not in allocated:
+                        raise ScheduleError(f"op {op.id!r} frees buffer {name!r}, which no op allocates")
         self.__dict__["graph"] = graph  # (`index` is not kept: few users need it, and it costs ~50 bytes an op)
         if not graph.forward:
             return  # every dep is on an earlier op: list order is a topological order, no cycle
@@ -303,47 +311,51 @@ class Schedule:
 
 
 def _check_op_fields(op: Op, streams: Mapping[str, str]) -> None:
-    if not isinstance(op.id, str) or not op.id:
-        raise ScheduleError(f"op id must be a non-empty string, got {op.id!r}")
-    if op.kind not in KINDS:
-        raise ScheduleError(f"op {op.id!r}: kind {op.kind!r} is not one of {KINDS}")
-    if op.stream not in streams:
-        raise ScheduleError(f"op {op.id!r}: stream {op.stream!r} is not declared "
+    # (the fields unpacked once: a schedule's every op passes here, and attribute access costs more)
+    (op_id, kind, stream, _, _, flops, nbytes, src, dst, step, _, layer, batches, expert, tokens, kv_len, alloc,
+     free, tensor, pageable, _) = op
+    if not isinstance(op_id, str) or not op_id:
+        raise ScheduleError(f"op id must be a non-empty string, got {op_id!r}")
+    if kind not in KINDS:
+        raise ScheduleError(f"op {op_id!r}: kind {kind!r} is not one of {KINDS}")
+    resource = streams.get(stream)
+    if resource is None:
+        raise ScheduleError(f"op {op_id!r}: stream {stream!r} is not declared "
                             f"(streams: {', '.join(streams)})")
-    if op.flops < 0 or op.bytes < 0 or op.tokens < 0 or op.kv_len < 0:  # (one test on the common path)
+    if flops < 0 or nbytes < 0 or tokens < 0 or kv_len < 0:  # (one test on the common path)
         for name in ("flops", "bytes", "tokens", "kv_len"):
             if getattr(op, name) < 0:
-                raise ScheduleError(f"op {op.id!r}: {name} must be >= 0, got {getattr(op, name)}")
-    if op.step < -1 or op.layer < -1 or op.expert < -1:
+                raise ScheduleError(f"op {op_id!r}: {name} must be >= 0, got {getattr(op, name)}")
+    if step < -1 or layer < -1 or expert < -1:
         for name in ("step", "layer", "expert"):
             if getattr(op, name) < -1:
-                raise ScheduleError(f"op {op.id!r}: {name} must be >= 0 (or -1: none), got {getattr(op, name)}")
-    if op.batches and min(op.batches) < 0:
-        raise ScheduleError(f"op {op.id!r}: batches must be >= 0, got {list(op.batches)}")
-    if op.tensor not in TENSORS:
-        raise ScheduleError(f"op {op.id!r}: tensor {op.tensor!r} is not one of {TENSORS[1:]}")
-    if op.kind == "transfer":
-        if op.bytes <= 0:
-            raise ScheduleError(f"op {op.id!r}: a transfer must move a positive number of bytes, got {op.bytes}")
-        if op.src not in TIERS or op.dst not in TIERS or op.src == op.dst:
-            raise ScheduleError(f"op {op.id!r}: transfer needs distinct src/dst tiers from {TIERS}, "
-                                f"got {op.src!r} -> {op.dst!r}")
-        if streams[op.stream] in ("gpu", "host", "cpu"):
-            raise ScheduleError(f"op {op.id!r}: transfer placed on {streams[op.stream]} stream {op.stream!r}")
-    elif op.kind == "host":
-        if streams[op.stream] != "host":
-            raise ScheduleError(f"op {op.id!r}: host op placed on {streams[op.stream]} stream {op.stream!r}")
-        if op.alloc or op.free:
-            raise ScheduleError(f"op {op.id!r}: a host op cannot allocate or free GPU buffers")
-    elif streams[op.stream] not in ("gpu", "cpu"):
-        raise ScheduleError(f"op {op.id!r}: compute op placed on {streams[op.stream]} stream {op.stream!r}")
-    elif streams[op.stream] == "cpu" and op.alloc:
-        raise ScheduleError(f"op {op.id!r}: a CPU compute op cannot allocate GPU buffers")
-    if op.pageable and op.kind != "transfer":
-        raise ScheduleError(f"op {op.id!r}: only a transfer can be pageable")
-    for name, size in op.alloc:
+                raise ScheduleError(f"op {op_id!r}: {name} must be >= 0 (or -1: none), got {getattr(op, name)}")
+    if batches and min(batches) < 0:
+        raise ScheduleError(f"op {op_id!r}: batches must be >= 0, got {list(batches)}")
+    if tensor not in TENSORS:
+        raise ScheduleError(f"op {op_id!r}: tensor {tensor!r} is not one of {TENSORS[1:]}")
+    if kind == "transfer":
+        if nbytes <= 0:
+            raise ScheduleError(f"op {op_id!r}: a transfer must move a positive number of bytes, got {nbytes}")
+        if src not in TIERS or dst not in TIERS or src == dst:
+            raise ScheduleError(f"op {op_id!r}: transfer needs distinct src/dst tiers from {TIERS}, "
+                                f"got {src!r} -> {dst!r}")
+        if resource in ("gpu", "host", "cpu"):
+            raise ScheduleError(f"op {op_id!r}: transfer placed on {resource} stream {stream!r}")
+    elif kind == "host":
+        if resource != "host":
+            raise ScheduleError(f"op {op_id!r}: host op placed on {resource} stream {stream!r}")
+        if alloc or free:
+            raise ScheduleError(f"op {op_id!r}: a host op cannot allocate or free GPU buffers")
+    elif resource not in ("gpu", "cpu"):
+        raise ScheduleError(f"op {op_id!r}: compute op placed on {resource} stream {stream!r}")
+    elif resource == "cpu" and alloc:
+        raise ScheduleError(f"op {op_id!r}: a CPU compute op cannot allocate GPU buffers")
+    if pageable and kind != "transfer":
+        raise ScheduleError(f"op {op_id!r}: only a transfer can be pageable")
+    for name, size in alloc:
         if size < 0:
-            raise ScheduleError(f"op {op.id!r}: buffer {name!r} has negative size {size}")
+            raise ScheduleError(f"op {op_id!r}: buffer {name!r} has negative size {size}")
 
 
 class Graph(NamedTuple):

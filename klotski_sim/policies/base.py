@@ -12,7 +12,7 @@ import sys
 import traceback
 from dataclasses import asdict, dataclass, field
 from types import ModuleType
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -457,43 +457,68 @@ class OpEmitter:
         deps = list(deps)
         if self.attention_on_cpu and step > 0:
             return self._decode_attention_on_cpu(op_id, step, layer, batch, deps, tuple(free))
+        if self.placement.kv == "gpu":
+            return self.attentions_on_gpu([(op_id, batch)], step, layer, deps, tuple(free))[0]
         new = self.new_tokens(step)
         kv_len = sh.kv_len(step)
         flops, nbytes, kv_new = self._attention_cost(new, kv_len)
-        alloc: tuple[tuple[str, int], ...] = ()
         free = tuple(free)
-        on_gpu = self.placement.kv == "gpu"
-        if on_gpu:
-            name = f"kv/L{layer}/b{batch}/s{step}"
-            alloc = ((name, kv_new),)
-            self._kv_buffers.setdefault(batch, []).append(name)
-        else:
-            tags = dict(step=step, phase=self.phase(step), layer=layer, batches=self.batch_tuple[batch])
-            if kv_len - new > 0:
-                # Double-buffered like FlexGen's load_cache(j, k+1): the cache of this attention may
-                # load once the attention two before it has finished with its own buffer.
-                past = m.kv_bytes(sh.batch_size, kv_len - new)
-                # ... and once the entries of this batch's previous step have been stored
-                after = self._attention_ops[-2:-1] + [self._last_kv_store.get((layer, batch))]
-                pageable = self.impl.copy_memory_kv == "pageable"
-                load = self.b.transfer(f"{op_id}/kv_load", "kv", "h2d_kv", past, "cpu", "gpu", after,
-                                       alloc=((f"{op_id}/kv_load", past),), tensor="kv", pageable=pageable, **tags)
-                if pageable:
-                    self.copy_wait(load)
-                deps.append(load)
-                free = free + (load,)
+        tags = dict(step=step, phase=self.phase(step), layer=layer, batches=self.batch_tuple[batch])
+        if kv_len - new > 0:
+            # Double-buffered like FlexGen's load_cache(j, k+1): the cache of this attention may
+            # load once the attention two before it has finished with its own buffer.
+            past = m.kv_bytes(sh.batch_size, kv_len - new)
+            # ... and once the entries of this batch's previous step have been stored
+            after = self._attention_ops[-2:-1] + [self._last_kv_store.get((layer, batch))]
+            pageable = self.impl.copy_memory_kv == "pageable"
+            load = self.b.transfer(f"{op_id}/kv_load", "kv", "h2d_kv", past, "cpu", "gpu", after,
+                                   alloc=((f"{op_id}/kv_load", past),), tensor="kv", pageable=pageable, **tags)
+            if pageable:
+                self.copy_wait(load)
+            deps.append(load)
+            free = free + (load,)
         op = self.b.append(compute_op(op_id, "attention", clean_deps(deps), flops, nbytes, step, self.phase(step),
-                                      layer, self.batch_tuple[batch], -1, sh.batch_size * new, kv_len, alloc, free,
+                                      layer, self.batch_tuple[batch], -1, sh.batch_size * new, kv_len, (), free,
                                       self._attention_variant))
         self._attention_ops.append(op)
-        if not on_gpu:
-            pageable = self.impl.copy_memory_kv == "pageable"
-            store = self.b.transfer(f"{op_id}/kv_store", "kv", "d2h_kv", kv_new, "gpu", "cpu", [op], tensor="kv",
-                                    pageable=pageable, **tags)
-            if pageable:
-                self.copy_wait(store)
-            self._last_kv_store[(layer, batch)] = store
+        pageable = self.impl.copy_memory_kv == "pageable"
+        store = self.b.transfer(f"{op_id}/kv_store", "kv", "d2h_kv", kv_new, "gpu", "cpu", [op], tensor="kv",
+                                pageable=pageable, **tags)
+        if pageable:
+            self.copy_wait(store)
+        self._last_kv_store[(layer, batch)] = store
         return op
+
+    def attentions(self, at: str, step: int, layer: int, batches: Sequence[int], deps: Iterable[str | None],
+                   free_last: tuple[str, ...] = ()) -> list[str]:
+        """Attention of each batch in turn (op ids `{at}/b{b}/attn`), the last freeing `free_last`.
+        With the KV cache on the GPU the ops of all batches are built together (they cost the same)."""
+        if self.placement.kv == "gpu" and not (self.attention_on_cpu and step > 0):
+            return self.attentions_on_gpu([(f"{at}/b{b}/attn", b) for b in batches], step, layer, list(deps),
+                                          free_last)
+        last = batches[-1]
+        return [self.attention(f"{at}/b{b}/attn", step, layer, b, deps, free=free_last if b == last else ())
+                for b in batches]
+
+    def attentions_on_gpu(self, ops: list[tuple[str, int]], step: int, layer: int, deps: list[str | None],
+                          free_last: tuple[str, ...]) -> list[str]:
+        """(op id, batch) attentions with the KV cache on the GPU, each allocating the entries it
+        adds; the last frees `free_last`."""
+        new = self.new_tokens(step)
+        kv_len = self.shape.kv_len(step)
+        flops, nbytes, kv_new = self._attention_cost(new, kv_len)
+        deps_, phase, tokens, variant = clean_deps(deps), self.phase(step), self.shape.batch_size * new, \
+            self._attention_variant
+        append, batch_tuple, kv_buffers, last = self.b.append, self.batch_tuple, self._kv_buffers, ops[-1][0]
+        out = []
+        for op_id, batch in ops:
+            name = f"kv/L{layer}/b{batch}/s{step}"
+            kv_buffers.setdefault(batch, []).append(name)
+            out.append(append(compute_op(op_id, "attention", deps_, flops, nbytes, step, phase, layer,
+                                         batch_tuple[batch], -1, tokens, kv_len, ((name, kv_new),),
+                                         free_last if op_id == last else (), variant)))
+        self._attention_ops.extend(out)
+        return out
 
     def hidden_down(self, op_id: str, step: int, layer: int, batches: Iterable[int], tokens: int,
                     deps: Iterable[str | None], expert: int = -1) -> str:

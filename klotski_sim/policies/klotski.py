@@ -155,9 +155,7 @@ def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
                 prefetched = [gate_w, *expert_w.values()]
             next_attention = None
 
-            attn_ops = [em.attention(f"{at}/b{b}/attn", step, j, b, [attn_w, *cpu_out],
-                                     free=(attn_w,) if attn_w and b == batches[-1] else ())
-                        for b in batches]
+            attn_ops = em.attentions(at, step, j, batches, [attn_w, *cpu_out], free_last=(attn_w,) if attn_w else ())
             if sublayer_sync:  # end of the attention sub-layer: the host waits for the weight stream
                 em.sync(f"{at}/attn", prefetched or [attn_ops[-1]])
             if moe_at_gate and not resident:
