@@ -479,6 +479,15 @@ def compute_op(op_id: str, category: str, deps: tuple[str, ...], flops: int, nby
                            expert, tokens, kv_len, alloc, free, "", False, variant))
 
 
+def transfer_op(op_id: str, category: str, stream: str, nbytes: int, src: str, dst: str, deps: tuple[str, ...],
+                step: int, layer: int, expert: int, tensor: str, pageable: bool, alloc: tuple[tuple[str, int], ...],
+                free: tuple[str, ...]) -> Op:
+    """A transfer op built positionally, in Op's field order (no phase, batches or tokens): the
+    weight loads of a policy loop, as `compute_op` builds its compute ops."""
+    return _new_tuple(Op, (op_id, "transfer", stream, category, deps, 0, nbytes, src, dst, step, "", layer, (), expert,
+                           0, 0, alloc, free, tensor, pageable, ""))
+
+
 class ScheduleBuilder:
     """Appends ops in issue order and hands back their ids; policies use it to read like the
     paper's loops (`b.transfer(...)`, `b.compute(...)`) without bookkeeping."""

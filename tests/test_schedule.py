@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from klotski_sim.schedule import Op, Schedule, ScheduleBuilder, ScheduleError, compute_op
+from klotski_sim.schedule import Op, Schedule, ScheduleBuilder, ScheduleError, compute_op, transfer_op
 
 
 def c(op_id, deps=(), stream="compute", **kw):
@@ -103,6 +103,15 @@ def test_a_positional_compute_op_is_the_op_keywords_build():
                       layer=4, batches=(5,), expert=6, tokens=7, kv_len=8, alloc=(("a", 9),), free=("b",),
                       variant="fused")
     assert type(fast) is Op and fast.tensor == "" and fast.pageable is False
+
+
+def test_a_positional_transfer_op_is_the_op_keywords_build():
+    """transfer_op, like compute_op, fills Op's fields by position (a policy's weight loads)."""
+    fast = transfer_op("x", "cold_expert", "h2d_experts", 5, "cpu", "gpu", ("d",), 3, 4, 6, "expert", True,
+                       (("x", 5),), ("v",))
+    assert fast == Op("x", "transfer", "h2d_experts", "cold_expert", ("d",), bytes=5, src="cpu", dst="gpu", step=3,
+                      layer=4, expert=6, tensor="expert", pageable=True, alloc=(("x", 5),), free=("v",))
+    assert type(fast) is Op and fast.phase == "" and fast.batches == () and fast.variant == ""
 
 
 def test_an_appended_op_waits_for_the_host_like_an_added_one():

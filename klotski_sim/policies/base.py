@@ -22,7 +22,7 @@ from ..hardware import HardwareProfile
 from ..impl import IMPL_CHOICES, PRESET_NAMES, Impl, preset_options
 from ..model import ModelSpec
 from ..routing import RoutingTable, RunShape
-from ..schedule import CPU_STREAMS, Schedule, ScheduleBuilder, clean_deps, compute_op, gc_paused
+from ..schedule import CPU_STREAMS, Op, Schedule, ScheduleBuilder, clean_deps, compute_op, gc_paused, transfer_op
 from ..trace import Trace
 
 TIERS = ("gpu", "cpu", "disk")
@@ -337,12 +337,13 @@ class OpEmitter:
         return self.placement.tier(what, layer, self.model.num_layers)
 
     def fetch(self, op_id: str, what: str, nbytes: int, category: str, stream: str,
-              deps: Iterable[str | None] = (), *, step: int, layer: int, expert: int = -1, **tags: Any) -> str:
+              deps: Iterable[str | None] = (), *, step: int, layer: int, expert: int = -1) -> str:
         """Bring `nbytes` of weights (`what` = attention|gate|experts) to the GPU. From disk
         this is two chained links: the tensor is first staged in host memory by an NVMe read
         (see `_stage`), then copied over PCIe."""
         deps = list(deps)
         cached = False
+        free: tuple[str, ...] = ()
         if what == "experts" and self.cache is not None:  # the expert cache first: a hit copies nothing
             held = self.cache.lookup((layer, expert))
             if held is not None:
@@ -350,7 +351,7 @@ class OpEmitter:
             cached, victim, victim_last = self.cache.admit((layer, expert))
             if victim is not None:  # the copy that replaces it waits for its last use and frees it
                 deps.append(victim_last)
-                tags["free"] = tuple(tags.get("free", ())) + (victim,)
+                free = (victim,)
         key = (step, layer)
         if self.tier(what, layer) == "disk":
             staged_at = self._staged_at.get(key)
@@ -360,8 +361,9 @@ class OpEmitter:
                 self._stage(step, layer)
             deps.append(self._staged[key][(what, expert)])
         pageable = self.impl.copy_memory_weights == "pageable"
-        op = self.b.transfer(op_id, category, stream, nbytes, "cpu", "gpu", deps, alloc=((op_id, int(nbytes)),),
-                             step=step, layer=layer, expert=expert, tensor=_TENSOR[what], pageable=pageable, **tags)
+        nbytes = int(nbytes)
+        op = self.b.append(transfer_op(op_id, category, stream, nbytes, "cpu", "gpu", clean_deps(deps), step, layer,
+                                       expert, _TENSOR[what], pageable, ((op_id, nbytes),), free))
         if pageable:
             self.copy_wait(op)
         self._h2d_of_layer.setdefault(key, []).append(op)
@@ -572,6 +574,12 @@ class OpEmitter:
 
     def gate(self, op_id: str, step: int, layer: int, batch: int, deps: Iterable[str | None] = (),
              free: tuple[str, ...] = ()) -> str:
+        return self.b.append(self.gate_ops([(op_id, batch)], step, layer, deps, tuple(free))[0])
+
+    def gate_ops(self, ops: list[tuple[str, int]], step: int, layer: int, deps: Iterable[str | None],
+                 free_last: tuple[str, ...] = ()) -> list[Op]:
+        """The gates (a dense layer: its MLP) of (op id, batch) pairs, the last freeing `free_last`,
+        built together and not yet issued: a policy appends each where its loop issues it."""
         tokens = self.new_tokens(step) * self.shape.batch_size
         cost = self._gate_costs.get((tokens, layer))
         if cost is None:  # a dense layer's MLP takes the gate's place
@@ -579,8 +587,10 @@ class OpEmitter:
             category = "gate" if m.is_moe(layer) else "dense_mlp"
             cost = self._gate_costs[(tokens, layer)] = (category, m.gate_flops(tokens, layer),
                                                          m.gate_io_bytes(tokens, layer), op_variant(m, category))
-        return self.b.append(compute_op(op_id, cost[0], clean_deps(deps), cost[1], cost[2], step, self.phase(step),
-                                        layer, self.batch_tuple[batch], -1, tokens, 0, (), tuple(free), cost[3]))
+        category, flops, nbytes, variant = cost
+        deps_, phase, batch_tuple, last = clean_deps(deps), self.phase(step), self.batch_tuple, ops[-1][0]
+        return [compute_op(op_id, category, deps_, flops, nbytes, step, phase, layer, batch_tuple[batch], -1, tokens,
+                           0, (), free_last if op_id == last else (), variant) for op_id, batch in ops]
 
     def expert(self, op_id: str, step: int, layer: int, expert: int, batches: Iterable[int], tokens: int,
                deps: Iterable[str | None] = (), free: tuple[str, ...] = (), rows_of: str | None = None) -> str:

@@ -172,9 +172,10 @@ def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
             if on_demand:  # per batch: the experts it selected, and tokens per expert over the gates run so far
                 cold_orders = em.cold_orders(step, j)
                 seen_by = np.cumsum(counts[step, j], axis=0)
-            for b in batches:
-                last_gate = em.gate(f"{at}/b{b}/gate", step, j, b, [gate_w],
-                                    free=(gate_w,) if gate_w and b == batches[-1] else ())
+            gate_ops = em.gate_ops([(f"{at}/b{b}/gate", b) for b in batches], step, j, [gate_w],
+                                   free_last=(gate_w,) if gate_w else ())
+            for b, gate_op in zip(batches, gate_ops):
+                last_gate = em.b.append(gate_op)
                 if on_demand:
                     if sublayer_sync:  # the routed ids are read on the host (`.tolist()`)
                         em.sync(last_gate, [last_gate])
