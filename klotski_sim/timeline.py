@@ -243,11 +243,14 @@ class Timeline:
                             ends[key] = float(row[step])
         if not ends:
             return pd.Series(dtype=float)
-        frame = pd.Series(ends).rename_axis(["batch", "step"]).sort_index()
-        latencies = frame.groupby(level="batch").diff()
-        first = frame.groupby(level="batch").head(1)
-        latencies.loc[first.index] = first
-        return latencies.groupby(level="step").mean()
+        keys = sorted(ends)  # (batch, step): each batch's steps in order
+        batch = np.fromiter((b for b, _ in keys), dtype=np.int64, count=len(keys))
+        frame = pd.DataFrame({"step": np.fromiter((s for _, s in keys), dtype=np.int64, count=len(keys)),
+                              "end": np.fromiter(map(ends.__getitem__, keys), dtype=float, count=len(keys))})
+        latency = frame["end"].diff()  # (columns, not a (batch, step) MultiIndex: building one cost most of the time)
+        first = np.concatenate(([True], batch[1:] != batch[:-1]))
+        latency[first] = frame["end"][first]
+        return latency.groupby(frame["step"]).mean().rename_axis("step")
 
     def prefill_seconds(self) -> float:
         """Wall time spent in prefill: from the start to the first GPU op, and for each batch from
@@ -416,8 +419,7 @@ class ScheduleColumns(Mapping[str, np.ndarray]):
         if name in _FIELD_OF:
             return _objects(self._field(_FIELD_OF[name], fields))
         if name == "resource":
-            resource_of = self._resource_of
-            return _objects([resource_of[st] for st in self._field("stream", fields)])
+            return _objects(list(map(self._resource_of.__getitem__, self._field("stream", fields))))
         if name == "start":
             return start[ran]
         if name == "end":
@@ -432,11 +434,15 @@ class ScheduleColumns(Mapping[str, np.ndarray]):
                 ids = self["op_id"] if self._all_ran else _objects([op.id for op in self._every_op])
                 blocked[has] = ids[b[has]]
             return blocked
+        # (the same few batches tuples recur across thousands of ops: each distinct one is looked at once)
         batches = self._field("batches", fields)
         if name == "batch":
-            return np.array([bt[0] if len(bt) == 1 else -1 for bt in batches], dtype=np.int64)
+            single = {bt: bt[0] if len(bt) == 1 else -1 for bt in set(batches)}
+            return np.fromiter(map(single.__getitem__, batches), dtype=np.int64, count=len(batches))
         memo = _BATCH_TEXT  # name == "batches"
-        return _objects([memo[bt] if bt in memo else _batch_text(bt) for bt in batches])
+        for bt in set(batches).difference(memo):
+            _batch_text(bt)
+        return _objects(list(map(memo.__getitem__, batches)))
 
 
 def _objects(values: Sequence[Any]) -> np.ndarray:
