@@ -23,6 +23,7 @@ on wall-clock time, so a run is deterministic.
 from __future__ import annotations
 
 import heapq
+from operator import attrgetter
 from typing import Sequence
 
 import numpy as np
@@ -89,26 +90,25 @@ def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | No
     resources = sorted(caps)
     res_number = {r: k for k, r in enumerate(resources)}
     stream_res = {s: res_number[r] for s, r in schedule.streams.items()}
-    resource_of = [stream_res[op.stream] for op in ops]
+    stream_names = list(map(attrgetter("stream"), ops))
+    resource_of = list(map(stream_res.__getitem__, stream_names))
     capacity = int(profile.gpu.usable_bytes)
 
     # Graph: successors of each op (its dependents and its stream successor), and how many
     # predecessors each op still waits for.
     succ_ptr, succ_flat, indegree, _ = schedule.graph
     pending = list(indegree)  # (the graph is the schedule's: counted down on a copy)
-    alloc_bytes = [sum(size for _, size in op.alloc) if op.alloc else 0 for op in ops]
-    has_alloc = [bool(op.alloc) for op in ops]
-    free_of = [op.free for op in ops]
+    alloc_of, free_of = list(map(attrgetter("alloc"), ops)), list(map(attrgetter("free"), ops))
 
     nan = float("nan")
     ready_at, start, end, blocker = [nan] * n, [nan] * n, [nan] * n, [-1] * n
     # host ops: when the host thread reached them (their host-stream predecessor ended)
-    is_host = [op.kind == "host" for op in ops]
+    is_host = list(map("host".__eq__, map(attrgetter("kind"), ops)))
     arrival = [0.0 if h else nan for h in is_host]
     # a dependency on another stream is seen `latency` after it ends (event signalling)
     latency = profile.gpu.dependency_latency_s
     stream_number = {s: k for k, s in enumerate(schedule.streams)}
-    stream_of = [stream_number[op.stream] for op in ops] if latency else []
+    stream_of = list(map(stream_number.__getitem__, stream_names)) if latency else []
     ready_floor = [0.0] * n if latency else []
     free_units = [caps[r] for r in resources]
     queues: list[list[tuple[float, int]]] = [[] for _ in resources]
@@ -130,13 +130,14 @@ def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | No
         queue = queues[r]
         while queue and free_units[r] and not oom:
             i = heappop(queue)[1]
-            if has_alloc[i]:
-                need = alloc_bytes[i]
+            alloc = alloc_of[i]
+            if alloc:
+                need = sum(size for _, size in alloc)
                 if mem[0] + need > capacity:
                     oom.append(OutOfMemory(op_id=ops[i].id, time=now, needed_bytes=mem[0] + need,
                                            available_bytes=capacity, in_use_bytes=mem[0]))
                     return
-                for name, size in ops[i].alloc:
+                for name, size in alloc:
                     buffers[name] = size
                 mem[0] += need
                 if mem[0] > mem[1]:
@@ -193,7 +194,8 @@ def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | No
                 if rs != r:
                     woken = (woken or set())
                     woken.add(rs)
-        dispatch(r, now)
+        if queues[r]:
+            dispatch(r, now)
         if woken:
             for rs in sorted(woken):
                 dispatch(rs, now)
