@@ -50,15 +50,16 @@ class CorrelationTable:
         in one pass over the tokens. A step's learning can wait until the
         step ends: predicting layer L reads only T[L], which only layer L's own observation changes."""
         L, E, K = self.num_layers, self.num_experts, self.top_k
-        tokens = ids.reshape(-1, L, K)
-        if len(tokens) == 0:
+        count = ids.size // (L * K)
+        if count == 0:
             return
-        self.t0 += np.bincount(tokens[:, 0, :].ravel(), minlength=E)
+        self.t0 += np.bincount(ids[..., 0, :].ravel(), minlength=E)
         if L == 1:
             return
-        if E**K <= _CHOICE_CODES and len(tokens) * K * K > _CHOICE_PAIRS_PER_CELL * (E**K) ** 2:
-            self._observe_choices(tokens)
+        if E**K <= _CHOICE_CODES and count * K * K > _CHOICE_PAIRS_PER_CELL * (E**K) ** 2:
+            self._observe_choices(ids)
             return
+        tokens = ids.reshape(-1, L, K)
         wide = np.int32 if L * E * E < 2**31 else np.int64
         offsets = (np.arange(1, L, dtype=wide) * (E * E)).reshape(-1, 1, 1)
         span = max(1, _CHUNK_PAIRS // ((L - 1) * K * K))  # tokens per pass: bounded temporary memory
@@ -68,7 +69,7 @@ class CorrelationTable:
             flat = offsets + block[:, :-1, :, None] * E + block[:, 1:, None, :]
             flat_pairs += np.bincount(flat.ravel(), minlength=L * E * E)
 
-    def _observe_choices(self, tokens: np.ndarray) -> None:
+    def _observe_choices(self, ids: np.ndarray) -> None:
         """The same pair counts via each token's whole choice in a layer, coded as sum_k e_k E^k:
         count (choice in L-1, choice in L) per layer, then T[L] += A^T counts A, where A[c, e] says
         whether choice c holds expert e (a token's top-k experts are distinct, so each of its K*K
@@ -80,12 +81,16 @@ class CorrelationTable:
         np.add.at(holds, (np.repeat(np.arange(codes), K), digits.ravel()), 1)
         offsets = np.arange(L - 1, dtype=np.int32) * (codes * codes)
         choice_pairs = np.zeros((L - 1) * codes * codes, dtype=np.int64)
-        for start in range(0, len(tokens), _CODE_TOKENS):
-            block = tokens[start:start + _CODE_TOKENS].astype(np.int32)
-            code = block[:, :, 0].copy()
+        # [rows, tokens, L, K] as a view of the routing's [batch, seq, position, L, K] (a step's
+        # positions are a slice of it: reshaping all its tokens into one array would copy them all)
+        rows = ids.reshape((-1,) + ids.shape[-3:]) if ids.ndim > 3 else ids[:, None]
+        span = max(1, _CODE_TOKENS // rows.shape[1])
+        for start in range(0, len(rows), span):
+            block = rows[start:start + span].astype(np.int32)
+            code = block[..., 0].copy()
             for k in range(1, K):
-                code += block[:, :, k] * E**k
-            flat = code[:, :-1] * codes + code[:, 1:] + offsets
+                code += block[..., k] * E**k
+            flat = code[..., :-1] * codes + code[..., 1:] + offsets
             choice_pairs += np.bincount(flat.ravel(), minlength=len(choice_pairs))
         self.pairs[1:] += holds.T @ choice_pairs.reshape(L - 1, codes, codes) @ holds
 

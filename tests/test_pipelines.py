@@ -145,21 +145,26 @@ def test_correlation_table_follows_the_paper():
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 4), st.integers(2, 6), st.integers(1, 3), st.integers(0, 30), st.integers(1, 64),
-       st.integers(0, 2**31 - 1), st.booleans())
-def test_correlation_table_counts_every_pair_once_whatever_the_chunking(L, E, K, tokens, chunk, seed, by_choice):
+       st.integers(0, 2**31 - 1), st.booleans(), st.booleans())
+def test_correlation_table_counts_every_pair_once_whatever_the_chunking(L, E, K, tokens, chunk, seed, by_choice,
+                                                                        step_of_routing):
     """The one-pass learner (counting pairs, or pairs of whole top-k choices; in chunks of any size)
     counts what a token-by-token, layer-by-layer loop counts, for top-k choices of distinct experts
-    (as every trace is: trace validation refuses an expert chosen twice)."""
+    (as every trace is: trace validation refuses an expert chosen twice) — given a trace's
+    [token, layer, k] or, as a run learns a step, a slice of positions of [batch, seq, position, layer, k]."""
     K = min(K, E)
     rng = np.random.default_rng(seed)
-    ids = np.argsort(rng.random((tokens, L, E)), axis=-1)[..., :K]
+    if step_of_routing:
+        ids = np.argsort(rng.random((2, 3, tokens + 2, L, E)), axis=-1)[..., :K][:, :, 1:tokens + 1]
+    else:
+        ids = np.argsort(rng.random((tokens, L, E)), axis=-1)[..., :K]
     t = CorrelationTable(num_layers=L, num_experts=E, top_k=K)
     with patch.object(prefetch, "_CHUNK_PAIRS", chunk), patch.object(prefetch, "_CODE_TOKENS", chunk), \
             patch.object(prefetch, "_CHOICE_CODES", 6**3 if by_choice else 0), \
             patch.object(prefetch, "_CHOICE_PAIRS_PER_CELL", 0):
         t.observe_tokens(ids)
     t0, pairs = np.zeros(E, dtype=np.int64), np.zeros((L, E, E), dtype=np.int64)
-    for token in ids:
+    for token in ids.reshape(-1, L, K):
         for e in token[0]:
             t0[e] += 1
         for layer in range(1, L):

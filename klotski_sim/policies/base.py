@@ -641,7 +641,7 @@ class OpEmitter:
         """For each batch, the experts it selected at this step and layer in the order their
         on-demand loads are issued (option `cold_order`)."""
         routing, order = self.inp.routing, self.impl.cold_order
-        rows = routing.count_rows[step][layer]  # (all zero in a dense layer, whose routed ids are never used)
+        rows = routing.counts[step, layer].tolist()  # (all zero in a dense layer, whose routed ids are never used)
         if order == "expert-id":
             return [[e for e, tokens in enumerate(row) if tokens] for row in rows]
         if order == "most-tokens-first":  # (a stable sort: ties in expert-id order)
