@@ -102,16 +102,15 @@ class CorrelationTable:
         if layer == 0 or prev_counts is None:
             return self.t0.astype(float)
         table = self.pairs[layer]
-        out = np.zeros(self.num_experts)
         # columns of the row_top largest entries of each row (ties -> lower expert id)
         top_cols = np.argsort(-table, axis=1, kind="stable")[:, : self.row_top]
-        for e in np.flatnonzero(prev_counts):
-            out[top_cols[e]] += prev_counts[e]
-        return out
+        # each row's c_prev[e] added to its top columns (row by row, as a loop over e would add them)
+        weights = np.repeat(np.asarray(prev_counts, dtype=float), top_cols.shape[1])
+        return np.bincount(top_cols.ravel(), weights=weights, minlength=self.num_experts)
 
     def predict(self, layer: int, prev_counts: np.ndarray | None, k: int) -> list[int]:
         """The k hot experts of `layer` (highest score first; ties -> lower expert id)."""
-        return [int(e) for e in np.argsort(-self.scores(layer, prev_counts), kind="stable")[:k]]
+        return np.argsort(-self.scores(layer, prev_counts), kind="stable")[:k].tolist()
 
 
 @dataclass
