@@ -597,9 +597,11 @@ class OpEmitter:
         """One expert over `tokens` tokens gathered from `batches`. With option `sync=per-expert`
         the host first reads the expert's token rows, which `rows_of` produced (a `.tolist()`:
         sync op `{op_id}/rows/sync`)."""
-        if rows_of is not None and self.impl.sync_experts:
-            self.b.host_wait(f"{op_id}/rows/sync", "sync", [rows_of])
         deps = list(deps)
+        if rows_of is not None and self.impl.sync_experts:
+            # (the op waits for the host's sync, as any op issued after it: named here, so the
+            # builder need not add it to a finished op)
+            deps.append(self.b.host_wait(f"{op_id}/rows/sync", "sync", [rows_of]))
         cost = self._expert_costs.get(tokens)
         if cost is None:  # (an as-published schedule has an expert op per expert, batch, layer and step)
             cost = self._expert_costs[tokens] = (self.model.expert_flops(tokens), self.model.expert_io_bytes(tokens))

@@ -209,11 +209,12 @@ def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
                 order = used  # the natural loop of an MoE layer: expert-id order
             wasted = tuple(w for e, w in expert_w.items() if group_tokens[e] == 0)  # loaded, never used
             op = last_gate
+            batch_rows = counts[step, j].tolist() if impl.per_batch_experts else []  # [batch][expert] tokens
             for k, e in enumerate(order):
                 own = (expert_w[e],) if e in expert_w else ()
                 if impl.per_batch_experts:  # one op per batch: the weights are read again for each
-                    parts = [(em.batch_tuple[b], int(counts[step, j, b, e]), f"{at}/b{b}/E{e}") for b in batches
-                             if counts[step, j, b, e]]
+                    parts = [(em.batch_tuple[b], batch_rows[b][e], f"{at}/b{b}/E{e}") for b in batches
+                             if batch_rows[b][e]]
                 else:
                     parts = [(batches, int(group_tokens[e]), f"{at}/E{e}")]
                 for p, (part, tokens, op_id) in enumerate(parts):
