@@ -390,7 +390,7 @@ def dependency_arrays(ops: Sequence[Op], position: Mapping[str, int], checked: b
     later = np.flatnonzero(dep_src >= dep_dst)
     forward = list(zip(dep_dst[later].tolist(), dep_src[later].tolist()))
     # stream order: each op follows the previous op of its stream
-    streams = np.fromiter((hash(op.stream) for op in ops), dtype=np.int64, count=n)
+    streams = np.fromiter(map(hash, map(attrgetter("stream"), ops)), dtype=np.int64, count=n)
     order = np.argsort(streams, kind="stable")  # by stream, list order within a stream
     same = streams[order[1:]] == streams[order[:-1]]
     stream_src, stream_dst = order[:-1][same], order[1:][same]
