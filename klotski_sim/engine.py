@@ -219,6 +219,10 @@ def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | No
         for r in range(len(resources)):
             dispatch(r, 0.0)
         env.run()
+    # The callbacks refer to one another (and to themselves, through the events they schedule): a
+    # reference cycle that would keep every list they hold alive until the cyclic GC found it.
+    event_queue.clear()
+    del dispatch, finish, seen
 
     never_ended = np.flatnonzero(np.isnan(np.asarray(end, dtype=float))) if n else []
     if not oom and len(never_ended):
