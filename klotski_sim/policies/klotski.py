@@ -182,16 +182,14 @@ def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
                     # on-demand loads: what this batch selected that is neither hot nor requested
                     seen = seen_by[b]
                     for e in cold_orders[b]:
-                        if e in cpu_experts:
+                        if e in expert_w or e in cpu_experts:  # (requested already: most of them)
                             continue
-                        if split and e not in expert_w and split.to_cpu(seen[e] * len(batches) / (b + 1)):
+                        if split and split.to_cpu(seen[e] * len(batches) / (b + 1)):
                             cpu_experts.append(e)
                             continue
-                        if e not in expert_w:
-                            expert_w[e] = em.fetch(f"{at}/load_cold_E{e}", "experts", m.expert_bytes(),
-                                                   "cold_expert", "h2d_experts", [last_gate], step=step, layer=j,
-                                                   expert=e)
-                            load_order.append(e)
+                        expert_w[e] = em.fetch(f"{at}/load_cold_E{e}", "experts", m.expert_bytes(), "cold_expert",
+                                               "h2d_experts", [last_gate], step=step, layer=j, expert=e)
+                        load_order.append(e)
                 gates.append(last_gate)
             if sublayer_sync:  # end of the gate sub-layer
                 em.sync(f"{at}/gates", prefetched or [last_gate])
