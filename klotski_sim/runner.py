@@ -36,7 +36,7 @@ from .policies import Placement, PolicyInput, build_schedule, get_policy
 from .policies.base import resolve_options
 from .probe import Probe, ProbeSearch, probe_gen_len, search
 from .routing import RoutingTable, RunShape
-from .schedule import Schedule
+from .schedule import Schedule, quiet_gc_in_worker
 from .timeline import OutOfMemory, Timeline
 from .trace import Replay, Trace, TraceError, replay
 from .trace_stats import popularity
@@ -357,8 +357,10 @@ _SHARED: Prepared | None = None  # what `run_each`'s worker processes share (inh
 
 
 def _share(prep: Prepared) -> None:
+    """A comparison's worker process: the preparation it shares, and the collector set for a worker."""
     global _SHARED
     _SHARED = prep
+    quiet_gc_in_worker()
 
 
 def _timeline_of(spec: RunSpec, trace_path: Path | None = None, prep: Prepared | None = None,

@@ -69,6 +69,7 @@ from .model import get_model
 from .policies import POLICIES
 from .policies.base import resolve_options
 from .policies.plugins import load_policy_files
+from .schedule import quiet_gc_in_worker
 from .timeline import jsonable
 from .trace_synth import params_for
 from .yamlfile import load_yaml
@@ -463,7 +464,7 @@ def _run_sweep(spec: SweepSpec, out: Path, rows_dir: Path, workers: int, dask: s
                 finished(run_config(cfg))
                 advance()
         else:
-            with ProcessPoolExecutor(max_workers=workers) as pool:
+            with ProcessPoolExecutor(max_workers=workers, initializer=quiet_gc_in_worker) as pool:
                 futures = [pool.submit(run_config, c) for c in todo]
                 for fut in as_completed(futures):
                     finished(fut.result())
