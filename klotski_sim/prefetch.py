@@ -22,10 +22,11 @@ _CHUNK_PAIRS = 1 << 18  # (token, layer, pair) counts per bincount pass: ~1 MB o
 # Up to this many distinct top-k choices a layer (E^K: Mixtral's 8^2 = 64), the pair counts are
 # taken per (previous choice, current choice) — one count per token and layer instead of K*K — and
 # expanded to expert pairs by a small matrix product: 3.7x faster than counting every pair on a
-# prefill step of the default run (73 -> 20 ms, identical counts). Fewer pairs than choice pairs
-# (a decode step's few tokens) are counted one by one: 0.3 against 1 ms.
-_CHOICE_PAIRS_PER_CELL = 1
+# prefill step of the default run (73 -> 20 ms, identical counts).
 _CHOICE_CODES = 64
+# ... when the tokens' pairs outnumber the (choice, choice) cells this many times: a decode step's
+# few tokens are counted pair by pair (0.3 ms, against 1 ms by choices).
+_CHOICE_PAIRS_PER_CELL = 1
 _CODE_TOKENS = 4096  # tokens per pass: [tokens, layers] of int32 codes, ~0.5 MB at Mixtral's size
 
 

@@ -14,8 +14,10 @@ from klotski_sim.hardware import load_profile, with_overrides
 from klotski_sim.model import get_model
 from klotski_sim.planner import memory_needed, plan
 from klotski_sim.policies import Placement, PolicyInput, build_schedule
+from klotski_sim.policies.base import OpEmitter
 from klotski_sim.prefetch import CorrelationTable
 from klotski_sim.routing import RoutingTable, RunShape
+from klotski_sim.schedule import transfer_op
 from klotski_sim.trace import replay
 from klotski_sim.trace_synth import synthesize
 
@@ -314,3 +316,17 @@ def test_kv_loads_wait_for_the_previous_steps_store(policy):
     assert loads
     for o in loads:
         assert stores[(o.layer, o.batch, o.step - 1)] in o.deps
+
+
+def test_fetch_keeps_what_a_policy_of_its_own_adds():
+    """OpEmitter.fetch is public (docs/own-schedule.md, examples/lru_single_batch.py): its `free` and
+    any other tag reach the copy op, which is otherwise the positional one the built-in loops use."""
+    em = OpEmitter(make_input())
+    a = em.fetch("a", "experts", 10, "moe_weights", "h2d_weights", step=0, layer=0, expert=1)
+    em.fetch("b", "experts", 10, "moe_weights", "h2d_weights", [a], step=0, layer=0, expert=2, free=(a,))
+    em.fetch("c", "experts", 10, "moe_weights", "h2d_weights", step=0, layer=0, expert=3, batches=(0,))
+    ops = {o.id: o for o in em.b.ops}
+    assert ops["a"] == transfer_op("a", "moe_weights", "h2d_weights", 10, "cpu", "gpu", (), 0, 0, 1, "expert", False,
+                                   (("a", 10),), ())
+    assert ops["b"].free == ("a",) and ops["b"].deps == ("a",)
+    assert ops["c"].batches == (0,) and ops["c"].alloc == (("c", 10),) and ops["c"].expert == 3

@@ -337,13 +337,14 @@ class OpEmitter:
         return self.placement.tier(what, layer, self.model.num_layers)
 
     def fetch(self, op_id: str, what: str, nbytes: int, category: str, stream: str,
-              deps: Iterable[str | None] = (), *, step: int, layer: int, expert: int = -1) -> str:
+              deps: Iterable[str | None] = (), *, step: int, layer: int, expert: int = -1,
+              free: Iterable[str] = (), **tags: Any) -> str:
         """Bring `nbytes` of weights (`what` = attention|gate|experts) to the GPU. From disk
         this is two chained links: the tensor is first staged in host memory by an NVMe read
-        (see `_stage`), then copied over PCIe."""
+        (see `_stage`), then copied over PCIe. `free` and any other `tags` go on the copy op."""
         deps = list(deps)
         cached = False
-        free: tuple[str, ...] = ()
+        free = tuple(free)
         if what == "experts" and self.cache is not None:  # the expert cache first: a hit copies nothing
             held = self.cache.lookup((layer, expert))
             if held is not None:
@@ -351,7 +352,7 @@ class OpEmitter:
             cached, victim, victim_last = self.cache.admit((layer, expert))
             if victim is not None:  # the copy that replaces it waits for its last use and frees it
                 deps.append(victim_last)
-                free = (victim,)
+                free += (victim,)
         key = (step, layer)
         if self.tier(what, layer) == "disk":
             staged_at = self._staged_at.get(key)
@@ -362,8 +363,13 @@ class OpEmitter:
             deps.append(self._staged[key][(what, expert)])
         pageable = self.impl.copy_memory_weights == "pageable"
         nbytes = int(nbytes)
-        op = self.b.append(transfer_op(op_id, category, stream, nbytes, "cpu", "gpu", clean_deps(deps), step, layer,
-                                       expert, _TENSOR[what], pageable, ((op_id, nbytes),), free))
+        if tags:  # (tags a policy of its own adds: the op built by keywords)
+            op = self.b.transfer(op_id, category, stream, nbytes, "cpu", "gpu", deps, alloc=((op_id, nbytes),),
+                                 step=step, layer=layer, expert=expert, tensor=_TENSOR[what], pageable=pageable,
+                                 free=free, **tags)
+        else:
+            op = self.b.append(transfer_op(op_id, category, stream, nbytes, "cpu", "gpu", clean_deps(deps), step,
+                                           layer, expert, _TENSOR[what], pageable, ((op_id, nbytes),), free))
         if pageable:
             self.copy_wait(op)
         self._h2d_of_layer.setdefault(key, []).append(op)
@@ -457,10 +463,10 @@ class OpEmitter:
         the CPU around the op."""
         m, sh = self.model, self.shape
         deps = list(deps)
+        if self._one_gpu_op(step):
+            return self.attentions_on_gpu([(op_id, batch)], step, layer, deps, tuple(free))[0]
         if self.attention_on_cpu and step > 0:
             return self._decode_attention_on_cpu(op_id, step, layer, batch, deps, tuple(free))
-        if self.placement.kv == "gpu":
-            return self.attentions_on_gpu([(op_id, batch)], step, layer, deps, tuple(free))[0]
         new = self.new_tokens(step)
         kv_len = sh.kv_len(step)
         flops, nbytes, kv_new = self._attention_cost(new, kv_len)
@@ -495,12 +501,17 @@ class OpEmitter:
                    free_last: tuple[str, ...] = ()) -> list[str]:
         """Attention of each batch in turn (op ids `{at}/b{b}/attn`), the last freeing `free_last`.
         With the KV cache on the GPU the ops of all batches are built together (they cost the same)."""
-        if self.placement.kv == "gpu" and not (self.attention_on_cpu and step > 0):
+        if self._one_gpu_op(step):
             return self.attentions_on_gpu([(f"{at}/b{b}/attn", b) for b in batches], step, layer, list(deps),
                                           free_last)
         last = batches[-1]
         return [self.attention(f"{at}/b{b}/attn", step, layer, b, deps, free=free_last if b == last else ())
                 for b in batches]
+
+    def _one_gpu_op(self, step: int) -> bool:
+        """Whether an attention at `step` is one GPU op that grows its KV cache on the GPU (not split
+        with the CPU, and its cache not loaded from the CPU)."""
+        return self.placement.kv == "gpu" and not (self.attention_on_cpu and step > 0)
 
     def attentions_on_gpu(self, ops: list[tuple[str, int]], step: int, layer: int, deps: list[str | None],
                           free_last: tuple[str, ...]) -> list[str]:
