@@ -117,10 +117,12 @@ class Timeline:
             if isinstance(self.columns, ScheduleColumns):
                 self.columns = self.columns.materialize()
             return
-        self.columns = {name: self.columns[name] for name in list(self.columns) if name in keep or name == "end"}
         if "bubbles" in self._memo:
             bubbles = self._memo["bubbles"]
             self._memo["bubbles"] = bubbles[[name for name in bubbles.columns if name in keep]]
+        elif "gaps" in self._memo:  # (a summary found the gaps: their kept columns, while the columns are here)
+            self._memo["bubbles"] = self._find_bubbles(keep)
+        self.columns = {name: self.columns[name] for name in list(self.columns) if name in keep or name == "end"}
 
     # ---- construction -----------------------------------------------------------------------
     @classmethod
@@ -186,40 +188,46 @@ class Timeline:
             self._memo["bubbles"] = self._find_bubbles()
         return self._memo["bubbles"].copy()
 
-    def _find_bubbles(self) -> pd.DataFrame:
+    def _find_bubbles(self, only: Collection[str] | None = None) -> pd.DataFrame:
+        """The bubbles' columns (those in `only`, when given)."""
+        names = [name for name in BUBBLE_COLUMNS if only is None or name in only]
+        gaps = self._gaps()
+        if gaps is None:
+            return pd.DataFrame(columns=names)
+        c, nxt = self.columns, gaps["next"]
+        tags = {"next_op": "op_id", "step": "step", "layer": "layer", "batch": "batch"}  # bubble column -> op column
+        return pd.DataFrame({name: c[tags[name]][nxt] if name in tags else gaps[name] for name in names})
+
+    def _gaps(self) -> dict[str, np.ndarray] | None:
+        """The GPU's idle gaps between its first and last op (None: there are none): where each
+        starts and ends, its kind, the row of the op that ends it (`next`), that op's category and
+        the cause (the category of the op whose end made it ready). What a summary needs of the
+        bubbles, without the op ids and tags of `bubbles()` (at 300k ops those columns cost more
+        than the rest of the summary)."""
+        if "gaps" in self._memo:
+            return self._memo["gaps"]
         c = self.columns
-        mask = c["resource"] == "gpu"
-        idx = np.flatnonzero(mask)
-        empty = pd.DataFrame(columns=["start", "end", "duration", "kind", "next_op", "next_category",
-                                      "cause", "step", "layer", "batch"])
-        if len(idx) < 2:
-            return empty
-        order = idx[np.lexsort((c["end"][idx], c["start"][idx]))]
-        starts, ends = c["start"][order], c["end"][order]
-        running_end = np.maximum.accumulate(ends)
-        gap = starts[1:] - running_end[:-1]
-        where = np.flatnonzero(gap > 1e-12)
-        if len(where) == 0:
-            return empty
-        nxt = order[where + 1]
-        if isinstance(c, ScheduleColumns):  # the engine's own op indices: no look-up of op ids
-            blocker = c.blocker_rows()[nxt]
-        else:
-            blocker = pd.Index(c["op_id"]).get_indexer(c["blocked_by"][nxt])  # -1: none (or not in the timeline)
-        causes = np.where(blocker >= 0, c["category"][blocker], "unknown")
-        cats = c["category"][nxt]
-        return pd.DataFrame({
-            "start": running_end[where],
-            "end": starts[where + 1],
-            "duration": gap[where],
-            "kind": np.where(np.isin(cats, list(INTRA_LAYER_CATEGORIES)), "intra", "inter"),
-            "next_op": c["op_id"][nxt],
-            "next_category": cats,
-            "cause": causes,
-            "step": c["step"][nxt],
-            "layer": c["layer"][nxt],
-            "batch": c["batch"][nxt],
-        })
+        idx = np.flatnonzero(c["resource"] == "gpu")
+        gaps = None
+        if len(idx) >= 2:
+            order = idx[np.lexsort((c["end"][idx], c["start"][idx]))]
+            starts, ends = c["start"][order], c["end"][order]
+            running_end = np.maximum.accumulate(ends)
+            gap = starts[1:] - running_end[:-1]
+            where = np.flatnonzero(gap > 1e-12)
+            if len(where):
+                nxt = order[where + 1]
+                if isinstance(c, ScheduleColumns):  # the engine's own op indices: no look-up of op ids
+                    blocker = c.blocker_rows()[nxt]
+                else:  # -1: none (or not in the timeline)
+                    blocker = pd.Index(c["op_id"]).get_indexer(c["blocked_by"][nxt])
+                cats = c["category"][nxt]
+                gaps = {"start": running_end[where], "end": starts[where + 1], "duration": gap[where],
+                        "kind": np.where(np.isin(cats, list(INTRA_LAYER_CATEGORIES)), "intra", "inter"),
+                        "next": nxt, "next_category": cats,
+                        "cause": np.where(blocker >= 0, c["category"][blocker], "unknown")}
+        self._memo["gaps"] = gaps
+        return gaps
 
     def step_latencies(self) -> pd.Series:
         """Per step, the mean over batches of the time between the end of a batch's previous step
@@ -298,7 +306,9 @@ class Timeline:
         busy = self.busy_seconds()
         work = self.work_seconds()
         makespan = self.makespan
-        bub = self.bubbles()
+        gaps = self._gaps()  # (the sums below as on `bubbles()`, whose other columns a summary does not need)
+        bub = pd.DataFrame({k: gaps[k] for k in ("duration", "kind", "cause")} if gaps else
+                           {k: pd.Series(dtype=object) for k in ("duration", "kind", "cause")})
         # the host's busy time is mostly waiting for other resources: not a bound of its own
         devices = {r: w for r, w in work.items() if r != "host"}
         bound_resource, bound = max(devices.items(), key=lambda kv: kv[1]) if devices else ("", 0.0)
@@ -342,6 +352,7 @@ class Timeline:
         )
 
 
+BUBBLE_COLUMNS = ("start", "end", "duration", "kind", "next_op", "next_category", "cause", "step", "layer", "batch")
 COLUMN_NAMES = ("op_id", "stream", "resource", "start", "end", "ready", "blocked_by", "kind", "category", "step",
                 "phase", "layer", "batch", "batches", "expert", "tokens", "bytes", "flops")
 # the columns the figures (klotski_sim.plot) read: all a comparison keeps of its timelines
