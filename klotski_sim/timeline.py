@@ -122,6 +122,7 @@ class Timeline:
             self._memo["bubbles"] = bubbles[[name for name in bubbles.columns if name in keep]]
         elif "gaps" in self._memo:  # (a summary found the gaps: their kept columns, while the columns are here)
             self._memo["bubbles"] = self._find_bubbles(keep)
+        self._memo.pop("gaps", None)  # (every gap's arrays: as large as the columns it is asked to drop)
         self.columns = {name: self.columns[name] for name in list(self.columns) if name in keep or name == "end"}
 
     # ---- construction -----------------------------------------------------------------------
