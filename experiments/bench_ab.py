@@ -24,37 +24,27 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_policies import WHOLE_RUN
+
 REPO = Path(__file__).resolve().parent.parent
 
-WHOLE_RUN = """
-import time
-from klotski_sim.runner import RunSpec, run
-t = time.perf_counter()
-run(RunSpec(policy="klotski", num_batches=None, impl={impl!r})).timeline.summary()
-print(time.perf_counter() - t)
-"""
-
+EXPERIMENTS = Path(__file__).resolve().parent
+# the snippets the benchmarks themselves time, run here by either code (bench_policies' whole run
+# prints its import and run seconds; bench_sweep's distinct grid is timed by its own function)
 SWEEP = """
-import sys, tempfile, time
-from klotski_sim.sweep import parse_spec, run_sweep
-spec = parse_spec({{"name": "ab", "models": ["mixtral-8x7b"], "hardware": ["rtx3090"], "policies": ["klotski"],
-                   "impls": ["ideal"], "seeds": list(range({count}))}})
-with tempfile.TemporaryDirectory() as out:  # each seed's routing synthesised beforehand: not timed
-    run_sweep(spec, out, workers=2, progress=False)
-with tempfile.TemporaryDirectory() as out:
-    t = time.perf_counter()
-    run_sweep(spec, out, workers=2, progress=False)
-    print({count} / (time.perf_counter() - t) * 60)
+from bench_sweep import time_default_size
+print(time_default_size({count}, 2, "ideal", "distinct")[0])
 """
 
 
 def python_in(code_dir: Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(code_dir))
+    """Run this interpreter on the klotski_sim of `code_dir` (the benchmarks' own modules beside it)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(code_dir), str(EXPERIMENTS)]))
     return subprocess.run([sys.executable, *args], cwd=code_dir, env=env, capture_output=True, text=True, check=True)
 
 
 def whole_run(code_dir: Path, impl: str) -> float:
-    return float(python_in(code_dir, "-c", WHOLE_RUN.format(impl=impl)).stdout.split()[-1])
+    return float(python_in(code_dir, "-c", WHOLE_RUN.format(impl=impl)).stdout.split()[1])  # (import s, run s, ops)
 
 
 def compare_no_png(code_dir: Path, impl: str) -> float:
@@ -65,7 +55,7 @@ def compare_no_png(code_dir: Path, impl: str) -> float:
 
 
 def sweep_rate(code_dir: Path, count: int) -> float:
-    return float(python_in(code_dir, "-c", SWEEP.format(count=count)).stdout.split()[-1])
+    return count / float(python_in(code_dir, "-c", SWEEP.format(count=count)).stdout.split()[-1]) * 60
 
 
 def main() -> None:

@@ -16,6 +16,8 @@ import argparse
 import tempfile
 import time
 
+import pandas as pd
+
 from klotski_sim.sweep import expand, parse_spec, run_sweep
 
 GRID = {
@@ -36,6 +38,16 @@ def default_size(count: int, workers: int, impl: str, grid: str) -> None:
     """`what-if`: one configuration over `count` PCIe bandwidths (a Klotski schedule does not depend
     on the link's speed: the sweep builds it once per n and simulates it again); `distinct`: `count`
     routing seeds, every schedule built anew (their routings synthesised beforehand, untimed)."""
+    took, df = time_default_size(count, workers, impl, grid)
+    rate = count / took * 60
+    print(f"{impl:13} {grid:8} {count} default-size configurations on {workers} workers in {took:.1f} s -> "
+          f"{rate:.0f} configurations/min; 1,000 would take {1000 / rate:.1f} min "
+          f"(ops per configuration: {int(df['m.num_ops'].median())}; distinct n: {df['m.n'].nunique()})")
+
+
+def time_default_size(count: int, workers: int, impl: str, grid: str) -> tuple[float, pd.DataFrame]:
+    """The seconds the sweep of `default_size` takes, and its results (experiments/bench_ab.py times it
+    for old and new code)."""
     axes: dict = ({"overrides": {"links.pcie_h2d.bandwidth": [8e9 + 48e9 * k / max(1, count - 1)
                                                                for k in range(count)]}}
                   if grid == "what-if" else {"seeds": list(range(count))})
@@ -49,10 +61,7 @@ def default_size(count: int, workers: int, impl: str, grid: str) -> None:
         df = run_sweep(spec, out, workers=workers, progress=False)
         took = time.perf_counter() - t
     assert len(df) == count and (df["status"] == "ok").all(), df["status"].value_counts()
-    rate = count / took * 60
-    print(f"{impl:13} {grid:8} {count} default-size configurations on {workers} workers in {took:.1f} s -> "
-          f"{rate:.0f} configurations/min; 1,000 would take {1000 / rate:.1f} min "
-          f"(ops per configuration: {int(df['m.num_ops'].median())}; distinct n: {df['m.n'].nunique()})")
+    return took, df
 
 
 def main() -> None:

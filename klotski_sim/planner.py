@@ -226,12 +226,12 @@ def plan(model: ModelSpec, profile: HardwareProfile, batch_size: int, prompt_len
         cold = (act["cold_p_used"] * expert_times(act["cold_tokens_if_used"], ops)).sum(axis=-1).mean(axis=-1)
         return {"t_c_hotE": hot, "sum_Q_t_cE": cold, "Q": act["cold_p_used"].sum(axis=-1).mean(axis=-1)}
 
+    def terms_at(n: int) -> dict[str, float]:
+        return {key: float(value[0]) for key, value in group_terms(np.array([n])).items()}
+
     def inequalities(n: int | np.ndarray) -> tuple[Inequality, ...]:
         """(4)-(7) at n, or elementwise for an array of n (then each side is an array)."""
-        scalar = np.ndim(n) == 0
-        g = group_terms(np.atleast_1d(np.asarray(n, dtype=np.int64)))
-        if scalar:
-            g = {key: float(value[0]) for key, value in g.items()}
+        g = terms_at(int(n)) if np.ndim(n) == 0 else group_terms(np.asarray(n, dtype=np.int64))
         base = n * (t["t_cA"] + t["t_cG"])
         return (
             Inequality("(4) n*t_cA >= t_IO_G", n * t["t_cA"], t["t_IO_G"]),
@@ -279,7 +279,7 @@ def plan(model: ModelSpec, profile: HardwareProfile, batch_size: int, prompt_len
         if placement.resident_layers:
             notes.append(f"{placement.resident_layers} layer(s) kept resident on the GPU with the spare memory")
     terms = dict(t)
-    terms.update({key: float(value[0]) for key, value in group_terms(np.array([n])).items()})
+    terms.update(terms_at(n))
     return Plan(n=n, n_io=n_io, n_memory=n_memory, placement=placement, terms=terms,
                 inequalities=inequalities(n), memory=memory_needed(model, batch_size, n, prompt_len, gen_len, placement),
                 notes=tuple(notes))

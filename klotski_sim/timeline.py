@@ -307,9 +307,7 @@ class Timeline:
         busy = self.busy_seconds()
         work = self.work_seconds()
         makespan = self.makespan
-        gaps = self._gaps()  # (the sums below as on `bubbles()`, whose other columns a summary does not need)
-        bub = pd.DataFrame({k: gaps[k] for k in ("duration", "kind", "cause")} if gaps else
-                           {k: pd.Series(dtype=object) for k in ("duration", "kind", "cause")})
+        bub = self._find_bubbles(("duration", "kind", "cause"))  # (not the op ids and tags: unused here)
         # the host's busy time is mostly waiting for other resources: not a bound of its own
         devices = {r: w for r, w in work.items() if r != "host"}
         bound_resource, bound = max(devices.items(), key=lambda kv: kv[1]) if devices else ("", 0.0)
