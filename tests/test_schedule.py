@@ -120,3 +120,37 @@ def test_an_appended_op_waits_for_the_host_like_an_added_one():
     b.append(compute_op("a", "gate", (), 0, 0, 0, "decode", 0, (0,), -1, 1, 0, (), (), ""))
     b.append(compute_op("b", "gate", (), 0, 0, 0, "decode", 0, (0,), -1, 1, 0, (), (), ""))
     assert [op.deps for op in b.ops] == [(), ("sync",), ()]  # the stream's first op only
+
+
+def test_what_a_gc_pause_leaves_alive_is_old_and_its_cycles_still_collected():
+    import gc
+    import weakref
+
+    from klotski_sim.schedule import gc_paused
+
+    class Node:
+        pass
+
+    was = gc.isenabled()
+    gc.enable()
+    try:
+        with gc_paused():
+            assert not gc.isenabled()
+            kept = [(i, str(i)) for i in range(1000)]
+            cycle = Node()
+            cycle.me = cycle
+            gone = weakref.ref(cycle)
+            del cycle
+        assert gc.isenabled()
+        oldest = {id(o) for o in gc.get_objects(generation=2)}
+        assert id(kept) in oldest and id(kept[-1]) in oldest  # promoted without a scan
+        assert gone() is not None  # (a cycle: not freed by reference counting)
+        gc.collect()
+        assert gone() is None  # the next full collection still finds it
+        with gc_paused():  # nested: the inner pause leaves the collector off
+            with gc_paused():
+                pass
+            assert not gc.isenabled()
+    finally:
+        if not was:
+            gc.disable()
