@@ -506,6 +506,11 @@ def transfer_op(op_id: str, category: str, stream: str, nbytes: int, src: str, d
                            0, 0, alloc, free, tensor, pageable, ""))
 
 
+def host_op(op_id: str, category: str, deps: tuple[str, ...]) -> Op:
+    """A host op built positionally (every field after its deps at its default), as `compute_op`."""
+    return _new_tuple(Op, (op_id, "host", HOST_STREAM, category, deps) + _AFTER_DEPS)
+
+
 class ScheduleBuilder:
     """Appends ops in issue order and hands back their ids; policies use it to read like the
     paper's loops (`b.transfer(...)`, `b.compute(...)`) without bookkeeping."""
@@ -537,6 +542,22 @@ class ScheduleBuilder:
                 op = _new_tuple(Op, op[:4] + (op.deps + (self._barrier,),) + op[5:])
         self.ops.append(op)
         self._last_on_stream[stream] = op.id
+        return op.id
+
+    def append_after_syncs(self, pairs: Sequence[tuple[Op, Op]]) -> str:
+        """Pairs of a host sync and the op it holds back, each op naming its sync among its deps:
+        issued as `host_wait` then `append` would issue them (the host stream is always past its
+        latest barrier, and each op names the barrier it is past), in one pass for the chains of
+        as-published expert loops. Returns the last op's id."""
+        ops = self.ops
+        for sync, op in pairs:
+            ops.append(sync)
+            ops.append(op)
+        sync, op = pairs[-1]
+        self._barrier = sync.id
+        self._past_barrier = {HOST_STREAM, op.stream}
+        self._last_on_stream[HOST_STREAM] = sync.id
+        self._last_on_stream[op.stream] = op.id
         return op.id
 
     def last_issued(self) -> list[str]:

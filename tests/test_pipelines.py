@@ -17,7 +17,7 @@ from klotski_sim.policies import Placement, PolicyInput, build_schedule
 from klotski_sim.policies.base import OpEmitter
 from klotski_sim.prefetch import CorrelationTable
 from klotski_sim.routing import RoutingTable, RunShape
-from klotski_sim.schedule import transfer_op
+from klotski_sim.schedule import Op, compute_op, transfer_op
 from klotski_sim.trace import replay
 from klotski_sim.trace_synth import synthesize
 
@@ -330,3 +330,31 @@ def test_fetch_keeps_what_a_policy_of_its_own_adds():
                                    (("a", 10),), ())
     assert ops["b"].free == ("a",) and ops["b"].deps == ("a",)
     assert ops["c"].batches == (0,) and ops["c"].alloc == (("c", 10),) and ops["c"].expert == 3
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 50), st.booleans(), st.booleans()), min_size=0,
+                max_size=6),
+       st.sampled_from([None, "gate", ""]), st.booleans())
+def test_an_expert_chain_in_one_pass_issues_what_expert_by_expert_does(parts, after, barrier_first):
+    """expert_chain builds an as-published expert loop's sync/op pairs in one pass: the same ops,
+    and the builder left in the same state (what is issued next waits for the same host op), as
+    `expert` called op by op."""
+    def emit(one_pass: bool) -> list[Op]:
+        em = OpEmitter(make_input(options={"sync": "per-expert", "expert_ops": "per-batch"}))
+        if barrier_first:
+            em.sync("before", ["x"])
+        em.b.append(compute_op("x", "gate", (), 0, 0, 0, "decode", 0, (0,), -1, 1, 0, (), (), ""))
+        ops = [(f"E{i}", e, (i % 2,), tokens, ("w",) if own else (), ("w",) if free else ())
+               for i, (e, tokens, own, free) in enumerate(parts)]
+        if one_pass:
+            last = em.expert_chain(0, 0, after, ops)
+        else:
+            last = after
+            for op_id, e, batches, tokens, deps, free in ops:
+                last = em.expert(op_id, 0, 0, e, batches, tokens, deps, free=free, rows_of=last)
+        em.b.transfer("next", "weights", "h2d_weights", 1, "cpu", "gpu")  # (waits for the latest host op)
+        em.b.append(compute_op("y", "gate", (), 0, 0, 0, "decode", 0, (0,), -1, 1, 0, (), (), ""))
+        return [*em.b.ops, last, em.b.last_issued()]
+
+    assert emit(True) == emit(False)

@@ -22,7 +22,17 @@ from ..hardware import HardwareProfile
 from ..impl import IMPL_CHOICES, PRESET_NAMES, Impl, preset_options
 from ..model import ModelSpec
 from ..routing import RoutingTable, RunShape
-from ..schedule import CPU_STREAMS, Op, Schedule, ScheduleBuilder, clean_deps, compute_op, gc_paused, transfer_op
+from ..schedule import (
+    CPU_STREAMS,
+    Op,
+    Schedule,
+    ScheduleBuilder,
+    clean_deps,
+    compute_op,
+    gc_paused,
+    host_op,
+    transfer_op,
+)
 from ..trace import Trace
 
 TIERS = ("gpu", "cpu", "disk")
@@ -613,9 +623,7 @@ class OpEmitter:
             # (the op waits for the host's sync, as any op issued after it: named here, so the
             # builder need not add it to a finished op)
             deps.append(self.b.host_wait(f"{op_id}/rows/sync", "sync", [rows_of]))
-        cost = self._expert_costs.get(tokens)
-        if cost is None:  # (an as-published schedule has an expert op per expert, batch, layer and step)
-            cost = self._expert_costs[tokens] = (self.model.expert_flops(tokens), self.model.expert_io_bytes(tokens))
+        cost = self._expert_costs.get(tokens) or self._expert_cost(tokens)
         op = self.b.append(compute_op(op_id, "expert", clean_deps(deps), cost[0], cost[1], step, self.phase(step),
                                       layer, tuple(batches), expert, tokens, 0, (), self.releasable(free), ""))
         if self.cache is not None:
@@ -623,6 +631,38 @@ class OpEmitter:
                 if d is not None:
                     self.cache.used_by(d, op)
         return op
+
+    def expert_chain(self, step: int, layer: int, after: str,
+                     ops: Sequence[tuple[str, int, tuple[int, ...], int, tuple[str, ...], tuple[str, ...]]]) -> str:
+        """Expert ops (op id, expert, batches, tokens, deps, frees; deps without Nones or
+        repeats) issued one after another, as a published MoE loop walks them: with option
+        `sync=per-expert` each after the host reads its token rows, which the op before it (the
+        first: `after`) produced. As `expert` would issue them one by one, built in one pass (an
+        as-published schedule has a pair per expert, batch, layer and step). Returns the last op
+        (`after` without ops)."""
+        # `expert` issues them all (no syncs to pair, or a cache to tell), or a first op without `after`
+        # (no rows to read before it)
+        by_expert = len(ops) if not self.impl.sync_experts or self.cache is not None else int(after is None)
+        op = after
+        for op_id, expert, batches, tokens, deps, free in ops[:by_expert]:
+            op = self.expert(op_id, step, layer, expert, batches, tokens, deps, free=free, rows_of=op)
+        if by_expert >= len(ops):
+            return op
+        phase, costs, pairs = self.phase(step), self._expert_costs, []
+        for op_id, expert, batches, tokens, deps, free in ops[by_expert:]:
+            cost = costs.get(tokens) or self._expert_cost(tokens)
+            sync = f"{op_id}/rows/sync"
+            pairs.append((host_op(sync, "sync", (op,)),
+                          compute_op(op_id, "expert", deps + (sync,), cost[0], cost[1], step, phase, layer, batches,
+                                     expert, tokens, 0, (), free, "")))
+            op = op_id
+        return self.b.append_after_syncs(pairs)
+
+    def _expert_cost(self, tokens: int) -> tuple[int, int]:
+        """FLOPs and bytes of one expert over `tokens` tokens, kept: an as-published schedule has an
+        expert op per expert, batch, layer and step, over a few hundred distinct token counts."""
+        cost = self._expert_costs[tokens] = (self.model.expert_flops(tokens), self.model.expert_io_bytes(tokens))
+        return cost
 
     def _attention_cost(self, new: int, kv_len: int) -> tuple[int, int, int]:
         """FLOPs and bytes of one batch's attention, and the bytes of the KV entries it adds (the

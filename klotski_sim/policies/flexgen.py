@@ -75,13 +75,12 @@ def build(inp: PolicyInput) -> Schedule:
             em.attention(f"{at}/b{k}/attn", step, layer, k, [attn_w, *sync],
                          free=(attn_w,) if attn_w and last_batch else ())
             op = em.gate(f"{at}/b{k}/gate", step, layer, k, [gate_w], free=(gate_w,) if gate_w and last_batch else ())
-            chosen = [e for e in range(m.num_experts) if counts[step, layer, k, e] > 0]
-            for i, e in enumerate(chosen):
-                # the layer's last expert op waits for, then releases, the whole MoE layer
-                end_of_layer = last_batch and i == len(chosen) - 1
-                deps = list(expert_w) if end_of_layer else ([expert_w[e]] if expert_w else [])
-                op = em.expert(f"{at}/b{k}/E{e}", step, layer, e, (k,), int(counts[step, layer, k, e]), deps,
-                               free=tuple(expert_w) if end_of_layer else (), rows_of=op)
+            row = counts[step, layer, k].tolist()
+            ops = [(f"{at}/b{k}/E{e}", e, em.batch_tuple[k], tokens, (expert_w[e],) if expert_w else (), ())
+                   for e, tokens in enumerate(row) if tokens > 0]
+            if ops and last_batch:  # the layer's last expert op waits for, then releases, the whole MoE layer
+                ops[-1] = ops[-1][:4] + (tuple(expert_w), tuple(expert_w))
+            op = em.expert_chain(step, layer, op, ops)
             if em.impl.sync_sublayers:  # FlexGen's sync() after compute(j, k): device-wide
                 em.sync_device(f"{at}/b{k}")
         layer_done.append(op)

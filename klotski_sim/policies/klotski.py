@@ -206,20 +206,19 @@ def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
             else:
                 order = used  # the natural loop of an MoE layer: expert-id order
             wasted = tuple(w for e, w in expert_w.items() if group_tokens[e] == 0)  # loaded, never used
-            op = last_gate
             batch_rows = counts[step, j].tolist() if impl.per_batch_experts else []  # [batch][expert] tokens
-            for k, e in enumerate(order):
+            expert_ops = []  # (op id, expert, batches, tokens, deps, frees)
+            for e in order:
                 own = (expert_w[e],) if e in expert_w else ()
                 if impl.per_batch_experts:  # one op per batch: the weights are read again for each
-                    parts = [(em.batch_tuple[b], batch_rows[b][e], f"{at}/b{b}/E{e}") for b in batches
-                             if batch_rows[b][e]]
+                    expert_ops += [(f"{at}/b{b}/E{e}", e, em.batch_tuple[b], batch_rows[b][e], own, ())
+                                   for b in batches if batch_rows[b][e]]
                 else:
-                    parts = [(batches, int(group_tokens[e]), f"{at}/E{e}")]
-                for p, (part, tokens, op_id) in enumerate(parts):
-                    last = k == len(order) - 1 and p == len(parts) - 1
-                    frees = (own if p == len(parts) - 1 else ()) + (wasted if last else ())
-                    op = em.expert(op_id, step, j, e, part, tokens, list(own) + (list(wasted) if last else []),
-                                   free=frees, rows_of=op)
+                    expert_ops.append((f"{at}/E{e}", e, batches, int(group_tokens[e]), own, ()))
+                expert_ops[-1] = expert_ops[-1][:5] + (own,)  # its last op frees its weights
+            if expert_ops:  # the layer's last op also waits for, and frees, what was loaded and never used
+                expert_ops[-1] = expert_ops[-1][:4] + (expert_ops[-1][4] + wasted, expert_ops[-1][5] + wasted)
+            op = em.expert_chain(step, j, last_gate, expert_ops)
             layer_done.append(op)
             # CPU experts, issued after the GPU's (whose work is then in flight): the group's hidden states
             # go down once every gate has run, each expert runs over the group's tokens on the CPU, its

@@ -112,13 +112,11 @@ def _experts(em: OpEmitter, at: str, step: int, layer: int, batch: int, tokens: 
     for the whole layer's load and releases the experts nobody used."""
     active = [e for e in range(len(tokens)) if tokens[e] > 0]
     unused = tuple(w for e, w in enumerate(expert_w) if w is not None and tokens[e] == 0)
-    op = after
-    for k, e in enumerate(active):
-        last = k == len(active) - 1
-        deps = [expert_w[e]] + (list(unused) if last else [])
-        op = em.expert(f"{at}/E{e}", step, layer, e, (batch,), int(tokens[e]), deps,
-                       free=_own(expert_w[e]) + (unused if last else ()), rows_of=op)
-    return op
+    ops = [(f"{at}/E{e}", e, em.batch_tuple[batch], int(tokens[e]), _own(expert_w[e]), _own(expert_w[e]))
+           for e in active]
+    if ops:
+        ops[-1] = ops[-1][:4] + (ops[-1][4] + unused, ops[-1][5] + unused)
+    return em.expert_chain(step, layer, after, ops)
 
 
 def _own(buffer: str | None) -> tuple[str, ...]:
