@@ -335,13 +335,13 @@ def test_fetch_keeps_what_a_policy_of_its_own_adds():
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 50), st.booleans(), st.booleans()), min_size=0,
                 max_size=6),
-       st.sampled_from([None, "gate", ""]), st.booleans())
-def test_an_expert_chain_in_one_pass_issues_what_expert_by_expert_does(parts, after, barrier_first):
-    """expert_chain builds an as-published expert loop's sync/op pairs in one pass: the same ops,
-    and the builder left in the same state (what is issued next waits for the same host op), as
-    `expert` called op by op."""
+       st.sampled_from([None, "gate", ""]), st.booleans(), st.sampled_from(["per-expert", "none"]))
+def test_an_expert_chain_in_one_pass_issues_what_the_builder_does_op_by_op(parts, after, barrier_first, sync):
+    """expert_chain builds an expert loop's sync/op pairs in one pass: the same ops, and the builder
+    left in the same state (what is issued next waits for the same host op), as a host wait and an
+    append per op (what `expert` did before it)."""
     def emit(one_pass: bool) -> list[Op]:
-        em = OpEmitter(make_input(options={"sync": "per-expert", "expert_ops": "per-batch"}))
+        em = OpEmitter(make_input(options={"sync": sync, "expert_ops": "per-batch"}))
         if barrier_first:
             em.sync("before", ["x"])
         em.b.append(compute_op("x", "gate", (), 0, 0, 0, "decode", 0, (0,), -1, 1, 0, (), (), ""))
@@ -352,7 +352,12 @@ def test_an_expert_chain_in_one_pass_issues_what_expert_by_expert_does(parts, af
         else:
             last = after
             for op_id, e, batches, tokens, deps, free in ops:
-                last = em.expert(op_id, 0, 0, e, batches, tokens, deps, free=free, rows_of=last)
+                deps = list(deps)
+                if sync == "per-expert" and last is not None:
+                    deps.append(em.b.host_wait(f"{op_id}/rows/sync", "sync", [last]))
+                last = em.b.append(compute_op(op_id, "expert", tuple(deps), em.model.expert_flops(tokens),
+                                              em.model.expert_io_bytes(tokens), 0, "prefill", 0, batches, e, tokens, 0,
+                                              (), free, ""))
         em.b.transfer("next", "weights", "h2d_weights", 1, "cpu", "gpu")  # (waits for the latest host op)
         em.b.append(compute_op("y", "gate", (), 0, 0, 0, "decode", 0, (0,), -1, 1, 0, (), (), ""))
         return [*em.b.ops, last, em.b.last_issued()]

@@ -618,45 +618,33 @@ class OpEmitter:
         """One expert over `tokens` tokens gathered from `batches`. With option `sync=per-expert`
         the host first reads the expert's token rows, which `rows_of` produced (a `.tolist()`:
         sync op `{op_id}/rows/sync`)."""
-        deps = list(deps)
-        if rows_of is not None and self.impl.sync_experts:
-            # (the op waits for the host's sync, as any op issued after it: named here, so the
-            # builder need not add it to a finished op)
-            deps.append(self.b.host_wait(f"{op_id}/rows/sync", "sync", [rows_of]))
-        cost = self._expert_costs.get(tokens) or self._expert_cost(tokens)
-        op = self.b.append(compute_op(op_id, "expert", clean_deps(deps), cost[0], cost[1], step, self.phase(step),
-                                      layer, tuple(batches), expert, tokens, 0, (), self.releasable(free), ""))
-        if self.cache is not None:
-            for d in deps:
-                if d is not None:
-                    self.cache.used_by(d, op)
-        return op
+        return self.expert_chain(step, layer, rows_of, [(op_id, expert, tuple(batches), tokens,
+                                                         clean_deps(list(deps)), tuple(free))])
 
-    def expert_chain(self, step: int, layer: int, after: str,
+    def expert_chain(self, step: int, layer: int, after: str | None,
                      ops: Sequence[tuple[str, int, tuple[int, ...], int, tuple[str, ...], tuple[str, ...]]]) -> str:
         """Expert ops (op id, expert, batches, tokens, deps, frees; deps without Nones or
         repeats) issued one after another, as a published MoE loop walks them: with option
         `sync=per-expert` each after the host reads its token rows, which the op before it (the
-        first: `after`) produced. As `expert` would issue them one by one, built in one pass (an
-        as-published schedule has a pair per expert, batch, layer and step). Returns the last op
-        (`after` without ops)."""
-        # `expert` issues them all (no syncs to pair, or a cache to tell), or a first op without `after`
-        # (no rows to read before it)
-        by_expert = len(ops) if not self.impl.sync_experts or self.cache is not None else int(after is None)
+        first: `after`, if any) produced. Built in one pass: an as-published schedule has such a
+        pair per expert, batch, layer and step. Returns the last op (`after` without ops)."""
+        phase, costs, cache, sync_rows = self.phase(step), self._expert_costs, self.cache, self.impl.sync_experts
+        pairs: list[tuple[Op, Op]] = []  # (a sync, the op it holds back)
         op = after
-        for op_id, expert, batches, tokens, deps, free in ops[:by_expert]:
-            op = self.expert(op_id, step, layer, expert, batches, tokens, deps, free=free, rows_of=op)
-        if by_expert >= len(ops):
-            return op
-        phase, costs, pairs = self.phase(step), self._expert_costs, []
-        for op_id, expert, batches, tokens, deps, free in ops[by_expert:]:
+        for op_id, expert, batches, tokens, deps, free in ops:
             cost = costs.get(tokens) or self._expert_cost(tokens)
-            sync = f"{op_id}/rows/sync"
-            pairs.append((host_op(sync, "sync", (op,)),
-                          compute_op(op_id, "expert", deps + (sync,), cost[0], cost[1], step, phase, layer, batches,
-                                     expert, tokens, 0, (), free, "")))
+            sync = f"{op_id}/rows/sync" if sync_rows and op is not None else None
+            expert_op = compute_op(op_id, "expert", deps + (sync,) if sync else deps, cost[0], cost[1], step, phase,
+                                   layer, batches, expert, tokens, 0, (), self.releasable(free) if cache else free, "")
+            if sync:
+                pairs.append((host_op(sync, "sync", (op,)), expert_op))
+            else:  # (no rows to read first: issued as it is)
+                self.b.append(expert_op)
+            if cache is not None:
+                for d in expert_op.deps:
+                    cache.used_by(d, op_id)
             op = op_id
-        return self.b.append_after_syncs(pairs)
+        return self.b.append_after_syncs(pairs) if pairs else op
 
     def _expert_cost(self, tokens: int) -> tuple[int, int]:
         """FLOPs and bytes of one expert over `tokens` tokens, kept: an as-published schedule has an
