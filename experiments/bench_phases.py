@@ -1,0 +1,77 @@
+"""Where a whole default Klotski run's time goes, per implementation preset, in fresh processes:
+prepare (planner + calibrated routing), build (the policy loop, then the schedule's check), simulate,
+summary, and the garbage collector's share of it all. The best of `--rounds` fresh processes per
+phase (this machine is noisy); the run's figures, not a model of them.
+
+    python experiments/bench_phases.py [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+# One run, timed phase by phase in a fresh process (the trace cache warm: bench_policies times the cold one).
+PHASES = """
+import gc, time
+from dataclasses import replace
+from klotski_sim.engine import simulate
+from klotski_sim.policies import build_schedule
+from klotski_sim.runner import RunSpec, policy_prepared, prepare
+from klotski_sim.schedule import Schedule
+
+collecting = {{}}
+def on_gc(phase, info):
+    if phase == "start":
+        collecting["since"] = time.perf_counter()
+    else:
+        collecting["total"] = collecting.get("total", 0.0) + time.perf_counter() - collecting["since"]
+gc.callbacks.append(on_gc)
+checking = [0.0]
+check = Schedule.check
+def timed_check(self):
+    t = time.perf_counter()
+    check(self)
+    checking[0] += time.perf_counter() - t
+Schedule.check = timed_check
+
+t0 = time.perf_counter()
+spec = RunSpec(num_batches=None, policy="klotski", impl={impl!r})
+prep, _ = policy_prepared(spec, prepare(spec))
+inp = replace(prep.policy_input(spec.options), impl={impl!r})
+t1 = time.perf_counter()
+schedule = build_schedule("klotski", inp)
+t2 = time.perf_counter()
+timeline = simulate(schedule, prep.profile)
+t3 = time.perf_counter()
+timeline.summary()
+t4 = time.perf_counter()
+print(len(schedule), t1 - t0, t2 - t1 - checking[0], checking[0], t3 - t2, t4 - t3, t4 - t0,
+      collecting.get("total", 0.0))
+"""
+COLUMNS = ("prepare", "policy loop", "check", "simulate", "summary", "total", "of it GC")
+
+
+def phases(impl: str) -> tuple[int, list[float]]:
+    out = subprocess.run([sys.executable, "-c", PHASES.format(impl=impl)], check=True, capture_output=True,
+                         text=True).stdout.split()
+    return int(out[0]), [float(v) for v in out[1:]]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3, help="fresh processes per preset (the best of each phase)")
+    args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    print(f"whole default Klotski run, seconds, best of {args.rounds} fresh processes per phase")
+    print(f"{'preset':<14}{'ops':>8}" + "".join(f"{c:>13}" for c in COLUMNS))
+    for impl in ("ideal", "as-published"):
+        runs = [phases(impl) for _ in range(args.rounds)]
+        best = [min(r[1][k] for r in runs) for k in range(len(COLUMNS))]
+        print(f"{impl:<14}{runs[0][0]:>8}" + "".join(f"{v:>13.3f}" for v in best))
+
+
+if __name__ == "__main__":
+    main()
