@@ -12,6 +12,7 @@ they cover they override the analytic value.
 from __future__ import annotations
 
 import bisect
+from collections import namedtuple
 from operator import attrgetter
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
@@ -194,16 +195,24 @@ class CostModel:
         schedule has few distinct ones: each is costed once (unless an override sees every op)."""
         if self.override is not None:
             return [self.duration(op, streams[op.stream]) for op in ops]
-        seconds: dict[tuple, float] = {}
-        out = []
-        for op, key in zip(ops, map(_COSTED_FIELDS, ops)):
-            value = seconds.get(key)
-            if value is None:
-                value = seconds[key] = self.duration(op, streams[op.stream])
-            out.append(value)
-        return out
+        return list(map(_CostedOnce(self, streams).__getitem__, map(_COSTED_FIELDS, ops)))
 
 
-# what an op's duration depends on (see `CostModel.duration`)
-_COSTED_FIELDS = attrgetter("kind", "stream", "category", "flops", "bytes", "tokens", "kv_len", "phase", "variant",
-                            "pageable")
+class _CostedOnce(dict):
+    """Duration by an op's costed fields, each distinct key costed when first asked (a C-level
+    look-up for the rest: a schedule has hundreds of thousands of ops and a few hundred keys)."""
+
+    def __init__(self, cost: CostModel, streams: Mapping[str, str]) -> None:
+        super().__init__()
+        self.cost, self.streams = cost, streams
+
+    def __missing__(self, key: tuple) -> float:
+        costed = _Costed(*key)
+        value = self[key] = self.cost.duration(costed, self.streams[costed.stream])  # type: ignore[arg-type]
+        return value
+
+
+# what an op's duration depends on (see `CostModel.duration`), and those fields alone as an op
+_COSTED_NAMES = ("kind", "stream", "category", "flops", "bytes", "tokens", "kv_len", "phase", "variant", "pageable")
+_COSTED_FIELDS = attrgetter(*_COSTED_NAMES)
+_Costed = namedtuple("_Costed", _COSTED_NAMES)

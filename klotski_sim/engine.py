@@ -132,7 +132,7 @@ def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | No
             i = heappop(queue)[1]
             alloc = alloc_of[i]
             if alloc:
-                need = sum(size for _, size in alloc)
+                need = alloc[0][1] if len(alloc) == 1 else sum(size for _, size in alloc)  # (mostly one buffer)
                 if mem[0] + need > capacity:
                     oom.append(OutOfMemory(op_id=ops[i].id, time=now, needed_bytes=mem[0] + need,
                                            available_bytes=capacity, in_use_bytes=mem[0]))

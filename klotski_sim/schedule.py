@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import chain
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
@@ -245,7 +245,7 @@ class Schedule:
         graph = dependency_arrays(ops, position, checked=False)  # an unknown dep: a ScheduleError naming the op
         preloaded = [name for name, _ in self.preloaded]
         allocs = list(filter(None, map(attrgetter("alloc"), ops)))
-        allocated = set(preloaded).union(name for alloc in allocs for name, _ in alloc)
+        allocated = set(preloaded).union(map(itemgetter(0), chain.from_iterable(allocs)))
         if len(allocated) < len(preloaded) + sum(map(len, allocs)):  # a buffer allocated twice: name the op
             allocated = set(preloaded)
             for op in ops:
