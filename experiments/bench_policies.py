@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 from dataclasses import replace
+from pathlib import Path
 
 from klotski_sim.engine import simulate
 from klotski_sim.policies import build_schedule
@@ -63,8 +64,9 @@ def compare_wall(impl: str, *extra: str) -> str:
         peak_kb, code = result.stdout.split()
         if code != "0":
             raise SystemExit(f"compare {impl} {' '.join(extra)} failed: {result.stderr}")
-        sizes = sum(f.stat().st_size for f in __import__("pathlib").Path(out).iterdir())
-    return f"{took:.1f} s wall, {sizes / 1e6:.1f} MB written, peak RSS {int(peak_kb) / 1024:.0f} MB"
+        sizes = [f.stat().st_size for f in Path(out).iterdir()]
+    largest = f" (largest file {max(sizes) / 1e6:.1f} MB)" if "--traces" in extra else ""
+    return f"{took:.1f} s wall, {sum(sizes) / 1e6:.1f} MB written{largest}, peak RSS {int(peak_kb) / 1024:.0f} MB"
 
 
 def main() -> None:

@@ -65,6 +65,20 @@ def test_exports(tmp_path):
     assert np.array_equal(back.memory[1], tl.memory[1])
 
 
+def test_chrome_trace_times_are_the_timelines_to_the_nanosecond():
+    tl = simulate(_timeline_schedule(), make_profile(), durations=[1.23456789e-5, 2.5e-6 + 1e-13, 3.14159265e-6,
+                                                                     7.7777777e-7, 1e-9 / 3])
+    events = [e for e in json.loads(chrome_trace_json(tl))["traceEvents"] if e["ph"] == "X" and "op" in e["args"]]
+    c = tl.columns
+    row = {op: k for k, op in enumerate(c["op_id"])}
+    assert len(events) == len(tl)
+    for e in events:
+        k = row[e["args"]["op"]]
+        assert e["ts"] == pytest.approx(c["start"][k] * 1e6, abs=5e-4)  # (microseconds: half a nanosecond)
+        assert e["dur"] == pytest.approx((c["end"][k] - c["start"][k]) * 1e6, abs=1e-3)
+        assert len(repr(float(e["ts"])).split(".")[1]) <= 3
+
+
 def test_chrome_trace_escapes_unusual_ids():
     ops = (Op('w"0\\', "transfer", "h2d_weights", "weights", bytes=1, src="cpu", dst="gpu"),
            Op("a0", "compute", "compute", 'attention "x"', ('w"0\\',)))
