@@ -230,6 +230,21 @@ class Timeline:
         self._memo["gaps"] = gaps
         return gaps
 
+    def _bubble_seconds(self) -> tuple[float, float, float, dict[str, float]]:
+        """The GPU's idle seconds: in all, between layers, inside a layer, and by cause (causes in
+        name order). Summed by pandas over numeric series, as over the columns of `bubbles()`, but
+        without a frame of their text columns (pandas 3 copies text into Arrow strings: most of
+        what a summary spent on its bubbles)."""
+        gaps = self._gaps()
+        if gaps is None:
+            return 0.0, 0.0, 0.0, {}
+        duration = pd.Series(gaps["duration"])
+        causes, cause_codes = np.unique(gaps["cause"].astype(str), return_inverse=True)
+        by_cause = duration.groupby(cause_codes).sum()  # (pandas' compensated sum, group by group)
+        inter = gaps["kind"] == "inter"
+        return (float(duration.sum()), float(duration[inter].sum()), float(duration[~inter].sum()),
+                {str(causes[code]): float(total) for code, total in by_cause.items()})
+
     def step_latencies(self) -> pd.Series:
         """Per step, the mean over batches of the time between the end of a batch's previous step
         and the end of this one: the latency a sequence sees per generated token (step 0 = prefill)."""
@@ -271,12 +286,14 @@ class Timeline:
             return 0.0
         starts, ends = [0.0], [float(c["start"][gpu].min())]
         pre = gpu & (c["step"] == 0)
-        if pre.any():
-            frame = pd.DataFrame({"batch": c["batches"][pre], "start": c["start"][pre], "end": c["end"][pre]})
-            windows = frame.groupby("batch").agg(start=("start", "min"), end=("end", "max"))
-            starts += windows["start"].tolist()
-            ends += windows["end"].tolist()
-        return _union_length(np.asarray(starts), np.asarray(ends))
+        if pre.any():  # per distinct batch set: its first start and last end
+            codes, uniques = pd.factorize(c["batches"][pre])
+            first, last = np.full(len(uniques), np.inf), np.full(len(uniques), -np.inf)
+            np.minimum.at(first, codes, c["start"][pre])
+            np.maximum.at(last, codes, c["end"][pre])
+            starts += first.tolist()
+            ends += last.tolist()
+        return _union_length(np.asarray(starts), np.asarray(ends))  # (in any order: a union)
 
     def moe_block_seconds(self) -> float:
         """Mean time of one MoE block — one layer of one decode step over every batch in flight:
@@ -307,7 +324,7 @@ class Timeline:
         busy = self.busy_seconds()
         work = self.work_seconds()
         makespan = self.makespan
-        bub = self._find_bubbles(("duration", "kind", "cause"))  # (not the op ids and tags: unused here)
+        bubble_s, inter_s, intra_s, by_cause = self._bubble_seconds()
         # the host's busy time is mostly waiting for other resources: not a bound of its own
         devices = {r: w for r, w in work.items() if r != "host"}
         bound_resource, bound = max(devices.items(), key=lambda kv: kv[1]) if devices else ("", 0.0)
@@ -333,9 +350,7 @@ class Timeline:
             moe_block_s=self.moe_block_seconds(),
             gpu_busy_s=busy.get("gpu", 0.0),
             host_blocked_s=busy.get("host", 0.0),
-            bubble_s=float(bub["duration"].sum()),
-            bubble_inter_s=float(bub.loc[bub["kind"] == "inter", "duration"].sum()),
-            bubble_intra_s=float(bub.loc[bub["kind"] == "intra", "duration"].sum()),
+            bubble_s=bubble_s, bubble_inter_s=inter_s, bubble_intra_s=intra_s,
             lower_bound_s=bound, lower_bound_resource=bound_resource,
             efficiency=bound / makespan if makespan > 0 else 0.0,
             peak_gpu_bytes=int(m.get("peak_gpu_bytes", 0)),
@@ -343,7 +358,7 @@ class Timeline:
             generated_tokens=generated,
             impl=str(m.get("impl", "")),
             utilization={r: (b / makespan if makespan > 0 else 0.0) for r, b in busy.items()},
-            bubble_by_cause={str(k): float(v) for k, v in bub.groupby("cause")["duration"].sum().items()},
+            bubble_by_cause=by_cause,
             oom=m.get("oom"),
             extra={k: m[k] for k in ("trace", "routing", "placement", "prefetch", "overlap", "emulated_links",
                                      "options", "expert_cache", "cpu_experts", "expert_placement",
