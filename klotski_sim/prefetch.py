@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .routing import CHOICE_CODES, choice_codes, choice_experts
 from .trace import Trace
 
 _CHUNK_PAIRS = 1 << 18  # (token, layer, pair) counts per bincount pass: ~1 MB of int32, cache-sized
-# Up to this many distinct top-k choices a layer (E^K: Mixtral's 8^2 = 64), the pair counts are
-# taken per (previous choice, current choice) — one count per token and layer instead of K*K — and
-# expanded to expert pairs by a small matrix product: 3.7x faster than counting every pair on a
-# prefill step of the default run (73 -> 20 ms, identical counts).
-_CHOICE_CODES = 64
+# Up to routing.CHOICE_CODES distinct top-k choices a layer, the pair counts are taken per
+# (previous choice, current choice) — one count per token and layer instead of K*K — and expanded
+# to expert pairs by a small matrix product: 3.7x faster than counting every pair on a prefill step
+# of the default run (73 -> 20 ms, identical counts) ...
 # ... when the tokens' pairs outnumber the (choice, choice) cells this many times: a decode step's
 # few tokens are counted pair by pair (0.3 ms, against 1 ms by choices).
 _CHOICE_PAIRS_PER_CELL = 1
@@ -57,7 +57,7 @@ class CorrelationTable:
         self.t0 += np.bincount(ids[..., 0, :].ravel(), minlength=E)
         if L == 1:
             return
-        if E**K <= _CHOICE_CODES and count * K * K > _CHOICE_PAIRS_PER_CELL * (E**K) ** 2:
+        if E**K <= CHOICE_CODES and count * K * K > _CHOICE_PAIRS_PER_CELL * (E**K) ** 2:
             self._observe_choices(ids)
             return
         tokens = ids.reshape(-1, L, K)
@@ -77,20 +77,15 @@ class CorrelationTable:
         expert pairs adds exactly 1, as when counted one by one)."""
         L, E, K = self.num_layers, self.num_experts, self.top_k
         codes = E**K
-        digits = (np.arange(codes)[:, None] // E ** np.arange(K)[None, :]) % E  # [code, k] -> expert
-        holds = np.zeros((codes, E), dtype=np.int64)
-        np.add.at(holds, (np.repeat(np.arange(codes), K), digits.ravel()), 1)
-        offsets = np.arange(L - 1, dtype=np.int32) * (codes * codes)
+        holds = choice_experts(E, K)
+        offsets = np.arange(L - 1, dtype=np.intp) * (codes * codes)
         choice_pairs = np.zeros((L - 1) * codes * codes, dtype=np.int64)
         # [rows, tokens, L, K] as a view of the routing's [batch, seq, position, L, K] (a step's
         # positions are a slice of it: reshaping all its tokens into one array would copy them all)
         rows = ids.reshape((-1,) + ids.shape[-3:]) if ids.ndim > 3 else ids[:, None]
         span = max(1, _CODE_TOKENS // rows.shape[1])
         for start in range(0, len(rows), span):
-            block = rows[start:start + span].astype(np.int32)
-            code = block[..., 0].copy()
-            for k in range(1, K):
-                code += block[..., k] * E**k
+            code = choice_codes(rows[start:start + span], E)
             flat = code[..., :-1] * codes + code[..., 1:] + offsets
             choice_pairs += np.bincount(flat.ravel(), minlength=len(choice_pairs))
         self.pairs[1:] += holds.T @ choice_pairs.reshape(L - 1, codes, codes) @ holds

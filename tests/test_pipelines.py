@@ -162,7 +162,7 @@ def test_correlation_table_counts_every_pair_once_whatever_the_chunking(L, E, K,
         ids = np.argsort(rng.random((tokens, L, E)), axis=-1)[..., :K]
     t = CorrelationTable(num_layers=L, num_experts=E, top_k=K)
     with patch.object(prefetch, "_CHUNK_PAIRS", chunk), patch.object(prefetch, "_CODE_TOKENS", chunk), \
-            patch.object(prefetch, "_CHOICE_CODES", 6**3 if by_choice else 0), \
+            patch.object(prefetch, "CHOICE_CODES", 6**3 if by_choice else 0), \
             patch.object(prefetch, "_CHOICE_PAIRS_PER_CELL", 0):
         t.observe_tokens(ids)
     t0, pairs = np.zeros(E, dtype=np.int64), np.zeros((L, E, E), dtype=np.int64)

@@ -1,12 +1,16 @@
 """Trace format, replay, import, generator and statistics."""
 
 import json
+from unittest.mock import patch
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from klotski_sim import routing as routing_module
 from klotski_sim.model import get_model
-from klotski_sim.routing import RunShape
+from klotski_sim.routing import RoutingTable, RunShape
 from klotski_sim.trace import Trace, TraceError, import_jsonl, replay
 from klotski_sim.trace_stats import layer_stats, summary
 from klotski_sim.trace_synth import synthesize
@@ -92,6 +96,29 @@ def test_counts_match_ids():
             for b in range(2):
                 ids = r.step_ids(step, layer, b)
                 assert np.array_equal(r.counts[step, layer, b], np.bincount(ids.ravel(), minlength=4))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 3), st.integers(1, 5), st.integers(1, 4), st.integers(1, 3),
+       st.sampled_from([(2, 1), (4, 2), (8, 2), (3, 3), (9, 2)]), st.integers(0, 2), st.booleans(), st.integers(0, 9))
+def test_counts_by_choice_or_by_expert_are_the_ids_counted_one_by_one(nb, bs, prompt, gen, layers, experts_k, dense,
+                                                                      by_choice, seed):
+    """RoutingTable.counts, by whole choices (up to CHOICE_CODES of them) or expert by expert, are
+    each (step, layer, batch)'s ids counted one by one (repeats within a token counted too)."""
+    E, K = experts_k
+    shape = RunShape(bs, nb, prompt, gen)
+    ids = np.random.default_rng(seed).integers(0, E, (nb, bs, shape.tokens_per_sequence, layers, K)).astype(np.int16)
+    dense = min(dense, layers)
+    expected = np.zeros((shape.num_steps, layers, nb, E), dtype=np.int64)
+    for b in range(nb):
+        for position in range(shape.tokens_per_sequence):
+            step = 0 if position < prompt else position - prompt + 1
+            for layer in range(dense, layers):
+                for e in ids[b, :, position, layer].ravel():
+                    expected[step, layer, b, e] += 1
+    with patch.object(routing_module, "CHOICE_CODES", 10**6 if by_choice else 0):
+        counts = RoutingTable(ids, shape, E, dense_layers=dense).counts
+    assert np.array_equal(counts, expected)
 
 
 def test_calibrated_mixtral_statistics_land_near_targets():
