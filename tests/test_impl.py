@@ -110,6 +110,31 @@ def test_first_use_by_sort_is_the_order_a_loop_meets_the_ids(seqs, positions, ex
         assert routing.first_use(0, 0, 0) == loop
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 4), st.integers(1, 80), st.integers(1, 3), st.integers(2, 9),
+       st.integers(0, 1), st.integers(0, 2**31 - 1), st.sampled_from([1, 2, 64]))
+def test_first_use_orders_read_from_a_head_are_every_batchs_whole_order(nb, bs, prompt, gen, experts, dense, seed,
+                                                                        head):
+    """first_use_orders reads each batch's order from the head of its ids when the head holds every
+    expert the batch uses, else from all of them: always `first_use` of the used experts (none in
+    a dense layer), for a head of one token (almost always short) or more."""
+    rng = np.random.default_rng(seed)
+    top_k = min(2, experts)
+    shape = RunShape(bs, nb, prompt, gen)
+    # skewed: a few experts take most tokens, the rest turn up late if at all
+    weights = rng.dirichlet(np.full(experts, 0.3))
+    ids = np.stack([np.stack([rng.choice(experts, top_k, replace=False, p=weights)
+                              for _ in range(nb * bs * shape.tokens_per_sequence * 2)])]).reshape(
+        nb, bs, shape.tokens_per_sequence, 2, top_k)
+    routing = RoutingTable(ids, shape, experts, dense_layers=dense)
+    with patch.object(routing_module, "_FIRST_USE_HEAD", head):
+        for step in range(shape.num_steps):
+            for layer in range(2):
+                want = [[e for e in routing.first_use(step, layer, b) if routing.counts[step, layer, b, e]]
+                        for b in range(nb)]
+                assert routing.first_use_orders(step, layer) == want
+
+
 def test_first_use_matches_the_routing_on_random_traces():
     inp, s = build("klotski", cold_order="first-use")
     routing = inp.routing

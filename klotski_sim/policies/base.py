@@ -682,14 +682,13 @@ class OpEmitter:
         """For each batch, the experts it selected at this step and layer in the order their
         on-demand loads are issued (option `cold_order`)."""
         routing, order = self.inp.routing, self.impl.cold_order
-        rows = routing.counts[step, layer].tolist()  # (all zero in a dense layer, whose routed ids are never used)
+        counts = routing.counts[step, layer]  # (all zero in a dense layer, whose routed ids are never used)
         if order == "expert-id":
-            return [[e for e, tokens in enumerate(row) if tokens] for row in rows]
+            return [[e for e, tokens in enumerate(row) if tokens] for row in counts.tolist()]
         if order == "most-tokens-first":  # (a stable sort: ties in expert-id order)
-            counts = routing.counts[step, layer]
             ranked = np.argsort(-counts, axis=1, kind="stable").tolist()
             return [row[:used] for row, used in zip(ranked, np.count_nonzero(counts, axis=1).tolist())]
-        return [[e for e in routing.first_use(step, layer, b) if row[e]] for b, row in enumerate(rows)]
+        return routing.first_use_orders(step, layer)
 
     # ---- helpers --------------------------------------------------------------------------------
     def new_tokens(self, step: int) -> int:
