@@ -622,12 +622,17 @@ class OpEmitter:
                                                          clean_deps(list(deps)), tuple(free))])
 
     def expert_chain(self, step: int, layer: int, after: str | None,
-                     ops: Sequence[tuple[str, int, tuple[int, ...], int, tuple[str, ...], tuple[str, ...]]]) -> str:
+                     ops: Sequence[tuple[str, int, tuple[int, ...], int, tuple[str, ...], tuple[str, ...]]],
+                     last_also: tuple[str, ...] = ()) -> str:
         """Expert ops (op id, expert, batches, tokens, deps, frees; deps without Nones or
         repeats) issued one after another, as a published MoE loop walks them: with option
         `sync=per-expert` each after the host reads its token rows, which the op before it (the
-        first: `after`, if any) produced. Built in one pass: an as-published schedule has such a
-        pair per expert, batch, layer and step. Returns the last op (`after` without ops)."""
+        first: `after`, if any) produced. The last op also waits for and frees `last_also` (weights
+        loaded and never used). Built in one pass: an as-published schedule has such a pair per
+        expert, batch, layer and step. Returns the last op (`after` without ops)."""
+        if last_also and ops:
+            op_id, expert, batches, tokens, deps, free = ops[-1]
+            ops = [*ops[:-1], (op_id, expert, batches, tokens, deps + last_also, free + last_also)]
         phase, costs, cache, sync_rows = self.phase(step), self._expert_costs, self.cache, self.impl.sync_experts
         pairs: list[tuple[Op, Op]] = []  # (a sync, the op it holds back)
         op = after

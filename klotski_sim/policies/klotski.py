@@ -216,9 +216,7 @@ def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
                 else:
                     expert_ops.append((f"{at}/E{e}", e, batches, int(group_tokens[e]), own, ()))
                 expert_ops[-1] = expert_ops[-1][:5] + (own,)  # its last op frees its weights
-            if expert_ops:  # the layer's last op also waits for, and frees, what was loaded and never used
-                expert_ops[-1] = expert_ops[-1][:4] + (expert_ops[-1][4] + wasted, expert_ops[-1][5] + wasted)
-            op = em.expert_chain(step, j, last_gate, expert_ops)
+            op = em.expert_chain(step, j, last_gate, expert_ops, last_also=wasted)
             layer_done.append(op)
             # CPU experts, issued after the GPU's (whose work is then in flight): the group's hidden states
             # go down once every gate has run, each expert runs over the group's tokens on the CPU, its

@@ -114,9 +114,7 @@ def _experts(em: OpEmitter, at: str, step: int, layer: int, batch: int, tokens: 
     unused = tuple(w for e, w in enumerate(expert_w) if w is not None and tokens[e] == 0)
     ops = [(f"{at}/E{e}", e, em.batch_tuple[batch], int(tokens[e]), _own(expert_w[e]), _own(expert_w[e]))
            for e in active]
-    if ops:
-        ops[-1] = ops[-1][:4] + (ops[-1][4] + unused, ops[-1][5] + unused)
-    return em.expert_chain(step, layer, after, ops)
+    return em.expert_chain(step, layer, after, ops, last_also=unused)
 
 
 def _own(buffer: str | None) -> tuple[str, ...]:
