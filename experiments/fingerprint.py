@@ -1,0 +1,84 @@
+"""Fingerprints of the schedules, timelines and summaries of 30 configurations, to show that a
+speed-up changed nothing: every built-in policy under both presets at a small size, the default
+Klotski run under both, and CPU attention, expert caches, int4 experts, DeepSeek, Qwen3, the L4
+and H800 profiles, the KV cache in host memory and uniform routing.
+
+    python experiments/fingerprint.py OUT.json                  # write them
+    python experiments/fingerprint.py OUT.json --against OLD.json  # and compare (exit 1 if any differ)
+
+Run it at two revisions (`git worktree add`, then `PYTHONPATH=<worktree> python ...`) to compare them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from klotski_sim.runner import RunSpec, run
+
+SMALL = {"prompt_len": 64, "gen_len": 6}
+POLICIES = ("single-batch", "multi-batch", "hot-prefetch", "klotski", "klotski-oracle", "flexgen", "fiddler",
+            "llamacpp-moe", "klotski-hybrid")
+CONFIGURATIONS = [RunSpec(policy=policy, impl=impl, num_batches=None, **SMALL)
+                  for impl in ("as-published", "ideal") for policy in POLICIES] + [
+    RunSpec(policy="klotski", impl="as-published", num_batches=None),
+    RunSpec(policy="klotski", impl="ideal", num_batches=None),
+    RunSpec(policy="klotski", num_batches=None, options={"attention_device": "cpu"}, **SMALL),
+    RunSpec(policy="klotski", num_batches=4, options={"expert_cache": 16, "cache_policy": "hot-pinned"}, **SMALL),
+    RunSpec(policy="klotski", num_batches=4, options={"expert_cache": 16, "cache_policy": "lru"}, **SMALL),
+    RunSpec(model="mixtral-8x7b@int4", policy="fiddler", num_batches=4, **SMALL),
+    RunSpec(model="deepseek-v2-lite", policy="klotski", num_batches=None, **SMALL),
+    RunSpec(model="qwen3-30b-a3b", policy="klotski-hybrid", num_batches=None, impl="ideal", **SMALL),
+    RunSpec(model="mixtral-8x7b", hardware="l4", policy="klotski", num_batches=None, **SMALL),
+    RunSpec(model="mixtral-8x22b", hardware="h800", policy="flexgen", num_batches=None, **SMALL),
+    RunSpec(policy="klotski", num_batches=3, kv="cpu", **SMALL),
+    RunSpec(policy="klotski", num_batches=3, routing="uniform", **SMALL),
+]
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha1(data).hexdigest()
+
+
+def fingerprint(spec: RunSpec) -> dict[str, object]:
+    """The schedule (its JSON), the timeline (every op's start, end and readiness) and the summary."""
+    result = run(spec)
+    timeline = result.timeline
+    times = np.stack([np.asarray(timeline.columns[name], dtype=float) for name in ("start", "end", "ready")])
+    summary = timeline.summary().to_dict()
+    return {"schedule": _digest(json.dumps(result.schedule.to_json_dict(), sort_keys=True, default=str).encode()),
+            "timeline": _digest(times.tobytes()),
+            "summary": _digest(json.dumps(summary, sort_keys=True, default=str).encode()),
+            "ops": len(result.schedule), "makespan_s": summary["makespan_s"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="where to write the fingerprints (JSON)")
+    parser.add_argument("--against", type=Path, metavar="OLD.json", help="fingerprints to compare with")
+    args = parser.parse_args()
+    prints = {json.dumps(spec.to_dict(), sort_keys=True, default=str): fingerprint(spec) for spec in CONFIGURATIONS}
+    args.out.write_text(json.dumps(prints, indent=1))
+    print(f"{len(prints)} configurations fingerprinted -> {args.out}")
+    if args.against is None:
+        return
+    try:
+        old = json.loads(args.against.read_text())
+    except (OSError, ValueError) as err:
+        sys.exit(f"--against {args.against}: cannot read fingerprints ({err})")
+    differ = [key for key in prints if old.get(key) != prints[key]]
+    for key in differ:
+        print(f"differs: {key}\n  old {old.get(key)}\n  new {prints[key]}")
+    print(f"{len(prints)} configurations against {args.against}: {len(differ)} differ "
+          f"(schedule, timeline or summary)")
+    if differ:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
