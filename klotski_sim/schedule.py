@@ -63,7 +63,7 @@ def gc_paused() -> Iterator[None]:
     hundreds of thousands of small objects and no reference cycles; the collector would only
     rescan them again and again (it doubled the engine's run time). What the pause leaves alive
     then moves to the oldest generation unscanned (`freeze` + `unfreeze`): the collector's first
-    look at a new schedule (every op a young object) took 190 ms of a 2.8 s as-published run, to
+    look at a new schedule (every op a young object) took 187 ms of a 2.9 s as-published run, to
     find some 50 objects of cycles (SimPy's closures) that the next full collection still finds."""
     was_enabled = gc.isenabled()
     gc.disable()
