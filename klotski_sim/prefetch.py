@@ -27,7 +27,7 @@ _CHUNK_PAIRS = 1 << 18  # (token, layer, pair) counts per bincount pass: ~1 MB o
 # ... when the tokens' pairs outnumber the (choice, choice) cells this many times: a decode step's
 # few tokens are counted pair by pair (0.3 ms, against 1 ms by choices).
 _CHOICE_PAIRS_PER_CELL = 1
-_CODE_TOKENS = 4096  # tokens per pass: [tokens, layers] of int32 codes, ~0.5 MB at Mixtral's size
+_CODE_TOKENS = 4096  # tokens per pass: [tokens, layers] of index-type codes, ~1 MB at Mixtral's size
 
 
 @dataclass

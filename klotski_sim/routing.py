@@ -122,10 +122,11 @@ class RoutingTable:
         step_of_position[: sh.prompt_len] = 0
         step_of_position[sh.prompt_len:] = np.arange(1, sh.gen_len)
         counts = np.empty((sh.num_steps, L, nb, E), dtype=np.int64)
-        by_choice = E**self.top_k <= CHOICE_CODES  # (the keys: numpy's index type, which bincount counts as it is)
+        by_choice = E**self.top_k <= CHOICE_CODES
         bins = E**self.top_k if by_choice else E  # per (step, layer): its choices, or its experts
         # per batch (a bounded temporary): bin = (step of the position, layer, choice or expert)
         offset = (step_of_position[:, None] * L + np.arange(L)[None, :]) * bins  # [position, layer]
+        # (the keys in numpy's index type, which bincount counts as they are, without a copy)
         key = np.empty(self.ids.shape[1:4] if by_choice else self.ids.shape[1:], dtype=np.intp)
         holds = choice_experts(E, self.top_k) if by_choice else None
         for b in range(nb):

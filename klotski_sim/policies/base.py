@@ -640,7 +640,8 @@ class OpEmitter:
             cost = costs.get(tokens) or self._expert_cost(tokens)
             sync = f"{op_id}/rows/sync" if sync_rows and op is not None else None
             expert_op = compute_op(op_id, "expert", deps + (sync,) if sync else deps, cost[0], cost[1], step, phase,
-                                   layer, batches, expert, tokens, 0, (), self.releasable(free) if cache else free, "")
+                                   layer, batches, expert, tokens, 0, (),
+                                   free if cache is None else self.releasable(free), "")
             if sync:
                 pairs.append((host_op(sync, "sync", (op,)), expert_op))
             else:  # (no rows to read first: issued as it is)
