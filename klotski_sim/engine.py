@@ -23,7 +23,6 @@ on wall-clock time, so a run is deterministic.
 from __future__ import annotations
 
 import heapq
-from operator import attrgetter
 from typing import Sequence
 
 import numpy as np
@@ -44,14 +43,16 @@ class EngineDeadlock(ScheduleError):
 class _Wake:
     """An event on SimPy's queue for one op: its completion, or a dependency being signalled.
     The lightest object SimPy's loop processes (`Environment.step` reads `callbacks` and `_ok`);
-    pushed straight onto the queue as `Environment.schedule` would, without Timeout's bookkeeping."""
+    pushed straight onto the queue as `Environment.schedule` would, without Timeout's bookkeeping.
+    Once processed it is free, and the engine reuses it for a later op (`callbacks` is a list the
+    engine's events share: SimPy only reads it)."""
 
-    __slots__ = ("callbacks", "_ok", "_value", "op")
+    __slots__ = ("callbacks", "op")
+    _ok = True  # (never failed: SimPy reads `_value` only of a failed event)
+    _value = None
 
-    def __init__(self, callback: object, op: int) -> None:
-        self.callbacks = [callback]
-        self._ok = True
-        self._value = None
+    def __init__(self, callbacks: list[object], op: int) -> None:
+        self.callbacks = callbacks
         self.op = op
 
 
@@ -90,7 +91,7 @@ def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | No
     resources = sorted(caps)
     res_number = {r: k for k, r in enumerate(resources)}
     stream_res = {s: res_number[r] for s, r in schedule.streams.items()}
-    stream_names = list(map(attrgetter("stream"), ops))
+    stream_names = schedule.column("stream")
     resource_of = list(map(stream_res.__getitem__, stream_names))
     capacity = int(profile.gpu.usable_bytes)
 
@@ -98,12 +99,13 @@ def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | No
     # predecessors each op still waits for.
     succ_ptr, succ_flat, indegree, _ = schedule.graph
     pending = list(indegree)  # (the graph is the schedule's: counted down on a copy)
-    alloc_of, free_of = list(map(attrgetter("alloc"), ops)), list(map(attrgetter("free"), ops))
+    alloc_of, free_of = schedule.column("alloc"), schedule.column("free")
 
     nan = float("nan")
     ready_at, start, end, blocker = [nan] * n, [nan] * n, [nan] * n, [-1] * n
     # host ops: when the host thread reached them (their host-stream predecessor ended)
-    is_host = list(map("host".__eq__, map(attrgetter("kind"), ops)))
+    # (a host op is an op of a host stream: the schedule's check allows no other kind there, nor a host op elsewhere)
+    is_host = list(map({s: r == "host" for s, r in schedule.streams.items()}.__getitem__, stream_names))
     arrival = [0.0 if h else nan for h in is_host]
     # a dependency on another stream is seen `latency` after it ends (event signalling)
     latency = profile.gpu.dependency_latency_s
@@ -147,10 +149,16 @@ def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | No
             start[i] = arrival[i] if is_host[i] else now
             done = env._now + durations[i]
             busy_until[r] = done
-            heappush(event_queue, (done, NORMAL, next(event_ids), _Wake(finish, i)))
+            if spare:  # (a processed event, reused: cheaper than a new one)
+                wake = spare.pop()
+                wake.callbacks, wake.op = on_finish, i
+            else:
+                wake = _Wake(on_finish, i)
+            heappush(event_queue, (done, NORMAL, next(event_ids), wake))
 
     def finish(event: _Wake) -> None:
         i = event.op
+        spare.append(event)
         now = env._now
         end[i] = now
         freed = free_of[i]
@@ -163,7 +171,7 @@ def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | No
             memory_trace.append((now, mem[0]))
         r = resource_of[i]
         free_units[r] += 1
-        woken = None
+        woken, more_woken = -1, None  # other resources with newly ready ops (mostly one: no set for it)
         host_i = is_host[i]
         signal = latency and not host_i
         if signal:
@@ -186,28 +194,35 @@ def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | No
                         ready_at[s] = floor  # seen while its resource is still busy
                         heappush(queues[rs], (floor, s))
                     else:
-                        heappush(event_queue, (floor, NORMAL, next(event_ids), _Wake(seen, s)))
+                        heappush(event_queue, (floor, NORMAL, next(event_ids), _Wake(on_seen, s)))
                     continue
                 ready_at[s] = now
                 rs = resource_of[s]
                 heappush(queues[rs], (now, s))
-                if rs != r:
-                    woken = (woken or set())
-                    woken.add(rs)
+                if rs != r and rs != woken:
+                    if woken < 0:
+                        woken = rs
+                    else:
+                        more_woken = more_woken or {woken}
+                        more_woken.add(rs)
         if queues[r]:
             dispatch(r, now)
-        if woken:
-            for rs in sorted(woken):
+        if more_woken:
+            for rs in sorted(more_woken):
                 dispatch(rs, now)
+        elif woken >= 0:
+            dispatch(woken, now)
 
     def seen(event: _Wake) -> None:
         """A cross-stream dependency has been signalled: the op joins its resource's queue."""
         s = event.op
+        spare.append(event)
         now = env._now
         ready_at[s] = now
         heappush(queues[resource_of[s]], (now, s))
         dispatch(resource_of[s], now)
 
+    on_finish, on_seen, spare = [finish], [seen], []  # (the callbacks lists every event shares; events to reuse)
     if preloaded > capacity:
         oom.append(OutOfMemory(op_id="<preloaded>", time=0.0, needed_bytes=preloaded,
                                available_bytes=capacity, in_use_bytes=0))
@@ -222,7 +237,7 @@ def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | No
     # The callbacks refer to one another (and to themselves, through the events they schedule): a
     # reference cycle that would keep every list they hold alive until the cyclic GC found it.
     event_queue.clear()
-    del dispatch, finish, seen
+    del dispatch, finish, seen, on_finish, on_seen, spare
 
     never_ended = np.flatnonzero(np.isnan(np.asarray(end, dtype=float))) if n else []
     if not oom and len(never_ended):

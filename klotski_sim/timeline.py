@@ -392,6 +392,7 @@ class ScheduleColumns(Mapping[str, np.ndarray]):
         self._all_ran = len(self._ran) == len(ops)
         self._ops = ops if self._all_ran else [ops[i] for i in self._ran]
         self._every_op = ops
+        self._schedule = schedule
         self._resource_of = schedule.streams
         self._times = (start_arr, end, ready, blocked_by)
         self._built: dict[str, np.ndarray] = {}
@@ -434,7 +435,9 @@ class ScheduleColumns(Mapping[str, np.ndarray]):
         return row_of_op[np.asarray(blocked_by, dtype=np.int64)[self._ran]]
 
     def _field(self, name: str, fields: Mapping[str, Sequence[Any]] | None) -> Sequence[Any]:
-        return fields[name] if fields is not None else list(map(attrgetter(name), self._ops))
+        if fields is not None:
+            return fields[name]
+        return self._schedule.column(name) if self._all_ran else list(map(attrgetter(name), self._ops))
 
     def _make(self, name: str, fields: Mapping[str, Sequence[Any]] | None = None) -> np.ndarray:
         ran = self._ran

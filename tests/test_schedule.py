@@ -24,6 +24,15 @@ def test_valid_schedule_roundtrips_json(tmp_path):
     assert back.op("a").batches == (0, 1) and back.op("a").batch == -1
 
 
+def test_a_column_is_one_field_of_every_op_and_is_made_once():
+    ops = (t("w", alloc=(("w", 10),)), c("a", ["w"], free=("w",), step=3), Op("h", "host", "host", "sync", ("a",)))
+    s = Schedule(ops)
+    for name in Op._fields:
+        assert s.column(name) == [getattr(op, name) for op in ops]
+    assert s.column("stream") is s.column("stream")  # (kept: the check made it, the engine reads it again)
+    assert s.column("free") == [(), ("w",), ()] and s.column("step") == [-1, 3, -1]
+
+
 def test_unknown_dep_names_op():
     with pytest.raises(ScheduleError, match="'a' depends on unknown op 'ghost'"):
         Schedule((c("a", ["ghost"]),))
