@@ -60,13 +60,17 @@ def draw_timeline(ax: plt.Axes, timeline: Timeline, window: tuple[float, float] 
     edges = np.linspace(t0, t1, BINS + 1)
     drawn: list[str] = []
     compute_filled = np.zeros(BINS)
+    in_window = (c["end"] >= t0) & (c["start"] <= t1)
+    category_codes, categories = timeline.codes("category")
     for lane, stream in enumerate(lanes):
-        mask = (c["stream"] == stream) & (c["end"] >= t0) & (c["start"] <= t1)
-        cats = c["category"][mask]
+        mask = timeline.rows_where("stream", stream) & in_window
+        cats = category_codes[mask]
         starts, ends = c["start"][mask], c["end"][mask]
         filled = np.zeros(BINS)  # busy time already drawn in each bin (by earlier categories)
-        for cat in dict.fromkeys(cats):
-            sel = cats == cat
+        first_rows = np.unique(cats, return_index=True)[1]
+        for code in cats[np.sort(first_rows)]:  # categories in order of first appearance in the lane
+            sel = cats == code
+            cat = categories[code]
             busy = busy_per_bin(starts[sel], ends[sel], edges)
             keep = busy > 0
             draw_bars(ax, (edges[:-1][keep] + filled[keep]) * scale, busy[keep] * scale, lane - 0.38, 0.76,
@@ -160,7 +164,7 @@ def gantt(timeline: Timeline, path: str | Path | None = None, window: tuple[floa
 def moe_block_window(timeline: Timeline, step: int, layer: int, pad_layers: int = 0) -> tuple[float, float]:
     """The time span of one layer (attention through the last expert) of one step on the GPU."""
     c = timeline.columns
-    mask = (c["resource"] == "gpu") & (c["step"] == step) & (c["layer"] >= layer - pad_layers) & (
+    mask = timeline.rows_where("resource", "gpu") & (c["step"] == step) & (c["layer"] >= layer - pad_layers) & (
         c["layer"] <= layer + pad_layers)
     if not mask.any():
         return (0.0, timeline.makespan)

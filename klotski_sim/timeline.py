@@ -105,7 +105,7 @@ class Timeline:
         self.columns = columns if isinstance(columns, ScheduleColumns) else dict(columns)
         self.meta = dict(meta)
         self.memory = memory if memory is not None else (np.zeros(0), np.zeros(0))
-        self._memo: dict[str, Any] = {}  # bubbles and summary, derived once (a Timeline never changes)
+        self._memo: dict[str, Any] = {}  # bubbles, summary, codes: derived once (a Timeline never changes)
 
     def detach(self, keep: Collection[str] | None = None) -> None:
         """Assemble the columns now and let go of the schedule they are read from (a schedule
@@ -123,6 +123,9 @@ class Timeline:
         elif "gaps" in self._memo:  # (a summary found the gaps: their kept columns, while the columns are here)
             self._memo["bubbles"] = self._find_bubbles(keep)
         self._memo.pop("gaps", None)  # (every gap's arrays: as large as the columns it is asked to drop)
+        for name in [key[len("codes:"):] for key in self._memo if key.startswith("codes:")]:
+            if name not in keep:
+                del self._memo["codes:" + name]
         self.columns = {name: self.columns[name] for name in list(self.columns) if name in keep or name == "end"}
 
     # ---- construction -----------------------------------------------------------------------
@@ -162,25 +165,37 @@ class Timeline:
 
     def streams(self) -> list[str]:
         """Streams in a stable display order: compute first, then as first seen."""
-        seen = list(dict.fromkeys(self.columns["stream"]))
+        seen = self.codes("stream")[1]
         return sorted(seen, key=lambda s: (s != "compute", seen.index(s)))
+
+    def codes(self, name: str) -> tuple[np.ndarray, list[Any]]:
+        """A text column (stream, resource, category) as integer codes into its distinct values,
+        those in order of first appearance. Derived once: comparing codes costs a tenth of
+        comparing the strings of 300k rows, and a summary or a figure compares them many times."""
+        key = "codes:" + name
+        if key not in self._memo:
+            codes, values = pd.factorize(self.columns[name], sort=False, use_na_sentinel=False)
+            self._memo[key] = (codes, values.tolist())
+        return self._memo[key]
+
+    def rows_where(self, name: str, value: Any) -> np.ndarray:
+        """Which rows have `value` in the text column `name` (a boolean mask)."""
+        codes, values = self.codes(name)
+        return codes == values.index(value) if value in values else np.zeros(len(codes), dtype=bool)
 
     # ---- metrics ----------------------------------------------------------------------------
     def busy_seconds(self) -> dict[str, float]:
         """Per resource, the time at least one unit was busy (union of intervals)."""
-        out = {}
-        res = self.columns["resource"]
-        for r in dict.fromkeys(res):
-            mask = res == r
-            out[str(r)] = _union_length(self.columns["start"][mask], self.columns["end"][mask])
-        return out
+        codes, resources = self.codes("resource")
+        start, end = self.columns["start"], self.columns["end"]
+        return {str(r): _union_length(start[codes == k], end[codes == k]) for k, r in enumerate(resources)}
 
     def work_seconds(self) -> dict[str, float]:
         """Per resource, the summed op durations divided by its units: its own lower bound."""
         caps = self.meta.get("capacities", {})
         dur = self.columns["end"] - self.columns["start"]
-        res = self.columns["resource"]
-        return {str(r): float(dur[res == r].sum()) / max(1, int(caps.get(r, 1))) for r in dict.fromkeys(res)}
+        codes, resources = self.codes("resource")
+        return {str(r): float(dur[codes == k].sum()) / max(1, int(caps.get(r, 1))) for k, r in enumerate(resources)}
 
     def bubbles(self) -> pd.DataFrame:
         """Idle gaps on the GPU between its first and last op, one row each, with the op that
@@ -208,7 +223,7 @@ class Timeline:
         if "gaps" in self._memo:
             return self._memo["gaps"]
         c = self.columns
-        idx = np.flatnonzero(c["resource"] == "gpu")
+        idx = np.flatnonzero(self.rows_where("resource", "gpu"))
         gaps = None
         if len(idx) >= 2:
             order = idx[np.lexsort((c["end"][idx], c["start"][idx]))]
@@ -249,7 +264,7 @@ class Timeline:
         """Per step, the mean over batches of the time between the end of a batch's previous step
         and the end of this one: the latency a sequence sees per generated token (step 0 = prefill)."""
         c = self.columns
-        mask = (c["resource"] == "gpu") & (c["step"] >= 0)
+        mask = self.rows_where("resource", "gpu") & (c["step"] >= 0)
         steps, texts, op_ends = c["step"][mask], c["batches"][mask], c["end"][mask]
         ends: dict[tuple[int, int], float] = {}
         if len(steps):
@@ -281,7 +296,7 @@ class Timeline:
         its first to its last step-0 GPU op (overlapping windows counted once). What is left of the
         makespan is decode time, as Klotski's and FlexGen's code time it (iterations 1..G-1)."""
         c = self.columns
-        gpu = c["resource"] == "gpu"
+        gpu = self.rows_where("resource", "gpu")
         if not gpu.any():
             return 0.0
         starts, ends = [0.0], [float(c["start"][gpu].min())]
@@ -299,7 +314,7 @@ class Timeline:
         """Mean time of one MoE block — one layer of one decode step over every batch in flight:
         the time between the ends of consecutive runs of GPU ops of one (step, layer)."""
         c = self.columns
-        mask = (c["resource"] == "gpu") & (c["layer"] >= 0)
+        mask = self.rows_where("resource", "gpu") & (c["layer"] >= 0)
         if not mask.any():
             return 0.0
         order = np.argsort(c["start"][mask], kind="stable")

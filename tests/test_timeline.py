@@ -210,6 +210,22 @@ def test_a_timeline_kept_to_the_figure_columns_draws_the_same_figure():
     assert np.array_equal(images[0], images[1])
 
 
+@given(st.lists(st.sampled_from(["compute", "h2d_kv", "host", ""]), min_size=1, max_size=30))
+def test_codes_of_a_text_column_are_its_values_in_order_of_first_appearance(values):
+    """Timeline.codes/rows_where (what summaries and figures compare instead of strings) give the
+    column back, its values as dict.fromkeys orders them, and the rows == would select."""
+    from klotski_sim.timeline import Timeline
+
+    column = np.array(values, dtype=object)
+    tl = Timeline({"stream": column, "end": np.zeros(len(values))}, meta={})
+    codes, distinct = tl.codes("stream")
+    assert distinct == list(dict.fromkeys(values)) and [distinct[k] for k in codes] == values
+    for value in ("compute", "host", "absent"):
+        assert np.array_equal(tl.rows_where("stream", value), column == value)
+    tl.detach(("end",))
+    assert "codes:stream" not in tl._memo  # (a dropped column's codes are dropped with it)
+
+
 @pytest.mark.parametrize("events_per_chunk", [1, 3, 1_000_000])
 def test_the_chrome_trace_written_in_pieces_is_the_whole_trace(events_per_chunk):
     from klotski_sim.exports import chrome_trace_chunks
