@@ -217,12 +217,15 @@ class Schedule:
     def _columns(self) -> dict[str, list[Any]]:
         return {}
 
-    def column(self, field_name: str) -> list[Any]:
-        """One field of every op, in op order, kept once made: the check, the engine and the
-        timeline read the same few (at 300k ops each pass over the ops costs tens of ms)."""
+    def column(self, field_name: str, keep: bool = True) -> list[Any]:
+        """One field of every op, in op order, kept once made (unless `keep` is False): the check,
+        the engine and the timeline read the same few (at 300k ops each pass over the ops costs
+        tens of ms; each kept column ~8 bytes an op)."""
         values = self._columns.get(field_name)
         if values is None:
-            values = self._columns[field_name] = list(map(attrgetter(field_name), self.ops))
+            values = list(map(attrgetter(field_name), self.ops))
+            if keep:
+                self._columns[field_name] = values
         return values
 
     def __len__(self) -> int:

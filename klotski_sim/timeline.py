@@ -452,7 +452,9 @@ class ScheduleColumns(Mapping[str, np.ndarray]):
     def _field(self, name: str, fields: Mapping[str, Sequence[Any]] | None) -> Sequence[Any]:
         if fields is not None:
             return fields[name]
-        return self._schedule.column(name) if self._all_ran else list(map(attrgetter(name), self._ops))
+        if self._all_ran:  # (the schedule's column where its check kept one; not kept for a timeline alone)
+            return self._schedule.column(name, keep=False)
+        return list(map(attrgetter(name), self._ops))
 
     def _make(self, name: str, fields: Mapping[str, Sequence[Any]] | None = None) -> np.ndarray:
         ran = self._ran
