@@ -217,16 +217,19 @@ class Schedule:
     def _columns(self) -> dict[str, list[Any]]:
         return {}
 
-    def column(self, field_name: str, keep: bool = True) -> list[Any]:
-        """One field of every op, in op order, kept once made (unless `keep` is False): the check,
-        the engine and the timeline read the same few (at 300k ops each pass over the ops costs
-        tens of ms; each kept column ~8 bytes an op)."""
+    def column(self, field_name: str) -> list[Any]:
+        """One field of every op, in op order, kept once made: the check, the engine and the
+        timeline read the same few (at 300k ops each pass over the ops costs tens of ms; each
+        kept column ~8 bytes an op)."""
         values = self._columns.get(field_name)
         if values is None:
-            values = list(map(attrgetter(field_name), self.ops))
-            if keep:
-                self._columns[field_name] = values
+            values = self._columns[field_name] = list(map(attrgetter(field_name), self.ops))
         return values
+
+    def kept_columns(self) -> Mapping[str, list[Any]]:
+        """The columns `column` has kept so far: for a reader that must not keep the schedule (and
+        its dependency graph, ~150 bytes an op) alive, as a timeline must not."""
+        return self._columns
 
     def __len__(self) -> int:
         return len(self.ops)

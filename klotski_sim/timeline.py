@@ -408,7 +408,7 @@ class ScheduleColumns(Mapping[str, np.ndarray]):
         self._all_ran = len(self._ran) == len(ops)
         self._ops = ops if self._all_ran else [ops[i] for i in self._ran]
         self._every_op = ops
-        self._schedule = schedule
+        self._kept_columns = schedule.kept_columns()  # (not the schedule: its graph would stay alive with it)
         self._resource_of = schedule.streams
         self._times = (start_arr, end, ready, blocked_by)
         self._built: dict[str, np.ndarray] = {}
@@ -453,9 +453,8 @@ class ScheduleColumns(Mapping[str, np.ndarray]):
     def _field(self, name: str, fields: Mapping[str, Sequence[Any]] | None) -> Sequence[Any]:
         if fields is not None:
             return fields[name]
-        if self._all_ran:  # (the schedule's column where its check kept one; not kept for a timeline alone)
-            return self._schedule.column(name, keep=False)
-        return list(map(attrgetter(name), self._ops))
+        kept = self._kept_columns.get(name) if self._all_ran else None  # (the schedule's, where its check kept one)
+        return kept if kept is not None else list(map(attrgetter(name), self._ops))
 
     def _make(self, name: str, fields: Mapping[str, Sequence[Any]] | None = None) -> np.ndarray:
         ran = self._ran

@@ -226,6 +226,20 @@ def test_codes_of_a_text_column_are_its_values_in_order_of_first_appearance(valu
     assert "codes:stream" not in tl._memo  # (a dropped column's codes are dropped with it)
 
 
+def test_a_timeline_does_not_keep_its_schedule_alive():
+    """A timeline reads the schedule's ops and kept columns but not the schedule, whose dependency
+    graph (~150 bytes an op) a comparison's worker must free before it writes a trace."""
+    import gc
+    import weakref
+
+    schedule = _timeline_schedule()
+    tl = simulate(schedule, make_profile(), durations=[1, 1, 2, 1, 1])
+    ref = weakref.ref(schedule)
+    del schedule
+    gc.collect()
+    assert ref() is None and list(tl.columns["stream"])[:2] == ["h2d_weights", "compute"]
+
+
 @pytest.mark.parametrize("events_per_chunk", [1, 3, 1_000_000])
 def test_the_chrome_trace_written_in_pieces_is_the_whole_trace(events_per_chunk):
     from klotski_sim.exports import chrome_trace_chunks
