@@ -18,7 +18,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
-from itertools import chain
+from itertools import chain, repeat
 from operator import attrgetter, itemgetter
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Sequence
@@ -251,17 +251,23 @@ class Schedule:
                 raise ScheduleError(f"stream {stream!r} maps to unknown resource {resource!r}; "
                                     f"resources: {', '.join(RESOURCES)}")
         ops = self.ops
-        position = dict(zip(map(attrgetter("id"), ops), range(len(ops))))
+        # every op's fields checked, and the few that the rest of the check reads taken on the way
+        # (while the op is at hand: at 300k ops a pass over them costs a cache miss per op)
+        taken = list(map(_check_op_fields, ops, repeat(self.streams)))
+        ids = list(map(itemgetter(0), taken))
+        for k, name in enumerate(("stream", "alloc", "free"), start=2):
+            self._columns[name] = list(map(itemgetter(k), taken))
+        deps = list(map(itemgetter(1), taken))
+        del taken
+        position = dict(zip(ids, range(len(ops))))
         if len(position) < len(ops):  # a duplicate id: find the first, for the message
             seen: dict[str, int] = {}
-            for i, op in enumerate(ops):
-                if op.id in seen:
-                    raise ScheduleError(f"duplicate op id {op.id!r} (positions {seen[op.id]} and {i})")
-                seen[op.id] = i
-        for op in ops:
-            _check_op_fields(op, self.streams)
-        graph = dependency_arrays(ops, position, self.column("stream"), checked=False)  # (an unknown dep: a
-        # ScheduleError naming the op)
+            for i, op_id in enumerate(ids):
+                if op_id in seen:
+                    raise ScheduleError(f"duplicate op id {op_id!r} (positions {seen[op_id]} and {i})")
+                seen[op_id] = i
+        graph = dependency_arrays(ops, deps, position, self.column("stream"), checked=False)  # (an unknown
+        # dep: a ScheduleError naming the op)
         preloaded = [name for name, _ in self.preloaded]
         allocs = list(filter(None, self.column("alloc")))
         allocated = set(preloaded).union(map(itemgetter(0), chain.from_iterable(allocs)))
@@ -295,7 +301,7 @@ class Schedule:
     @cached_property
     def graph(self) -> "Graph":
         """Successors and predecessor counts of every op (built once, by `check`)."""
-        return dependency_arrays(self.ops, self.index, self.column("stream"))
+        return dependency_arrays(self.ops, self.column("deps"), self.index, self.column("stream"))
 
     # ---- serialisation ---------------------------------------------------------------------
     def to_json_dict(self) -> dict[str, Any]:
@@ -347,9 +353,11 @@ class Schedule:
         return Schedule.from_json_dict(data, str(path))
 
 
-def _check_op_fields(op: Op, streams: Mapping[str, str]) -> None:
+def _check_op_fields(op: Op, streams: Mapping[str, str]) -> tuple[str, tuple[str, ...], str, tuple, tuple[str, ...]]:
+    """Reject an op whose fields cannot run; return its id, deps, stream, alloc and free (what
+    the rest of the schedule's check reads)."""
     # (the fields unpacked once: a schedule's every op passes here, and attribute access costs more)
-    (op_id, kind, stream, _, _, flops, nbytes, src, dst, step, _, layer, batches, expert, tokens, kv_len, alloc,
+    (op_id, kind, stream, _, deps, flops, nbytes, src, dst, step, _, layer, batches, expert, tokens, kv_len, alloc,
      free, tensor, pageable, _) = op
     if not isinstance(op_id, str) or not op_id:
         raise ScheduleError(f"op id must be a non-empty string, got {op_id!r}")
@@ -393,6 +401,7 @@ def _check_op_fields(op: Op, streams: Mapping[str, str]) -> None:
     for name, size in alloc:
         if size < 0:
             raise ScheduleError(f"op {op_id!r}: buffer {name!r} has negative size {size}")
+    return op_id, deps, stream, alloc, free
 
 
 class Graph(NamedTuple):
@@ -406,15 +415,15 @@ class Graph(NamedTuple):
     forward: list[tuple[int, int]]
 
 
-def dependency_arrays(ops: Sequence[Op], position: Mapping[str, int], streams: Sequence[str],
-                      checked: bool = True) -> Graph:
-    """The graph of `ops` (`streams`: the stream of each), built with numpy (the one graph the
-    checker, the engine and the runtime use). With `checked=False` (the schedule's own check, which
-    has not yet looked at the deps) a dep on an unknown op is a ScheduleError naming both."""
+def dependency_arrays(ops: Sequence[Op], deps: Sequence[tuple[str, ...]], position: Mapping[str, int],
+                      streams: Sequence[str], checked: bool = True) -> Graph:
+    """The graph of `ops` (`deps` and `streams`: the deps and the stream of each), built with numpy
+    (the one graph the checker, the engine and the runtime use). With `checked=False` (the
+    schedule's own check, which has not yet looked at the deps) a dep on an unknown op is a
+    ScheduleError naming both."""
     n = len(ops)
     if n == 0:
         return Graph([0], [], [], [])
-    deps = list(map(attrgetter("deps"), ops))
     dep_counts = np.fromiter(map(len, deps), dtype=np.int64, count=n)
     try:
         dep_src = np.fromiter(map(position.__getitem__, chain.from_iterable(deps)), dtype=np.int64,
