@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import UsageError
+from .npzfile import stored_id_type, write_npz
 
 # Above this many routed ids, a batch's first-use order is found by numpy's sort rather than a dict
 # over every id: a default batch's 16k prefill ids in 0.15 ms instead of 0.42 (a decode step's 32
@@ -149,9 +150,10 @@ class RoutingTable:
     def save(self, path: str | Path) -> None:
         """The exact routing a schedule was built from (the runtime replays it with the schedule)."""
         sh = self.shape
-        np.savez_compressed(path, ids=self.ids.astype(np.int16), num_experts=self.num_experts,
-                            shape=np.array([sh.batch_size, sh.num_batches, sh.prompt_len, sh.gen_len]),
-                            source=np.array(self.source), dense_layers=self.dense_layers)
+        write_npz(path, dict(ids=self.ids.astype(stored_id_type(self.num_experts)),
+                             num_experts=np.array(self.num_experts),
+                             shape=np.array([sh.batch_size, sh.num_batches, sh.prompt_len, sh.gen_len]),
+                             source=np.array(self.source), dense_layers=np.array(self.dense_layers)))
 
     @staticmethod
     def load(path: str | Path) -> "RoutingTable":
@@ -159,7 +161,8 @@ class RoutingTable:
             with np.load(path, allow_pickle=False) as z:
                 bs, nb, p, g = (int(v) for v in z["shape"])
                 dense = int(z["dense_layers"]) if "dense_layers" in z.files else 0
-                return RoutingTable(z["ids"], RunShape(bs, nb, p, g), int(z["num_experts"]), str(z["source"]), dense)
+                return RoutingTable(z["ids"].astype(np.int16), RunShape(bs, nb, p, g), int(z["num_experts"]),
+                                    str(z["source"]), dense)
         except FileNotFoundError:
             raise UsageError(f"{path}: no such routing file") from None
         except (OSError, KeyError, ValueError, EOFError) as err:

@@ -1,6 +1,7 @@
 """Routing traces: which experts every token chose in every MoE layer, with provenance.
 
-File format (`.npz`, written with `numpy.savez_compressed`; see traces/README.md):
+File format (`.npz`, as `numpy.savez_compressed` writes it but at deflate level 1, `npzfile.write_npz`;
+see traces/README.md):
 
 - `experts`     uint8 (<= 256 experts) or int16 `[tokens, layers, top_k]` — expert ids, sequences concatenated
 - `weights`     float16 `[tokens, layers, top_k]` — gate weights (optional)
@@ -28,6 +29,7 @@ import numpy as np
 
 from .errors import KlotskiError
 from .model import ModelSpec
+from .npzfile import stored_id_type, write_npz
 from .routing import RoutingTable, RunShape
 
 FORMAT = "klotski-routing-trace"
@@ -149,17 +151,12 @@ class Trace:
     # ---- files ------------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
         """Write atomically (temp file + rename): an interrupted save never leaves half a trace."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        id_type = np.uint8 if self.num_experts <= 256 else np.int16  # halves the file for most models
-        arrays = dict(experts=self.experts.astype(id_type), seq_offsets=self.seq_offsets.astype(np.int64),
-                      prompt_lens=self.prompt_lens.astype(np.int32),
+        arrays = dict(experts=self.experts.astype(stored_id_type(self.num_experts)),
+                      seq_offsets=self.seq_offsets.astype(np.int64), prompt_lens=self.prompt_lens.astype(np.int32),
                       meta=np.array(json.dumps({"format": FORMAT, "version": VERSION, **self.meta})))
         if self.weights is not None:
             arrays["weights"] = self.weights.astype(np.float16)
-        with open(tmp, "wb") as f:
-            np.savez_compressed(f, **arrays)
-        tmp.replace(path)
+        write_npz(path, arrays)
 
     @staticmethod
     def load(path: str | Path) -> "Trace":
@@ -238,10 +235,8 @@ def replay(trace: Trace, model: ModelSpec, shape: RunShape, *, warmup_sequences:
                          f"({shape.num_batches} batches x {shape.batch_size}), the trace has {len(pool)} after "
                          f"{warmup_sequences} warm-up ones; pass --wrap to reuse sequences, or ask for fewer")
     chosen = [pool[k % len(pool)] for k in range(need_seqs)]
-    starts = trace.seq_offsets[np.asarray(chosen)]
-    rows = starts[:, None] + np.arange(need_tokens)[None, :]
-    ids = trace.experts[rows]  # [seqs, tokens, layers, k]
-    ids = ids.reshape(shape.num_batches, shape.batch_size, need_tokens, trace.num_layers, trace.top_k)
+    ids = _sequences_ids(trace, chosen, need_tokens).reshape(
+        shape.num_batches, shape.batch_size, need_tokens, trace.num_layers, trace.top_k)
     wrapped = len(pool) < need_seqs
     # reusing sequences repeats their routing, which flatters any predictor: say by how much
     source = f"{trace.meta.get('source', where)}" + (
@@ -249,6 +244,20 @@ def replay(trace: Trace, model: ModelSpec, shape: RunShape, *, warmup_sequences:
         f"routing inflates prefetch accuracy and throughput)" if wrapped else "")
     routing = RoutingTable(ids, shape, model.num_experts, source=source, dense_layers=model.first_dense_layers)
     return Replay(routing, trace.subset(range(warmup_sequences)), tuple(chosen), wrapped)
+
+
+def _sequences_ids(trace: Trace, chosen: list[int], tokens: int) -> np.ndarray:
+    """`[sequence, token, layer, slot]`: the first `tokens` ids of each chosen sequence. A view of
+    the trace where the sequences follow one another and are equally long (a synthetic trace made
+    for the run: a long prompt's routing is not held twice), else a copy."""
+    first, count = (chosen[0], len(chosen)) if chosen else (0, 0)
+    lengths = trace.lengths[first:first + count]
+    if count and chosen == list(range(first, first + count)) and (lengths == lengths[0]).all():
+        start, length = int(trace.seq_offsets[first]), int(lengths[0])
+        block = trace.experts[start:start + count * length]
+        return block.reshape(count, length, trace.num_layers, trace.top_k)[:, :tokens]
+    rows = trace.seq_offsets[np.asarray(chosen)][:, None] + np.arange(tokens)[None, :]
+    return trace.experts[rows]
 
 
 # ---- import -------------------------------------------------------------------------------------

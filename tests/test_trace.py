@@ -35,6 +35,34 @@ def test_roundtrip_and_identical_bytes_for_same_seed(tmp_path):
     assert back.weights is not None and back.weights.shape == t.experts.shape
 
 
+@pytest.mark.parametrize("num_experts,stored", [(8, np.uint8), (300, np.int16)])
+def test_a_routing_file_gives_back_the_ids_it_was_saved_from(tmp_path, num_experts, stored):
+    """routing.npz (what `simulate --out` writes for the runtime) stores ids in a byte up to 256
+    experts and reads them back as int16, with the shape, source and dense layers."""
+    shape = RunShape(batch_size=2, num_batches=3, prompt_len=5, gen_len=3)
+    ids = np.random.default_rng(0).integers(0, num_experts, (3, 2, 7, 4, 2)).astype(np.int16)
+    table = RoutingTable(ids, shape, num_experts, source="synth:x", dense_layers=1)
+    table.save(tmp_path / "routing.npz")
+    with np.load(tmp_path / "routing.npz", allow_pickle=False) as z:
+        assert z["ids"].dtype == stored
+    back = RoutingTable.load(tmp_path / "routing.npz")
+    assert back.ids.dtype == np.int16 and np.array_equal(back.ids, ids)
+    assert (back.shape, back.num_experts, back.source, back.dense_layers) == (shape, num_experts, "synth:x", 1)
+    assert [p.name for p in tmp_path.iterdir()] == ["routing.npz"]  # (written atomically: no temporary left)
+
+
+def test_an_npz_written_at_level_1_is_one_numpy_reads_and_a_failed_write_leaves_nothing(tmp_path):
+    from klotski_sim.npzfile import write_npz
+
+    arrays = {"a": np.arange(1000, dtype=np.int64).reshape(10, 100), "text": np.array("héllo"), "n": np.array(3)}
+    write_npz(tmp_path / "x.npz", arrays)
+    with np.load(tmp_path / "x.npz", allow_pickle=False) as z:
+        assert set(z.files) == set(arrays) and all(np.array_equal(z[k], v) for k, v in arrays.items())
+    with pytest.raises(ValueError):  # an object array would need pickling: refused, and no file is left
+        write_npz(tmp_path / "y.npz", {"bad": np.array([{}, 1], dtype=object)})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.npz"]
+
+
 def test_truncated_and_corrupt_files(tmp_path):
     path = tmp_path / "t.npz"
     _tiny_trace().save(path)
@@ -86,6 +114,27 @@ def test_replay_shapes_warmup_and_wrap():
     assert wrapped.wrapped and "WRAPPED: 4 distinct sequences for 6 needed" in wrapped.routing.source
     with pytest.raises(TraceError, match="no sequence has the 19 tokens"):
         replay(t, TINY, RunShape(1, 1, 10, 10))
+
+
+@given(st.lists(st.integers(3, 6), min_size=1, max_size=6), st.data())
+def test_the_chosen_sequences_ids_are_a_view_where_they_follow_one_another_and_a_copy_elsewhere(lengths, data):
+    """replay's cut of a trace: the first `tokens` ids of each chosen sequence, without a copy of a
+    long prompt's routing where the sequences are consecutive and equally long."""
+    from klotski_sim.trace import _sequences_ids
+
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    first = np.random.default_rng(len(lengths)).integers(0, 8, (offsets[-1], 3))
+    experts = np.stack([first, (first + 1 + np.arange(first.size).reshape(first.shape) % 7) % 8], axis=-1)
+    experts = experts.astype(np.int16)  # (a token's two choices distinct, as a router's are)
+    trace = Trace(experts, offsets, np.full(len(lengths), 2, dtype=np.int32),
+                  {"model": "t", "num_experts": 8, "top_k": 2, "num_layers": 3})
+    chosen = data.draw(st.lists(st.integers(0, len(lengths) - 1), min_size=1, max_size=8))
+    tokens = data.draw(st.integers(1, min(lengths[i] for i in chosen)))
+    got = _sequences_ids(trace, chosen, tokens)
+    assert np.array_equal(got, np.stack([trace.sequence(i)[:tokens] for i in chosen]))
+    consecutive = chosen == list(range(chosen[0], chosen[0] + len(chosen)))
+    same_length = len({lengths[i] for i in chosen}) == 1
+    assert np.shares_memory(got, experts) == (consecutive and same_length)
 
 
 def test_counts_match_ids():
