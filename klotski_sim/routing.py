@@ -26,6 +26,7 @@ _FIRST_USE_BY_SORT = 256
 # the default run (Mixtral's 8 experts, top-2, 512-token prompts) 525 of the 544 prefill orders
 # have every used expert within the first 64 tokens; the other 19 fall back to every id.
 _FIRST_USE_HEAD = 64
+_COUNTED_KEYS = 1 << 20  # keys the routing counts take per pass (8 MB): a batch of a long prompt in chunks
 # Up to this many distinct top-k choices (E^K: Mixtral's 8^2 = 64), tokens are counted by their
 # whole choice, one count per token instead of K, and the counts expanded to experts by a small
 # matrix product (`choice_experts`): the routing's expert counts (30 -> 20 ms at the default size)
@@ -125,21 +126,29 @@ class RoutingTable:
         counts = np.empty((sh.num_steps, L, nb, E), dtype=np.int64)
         by_choice = E**self.top_k <= CHOICE_CODES
         bins = E**self.top_k if by_choice else E  # per (step, layer): its choices, or its experts
-        # per batch (a bounded temporary): bin = (step of the position, layer, choice or expert)
+        # bin = (step of the position, layer, choice or expert), counted over a batch's positions a
+        # chunk at a time: the keys (numpy's index type, which bincount counts without a copy) of a
+        # chunk are a bounded temporary however long the prompt (16k tokens: 67 MB a batch at once)
         offset = (step_of_position[:, None] * L + np.arange(L)[None, :]) * bins  # [position, layer]
-        # (the keys in numpy's index type, which bincount counts as they are, without a copy)
-        key = np.empty(self.ids.shape[1:4] if by_choice else self.ids.shape[1:], dtype=np.intp)
+        keys_per_position = sh.batch_size * L * (1 if by_choice else self.top_k)
+        chunk = min(sh.tokens_per_sequence, max(1, _COUNTED_KEYS // keys_per_position))
+        buffer = np.empty((sh.batch_size, chunk, L) if by_choice else (sh.batch_size, chunk, L, self.top_k),
+                          dtype=np.intp)  # (reused from pass to pass)
         holds = choice_experts(E, self.top_k) if by_choice else None
         for b in range(nb):
-            if by_choice:
-                key[:] = offset
-                tally = np.bincount(choice_codes(self.ids[b], E, out=key).reshape(-1),
-                                    minlength=sh.num_steps * L * bins)
-                counts[:, :, b, :] = (tally.reshape(-1, bins) @ holds).reshape(sh.num_steps, L, E)
-            else:
-                np.add(offset[..., None], self.ids[b], out=key)
-                counts[:, :, b, :] = np.bincount(key.reshape(-1), minlength=sh.num_steps * L * E).reshape(
-                    sh.num_steps, L, E)
+            tally = None
+            for lo in range(0, sh.tokens_per_sequence, chunk):
+                ids = self.ids[b, :, lo:lo + chunk]  # [seq, position, layer, slot]
+                key = buffer[:, :ids.shape[1]]  # (a batch's last chunk of a long prompt may be shorter)
+                if by_choice:
+                    key[...] = offset[lo:lo + chunk]
+                    choice_codes(ids, E, out=key)
+                else:
+                    np.add(offset[lo:lo + chunk, :, None], ids, out=key)
+                part = np.bincount(key.reshape(-1), minlength=sh.num_steps * L * bins)
+                tally = part if tally is None else tally + part
+            by_bin = tally.reshape(-1, bins) @ holds if by_choice else tally
+            counts[:, :, b, :] = by_bin.reshape(sh.num_steps, L, E)
         counts[:, : self.dense_layers] = 0
         return counts
 

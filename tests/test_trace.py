@@ -149,11 +149,13 @@ def test_counts_match_ids():
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 3), st.integers(1, 3), st.integers(1, 5), st.integers(1, 4), st.integers(1, 3),
-       st.sampled_from([(2, 1), (4, 2), (8, 2), (3, 3), (9, 2)]), st.integers(0, 2), st.booleans(), st.integers(0, 9))
+       st.sampled_from([(2, 1), (4, 2), (8, 2), (3, 3), (9, 2)]), st.integers(0, 2), st.booleans(), st.integers(0, 9),
+       st.sampled_from([1, 7, 1 << 20]))
 def test_counts_by_choice_or_by_expert_are_the_ids_counted_one_by_one(nb, bs, prompt, gen, layers, experts_k, dense,
-                                                                      by_choice, seed):
-    """RoutingTable.counts, by whole choices (up to CHOICE_CODES of them) or expert by expert, are
-    each (step, layer, batch)'s ids counted one by one (repeats within a token counted too)."""
+                                                                      by_choice, seed, keys_per_pass):
+    """RoutingTable.counts, by whole choices (up to CHOICE_CODES of them) or expert by expert, and
+    a batch's positions in one pass or in chunks (`_COUNTED_KEYS`: a long prompt's), are each
+    (step, layer, batch)'s ids counted one by one (repeats within a token counted too)."""
     E, K = experts_k
     shape = RunShape(bs, nb, prompt, gen)
     ids = np.random.default_rng(seed).integers(0, E, (nb, bs, shape.tokens_per_sequence, layers, K)).astype(np.int16)
@@ -165,7 +167,8 @@ def test_counts_by_choice_or_by_expert_are_the_ids_counted_one_by_one(nb, bs, pr
             for layer in range(dense, layers):
                 for e in ids[b, :, position, layer].ravel():
                     expected[step, layer, b, e] += 1
-    with patch.object(routing_module, "CHOICE_CODES", 10**6 if by_choice else 0):
+    with patch.object(routing_module, "CHOICE_CODES", 10**6 if by_choice else 0), \
+            patch.object(routing_module, "_COUNTED_KEYS", keys_per_pass):
         counts = RoutingTable(ids, shape, E, dense_layers=dense).counts
     assert np.array_equal(counts, expected)
 
