@@ -4,8 +4,12 @@ processes (sweep workers, repeated CLI runs) do not generate the same trace agai
 A trace is stored under a hash of everything that determines it — the model's shape, the routing
 kind, the seed, the sizes and the generator's own code — so a changed generator never serves an
 old trace. Files are written atomically (a per-process temp name, then a rename) and read back
-uncompressed. `KLOTSKI_CACHE_DIR` sets the folder (default `~/.cache/klotski`); `off` disables it.
-A cache that cannot be written is simply not used.
+uncompressed, ids in a byte up to 256 experts. `KLOTSKI_CACHE_DIR` sets the folder (default
+`~/.cache/klotski`); `off` disables it. A cache that cannot be written is simply not used.
+
+The cache is bounded: `KLOTSKI_CACHE_MAX_GB` (default 2) caps its traces; the least recently used
+go first, and a trace larger than the cap is not kept (a sweep over seeds and prompt lengths left
+709 traces, 14 GB, in a cache without a bound).
 """
 
 from __future__ import annotations
@@ -21,8 +25,12 @@ from typing import Callable
 
 import numpy as np
 
+from .errors import UsageError
 from .model import ModelSpec
+from .npzfile import stored_id_type
 from .trace import Trace
+
+DEFAULT_MAX_GB = 2.0
 
 
 def cache_dir() -> Path | None:
@@ -30,6 +38,18 @@ def cache_dir() -> Path | None:
     if setting.lower() == "off":
         return None
     return Path(setting) if setting else Path.home() / ".cache" / "klotski"
+
+
+def cache_max_bytes() -> int:
+    """The cap on the cache's traces, from `KLOTSKI_CACHE_MAX_GB` (GiB; default 2)."""
+    setting = os.environ.get("KLOTSKI_CACHE_MAX_GB", "")
+    try:
+        gib = float(setting) if setting else DEFAULT_MAX_GB
+    except ValueError:
+        gib = float("nan")
+    if not gib >= 0 or gib == float("inf"):
+        raise UsageError(f"KLOTSKI_CACHE_MAX_GB={setting!r}: must be a number of GiB >= 0 (0 keeps no trace)")
+    return int(gib * 2**30)
 
 
 def _generator_fingerprint() -> str:
@@ -43,6 +63,7 @@ def cached_trace(model: ModelSpec, routing: str, seed: int, sequences: int, prom
     folder = cache_dir()
     if folder is None:
         return make()
+    max_bytes = cache_max_bytes()
     key = json.dumps({"model": asdict(model), "routing": routing, "seed": seed, "sequences": sequences,
                       "prompt_len": prompt_len, "gen_len": gen_len, "code": _generator_fingerprint()},
                      sort_keys=True)
@@ -50,17 +71,48 @@ def cached_trace(model: ModelSpec, routing: str, seed: int, sequences: int, prom
     try:
         with np.load(path, allow_pickle=False) as z:
             meta = json.loads(str(z["meta"]))
-            return Trace(z["experts"], z["seq_offsets"], z["prompt_lens"], meta)
+            trace = Trace(z["experts"].astype(np.int16), z["seq_offsets"], z["prompt_lens"], meta)
+        os.utime(path)  # (used now: the last to be evicted)
+        return trace
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
         pass  # not there yet, or unreadable (a truncated file is a ValueError/BadZipFile): make it
     trace = make()
+    experts = trace.experts.astype(stored_id_type(trace.num_experts))
+    if experts.nbytes > max_bytes:  # larger than the whole cache may be: not kept (and the cap applied)
+        if path.parent.is_dir():
+            evict(path.parent, max_bytes)
+        return trace
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         with open(tmp, "wb") as f:
-            np.savez(f, experts=trace.experts, seq_offsets=trace.seq_offsets, prompt_lens=trace.prompt_lens,
+            np.savez(f, experts=experts, seq_offsets=trace.seq_offsets, prompt_lens=trace.prompt_lens,
                      meta=np.array(json.dumps(dict(trace.meta))))
         os.replace(tmp, path)
+        evict(path.parent, max_bytes, keep=path)
     except OSError:
         pass
     return trace
+
+
+def evict(folder: Path, max_bytes: int, keep: Path | None = None) -> None:
+    """Delete the least recently used traces in `folder` until they take at most `max_bytes`
+    (never `keep`, the one just written). Another process may evict the same file: that is fine."""
+    entries = []
+    for path in folder.glob("*.npz"):
+        try:
+            info = path.stat()
+        except OSError:
+            continue
+        entries.append((info.st_mtime, path, info.st_size))
+    total = sum(size for _, _, size in entries)
+    for _, path, size in sorted(entries):
+        if total <= max_bytes:
+            break
+        if path == keep:
+            continue
+        try:
+            path.unlink()
+        except OSError:
+            continue
+        total -= size

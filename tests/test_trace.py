@@ -259,6 +259,49 @@ def test_trace_cache_serves_the_same_trace_and_survives_a_bad_file(tmp_path, mon
     assert len(calls) == 3
 
 
+def test_trace_cache_keeps_the_recently_used_within_its_cap_and_refuses_a_bad_cap(tmp_path, monkeypatch):
+    """The cache is bounded (KLOTSKI_CACHE_MAX_GB): the least recently used traces go first, a
+    trace larger than the cap is not kept, a bad cap is one clear error naming the variable."""
+    import os
+    import time
+
+    from klotski_sim.cache import cached_trace
+    from klotski_sim.errors import UsageError
+
+    monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(tmp_path))
+    m = get_model("tiny-mixtral")
+    folder = tmp_path / "traces"
+
+    def get(seed):
+        return cached_trace(m, "calibrated", seed, 5, 6, 3, lambda: synthesize(m, 5, 6, 3, "calibrated", seed))
+
+    first = get(1)
+    assert first.experts.dtype == np.int16 and np.array_equal(get(1).experts, first.experts)  # (a byte on disk)
+    size = next(folder.glob("*.npz")).stat().st_size
+    monkeypatch.setenv("KLOTSKI_CACHE_MAX_GB", str(2.5 * size / 2**30))  # room for two traces
+    for seed in (2, 3):
+        time.sleep(0.01)  # (distinct modification times)
+        get(seed)
+    kept = {f.stat().st_mtime for f in folder.glob("*.npz")}
+    assert len(kept) == 2 and sum(f.stat().st_size for f in folder.glob("*.npz")) <= 2.5 * size
+    time.sleep(0.01)
+    get(2)  # used again: now the most recent
+    time.sleep(0.01)
+    get(4)  # evicts 3, the least recently used, and keeps 2
+    names = set(folder.glob("*.npz"))
+    assert len(names) == 2 and max(os.path.getmtime(f) for f in names) > max(kept)
+    calls = []
+    cached_trace(m, "calibrated", 2, 5, 6, 3, lambda: calls.append(1) or synthesize(m, 5, 6, 3, "calibrated", 2))
+    assert calls == []  # (2 was kept)
+    monkeypatch.setenv("KLOTSKI_CACHE_MAX_GB", "0")
+    get(5)
+    assert list(folder.glob("*.npz")) == []  # (larger than the cap: not kept; and a cap of 0 keeps nothing)
+    for bad in ("lots", "-1", "inf", "nan"):
+        monkeypatch.setenv("KLOTSKI_CACHE_MAX_GB", bad)
+        with pytest.raises(UsageError, match="KLOTSKI_CACHE_MAX_GB"):
+            get(6)
+
+
 def test_mutual_information_is_reported_against_a_shuffled_baseline():
     from klotski_sim.model import get_model
     from klotski_sim.trace_stats import layer_stats
