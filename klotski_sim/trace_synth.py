@@ -158,16 +158,22 @@ def _forward_fill_index(fresh: np.ndarray) -> np.ndarray:
     return np.maximum.accumulate(idx, axis=-1)
 
 
+_TOKENS_PER_CHUNK = 64 * 8192  # the tokens of a chunk of sequences drawn together (64 up to 8192 tokens each)
+
+
 def synthesize(model: ModelSpec, sequences: int, prompt_len: int, gen_len: int, routing: str = "calibrated",
-               seed: int = 0, with_weights: bool = False, chunk: int = 64) -> Trace:
+               seed: int = 0, with_weights: bool = False, chunk: int | None = None) -> Trace:
     """A trace of `sequences` sequences of prompt_len + gen_len tokens each. Gate weights (the
-    softmax of the drawn logits over the chosen experts) only on request: they triple the file."""
+    softmax of the drawn logits over the chosen experts) only on request: they triple the file.
+    Sequences are drawn `chunk` at a time (by default 64, fewer for sequences longer than 8192
+    tokens: a chunk's working arrays take ~300 bytes a token, 630 MB for 64 of 32k tokens)."""
     if sequences < 1 or prompt_len < 1 or gen_len < 0:
         raise UsageError("sequences and prompt_len must be >= 1, gen_len >= 0")
     params = params_for(routing, model)
     rng = np.random.default_rng(seed)
     L, E, k = model.num_layers, model.num_experts, model.top_k
     T = prompt_len + gen_len
+    chunk = chunk or max(1, min(64, _TOKENS_PER_CHUNK // T))
     base = base_popularity(model, params, rng)
     affinity = rng.standard_normal((L, E, E))
     type_affinity = rng.standard_normal((L, params.token_types, E))

@@ -173,6 +173,14 @@ def test_counts_by_choice_or_by_expert_are_the_ids_counted_one_by_one(nb, bs, pr
     assert np.array_equal(counts, expected)
 
 
+def test_sequences_up_to_8192_tokens_are_drawn_64_at_a_time_as_they_always_were():
+    """synthesize draws fewer sequences at a time only when they are longer than 8192 tokens (to
+    bound its working memory): a trace of shorter ones is the one 64 at a time gives, unchanged."""
+    default = synthesize(TINY, 70, 20, 4, "calibrated", seed=3)
+    assert np.array_equal(default.experts, synthesize(TINY, 70, 20, 4, "calibrated", seed=3, chunk=64).experts)
+    assert not np.array_equal(default.experts, synthesize(TINY, 70, 20, 4, "calibrated", seed=3, chunk=5).experts)
+
+
 def test_calibrated_mixtral_statistics_land_near_targets():
     s = summary(synthesize(MIXTRAL, 128, 128, 16, "calibrated", seed=1))
     assert 0.14 <= s["max_share"] <= 0.21          # corpus-level max share ~0.16
