@@ -15,6 +15,8 @@ from typing import Mapping
 
 import numpy as np
 
+from .errors import UsageError
+
 LEVEL = 1
 
 
@@ -28,8 +30,13 @@ def write_npz(path: str | Path, arrays: Mapping[str, np.ndarray], level: int = L
                 with archive.open(name + ".npy", "w", force_zip64=True) as member:
                     np.lib.format.write_array(member, np.asanyarray(array), allow_pickle=False)
         tmp.replace(path)
+    except OSError as err:  # (the file the user named, not our temporary one)
+        raise UsageError(f"{path}: cannot write ({err.strerror or err})") from None
     finally:
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 def stored_id_type(num_experts: int) -> type[np.integer]:

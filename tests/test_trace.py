@@ -61,6 +61,10 @@ def test_an_npz_written_at_level_1_is_one_numpy_reads_and_a_failed_write_leaves_
     with pytest.raises(ValueError):  # an object array would need pickling: refused, and no file is left
         write_npz(tmp_path / "y.npz", {"bad": np.array([{}, 1], dtype=object)})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.npz"]
+    from klotski_sim.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"nowhere/x\.npz: cannot write \(No such file"):  # (the path asked for)
+        write_npz(tmp_path / "nowhere" / "x.npz", arrays)
 
 
 def test_truncated_and_corrupt_files(tmp_path):
