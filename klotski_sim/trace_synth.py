@@ -166,7 +166,8 @@ def synthesize(model: ModelSpec, sequences: int, prompt_len: int, gen_len: int, 
     """A trace of `sequences` sequences of prompt_len + gen_len tokens each. Gate weights (the
     softmax of the drawn logits over the chosen experts) only on request: they triple the file.
     Sequences are drawn `chunk` at a time (by default 64, fewer for sequences longer than 8192
-    tokens: a chunk's working arrays take ~300 bytes a token, 630 MB for 64 of 32k tokens)."""
+    tokens: a chunk's working arrays grow with its tokens, and a cold 32k-token `simulate --out`
+    peaked at 1112 MB drawing 64 at a time, 567 MB drawing 15: experiments/bench_long_prompt.py)."""
     if sequences < 1 or prompt_len < 1 or gen_len < 0:
         raise UsageError("sequences and prompt_len must be >= 1, gen_len >= 0")
     params = params_for(routing, model)
