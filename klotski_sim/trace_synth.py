@@ -166,8 +166,9 @@ def synthesize(model: ModelSpec, sequences: int, prompt_len: int, gen_len: int, 
     """A trace of `sequences` sequences of prompt_len + gen_len tokens each. Gate weights (the
     softmax of the drawn logits over the chosen experts) only on request: they triple the file.
     Sequences are drawn `chunk` at a time (by default 64, fewer for sequences longer than 8192
-    tokens: a chunk's working arrays grow with its tokens, and a cold 32k-token `simulate --out`
-    peaked at 1112 MB drawing 64 at a time, 567 MB drawing 15: experiments/bench_long_prompt.py)."""
+    tokens: a chunk's working arrays grow with its tokens; `KLOTSKI_CACHE_DIR=off /usr/bin/time -f %M
+    klotski-sim simulate --policy klotski --impl ideal --prompt-len 32768 --gen-len 8` peaked at
+    1.14 GB drawing 64 at a time, 581 MB drawing 15)."""
     if sequences < 1 or prompt_len < 1 or gen_len < 0:
         raise UsageError("sequences and prompt_len must be >= 1, gen_len >= 0")
     params = params_for(routing, model)
