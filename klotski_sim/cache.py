@@ -3,9 +3,10 @@ processes (sweep workers, repeated CLI runs) do not generate the same trace agai
 
 A trace is stored under a hash of everything that determines it — the model's shape, the routing
 kind, the seed, the sizes and the generator's own code — so a changed generator never serves an
-old trace. Files are written atomically (a per-process temp name, then a rename) and read back
-uncompressed, ids in a byte up to 256 experts. `KLOTSKI_CACHE_DIR` sets the folder (default
-`~/.cache/klotski`); `off` disables it. A cache that cannot be written is simply not used.
+old trace. Files are written atomically (`npzfile.write_npz`: a per-process temp name, then a
+rename) and read back uncompressed, ids in a byte up to 256 experts. `KLOTSKI_CACHE_DIR` sets the
+folder (default `~/.cache/klotski`); `off` disables it. A cache that cannot be written is simply
+not used.
 
 The cache is bounded: `KLOTSKI_CACHE_MAX_GB` (default 2) caps its traces; the least recently used
 go first, and a trace larger than the cap is not kept (a sweep over seeds and prompt lengths left
@@ -27,7 +28,7 @@ import numpy as np
 
 from .errors import UsageError
 from .model import ModelSpec
-from .npzfile import stored_id_type
+from .npzfile import stored_id_type, write_npz
 from .trace import Trace
 
 DEFAULT_MAX_GB = 2.0
@@ -84,13 +85,10 @@ def cached_trace(model: ModelSpec, routing: str, seed: int, sequences: int, prom
         return trace
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            np.savez(f, experts=experts, seq_offsets=trace.seq_offsets, prompt_lens=trace.prompt_lens,
-                     meta=np.array(json.dumps(dict(trace.meta))))
-        os.replace(tmp, path)
+        write_npz(path, dict(experts=experts, seq_offsets=trace.seq_offsets, prompt_lens=trace.prompt_lens,
+                             meta=np.array(json.dumps(dict(trace.meta)))), level=None)  # (read back often)
         evict(path.parent, max_bytes, keep=path)
-    except OSError:
+    except (OSError, UsageError):  # (a cache that cannot be written is not used)
         pass
     return trace
 

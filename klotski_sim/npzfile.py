@@ -9,6 +9,7 @@ Why level 1: numpy's own level (zlib's default, 6) took 25.4 s to write the rout
 
 from __future__ import annotations
 
+import os
 import zipfile
 from pathlib import Path
 from typing import Mapping
@@ -20,12 +21,15 @@ from .errors import UsageError
 LEVEL = 1
 
 
-def write_npz(path: str | Path, arrays: Mapping[str, np.ndarray], level: int = LEVEL) -> None:
-    """Write `arrays` to `path` as an npz (no pickled objects), compressed at deflate `level`."""
+def write_npz(path: str | Path, arrays: Mapping[str, np.ndarray], level: int | None = LEVEL) -> None:
+    """Write `arrays` to `path` as an npz (no pickled objects), compressed at deflate `level`, or
+    stored as they are with `level=None` (as `numpy.savez`: what is read back often, fast). The
+    temporary file is this process's own: processes writing one path never share it."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    compression = zipfile.ZIP_STORED if level is None else zipfile.ZIP_DEFLATED
     try:
-        with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=level) as archive:
+        with zipfile.ZipFile(tmp, "w", compression=compression, compresslevel=level) as archive:
             for name, array in arrays.items():
                 with archive.open(name + ".npy", "w", force_zip64=True) as member:
                     np.lib.format.write_array(member, np.asanyarray(array), allow_pickle=False)

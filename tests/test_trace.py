@@ -269,6 +269,15 @@ def test_trace_cache_serves_the_same_trace_and_survives_a_bad_file(tmp_path, mon
     monkeypatch.setenv("KLOTSKI_CACHE_DIR", "off")
     cached_trace(m, "calibrated", 7, 5, 6, 3, make)
     assert len(calls) == 3
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(tmp_path / "a-file"))  # a cache that cannot be written
+    assert np.array_equal(cached_trace(m, "calibrated", 7, 5, 6, 3, make).experts, first.experts)
+    monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(tmp_path))
+    for f in (tmp_path / "traces").glob("*.npz"):  # its folder is there, the file's place is taken: the write fails
+        f.unlink()
+        f.mkdir()
+    assert np.array_equal(cached_trace(m, "calibrated", 7, 5, 6, 3, make).experts, first.experts)
+    assert len(calls) == 5 and [f.is_dir() for f in (tmp_path / "traces").iterdir()] == [True]
 
 
 def test_trace_cache_keeps_the_recently_used_within_its_cap_and_refuses_a_bad_cap(tmp_path, monkeypatch):
