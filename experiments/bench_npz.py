@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from klotski_sim.npzfile import stored_id_type, write_npz
+from klotski_sim.npzfile import write_npz
+from klotski_sim.routing import expert_id_type
 from klotski_sim.runner import RunSpec, prepare
 
 
@@ -39,17 +40,17 @@ def main() -> None:
     routing = prep.replay.routing
     ids = routing.ids
     print(f"routing of the default Klotski run at prompt {args.prompt_len}, gen {args.gen_len} "
-          f"(n = {prep.num_batches}): ids {ids.shape}, {ids.nbytes / 1e6:.1f} MB as int16")
+          f"(n = {prep.num_batches}): ids {ids.shape}, {ids.size * 2 / 1e6:.1f} MB as int16")
     with tempfile.TemporaryDirectory() as tmp:
         old, new = Path(tmp) / "old.npz", Path(tmp) / "new.npz"
         t_old = best_seconds(lambda: np.savez_compressed(old, ids=ids.astype(np.int16)), args.repeat)
-        t_new = best_seconds(lambda: write_npz(new, {"ids": ids.astype(stored_id_type(routing.num_experts))}),
+        t_new = best_seconds(lambda: write_npz(new, {"ids": ids.astype(expert_id_type(routing.num_experts))}),
                              args.repeat)
         with np.load(old) as a, np.load(new) as b:
             same = np.array_equal(a["ids"], b["ids"].astype(np.int16))
         mb_old, mb_new = old.stat().st_size / 1e6, new.stat().st_size / 1e6
     print(f"numpy savez_compressed, int16   : {t_old:6.2f} s  {mb_old:7.1f} MB")
-    print(f"write_npz level 1, {np.dtype(stored_id_type(routing.num_experts)).name:5} ids   : "
+    print(f"write_npz level 1, {np.dtype(expert_id_type(routing.num_experts)).name:5} ids   : "
           f"{t_new:6.2f} s  {mb_new:7.1f} MB")
     print(f"ratio                           : {t_old / t_new:6.1f}x faster, file {mb_new / mb_old:.2f}x the size; "
           f"same ids: {same}")

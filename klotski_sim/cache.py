@@ -28,7 +28,7 @@ import numpy as np
 
 from .errors import UsageError
 from .model import ModelSpec
-from .npzfile import stored_id_type, write_npz
+from .npzfile import write_npz
 from .trace import Trace
 
 DEFAULT_MAX_GB = 2.0
@@ -72,13 +72,13 @@ def cached_trace(model: ModelSpec, routing: str, seed: int, sequences: int, prom
     try:
         with np.load(path, allow_pickle=False) as z:
             meta = json.loads(str(z["meta"]))
-            trace = Trace(z["experts"].astype(np.int16), z["seq_offsets"], z["prompt_lens"], meta)
+            trace = Trace(z["experts"], z["seq_offsets"], z["prompt_lens"], meta)
         os.utime(path)  # (used now: the last to be evicted)
         return trace
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
         pass  # not there yet, or unreadable (a truncated file is a ValueError/BadZipFile): make it
     trace = make()
-    experts = trace.experts.astype(stored_id_type(trace.num_experts))
+    experts = trace.experts  # (in a byte up to 256 experts: `routing.expert_id_type`)
     if experts.nbytes > max_bytes:  # larger than the whole cache may be: not kept (and the cap applied)
         if path.parent.is_dir():
             evict(path.parent, max_bytes)

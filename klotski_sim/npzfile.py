@@ -42,8 +42,3 @@ def write_npz(path: str | Path, arrays: Mapping[str, np.ndarray], level: int | N
         except OSError:
             pass
 
-
-def stored_id_type(num_experts: int) -> type[np.integer]:
-    """The type expert ids are stored in: a byte for up to 256 experts (half the file of int16 for
-    most models), int16 beyond. Readers take them back as int16."""
-    return np.uint8 if num_experts <= 256 else np.int16

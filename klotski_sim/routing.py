@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import UsageError
-from .npzfile import stored_id_type, write_npz
+from .npzfile import write_npz
 
 # Above this many routed ids, a batch's first-use order is found by numpy's sort rather than a dict
 # over every id: a default batch's 16k prefill ids in 0.15 ms instead of 0.42 (a decode step's 32
@@ -32,6 +32,13 @@ _COUNTED_KEYS = 1 << 20  # keys the routing counts take per pass (8 MB): a batch
 # matrix product (`choice_experts`): the routing's expert counts (30 -> 20 ms at the default size)
 # and the prefetcher's pair counts (73 -> 20 ms per prefill step) are taken this way.
 CHOICE_CODES = 64
+
+
+def expert_id_type(num_experts: int) -> type[np.integer]:
+    """The type expert ids are held in, in memory as in files: a byte for up to 256 experts, int16
+    beyond. A trace of every token is the largest thing a long prompt's run holds (16k-token
+    prompts: 134 MB in a byte, twice that in int16); every reader widens ids before arithmetic."""
+    return np.uint8 if num_experts <= 256 else np.int16
 
 
 def choice_codes(ids: np.ndarray, num_experts: int, out: np.ndarray | None = None) -> np.ndarray:
@@ -107,7 +114,7 @@ class RoutingTable:
             raise UsageError(f"routing ids have shape {ids.shape}, expected {expected} + (layers, top_k)")
         if ids.size and (ids.min() < 0 or ids.max() >= num_experts):
             raise UsageError(f"routing ids out of range [0, {num_experts})")
-        self.ids = ids
+        self.ids = ids.astype(expert_id_type(num_experts), copy=False)  # (a view of a trace's ids stays one)
         self.shape = shape
         self.num_experts = num_experts
         self.num_layers = ids.shape[3]
@@ -159,7 +166,7 @@ class RoutingTable:
     def save(self, path: str | Path) -> None:
         """The exact routing a schedule was built from (the runtime replays it with the schedule)."""
         sh = self.shape
-        write_npz(path, dict(ids=self.ids.astype(stored_id_type(self.num_experts)),
+        write_npz(path, dict(ids=self.ids,
                              num_experts=np.array(self.num_experts),
                              shape=np.array([sh.batch_size, sh.num_batches, sh.prompt_len, sh.gen_len]),
                              source=np.array(self.source), dense_layers=np.array(self.dense_layers)))
@@ -170,7 +177,7 @@ class RoutingTable:
             with np.load(path, allow_pickle=False) as z:
                 bs, nb, p, g = (int(v) for v in z["shape"])
                 dense = int(z["dense_layers"]) if "dense_layers" in z.files else 0
-                return RoutingTable(z["ids"].astype(np.int16), RunShape(bs, nb, p, g), int(z["num_experts"]),
+                return RoutingTable(z["ids"], RunShape(bs, nb, p, g), int(z["num_experts"]),
                                     str(z["source"]), dense)
         except FileNotFoundError:
             raise UsageError(f"{path}: no such routing file") from None

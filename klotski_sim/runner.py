@@ -35,7 +35,7 @@ from .planner import (
 from .policies import Placement, PolicyInput, build_schedule, get_policy
 from .policies.base import resolve_options
 from .probe import Probe, ProbeSearch, probe_gen_len, search
-from .routing import RoutingTable, RunShape
+from .routing import RoutingTable, RunShape, expert_id_type
 from .schedule import Schedule, quiet_gc_in_worker
 from .timeline import OutOfMemory, Timeline
 from .trace import Replay, Trace, TraceError, replay
@@ -159,9 +159,10 @@ def make_replay(spec: RunSpec, model: ModelSpec, num_batches: int) -> tuple[Trac
 
 
 def _check_routing_fits(model: ModelSpec, sequences: int, tokens: int, warmup: int) -> None:
-    """The synthetic routing (int16 expert ids of every token, layer and slot, and the generator's
+    """The synthetic routing (the expert ids of every token, layer and slot, and the generator's
     working copies) must fit in host memory: refused with the numbers, not a failed allocation."""
-    need = 4 * sequences * tokens * model.num_layers * model.top_k * 2
+    id_bytes = np.dtype(expert_id_type(model.num_experts)).itemsize
+    need = 4 * sequences * tokens * model.num_layers * model.top_k * id_bytes
     try:
         have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):

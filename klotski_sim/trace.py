@@ -12,8 +12,8 @@ see traces/README.md):
   generator settings
 
 Why npz: one compact file that numpy alone reads back (no pickle: loaded with
-`allow_pickle=False`), ragged sequences without padding via offsets, and a dense int16 block
-that replays with a single slice.
+`allow_pickle=False`), ragged sequences without padding via offsets, and a dense block of ids (held
+in memory in the type they are stored in) that replays with a single slice.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import numpy as np
 
 from .errors import KlotskiError
 from .model import ModelSpec
-from .npzfile import stored_id_type, write_npz
-from .routing import RoutingTable, RunShape
+from .npzfile import write_npz
+from .routing import RoutingTable, RunShape, expert_id_type
 
 FORMAT = "klotski-routing-trace"
 VERSION = 1
@@ -39,7 +39,7 @@ REQUIRED_META = ("model", "num_experts", "top_k", "num_layers")
 
 MAX_TRACE_BYTES = 8 << 30  # decompressed arrays of one trace file
 MAX_IMPORT_TOKENS = 1 << 20  # token positions per sequence in an imported log
-MAX_IMPORT_INDEX = 1 << 14  # layers and expert ids in an imported log (stored as int16)
+MAX_IMPORT_INDEX = 1 << 14  # layers and expert ids in an imported log (expert ids held in int16 at most)
 
 
 def _declared_bytes(path: Path) -> int:
@@ -64,6 +64,8 @@ class Trace:
 
     def __post_init__(self) -> None:
         self.validate("trace")
+        # ids held in their stored type (`expert_id_type`): a trace read from a file is not widened
+        object.__setattr__(self, "experts", self.experts.astype(expert_id_type(self.num_experts), copy=False))
 
     # ---- shape ------------------------------------------------------------------------------
     @property
@@ -151,7 +153,7 @@ class Trace:
     # ---- files ------------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
         """Write atomically (temp file + rename): an interrupted save never leaves half a trace."""
-        arrays = dict(experts=self.experts.astype(stored_id_type(self.num_experts)),
+        arrays = dict(experts=self.experts,
                       seq_offsets=self.seq_offsets.astype(np.int64), prompt_lens=self.prompt_lens.astype(np.int32),
                       meta=np.array(json.dumps({"format": FORMAT, "version": VERSION, **self.meta})))
         if self.weights is not None:
@@ -196,7 +198,7 @@ class Trace:
             raise TraceError(f"{path}: trace format version {meta.get('version')!r}, expected {VERSION}")
         meta = {k: v for k, v in meta.items() if k not in ("format", "version")}
         try:
-            return Trace(arrays["experts"].astype(np.int16), arrays["seq_offsets"], arrays["prompt_lens"], meta, weights)
+            return Trace(arrays["experts"], arrays["seq_offsets"], arrays["prompt_lens"], meta, weights)
         except TraceError as err:
             raise TraceError(str(err).replace("trace:", f"{path}:", 1)) from None
 
@@ -407,7 +409,7 @@ def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str
             "dataset": dataset or "unknown", "recorder": f"imported from {path.name} (JSON lines)",
             "license": license or "unknown", "source": source or f"import:{path.name}",
             "sequence_key": [*(key_fields or ()), "sequence id"]}
-    trace = Trace(np.concatenate(experts_out).astype(np.int16),
+    trace = Trace(np.concatenate(experts_out),
                   np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
                   np.asarray(plens, dtype=np.int32), meta,
                   np.concatenate(weights_out) if has_weights else None)

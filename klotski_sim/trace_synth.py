@@ -31,7 +31,7 @@ import numpy as np
 
 from .errors import UsageError
 from .model import ModelSpec
-from .routing import RoutingTable, RunShape
+from .routing import RoutingTable, RunShape, expert_id_type
 from .trace import Trace, replay
 
 ROUTINGS = ("calibrated", "uniform", "zipf:<a>", "skewed")
@@ -179,7 +179,7 @@ def synthesize(model: ModelSpec, sequences: int, prompt_len: int, gen_len: int, 
     base = base_popularity(model, params, rng)
     affinity = rng.standard_normal((L, E, E))
     type_affinity = rng.standard_normal((L, params.token_types, E))
-    experts = np.empty((sequences, T, L, k), dtype=np.int16)
+    experts = np.empty((sequences, T, L, k), dtype=expert_id_type(E))
     weights = np.empty((sequences, T, L, k), dtype=np.float16) if with_weights else None
     for lo in range(0, sequences, chunk):
         S = min(chunk, sequences - lo)

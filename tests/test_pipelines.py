@@ -5,7 +5,7 @@ from unittest.mock import patch
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from klotski_sim import prefetch
@@ -16,7 +16,7 @@ from klotski_sim.planner import memory_needed, plan
 from klotski_sim.policies import Placement, PolicyInput, build_schedule
 from klotski_sim.policies.base import OpEmitter
 from klotski_sim.prefetch import CorrelationTable
-from klotski_sim.routing import RoutingTable, RunShape
+from klotski_sim.routing import RoutingTable, RunShape, expert_id_type
 from klotski_sim.schedule import Op, compute_op, transfer_op
 from klotski_sim.trace import replay
 from klotski_sim.trace_synth import synthesize
@@ -146,20 +146,24 @@ def test_correlation_table_follows_the_paper():
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 4), st.integers(2, 6), st.integers(1, 3), st.integers(0, 30), st.integers(1, 64),
-       st.integers(0, 2**31 - 1), st.booleans(), st.booleans())
+@given(st.integers(1, 4), st.sampled_from([2, 3, 4, 5, 6, 200]), st.integers(1, 3), st.integers(0, 30),
+       st.integers(1, 64), st.integers(0, 2**31 - 1), st.booleans(), st.booleans())
+@example(3, 200, 1, 5, 7, 0, True, False)  # (a choice's code that does not fit the ids' byte: always tried)
+@example(3, 200, 2, 5, 7, 0, False, True)  # (a pair's code, likewise)
 def test_correlation_table_counts_every_pair_once_whatever_the_chunking(L, E, K, tokens, chunk, seed, by_choice,
                                                                         step_of_routing):
     """The one-pass learner (counting pairs, or pairs of whole top-k choices; in chunks of any size)
     counts what a token-by-token, layer-by-layer loop counts, for top-k choices of distinct experts
     (as every trace is: trace validation refuses an expert chosen twice) — given a trace's
-    [token, layer, k] or, as a run learns a step, a slice of positions of [batch, seq, position, layer, k]."""
+    [token, layer, k] or, as a run learns a step, a slice of positions of [batch, seq, position, layer, k] —
+    its ids in a byte, as traces hold them (200 experts: a pair's or a choice's code overflows a byte)."""
     K = min(K, E)
     rng = np.random.default_rng(seed)
     if step_of_routing:
         ids = np.argsort(rng.random((2, 3, tokens + 2, L, E)), axis=-1)[..., :K][:, :, 1:tokens + 1]
     else:
         ids = np.argsort(rng.random((tokens, L, E)), axis=-1)[..., :K]
+    ids = ids.astype(expert_id_type(E))
     t = CorrelationTable(num_layers=L, num_experts=E, top_k=K)
     with patch.object(prefetch, "_CHUNK_PAIRS", chunk), patch.object(prefetch, "_CODE_TOKENS", chunk), \
             patch.object(prefetch, "CHOICE_CODES", 6**3 if by_choice else 0), \

@@ -5,7 +5,7 @@ from unittest.mock import patch
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from klotski_sim import routing as routing_module
@@ -35,18 +35,41 @@ def test_roundtrip_and_identical_bytes_for_same_seed(tmp_path):
     assert back.weights is not None and back.weights.shape == t.experts.shape
 
 
+@pytest.mark.parametrize("num_experts,held", [(8, np.uint8), (256, np.uint8), (257, np.int16), (300, np.int16)])
+def test_a_trace_holds_its_ids_in_a_byte_up_to_256_experts_whatever_type_it_was_given(tmp_path, num_experts, held):
+    """A trace holds its ids in the type they are stored in (a long prompt's trace is the largest
+    thing its run holds): given in int16 or int64, or read from a file written in int16 (klotski
+    0.1's), the ids are the same numbers in a byte up to 256 experts, in int16 beyond."""
+    rng = np.random.default_rng(num_experts)
+    first = rng.integers(0, num_experts, (12, 3))
+    ids = np.stack([first, (first + 1) % num_experts], axis=-1)  # (a token's two choices distinct)
+    meta = {"model": "t", "num_experts": num_experts, "top_k": 2, "num_layers": 3}
+    for given_type in (np.int16, np.int64):
+        trace = Trace(ids.astype(given_type), np.array([0, 5, 12]), np.array([3, 4], dtype=np.int32), meta)
+        assert trace.experts.dtype == held and np.array_equal(trace.experts, ids)
+    old = tmp_path / "old.npz"  # (as numpy.savez_compressed wrote a trace before ids were held in a byte)
+    np.savez_compressed(old, experts=ids.astype(np.int16), seq_offsets=np.array([0, 5, 12]),
+                        prompt_lens=np.array([3, 4], dtype=np.int32),
+                        meta=np.array(json.dumps({"format": "klotski-routing-trace", "version": 1, **meta})))
+    back = Trace.load(old)
+    assert back.experts.dtype == held and np.array_equal(back.experts, ids)
+    assert synthesize(TINY, 2, 4, 2, "calibrated").experts.dtype == np.uint8
+
+
 @pytest.mark.parametrize("num_experts,stored", [(8, np.uint8), (300, np.int16)])
 def test_a_routing_file_gives_back_the_ids_it_was_saved_from(tmp_path, num_experts, stored):
     """routing.npz (what `simulate --out` writes for the runtime) stores ids in a byte up to 256
-    experts and reads them back as int16, with the shape, source and dense layers."""
+    experts, holds them in memory in that type too, and reads them back as they were, with the
+    shape, source and dense layers."""
     shape = RunShape(batch_size=2, num_batches=3, prompt_len=5, gen_len=3)
     ids = np.random.default_rng(0).integers(0, num_experts, (3, 2, 7, 4, 2)).astype(np.int16)
     table = RoutingTable(ids, shape, num_experts, source="synth:x", dense_layers=1)
+    assert table.ids.dtype == stored and np.array_equal(table.ids, ids)
     table.save(tmp_path / "routing.npz")
     with np.load(tmp_path / "routing.npz", allow_pickle=False) as z:
         assert z["ids"].dtype == stored
     back = RoutingTable.load(tmp_path / "routing.npz")
-    assert back.ids.dtype == np.int16 and np.array_equal(back.ids, ids)
+    assert back.ids.dtype == stored and np.array_equal(back.ids, ids)
     assert (back.shape, back.num_experts, back.source, back.dense_layers) == (shape, num_experts, "synth:x", 1)
     assert [p.name for p in tmp_path.iterdir()] == ["routing.npz"]  # (written atomically: no temporary left)
 
@@ -138,7 +161,7 @@ def test_the_chosen_sequences_ids_are_a_view_where_they_follow_one_another_and_a
     assert np.array_equal(got, np.stack([trace.sequence(i)[:tokens] for i in chosen]))
     consecutive = chosen == list(range(chosen[0], chosen[0] + len(chosen)))
     same_length = len({lengths[i] for i in chosen}) == 1
-    assert np.shares_memory(got, experts) == (consecutive and same_length)
+    assert np.shares_memory(got, trace.experts) == (consecutive and same_length)
 
 
 def test_counts_match_ids():
@@ -153,13 +176,16 @@ def test_counts_match_ids():
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 3), st.integers(1, 3), st.integers(1, 5), st.integers(1, 4), st.integers(1, 3),
-       st.sampled_from([(2, 1), (4, 2), (8, 2), (3, 3), (9, 2)]), st.integers(0, 2), st.booleans(), st.integers(0, 9),
+       st.sampled_from([(2, 1), (4, 2), (8, 2), (3, 3), (9, 2), (200, 2), (256, 3)]), st.integers(0, 2), st.booleans(),
+       st.integers(0, 9),
        st.sampled_from([1, 7, 1 << 20]))
+@example(1, 2, 3, 2, 2, (200, 2), 0, True, 0, 7)  # (ids in a byte whose choice codes do not fit one: always tried)
 def test_counts_by_choice_or_by_expert_are_the_ids_counted_one_by_one(nb, bs, prompt, gen, layers, experts_k, dense,
                                                                       by_choice, seed, keys_per_pass):
     """RoutingTable.counts, by whole choices (up to CHOICE_CODES of them) or expert by expert, and
     a batch's positions in one pass or in chunks (`_COUNTED_KEYS`: a long prompt's), are each
-    (step, layer, batch)'s ids counted one by one (repeats within a token counted too)."""
+    (step, layer, batch)'s ids counted one by one (repeats within a token counted too) — ids held in
+    a byte up to 256 experts, whose choice codes and keys do not fit one."""
     E, K = experts_k
     shape = RunShape(bs, nb, prompt, gen)
     ids = np.random.default_rng(seed).integers(0, E, (nb, bs, shape.tokens_per_sequence, layers, K)).astype(np.int16)
@@ -297,7 +323,7 @@ def test_trace_cache_keeps_the_recently_used_within_its_cap_and_refuses_a_bad_ca
         return cached_trace(m, "calibrated", seed, 5, 6, 3, lambda: synthesize(m, 5, 6, 3, "calibrated", seed))
 
     first = get(1)
-    assert first.experts.dtype == np.int16 and np.array_equal(get(1).experts, first.experts)  # (a byte on disk)
+    assert first.experts.dtype == np.uint8 and np.array_equal(get(1).experts, first.experts)  # (a byte, on disk too)
     size = next(folder.glob("*.npz")).stat().st_size
     monkeypatch.setenv("KLOTSKI_CACHE_MAX_GB", str(2.5 * size / 2**30))  # room for two traces
     for seed in (2, 3):
