@@ -7,6 +7,7 @@ ends with a one-line `error:` message and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -272,7 +273,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     figure = not args.no_png and simulated
     timelines = dict(zip(runs, run_each(list(runs.values()), prep, args.workers or available_cores(),
                                         traces if args.traces and simulated else None,
-                                        keep=FIGURE_COLUMNS if figure else ())))
+                                        keep=FIGURE_COLUMNS if figure else (),
+                                        meanwhile=_import_plotting if figure else None)))
     summaries = {key: tl.summary() for key, tl in timelines.items()}
     print(format_comparison(summaries))
     if len(impls) > 1:
@@ -295,6 +297,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
           f"{', trace_<policy>.json.gz' if args.traces and simulated else ''}{', plan.txt' if prep.plan else ''} "
           f"to {out}/")
     return 0 if all(s.status == "ok" for s in summaries.values()) else 3
+
+
+def _import_plotting() -> None:
+    """The plotting library, imported while compare's workers run: half a second that the main
+    process would otherwise spend after them, before it can draw."""
+    importlib.import_module("klotski_sim.plot")
 
 
 def _label(name: str, impl: str, impls: Sequence[str]) -> str:

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Collection, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 import numpy as np
 
@@ -377,6 +378,13 @@ def _timeline_of(spec: RunSpec, trace_path: Path | None = None, prep: Prepared |
     return timeline
 
 
+def _ignoring_errors(work: Callable[[], object]) -> None:
+    try:
+        work()
+    except Exception:  # noqa: BLE001 - see run_each's `meanwhile`
+        pass
+
+
 class WorkerError(KlotskiError):
     """An error raised in a worker process, brought back as text (any exception pickles this way)."""
 
@@ -397,20 +405,27 @@ def available_cores() -> int:
 
 
 def run_each(specs: list[RunSpec], prep: Prepared, workers: int = 1,
-             trace_paths: list[Path | None] | None = None, keep: Collection[str] | None = None) -> list[Timeline]:
+             trace_paths: list[Path | None] | None = None, keep: Collection[str] | None = None,
+             meanwhile: Callable[[], object] | None = None) -> list[Timeline]:
     """The timelines of several runs on one preparation (compare's policies and presets), in
     `workers` processes when more than one: each run is independent and single-threaded. Each
     run's Chrome trace is written where `trace_paths` says (by the process that ran it); each
-    timeline keeps its summary and the columns `keep` names (all when None)."""
+    timeline keeps its summary and the columns `keep` names (all when None). `meanwhile` runs in a
+    thread of this process while the workers run (what it raises is ignored: compare imports the
+    plotting library there, and imports it again, raising, where it draws)."""
     traces = trace_paths or [None] * len(specs)
     workers = min(workers, len(specs))
     if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
         return [_timeline_of(spec, path, prep, keep) for spec, path in zip(specs, traces)]
     # forked workers inherit the preparation (routing, plan, policies loaded from files) as it is
+    helper = threading.Thread(target=_ignoring_errors, args=(meanwhile,), daemon=True) if meanwhile else None
     try:
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_share,
                                  initargs=(prep,)) as pool:
-            return list(pool.map(_timeline_in_worker, specs, traces, [keep] * len(specs)))
+            results = pool.map(_timeline_in_worker, specs, traces, [keep] * len(specs))  # (workers forked)
+            if helper is not None:  # (started after the fork: a forked worker never holds its locks)
+                helper.start()
+            return list(results)
     except BrokenProcessPool:
         raise UsageError(f"a worker process died before it finished (killed, or out of host memory?): "
                          f"rerun with --workers 1, or fewer than {workers}") from None

@@ -128,6 +128,28 @@ def test_compare_in_worker_processes_gives_the_serial_results(tmp_path):
     assert len(outputs[1][2]) == 6 and outputs[1] == outputs[3]
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # (an error that escaped)
+def test_what_runs_meanwhile_runs_beside_the_workers_and_its_errors_are_ignored(capsys):
+    """run_each's `meanwhile` (compare imports the plotting library there) runs in a thread of the
+    main process while the workers run; what it raises is neither printed nor changes the results."""
+    import threading
+
+    from klotski_sim import runner
+
+    spec = runner.RunSpec(policy="klotski", num_batches=2, batch_size=2, prompt_len=8, gen_len=2)
+    prep = runner.prepare(spec)
+    ran_in = []
+
+    def meanwhile():
+        ran_in.append(threading.current_thread() is not threading.main_thread())
+        raise ImportError("no plotting library here")
+
+    alone = runner.run_each([spec, spec], prep, workers=1, keep=())
+    beside = runner.run_each([spec, spec], prep, workers=2, keep=(), meanwhile=meanwhile)
+    assert ran_in == [True] and "plotting" not in capsys.readouterr().err
+    assert [tl.summary() for tl in beside] == [tl.summary() for tl in alone]
+
+
 def _worker_dies(*args, **kwargs):
     os._exit(3)
 

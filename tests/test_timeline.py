@@ -179,8 +179,11 @@ def test_columns_made_one_at_a_time_equal_the_whole_transpose_and_pickle_whole(n
 
 
 def test_a_timeline_kept_to_the_figure_columns_draws_the_same_figure():
-    """compare keeps only FIGURE_COLUMNS of each timeline (Timeline.detach): the figure needs no
-    other column (it would raise KeyError) and is pixel-identical to one drawn from every column."""
+    """compare keeps only FIGURE_COLUMNS of each timeline (Timeline.detach), held small: the figure
+    needs no other column (it would raise KeyError) and is pixel-identical to one drawn from every
+    column; each kept column reads back as it was, in its type, also once pickled."""
+    import pickle
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -188,7 +191,7 @@ def test_a_timeline_kept_to_the_figure_columns_draws_the_same_figure():
 
     from klotski_sim.plot import compare_gantt
     from klotski_sim.runner import RunSpec, run
-    from klotski_sim.timeline import FIGURE_COLUMNS
+    from klotski_sim.timeline import FIGURE_COLUMNS, CompactColumns
 
     def timelines(keep):
         out = {}
@@ -199,10 +202,20 @@ def test_a_timeline_kept_to_the_figure_columns_draws_the_same_figure():
             out[policy] = tl
         return out
 
-    kept = timelines(FIGURE_COLUMNS)
+    kept, whole = timelines(FIGURE_COLUMNS), timelines(None)
     assert set(kept["klotski"].columns) == set(FIGURE_COLUMNS)
+    for policy, tl in kept.items():  # held small (codes, narrow integers), read back as they were
+        assert isinstance(tl.columns, CompactColumns) and set(tl.columns.coded) == {"stream", "resource", "category"}
+        for name in FIGURE_COLUMNS:
+            column, full = tl.columns[name], whole[policy].columns[name]
+            assert column.dtype == full.dtype and np.array_equal(column, full), name
+            if full.dtype == object:
+                assert tl.codes(name)[1] == whole[policy].codes(name)[1]
+        sent = pickle.loads(pickle.dumps(tl))  # (what a worker sends back)
+        assert np.array_equal(sent.columns["category"], whole[policy].columns["category"])
+        assert sent.summary() == whole[policy].summary()
     images = []
-    for tls in (timelines(None), kept):
+    for tls in (whole, kept):
         fig = compare_gantt(tls, zoom=(1, 16))
         fig.canvas.draw()
         images.append(np.asarray(fig.canvas.buffer_rgba()).copy())
