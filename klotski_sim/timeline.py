@@ -259,8 +259,14 @@ class Timeline:
         if gaps is None:
             return 0.0, 0.0, 0.0, {}
         duration = pd.Series(gaps["duration"])
-        causes, cause_codes = np.unique(gaps["cause"].astype(str), return_inverse=True)
-        by_cause = duration.groupby(cause_codes).sum()  # (pandas' compensated sum, group by group)
+        # causes numbered in name order: the few distinct ones found by hashing and sorted alone
+        # (np.unique sorted the 150k gaps' causes as fixed-width strings: 28 ms of a 230 ms summary)
+        found_codes, found = pd.factorize(gaps["cause"], sort=False)
+        by_name = sorted(range(len(found)), key=lambda k: str(found[k]))
+        causes = [str(found[k]) for k in by_name]
+        rank = np.empty(len(found), dtype=np.intp)
+        rank[by_name] = np.arange(len(found))
+        by_cause = duration.groupby(rank[found_codes]).sum()  # (pandas' compensated sum, group by group)
         inter = gaps["kind"] == "inter"
         return (float(duration.sum()), float(duration[inter].sum()), float(duration[~inter].sum()),
                 {str(causes[code]): float(total) for code, total in by_cause.items()})

@@ -223,6 +223,37 @@ def test_a_timeline_kept_to_the_figure_columns_draws_the_same_figure():
     assert np.array_equal(images[0], images[1])
 
 
+@given(st.lists(st.tuples(st.floats(0.001, 5.0), st.floats(0.0, 2.0),
+                          st.sampled_from(["weights", "kv", "cold_expert", "attention", "sync", "none"])),
+                min_size=2, max_size=40))
+def test_bubbles_by_cause_are_summed_per_cause_in_name_order(ops):
+    """The GPU's idle seconds per cause (the category of the op whose end made the op after a gap
+    ready; "unknown" without one): each cause's gaps summed, the causes in name order."""
+    from klotski_sim.timeline import Timeline
+
+    start, end, t = [], [], 0.0
+    for duration, gap, _ in ops:  # GPU ops one after another, `gap` seconds of idle before each
+        start.append(t + gap)
+        end.append(t + gap + duration)
+        t = end[-1]
+    blockers = [cause for _, _, cause in ops]  # each op made ready by a host op of that category
+    n = len(ops)
+    columns = {"op_id": np.array([f"g{i}" for i in range(n)] + [f"h{i}" for i in range(n)], dtype=object),
+               "resource": np.array(["gpu"] * n + ["host"] * n, dtype=object),
+               "start": np.array(start + [0.0] * n), "end": np.array(end + [0.0] * n),
+               "category": np.array(["expert"] * n + blockers, dtype=object),
+               "blocked_by": np.array(["" if b == "none" else f"h{i}" for i, b in enumerate(blockers)] + [""] * n,
+                                      dtype=object)}
+    got = Timeline(columns, meta={})._bubble_seconds()[3]
+    expected: dict[str, float] = {}
+    for i in range(1, n):
+        if start[i] - end[i - 1] > 1e-12:
+            cause = "unknown" if blockers[i] == "none" else blockers[i]
+            expected[cause] = expected.get(cause, 0.0) + (start[i] - end[i - 1])
+    assert list(got) == sorted(expected)
+    assert all(got[c] == pytest.approx(expected[c], rel=1e-12, abs=1e-15) for c in expected)
+
+
 @given(st.lists(st.sampled_from(["compute", "h2d_kv", "host", ""]), min_size=1, max_size=30))
 def test_codes_of_a_text_column_are_its_values_in_order_of_first_appearance(values):
     """Timeline.codes/rows_where (what summaries and figures compare instead of strings) give the
