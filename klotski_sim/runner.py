@@ -410,9 +410,9 @@ def run_each(specs: list[RunSpec], prep: Prepared, workers: int = 1,
     """The timelines of several runs on one preparation (compare's policies and presets), in
     `workers` processes when more than one: each run is independent and single-threaded. Each
     run's Chrome trace is written where `trace_paths` says (by the process that ran it); each
-    timeline keeps its summary and the columns `keep` names (all when None). `meanwhile` runs in a
-    thread of this process while the workers run (what it raises is ignored: compare imports the
-    plotting library there, and imports it again, raising, where it draws)."""
+    timeline keeps its summary and the columns `keep` names (all when None). With worker processes,
+    `meanwhile` runs in a thread of this process while they run (what it raises is ignored:
+    compare imports the plotting library there, and imports it again, raising, where it draws)."""
     traces = trace_paths or [None] * len(specs)
     workers = min(workers, len(specs))
     if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():

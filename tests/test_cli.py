@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import multiprocessing
 import os
 
 import pytest
@@ -128,6 +129,7 @@ def test_compare_in_worker_processes_gives_the_serial_results(tmp_path):
     assert len(outputs[1][2]) == 6 and outputs[1] == outputs[3]
 
 
+@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="worker processes need fork")
 @pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # (an error that escaped)
 def test_what_runs_meanwhile_runs_beside_the_workers_and_its_errors_are_ignored(capsys):
     """run_each's `meanwhile` (compare imports the plotting library there) runs in a thread of the
