@@ -134,12 +134,13 @@ def base_popularity(model: ModelSpec, params: SynthParams, rng: np.random.Genera
     return out
 
 
-def _top_sorted(values: np.ndarray, count: int) -> np.ndarray:
-    """Indices of the `count` largest values along the last axis, largest first."""
+def _top_sorted(values: np.ndarray, count: int, overwrite: bool = False) -> np.ndarray:
+    """Indices of the `count` largest values along the last axis, largest first (`overwrite`:
+    `values` may be used as scratch space, a copy the size of the generator's largest array saved)."""
     if count >= values.shape[-1]:
         return np.argsort(-values, axis=-1)
     if count <= 4:  # a few argmax passes beat a partition and a sort over a short last axis
-        work = values.copy()
+        work = values if overwrite else values.copy()
         picks = []
         for _ in range(count):
             best = np.argmax(work, axis=-1)
@@ -149,6 +150,14 @@ def _top_sorted(values: np.ndarray, count: int) -> np.ndarray:
     part = np.argpartition(-values, count - 1, axis=-1)[..., :count]
     order = np.argsort(-np.take_along_axis(values, part, axis=-1), axis=-1)
     return np.take_along_axis(part, order, axis=-1)
+
+
+def _plus_scaled(base: np.ndarray, scale: float, term: np.ndarray) -> np.ndarray:
+    """`base + scale * term` (the same numbers: both operations commute exactly), computed in the
+    memory of `term`, a gather of the caller's own, instead of two more temporaries."""
+    np.multiply(term, scale, out=term)
+    np.add(term, base, out=term)
+    return term
 
 
 def _forward_fill_index(fresh: np.ndarray) -> np.ndarray:
@@ -193,14 +202,21 @@ def synthesize(model: ModelSpec, sequences: int, prompt_len: int, gen_len: int, 
         token_type = rng.integers(0, params.token_types, size=(S, T))
         prev_first = None
         for layer in range(L):
+            # [S, T, E] arrays, computed in place where the values are the same (each of them 32 MB
+            # at 31 sequences of 16k tokens: the generator's working memory at long prompts)
             logits = np.broadcast_to(log_shares[:, None, layer, :], (S, T, E)).astype(np.float32)
             if prev_first is not None and params.coupling:
-                logits = logits + params.coupling * affinity[layer][prev_first]
+                logits = _plus_scaled(logits, params.coupling, affinity[layer][prev_first])
             if params.type_coupling:
-                logits = logits + params.type_coupling * type_affinity[layer][token_type]
-            u = rng.random((S, T, E), dtype=np.float32)
-            noisy = logits - np.log(-np.log(np.maximum(u, 1e-30)))  # + Gumbel noise
-            ranking = _top_sorted(noisy, k + 1)  # Gumbel-top-k = sampling without replacement
+                logits = _plus_scaled(logits, params.type_coupling, type_affinity[layer][token_type])
+            gumbel = rng.random((S, T, E), dtype=np.float32)
+            np.maximum(gumbel, 1e-30, out=gumbel)
+            np.log(gumbel, out=gumbel)
+            np.negative(gumbel, out=gumbel)
+            np.log(gumbel, out=gumbel)  # log(-log(u)): minus Gumbel noise
+            noisy = np.subtract(logits, gumbel, out=None if weights is not None else logits)  # (weights read logits)
+            del gumbel
+            ranking = _top_sorted(noisy, k + 1, overwrite=True)  # Gumbel-top-k = sampling without replacement
             u = rng.random((S, T))
             mode_all = u < params.stick_all
             mode_one = (u >= params.stick_all) & (u < params.stick_all + params.stick_one)

@@ -203,6 +203,24 @@ def test_counts_by_choice_or_by_expert_are_the_ids_counted_one_by_one(nb, bs, pr
     assert np.array_equal(counts, expected)
 
 
+@pytest.mark.parametrize("model,sequences,prompt,gen,routing,weights,digest", [
+    ("tiny-mixtral", 5, 30, 4, "calibrated", True, "d49b8e147f82a467"),
+    ("mixtral-8x7b", 3, 9000, 2, "calibrated", False, "7ec242880f4cf9d1"),  # (longer than 8192: fewer at a time)
+    ("olmoe-1b-7b", 4, 20, 3, "calibrated", True, "7dd361b0320b12ef"),  # (top-8: a partition, not argmax passes)
+    ("mixtral-8x7b", 4, 20, 3, "uniform", False, "690c1b1a19901c10"),
+])
+def test_the_generator_draws_what_it_drew(model, sequences, prompt, gen, routing, weights, digest):
+    """Golden draws of the synthetic generator (every run without a trace replays one): its working
+    arrays are computed in place where the numbers are the same, and these digests, taken before
+    that, pin it. (A numpy that changed its random streams would change them, and every synthetic
+    run with them.)"""
+    import hashlib
+
+    t = synthesize(get_model(model), sequences, prompt, gen, routing, seed=11, with_weights=weights)
+    data = t.experts.astype(np.int64).tobytes() + (t.weights.tobytes() if weights else b"")
+    assert hashlib.sha256(data).hexdigest()[:16] == digest
+
+
 def test_sequences_up_to_8192_tokens_are_drawn_64_at_a_time_as_they_always_were():
     """synthesize draws fewer sequences at a time only when they are longer than 8192 tokens (to
     bound its working memory): a trace of shorter ones is the one 64 at a time gives, unchanged."""
