@@ -36,9 +36,10 @@ CHOICE_CODES = 64
 
 def expert_id_type(num_experts: int) -> type[np.integer]:
     """The type expert ids are held in, in memory as in files: a byte for up to 256 experts, int16
-    beyond. A trace of every token is the largest thing a long prompt's run holds (16k-token
-    prompts: 134 MB in a byte, twice that in int16); every reader widens ids before arithmetic."""
-    return np.uint8 if num_experts <= 256 else np.int16
+    up to 32,768, int32 beyond (a trace may declare up to 65,536). A trace of every token is the
+    largest thing a long prompt's run holds (16k-token prompts: 134 MB in a byte, twice that in
+    int16); every reader widens ids before arithmetic."""
+    return np.uint8 if num_experts <= 1 << 8 else np.int16 if num_experts <= 1 << 15 else np.int32
 
 
 def choice_codes(ids: np.ndarray, num_experts: int, out: np.ndarray | None = None) -> np.ndarray:

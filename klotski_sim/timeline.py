@@ -262,11 +262,15 @@ class Timeline:
         # causes numbered in name order: the few distinct ones found by hashing and sorted alone
         # (np.unique sorted the 150k gaps' causes as fixed-width strings: 28 ms of a 230 ms summary)
         found_codes, found = pd.factorize(gaps["cause"], sort=False)
-        by_name = sorted(range(len(found)), key=lambda k: str(found[k]))
-        causes = [str(found[k]) for k in by_name]
-        rank = np.empty(len(found), dtype=np.intp)
-        rank[by_name] = np.arange(len(found))
-        by_cause = duration.groupby(rank[found_codes]).sum()  # (pandas' compensated sum, group by group)
+        if (found_codes < 0).any():  # a missing cause (a timeline made by hand): named as str() names it
+            causes, cause_codes = np.unique(gaps["cause"].astype(str), return_inverse=True)
+        else:
+            by_name = sorted(range(len(found)), key=lambda k: str(found[k]))
+            causes = [str(found[k]) for k in by_name]
+            rank = np.empty(len(found), dtype=np.intp)
+            rank[by_name] = np.arange(len(found))
+            cause_codes = rank[found_codes]
+        by_cause = duration.groupby(cause_codes).sum()  # (pandas' compensated sum, group by group)
         inter = gaps["kind"] == "inter"
         return (float(duration.sum()), float(duration[inter].sum()), float(duration[~inter].sum()),
                 {str(causes[code]): float(total) for code, total in by_cause.items()})
@@ -514,8 +518,9 @@ class CompactColumns(Mapping[str, np.ndarray]):
         for name, column in columns.items():
             if name in self.coded:
                 continue
-            if column.dtype.kind == "i" and len(column):
-                small = np.result_type(np.min_scalar_type(int(column.min())), np.min_scalar_type(int(column.max())))
+            small = (np.result_type(np.min_scalar_type(int(column.min())), np.min_scalar_type(int(column.max())))
+                     if column.dtype.kind == "i" and len(column) else column.dtype)
+            if small.kind in "iu" and small.itemsize < column.dtype.itemsize:  # (never a float: it could round)
                 self._narrowed[name] = (column.astype(small), column.dtype)
             else:
                 self._plain[name] = column

@@ -35,20 +35,26 @@ def test_roundtrip_and_identical_bytes_for_same_seed(tmp_path):
     assert back.weights is not None and back.weights.shape == t.experts.shape
 
 
-@pytest.mark.parametrize("num_experts,held", [(8, np.uint8), (256, np.uint8), (257, np.int16), (300, np.int16)])
+@pytest.mark.parametrize("num_experts,held", [(8, np.uint8), (256, np.uint8), (257, np.int16), (300, np.int16),
+                                              (32768, np.int16), (32769, np.int32), (65536, np.int32)])
 def test_a_trace_holds_its_ids_in_a_byte_up_to_256_experts_whatever_type_it_was_given(tmp_path, num_experts, held):
     """A trace holds its ids in the type they are stored in (a long prompt's trace is the largest
     thing its run holds): given in int16 or int64, or read from a file written in int16 (klotski
-    0.1's), the ids are the same numbers in a byte up to 256 experts, in int16 beyond."""
+    0.1's), the ids are the same numbers in a byte up to 256 experts, in int16 up to 32,768, in int32
+    beyond (never wrapped: id 40,000 of 65,536 stays 40,000, and so does its routing table)."""
     rng = np.random.default_rng(num_experts)
     first = rng.integers(0, num_experts, (12, 3))
+    first[0, 0] = num_experts - 1  # (the largest id)
     ids = np.stack([first, (first + 1) % num_experts], axis=-1)  # (a token's two choices distinct)
     meta = {"model": "t", "num_experts": num_experts, "top_k": 2, "num_layers": 3}
-    for given_type in (np.int16, np.int64):
+    wide = np.int16 if num_experts <= 1 << 15 else np.int32  # (what holds them as given)
+    for given_type in (wide, np.int64):
         trace = Trace(ids.astype(given_type), np.array([0, 5, 12]), np.array([3, 4], dtype=np.int32), meta)
         assert trace.experts.dtype == held and np.array_equal(trace.experts, ids)
+    table = RoutingTable(ids[:6].reshape(2, 1, 3, 3, 2).astype(np.int64), RunShape(1, 2, 2, 2), num_experts)
+    assert table.ids.dtype == held and np.array_equal(table.ids.reshape(-1), ids[:6].reshape(-1))
     old = tmp_path / "old.npz"  # (as numpy.savez_compressed wrote a trace before ids were held in a byte)
-    np.savez_compressed(old, experts=ids.astype(np.int16), seq_offsets=np.array([0, 5, 12]),
+    np.savez_compressed(old, experts=ids.astype(wide), seq_offsets=np.array([0, 5, 12]),
                         prompt_lens=np.array([3, 4], dtype=np.int32),
                         meta=np.array(json.dumps({"format": "klotski-routing-trace", "version": 1, **meta})))
     back = Trace.load(old)
