@@ -3,7 +3,8 @@
 File format (`.npz`, as `numpy.savez_compressed` writes it but at deflate level 1, `npzfile.write_npz`;
 see traces/README.md):
 
-- `experts`     uint8 (<= 256 experts) or int16 `[tokens, layers, top_k]` — expert ids, sequences concatenated
+- `experts`     uint8 (<= 256 experts), int16 (<= 32,768) or int32 `[tokens, layers, top_k]` — expert ids,
+  sequences concatenated
 - `weights`     float16 `[tokens, layers, top_k]` — gate weights (optional)
 - `seq_offsets` int64 `[sequences + 1]` — sequence i is rows `seq_offsets[i]:seq_offsets[i+1]`
 - `prompt_lens` int32 `[sequences]` — the first `prompt_lens[i]` tokens of sequence i are prompt,
