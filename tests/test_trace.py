@@ -316,9 +316,16 @@ def test_trace_cache_serves_the_same_trace_and_survives_a_bad_file(tmp_path, mon
         f.write_bytes(f.read_bytes()[:100])
     third = cached_trace(m, "calibrated", 7, 5, 6, 3, make)
     assert len(calls) == 2 and np.array_equal(third.experts, first.experts)
+    for f in (tmp_path / "traces").glob("*.npz"):  # a readable file that is no valid trace: regenerated too
+        with np.load(f) as z:
+            arrays = dict(z)
+        arrays["experts"] = np.full_like(arrays["experts"], 200)  # (ids out of range for 8 experts)
+        np.savez(f, **arrays)
+    assert np.array_equal(cached_trace(m, "calibrated", 7, 5, 6, 3, make).experts, first.experts)
+    assert len(calls) == 3
     monkeypatch.setenv("KLOTSKI_CACHE_DIR", "off")
     cached_trace(m, "calibrated", 7, 5, 6, 3, make)
-    assert len(calls) == 3
+    assert len(calls) == 4
     (tmp_path / "a-file").write_text("")
     monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(tmp_path / "a-file"))  # a cache that cannot be written
     assert np.array_equal(cached_trace(m, "calibrated", 7, 5, 6, 3, make).experts, first.experts)
@@ -327,7 +334,7 @@ def test_trace_cache_serves_the_same_trace_and_survives_a_bad_file(tmp_path, mon
         f.unlink()
         f.mkdir()
     assert np.array_equal(cached_trace(m, "calibrated", 7, 5, 6, 3, make).experts, first.experts)
-    assert len(calls) == 5 and [f.is_dir() for f in (tmp_path / "traces").iterdir()] == [True]
+    assert len(calls) == 6 and [f.is_dir() for f in (tmp_path / "traces").iterdir()] == [True]
 
 
 def test_trace_cache_keeps_the_recently_used_within_its_cap_and_refuses_a_bad_cap(tmp_path, monkeypatch):
