@@ -78,14 +78,13 @@ def cached_trace(model: ModelSpec, routing: str, seed: int, sequences: int, prom
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
         pass  # not there yet, or unreadable (a truncated file is a ValueError/BadZipFile): make it
     trace = make()
-    experts = trace.experts  # (in a byte up to 256 experts: `routing.expert_id_type`)
-    if experts.nbytes > max_bytes:  # larger than the whole cache may be: not kept (and the cap applied)
+    if trace.experts.nbytes > max_bytes:  # larger than the whole cache may be: not kept (and the cap applied)
         if path.parent.is_dir():
             evict(path.parent, max_bytes)
         return trace
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_npz(path, dict(experts=experts, seq_offsets=trace.seq_offsets, prompt_lens=trace.prompt_lens,
+        write_npz(path, dict(experts=trace.experts, seq_offsets=trace.seq_offsets, prompt_lens=trace.prompt_lens,
                              meta=np.array(json.dumps(dict(trace.meta)))), level=None)  # (read back often)
         evict(path.parent, max_bytes, keep=path)
     except (OSError, UsageError):  # (a cache that cannot be written is not used)

@@ -41,4 +41,3 @@ def write_npz(path: str | Path, arrays: Mapping[str, np.ndarray], level: int | N
             tmp.unlink(missing_ok=True)
         except OSError:
             pass
-

@@ -178,8 +178,7 @@ class RoutingTable:
             with np.load(path, allow_pickle=False) as z:
                 bs, nb, p, g = (int(v) for v in z["shape"])
                 dense = int(z["dense_layers"]) if "dense_layers" in z.files else 0
-                return RoutingTable(z["ids"], RunShape(bs, nb, p, g), int(z["num_experts"]),
-                                    str(z["source"]), dense)
+                return RoutingTable(z["ids"], RunShape(bs, nb, p, g), int(z["num_experts"]), str(z["source"]), dense)
         except FileNotFoundError:
             raise UsageError(f"{path}: no such routing file") from None
         except (OSError, KeyError, ValueError, EOFError) as err:

@@ -175,8 +175,6 @@ class Timeline:
         those in order of first appearance. Derived once: comparing codes costs a tenth of
         comparing the strings of 300k rows, and a summary or a figure compares them many times."""
         key = "codes:" + name
-        if key not in self._memo and isinstance(self.columns, CompactColumns) and name in self.columns.coded:
-            self._memo[key] = self.columns.coded[name]  # (a detached timeline holds its text columns so)
         if key not in self._memo:
             codes, values = pd.factorize(self.columns[name], sort=False, use_na_sentinel=False)
             # (in the smallest type that holds them: a figure keeps the codes of six 300k-row timelines)

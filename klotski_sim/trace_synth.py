@@ -134,13 +134,14 @@ def base_popularity(model: ModelSpec, params: SynthParams, rng: np.random.Genera
     return out
 
 
-def _top_sorted(values: np.ndarray, count: int, overwrite: bool = False) -> np.ndarray:
-    """Indices of the `count` largest values along the last axis, largest first (`overwrite`:
-    `values` may be used as scratch space, a copy the size of the generator's largest array saved)."""
+def _top_sorted(values: np.ndarray, count: int) -> np.ndarray:
+    """Indices of the `count` largest values along the last axis, largest first. `values`, the
+    caller's own, may be overwritten: it is the scratch space (a copy the size of the generator's
+    largest array saved)."""
     if count >= values.shape[-1]:
         return np.argsort(-values, axis=-1)
     if count <= 4:  # a few argmax passes beat a partition and a sort over a short last axis
-        work = values if overwrite else values.copy()
+        work = values
         picks = []
         for _ in range(count):
             best = np.argmax(work, axis=-1)
@@ -216,7 +217,7 @@ def synthesize(model: ModelSpec, sequences: int, prompt_len: int, gen_len: int, 
             np.log(gumbel, out=gumbel)  # log(-log(u)): minus Gumbel noise
             noisy = np.subtract(logits, gumbel, out=None if weights is not None else logits)  # (weights read logits)
             del gumbel
-            ranking = _top_sorted(noisy, k + 1, overwrite=True)  # Gumbel-top-k = sampling without replacement
+            ranking = _top_sorted(noisy, k + 1)  # Gumbel-top-k = sampling without replacement
             u = rng.random((S, T))
             mode_all = u < params.stick_all
             mode_one = (u >= params.stick_all) & (u < params.stick_all + params.stick_one)
