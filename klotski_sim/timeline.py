@@ -334,10 +334,9 @@ class Timeline:
         steps, layers = c["step"][mask][order], c["layer"][mask][order]
         ends = c["end"][mask][order]
         new = np.concatenate(([True], (steps[1:] != steps[:-1]) | (layers[1:] != layers[:-1])))
-        block = np.cumsum(new) - 1
-        block_end = np.zeros(block[-1] + 1)
-        np.maximum.at(block_end, block, ends)
-        block_step = steps[new]
+        firsts = np.flatnonzero(new)
+        block_end = np.maximum.reduceat(ends, firsts)  # (blocks are runs of rows: a reduction per run)
+        block_step = steps[firsts]
         spans = np.diff(block_end)
         decode = block_step[1:] >= 1
         return float(spans[decode].mean()) if decode.any() else 0.0
@@ -556,10 +555,8 @@ def merge_intervals(starts: np.ndarray, ends: np.ndarray, tolerance: float = 0.0
     running = np.maximum.accumulate(e)
     # a new merged interval begins where an interval starts after everything before it ended
     new = np.concatenate(([True], s[1:] > running[:-1] + tolerance))
-    group = np.cumsum(new) - 1
-    merged_end = np.zeros(group[-1] + 1)
-    np.maximum.at(merged_end, group, e)
-    return s[new], merged_end
+    firsts = np.flatnonzero(new)
+    return s[firsts], np.maximum.reduceat(e, firsts)  # (each run's latest end: a reduction per run, not `at`)
 
 
 def _union_length(starts: np.ndarray, ends: np.ndarray) -> float:

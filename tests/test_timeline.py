@@ -107,6 +107,24 @@ def test_gantt_bins_keep_exactly_the_busy_time(intervals, t0, span, bins):
     assert (busy <= np.diff(edges) + 1e-9).all() and (busy >= -1e-12).all()
 
 
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 6)), min_size=0, max_size=40), st.sampled_from([0.0, 0.5, 2.0]))
+def test_merged_intervals_are_the_union_a_loop_finds(intervals, tolerance):
+    """merge_intervals (a sort, then one reduction per run of overlapping intervals) gives what a
+    plain loop over the intervals in start order gives, nested and touching ones included."""
+    from klotski_sim.timeline import merge_intervals
+
+    starts = np.array([float(a) for a, _ in intervals])
+    ends = starts + np.array([float(d) for _, d in intervals])
+    expected: list[list[float]] = []
+    for a, b in sorted(zip(starts.tolist(), ends.tolist()), key=lambda ab: ab[0]):
+        if expected and a <= expected[-1][1] + tolerance:
+            expected[-1][1] = max(expected[-1][1], b)
+        else:
+            expected.append([a, b])
+    s, e = merge_intervals(starts, ends, tolerance)
+    assert [[a, b] for a, b in zip(s.tolist(), e.tolist())] == expected
+
+
 def test_long_axes_are_in_seconds():
     from klotski_sim.plot import time_unit
 
