@@ -223,20 +223,22 @@ def synthesize(model: ModelSpec, sequences: int, prompt_len: int, gen_len: int, 
             mode_one = (u >= params.stick_all) & (u < params.stick_all + params.stick_one)
             mode_all[:, 0] = mode_one[:, 0] = False
             # first choice: drawn, or (stick_all) the predecessor's
-            first = np.take_along_axis(ranking[..., 0], _forward_fill_index(~mode_all), axis=1)
+            source = _forward_fill_index(~mode_all)  # each token's latest own draw (itself, unless it sticks)
+            first = np.take_along_axis(ranking[..., 0], source, axis=1)
             # other slots: drawn (the ranking after its first); with stick_one the predecessor's
             # first choice comes first among them
             prev_first = np.concatenate([first[:, :1], first[:, :-1]], axis=1)
             cand = np.concatenate([prev_first[..., None], ranking[..., 1:]], axis=-1)  # [S, T, k+1]
             valid = cand != first[..., None]
-            valid[..., 1:] &= (cand[..., 1:] != prev_first[..., None]) | ~mode_one[..., None]
+            ones = np.nonzero(mode_one)  # (a few tokens: only theirs can exclude the predecessor's choice)
+            valid[ones + (slice(1, None),)] &= cand[ones + (slice(1, None),)] != prev_first[ones][:, None]
             valid[..., 0] &= mode_one
             if k == 2:  # the first valid candidate
                 order = np.argmax(valid, axis=-1)[..., None]
             else:
                 order = np.argsort(~valid, axis=-1, kind="stable")[..., : k - 1]
             rest_own = np.take_along_axis(cand, order, axis=-1)
-            rest = np.take_along_axis(rest_own, _forward_fill_index(~mode_all)[..., None], axis=1)
+            rest = np.take_along_axis(rest_own, source[..., None], axis=1)
             chosen = np.concatenate([first[..., None], rest], axis=-1)
             experts[lo:lo + S, :, layer, :] = chosen
             if weights is not None:  # softmax of the logits over the chosen experts, renormalised
