@@ -24,6 +24,30 @@ def test_valid_schedule_roundtrips_json(tmp_path):
     assert back.op("a").batches == (0, 1) and back.op("a").batch == -1
 
 
+@pytest.mark.parametrize("ops_per_piece", [1, 2, 3, 1000])
+def test_saved_text_is_the_compact_json_of_the_schedule_in_any_pieces(tmp_path, ops_per_piece):
+    """save writes, piece by piece, exactly the compact JSON of to_json_dict: every kind of field,
+    text that JSON escapes, and the pieces' seams wherever they fall."""
+    ops = (t("w\u00e9\"", alloc=(("w", 10), ("x", 3)), pageable=True, tensor="expert", layer=2),
+           c("a", ['w\u00e9"'], free=("w", "x"), step=0, layer=1, batches=(0, 1), tokens=7, variant="eager"),
+           Op("h", "host", "host", "sync", ("a",)))
+    s = Schedule(ops, preloaded=(("emb", 5),), meta={"policy": "x", "ratio": 0.1, "nested": {"k": [1, "\u2603"]}})
+    expected = json.dumps(s.to_json_dict(), separators=(",", ":"))
+    assert "".join(s.json_pieces(ops_per_piece)) == expected
+    s.save(tmp_path / "s.json")
+    assert (tmp_path / "s.json").read_bytes() == expected.encode("ascii")
+    assert Schedule.load(tmp_path / "s.json").ops == ops
+    empty = Schedule((), meta={"policy": "none"})
+    assert "".join(empty.json_pieces(ops_per_piece)) == json.dumps(empty.to_json_dict(), separators=(",", ":"))
+
+
+def test_an_op_dict_leaves_out_its_defaults_and_lists_its_tuples():
+    op = t("w", alloc=(("w", 10),), layer=0)
+    assert op.to_dict() == {"id": "w", "kind": "transfer", "stream": "h2d_weights", "category": "weights",
+                            "bytes": 10, "src": "cpu", "dst": "gpu", "layer": 0, "alloc": [["w", 10]]}
+    assert Op.from_dict(op.to_dict()) == op
+
+
 def test_a_column_is_one_field_of_every_op_and_is_made_once():
     ops = (t("w", alloc=(("w", 10),)), c("a", ["w"], free=("w",), step=3), Op("h", "host", "host", "sync", ("a",)))
     s = Schedule(ops)
