@@ -135,8 +135,7 @@ class Op(NamedTuple):
 
     def to_dict(self) -> dict[str, Any]:
         """Compact JSON form: fields equal to their defaults are left out."""
-        return {name: [list(a) for a in value] if name == "alloc" else list(value) if isinstance(value, tuple) else value
-                for name, value in _written_fields(self).items()}
+        return {name: _json_lists(name, value) for name, value in _written_fields(self).items()}
 
     @staticmethod
     def from_dict(data: Mapping[str, Any]) -> "Op":
@@ -184,6 +183,13 @@ def _written_fields(op: Op) -> dict[str, Any]:
     """The fields of an op that its JSON form holds: those that differ from their defaults, in
     field order (tuples as they are: JSON writes them as arrays, as it writes lists)."""
     return {name: value for name, value, default in zip(Op._fields, op, _DEFAULTS) if value != default}
+
+
+def _json_lists(name: str, value: Any) -> Any:
+    """A field's value with its tuples as lists (alloc: a list of [name, bytes] lists)."""
+    if name == "alloc":
+        return [list(a) for a in value]
+    return list(value) if isinstance(value, tuple) else value
 
 
 _FIELD_TYPES = {"id": "str", "kind": "str", "stream": "str", "category": "str", "deps": "strs", "flops": "int",
