@@ -79,6 +79,25 @@ def test_chrome_trace_times_are_the_timelines_to_the_nanosecond():
         assert len(repr(float(e["ts"])).split(".")[1]) <= 3
 
 
+@pytest.mark.parametrize("odd", [False, True])
+def test_chrome_trace_events_are_what_json_dumps_writes(odd):
+    """Each event written from a template is the very text json.dumps writes for it (ops compact,
+    bubbles and memory with json.dumps' own separators, as they were written one dumps each): plain
+    text, and ids and categories that JSON must escape (quotes, backslashes, non-ASCII, a newline)."""
+    ops = _timeline_schedule().ops
+    if odd:
+        ops = tuple(op._replace(id=f'{op.id}"\\\u00e9', category=f"{op.category}\n",
+                                deps=tuple(f'{d}"\\\u00e9' for d in op.deps)) for op in ops)
+    durations = [1e-3, 1.5e-3, 2.25e-3, 1e-3, 7e-4]
+    tl = simulate(Schedule(ops, meta={"policy": "golden"}), make_profile(), durations=durations)
+    text = chrome_trace_json(tl)
+    events = json.loads(text)["traceEvents"]
+    assert any(e.get("cat") == "bubble" for e in events) and any(e["ph"] == "C" for e in events)
+    rewritten = [json.dumps(e, separators=(",", ":")) if e["ph"] == "X" and e["cat"] != "bubble" else json.dumps(e)
+                 for e in events]
+    assert text.startswith('{"traceEvents":[' + ",".join(rewritten) + "]")
+
+
 def test_chrome_trace_escapes_unusual_ids():
     ops = (Op('w"0\\', "transfer", "h2d_weights", "weights", bytes=1, src="cpu", dst="gpu"),
            Op("a0", "compute", "compute", 'attention "x"', ('w"0\\',)))
