@@ -11,16 +11,18 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
+import pandas as pd
 
 from .timeline import Timeline, jsonable
 
 
-def to_parquet(timeline: Timeline, path: str | Path) -> None:
-    """Columns and metadata (the run's meta and its memory trace), read back by `read_parquet`."""
+def to_parquet(timeline: Timeline, path: str | Path, df: pd.DataFrame | None = None) -> None:
+    """Columns and metadata (the run's meta and its memory trace), read back by `read_parquet`
+    (`df`: the timeline's `df`, when the caller has made it already)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pa.Table.from_pandas(timeline.df, preserve_index=False)
+    table = pa.Table.from_pandas(timeline.df if df is None else df, preserve_index=False)
     meta = dict(table.schema.metadata or {})
     meta[b"klotski"] = json.dumps(jsonable(timeline.meta)).encode()
     meta[b"klotski_memory"] = json.dumps([timeline.memory[0].tolist(), timeline.memory[1].tolist()]).encode()
@@ -39,8 +41,8 @@ def read_parquet(path: str | Path) -> Timeline:
     return Timeline(cols, meta, (np.asarray(mem[0], dtype=float), np.asarray(mem[1], dtype=np.int64)))
 
 
-def to_csv(timeline: Timeline, path: str | Path) -> None:
-    timeline.df.to_csv(path, index=False)
+def to_csv(timeline: Timeline, path: str | Path, df: pd.DataFrame | None = None) -> None:
+    (timeline.df if df is None else df).to_csv(path, index=False)
 
 
 def chrome_trace(timeline: Timeline) -> dict[str, Any]:
@@ -159,8 +161,10 @@ def save_all(timeline: Timeline, out_dir: str | Path, *, png: bool = True) -> di
     paths = {name: out / name for name in
              ("summary.json", "timeline.parquet", "timeline.csv", "trace.json.gz", "timeline.png")}
     paths["summary.json"].write_text(json.dumps(jsonable(timeline.summary().to_dict()), indent=2))
-    to_parquet(timeline, paths["timeline.parquet"])
-    to_csv(timeline, paths["timeline.csv"])
+    df = timeline.df  # (made once for both: 0.3 s at 300k ops)
+    to_parquet(timeline, paths["timeline.parquet"], df)
+    to_csv(timeline, paths["timeline.csv"], df)
+    del df
     to_chrome_trace(timeline, paths["trace.json.gz"])
     if png:
         from .plot import gantt
