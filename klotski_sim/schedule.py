@@ -364,14 +364,17 @@ class Schedule:
 
     @staticmethod
     def load(path: str | Path) -> "Schedule":
+        """A schedule from its JSON file, the collector paused while its hundreds of thousands of
+        small objects are made (a default as-published schedule, 338k ops: 5.2 s with it, 3.2 s without)."""
         path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except OSError as err:
-            raise ScheduleError(f"{path}: cannot read schedule ({err.strerror})") from None
-        except json.JSONDecodeError as err:
-            raise ScheduleError(f"{path}: not valid JSON, truncated or corrupt ({err})") from None
-        return Schedule.from_json_dict(data, str(path))
+        with gc_paused():
+            try:
+                data = json.loads(path.read_text())
+            except OSError as err:
+                raise ScheduleError(f"{path}: cannot read schedule ({err.strerror})") from None
+            except json.JSONDecodeError as err:
+                raise ScheduleError(f"{path}: not valid JSON, truncated or corrupt ({err})") from None
+            return Schedule.from_json_dict(data, str(path))
 
 
 def _check_op_fields(op: Op, streams: Mapping[str, str]) -> tuple[str, tuple[str, ...], str, tuple, tuple[str, ...]]:
