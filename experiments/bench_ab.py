@@ -9,6 +9,7 @@ interpreter and its packages):
 - the whole default Klotski run (prepare + build + simulate + summary) in a fresh process, per preset;
 - `klotski-sim compare --no-png` (defaults: every policy, worker processes), per preset, and the
   main job itself (`klotski-sim compare`: as-published, with its figure);
+- `klotski-sim simulate --policy klotski --out` (as-published) with every file it writes;
 - `--sweep`: the distinct-seed grid of experiments/bench_sweep.py (N default-size ideal Klotski
   configurations on 2 workers), configurations per minute.
 
@@ -48,12 +49,16 @@ def whole_run(code_dir: Path, impl: str) -> float:
     return float(python_in(code_dir, "-c", WHOLE_RUN.format(impl=impl)).stdout.split()[1])  # (import s, run s, ops)
 
 
-def compare(code_dir: Path, impl: str, figure: bool = False) -> float:
+def command(code_dir: Path, *args: str) -> float:
+    """Wall seconds of one klotski-sim command writing into a fresh folder."""
     with tempfile.TemporaryDirectory() as out:
         t = time.perf_counter()
-        python_in(code_dir, "-m", "klotski_sim.cli", "compare", "--impl", impl, *([] if figure else ["--no-png"]),
-                  "--out", out)
+        python_in(code_dir, "-m", "klotski_sim.cli", *args, "--out", out)
         return time.perf_counter() - t
+
+
+def compare(code_dir: Path, impl: str, figure: bool = False) -> float:
+    return command(code_dir, "compare", "--impl", impl, *([] if figure else ["--no-png"]))
 
 
 def sweep_rate(code_dir: Path, count: int) -> float:
@@ -77,6 +82,8 @@ def main() -> None:
                      for impl in ("ideal", "as-published")]
         measures.append(("compare (the main job: as-published, figure)", "s",
                          lambda d: compare(d, "as-published", figure=True), min))
+        measures.append(("simulate --policy klotski --out (every file), as-published", "s",
+                         lambda d: command(d, "simulate", "--policy", "klotski"), min))
         if args.sweep:
             measures.append((f"distinct default-size sweep ({args.sweep}, ideal, 2 workers)", "configurations/min",
                              lambda d: sweep_rate(d, args.sweep), max))

@@ -2,7 +2,8 @@
 prompt 512, gen 32, bs 16, n from the planner), per implementation preset: schedule build, engine
 run and ops/s, the whole default Klotski run (prepare + build + simulate + summary, in a fresh
 process with a cold and a warm trace cache), and `klotski-sim compare` wall time and peak memory
-(in one process, and with its default one worker process per core) — all measured in one run.
+(in one process, and with its default one worker process per core), and `klotski-sim simulate
+--out` with every file it writes — all measured in one run.
 
     python experiments/bench_policies.py
 """
@@ -53,17 +54,17 @@ print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, code)
 """
 
 
-def compare_wall(impl: str, *extra: str) -> str:
-    """Wall time, bytes written and the peak RSS of the command's largest process (its own, or a
-    worker's: the largest waited-for descendant)."""
+def command_wall(command: str, impl: str, *extra: str) -> str:
+    """Wall time, bytes written and the peak RSS of the klotski-sim command's largest process (its
+    own, or a worker's: the largest waited-for descendant)."""
     with tempfile.TemporaryDirectory() as out:
         t = time.perf_counter()
-        result = subprocess.run([sys.executable, "-c", PEAK_OF, sys.executable, "-m", "klotski_sim.cli", "compare",
+        result = subprocess.run([sys.executable, "-c", PEAK_OF, sys.executable, "-m", "klotski_sim.cli", command,
                                  "--impl", impl, "--out", out, *extra], check=True, capture_output=True, text=True)
         took = time.perf_counter() - t
         peak_kb, code = result.stdout.split()
         if code != "0":
-            raise SystemExit(f"compare {impl} {' '.join(extra)} failed: {result.stderr}")
+            raise SystemExit(f"{command} {impl} {' '.join(extra)} failed: {result.stderr}")
         sizes = [f.stat().st_size for f in Path(out).iterdir()]
     largest = f" (largest file {max(sizes) / 1e6:.1f} MB)" if "--traces" in extra else ""
     return f"{took:.1f} s wall, {sum(sizes) / 1e6:.1f} MB written{largest}, peak RSS {int(peak_kb) / 1024:.0f} MB"
@@ -91,11 +92,11 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as cache:
             print(f"[{impl}] whole default Klotski run, fresh process: cold trace cache {whole_run(impl, cache)}; "
                   f"warm {whole_run(impl, cache)}")
-        print(f"[{impl}] klotski-sim compare --no-png --workers 1: {compare_wall(impl, '--no-png', '--workers', '1')}")
-        print(f"[{impl}] klotski-sim compare --workers 1 (figure): {compare_wall(impl, '--workers', '1')}")
-        print(f"[{impl}] klotski-sim compare --no-png: {compare_wall(impl, '--no-png')}")
-        print(f"[{impl}] klotski-sim compare (figure): {compare_wall(impl)}")
-        print(f"[{impl}] klotski-sim compare --traces: {compare_wall(impl, '--traces')}")
+        for extra in (("--no-png", "--workers", "1"), ("--workers", "1"), ("--no-png",), (), ("--traces",)):
+            label = " ".join(extra) + (" (figure)" if "--no-png" not in extra and "--traces" not in extra else "")
+            print(f"[{impl}] klotski-sim compare {label}: {command_wall('compare', impl, *extra)}".replace("  ", " "))
+        print(f"[{impl}] klotski-sim simulate --policy klotski --out (every file): "
+              f"{command_wall('simulate', impl, '--policy', 'klotski')}")
 
 
 if __name__ == "__main__":
