@@ -374,6 +374,10 @@ class Schedule:
                 raise ScheduleError(f"{path}: cannot read schedule ({err.strerror})") from None
             except json.JSONDecodeError as err:
                 raise ScheduleError(f"{path}: not valid JSON, truncated or corrupt ({err})") from None
+            except UnicodeDecodeError as err:
+                raise ScheduleError(f"{path}: not a JSON text file (byte {err.start} is not UTF-8)") from None
+            except RecursionError:
+                raise ScheduleError(f"{path}: not a klotski schedule (JSON nested too deeply)") from None
             return Schedule.from_json_dict(data, str(path))
 
 
