@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import KlotskiError, UsageError
+from .textfile import read_text
 from .yamlfile import load_yaml
 
 Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]  # finite: an infinite bandwidth is no what-if
@@ -196,11 +197,7 @@ def profile_from_dict(data: Any, where: str) -> HardwareProfile:
 
 def load_profile_file(path: str | Path) -> HardwareProfile:
     path = Path(path)
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as err:
-        raise ProfileError(f"{path}: cannot read profile ({getattr(err, 'strerror', None) or err})") from None
-    return profile_from_dict(load_yaml(text, str(path), ProfileError), str(path))
+    return profile_from_dict(load_yaml(read_text(path, "profile", ProfileError), str(path), ProfileError), str(path))
 
 
 def builtin_profile_names() -> list[str]:

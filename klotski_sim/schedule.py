@@ -26,6 +26,7 @@ from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from .errors import KlotskiError
+from .textfile import read_text
 
 FORMAT = "klotski-schedule"
 VERSION = 1
@@ -368,14 +369,11 @@ class Schedule:
         small objects are made (a default as-published schedule, 338k ops: 5.2 s with it, 3.2 s without)."""
         path = Path(path)
         with gc_paused():
+            text = read_text(path, "schedule", ScheduleError)
             try:
-                data = json.loads(path.read_text())
-            except OSError as err:
-                raise ScheduleError(f"{path}: cannot read schedule ({err.strerror})") from None
+                data = json.loads(text)
             except json.JSONDecodeError as err:
                 raise ScheduleError(f"{path}: not valid JSON, truncated or corrupt ({err})") from None
-            except UnicodeDecodeError as err:
-                raise ScheduleError(f"{path}: not a JSON text file (byte {err.start} is not UTF-8)") from None
             except RecursionError:
                 raise ScheduleError(f"{path}: not a klotski schedule (JSON nested too deeply)") from None
             return Schedule.from_json_dict(data, str(path))

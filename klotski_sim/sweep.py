@@ -70,6 +70,7 @@ from .policies import POLICIES
 from .policies.base import resolve_options
 from .policies.plugins import load_policy_files
 from .schedule import quiet_gc_in_worker
+from .textfile import read_text
 from .timeline import jsonable
 from .trace_synth import params_for
 from .yamlfile import load_yaml
@@ -160,11 +161,7 @@ class SweepSpec(BaseModel):
 
 def load_spec(path: str | Path) -> SweepSpec:
     path = Path(path)
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as err:
-        raise SweepError(f"{path}: cannot read sweep spec ({getattr(err, 'strerror', None) or err})") from None
-    data = load_yaml(text, str(path), SweepError)
+    data = load_yaml(read_text(path, "sweep spec", SweepError), str(path), SweepError)
     if isinstance(data, dict) and isinstance(data.get("policy_files"), list):  # relative to the spec file
         data["policy_files"] = [str(path.parent / f) if isinstance(f, str) and not Path(f).is_absolute() else f
                                 for f in data["policy_files"]]

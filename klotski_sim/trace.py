@@ -32,6 +32,7 @@ from .errors import KlotskiError
 from .model import ModelSpec
 from .npzfile import write_npz
 from .routing import RoutingTable, RunShape, expert_id_type
+from .textfile import read_text
 
 FORMAT = "klotski-routing-trace"
 VERSION = 1
@@ -303,10 +304,7 @@ def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str
     duplicates: list[str] = []
     prompt_lens: dict[Any, int] = {}
     top_k = None
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as err:
-        raise TraceError(f"{path}: cannot read ({err.strerror})") from None
+    lines = read_text(path, "the routing log", TraceError).splitlines()
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -314,6 +312,8 @@ def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str
             rec = json.loads(line)
         except json.JSONDecodeError as err:
             raise TraceError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
+        except RecursionError:
+            raise TraceError(f"{path}:{lineno}: JSON nested too deeply for a routing record") from None
         if not isinstance(rec, dict):
             raise TraceError(f"{path}:{lineno}: expected a JSON object")
         seq, tok, layer = pick(rec, "seq", lineno), pick(rec, "tok", lineno), pick(rec, "layer", lineno)

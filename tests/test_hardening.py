@@ -47,6 +47,21 @@ def test_yaml_alias_bomb_is_refused(tmp_path):
     assert rc == 2 and "aliases" in err and "Traceback" not in err
 
 
+READERS = [("trace", "import", "{f}", "--out", "{d}/t.npz"), ("sweep", "{f}", "--out", "{d}/o"),
+           ("simulate", "--hardware", "{f}")]
+
+
+@pytest.mark.parametrize("command", READERS)
+@pytest.mark.parametrize("content", [b"\xff\xfe\x00 not text\n", b"[" * 100_000 + b"]" * 100_000 + b"\n"])
+def test_a_file_that_is_no_text_or_too_deep_is_named_in_one_line(tmp_path, command, content):
+    """A routing log, a sweep spec or a profile that is binary, or JSON nested past the parser's
+    depth: one line naming the file (were tracebacks: UnicodeDecodeError, RecursionError)."""
+    path = tmp_path / "input.txt"
+    path.write_bytes(content)
+    rc, out, err = run_cli(*(a.format(f=path, d=tmp_path) for a in command))
+    assert rc == 2 and str(path) in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
 @pytest.mark.parametrize("args,flag", [
     (["--batch-size", "1000000000"], "memory check"), (["--prompt-len", "1000000000"], "memory check"),
     (["--warmup-sequences", "-1"], "--warmup-sequences"), (["--resident-layers", "99"], "--resident-layers"),
