@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from .errors import KlotskiError, UsageError
 from .textfile import read_text
+from .yamlfile import MAX_BYTES as MAX_YAML_BYTES
 from .yamlfile import load_yaml
 
 Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]  # finite: an infinite bandwidth is no what-if
@@ -197,7 +198,8 @@ def profile_from_dict(data: Any, where: str) -> HardwareProfile:
 
 def load_profile_file(path: str | Path) -> HardwareProfile:
     path = Path(path)
-    return profile_from_dict(load_yaml(read_text(path, "profile", ProfileError), str(path), ProfileError), str(path))
+    text = read_text(path, "profile", ProfileError, MAX_YAML_BYTES)
+    return profile_from_dict(load_yaml(text, str(path), ProfileError), str(path))
 
 
 def builtin_profile_names() -> list[str]:

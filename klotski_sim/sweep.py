@@ -73,6 +73,7 @@ from .schedule import quiet_gc_in_worker
 from .textfile import read_text
 from .timeline import jsonable
 from .trace_synth import params_for
+from .yamlfile import MAX_BYTES as MAX_YAML_BYTES
 from .yamlfile import load_yaml
 
 
@@ -161,7 +162,7 @@ class SweepSpec(BaseModel):
 
 def load_spec(path: str | Path) -> SweepSpec:
     path = Path(path)
-    data = load_yaml(read_text(path, "sweep spec", SweepError), str(path), SweepError)
+    data = load_yaml(read_text(path, "sweep spec", SweepError, MAX_YAML_BYTES), str(path), SweepError)
     if isinstance(data, dict) and isinstance(data.get("policy_files"), list):  # relative to the spec file
         data["policy_files"] = [str(path.parent / f) if isinstance(f, str) and not Path(f).is_absolute() else f
                                 for f in data["policy_files"]]

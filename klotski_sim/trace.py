@@ -304,7 +304,7 @@ def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str
     duplicates: list[str] = []
     prompt_lens: dict[Any, int] = {}
     top_k = None
-    lines = read_text(path, "the routing log", TraceError).splitlines()
+    lines = read_text(path, "routing log", TraceError).splitlines()
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue

@@ -62,6 +62,26 @@ def test_a_file_that_is_no_text_or_too_deep_is_named_in_one_line(tmp_path, comma
     assert rc == 2 and str(path) in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("command", READERS)
+@pytest.mark.parametrize("kind", ["device", "pipe", "directory", "huge"])
+def test_a_file_that_is_no_regular_file_or_too_large_is_refused_before_reading(tmp_path, command, kind):
+    """/dev/zero was read until memory ran out, a pipe blocked, a sparse 2 GB file was read whole:
+    each is refused, naming the file, before a byte is read."""
+    import os
+
+    path = {"device": "/dev/zero", "pipe": str(tmp_path / "pipe"), "directory": str(tmp_path / "folder"),
+            "huge": str(tmp_path / "huge.txt")}[kind]
+    if kind == "pipe":
+        os.mkfifo(path)
+    elif kind == "directory":
+        os.mkdir(path)
+    elif kind == "huge":
+        with open(path, "wb") as f:
+            f.truncate((2 << 30) + 1)  # (sparse: no disk used)
+    rc, out, err = run_cli(*(a.format(f=path, d=tmp_path) for a in command))
+    assert rc == 2 and path in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
 @pytest.mark.parametrize("args,flag", [
     (["--batch-size", "1000000000"], "memory check"), (["--prompt-len", "1000000000"], "memory check"),
     (["--warmup-sequences", "-1"], "--warmup-sequences"), (["--resident-layers", "99"], "--resident-layers"),
