@@ -16,9 +16,39 @@ from typing import Mapping
 
 import numpy as np
 
-from .errors import UsageError
+from .errors import KlotskiError, UsageError
+from .textfile import regular_file_size
 
 LEVEL = 1
+MAX_NPZ_BYTES = 8 << 30  # the decompressed arrays of one trace or routing file
+
+
+def check_npz(path: str | Path, what: str, error: type[KlotskiError]) -> None:
+    """Refuse an .npz before numpy allocates for it: a regular file whose arrays, as their own
+    headers declare them, are no larger than what its zip holds for each, and together at most
+    MAX_NPZ_BYTES decompressed (a small file can declare terabytes: numpy would allocate them
+    before finding the data missing). A damaged zip or header raises as numpy's reading would
+    (BadZipFile, ValueError, EOFError, OSError); a missing file, FileNotFoundError."""
+    regular_file_size(path, what, error)
+    with zipfile.ZipFile(path) as archive:
+        infos = archive.infolist()
+        declared = sum(info.file_size for info in infos)
+        if declared > MAX_NPZ_BYTES:
+            raise error(f"{path}: its arrays would take {declared / 2**30:.1f} GiB once decompressed "
+                        f"(at most {MAX_NPZ_BYTES / 2**30:.0f} GiB): refused before loading")
+        for info in infos:
+            if not info.filename.endswith(".npy"):
+                continue
+            with archive.open(info) as member:
+                version = np.lib.format.read_magic(member)
+                read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                               else np.lib.format.read_array_header_2_0)
+                shape, _, dtype = read_header(member)
+                header = member.tell()
+            needed = int(np.prod(shape, dtype=object)) * dtype.itemsize
+            if needed > info.file_size - header:
+                raise error(f"{path}: array {info.filename[:-4]!r} declares shape {shape} ({needed:,} bytes) but "
+                            f"the file holds {max(0, info.file_size - header):,} bytes of it: truncated or corrupt")
 
 
 def write_npz(path: str | Path, arrays: Mapping[str, np.ndarray], level: int | None = LEVEL) -> None:

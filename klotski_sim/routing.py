@@ -9,6 +9,7 @@ precomputed once (np.bincount) so the question costs nothing inside the policy l
 
 from __future__ import annotations
 
+import zipfile
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import UsageError
-from .npzfile import write_npz
+from .npzfile import check_npz, write_npz
 
 # Above this many routed ids, a batch's first-use order is found by numpy's sort rather than a dict
 # over every id: a default batch's 16k prefill ids in 0.15 ms instead of 0.42 (a decode step's 32
@@ -174,15 +175,34 @@ class RoutingTable:
 
     @staticmethod
     def load(path: str | Path) -> "RoutingTable":
+        """The routing `save` wrote (a run's routing.npz), every array checked: what `execute`
+        replays must be what the schedule was built from, not a coerced look-alike."""
         try:
+            check_npz(path, "routing table", UsageError)
             with np.load(path, allow_pickle=False) as z:
-                bs, nb, p, g = (int(v) for v in z["shape"])
-                dense = int(z["dense_layers"]) if "dense_layers" in z.files else 0
-                return RoutingTable(z["ids"], RunShape(bs, nb, p, g), int(z["num_experts"]), str(z["source"]), dense)
+                ids, shape, num_experts, source = z["ids"], z["shape"], z["num_experts"], z["source"]
+                dense = z["dense_layers"] if "dense_layers" in z.files else np.array(0)
         except FileNotFoundError:
             raise UsageError(f"{path}: no such routing file") from None
-        except (OSError, KeyError, ValueError, EOFError) as err:
+        except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as err:
             raise UsageError(f"{path}: not a routing table written by klotski-sim ({err})") from None
+        for name, array, size in (("ids", ids, None), ("shape", shape, 4), ("num_experts", num_experts, 1),
+                                  ("dense_layers", dense, 1)):
+            if array.dtype.kind not in "iu" or (size is not None and array.size != size):
+                raise UsageError(f"{path}: {name} must be {'integers' if size != 1 else 'an integer'}"
+                                 f"{f' ({size} of them)' if size and size > 1 else ''}, got {array.dtype} "
+                                 f"of shape {array.shape}")
+        bs, nb, p, g = (int(v) for v in shape)
+        table = RoutingTable(ids, RunShape(bs, nb, p, g), int(num_experts), str(source), int(dense))
+        if not 0 <= table.dense_layers <= table.num_layers:
+            raise UsageError(f"{path}: dense_layers {table.dense_layers} is not within the routing's "
+                             f"{table.num_layers} layers")
+        if table.top_k > 1 and table.ids.size:
+            ranked = np.sort(table.ids, axis=-1)
+            if (ranked[..., 1:] == ranked[..., :-1]).any():
+                raise UsageError(f"{path}: a token selects the same expert twice (a router's top-k experts are "
+                                 f"distinct)")
+        return table
 
     def first_use_orders(self, step: int, layer: int) -> list[list[int]]:
         """For every batch, `first_use` of the experts it uses (tokens routed to them) at this step

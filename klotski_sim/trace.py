@@ -30,7 +30,7 @@ import numpy as np
 
 from .errors import KlotskiError
 from .model import ModelSpec
-from .npzfile import write_npz
+from .npzfile import check_npz, write_npz
 from .routing import RoutingTable, RunShape, expert_id_type
 from .textfile import read_text
 
@@ -39,15 +39,8 @@ VERSION = 1
 REQUIRED_META = ("model", "num_experts", "top_k", "num_layers")
 
 
-MAX_TRACE_BYTES = 8 << 30  # decompressed arrays of one trace file
 MAX_IMPORT_TOKENS = 1 << 20  # token positions per sequence in an imported log
 MAX_IMPORT_INDEX = 1 << 14  # layers and expert ids in an imported log (expert ids held in int16 at most)
-
-
-def _declared_bytes(path: Path) -> int:
-    """What the arrays of an .npz declare they decompress to, read from its zip directory."""
-    with zipfile.ZipFile(path) as archive:
-        return sum(info.file_size for info in archive.infolist())
 
 
 class TraceError(KlotskiError):
@@ -166,10 +159,7 @@ class Trace:
     def load(path: str | Path) -> "Trace":
         path = Path(path)
         try:
-            declared = _declared_bytes(path)
-            if declared > MAX_TRACE_BYTES:  # a small file that would decompress to gigabytes
-                raise TraceError(f"{path}: its arrays would take {declared / 2**30:.1f} GiB once decompressed "
-                                 f"(at most {MAX_TRACE_BYTES / 2**30:.0f} GiB): refused before loading")
+            check_npz(path, "routing trace", TraceError)
             with np.load(path, allow_pickle=False) as z:
                 names = set(z.files)
                 missing = {"experts", "seq_offsets", "prompt_lens", "meta"} - names

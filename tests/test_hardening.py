@@ -8,6 +8,7 @@ import http.server
 import socket
 import threading
 
+import numpy as np
 import pytest
 import yaml
 
@@ -80,6 +81,65 @@ def test_a_file_that_is_no_regular_file_or_too_large_is_refused_before_reading(t
             f.truncate((2 << 30) + 1)  # (sparse: no disk used)
     rc, out, err = run_cli(*(a.format(f=path, d=tmp_path) for a in command))
     assert rc == 2 and path in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def _npz_declaring(path, shape, **arrays):
+    """An .npz whose `experts` member's header declares `shape` of bytes but holds none of them."""
+    import io
+    import zipfile
+
+    import numpy as np
+
+    with zipfile.ZipFile(path, "w") as archive:
+        header = io.BytesIO()
+        np.lib.format.write_array_header_1_0(header, {"descr": "|u1", "fortran_order": False, "shape": shape})
+        archive.writestr("experts.npy", header.getvalue())
+        for name, array in arrays.items():
+            member = io.BytesIO()
+            np.save(member, array)
+            archive.writestr(name + ".npy", member.getvalue())
+
+
+def test_an_npz_whose_header_declares_more_than_it_holds_is_refused_before_numpy_allocates(tmp_path):
+    """A few hundred bytes declaring a 4 TB array: numpy allocated it before finding the data missing
+    (_ArrayMemoryError traceback); now refused, naming the array, by trace stats, simulate --trace
+    and execute's routing."""
+    import json
+
+    import numpy as np
+
+    from klotski_sim.routing import RoutingTable
+
+    meta = {"format": "klotski-routing-trace", "version": 1, "model": "m", "num_experts": 4, "top_k": 2,
+            "num_layers": 2}
+    path = tmp_path / "lie.npz"
+    _npz_declaring(path, (10**12, 2, 2), seq_offsets=np.array([0, 4]), prompt_lens=np.array([2], dtype=np.int32),
+                   meta=np.array(json.dumps(meta)))
+    for args in (("trace", "stats", str(path)), ("simulate", "--trace", str(path), "--gen-len", "2")):
+        rc, out, err = run_cli(*args)
+        assert rc == 2 and "declares shape" in err and "Traceback" not in err, err
+    with pytest.raises(KlotskiError, match="declares shape"):
+        RoutingTable.load(path)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("ids", np.full((2, 1, 3, 2, 2), 0.7), "ids must be integers"),
+    ("shape", np.array([1.5, 2, 2, 2]), "shape must be"),
+    ("num_experts", np.array(4.9), "num_experts must be an integer"), ("dense_layers", np.array(9), "dense_layers 9"),
+    ("ids", np.zeros((2, 1, 3, 2, 2), dtype=np.uint8), "same expert twice")])
+def test_a_routing_table_is_read_back_only_as_it_was_written(tmp_path, field, value, message):
+    """routing.npz's arrays were coerced (float ids truncated, a shape of 1.5 batches, 4.9 experts)
+    or not checked (dense layers beyond the model, a token choosing one expert twice)."""
+    from klotski_sim.npzfile import write_npz
+    from klotski_sim.routing import RoutingTable
+
+    ids = np.array([[0, 1], [2, 3], [1, 0]] * 4, dtype=np.uint8).reshape(2, 1, 3, 2, 2)
+    arrays = {"ids": ids, "num_experts": np.array(4), "shape": np.array([1, 2, 2, 2]), "source": np.array("x"),
+              "dense_layers": np.array(0)}
+    arrays[field] = value
+    write_npz(tmp_path / "routing.npz", arrays)
+    with pytest.raises(KlotskiError, match=message):
+        RoutingTable.load(tmp_path / "routing.npz")
 
 
 @pytest.mark.parametrize("args,flag", [

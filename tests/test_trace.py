@@ -68,7 +68,9 @@ def test_a_routing_file_gives_back_the_ids_it_was_saved_from(tmp_path, num_exper
     experts, holds them in memory in that type too, and reads them back as they were, with the
     shape, source and dense layers."""
     shape = RunShape(batch_size=2, num_batches=3, prompt_len=5, gen_len=3)
-    ids = np.random.default_rng(0).integers(0, num_experts, (3, 2, 7, 4, 2)).astype(np.int16)
+    first = np.random.default_rng(0).integers(0, num_experts, (3, 2, 7, 4))
+    second = (first + np.random.default_rng(1).integers(1, num_experts, first.shape)) % num_experts  # (distinct)
+    ids = np.stack([first, second], axis=-1).astype(np.int16)
     table = RoutingTable(ids, shape, num_experts, source="synth:x", dense_layers=1)
     assert table.ids.dtype == stored and np.array_equal(table.ids, ids)
     table.save(tmp_path / "routing.npz")
