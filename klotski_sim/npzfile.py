@@ -55,7 +55,9 @@ def write_npz(path: str | Path, arrays: Mapping[str, np.ndarray], level: int | N
     """Write `arrays` to `path` as an npz (no pickled objects), compressed at deflate `level`, or
     stored as they are with `level=None` (as `numpy.savez`: what is read back often, fast). The
     temporary file is this process's own: processes writing one path never share it."""
-    path = Path(path)
+    path = Path(os.path.realpath(path))  # (a link: its target is written, the link kept)
+    if path.exists() and not path.is_file():  # (the rename would put a file where a device or a pipe was)
+        raise UsageError(f"{path}: cannot write, it is not a regular file")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     compression = zipfile.ZIP_STORED if level is None else zipfile.ZIP_DEFLATED
     try:

@@ -142,6 +142,21 @@ def test_a_routing_table_is_read_back_only_as_it_was_written(tmp_path, field, va
         RoutingTable.load(tmp_path / "routing.npz")
 
 
+def test_an_npz_is_never_written_over_a_device_or_a_pipe_and_a_link_keeps_pointing(tmp_path):
+    """The atomic rename put a regular file where a pipe (or, run as root, /dev/full) was; a link
+    given as --out was replaced by a file instead of its target being written."""
+    import os
+
+    synth = ("trace", "synth", "--model", "tiny-mixtral", "--sequences", "2", "--prompt-len", "4", "--gen-len", "2",
+             "--out")
+    os.mkfifo(tmp_path / "pipe")
+    rc, out, err = run_cli(*synth, str(tmp_path / "pipe"))
+    assert rc == 2 and "not a regular file" in err and (tmp_path / "pipe").is_fifo()
+    (tmp_path / "link.npz").symlink_to(tmp_path / "target.npz")
+    rc, out, err = run_cli(*synth, str(tmp_path / "link.npz"))
+    assert rc == 0 and (tmp_path / "link.npz").is_symlink() and (tmp_path / "target.npz").stat().st_size > 0
+
+
 @pytest.mark.parametrize("args,flag", [
     (["--batch-size", "1000000000"], "memory check"), (["--prompt-len", "1000000000"], "memory check"),
     (["--warmup-sequences", "-1"], "--warmup-sequences"), (["--resident-layers", "99"], "--resident-layers"),
