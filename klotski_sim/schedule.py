@@ -372,7 +372,7 @@ class Schedule:
             text = read_text(path, "schedule", ScheduleError)
             try:
                 data = json.loads(text)
-            except json.JSONDecodeError as err:
+            except ValueError as err:  # (JSONDecodeError, or a number too long for an int: 4300 digits)
                 raise ScheduleError(f"{path}: not valid JSON, truncated or corrupt ({err})") from None
             except RecursionError:
                 raise ScheduleError(f"{path}: not a klotski schedule (JSON nested too deeply)") from None

@@ -374,8 +374,18 @@ def write_row(rows_dir: Path, row: dict[str, Any]) -> None:
     os.replace(tmp, rows_dir / f"{row['id']}.json")
 
 
+def read_row(path: Path) -> dict[str, Any] | None:
+    """A finished row, or None when the file is not one (damaged, or not ours): its configuration
+    is then run again, not taken as done."""
+    try:
+        row = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # (ValueError: not JSON, or not UTF-8 text)
+        return None
+    return row if isinstance(row, dict) and row.get("id") == path.stem else None
+
+
 def finished_ids(rows_dir: Path) -> set[str]:
-    return {p.stem for p in rows_dir.glob("*.json")}
+    return {p.stem for p in rows_dir.glob("*.json") if read_row(p) is not None}
 
 
 def collect(out_dir: str | Path, ids: Iterable[str] | None = None) -> pd.DataFrame:
@@ -387,10 +397,9 @@ def collect(out_dir: str | Path, ids: Iterable[str] | None = None) -> pd.DataFra
     for p in sorted((out / "rows").glob("*.json")):
         if wanted is not None and p.stem not in wanted:
             continue
-        try:
-            rows.append(json.loads(p.read_text()))
-        except json.JSONDecodeError:
-            continue  # cannot happen with atomic writes; a foreign file is ignored
+        row = read_row(p)
+        if row is not None:  # (a damaged row's configuration was run again: its file is rewritten)
+            rows.append(row)
     df = pd.DataFrame(rows)
     if len(df):
         df = df.sort_values("id").reset_index(drop=True)

@@ -300,8 +300,8 @@ def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str
             continue
         try:
             rec = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise TraceError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
+        except ValueError as err:  # (JSONDecodeError, or a number too long for an int: 4300 digits)
+            raise TraceError(f"{path}:{lineno}: not valid JSON ({getattr(err, 'msg', err)})") from None
         except RecursionError:
             raise TraceError(f"{path}:{lineno}: JSON nested too deeply for a routing record") from None
         if not isinstance(rec, dict):

@@ -48,3 +48,5 @@ def load_yaml(text: str, where: str, error: type[KlotskiError] = KlotskiError) -
         return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as err:
         raise error(f"{where}: not valid YAML ({str(err).splitlines()[0]})") from err
+    except ValueError as err:  # (an integer of more than 4300 digits, which Python will not convert)
+        raise error(f"{where}: not valid YAML here ({str(err).split(';')[0]})") from None

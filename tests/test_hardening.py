@@ -53,10 +53,12 @@ READERS = [("trace", "import", "{f}", "--out", "{d}/t.npz"), ("sweep", "{f}", "-
 
 
 @pytest.mark.parametrize("command", READERS)
-@pytest.mark.parametrize("content", [b"\xff\xfe\x00 not text\n", b"[" * 100_000 + b"]" * 100_000 + b"\n"])
+@pytest.mark.parametrize("content", [b"\xff\xfe\x00 not text\n", b"[" * 100_000 + b"]" * 100_000 + b"\n",
+                                     b'{"seq": 1' + b"0" * 5000 + b"}\n"])
 def test_a_file_that_is_no_text_or_too_deep_is_named_in_one_line(tmp_path, command, content):
-    """A routing log, a sweep spec or a profile that is binary, or JSON nested past the parser's
-    depth: one line naming the file (were tracebacks: UnicodeDecodeError, RecursionError)."""
+    """A routing log, a sweep spec or a profile that is binary, JSON nested past the parser's depth,
+    or a number of 5000 digits: one line naming the file (were tracebacks: UnicodeDecodeError,
+    RecursionError, ValueError)."""
     path = tmp_path / "input.txt"
     path.write_bytes(content)
     rc, out, err = run_cli(*(a.format(f=path, d=tmp_path) for a in command))

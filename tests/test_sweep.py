@@ -90,6 +90,21 @@ def test_resume_after_a_killed_sweep_loses_and_duplicates_nothing(tmp_path):
     assert len(collect(out)) == 24
 
 
+@pytest.mark.parametrize("damage", [b"{garbage", b"", b"[1, 2]", bytes(range(256)), b'{"id": "another"}'])
+def test_a_damaged_row_is_run_again_not_taken_as_done(tmp_path, damage):
+    """A row file that is not a finished row (damaged by hand or by a disk, or not ours) made the
+    resumed sweep crash (KeyError, UnicodeDecodeError) or count its configuration as done and drop
+    it from the results; it is run again and its row rewritten."""
+    spec = {**SMALL, "policies": ["klotski"], "routings": ["calibrated"], "num_batches": [2]}
+    first = run_sweep(parse_spec(spec), tmp_path, workers=1, progress=False)
+    victim = tmp_path / "rows" / f"{first['id'].iloc[0]}.json"
+    whole = victim.read_text()
+    victim.write_bytes(damage)
+    again = run_sweep(parse_spec(spec), tmp_path, workers=1, progress=False)
+    assert len(again) == len(first) and json.loads(victim.read_text())["id"] == victim.stem
+    assert json.loads(victim.read_text())["m.makespan_s"] == json.loads(whole)["m.makespan_s"]
+
+
 def test_sweep_cli_validates_spec(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("policies: [klotski]\nhardwares: [rtx3090]\n")
