@@ -58,6 +58,12 @@ class Trace:
     weights: np.ndarray | None = None
 
     def __post_init__(self) -> None:
+        for name in ("seq_offsets", "prompt_lens"):  # unsigned ones as int64: their differences never look negative
+            values = getattr(self, name)
+            if np.issubdtype(values.dtype, np.unsignedinteger):
+                if values.size and values.max() >= 1 << 62:
+                    raise TraceError(f"trace: {name} holds {int(values.max())}, beyond any trace's tokens")
+                object.__setattr__(self, name, values.astype(np.int64))
         self.validate("trace")
         # ids held in their stored type (`expert_id_type`): a trace read from a file is not widened
         object.__setattr__(self, "experts", self.experts.astype(expert_id_type(self.num_experts), copy=False))
@@ -129,8 +135,13 @@ class Trace:
                 twice = np.any(srt[:, :, 1:] == srt[:, :, :-1])
             if twice:
                 raise TraceError(f"{where}: a token selects the same expert twice in one layer")
-        if self.weights is not None and self.weights.shape != e.shape:
-            raise TraceError(f"{where}: weights shape {self.weights.shape} differs from experts {e.shape}")
+        if self.weights is not None:
+            w = self.weights
+            if w.shape != e.shape:
+                raise TraceError(f"{where}: weights shape {w.shape} differs from experts {e.shape}")
+            if w.dtype.kind != "f" or (w.size and not (np.isfinite(w).all() and w.min() >= 0)):
+                raise TraceError(f"{where}: weights must be finite non-negative gate probabilities, got {w.dtype}"
+                                 + ("" if w.dtype.kind != "f" else f" from {w.min()} to {w.max()}"))
 
     def check_model(self, model: ModelSpec, where: str = "trace") -> None:
         """A trace replays only on a model with the same experts, top-k and layer count."""

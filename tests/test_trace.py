@@ -127,6 +127,18 @@ def test_invalid_contents_are_named():
     dup[0, 0, 1] = dup[0, 0, 0]
     with pytest.raises(TraceError, match="same expert twice"):
         Trace(dup, t.seq_offsets, t.prompt_lens, t.meta)
+    falling = t.seq_offsets.astype(np.uint64)  # (unsigned: a falling offset's difference wraps, never negative)
+    falling[1], falling[2] = falling[2], falling[1]
+    with pytest.raises(TraceError, match="seq_offsets"):
+        Trace(t.experts, falling, t.prompt_lens, t.meta)
+    as_unsigned = Trace(t.experts, t.seq_offsets.astype(np.uint64), t.prompt_lens.astype(np.uint32), t.meta)
+    assert as_unsigned.seq_offsets.dtype == np.int64 and np.array_equal(as_unsigned.seq_offsets, t.seq_offsets)
+    weights = np.full(t.experts.shape, 0.5, dtype=np.float16)
+    assert Trace(t.experts, t.seq_offsets, t.prompt_lens, t.meta, weights).weights is weights
+    for bad_weights in (np.full(t.experts.shape, np.nan), np.full(t.experts.shape, -0.5), weights.astype(np.int8),
+                        weights.astype(str)):
+        with pytest.raises(TraceError, match="weights must be finite non-negative"):
+            Trace(t.experts, t.seq_offsets, t.prompt_lens, t.meta, bad_weights)
 
 
 def test_trace_for_another_model_is_refused():
