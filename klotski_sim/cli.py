@@ -39,7 +39,7 @@ from .runner import RunSpec, available_cores, policy_batches, policy_prepared, p
 from .timeline import FIGURE_COLUMNS, Summary, jsonable
 from .trace import Trace, import_jsonl
 from .trace_stats import format_stats, layer_stats, token_subset
-from .trace_synth import synthesize
+from .trace_synth import check_routing_fits, synthesize
 
 GIB = 2**30
 
@@ -484,6 +484,7 @@ def cmd_profiles(args: argparse.Namespace) -> int:
 
 def cmd_trace_synth(args: argparse.Namespace) -> int:
     model = get_model(args.model)
+    check_routing_fits(model, args.sequences, args.prompt_len + args.gen_len, f"{args.sequences} sequences")
     trace = synthesize(model, args.sequences, args.prompt_len, args.gen_len, args.routing, args.seed,
                        with_weights=args.with_weights)
     trace.save(args.out)

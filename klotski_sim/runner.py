@@ -36,12 +36,12 @@ from .planner import (
 from .policies import Placement, PolicyInput, build_schedule, get_policy
 from .policies.base import resolve_options
 from .probe import Probe, ProbeSearch, probe_gen_len, search
-from .routing import RoutingTable, RunShape, expert_id_type
+from .routing import RoutingTable, RunShape
 from .schedule import Schedule, quiet_gc_in_worker
 from .timeline import OutOfMemory, Timeline
 from .trace import Replay, Trace, TraceError, replay
 from .trace_stats import popularity
-from .trace_synth import base_popularity, params_for, synthesize
+from .trace_synth import base_popularity, check_routing_fits, params_for, synthesize
 
 
 @dataclass(frozen=True)
@@ -154,24 +154,10 @@ def make_replay(spec: RunSpec, model: ModelSpec, num_batches: int) -> tuple[Trac
     else:
         shape = spec.shape(num_batches)
         sequences = shape.num_sequences + spec.warmup_sequences
-        _check_routing_fits(model, sequences, shape.tokens_per_sequence, spec.warmup_sequences)
+        check_routing_fits(model, sequences, shape.tokens_per_sequence,
+                           f"{sequences} sequences ({spec.warmup_sequences} of them --warmup-sequences)")
         trace = _synthetic_trace(model, spec.routing, spec.seed, sequences, shape.prompt_len, shape.gen_len)
     return trace, replay_run(spec, model, trace, num_batches)
-
-
-def _check_routing_fits(model: ModelSpec, sequences: int, tokens: int, warmup: int) -> None:
-    """The synthetic routing (the expert ids of every token, layer and slot, and the generator's
-    working copies) must fit in host memory: refused with the numbers, not a failed allocation."""
-    id_bytes = np.dtype(expert_id_type(model.num_experts)).itemsize
-    need = 4 * sequences * tokens * model.num_layers * model.top_k * id_bytes
-    try:
-        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return
-    if need > have:
-        raise UsageError(f"the routing of {sequences} sequences ({warmup} of them --warmup-sequences) x {tokens} "
-                         f"tokens would need about {need / 2**30:.1f} GiB of host memory; this machine has "
-                         f"{have / 2**30:.1f} GiB")
 
 
 def planning_popularity(spec: RunSpec, model: ModelSpec) -> np.ndarray | None:

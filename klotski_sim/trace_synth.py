@@ -23,6 +23,7 @@ The same seed gives the identical file.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from importlib import resources
@@ -166,6 +167,21 @@ def _forward_fill_index(fresh: np.ndarray) -> np.ndarray:
     the last axis; position 0 must be fresh)."""
     idx = np.where(fresh, np.arange(fresh.shape[-1]), 0)
     return np.maximum.accumulate(idx, axis=-1)
+
+
+def check_routing_fits(model: ModelSpec, sequences: int, tokens: int, described: str) -> None:
+    """The synthetic routing of `sequences` x `tokens` (the expert ids of every token, layer and
+    slot, and the generator's working copies) must fit in host memory: refused with the numbers
+    before anything is drawn, not a failed allocation. `described` names the sequences."""
+    id_bytes = np.dtype(expert_id_type(model.num_experts)).itemsize
+    need = 4 * sequences * tokens * model.num_layers * model.top_k * id_bytes
+    try:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if need > have:
+        raise UsageError(f"the routing of {described} x {tokens} tokens would need about {need / 2**30:.1f} GiB of "
+                         f"host memory; this machine has {have / 2**30:.1f} GiB")
 
 
 _TOKENS_PER_CHUNK = 64 * 8192  # the tokens of a chunk of sequences drawn together (64 up to 8192 tokens each)

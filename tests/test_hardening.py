@@ -159,6 +159,13 @@ def test_an_npz_is_never_written_over_a_device_or_a_pipe_and_a_link_keeps_pointi
     assert rc == 0 and (tmp_path / "link.npz").is_symlink() and (tmp_path / "target.npz").stat().st_size > 0
 
 
+def test_a_synthetic_trace_larger_than_the_machine_is_refused_with_the_numbers():
+    """trace synth of 100k sequences x 4k tokens of DeepSeek-V3 died allocating 186 GiB."""
+    rc, out, err = run_cli("trace", "synth", "--model", "deepseek-v3", "--sequences", "100000", "--prompt-len", "4096",
+                           "--out", "never.npz")
+    assert rc == 2 and "100000 sequences x 4128 tokens would need about" in err and "GiB of host memory" in err
+
+
 @pytest.mark.parametrize("args,flag", [
     (["--batch-size", "1000000000"], "memory check"), (["--prompt-len", "1000000000"], "memory check"),
     (["--warmup-sequences", "-1"], "--warmup-sequences"), (["--resident-layers", "99"], "--resident-layers"),
