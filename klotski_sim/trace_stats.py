@@ -64,8 +64,13 @@ def _shuffled_mi_bits(a: np.ndarray, b: np.ndarray, E: int, seed: int = 0) -> fl
     return float(np.mean([_mutual_information_bits(a, rng.permutation(b), E)[0] for _ in range(SHUFFLES)]))
 
 
+_DENSE_JOINT_CELLS = 1 << 22  # up to 2048 experts a joint table is held whole (32 MB); beyond, only its used cells
+
+
 def _mutual_information_bits(a: np.ndarray, b: np.ndarray, E: int) -> tuple[float, float]:
     """Plug-in MI (bits) between two expert-id arrays, and the accuracy of the best a -> b map."""
+    if E * E > _DENSE_JOINT_CELLS:  # (a trace may declare 65,536 experts: a dense table would take 32 GiB)
+        return _mutual_information_bits_sparse(a, b, E)
     joint = np.bincount(a.astype(np.int64) * E + b, minlength=E * E).reshape(E, E).astype(float)
     n = joint.sum()
     if n == 0:
@@ -75,6 +80,21 @@ def _mutual_information_bits(a: np.ndarray, b: np.ndarray, E: int) -> tuple[floa
     with np.errstate(divide="ignore", invalid="ignore"):
         mi = np.nansum(np.where(p > 0, p * np.log2(p / (pa * pb)), 0.0))
     return float(mi), float(p.max(axis=1).sum())
+
+
+def _mutual_information_bits_sparse(a: np.ndarray, b: np.ndarray, E: int) -> tuple[float, float]:
+    """`_mutual_information_bits` over the joint table's used cells only (the same terms)."""
+    cells, counts = np.unique(a.astype(np.int64) * E + b, return_counts=True)
+    n = counts.sum()
+    if n == 0:
+        return float("nan"), float("nan")
+    p = counts / n
+    row, col = cells // E, cells % E
+    pa = np.bincount(row, weights=p, minlength=E)
+    pb = np.bincount(col, weights=p, minlength=E)
+    mi = float(np.sum(p * np.log2(p / (pa[row] * pb[col]))))
+    starts = np.flatnonzero(np.concatenate(([True], row[1:] != row[:-1])))  # (cells sorted: rows in runs)
+    return mi, float(np.maximum.reduceat(p, starts).sum())
 
 
 def layer_stats(trace: Trace, group_batch_size: int = GROUP_BATCH_SIZE,
@@ -98,12 +118,19 @@ def layer_stats(trace: Trace, group_batch_size: int = GROUP_BATCH_SIZE,
     req_max = np.zeros(L)
     lengths = np.diff(off)
     if trace.num_sequences:
+        # (sequences counted a group at a time: at most 2^24 counts at once, however many experts)
+        group = max(1, _DENSE_JOINT_CELLS * 4 // E)
         for layer in range(L):
-            flat = seq_of_token[:, None] * E + ex[:, layer, :]
-            counts = np.bincount(flat.ravel(), minlength=trace.num_sequences * E).reshape(-1, E)
-            tot = counts.sum(axis=1)
-            ok = tot > 0
-            req_max[layer] = float((counts[ok].max(axis=1) / tot[ok]).mean()) if ok.any() else np.nan
+            shares_of_max = []
+            for lo in range(0, trace.num_sequences, group):
+                rows = slice(off[lo], off[min(lo + group, trace.num_sequences)])
+                flat = (seq_of_token[rows] - lo)[:, None] * E + ex[rows, layer, :]
+                counts = np.bincount(flat.ravel(), minlength=min(group, trace.num_sequences - lo) * E).reshape(-1, E)
+                tot = counts.sum(axis=1)
+                ok = tot > 0
+                shares_of_max.append(counts[ok].max(axis=1) / tot[ok])
+            share = np.concatenate(shares_of_max)
+            req_max[layer] = float(share.mean()) if len(share) else np.nan
 
     rows = []
     for layer in range(L):

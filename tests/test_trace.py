@@ -141,6 +141,25 @@ def test_invalid_contents_are_named():
             Trace(t.experts, t.seq_offsets, t.prompt_lens, t.meta, bad_weights)
 
 
+@given(st.integers(2, 40), st.integers(1, 300), st.integers(0, 2**32 - 1))
+def test_mutual_information_over_used_cells_is_the_dense_tables(experts, tokens, seed):
+    """Past 2048 experts trace stats reads MI and the best-map accuracy from the joint table's used
+    cells (a dense one for 65,536 experts took 32 GiB): the same numbers as the dense table."""
+    from klotski_sim.trace_stats import _mutual_information_bits, _mutual_information_bits_sparse
+
+    rng = np.random.default_rng(seed)
+    a, b = rng.integers(0, experts, tokens), rng.integers(0, experts, tokens)
+    dense, sparse = _mutual_information_bits(a, b, experts), _mutual_information_bits_sparse(a, b, experts)
+    assert sparse == pytest.approx(dense, abs=1e-9)
+
+
+def test_stats_of_a_trace_declaring_65536_experts_take_no_gigabytes(tmp_path):
+    t = _tiny_trace()
+    Trace(t.experts, t.seq_offsets, t.prompt_lens, {**t.meta, "num_experts": 65536}).save(tmp_path / "wide.npz")
+    rc, out, err = run_cli("trace", "stats", str(tmp_path / "wide.npz"))
+    assert rc == 0 and "mi_next_bits" in out, err
+
+
 def test_trace_for_another_model_is_refused():
     t = synthesize(MIXTRAL, 2, 8, 2, "uniform")
     with pytest.raises(TraceError, match="8 experts vs 64"):
