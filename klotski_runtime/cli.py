@@ -10,7 +10,15 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from klotski_sim.argtypes import OneLineParser, nonnegative_int, plain_int, positive_float, positive_int
+from klotski_sim.argtypes import (
+    OneLineParser,
+    bounded_int,
+    nonnegative_int,
+    plain_int,
+    positive_float,
+    positive_int,
+    seed_int,
+)
 from klotski_sim.cli import CliError, guarded, output_folder, parse_overrides
 
 from .record import RecordError, read_texts, record, save_tiny_mixtral, save_tiny_olmoe, save_tiny_qwen3_moe
@@ -35,6 +43,8 @@ TINY_CHECKPOINTS = {"tiny-mixtral": (save_tiny_mixtral, "Mixtral"),
 
 
 def cmd_tiny_checkpoint(args: argparse.Namespace) -> int:
+    if Path(args.out).exists() and not Path(args.out).is_dir():  # (transformers only warns, and writes nothing)
+        raise CliError(f"--out {args.out}: is a file; a checkpoint is a folder")
     save, family = TINY_CHECKPOINTS[args.model]
     path = save(args.out, seed=args.seed)
     print(f"wrote a tiny random {family} checkpoint (model {args.model}) to {path}/")
@@ -54,6 +64,8 @@ def _csv_ints(text: str) -> list[int]:
 # pageable : pinned copy rate of the DGX A100 bandwidthTest (10.0 vs 25.7 GB/s H2D), the default
 # ratio when emulating pageable copies (klotski_sim/profiles/a100-80g.yaml cites the run)
 PAGEABLE_RATIO = 10.0 / 25.7
+# torch compute threads: far more than any CPU has cores (100,000 failed to start, "can't start new thread")
+MAX_THREADS = 1024
 
 
 def _emulation(args: argparse.Namespace) -> dict[str, float]:
@@ -82,7 +94,7 @@ def _add_device(p: argparse.ArgumentParser) -> None:
     p.add_argument("--emulate-pageable", type=positive_float, default=None, metavar="BYTES_PER_S",
                    help="CPU only: emulated rate of copies from pageable memory (default: --emulate-pcie x "
                         f"{PAGEABLE_RATIO:.3f}, the pageable:pinned ratio of a DGX A100 bandwidthTest)")
-    p.add_argument("--threads", type=positive_int, default=1,
+    p.add_argument("--threads", type=bounded_int(1, MAX_THREADS), default=1,
                    help="CPU only: torch compute threads; the other cores run the copy threads (default: %(default)s)")
 
 
@@ -246,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-len", type=positive_int, default=4, help="generated tokens (default: %(default)s)")
     p.add_argument("--routing", default="calibrated", help="synthetic routing kind (default: %(default)s)")
     p.add_argument("--trace", metavar="FILE", help="replay a routing trace instead of synthetic routing")
-    p.add_argument("--seed", type=nonnegative_int, default=0, help="routing and weight seed (default: %(default)s)")
+    p.add_argument("--seed", type=seed_int, default=0, help="routing and weight seed (default: %(default)s)")
     p.add_argument("--kv", default="gpu", choices=["gpu", "cpu"], help="where the KV cache lives (default: %(default)s)")
     p.add_argument("--checkpoint", metavar="DIR", help="weights from a local checkpoint (default: random)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
@@ -262,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny-mixtral", choices=list(TINY_CHECKPOINTS),
                    help="whose shapes and layout (default: %(default)s)")
     p.add_argument("--out", required=True, metavar="DIR")
-    p.add_argument("--seed", type=nonnegative_int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0)
     p.set_defaults(func=cmd_tiny_checkpoint)
     return parser
 

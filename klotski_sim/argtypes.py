@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -48,6 +48,25 @@ def positive_int(text: str) -> int:
 
 def nonnegative_int(text: str) -> int:
     return _int_from(text, 0, "an integer >= 0")
+
+
+def seed_int(text: str) -> int:
+    """A seed the simulator and the runtime both take: numpy's and torch's generators (torch's needs
+    it to fit in 64 bits; a larger one crashed the runtime that the simulator had accepted)."""
+    value = _int_from(text, 0, "a seed from 0 to 2**63 - 1")
+    if value >= 1 << 63:
+        raise argparse.ArgumentTypeError(f"expected a seed from 0 to 2**63 - 1, got {value}")
+    return value
+
+
+def bounded_int(low: int, high: int) -> Callable[[str], int]:
+    """An integer from `low` to `high` (a count the machine can honour, e.g. threads)."""
+    def parse(text: str) -> int:
+        value = _int_from(text, low, f"an integer from {low} to {high}")
+        if value > high:
+            raise argparse.ArgumentTypeError(f"expected an integer from {low} to {high}, got {value}")
+        return value
+    return parse
 
 
 def layers_or_fill(text: str) -> int | str:

@@ -26,6 +26,7 @@ from .argtypes import (
     plain_int,
     positive_float,
     positive_int,
+    seed_int,
 )
 from .errors import KlotskiError
 from .exports import save_all
@@ -71,7 +72,7 @@ def add_run_arguments(p: argparse.ArgumentParser, policy: bool = True, num_batch
                             "keeps one batch in flight)")
     p.add_argument("--prompt-len", type=positive_int, default=512, help="prompt tokens P (default: %(default)s)")
     p.add_argument("--gen-len", type=positive_int, default=32, help="generated tokens G (default: %(default)s)")
-    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the routing generator (default: %(default)s)")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the routing generator (default: %(default)s)")
     p.add_argument("--routing", default="calibrated", metavar="KIND",
                    help="synthetic routing when no --trace is given: calibrated, uniform, zipf:<a>, skewed "
                         "(default: %(default)s)")
@@ -542,7 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="generated tokens per sequence (default: %(default)s)")
     p.add_argument("--routing", default="calibrated", metavar="KIND",
                    help="calibrated, uniform, zipf:<a>, skewed (default: %(default)s)")
-    p.add_argument("--seed", type=nonnegative_int, default=0, help="generator seed (default: %(default)s)")
+    p.add_argument("--seed", type=seed_int, default=0, help="generator seed (default: %(default)s)")
     p.add_argument("--with-weights", action="store_true", help="also store synthetic gate weights (3x larger file)")
     p.add_argument("--out", required=True, metavar="FILE", help="trace file to write (.npz)")
     p.set_defaults(func=cmd_trace_synth)
@@ -626,7 +627,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resident-layers", default="auto", metavar="R,...",
                    help="layers kept whole on the GPU to try; auto (or fill): as many as the memory left at n "
                         "allows (default: %(default)s)")
-    p.add_argument("--seed", type=nonnegative_int, default=0,
+    p.add_argument("--seed", type=seed_int, default=0,
                    help="seed of the routing and of the sample (default: %(default)s)")
     p.add_argument("--workers", type=positive_int, default=2, help="local processes (default: %(default)s)")
     p.add_argument("--policy-file", action="append", default=[], metavar="FILE.py", help="your own policy (repeatable)")

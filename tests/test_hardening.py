@@ -169,7 +169,8 @@ def test_a_synthetic_trace_larger_than_the_machine_is_refused_with_the_numbers()
 @pytest.mark.parametrize("args,flag", [
     (["--batch-size", "1000000000"], "memory check"), (["--prompt-len", "1000000000"], "memory check"),
     (["--warmup-sequences", "-1"], "--warmup-sequences"), (["--resident-layers", "99"], "--resident-layers"),
-    (["--routing", "zipf:nan"], "zipf"), (["--set", "gpu.memory_bytes=Infinity"], "gpu.memory_bytes")])
+    (["--routing", "zipf:nan"], "zipf"), (["--set", "gpu.memory_bytes=Infinity"], "gpu.memory_bytes"),
+    (["--seed", str(2**63)], "--seed")])
 def test_bad_flags_end_in_one_line(args, flag):
     rc, out, err = run_cli("simulate", "--policy", "klotski", "--gen-len", "2", *args)
     assert rc in (2, 3) and flag in (err + out) and "Traceback" not in err

@@ -86,3 +86,15 @@ def test_record_refuses_what_it_cannot_read_in_one_line(tmp_path):
         rc, _, err = run_runtime("record", *args, *extra)
         errors = [line for line in err.splitlines() if line.startswith("error:")]  # (transformers logs too)
         assert rc == 2 and len(errors) == 1 and words in errors[0] and "Traceback" not in err, (extra, err)
+
+
+@pytest.mark.parametrize("args,message", [
+    (("tiny-checkpoint", "--out", "{d}/ckpt", "--seed", "99999999999999999999999"), "a seed from 0 to 2**63 - 1"),
+    (("execute", "{d}/run", "--threads", "100000"), "an integer from 1 to 1024"),
+    (("tiny-checkpoint", "--out", "{d}/a_file"), "is a file; a checkpoint is a folder")])
+def test_what_the_runtime_cannot_honour_is_refused_in_one_line(tmp_path, args, message):
+    """A seed beyond 64 bits (the simulator took it, torch overflowed), 100,000 threads (can't start
+    new thread), a checkpoint folder that is a file (transformers only warned; success was printed)."""
+    (tmp_path / "a_file").write_text("x")
+    rc, out, err = run_runtime(*(a.format(d=tmp_path) for a in args))
+    assert rc == 2 and message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
