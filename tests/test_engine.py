@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from klotski_sim.engine import EngineDeadlock, simulate
-from klotski_sim.schedule import Op, Schedule, ScheduleError
+from klotski_sim.schedule import Op, Schedule, ScheduleError, topological_order
 
 from .conftest import make_profile
 
@@ -221,3 +221,41 @@ def test_durations_costed_once_per_distinct_op_equal_costing_every_op(policy, im
     cost = CostModel(inp.profile)
     each = [cost.duration(o, schedule.streams[o.stream]) for o in schedule.ops]
     assert cost.durations(schedule.ops, schedule.streams) == each and len(set(each)) < len(each) / 3
+
+
+@given(st.lists(st.tuples(st.sampled_from(["compute", "h2d_weights", "h2d_experts", "d2h_kv", "host"]),
+                          st.sets(st.integers(0, 40), max_size=8), st.sampled_from([0.0, 1e-3, 2e-3, 5e-3])),
+                min_size=1, max_size=40),
+       st.sampled_from([0.0, 1e-4]), st.booleans())
+def test_the_graph_keeps_an_ops_latest_dep_per_stream_alone_and_nothing_changes(ops, latency, copy_engines_two):
+    """Above a few deps per op, the graph keeps of an op's deps on one stream only the latest (its
+    end implies the others'): the timeline — starts, ends, ready times, the dep that made each op
+    ready, memory — and the runtime's issue order are those of the whole graph."""
+    from unittest.mock import patch
+
+    from klotski_sim import schedule as schedule_module
+
+    built = []
+    for i, (stream, deps, _) in enumerate(ops):
+        deps = tuple(f"o{d}" for d in sorted(deps) if d < i)
+        if stream == "host":
+            built.append(Op(f"o{i}", "host", "host", "sync", deps))
+        elif stream == "compute":
+            built.append(Op(f"o{i}", "compute", "compute", "expert", deps, flops=1, alloc=((f"o{i}", 1),),
+                            free=(f"o{i}",)))
+        else:
+            to_gpu = stream.startswith("h2d")
+            built.append(Op(f"o{i}", "transfer", stream, "weights", deps, bytes=1, src="cpu" if to_gpu else "gpu",
+                            dst="gpu" if to_gpu else "cpu"))
+    durations = [d for _, _, d in ops]
+    profile = make_profile(copy_engines=2 if copy_engines_two else 1, dependency_latency_s=latency,
+                           host_sync_latency_s=latency)
+    results = []
+    for pruned_above in (10**9, 0):  # never, and always
+        with patch.object(schedule_module, "_PRUNED_ABOVE", pruned_above):
+            schedule = Schedule(tuple(built))
+            tl = simulate(schedule, profile, durations=durations)
+            c = tl.columns
+            results.append(([c[k].tolist() for k in ("start", "end", "ready", "blocked_by")], tl.memory[1].tolist(),
+                            topological_order(schedule)))
+    assert results[0] == results[1]
