@@ -154,6 +154,11 @@ def check_compatible(schedule: Schedule, spec: ModelSpec, weights: WeightStore |
         if routing.num_experts != spec.num_experts or routing.num_layers != spec.num_layers:
             raise ScheduleError(f"the routing has {routing.num_experts} experts x {routing.num_layers} layers, the "
                                 f"model {spec.num_experts} x {spec.num_layers}")
+        if routing.top_k != spec.top_k:
+            raise ScheduleError(f"the routing chooses {routing.top_k} experts a token, model {spec.name} {spec.top_k}")
+        if meta.get("routing") not in (None, routing.source):  # (same shape, other tokens: another seed, say)
+            raise ScheduleError(f"the routing does not belong to this schedule: it is {routing.source!r}, the "
+                                f"schedule was built from {meta.get('routing')!r}")
         bad = next((op for op in schedule.ops if any(b >= sh.num_batches for b in op.batches)
                     or op.expert >= spec.num_experts), None)
         if bad is not None:

@@ -232,23 +232,26 @@ def test_execute_refuses_routing_of_another_run(tmp_path):
               "--gen-len", "2", "--no-png"]
     assert run_cli("simulate", *common, "--num-batches", "2", "--out", str(tmp_path / "a"))[0] == 0
     assert run_cli("simulate", *common, "--num-batches", "3", "--out", str(tmp_path / "b"))[0] == 0
+    # the same shape drawn from another seed: other tokens (executed without a word before)
+    assert run_cli("simulate", *common, "--num-batches", "2", "--seed", "7", "--out", str(tmp_path / "c"))[0] == 0
     import subprocess
     import sys
 
     from .conftest import ROOT
 
-    proc = subprocess.run([sys.executable, "-m", "klotski_runtime.cli", "execute", str(tmp_path / "a"),
-                           "--routing", str(tmp_path / "b" / "routing.npz")], capture_output=True, text=True,
-                          cwd=ROOT)
-    assert proc.returncode == 2 and "does not belong to this schedule" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    for other, message in (("b", "num_batches 2 vs 3"), ("c", "it is 'synth:calibrated(seed=7)'")):
+        proc = subprocess.run([sys.executable, "-m", "klotski_runtime.cli", "execute", str(tmp_path / "a"),
+                               "--routing", str(tmp_path / other / "routing.npz")], capture_output=True, text=True,
+                              cwd=ROOT)
+        assert proc.returncode == 2 and "does not belong to this schedule" in proc.stderr and message in proc.stderr
+        assert "Traceback" not in proc.stderr
 
 
 TINY_RUN = ["--model", "tiny-mixtral", "--prompt-len", "8", "--gen-len", "2", "--batch-size", "2"]
 
 
 @pytest.mark.parametrize("args,message", [
-    (["simulate", "--seed", "-1"], "argument --seed: expected an integer >= 0, got -1"),
+    (["simulate", "--seed", "-1"], "argument --seed: expected a seed from 0 to 2**63 - 1, got -1"),
     (["simulate", *TINY_RUN, "--warmup-sequences", "100000000000"], "GiB of host memory; this machine has"),
     (["compare", "--policies", "klotski,klotski"], "argument --policies: 'klotski' is given twice"),
     (["compare", "--policies", ""], "argument --policies: expected comma-separated names"),
