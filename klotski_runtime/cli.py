@@ -128,7 +128,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
                             routing=args.routing, trace=args.trace, seed=args.seed, kv=args.kv,
                             emulate_links=_emulation(args), emulate_pageable=_pageable(args),
                             checkpoint=args.checkpoint, dtype=args.dtype, threads=args.threads, impl=args.impl,
-                            repeats=args.repeats, options=parse_overrides(args.options))
+                            repeats=args.repeats, options=parse_overrides(args.options, "--option"))
     out = output_folder(args.out)
     profile_path = args.profile
     if profile_path is None:

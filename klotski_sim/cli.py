@@ -94,17 +94,20 @@ def add_run_arguments(p: argparse.ArgumentParser, policy: bool = True, num_batch
                    help=IMPL_HELP + " (default: %(default)s)")
 
 
-def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
-    """`KEY=VALUE` pairs (for --set and --option); values are JSON when they parse as JSON."""
+def parse_overrides(items: Sequence[str], flag: str) -> dict[str, Any]:
+    """`KEY=VALUE` pairs of `flag` (--set, --option); values are JSON when they parse as JSON."""
     out: dict[str, Any] = {}
     for item in items:
         if "=" not in item:
-            raise CliError(f"expected KEY=VALUE, got {item!r}")
+            raise CliError(f"{flag}: expected KEY=VALUE, got {item!r}")
         key, value = item.split("=", 1)
+        key = key.strip()
+        if key in out:  # (the last one silently won)
+            raise CliError(f"{flag} {key} is given twice ({key}={json.dumps(out[key])} and {item.strip()})")
         try:
-            out[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key.strip()] = value
+            out[key] = json.loads(value)
+        except ValueError:  # (not JSON, or a number too long for an int: the text as it is)
+            out[key] = value
     return out
 
 
@@ -133,7 +136,7 @@ def spec_from_args(args: argparse.Namespace, **changes: Any) -> RunSpec:
                   gen_len=args.gen_len, seed=args.seed, routing=args.routing, trace=args.trace, wrap=args.wrap,
                   warmup_sequences=args.warmup_sequences, kv=args.kv, experts=args.experts,
                   resident_layers=args.resident_layers, impl=args.impl,
-                  overrides=parse_overrides(args.overrides))
+                  overrides=parse_overrides(args.overrides, "--set"))
     fields.update(changes)
     return RunSpec(**fields)
 
@@ -199,7 +202,7 @@ def _oom_text(oom: dict[str, Any]) -> str:
 # ---- subcommands ----------------------------------------------------------------------------
 def cmd_simulate(args: argparse.Namespace) -> int:
     out = output_folder(args.out) if args.out else None
-    result = run(spec_from_args(args, options=parse_overrides(args.options)))
+    result = run(spec_from_args(args, options=parse_overrides(args.options, "--option")))
     print(format_summary(result.timeline.summary()))
     if result.probes is not None:
         print(f"n = {result.probes.chosen.n} chosen by {len(result.probes.probes)} simulated probes "

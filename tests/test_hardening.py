@@ -170,7 +170,9 @@ def test_a_synthetic_trace_larger_than_the_machine_is_refused_with_the_numbers()
     (["--batch-size", "1000000000"], "memory check"), (["--prompt-len", "1000000000"], "memory check"),
     (["--warmup-sequences", "-1"], "--warmup-sequences"), (["--resident-layers", "99"], "--resident-layers"),
     (["--routing", "zipf:nan"], "zipf"), (["--set", "gpu.memory_bytes=Infinity"], "gpu.memory_bytes"),
-    (["--seed", str(2**63)], "--seed")])
+    (["--seed", str(2**63)], "--seed"),
+    (["--option", "sync=none", "--option", "sync=per-expert"], "--option sync is given twice"),
+    (["--set", "gpu.memory_bytes=1e9", "--set", "gpu.memory_bytes=2e9"], "--set gpu.memory_bytes is given twice")])
 def test_bad_flags_end_in_one_line(args, flag):
     rc, out, err = run_cli("simulate", "--policy", "klotski", "--gen-len", "2", *args)
     assert rc in (2, 3) and flag in (err + out) and "Traceback" not in err
