@@ -282,6 +282,9 @@ class Schedule:
         graph = dependency_arrays(ops, deps, position, self.column("stream"), checked=False)  # (an unknown
         # dep: a ScheduleError naming the op)
         preloaded = [name for name, _ in self.preloaded]
+        if len(set(preloaded)) < len(preloaded):
+            twice = next(name for k, name in enumerate(preloaded) if name in preloaded[:k])
+            raise ScheduleError(f"buffer {twice!r} is preloaded twice")
         allocs = list(filter(None, self.column("alloc")))
         allocated = set(preloaded).union(map(itemgetter(0), chain.from_iterable(allocs)))
         if len(allocated) < len(preloaded) + sum(map(len, allocs)):  # a buffer allocated twice: name the op
@@ -343,8 +346,11 @@ class Schedule:
     def from_json_dict(data: Any, where: str = "schedule") -> "Schedule":
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ScheduleError(f"{where}: not a klotski schedule (missing format: {FORMAT!r})")
-        if data.get("version") != VERSION:
+        if data.get("version") != VERSION or isinstance(data.get("version"), bool):  # (true == 1)
             raise ScheduleError(f"{where}: schedule format version {data.get('version')!r}, expected {VERSION}")
+        unknown = set(data) - {"format", "version", "meta", "streams", "preloaded", "ops"}
+        if unknown:
+            raise ScheduleError(f"{where}: unknown key(s) {sorted(unknown)}")
         for key, kind in (("ops", list), ("streams", dict), ("preloaded", list), ("meta", dict)):
             if key in data and not isinstance(data[key], kind):
                 raise ScheduleError(f"{where}: {key!r} must be a JSON {'array' if kind is list else 'object'}")

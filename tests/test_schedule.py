@@ -115,6 +115,13 @@ def test_corrupt_json_gives_clear_error(tmp_path):
                                          "colour": "red"}]}))
     with pytest.raises(ScheduleError, match="unknown field"):
         Schedule.load(path)
+    good = {"format": "klotski-schedule", "version": 1, "streams": {"compute": "gpu"},
+            "ops": [{"id": "a", "kind": "compute", "stream": "compute", "category": "x"}]}
+    for bad, message in (({**good, "version": True}, "version True"), ({**good, "colour": 1}, "unknown key"),
+                         ({**good, "preloaded": [["w", 1], ["w", 2]]}, "'w' is preloaded twice")):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ScheduleError, match=message):
+            Schedule.load(path)
     path.write_bytes(b"\xff\xfe\x00 not text")
     with pytest.raises(ScheduleError, match="not a text file"):
         Schedule.load(path)
