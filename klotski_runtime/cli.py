@@ -165,7 +165,7 @@ def cmd_execute(args: argparse.Namespace) -> int:
     from .executor import ExecOptions, check_compatible, execute
     from .kernels import WeightStore
 
-    if args.out:
+    if args.out is not None:
         output_folder(args.out)
     folder = Path(args.schedule)
     schedule_path = folder / "schedule.json" if folder.is_dir() else folder

@@ -114,6 +114,8 @@ def parse_overrides(items: Sequence[str], flag: str) -> dict[str, Any]:
 def output_folder(path: str | os.PathLike, flag: str = "--out") -> Path:
     """The folder a command writes to, made and checked before any work: a simulation is not run
     only to find that its results cannot be written."""
+    if not str(path).strip():  # (Path("") is the current folder: compare wrote there, simulate nothing)
+        raise CliError(f"{flag}: expected a folder, got an empty name")
     out = Path(path)
     if out.exists() and not out.is_dir():
         raise CliError(f"{flag} {out}: exists and is not a folder")
@@ -201,7 +203,7 @@ def _oom_text(oom: dict[str, Any]) -> str:
 
 # ---- subcommands ----------------------------------------------------------------------------
 def cmd_simulate(args: argparse.Namespace) -> int:
-    out = output_folder(args.out) if args.out else None
+    out = output_folder(args.out) if args.out is not None else None
     result = run(spec_from_args(args, options=parse_overrides(args.options, "--option")))
     print(format_summary(result.timeline.summary()))
     if result.probes is not None:

@@ -259,6 +259,8 @@ TINY_RUN = ["--model", "tiny-mixtral", "--prompt-len", "8", "--gen-len", "2", "-
     (["compare", "--policies", ""], "argument --policies: expected comma-separated names"),
     (["optimize", "--policies", "klotski,,flexgen"], "argument --policies: expected comma-separated names"),
     (["compare", *TINY_RUN, "--out", "{file}"], "exists and is not a folder"),
+    (["compare", *TINY_RUN, "--out", ""], "--out: expected a folder, got an empty name"),
+    (["simulate", *TINY_RUN, "--out", " "], "--out: expected a folder, got an empty name"),
     (["simulate", *TINY_RUN, "--out", "{file}/sub"], "cannot create the folder"),
     (["optimize", "--model", "tiny-mixtral", "--resident-layers", "99", "--out", "{tmp}/o"],
      "resident_layers: 99 is more than tiny-mixtral's 2 layers"),
