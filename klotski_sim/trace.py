@@ -20,6 +20,7 @@ in memory in the type they are stored in) that replays with a single slice.
 from __future__ import annotations
 
 import json
+import math
 import zipfile
 from collections import Counter
 from dataclasses import dataclass, field
@@ -266,6 +267,15 @@ def _sequences_ids(trace: Trace, chosen: list[int], tokens: int) -> np.ndarray:
 
 
 # ---- import -------------------------------------------------------------------------------------
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are each given once (json keeps the last of a repeated one)."""
+    record = dict(pairs)
+    if len(record) < len(pairs):
+        twice = next(key for k, (key, _) in enumerate(pairs) if key in dict(pairs[:k]))
+        raise ValueError(f"key {twice!r} is given twice")
+    return record
+
+
 def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str = "unknown",
                  prompt_len_field: str = "prompt_len", key_fields: tuple[str, ...] | None = None,
                  holes: str = "cut", source: str | None = None, license: str | None = None,
@@ -310,7 +320,7 @@ def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str
         if not line.strip():
             continue
         try:
-            rec = json.loads(line)
+            rec = json.loads(line, object_pairs_hook=_unique_keys)
         except ValueError as err:  # (JSONDecodeError, or a number too long for an int: 4300 digits)
             raise TraceError(f"{path}:{lineno}: not valid JSON ({getattr(err, 'msg', err)})") from None
         except RecursionError:
@@ -346,8 +356,10 @@ def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str
         if max(experts) > max_id:
             max_id, max_id_line = max(experts), lineno
         if weights is not None and (not isinstance(weights, list) or len(weights) != len(experts)
-                                    or not all(isinstance(w, (int, float)) for w in weights)):
-            raise TraceError(f"{path}:{lineno}: gate weights must be a list of numbers, one per expert")
+                                    or not all(isinstance(w, (int, float)) and not isinstance(w, bool)
+                                               and 0 <= w < math.inf for w in weights)):
+            raise TraceError(f"{path}:{lineno}: gate weights must be a list of finite non-negative numbers, one per "
+                             f"expert")
         if top_k is None:
             top_k = len(experts)
         elif len(experts) != top_k:
@@ -356,7 +368,9 @@ def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str
             value = rec[prompt_len_field]
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise TraceError(f"{path}:{lineno}: {prompt_len_field} must be an integer >= 0, got {value!r}")
-            prompt_lens[seq] = value
+            if prompt_lens.setdefault(seq, value) != value:
+                raise TraceError(f"{path}:{lineno}: {prompt_len_field} {value} for sequence {seq!r}, whose earlier "
+                                 f"records said {prompt_lens[seq]}")
         table = records.setdefault(seq, {})
         if (tok, layer) in table:
             duplicates.append(f"{path}:{lineno}: sequence {seq!r} token {tok} layer {layer} appears again; the "
@@ -374,6 +388,9 @@ def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str
     has_weights = all(w is not None for seq in records.values() for _, w in seq.values())
     for seq, table in records.items():
         max_tok = max(t for t, _ in table)
+        if prompt_lens.get(seq, 0) > max_tok + 1:
+            raise TraceError(f"{path}:{first_line[seq]}: sequence {seq!r} has {prompt_len_field} "
+                             f"{prompt_lens[seq]} but only {max_tok + 1} tokens")
         per_token = Counter(t for t, _ in table)
         # the first token with a layer missing (counting, not listing, the holes: a log of a few
         # records at absurd positions must not allocate their square)

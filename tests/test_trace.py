@@ -497,3 +497,22 @@ def test_provenance_flags_and_late_errors_name_the_line(tmp_path):
                                                                   "ShareGPT")
     with pytest.raises(TraceError, match=r"log.jsonl:3: expert id 3 is out of range for --num-experts 3"):
         import_jsonl(path, num_experts=3)
+
+
+@pytest.mark.parametrize("records,message", [
+    ([{"seq_id": 0, "token_idx": 0, "layer": 0, "experts": [1, 2], "gating_probs": [float("nan"), 0.5]}],
+     "finite non-negative"),
+    ([{"seq_id": 0, "token_idx": 0, "layer": 0, "experts": [1, 2], "gating_probs": [-0.5, 1.5]}],
+     "finite non-negative"),
+    ([{"seq_id": 0, "token_idx": t, "layer": 0, "experts": [1, 2], "prompt_len": 100} for t in range(3)],
+     "has prompt_len 100 but only 3 tokens"),
+    ([{"seq_id": 0, "token_idx": t, "layer": 0, "experts": [1, 2], "prompt_len": 2 + t} for t in range(3)],
+     "prompt_len 3 for sequence 0, whose earlier records said 2"),
+    ('{"seq_id": 0, "seq_id": 1, "token_idx": 0, "layer": 0, "experts": [1, 2]}', "key 'seq_id' is given twice")])
+def test_an_imported_log_is_taken_as_written_or_refused_by_line(tmp_path, records, message):
+    """NaN or negative gate probabilities were stored, a prompt longer than its sequence was
+    clipped, a sequence's two prompt lengths resolved silently, a repeated key kept its last value."""
+    text = records if isinstance(records, str) else "\n".join(json.dumps(r) for r in records)
+    (tmp_path / "log.jsonl").write_text(text + "\n")
+    with pytest.raises(TraceError, match=message):
+        import_jsonl(tmp_path / "log.jsonl", num_experts=4)
