@@ -132,6 +132,10 @@ def record(model_dir: str | Path, texts: Sequence[str], max_tokens: int = 512, g
         raise RecordError("max_tokens must be >= 1 and gen_len >= 0")
     model, tokenizer = load_moe_model(model_dir, device)
     config = model.config
+    positions = getattr(config, "max_position_embeddings", None)
+    if isinstance(positions, int) and max_tokens + gen_len > positions:  # (refused now, not after hours of decode)
+        raise RecordError(f"--max-tokens {max_tokens} + --gen-len {gen_len} = {max_tokens + gen_len} tokens, but "
+                          f"{Path(model_dir).name}'s config allows {positions} positions (max_position_embeddings)")
     top_k = int(config.num_experts_per_tok)
     num_experts = int(getattr(config, "num_local_experts", None) or config.num_experts)
     routers = _routers(model)

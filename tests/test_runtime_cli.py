@@ -98,3 +98,11 @@ def test_what_the_runtime_cannot_honour_is_refused_in_one_line(tmp_path, args, m
     (tmp_path / "a_file").write_text("x")
     rc, out, err = run_runtime(*(a.format(d=tmp_path) for a in args))
     assert rc == 2 and message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_record_beyond_the_models_positions_is_refused_before_decoding(tmp_path):
+    """--gen-len 100000000 decoded on (hours) although the checkpoint allows 2048 positions."""
+    assert run_runtime("tiny-checkpoint", "--out", str(tmp_path / "ckpt"))[0] == 0
+    rc, out, err = run_runtime("record", "--model-dir", str(tmp_path / "ckpt"), "--text", "traces/sample_text.txt",
+                               "--max-tokens", "8", "--gen-len", "100000000", "--out", str(tmp_path / "r.npz"))
+    assert rc == 2 and "allows 2048 positions (max_position_embeddings)" in err and not (tmp_path / "r.npz").exists()
