@@ -131,6 +131,14 @@ def test_register_refuses_a_second_policy_of_the_same_name():
         register("flexgen", "another flexgen")(lambda inp: None)
 
 
+@pytest.mark.parametrize("name", ["", "../../escaped", "a/b", ".hidden", "x" * 65, " spaced"])
+def test_register_refuses_a_name_that_cannot_name_a_file(name):
+    """A policy's name names its files (compare --traces: trace_<policy>.json.gz): "../../escaped"
+    was accepted and its trace written outside the output folder, or failed with an errno."""
+    with pytest.raises(UsageError, match="policy name"):
+        register(name, "a policy")
+
+
 @pytest.mark.parametrize("args, message", [
     (("--option", "slots=abc"), "must be of type int"),
     (("--option", "slots=-1"), "slots must be >= 1"),

@@ -8,6 +8,7 @@ with the right FLOPs, bytes, tags, KV traffic and memory effects, so policies on
 
 from __future__ import annotations
 
+import re
 import sys
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -146,6 +147,9 @@ class PolicyInfo:
 POLICIES: dict[str, PolicyInfo] = {}
 
 
+_POLICY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
 def register(name: str, description: str, defaults: Mapping[str, Any] | None = None,
              buffering: str = "whole-layer", impl_options: tuple[str, ...] = (),
              presets: Mapping[str, Mapping[str, Any]] | None = None,
@@ -153,6 +157,9 @@ def register(name: str, description: str, defaults: Mapping[str, Any] | None = N
              needs_cpu: bool = False, speed_independent: bool = False,
              probe_n: bool = False) -> Callable[[PolicyBuilder], PolicyBuilder]:
     """Decorator: make a build function available as `--policy NAME`."""
+    if not isinstance(name, str) or not _POLICY_NAME.fullmatch(name):  # (it names files: trace_<policy>.json.gz)
+        raise UsageError(f"policy name {name!r}: use letters, digits, '-', '_' and '.', starting with a letter or "
+                         f"digit (at most 64)")
     if buffering not in BUFFERING:
         raise UsageError(f"buffering must be one of {BUFFERING}")
     unknown = set(impl_options) - set(IMPL_CHOICES)
