@@ -19,15 +19,13 @@ from klotski_sim.argtypes import (
     positive_int,
     seed_int,
 )
-from klotski_sim.cli import CliError, guarded, output_folder, parse_overrides
+from klotski_sim.cli import CliError, guarded, output_file, output_folder, parse_overrides
 
-from .record import RecordError, read_texts, record, save_tiny_mixtral, save_tiny_olmoe, save_tiny_qwen3_moe
+from .record import read_texts, record, save_tiny_mixtral, save_tiny_olmoe, save_tiny_qwen3_moe
 
 
 def cmd_record(args: argparse.Namespace) -> int:
-    folder = Path(args.out).resolve().parent
-    if not folder.is_dir():
-        raise RecordError(f"--out {args.out}: folder {folder} does not exist")
+    output_file(args.out)
     texts = read_texts(args.text)
     trace = record(args.model_dir, texts, max_tokens=args.max_tokens, gen_len=args.gen_len, device=args.device,
                    dataset=args.dataset or Path(args.text).name, model_name=args.model_name)
@@ -105,6 +103,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     from .calibrate import calibrate
 
+    output_file(args.out)
     profile = calibrate(get_model(args.model), args.device, batch_sizes=args.batch_sizes,
                         prompt_lens=args.prompt_lens, max_expert_tokens=args.max_expert_tokens, repeats=args.repeats,
                         dtype=getattr(torch, args.dtype), emulate_links=_emulation(args),

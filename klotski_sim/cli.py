@@ -132,6 +132,23 @@ def output_folder(path: str | os.PathLike, flag: str = "--out") -> Path:
     return out
 
 
+def output_file(path: str | os.PathLike, flag: str = "--out") -> Path:
+    """A file a command will write, checked before any work (a whole table or a calibration was
+    printed before `Is a directory` or a missing folder was found): not a folder, in a folder that
+    exists and can be written."""
+    if not str(path).strip():
+        raise CliError(f"{flag}: expected a file name, got an empty one")
+    out = Path(path)
+    if out.is_dir():
+        raise CliError(f"{flag} {out}: is a folder; give a file name")
+    folder = out.resolve().parent
+    if not folder.is_dir():
+        raise CliError(f"{flag} {out}: {folder} {'is not a folder' if folder.exists() else 'does not exist'}")
+    if not os.access(folder, os.W_OK):
+        raise CliError(f"{flag} {out}: cannot write in {folder}")
+    return out
+
+
 def spec_from_args(args: argparse.Namespace, **changes: Any) -> RunSpec:
     fields = dict(model=args.model, hardware=args.hardware, policy=getattr(args, "policy", "single-batch"),
                   batch_size=args.batch_size, num_batches=getattr(args, "num_batches", None), prompt_len=args.prompt_len,
@@ -489,6 +506,7 @@ def cmd_profiles(args: argparse.Namespace) -> int:
 
 
 def cmd_trace_synth(args: argparse.Namespace) -> int:
+    output_file(args.out)
     model = get_model(args.model)
     check_routing_fits(model, args.sequences, args.prompt_len + args.gen_len, f"{args.sequences} sequences")
     trace = synthesize(model, args.sequences, args.prompt_len, args.gen_len, args.routing, args.seed,
@@ -500,6 +518,8 @@ def cmd_trace_synth(args: argparse.Namespace) -> int:
 
 
 def cmd_trace_stats(args: argparse.Namespace) -> int:
+    if args.csv:
+        output_file(args.csv, "--csv")
     trace = token_subset(Trace.load(args.file), args.tokens)
     df = layer_stats(trace)
     print(format_stats(trace, df))
@@ -510,6 +530,8 @@ def cmd_trace_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_trace_import(args: argparse.Namespace) -> int:
+    if args.out:
+        output_file(args.out)
     trace, problems = import_jsonl(args.file, num_experts=args.num_experts, model=args.model or "unknown",
                                    key_fields=tuple(args.key) if args.key else None, holes=args.holes,
                                    source=args.source, license=args.license, dataset=args.dataset)

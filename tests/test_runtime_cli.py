@@ -91,7 +91,10 @@ def test_record_refuses_what_it_cannot_read_in_one_line(tmp_path):
 @pytest.mark.parametrize("args,message", [
     (("tiny-checkpoint", "--out", "{d}/ckpt", "--seed", "99999999999999999999999"), "a seed from 0 to 2**63 - 1"),
     (("execute", "{d}/run", "--threads", "100000"), "an integer from 1 to 1024"),
-    (("tiny-checkpoint", "--out", "{d}/a_file"), "is a file; a checkpoint is a folder")])
+    (("tiny-checkpoint", "--out", "{d}/a_file"), "is a file; a checkpoint is a folder"),
+    (("calibrate", "--model", "tiny-mixtral", "--out", "{d}"), "is a folder; give a file name"),
+    (("record", "--model-dir", "{d}", "--text", "traces/sample_text.txt", "--out", "{d}/a_file/r.npz"),
+     "a_file is not a folder")])
 def test_what_the_runtime_cannot_honour_is_refused_in_one_line(tmp_path, args, message):
     """A seed beyond 64 bits (the simulator took it, torch overflowed), 100,000 threads (can't start
     new thread), a checkpoint folder that is a file (transformers only warned; success was printed)."""
