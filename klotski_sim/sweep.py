@@ -43,6 +43,7 @@ import math
 import os
 import time
 import traceback
+import zipfile
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from functools import lru_cache
 from importlib import resources
@@ -66,6 +67,7 @@ from .errors import KlotskiError, UsageError
 from .hardware import ProfileError, load_profile, with_overrides
 from .impl import PRESET_NAMES
 from .model import get_model
+from .npzfile import check_npz
 from .policies import POLICIES
 from .policies.base import resolve_options
 from .policies.plugins import load_policy_files
@@ -240,8 +242,14 @@ def check_spec(spec: SweepSpec, where: str) -> None:
     model = get_model(spec.models[0]) if not problems else None
     for r in spec.routings:
         if r.startswith("trace:"):
-            if not Path(r[6:]).exists():
+            try:  # (a folder or a file of another kind became a failed row of every configuration)
+                check_npz(r[6:], "routing trace", SweepError)
+            except FileNotFoundError:
                 problems.append(f"routing {r!r}: no such trace file")
+            except KlotskiError as err:
+                problems.append(f"routing {r!r}: {err}")
+            except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
+                problems.append(f"routing {r!r}: not a routing trace ({err})")
         elif model is not None:
             try:
                 params_for(r, model)

@@ -282,7 +282,11 @@ def test_sweep_specs_refuse_empty_axes_repeats_and_negative_seeds():
                          ({"options": {"expert_cache": []}}, "give at least one value"),
                          ({"policies": ["klotski", "klotski"]}, "'klotski' is given twice"),
                          ({"seeds": [-1]}, "seeds must be >= 0"),
-                         ({"resident_layers": [999]}, "more than")):
+                         ({"resident_layers": [999]}, "more than"),
+                         ({"options": {"expert_cache": [-1]}}, "expert_cache must be a whole number"),
+                         ({"options": {"expert_cache": [float("nan")]}}, "expert_cache must be a whole number"),
+                         ({"routings": ["trace:/tmp"]}, "is a directory, not a routing trace"),
+                         ({"routings": ["trace:README.md"]}, "not a routing trace")):
         with pytest.raises(SweepError, match=message):
             parse_spec({**TINY, **bad})
 

@@ -255,6 +255,9 @@ def resolve_options(name: str, impl: str, options: Mapping[str, Any]) -> dict[st
             raise UsageError(f"policy {name!r}: option {key} must be of type {type(default).__name__} (default "
                              f"{default!r}), got {value!r}")
     resolved.update(options)
+    slots = resolved.get("expert_cache", 0)
+    if not isinstance(slots, int) or slots < 0:  # (-1, NaN or 2.5 failed only inside the run)
+        raise UsageError(f"policy {name!r}: expert_cache must be a whole number of experts >= 0, got {slots!r}")
     if resolved.get("cache_policy", "lru") != "lru" and not resolved.get("expert_cache"):
         raise UsageError(f"policy {name!r}: cache_policy={resolved['cache_policy']} needs expert_cache > 0")
     Impl.from_options(resolved)  # refuse a value outside an option's choices
