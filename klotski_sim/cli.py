@@ -697,6 +697,13 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except (MemoryError, RuntimeError) as err:  # (torch's allocators raise RuntimeError: "... can't allocate ...")
+        if getattr(args, "debug", False) or not (isinstance(err, MemoryError) or "allocate" in str(err)):
+            raise
+        said = " ".join(str(err).split())[:200]
+        print(f"error: out of memory{': ' + said if said else ''} (a smaller configuration, or --debug for where)",
+              file=sys.stderr)
+        return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:

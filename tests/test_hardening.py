@@ -311,3 +311,28 @@ def test_a_refused_configuration_compares_and_executes_in_one_line(tmp_path):
 def test_plan_names_what_does_not_fit():
     rc, out, err = run_cli("plan", "--batch-size", "4", "--prompt-len", "10000000000")
     assert rc == 3 and "not even one batch fits" in out and "weight buffers alone" not in out  # (exit 3 as simulate)
+
+
+@pytest.mark.parametrize("raised,shown", [
+    (MemoryError("Unable to allocate 3.64 TiB"), "error: out of memory: Unable to allocate 3.64 TiB"),
+    (RuntimeError("[enforce fail] DefaultCPUAllocator: can't allocate memory: you tried to allocate 2560 bytes"),
+     "error: out of memory: [enforce fail]")])
+def test_running_out_of_memory_is_one_line_and_other_errors_keep_their_traceback(capsys, raised, shown):
+    """numpy's and torch's allocation failures (calibrate --batch-sizes 1000000000 ended in a torch
+    traceback) are one line; any other RuntimeError is a bug and keeps its traceback."""
+    import argparse
+
+    from klotski_sim.cli import guarded
+
+    def parser_raising(error: BaseException) -> argparse.ArgumentParser:
+        def fail(args: argparse.Namespace) -> int:
+            raise error
+        parser = argparse.ArgumentParser()
+        parser.set_defaults(func=fail)
+        return parser
+
+    assert guarded(parser_raising(raised), []) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(shown) and err.count("\n") == 1
+    with pytest.raises(RuntimeError, match="a bug"):
+        guarded(parser_raising(RuntimeError("a bug")), [])
