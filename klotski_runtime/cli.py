@@ -174,7 +174,9 @@ def cmd_execute(args: argparse.Namespace) -> int:
                        f"nothing to execute")
     routing_path = args.routing or (folder if folder.is_dir() else folder.parent) / "routing.npz"
     routing = RoutingTable.load(routing_path)
-    model = get_model(args.model or schedule.meta.get("model", ""))
+    if not (args.model or schedule.meta.get("model")):
+        raise CliError(f"{schedule_path}: meta.model is missing (which model the schedule is of); give --model")
+    model = get_model(args.model or schedule.meta["model"])
     check_compatible(schedule, model, None, routing)  # before any weights are made or read
     dtype = getattr(torch, args.dtype)
     weights = (WeightStore.from_checkpoint(args.checkpoint, model, dtype=dtype) if args.checkpoint

@@ -26,7 +26,7 @@ def load_policy_file(path: str | Path) -> list[str]:
     file, a syntax error or an exception while importing is one line naming the file and line."""
     p = Path(path)
     if not p.is_file():
-        raise UsageError(f"--policy-file {path}: no such file")
+        raise UsageError(f"--policy-file {path}: {'is a folder, not a Python file' if p.is_dir() else 'no such file'}")
     key = str(p.resolve())
     if key in _loaded:
         return _loaded[key]
@@ -41,7 +41,8 @@ def load_policy_file(path: str | Path) -> list[str]:
         spec.loader.exec_module(module)
     except SyntaxError as err:
         sys.modules.pop(module_name, None)
-        raise UsageError(f"{path}:{err.lineno}: syntax error: {err.msg}") from None
+        where = f"{path}:{err.lineno}" if err.lineno else str(path)  # (a binary file has no line)
+        raise UsageError(f"{where}: syntax error: {err.msg}") from None
     except KlotskiError as err:
         sys.modules.pop(module_name, None)
         raise UsageError(f"{path}: {err}") from None
