@@ -42,14 +42,13 @@ def test_the_planner_uses_the_gpu_memory_the_kv_cache_leaves():
 
 
 @pytest.mark.parametrize("args, message", [
-    (("--hardware", "a100-80g"), "`cpu:` section"),
-    (("--kv", "gpu"), "--kv gpu contradicts"),
-    (("--model", "deepseek-v2-lite:2"), "MLA"),
+    (("--option", "attention_device=cpu", "--hardware", "a100-80g"), "`cpu:` section"),
+    (("--option", "attention_device=cpu", "--kv", "gpu"), "--kv gpu contradicts"),
+    (("--option", "attention_device=cpu", "--model", "deepseek-v2-lite:2"), "MLA"),
     (("--option", "attention_device=tpu"), "gpu or cpu"),
 ])
 def test_impossible_cpu_attention_is_one_line(args, message):
-    code, out, err = run_cli("simulate", "--policy", "klotski", "--option", "attention_device=cpu", "--no-png",
-                             "--gen-len", "4", *args)
+    code, out, err = run_cli("simulate", "--policy", "klotski", "--no-png", "--gen-len", "4", *args)
     assert code == 2 and err.count("\n") == 1 and message in err, err
 
 
