@@ -282,13 +282,14 @@ class Schedule:
         graph = dependency_arrays(ops, deps, position, self.column("stream"), checked=False)  # (an unknown
         # dep: a ScheduleError naming the op)
         preloaded = [name for name, _ in self.preloaded]
-        if len(set(preloaded)) < len(preloaded):
-            twice = next(name for k, name in enumerate(preloaded) if name in preloaded[:k])
-            raise ScheduleError(f"buffer {twice!r} is preloaded twice")
         allocs = list(filter(None, self.column("alloc")))
         allocated = set(preloaded).union(map(itemgetter(0), chain.from_iterable(allocs)))
-        if len(allocated) < len(preloaded) + sum(map(len, allocs)):  # a buffer allocated twice: name the op
-            allocated = set(preloaded)
+        if len(allocated) < len(preloaded) + sum(map(len, allocs)):  # a buffer allocated twice: name it
+            allocated = set()
+            for name in preloaded:
+                if name in allocated:
+                    raise ScheduleError(f"buffer {name!r} is preloaded twice")
+                allocated.add(name)
             for op in ops:
                 for name, _ in op.alloc:
                     if name in allocated:
