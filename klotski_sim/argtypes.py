@@ -32,12 +32,12 @@ def plain_int(text: str) -> int:
     return int(body)
 
 
-def _int_from(text: str, low: int, what: str) -> int:
+def _int_from(text: str, low: int, what: str, high: int | None = None) -> int:
     try:
         value = plain_int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-    if value < low:
+    if value < low or (high is not None and value > high):
         raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
     return value
 
@@ -53,20 +53,12 @@ def nonnegative_int(text: str) -> int:
 def seed_int(text: str) -> int:
     """A seed the simulator and the runtime both take: numpy's and torch's generators (torch's needs
     it to fit in 64 bits; a larger one crashed the runtime that the simulator had accepted)."""
-    value = _int_from(text, 0, "a seed from 0 to 2**63 - 1")
-    if value >= 1 << 63:
-        raise argparse.ArgumentTypeError(f"expected a seed from 0 to 2**63 - 1, got {value}")
-    return value
+    return _int_from(text, 0, "a seed from 0 to 2**63 - 1", high=(1 << 63) - 1)
 
 
 def bounded_int(low: int, high: int) -> Callable[[str], int]:
     """An integer from `low` to `high` (a count the machine can honour, e.g. threads)."""
-    def parse(text: str) -> int:
-        value = _int_from(text, low, f"an integer from {low} to {high}")
-        if value > high:
-            raise argparse.ArgumentTypeError(f"expected an integer from {low} to {high}, got {value}")
-        return value
-    return parse
+    return lambda text: _int_from(text, low, f"an integer from {low} to {high}", high)
 
 
 def layers_or_fill(text: str) -> int | str:

@@ -20,12 +20,12 @@ def regular_file_size(path: str | Path, what: str, error: type[KlotskiError] = K
     """The size of `path`, refused unless it is a regular file of at most `max_bytes`: a device
     (/dev/zero) would be read until memory runs out, a pipe would block. A missing file raises
     FileNotFoundError, for the caller to word."""
-    mode = os.stat(path).st_mode
-    if stat.S_ISDIR(mode):
+    status = os.stat(path)
+    if stat.S_ISDIR(status.st_mode):
         raise error(f"{path}: is a directory, not a {what}")
-    if not stat.S_ISREG(mode):
+    if not stat.S_ISREG(status.st_mode):
         raise error(f"{path}: not a regular file (a device or a pipe?), so not a {what}")
-    size = os.stat(path).st_size
+    size = status.st_size
     if max_bytes is not None and size > max_bytes:
         raise error(f"{path}: {size:,} bytes is too large for a {what} (at most {max_bytes:,}): refused before "
                     f"reading it")
