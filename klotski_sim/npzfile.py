@@ -21,6 +21,8 @@ from .textfile import regular_file_size
 
 LEVEL = 1
 MAX_NPZ_BYTES = 8 << 30  # the decompressed arrays of one trace or routing file
+# What reading a damaged .npz raises (by numpy, or by `check_npz`): its readers word it as such.
+NPZ_READ_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile)
 
 
 def check_npz(path: str | Path, what: str, error: type[KlotskiError]) -> None:
@@ -28,7 +30,7 @@ def check_npz(path: str | Path, what: str, error: type[KlotskiError]) -> None:
     headers declare them, are no larger than what its zip holds for each, and together at most
     MAX_NPZ_BYTES decompressed (a small file can declare terabytes: numpy would allocate them
     before finding the data missing). A damaged zip or header raises as numpy's reading would
-    (BadZipFile, ValueError, EOFError, OSError); a missing file, FileNotFoundError."""
+    (NPZ_READ_ERRORS); a missing file, FileNotFoundError."""
     regular_file_size(path, what, error)
     with zipfile.ZipFile(path) as archive:
         infos = archive.infolist()

@@ -43,7 +43,6 @@ import math
 import os
 import time
 import traceback
-import zipfile
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from functools import lru_cache
 from importlib import resources
@@ -67,7 +66,7 @@ from .errors import KlotskiError, UsageError
 from .hardware import ProfileError, load_profile, with_overrides
 from .impl import PRESET_NAMES
 from .model import get_model
-from .npzfile import check_npz
+from .npzfile import NPZ_READ_ERRORS, check_npz
 from .policies import POLICIES
 from .policies.base import resolve_options
 from .policies.plugins import load_policy_files
@@ -248,7 +247,7 @@ def check_spec(spec: SweepSpec, where: str) -> None:
                 problems.append(f"routing {r!r}: no such trace file")
             except KlotskiError as err:
                 problems.append(f"routing {r!r}: {err}")
-            except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
+            except NPZ_READ_ERRORS as err:
                 problems.append(f"routing {r!r}: not a routing trace ({err})")
         elif model is not None:
             try:

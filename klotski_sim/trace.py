@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import math
-import zipfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,8 +30,8 @@ import numpy as np
 
 from .errors import KlotskiError
 from .model import ModelSpec
-from .npzfile import check_npz, write_npz
-from .routing import RoutingTable, RunShape, expert_id_type
+from .npzfile import NPZ_READ_ERRORS, check_npz, write_npz
+from .routing import RoutingTable, RunShape, expert_id_type, repeats_an_expert
 from .textfile import read_text
 
 FORMAT = "klotski-routing-trace"
@@ -128,14 +127,8 @@ class Trace:
         if e.size and (e.min() < 0 or e.max() >= n_exp):
             bad = int(e.max()) if e.max() >= n_exp else int(e.min())
             raise TraceError(f"{where}: expert id {bad} out of range for num_experts={n_exp}")
-        if e.size and self.top_k > 1:
-            if self.top_k == 2:
-                twice = np.any(e[:, :, 0] == e[:, :, 1])
-            else:
-                srt = np.sort(e, axis=2)
-                twice = np.any(srt[:, :, 1:] == srt[:, :, :-1])
-            if twice:
-                raise TraceError(f"{where}: a token selects the same expert twice in one layer")
+        if repeats_an_expert(e):
+            raise TraceError(f"{where}: a token selects the same expert twice in one layer")
         if self.weights is not None:
             w = self.weights
             if w.shape != e.shape:
@@ -194,7 +187,7 @@ class Trace:
             raise
         except FileNotFoundError:
             raise TraceError(f"{path}: no such trace file") from None
-        except (zipfile.BadZipFile, EOFError, OSError, ValueError, KeyError, json.JSONDecodeError) as err:
+        except (*NPZ_READ_ERRORS, KeyError) as err:  # (JSONDecodeError of the meta: a ValueError)
             raise TraceError(f"{path}: cannot read trace, the file is truncated or corrupt ({err})") from None
         if meta.get("format") != FORMAT:
             raise TraceError(f"{path}: not a klotski routing trace (format {meta.get('format')!r})")

@@ -516,3 +516,13 @@ def test_an_imported_log_is_taken_as_written_or_refused_by_line(tmp_path, record
     (tmp_path / "log.jsonl").write_text(text + "\n")
     with pytest.raises(TraceError, match=message):
         import_jsonl(tmp_path / "log.jsonl", num_experts=4)
+
+
+@given(st.integers(1, 5), st.integers(0, 6), st.integers(1, 9), st.integers(0, 2**32 - 1))
+def test_a_repeated_expert_is_found_as_token_by_token_would_find_it(top_k, tokens, experts, seed):
+    """`routing.repeats_an_expert` (traces and routing tables share it) answers as a set per token would."""
+    from klotski_sim.routing import repeats_an_expert
+
+    ids = np.random.default_rng(seed).integers(0, experts, (tokens, 2, top_k))
+    expected = any(len(set(row)) < top_k for row in ids.reshape(-1, top_k).tolist())
+    assert repeats_an_expert(ids) == expected
