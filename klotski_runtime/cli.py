@@ -19,7 +19,8 @@ from klotski_sim.argtypes import (
     positive_int,
     seed_int,
 )
-from klotski_sim.cli import CliError, guarded, output_file, output_folder, parse_overrides
+from klotski_sim.cli import (DEFAULT_ROUTING, CliError, guarded, output_file, output_folder, parse_overrides,
+                             routing_kind)
 
 from .record import read_texts, record, save_tiny_mixtral, save_tiny_olmoe, save_tiny_qwen3_moe
 
@@ -56,6 +57,9 @@ def _csv_ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    repeated = next((v for k, v in enumerate(values) if v in values[:k]), None)
+    if repeated is not None:  # (each shape would be measured twice, and the profile hold it once)
+        raise argparse.ArgumentTypeError(f"{repeated} is given twice in {text!r}")
     return values
 
 
@@ -78,9 +82,17 @@ def _rate_or_off(text: str) -> float | str:
 
 
 def _pageable(args: argparse.Namespace) -> dict[str, float]:
-    """Emulated rate of copies from pageable host memory (only with emulated links)."""
+    """Emulated rate of copies from pageable host memory (only with emulated links). A pageable
+    copy is staged through a pinned buffer, so it is never faster than a pinned one: a faster
+    rate, or one given where nothing is emulated, is refused rather than ignored."""
     links = _emulation(args)
     rate = args.emulate_pageable
+    if rate is not None and not links:
+        raise CliError(f"--emulate-pageable {rate:g}: applies only to emulated links (--device cpu with "
+                       f"--emulate-pcie RATE), which this run does not emulate")
+    if rate is not None and rate > args.emulate_pcie:
+        raise CliError(f"--emulate-pageable {rate:g} B/s is faster than the pinned rate --emulate-pcie "
+                       f"{args.emulate_pcie:g} B/s; a pageable copy goes through a pinned buffer, so it cannot be")
     return {r: (rate if rate else bw * PAGEABLE_RATIO) for r, bw in links.items()}
 
 
@@ -122,9 +134,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from .validate import ALL_POLICIES, ValidationSetup, format_report, validate
 
     policies = ALL_POLICIES if args.policy == "all" else tuple(args.policy.split(","))
+    repeated = next((p for k, p in enumerate(policies) if p in policies[:k]), None)
+    if repeated is not None:
+        raise CliError(f"--policy {args.policy}: {repeated!r} is given twice")
     setup = ValidationSetup(model=args.model, device=args.device, batch_size=args.batch_size,
                             num_batches=args.num_batches, prompt_len=args.prompt_len, gen_len=args.gen_len,
-                            routing=args.routing, trace=args.trace, seed=args.seed, kv=args.kv,
+                            routing=routing_kind(args.routing, args.trace), trace=args.trace, seed=args.seed,
+                            kv=args.kv,
                             emulate_links=_emulation(args), emulate_pageable=_pageable(args),
                             checkpoint=args.checkpoint, dtype=args.dtype, threads=args.threads, impl=args.impl,
                             repeats=args.repeats, options=parse_overrides(args.options, "--option"))
@@ -257,7 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-batches", type=positive_int, default=2, help="batches n (default: %(default)s)")
     p.add_argument("--prompt-len", type=positive_int, default=32, help="prompt tokens (default: %(default)s)")
     p.add_argument("--gen-len", type=positive_int, default=4, help="generated tokens (default: %(default)s)")
-    p.add_argument("--routing", default="calibrated", help="synthetic routing kind (default: %(default)s)")
+    p.add_argument("--routing", default=None, metavar="KIND",
+                   help=f"synthetic routing kind when no --trace is given (default: {DEFAULT_ROUTING})")
     p.add_argument("--trace", metavar="FILE", help="replay a routing trace instead of synthetic routing")
     p.add_argument("--seed", type=seed_int, default=0, help="routing and weight seed (default: %(default)s)")
     p.add_argument("--kv", default="gpu", choices=["gpu", "cpu"], help="where the KV cache lives (default: %(default)s)")

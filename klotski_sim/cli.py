@@ -33,7 +33,7 @@ from .exports import save_all
 from .hardware import builtin_profile_names, load_profile
 from .impl import PRESET_NAMES
 from .model import PRESETS, get_model
-from .planner import format_plan
+from .planner import format_plan, memory_text
 from .policies import POLICIES
 from .policies.plugins import load_for_command_line
 from .runner import RunSpec, available_cores, policy_batches, policy_prepared, prepare, run, run_each
@@ -73,9 +73,9 @@ def add_run_arguments(p: argparse.ArgumentParser, policy: bool = True, num_batch
     p.add_argument("--prompt-len", type=positive_int, default=512, help="prompt tokens P (default: %(default)s)")
     p.add_argument("--gen-len", type=positive_int, default=32, help="generated tokens G (default: %(default)s)")
     p.add_argument("--seed", type=seed_int, default=0, help="seed of the routing generator (default: %(default)s)")
-    p.add_argument("--routing", default="calibrated", metavar="KIND",
-                   help="synthetic routing when no --trace is given: calibrated, uniform, zipf:<a>, skewed "
-                        "(default: %(default)s)")
+    p.add_argument("--routing", default=None, metavar="KIND",
+                   help=f"synthetic routing when no --trace is given: calibrated, uniform, zipf:<a>, skewed "
+                        f"(default: {DEFAULT_ROUTING})")
     p.add_argument("--trace", metavar="FILE", help="replay a routing trace (.npz from `trace synth`, `trace import` "
                                                    "or `klotski-runtime record`)")
     p.add_argument("--wrap", action="store_true", help="let a trace with too few sequences reuse them")
@@ -94,6 +94,17 @@ def add_run_arguments(p: argparse.ArgumentParser, policy: bool = True, num_batch
                    help=IMPL_HELP + " (default: %(default)s)")
 
 
+DEFAULT_ROUTING = "calibrated"
+
+
+def routing_kind(routing: str | None, trace: str | None) -> str:
+    """The synthetic routing a run draws (--routing, else the default). A trace replays its own
+    routing: --routing beside --trace would be ignored, so the pair is refused."""
+    if routing is not None and trace is not None:
+        raise CliError(f"--routing {routing} and --trace {trace}: a trace replays its own routing; give one of them")
+    return DEFAULT_ROUTING if routing is None else routing
+
+
 def parse_overrides(items: Sequence[str], flag: str) -> dict[str, Any]:
     """`KEY=VALUE` pairs of `flag` (--set, --option); values are JSON when they parse as JSON."""
     out: dict[str, Any] = {}
@@ -102,6 +113,8 @@ def parse_overrides(items: Sequence[str], flag: str) -> dict[str, Any]:
             raise CliError(f"{flag}: expected KEY=VALUE, got {item!r}")
         key, value = item.split("=", 1)
         key = key.strip()
+        if not key or not value.strip():  # (an empty name or value was taken as the text "")
+            raise CliError(f"{flag} {item}: expected KEY=VALUE with both given")
         if key in out:  # (the last one silently won)
             raise CliError(f"{flag} {key} is given twice ({key}={json.dumps(out[key])} and {item.strip()})")
         try:
@@ -152,9 +165,9 @@ def output_file(path: str | os.PathLike, flag: str = "--out") -> Path:
 def spec_from_args(args: argparse.Namespace, **changes: Any) -> RunSpec:
     fields = dict(model=args.model, hardware=args.hardware, policy=getattr(args, "policy", "single-batch"),
                   batch_size=args.batch_size, num_batches=getattr(args, "num_batches", None), prompt_len=args.prompt_len,
-                  gen_len=args.gen_len, seed=args.seed, routing=args.routing, trace=args.trace, wrap=args.wrap,
-                  warmup_sequences=args.warmup_sequences, kv=args.kv, experts=args.experts,
-                  resident_layers=args.resident_layers, impl=args.impl,
+                  gen_len=args.gen_len, seed=args.seed, routing=routing_kind(args.routing, args.trace),
+                  trace=args.trace, wrap=args.wrap, warmup_sequences=args.warmup_sequences, kv=args.kv,
+                  experts=args.experts, resident_layers=args.resident_layers, impl=args.impl,
                   overrides=parse_overrides(args.overrides, "--set"))
     fields.update(changes)
     return RunSpec(**fields)
@@ -214,8 +227,8 @@ def format_summary(s: Summary) -> str:
 
 def _oom_text(oom: dict[str, Any]) -> str:
     where = "the memory check (nothing built)" if oom["op_id"] == "<memory check>" else f"starting {oom['op_id']}"
-    return (f"out of GPU memory at {where}: needs {oom['needed_bytes'] / GIB:.2f} GiB, "
-            f"{oom['available_bytes'] / GIB:.2f} GiB available" + (f" ({oom['detail']})" if oom.get("detail") else ""))
+    return (f"out of GPU memory at {where}: needs {memory_text(oom['needed_bytes'])}, "
+            f"{memory_text(oom['available_bytes'])} available" + (f" ({oom['detail']})" if oom.get("detail") else ""))
 
 
 # ---- subcommands ----------------------------------------------------------------------------
@@ -267,6 +280,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     for name in policies:
         if name not in POLICIES:
             raise CliError(f"unknown policy {name!r}; known policies: {', '.join(POLICIES)}")
+    if args.flexgen_overlap and "flexgen" not in policies:  # (it would change nothing, silently)
+        raise CliError(f"--flexgen-overlap {args.flexgen_overlap}: flexgen is not among the policies compared "
+                       f"({', '.join(policies)})")
     out = output_folder(args.out)
     prep = prepare(spec)
     if prep.plan is not None:
@@ -529,14 +545,19 @@ def cmd_trace_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+SHOWN_WARNINGS = 40  # an import's problems printed at most
+
+
 def cmd_trace_import(args: argparse.Namespace) -> int:
     if args.out:
         output_file(args.out)
     trace, problems = import_jsonl(args.file, num_experts=args.num_experts, model=args.model or "unknown",
                                    key_fields=tuple(args.key) if args.key else None, holes=args.holes,
                                    source=args.source, license=args.license, dataset=args.dataset)
-    for line in problems:
+    for line in problems[:SHOWN_WARNINGS]:  # (a long log can have one per sequence)
         print(f"warning: {line}", file=sys.stderr)
+    if len(problems) > SHOWN_WARNINGS:
+        print(f"warning: ... and {len(problems) - SHOWN_WARNINGS} more problems like these", file=sys.stderr)
     if args.model:
         trace.check_model(get_model(args.model), args.file)
     out = args.out or str(Path(args.file).with_suffix(".npz"))

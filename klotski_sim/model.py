@@ -380,6 +380,10 @@ def quantised(spec: ModelSpec, text: str, where: str) -> ModelSpec:
         else:
             raise UsageError(f"model {where!r}: unknown quantisation setting {part!r} (gG: group size; fp16|fp32: "
                              f"the dtype of scales and zeros)")
+    weights = spec.hidden_size * spec.ffn_size  # one expert matrix (w1, w3: f x h; w2: h x f)
+    if weights % group:  # (HQQ's Quantizer.quantize asserts W.numel() % group_size == 0: a matrix is whole groups)
+        raise UsageError(f"model {where!r}: the group size {group} does not divide an expert matrix's {weights} "
+                         f"weights ({spec.hidden_size} x {spec.ffn_size}); HQQ quantises whole groups")
     return replace(spec, expert_bits=int(bits), quant_group=group, quant_meta_bytes=meta)
 
 

@@ -29,6 +29,17 @@ from .model import ModelSpec
 from .policies.base import Placement
 
 GIB = 2**30
+
+
+def memory_text(nbytes: float) -> str:
+    """A memory size for a message: GiB to two decimals, or MiB / KiB where that would print 0.00
+    (a tiny model's or a small device's figures)."""
+    for unit, name in ((GIB, "GiB"), (2**20, "MiB")):
+        if abs(nbytes) >= unit / 100 or not nbytes:
+            return f"{nbytes / unit:.2f} {name}"
+    return f"{nbytes / 2**10:.2f} KiB"
+
+
 HOST_HEADROOM = 0.9  # share of host memory the offloaded weights may take
 
 
@@ -263,8 +274,8 @@ def plan(model: ModelSpec, profile: HardwareProfile, batch_size: int, prompt_len
     if n_memory == 0:
         one = memory_needed(model, batch_size, 1, prompt_len, gen_len, placement)
         largest = max((k for k in one if k != "total"), key=one.get)
-        notes.append(f"not even one batch fits: it needs {one['total'] / GIB:.2f} GiB ({largest} "
-                     f"{one[largest] / GIB:.2f} GiB the largest part) but {capacity / GIB:.2f} GiB are usable: "
+        notes.append(f"not even one batch fits: it needs {memory_text(one['total'])} ({largest} "
+                     f"{memory_text(one[largest])} the largest part) but {memory_text(capacity)} are usable: "
                      f"the run will report out-of-memory")
         n = 1
     elif want > n_memory:

@@ -31,6 +31,7 @@ from .planner import (
     largest_fitting_n,
     memory_floor,
     memory_needed,
+    memory_text,
     plan,
 )
 from .policies import Placement, PolicyInput, build_schedule, get_policy
@@ -227,7 +228,7 @@ def prepare(spec: RunSpec) -> Prepared:
     if floor["total"] > profile.gpu.usable_bytes:  # impossible whatever the schedule: refuse before any routing
         refused = OutOfMemory(op_id="<memory check>", time=0.0, needed_bytes=int(floor["total"]),
                               available_bytes=int(profile.gpu.usable_bytes), in_use_bytes=0,
-                              detail=", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in floor.items() if k != "total"))
+                              detail=", ".join(f"{k} {memory_text(v)}" for k, v in floor.items() if k != "total"))
         return Prepared(spec, model, profile, n, placement, None, None, the_plan, refused)
     trace, rep = make_replay(spec, model, n)
     return Prepared(spec, model, profile, n, placement, trace, rep, the_plan)

@@ -346,7 +346,9 @@ class Schedule:
     @staticmethod
     def from_json_dict(data: Any, where: str = "schedule") -> "Schedule":
         if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise ScheduleError(f"{where}: not a klotski schedule (missing format: {FORMAT!r})")
+            found = (f"format {data['format']!r}" if isinstance(data, dict) and "format" in data else
+                     "no format key" if isinstance(data, dict) else f"a JSON {type(data).__name__}")
+            raise ScheduleError(f"{where}: not a klotski schedule ({found}; expected format {FORMAT!r})")
         if data.get("version") != VERSION or isinstance(data.get("version"), bool):  # (true == 1)
             raise ScheduleError(f"{where}: schedule format version {data.get('version')!r}, expected {VERSION}")
         unknown = set(data) - {"format", "version", "meta", "streams", "preloaded", "ops"}

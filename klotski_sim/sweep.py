@@ -44,6 +44,7 @@ import os
 import time
 import traceback
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import replace
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -65,7 +66,7 @@ from .argtypes import first_repeat
 from .errors import KlotskiError, UsageError
 from .hardware import ProfileError, load_profile, with_overrides
 from .impl import PRESET_NAMES
-from .model import get_model
+from .model import ModelSpec, get_model
 from .npzfile import NPZ_READ_ERRORS, check_npz
 from .policies import POLICIES
 from .policies.base import resolve_options
@@ -123,15 +124,17 @@ class SweepSpec(BaseModel):
     @field_validator("batch_sizes", "prompt_lens", "gen_lens")
     @classmethod
     def _positive(cls, values: list[int]) -> list[int]:
-        if any(v < 1 for v in values):
-            raise UsageError("values must be >= 1")
+        bad = [v for v in values if v < 1]
+        if bad:
+            raise UsageError(f"values must be >= 1, got {bad[0]!r}")
         return values
 
     @field_validator("seeds")
     @classmethod
     def _seeds(cls, values: list[int]) -> list[int]:
-        if any(v < 0 for v in values):
-            raise UsageError("seeds must be >= 0")
+        bad = [v for v in values if v < 0]
+        if bad:
+            raise UsageError(f"seeds must be >= 0, got {bad[0]!r}")
         return values
 
     @field_validator("models", "hardware", "policies", "batch_sizes", "num_batches", "prompt_lens", "gen_lens",
@@ -187,6 +190,8 @@ def parse_spec(data: Any, where: str = "sweep spec") -> SweepSpec:
                 problems.setdefault(loc, "unknown key" + (f" (did you mean {close[0]!r}?)" if close else ""))
             elif e["type"] == "missing":
                 problems.setdefault(loc, "required")
+            elif e["type"] == "value_error" and "error" in e.get("ctx", {}):  # (our own check: it names the value)
+                problems.setdefault(loc, str(e["ctx"]["error"]))
             else:
                 problems.setdefault(loc, f"{e['msg'][0].lower()}{e['msg'][1:]}, got {e.get('input')!r}")
         raise SweepError(f"{where}: invalid sweep spec: " + "; ".join(f"{k}: {v}" for k, v in problems.items())) \
@@ -200,11 +205,17 @@ def check_spec(spec: SweepSpec, where: str) -> None:
     routings, placements."""
     problems = []
     layers: dict[str, int] = {}
+    spelled: dict[ModelSpec, str] = {}  # a model as resolved, nameless -> the first name that gave it
     for m in spec.models:
         try:
-            layers[m] = get_model(m).num_layers
+            model = get_model(m)
         except ValueError as err:
             problems.append(str(err))
+            continue
+        layers[m] = model.num_layers
+        same = spelled.setdefault(replace(model, name=""), m)
+        if same != m:  # (`mixtral-8x7b:32` is `mixtral-8x7b`: every configuration would run twice)
+            problems.append(f"models: {m!r} is {same!r} again under another name")
     try:
         load_policy_files(spec.policy_files)
     except KlotskiError as err:

@@ -147,8 +147,10 @@ class Trace:
         if self.num_layers != model.num_layers:
             problems.append(f"{self.num_layers} layers vs {model.num_layers}")
         if problems:
-            raise TraceError(f"{where}: the trace (recorded for {self.meta.get('model')!r}) has another shape than "
-                             f"model {model.name!r} (trace vs model: {'; '.join(problems)})")
+            recorded = self.meta.get("model")  # (an imported log is labelled with the model it is checked against)
+            of = "" if recorded == model.name else f" (recorded for {recorded!r})"
+            raise TraceError(f"{where}: the trace{of} has another shape than model {model.name!r} (trace vs model: "
+                             f"{'; '.join(problems)})")
 
     # ---- files ------------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
@@ -269,6 +271,13 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return record
 
 
+def _shown(value: Any, limit: int = 60) -> str:
+    """A sequence id as a message shows it: its repr, cut short (a log's ids can be thousands of
+    characters, and a warning names one per sequence)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 3]}..."
+
+
 def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str = "unknown",
                  prompt_len_field: str = "prompt_len", key_fields: tuple[str, ...] | None = None,
                  holes: str = "cut", source: str | None = None, license: str | None = None,
@@ -334,7 +343,7 @@ def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str
             raise TraceError(f"{path}:{lineno}: token index must be from 0 to {MAX_IMPORT_TOKENS - 1} and layer "
                              f"from 0 to {MAX_IMPORT_INDEX - 1}, got token {tok} layer {layer}")
         if not isinstance(seq, (int, str)) or isinstance(seq, bool):
-            raise TraceError(f"{path}:{lineno}: the sequence id must be an integer or a string, got {seq!r}")
+            raise TraceError(f"{path}:{lineno}: the sequence id must be an integer or a string, got {_shown(seq)}")
         if key_fields is None:  # decided on the first record: a dataset field namespaces the ids
             key_fields = ("dataset",) if "dataset" in rec else ()
         namespace = []
@@ -362,12 +371,12 @@ def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise TraceError(f"{path}:{lineno}: {prompt_len_field} must be an integer >= 0, got {value!r}")
             if prompt_lens.setdefault(seq, value) != value:
-                raise TraceError(f"{path}:{lineno}: {prompt_len_field} {value} for sequence {seq!r}, whose earlier "
-                                 f"records said {prompt_lens[seq]}")
+                raise TraceError(f"{path}:{lineno}: {prompt_len_field} {value} for sequence {_shown(seq)}, whose "
+                                 f"earlier records said {prompt_lens[seq]}")
         table = records.setdefault(seq, {})
         if (tok, layer) in table:
-            duplicates.append(f"{path}:{lineno}: sequence {seq!r} token {tok} layer {layer} appears again; the "
-                              f"later record is kept")
+            duplicates.append(f"{path}:{lineno}: sequence {_shown(seq)} token {tok} layer {layer} appears again; "
+                              f"the later record is kept")
         table[(tok, layer)] = (experts, weights)
     if not records:
         raise TraceError(f"{path}: no records")
@@ -382,7 +391,7 @@ def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str
     for seq, table in records.items():
         max_tok = max(t for t, _ in table)
         if prompt_lens.get(seq, 0) > max_tok + 1:
-            raise TraceError(f"{path}:{first_line[seq]}: sequence {seq!r} has {prompt_len_field} "
+            raise TraceError(f"{path}:{first_line[seq]}: sequence {_shown(seq)} has {prompt_len_field} "
                              f"{prompt_lens[seq]} but only {max_tok + 1} tokens")
         per_token = Counter(t for t, _ in table)
         # the first token with a layer missing (counting, not listing, the holes: a log of a few
@@ -404,8 +413,8 @@ def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str
             layer = next(layer for layer in range(num_layers) if (first_hole, layer) not in table)
             kept = (f"kept its first {usable} tokens" if holes == "cut" else
                     f"kept its longest complete run, tokens {start}-{usable - 1}")
-            problems.append(f"{path}:{first_line[seq]}: sequence {seq!r}: {missing} missing (token, layer) entries, "
-                            f"first at token {first_hole} layer {layer}; {kept}")
+            problems.append(f"{path}:{first_line[seq]}: sequence {_shown(seq)}: {missing} missing (token, layer) "
+                            f"entries, first at token {first_hole} layer {layer}; {kept}")
         if usable - start <= 0:
             continue
         span = range(start, usable)

@@ -28,10 +28,8 @@ class _UniqueKeyLoader(_SAFE_LOADER):  # type: ignore[valid-type,misc]
                 twice = key in seen
             except TypeError:  # an unhashable key: the base loader names it
                 break
-            if twice:
-                line = key_node.start_mark.line + 1
-                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice (line {line})",
-                                                        key_node.start_mark)
+            if twice:  # (the error's mark: load_yaml names the line)
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep)
 
@@ -47,6 +45,20 @@ def load_yaml(text: str, where: str, error: type[KlotskiError] = KlotskiError) -
                         f"without bound")
         return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as err:
-        raise error(f"{where}: not valid YAML ({str(err).splitlines()[0]})") from err
+        raise error(f"{where}{_line_of(err)}: not valid YAML ({_problem_of(err)})") from err
     except ValueError as err:  # (an integer of more than 4300 digits, which Python will not convert)
         raise error(f"{where}: not valid YAML here ({str(err).split(';')[0]})") from None
+
+
+def _line_of(err: yaml.YAMLError) -> str:
+    """`:LINE` of where the parser found the problem (the `file:line` form editors jump to)."""
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    return f":{mark.line + 1}" if mark is not None else ""
+
+
+def _problem_of(err: yaml.YAMLError) -> str:
+    """What is wrong, with what the parser was reading (PyYAML's first line alone says only the latter)."""
+    problem, context = getattr(err, "problem", None), getattr(err, "context", None)
+    if problem and context:
+        return f"{problem}, {context}"
+    return problem or context or str(err).splitlines()[0]

@@ -89,6 +89,16 @@ def test_trace_import_cli(tmp_path):
     rc, out, err = run_cli("trace", "import", str(tmp_path / "log.jsonl"), "--model", "tiny-mixtral")
     assert rc == 0, err
     assert "missing (token, layer)" in err and (tmp_path / "log.npz").exists()
+    rc, out, err = run_cli("trace", "import", str(tmp_path / "log.jsonl"), "--model", "olmoe-1b-7b")
+    assert rc == 2 and "the trace has another shape than model 'olmoe-1b-7b' (trace vs model: 4 experts vs 64" in err
+    # 50 sequences with a hole each and ids of 4000 characters: at most 40 warnings and a count, ids cut short
+    many = [json.dumps({"seq_id": f"{k:02d}" + "x" * 4000, "token_idx": t, "layer": layer, "experts": [0, 1]})
+            for k in range(50) for t in range(3) for layer in range(2) if (t, layer) != (2, 1)]
+    (tmp_path / "many.jsonl").write_text("\n".join(many))
+    rc, out, err = run_cli("trace", "import", str(tmp_path / "many.jsonl"), "--out", str(tmp_path / "many.npz"))
+    warnings = err.splitlines()
+    assert rc == 0 and len(warnings) == 41 and warnings[-1] == "warning: ... and 10 more problems like these"
+    assert max(map(len, warnings)) < 300 and "'00xxxx" in warnings[0] and "50 problem(s) reported" in out, err
 
 
 def test_compare_both_presets_and_the_memory_check(tmp_path):

@@ -172,10 +172,20 @@ def test_a_synthetic_trace_larger_than_the_machine_is_refused_with_the_numbers()
     (["--routing", "zipf:nan"], "zipf"), (["--set", "gpu.memory_bytes=Infinity"], "gpu.memory_bytes"),
     (["--seed", str(2**63)], "--seed"),
     (["--option", "sync=none", "--option", "sync=per-expert"], "--option sync is given twice"),
-    (["--set", "gpu.memory_bytes=1e9", "--set", "gpu.memory_bytes=2e9"], "--set gpu.memory_bytes is given twice")])
+    (["--set", "gpu.memory_bytes=1e9", "--set", "gpu.memory_bytes=2e9"], "--set gpu.memory_bytes is given twice"),
+    (["--set", "gpu.name="], "--set gpu.name=: expected KEY=VALUE with both given"),
+    (["--set", "gpu.memory_bytes=3e6", "--set", "gpu.reserved_bytes=1e6"], "1.91 MiB available"),  # (was 0.00 GiB)
+    (["--option", "=none"], "--option =none: expected KEY=VALUE with both given")])
 def test_bad_flags_end_in_one_line(args, flag):
     rc, out, err = run_cli("simulate", "--policy", "klotski", "--gen-len", "2", *args)
     assert rc in (2, 3) and flag in (err + out) and "Traceback" not in err
+
+
+def test_memory_figures_never_print_as_nothing():
+    from klotski_sim.planner import memory_text
+
+    assert [memory_text(b) for b in (0, 50, 2_000_000, 0.3 * 2**30, 3 * 2**30)] == [
+        "0.00 GiB", "0.05 KiB", "1.91 MiB", "0.30 GiB", "3.00 GiB"]
 
 
 def test_sweep_grid_types_are_strict():
@@ -257,6 +267,10 @@ TINY_RUN = ["--model", "tiny-mixtral", "--prompt-len", "8", "--gen-len", "2", "-
     (["simulate", *TINY_RUN, "--warmup-sequences", "100000000000"], "GiB of host memory; this machine has"),
     (["compare", "--policies", "klotski,klotski"], "argument --policies: 'klotski' is given twice"),
     (["compare", "--policies", ""], "argument --policies: expected comma-separated names"),
+    (["compare", *TINY_RUN, "--routing", "uniform", "--trace", "traces/tiny-mixtral-recorded.npz"],
+     "--routing uniform and --trace traces/tiny-mixtral-recorded.npz: a trace replays its own routing; give one"),
+    (["compare", *TINY_RUN, "--policies", "klotski", "--flexgen-overlap", "model"],
+     "--flexgen-overlap model: flexgen is not among the policies compared (klotski)"),
     (["optimize", "--policies", "klotski,,flexgen"], "argument --policies: expected comma-separated names"),
     (["compare", *TINY_RUN, "--out", "{file}"], "exists and is not a folder"),
     (["compare", *TINY_RUN, "--out", ""], "--out: expected a folder, got an empty name"),
@@ -286,7 +300,9 @@ def test_sweep_specs_refuse_empty_axes_repeats_and_negative_seeds():
                          ({"options": {"expert_cache": [-1]}}, "expert_cache must be a whole number"),
                          ({"options": {"expert_cache": [float("nan")]}}, "expert_cache must be a whole number"),
                          ({"routings": ["trace:/tmp"]}, "is a directory, not a routing trace"),
-                         ({"routings": ["trace:README.md"]}, "not a routing trace")):
+                         ({"routings": ["trace:README.md"]}, "not a routing trace"),
+                         ({"models": ["tiny-mixtral", "tiny-mixtral:2"]},
+                          "models: 'tiny-mixtral:2' is 'tiny-mixtral' again under another name")):
         with pytest.raises(SweepError, match=message):
             parse_spec({**TINY, **bad})
 

@@ -66,8 +66,9 @@ def test_many_problems_are_one_line_with_their_count(tmp_path):
 
 def test_not_yaml_and_not_a_mapping(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("gpu: [unclosed")
-    with pytest.raises(ProfileError, match="not valid YAML"):
+    bad.write_text("gpu:\n  name: [unclosed\n  cores: 2\n")
+    with pytest.raises(ProfileError, match=r"bad.yaml:3: not valid YAML \(did not find expected ',' or ']', while "
+                                           r"parsing a flow sequence\)"):
         load_profile(bad)
     bad.write_text("- a list\n")
     with pytest.raises(ProfileError, match="must be a mapping"):

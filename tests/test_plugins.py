@@ -94,6 +94,7 @@ def test_policy_file_in_the_runtime(tmp_path):
     ("x = 1\n", "registers no policy"),
     ("from klotski_sim.policies import register\n@register('klotski', 'mine')\ndef b(inp):\n    pass\n",
      "already registered"),
+    ("import sys\nsys.exit(0)\n", "bad.py:2: exits (sys.exit(0)) while being imported"),  # (ended silently, status 0)
 ])
 def test_a_bad_policy_file_is_one_line(tmp_path, body, message):
     bad = tmp_path / "bad.py"
@@ -123,6 +124,11 @@ def test_entry_points_register_installed_policies(tmp_path, monkeypatch):
     broken = EntryPoint("broken", "no_such_module_here", "klotski.policies")
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [broken])
     with pytest.raises(UsageError, match="entry point 'broken'.*does not load"):
+        load_entry_points()
+    (tmp_path / "klotski_plugin_exits.py").write_text("import sys\nsys.exit(3)\n")
+    exits = EntryPoint("exits", "klotski_plugin_exits", "klotski.policies")
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [exits])
+    with pytest.raises(UsageError, match="entry point 'exits'.*does not load: SystemExit: 3"):
         load_entry_points()
 
 

@@ -40,6 +40,13 @@ def test_bad_quantisation_is_refused(name):
         get_model(name)
 
 
+def test_a_group_size_that_does_not_divide_an_expert_matrix_is_refused_with_its_numbers():
+    with pytest.raises(UsageError, match=r"group size 3 does not divide an expert matrix's 58720256 weights "
+                                         r"\(4096 x 14336\)"):
+        get_model("mixtral-8x7b@int4:g3")
+    assert get_model("mixtral-8x7b@int4:g7").quant_group == 7  # (4096 x 14336 = 2^21 x 28: 7 divides it)
+
+
 @pytest.mark.parametrize("policy", ["single-batch", "klotski", "flexgen", "fiddler", "klotski-hybrid"])
 def test_every_streamed_expert_is_dequantised_once_after_its_copy(policy):
     from .test_cpu_experts import cpu_profile

@@ -94,7 +94,18 @@ def test_record_refuses_what_it_cannot_read_in_one_line(tmp_path):
     (("tiny-checkpoint", "--out", "{d}/a_file"), "is a file; a checkpoint is a folder"),
     (("calibrate", "--model", "tiny-mixtral", "--out", "{d}"), "is a folder; give a file name"),
     (("record", "--model-dir", "{d}", "--text", "traces/sample_text.txt", "--out", "{d}/a_file/r.npz"),
-     "a_file is not a folder")])
+     "a_file is not a folder"),
+    # silently accepted before: the trace won over --routing, a shape or a policy measured twice, a
+    # pageable copy faster than a pinned one, a pageable rate where no link is emulated
+    (("validate", "--routing", "uniform", "--trace", "traces/tiny-mixtral-recorded.npz", "--out", "{d}/v"),
+     "--routing uniform and --trace traces/tiny-mixtral-recorded.npz: a trace replays its own routing"),
+    (("validate", "--policy", "klotski,flexgen,klotski", "--out", "{d}/v"),
+     "--policy klotski,flexgen,klotski: 'klotski' is given twice"),
+    (("calibrate", "--batch-sizes", "1,2,1", "--out", "{d}/p.yaml"), "argument --batch-sizes: 1 is given twice"),
+    (("calibrate", "--emulate-pageable", "2e9", "--out", "{d}/p.yaml"),
+     "--emulate-pageable 2e+09 B/s is faster than the pinned rate --emulate-pcie 1e+09 B/s"),
+    (("calibrate", "--emulate-pcie", "off", "--emulate-pageable", "1e8", "--out", "{d}/p.yaml"),
+     "--emulate-pageable 1e+08: applies only to emulated links")])
 def test_what_the_runtime_cannot_honour_is_refused_in_one_line(tmp_path, args, message):
     """A seed beyond 64 bits (the simulator took it, torch overflowed), 100,000 threads (can't start
     new thread), a checkpoint folder that is a file (transformers only warned; success was printed)."""

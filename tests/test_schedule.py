@@ -107,9 +107,11 @@ def test_corrupt_json_gives_clear_error(tmp_path):
     path.write_text(path.read_text()[:-7])
     with pytest.raises(ScheduleError, match="truncated or corrupt"):
         Schedule.load(path)
-    path.write_text(json.dumps({"hello": 1}))
-    with pytest.raises(ScheduleError, match="not a klotski schedule"):
-        Schedule.load(path)
+    for text, found in (('{"hello": 1}', "no format key"), ("[1]", "a JSON list"),
+                        ('{"format": "klotski-schedule", "format": "x"}', "format 'x'")):  # (JSON keeps the last)
+        path.write_text(text)
+        with pytest.raises(ScheduleError, match=f"not a klotski schedule \\({found}; expected format 'klotski-"):
+            Schedule.load(path)
     path.write_text(json.dumps({"format": "klotski-schedule", "version": 1, "streams": {"compute": "gpu"},
                                 "ops": [{"id": "a", "kind": "compute", "stream": "compute", "category": "x",
                                          "colour": "red"}]}))

@@ -46,10 +46,13 @@ def load_policy_file(path: str | Path) -> list[str]:
     except KlotskiError as err:
         sys.modules.pop(module_name, None)
         raise UsageError(f"{path}: {err}") from None
-    except Exception as err:  # noqa: BLE001 - the user's file: name where it failed
+    except (Exception, SystemExit) as err:  # noqa: BLE001 - the user's file: name where it failed
         sys.modules.pop(module_name, None)
         frames = [f for f in traceback.extract_tb(err.__traceback__) if Path(f.filename).resolve() == p.resolve()]
         line = f":{frames[-1].lineno}" if frames else ""
+        if isinstance(err, SystemExit):  # (the command ended there, with that status and no word of why)
+            raise UsageError(f"{path}{line}: exits (sys.exit({err.code!r})) while being imported; a policy file "
+                             f"only registers policies") from None
         raise UsageError(f"{path}{line}: {type(err).__name__}: {err}") from err
     added = sorted(set(POLICIES) - before)
     if not added:
@@ -74,9 +77,9 @@ def load_entry_points() -> list[str]:
             ep.load()
         except KlotskiError:
             raise
-        except Exception as err:  # noqa: BLE001 - an installed plugin that does not import
+        except (Exception, SystemExit) as err:  # noqa: BLE001 - an installed plugin that does not import
             raise UsageError(f"entry point {ep.name!r} ({ep.value}) of group {ENTRY_POINT_GROUP} does not load: "
-                             f"{type(err).__name__}: {err}") from err
+                             f"{type(err).__name__}: {err}") from None if isinstance(err, SystemExit) else err
     return sorted(set(POLICIES) - before)
 
 
