@@ -22,6 +22,11 @@ from .yamlfile import load_yaml
 
 Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]  # finite: an infinite bandwidth is no what-if
 NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+# A rate (bytes/s, FLOP/s) below one per second, or a fixed per-op cost (launch, dispatch, signal,
+# sync, link latency: microseconds on every machine) above a second, is a unit slip, not a what-if:
+# it made ops of 1e300 s whose sums overflowed into inf and NaN in every output.
+Rate = Annotated[float, Field(ge=1, allow_inf_nan=False)]
+PerOpSeconds = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 Fraction = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
 
 
@@ -35,19 +40,19 @@ class GPUSpec(_Strict):
     name: str
     memory_bytes: Positive
     reserved_bytes: NonNegative = Field(0, description="CUDA context, allocator slack, workspace")
-    peak_flops: Positive = Field(description="dense bf16 FLOP/s")
-    memory_bandwidth: Positive = Field(description="HBM/GDDR bytes/s")
+    peak_flops: Rate = Field(description="dense bf16 FLOP/s")
+    memory_bandwidth: Rate = Field(description="HBM/GDDR bytes/s")
     compute_efficiency: Fraction = Field(description="share of peak FLOP/s real GEMMs reach")
     memory_efficiency: Fraction = Field(description="share of memory bandwidth real kernels reach")
-    kernel_overhead_s: NonNegative = Field(description="launch + framework dispatch per kernel")
-    dispatch_overhead_s: NonNegative = Field(
+    kernel_overhead_s: PerOpSeconds = Field(description="launch + framework dispatch per kernel")
+    dispatch_overhead_s: PerOpSeconds = Field(
         0.0, description="fixed host cost of issuing one compute op in the runtime, beyond its kernels")
-    dispatch_overhead_by_category: dict[str, NonNegative] = Field(
+    dispatch_overhead_by_category: dict[str, PerOpSeconds] = Field(
         default_factory=dict, description="the same per op category, where measured (overrides the above)")
-    dependency_latency_s: NonNegative = Field(
+    dependency_latency_s: PerOpSeconds = Field(
         0.0, description="delay before an op may start after a dependency on another stream ends "
                          "(event signalling; a host thread hand-off in the CPU runtime)")
-    host_sync_latency_s: NonNegative = Field(
+    host_sync_latency_s: PerOpSeconds = Field(
         0.0, description="from the end of the GPU work a host synchronisation waits for to the moment "
                          "the host thread runs again (cudaStreamSynchronize / .tolist() round trip)")
 
@@ -67,10 +72,10 @@ class LinkSpec(_Strict):
     """One direction of one link; `copy_engines` transfers may run on it at once. PCIe links
     carry both the pinned and the pageable (unpinned host memory) bandwidth of large copies."""
 
-    bandwidth: Positive = Field(description="sustained bytes/s for large copies from/to pinned host memory")
-    pageable_bandwidth: Positive | None = Field(
+    bandwidth: Rate = Field(description="sustained bytes/s for large copies from/to pinned host memory")
+    pageable_bandwidth: Rate | None = Field(
         None, description="sustained bytes/s for large copies from/to pageable (unpinned) host memory")
-    latency_s: NonNegative = 0.0
+    latency_s: PerOpSeconds = 0.0
     copy_engines: Annotated[int, Field(ge=1)] = 1
 
 
@@ -102,10 +107,10 @@ class CPUSpec(_Strict):
     name: str
     cores: Annotated[int, Field(ge=1)]
     isa: list[str] = Field(default_factory=list, description="vector/matrix extensions, e.g. avx512, amx")
-    flops: dict[str, Positive] = Field(description="sustained FLOP/s of a multi-threaded GEMM, per compute dtype")
+    flops: dict[str, Rate] = Field(description="sustained FLOP/s of a multi-threaded GEMM, per compute dtype")
     compute_dtype: str = Field(description="the dtype expert weights are computed in on this CPU (a key of flops)")
-    memory_bandwidth: Positive = Field(description="sustained DRAM read bytes/s of all cores (weights streamed once)")
-    op_overhead_s: NonNegative = Field(
+    memory_bandwidth: Rate = Field(description="sustained DRAM read bytes/s of all cores (weights streamed once)")
+    op_overhead_s: PerOpSeconds = Field(
         0.0, description="fixed cost of one CPU op: framework dispatch and waking the thread pool")
 
     @model_validator(mode="after")

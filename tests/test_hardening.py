@@ -29,7 +29,11 @@ TINY = {"name": "t", "models": ["tiny-mixtral"], "policies": ["klotski"], "batch
 
 @pytest.mark.parametrize("field,value,message", [
     ("gpu.memory_bytes", float("inf"), "finite"), ("gpu.kernel_overhead_s", float("nan"), "finite"),
-    ("gpu.reserved_bytes", 1e12, "reserved_bytes"), ("links.pcie_h2d.bandwidth", -1.0, "greater than 0")])
+    ("gpu.reserved_bytes", 1e12, "reserved_bytes"),
+    ("links.pcie_h2d.bandwidth", -1.0, "links.pcie_h2d.bandwidth: Input should be greater than or equal to 1"),
+    ("links.nvme.bandwidth", 1e-300, "greater than or equal to 1"),  # (ops of 1e300 s: inf and NaN outputs)
+    ("gpu.kernel_overhead_s", 1e300, "gpu.kernel_overhead_s: Input should be less than or equal to 1"),
+    ("cpu.op_overhead_s", 2.0, "less than or equal to 1")])
 def test_non_finite_and_inconsistent_profile_values_are_refused(field, value, message):
     with pytest.raises(ProfileError, match=message):
         with_overrides(load_profile("rtx3090"), {field: value})
