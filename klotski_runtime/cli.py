@@ -68,6 +68,8 @@ def _csv_ints(text: str) -> list[int]:
 PAGEABLE_RATIO = 10.0 / 25.7
 # torch compute threads: far more than any CPU has cores (100,000 failed to start, "can't start new thread")
 MAX_THREADS = 1024
+# runs of one shape or schedule: a median of more is no steadier, and 10^9 of them ran for days
+MAX_REPEATS = 1000
 
 
 def _emulation(args: argparse.Namespace) -> dict[str, float]:
@@ -253,7 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt lengths to time prefill at (default: 16,64,256)")
     p.add_argument("--max-expert-tokens", type=positive_int, default=1024,
                    help="largest token count timed for one expert op (default: %(default)s)")
-    p.add_argument("--repeats", type=positive_int, default=5, help="median of this many runs per shape (default: 5)")
+    p.add_argument("--repeats", type=bounded_int(1, MAX_REPEATS), default=5,
+                   help=f"median of this many runs per shape, at most {MAX_REPEATS} (default: %(default)s)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="weight and activation dtype (default: %(default)s)")
     _add_device(p)
@@ -283,8 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight and activation dtype (default: %(default)s)")
     p.add_argument("--impl", default="as-published", choices=["as-published", "ideal", "v0.1", "both"],
                    help="implementation preset of the schedules validated (default: %(default)s)")
-    p.add_argument("--repeats", type=positive_int, default=3,
-                   help="measured runs per schedule; errors are reported as median and spread (default: %(default)s)")
+    p.add_argument("--repeats", type=bounded_int(1, MAX_REPEATS), default=3,
+                   help=f"measured runs per schedule, at most {MAX_REPEATS}; errors are reported as median and "
+                        f"spread (default: %(default)s)")
     _add_device(p)
     p.set_defaults(func=cmd_validate)
 

@@ -19,12 +19,13 @@ import pandas as pd
 import torch
 
 from klotski_sim.engine import resource_capacities, simulate
+from klotski_sim.errors import UsageError
 from klotski_sim.exports import to_parquet
 from klotski_sim.hardware import HardwareProfile, ProfileError
 from klotski_sim.model import get_model
 from klotski_sim.policies import build_schedule
 from klotski_sim.runner import RunSpec, prepare
-from klotski_sim.timeline import Timeline, jsonable
+from klotski_sim.timeline import OutOfMemory, Timeline, jsonable
 
 from .executor import ExecOptions, execute
 from .kernels import WeightStore
@@ -168,6 +169,9 @@ def validate(setup: ValidationSetup, profile_path: str, out_dir: str | Path,
                    seed=setup.seed, routing=setup.routing, trace=setup.trace, kv=setup.kv, experts="cpu",
                    resident_layers=0, warmup_sequences=2, options=dict(setup.options))
     prep = prepare(spec)
+    if prep.refused is not None:  # (nothing to build, run or measure: it crashed on the routing it never made)
+        raise UsageError(f"{setup.num_batches} batches of {setup.batch_size} cannot run on this profile: "
+                         f"{prep.refused.describe()}")
     check_profile_device(prep.profile, setup.device)
     model = get_model(setup.model)
     dtype = getattr(torch, setup.dtype)
@@ -189,8 +193,7 @@ def validate(setup: ValidationSetup, profile_path: str, out_dir: str | Path,
         sim = simulate(schedule, p.profile)
         if sim.status != "ok":  # a measurement of a run the simulator says cannot happen compares nothing
             oom = sim.meta.get("oom") or {}
-            where = (f" at {oom['op_id']} (needs {oom['needed_bytes'] / 2**30:.2f} GiB, "
-                     f"{oom['available_bytes'] / 2**30:.2f} GiB usable)" if oom else "")
+            where = f" ({OutOfMemory.from_dict(oom).describe()})" if oom else ""
             report["policies"][key] = {"skipped": f"the simulated run ends with status {sim.status}{where}: give "
                                                   f"the profile more GPU memory, or run a smaller batch", "impl": impl}
             continue

@@ -33,16 +33,15 @@ from .exports import save_all
 from .hardware import builtin_profile_names, load_profile
 from .impl import PRESET_NAMES
 from .model import PRESETS, get_model
-from .planner import format_plan, memory_text
+from .planner import format_plan
 from .policies import POLICIES
 from .policies.plugins import load_for_command_line
 from .runner import RunSpec, available_cores, policy_batches, policy_prepared, prepare, run, run_each
-from .timeline import FIGURE_COLUMNS, Summary, jsonable
+from .timeline import FIGURE_COLUMNS, OutOfMemory, Summary, jsonable
 from .trace import Trace, import_jsonl
 from .trace_stats import format_stats, layer_stats, token_subset
 from .trace_synth import check_routing_fits, synthesize
-
-GIB = 2**30
+from .units import GIB
 
 
 class CliError(KlotskiError):
@@ -226,9 +225,7 @@ def format_summary(s: Summary) -> str:
 
 
 def _oom_text(oom: dict[str, Any]) -> str:
-    where = "the memory check (nothing built)" if oom["op_id"] == "<memory check>" else f"starting {oom['op_id']}"
-    return (f"out of GPU memory at {where}: needs {memory_text(oom['needed_bytes'])}, "
-            f"{memory_text(oom['available_bytes'])} available" + (f" ({oom['detail']})" if oom.get("detail") else ""))
+    return OutOfMemory.from_dict(oom).describe()
 
 
 # ---- subcommands ----------------------------------------------------------------------------

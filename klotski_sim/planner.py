@@ -27,18 +27,7 @@ from .hardware import HardwareProfile
 from .impl import Impl
 from .model import ModelSpec
 from .policies.base import Placement
-
-GIB = 2**30
-
-
-def memory_text(nbytes: float) -> str:
-    """A memory size for a message: GiB to two decimals, or MiB / KiB where that would print 0.00
-    (a tiny model's or a small device's figures)."""
-    for unit, name in ((GIB, "GiB"), (2**20, "MiB")):
-        if abs(nbytes) >= unit / 100 or not nbytes:
-            return f"{nbytes / unit:.2f} {name}"
-    return f"{nbytes / 2**10:.2f} KiB"
-
+from .units import GIB, memory_text
 
 HOST_HEADROOM = 0.9  # share of host memory the offloaded weights may take
 

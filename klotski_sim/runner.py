@@ -31,7 +31,6 @@ from .planner import (
     largest_fitting_n,
     memory_floor,
     memory_needed,
-    memory_text,
     plan,
 )
 from .policies import Placement, PolicyInput, build_schedule, get_policy
@@ -43,6 +42,7 @@ from .timeline import OutOfMemory, Timeline
 from .trace import Replay, Trace, TraceError, replay
 from .trace_stats import popularity
 from .trace_synth import base_popularity, check_routing_fits, params_for, synthesize
+from .units import memory_text
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ category of the op whose completion made that op ready (the last dependency to a
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from functools import cached_property
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Collection, Iterator, Mapping, Sequence
@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 
 from .schedule import Op, gc_paused
+from .units import memory_text
 
 if TYPE_CHECKING:
     from .schedule import Schedule
@@ -49,10 +50,15 @@ class OutOfMemory:
     detail: str = ""  # what the needed bytes are made of (the memory check says)
 
     def describe(self) -> str:
-        gib = 2**30
-        return (f"out of GPU memory at t={self.time:.4f}s starting {self.op_id}: needs "
-                f"{self.needed_bytes / gib:.2f} GiB, {self.available_bytes / gib:.2f} GiB available "
-                f"({self.in_use_bytes / gib:.2f} GiB already in use)" + (f": {self.detail}" if self.detail else ""))
+        """Where the run ran out and the numbers, in one line (what both CLIs print)."""
+        where = "the memory check (nothing built)" if self.op_id == "<memory check>" else f"starting {self.op_id}"
+        return (f"out of GPU memory at {where}: needs {memory_text(self.needed_bytes)}, "
+                f"{memory_text(self.available_bytes)} available" + (f" ({self.detail})" if self.detail else ""))
+
+    @staticmethod
+    def from_dict(data: Mapping[str, Any]) -> "OutOfMemory":
+        """From its dict form (a summary's `oom`, a timeline file's meta)."""
+        return OutOfMemory(**{f.name: data[f.name] for f in fields(OutOfMemory) if f.name in data})
 
 
 @dataclass(frozen=True)

@@ -186,7 +186,7 @@ def test_bad_flags_end_in_one_line(args, flag):
 
 
 def test_memory_figures_never_print_as_nothing():
-    from klotski_sim.planner import memory_text
+    from klotski_sim.units import memory_text
 
     assert [memory_text(b) for b in (0, 50, 2_000_000, 0.3 * 2**30, 3 * 2**30)] == [
         "0.00 GiB", "0.05 KiB", "1.91 MiB", "0.30 GiB", "3.00 GiB"]

@@ -91,6 +91,9 @@ def test_record_refuses_what_it_cannot_read_in_one_line(tmp_path):
 @pytest.mark.parametrize("args,message", [
     (("tiny-checkpoint", "--out", "{d}/ckpt", "--seed", "99999999999999999999999"), "a seed from 0 to 2**63 - 1"),
     (("execute", "{d}/run", "--threads", "100000"), "an integer from 1 to 1024"),
+    (("calibrate", "--repeats", "1000000000", "--out", "{d}/p.yaml"),
+     "argument --repeats: expected an integer from 1 to 1000"),
+    (("validate", "--repeats", "1001", "--out", "{d}/v"), "argument --repeats: expected an integer from 1 to 1000"),
     (("tiny-checkpoint", "--out", "{d}/a_file"), "is a file; a checkpoint is a folder"),
     (("calibrate", "--model", "tiny-mixtral", "--out", "{d}"), "is a folder; give a file name"),
     (("record", "--model-dir", "{d}", "--text", "traces/sample_text.txt", "--out", "{d}/a_file/r.npz"),
@@ -102,6 +105,9 @@ def test_record_refuses_what_it_cannot_read_in_one_line(tmp_path):
     (("validate", "--policy", "klotski,flexgen,klotski", "--out", "{d}/v"),
      "--policy klotski,flexgen,klotski: 'klotski' is given twice"),
     (("calibrate", "--batch-sizes", "1,2,1", "--out", "{d}/p.yaml"), "argument --batch-sizes: 1 is given twice"),
+    (("validate", "--policy", "klotski", "--num-batches", "100000", "--out", "{d}/v", "--profile",
+      "experiments/results/cpu/small-mixtral-presets/profile.yaml"),  # (a traceback: the routing it never built)
+     "100000 batches of 4 cannot run on this profile: out of GPU memory at the memory check (nothing built)"),
     (("calibrate", "--emulate-pageable", "2e9", "--out", "{d}/p.yaml"),
      "--emulate-pageable 2e+09 B/s is faster than the pinned rate --emulate-pcie 1e+09 B/s"),
     (("calibrate", "--emulate-pcie", "off", "--emulate-pageable", "1e8", "--out", "{d}/p.yaml"),

@@ -33,7 +33,7 @@ def test_spec_errors_come_before_anything_runs():
         parse_spec({"policies": ["klotski"], "routings": ["zipfy"]})
     with pytest.raises(SweepError, match="num_batches"):
         parse_spec({"policies": ["klotski"], "num_batches": [0]})
-    with pytest.raises(SweepError, match="greater than 0"):
+    with pytest.raises(SweepError, match="gpu.peak_flops: Input should be greater than or equal to 1"):
         parse_spec({"policies": ["klotski"], "overrides": {"gpu.peak_flops": [-1]}})
 
 

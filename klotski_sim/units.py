@@ -1,0 +1,14 @@
+"""Memory sizes as messages print them."""
+
+from __future__ import annotations
+
+GIB = 2**30
+
+
+def memory_text(nbytes: float) -> str:
+    """A memory size for a message: GiB to two decimals, or MiB / KiB where that would print 0.00
+    (a tiny model's or a small device's figures)."""
+    for unit, name in ((GIB, "GiB"), (2**20, "MiB")):
+        if abs(nbytes) >= unit / 100 or not nbytes:
+            return f"{nbytes / unit:.2f} {name}"
+    return f"{nbytes / 2**10:.2f} KiB"
