@@ -133,7 +133,9 @@ def tensor_bytes(tensors: Any) -> int:
     return sum(tensor_bytes(t) for t in tensors)
 
 
-MAX_TRANSFER_S = 3600.0  # an emulated copy longer than this is a mistake (a rate off by orders of magnitude)
+# emulated copies over one link longer than this in all are a mistake (a rate off by orders of magnitude:
+# one copy of hours was refused, but --emulate-pcie 1e3 made many short ones run for hours without a word)
+MAX_EMULATED_S = 3600.0
 
 
 def check_compatible(schedule: Schedule, spec: ModelSpec, weights: WeightStore | None,
@@ -600,11 +602,19 @@ def execute(schedule: Schedule, spec: ModelSpec, weights: WeightStore, routing: 
         raise ExecutionError("CUDA was requested but torch sees no GPU (use --device cpu)")
     if options.emulate_links and not options.device == "cpu":
         raise ExecutionError("link emulation is for the CPU device only")
+    copying: dict[str, list[float]] = {}  # emulated link -> [seconds, bytes] of the schedule's copies over it
     for op in schedule.ops:
-        rate = (options.emulate_pageable if op.pageable else options.emulate_links).get(schedule.streams[op.stream])
-        if op.kind == "transfer" and rate and op.bytes / rate > MAX_TRANSFER_S:
-            raise ExecutionError(f"op {op.id!r} would copy {op.bytes:,} bytes at {rate:.3g} B/s for "
-                                 f"{op.bytes / rate / 3600:.1f} h: refused (check the emulated rate)")
+        resource = schedule.streams[op.stream]
+        rate = (options.emulate_pageable if op.pageable else options.emulate_links).get(resource)
+        if op.kind == "transfer" and rate:
+            total = copying.setdefault(resource, [0.0, 0])
+            total[0] += op.bytes / rate
+            total[1] += op.bytes
+    for resource, (seconds, moved) in sorted(copying.items()):
+        if seconds > MAX_EMULATED_S:  # (a lower bound of the run's time: ops of one link run one after another)
+            raise ExecutionError(f"emulated {resource} at {options.emulate_links[resource]:.3g} B/s: the schedule's "
+                                 f"copies over it ({moved:,} bytes) would take {seconds / 3600:.1f} h, more than "
+                                 f"{MAX_EMULATED_S / 3600:g} h: refused (check the emulated rate)")
     pageable = {schedule.streams[op.stream] for op in schedule.ops if op.pageable}
     missing = sorted(r for r in pageable if r in options.emulate_links and r not in options.emulate_pageable)
     if missing:

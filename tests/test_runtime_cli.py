@@ -1,9 +1,12 @@
 """`klotski-runtime` end to end."""
 
+import re
 import subprocess
 import sys
 
 import pytest
+
+from klotski_sim.schedule import Schedule
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -126,3 +129,20 @@ def test_record_beyond_the_models_positions_is_refused_before_decoding(tmp_path)
     rc, out, err = run_runtime("record", "--model-dir", str(tmp_path / "ckpt"), "--text", "traces/sample_text.txt",
                                "--max-tokens", "8", "--gen-len", "100000000", "--out", str(tmp_path / "r.npz"))
     assert rc == 2 and "allows 2048 positions (max_position_embeddings)" in err and not (tmp_path / "r.npz").exists()
+
+
+def test_an_execute_whose_emulated_links_would_take_hours_is_refused_with_the_numbers(tmp_path):
+    """--emulate-pcie 1e3 ran a tiny schedule's copies for many minutes without a word (each copy was
+    short enough: only a single copy of over an hour was refused); 10 B/s would have taken 36 hours."""
+    from .conftest import run_cli
+
+    rc, _, err = run_cli("simulate", "--model", "tiny-mixtral", "--policy", "klotski", "--num-batches", "2",
+                         "--batch-size", "2", "--prompt-len", "6", "--gen-len", "3", "--out", str(tmp_path))
+    assert rc == 0, err
+    rc, out, err = run_runtime("execute", str(tmp_path), "--emulate-pcie", "10")
+    moved = re.match(r"error: emulated pcie_h2d at 10 B/s: the schedule's copies over it \(([0-9,]+) bytes\) would "
+                     r"take ([0-9.]+) h, more than 1 h: refused \(check the emulated rate\)$", err.strip())
+    assert rc == 2 and moved and not out, err
+    schedule = Schedule.load(tmp_path / "schedule.json")
+    h2d = sum(op.bytes for op in schedule.ops if op.kind == "transfer" and schedule.streams[op.stream] == "pcie_h2d")
+    assert int(moved[1].replace(",", "")) == h2d and float(moved[2]) == round(h2d / 10 / 3600, 1)
