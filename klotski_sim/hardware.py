@@ -106,7 +106,9 @@ class CPUSpec(_Strict):
 
     name: str
     cores: Annotated[int, Field(ge=1)]
-    isa: list[str] = Field(default_factory=list, description="vector/matrix extensions, e.g. avx512, amx")
+    isa: list[str] = Field(default_factory=list, description="vector/matrix extensions, e.g. avx512, amx: a record "
+                                                            "of the machine (the cost model reads compute_dtype and "
+                                                            "flops, which the ISA decides, not this list)")
     flops: dict[str, Rate] = Field(description="sustained FLOP/s of a multi-threaded GEMM, per compute dtype")
     compute_dtype: str = Field(description="the dtype expert weights are computed in on this CPU (a key of flops)")
     memory_bandwidth: Rate = Field(description="sustained DRAM read bytes/s of all cores (weights streamed once)")

@@ -106,21 +106,28 @@ def memory_needed(model: ModelSpec, batch_size: int, n: int, prompt_len: int, ge
 
 
 def memory_floor(model: ModelSpec, batch_size: int, n: int, prompt_len: int, gen_len: int,
-                 placement: Placement) -> dict[str, float]:
+                 placement: Placement, holds_moe_layer: bool = False) -> dict[str, float]:
     """GPU bytes any schedule of this workload must hold at once — a lower bound, so a
     configuration above it is impossible whatever the policy: the resident weights, the hidden
     states of every batch, the KV cache at its final length (all of it on the GPU, or one batch's
-    layer in flight from host memory) and the largest single weight tensor in use."""
+    layer in flight from host memory) and the largest single weight tensor in use. With
+    `holds_moe_layer` (a policy whose every expert buffer of a streamed MoE layer is allocated at
+    once, FlexGen), the whole of that layer's experts instead of one tensor."""
     tokens_final = prompt_len + gen_len - 1
     kv_layer = model.kv_bytes(batch_size, tokens_final)
+    streamed = range(min(placement.resident_layers, model.num_layers), model.num_layers)
+    one_tensor = (max(model.attention_bytes(), model.expert_bytes(), model.gate_bytes(), model.gate_bytes(0))
+                  if len(streamed) else 0)
+    streamed_experts = max((model.experts_in(layer) for layer in streamed if model.is_moe(layer)), default=0)
     out = {
         "resident": float(model.resident_bytes() + model.resident_layers_bytes(placement.resident_layers)),
         "activations": float(n * model.hidden_bytes(batch_size * prompt_len)),
         "kv_cache": float(n * model.num_layers * kv_layer if placement.kv == "gpu" else kv_layer),
-        "one_weight_tensor": float(max(model.attention_bytes(), model.expert_bytes(), model.gate_bytes(),
-                                       model.gate_bytes(0))
-                                   if placement.resident_layers < model.num_layers else 0),
     }
+    if holds_moe_layer and streamed_experts * model.expert_buffer_bytes() > one_tensor:
+        out["one_moe_layer"] = float(streamed_experts * model.expert_buffer_bytes())
+    else:
+        out["one_weight_tensor"] = float(one_tensor)
     out["total"] = sum(out.values())
     return out
 

@@ -57,6 +57,13 @@ def draw_timeline(ax: plt.Axes, timeline: Timeline, window: tuple[float, float] 
     lanes = list(streams or timeline.streams())
     t0, t1 = window if window else (0.0, timeline.makespan)
     scale, unit = time_unit(t1 - t0)
+    if not lanes:  # (a run the memory check refused: no op ran, and an empty panel says nothing)
+        ax.text(0.5, 0.5, f"no op ran (status {timeline.status})", transform=ax.transAxes, ha="center", va="center")
+        ax.set_yticks([])
+        if t1 > t0:
+            ax.set_xlim(t0 * scale, t1 * scale)
+        ax.set_xlabel(f"time ({unit})")
+        return []
     edges = np.linspace(t0, t1, BINS + 1)
     drawn: list[str] = []
     compute_filled = np.zeros(BINS)

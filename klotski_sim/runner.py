@@ -224,14 +224,33 @@ def prepare(spec: RunSpec) -> Prepared:
     if spec.resident_layers == "fill" and spec.num_batches is not None:
         placement = fill_resident_layers(model, profile, spec.batch_size, n, spec.prompt_len, spec.gen_len, placement,
                                          get_policy(spec.policy).buffering)
-    floor = memory_floor(model, spec.batch_size, n, spec.prompt_len, spec.gen_len, placement)
-    if floor["total"] > profile.gpu.usable_bytes:  # impossible whatever the schedule: refuse before any routing
-        refused = OutOfMemory(op_id="<memory check>", time=0.0, needed_bytes=int(floor["total"]),
-                              available_bytes=int(profile.gpu.usable_bytes), in_use_bytes=0,
-                              detail=", ".join(f"{k} {memory_text(v)}" for k, v in floor.items() if k != "total"))
+    # impossible whatever the schedule: refused before any routing is made
+    refused = _over(memory_floor(model, spec.batch_size, n, spec.prompt_len, spec.gen_len, placement), profile)
+    if refused is not None:
         return Prepared(spec, model, profile, n, placement, None, None, the_plan, refused)
     trace, rep = make_replay(spec, model, n)
     return Prepared(spec, model, profile, n, placement, trace, rep, the_plan)
+
+
+def policy_refused(spec: RunSpec, prep: Prepared) -> OutOfMemory | None:
+    """The memory check again, for what this policy must hold at once beyond any schedule's floor
+    (FlexGen: a whole MoE layer's experts): DeepSeek-V3's 256 experts a layer on a T4 were a
+    1.3M-op schedule built and simulated (33 s, 5.8 GB) to find out at its first MoE layer. Not with
+    an expert cache, whose slots the layer's experts may share."""
+    if not get_policy(spec.policy).holds_moe_layer or spec.options.get("expert_cache"):
+        return None
+    return _over(memory_floor(prep.model, spec.batch_size, prep.num_batches, spec.prompt_len, spec.gen_len,
+                              prep.placement, holds_moe_layer=True), prep.profile)
+
+
+def _over(floor: dict[str, float], profile: HardwareProfile) -> OutOfMemory | None:
+    """The memory check's refusal when `floor` (memory_floor's parts and total) exceeds the GPU's
+    usable memory, with every part named; None when it fits."""
+    if floor["total"] <= profile.gpu.usable_bytes:
+        return None
+    return OutOfMemory(op_id="<memory check>", time=0.0, needed_bytes=int(floor["total"]),
+                       available_bytes=int(profile.gpu.usable_bytes), in_use_bytes=0,
+                       detail=", ".join(f"{k} {memory_text(v)}" for k, v in floor.items() if k != "total"))
 
 
 def policy_batches(policy: str, prep: Prepared) -> int:
@@ -271,6 +290,9 @@ def run(spec: RunSpec, cost: CostModel | None = None, prepared: Prepared | None 
     probes = None
     if spec.num_batches is None:
         prep, probes = policy_prepared(spec, prep, cost)
+    refused = policy_refused(spec, prep)
+    if refused is not None:
+        return refused_run(spec, replace(prep, refused=refused))
     key = _schedule_key(spec, prep) if reuse_schedule else None
     if key is not None and _LAST_SCHEDULE and _LAST_SCHEDULE[0] == key:
         schedule = _LAST_SCHEDULE[1]

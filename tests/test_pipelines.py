@@ -1,6 +1,7 @@
 """The multi-batch policies (ablation ladder, oracle, FlexGen), the prefetcher and the planner."""
 
 from collections import Counter
+from dataclasses import replace
 from unittest.mock import patch
 
 import numpy as np
@@ -12,8 +13,8 @@ from klotski_sim import prefetch
 from klotski_sim.engine import simulate
 from klotski_sim.hardware import load_profile, with_overrides
 from klotski_sim.model import get_model
-from klotski_sim.planner import memory_needed, plan
-from klotski_sim.policies import Placement, PolicyInput, build_schedule
+from klotski_sim.planner import memory_floor, memory_needed, plan
+from klotski_sim.policies import POLICIES, Placement, PolicyInput, build_schedule
 from klotski_sim.policies.base import OpEmitter
 from klotski_sim.prefetch import CorrelationTable
 from klotski_sim.routing import RoutingTable, RunShape, expert_id_type
@@ -367,3 +368,27 @@ def test_an_expert_chain_in_one_pass_issues_what_the_builder_does_op_by_op(parts
         return [*em.b.ops, last, em.b.last_issued()]
 
     assert emit(True) == emit(False)
+
+
+@pytest.mark.parametrize("model", ["tiny-mixtral", "tiny-olmoe@int4:g16"])
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_no_schedule_holds_less_than_the_memory_floor(model, policy):
+    """The memory check refuses, before building anything, what exceeds `memory_floor` — "impossible
+    whatever the schedule" — so every schedule's simulated peak must reach it (and FlexGen's, which
+    holds a streamed MoE layer's every expert at once, the floor with that layer)."""
+    from .test_cpu_experts import cpu_profile
+
+    info = POLICIES[policy]
+    for placement, options, impl in [(Placement(), {}, "as-published"), (Placement(kv="cpu"), {}, "ideal"),
+                                     (Placement(resident_layers=1), {}, "as-published"),
+                                     (Placement(experts="disk"), {}, "ideal"),
+                                     (Placement(), {} if info.manages_experts else {"expert_cache": 2}, "ideal")]:
+        inp = make_input(model=model, placement=placement, options=options,
+                         profile=cpu_profile() if info.needs_cpu else None)
+        timeline = simulate(build_schedule(policy, replace(inp, impl=impl)), inp.profile)
+        sh = inp.shape
+        holds = info.holds_moe_layer and not options
+        floor = memory_floor(inp.model, sh.batch_size, sh.num_batches, sh.prompt_len, sh.gen_len, placement,
+                             holds_moe_layer=holds)
+        assert timeline.status == "ok" and timeline.meta["peak_gpu_bytes"] >= floor["total"], (placement, impl)
+        assert ("one_moe_layer" in floor) == (holds and placement.resident_layers < inp.model.num_layers)

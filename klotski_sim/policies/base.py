@@ -132,6 +132,9 @@ class PolicyInfo:
     # its best n is not what Klotski's inequalities give (its work moves between devices with n):
     # with auto n, the planner chooses n by simulated probes (klotski_sim/probe.py)
     probe_n: bool = False
+    # every expert buffer of a streamed MoE layer is allocated at once (its last expert op waits for
+    # them all, then frees them together): the memory check counts the whole layer, not one tensor
+    holds_moe_layer: bool = False
 
     def preset(self, name: str) -> dict[str, Any]:
         """All option values the preset `name` gives this policy."""
@@ -155,7 +158,7 @@ def register(name: str, description: str, defaults: Mapping[str, Any] | None = N
              presets: Mapping[str, Mapping[str, Any]] | None = None,
              one_batch: bool = False, manages_experts: bool = False,
              needs_cpu: bool = False, speed_independent: bool = False,
-             probe_n: bool = False) -> Callable[[PolicyBuilder], PolicyBuilder]:
+             probe_n: bool = False, holds_moe_layer: bool = False) -> Callable[[PolicyBuilder], PolicyBuilder]:
     """Decorator: make a build function available as `--policy NAME`."""
     if not isinstance(name, str) or not _POLICY_NAME.fullmatch(name):  # (it names files: trace_<policy>.json.gz)
         raise UsageError(f"policy name {name!r}: use letters, digits, '-', '_' and '.', starting with a letter or "
@@ -171,7 +174,8 @@ def register(name: str, description: str, defaults: Mapping[str, Any] | None = N
             raise UsageError(f"policy {name!r} is already registered (by {POLICIES[name].build.__module__}); "
                              f"give yours another name")
         info = PolicyInfo(name, description, fn, dict(defaults or {}), buffering, tuple(impl_options),
-                          dict(presets or {}), one_batch, manages_experts, needs_cpu, speed_independent, probe_n)
+                          dict(presets or {}), one_batch, manages_experts, needs_cpu, speed_independent, probe_n,
+                          holds_moe_layer)
         for preset in PRESET_NAMES:
             info.preset(preset)  # every preset must be complete for this policy
         POLICIES[name] = info

@@ -36,7 +36,7 @@ AS_PUBLISHED = {"sync": "per-expert", "copy_memory_weights": "pinned", "copy_mem
 @register("flexgen", "FlexGen zig-zag block of n batches, whole-layer loads; overlap=code|model",
           defaults={"overlap": "code"}, impl_options=("sync", "copy_memory_weights", "copy_memory_kv", "attention_impl"),
           presets={"as-published": AS_PUBLISHED, "ideal": {"overlap": "model"}, "v0.1": {"overlap": "code"}},
-          speed_independent=True)
+          speed_independent=True, holds_moe_layer=True)
 def build(inp: PolicyInput) -> Schedule:
     overlap = inp.options["overlap"]
     if overlap not in OVERLAPS:
