@@ -19,14 +19,14 @@ from klotski_sim.argtypes import (
     positive_int,
     seed_int,
 )
-from klotski_sim.cli import (DEFAULT_ROUTING, CliError, guarded, output_file, output_folder, parse_overrides,
-                             routing_kind)
+from klotski_sim.cli import (DEFAULT_ROUTING, CliError, guarded, not_an_input, output_file, output_folder,
+                             parse_overrides, routing_kind)
 
 from .record import read_texts, record, save_tiny_mixtral, save_tiny_olmoe, save_tiny_qwen3_moe
 
 
 def cmd_record(args: argparse.Namespace) -> int:
-    output_file(args.out)
+    output_file(args.out, reads=[args.text])
     texts = read_texts(args.text)
     trace = record(args.model_dir, texts, max_tokens=args.max_tokens, gen_len=args.gen_len, device=args.device,
                    dataset=args.dataset or Path(args.text).name, model_name=args.model_name)
@@ -182,10 +182,11 @@ def cmd_execute(args: argparse.Namespace) -> int:
     from .executor import ExecOptions, check_compatible, execute
     from .kernels import WeightStore
 
-    if args.out is not None:
-        output_folder(args.out)
     folder = Path(args.schedule)
     schedule_path = folder / "schedule.json" if folder.is_dir() else folder
+    if args.out is not None:  # (not the simulation's folder: its summary and timeline files would be replaced)
+        not_an_input(Path(args.out), "--out", [schedule_path.parent])
+        output_folder(args.out)
     schedule = Schedule.load(schedule_path)
     if not len(schedule):
         raise CliError(f"{schedule_path}: the schedule has no ops (a configuration the memory check refused?): "

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import zipfile
 from dataclasses import asdict
 from importlib import resources
@@ -92,11 +93,18 @@ def cached_trace(model: ModelSpec, routing: str, seed: int, sequences: int, prom
     return trace
 
 
+_OWN_NAME = re.compile(r"[0-9a-f]{20}\.npz")  # what `cached_trace` names a trace: its key's hash
+
+
 def evict(folder: Path, max_bytes: int, keep: Path | None = None) -> None:
     """Delete the least recently used traces in `folder` until they take at most `max_bytes`
-    (never `keep`, the one just written). Another process may evict the same file: that is fine."""
+    (never `keep`, the one just written). Only the cache's own files, by their hashed names, count
+    and go: KLOTSKI_CACHE_DIR pointed at a project whose `traces/` held the user's own .npz files
+    deleted them. Another process may evict the same file: that is fine."""
     entries = []
     for path in folder.glob("*.npz"):
+        if not _OWN_NAME.fullmatch(path.name):
+            continue
         try:
             info = path.stat()
         except OSError:

@@ -144,13 +144,28 @@ def output_folder(path: str | os.PathLike, flag: str = "--out") -> Path:
     return out
 
 
-def output_file(path: str | os.PathLike, flag: str = "--out") -> Path:
+def not_an_input(out: Path, flag: str, reads: Sequence[str | os.PathLike]) -> None:
+    """Refuse writing where the command reads: `trace stats t.npz --csv t.npz` replaced the trace
+    with its table, `trace import x.npz` (a log named .npz) the log with the trace, and each said
+    it wrote."""
+    for read in reads:
+        source = Path(read)
+        try:
+            same = out.exists() and source.exists() and os.path.samefile(out, source)
+        except OSError:
+            same = False
+        if same or out.resolve() == source.resolve():
+            raise CliError(f"{flag} {out}: is what this command reads ({read}); writing there would replace it")
+
+
+def output_file(path: str | os.PathLike, flag: str = "--out", reads: Sequence[str | os.PathLike] = ()) -> Path:
     """A file a command will write, checked before any work (a whole table or a calibration was
     printed before `Is a directory` or a missing folder was found): not a folder, in a folder that
-    exists and can be written."""
+    exists and can be written, and none of the files it `reads`."""
     if not str(path).strip():
         raise CliError(f"{flag}: expected a file name, got an empty one")
     out = Path(path)
+    not_an_input(out, flag, reads)
     if out.is_dir():
         raise CliError(f"{flag} {out}: is a folder; give a file name")
     folder = out.resolve().parent
@@ -531,12 +546,12 @@ def cmd_trace_synth(args: argparse.Namespace) -> int:
 
 
 def cmd_trace_stats(args: argparse.Namespace) -> int:
-    if args.csv:
-        output_file(args.csv, "--csv")
+    if args.csv is not None:  # (`--csv ''` wrote nothing and said nothing)
+        output_file(args.csv, "--csv", reads=[args.file])
     trace = token_subset(Trace.load(args.file), args.tokens)
     df = layer_stats(trace)
     print(format_stats(trace, df))
-    if args.csv:
+    if args.csv is not None:
         df.to_csv(args.csv)
         print(f"wrote {args.csv}")
     return 0
@@ -546,8 +561,8 @@ SHOWN_WARNINGS = 40  # an import's problems printed at most
 
 
 def cmd_trace_import(args: argparse.Namespace) -> int:
-    if args.out:
-        output_file(args.out)
+    out = args.out or str(Path(args.file).with_suffix(".npz"))
+    output_file(out, "--out" if args.out else "the output (the log's name with .npz; give --out)", reads=[args.file])
     trace, problems = import_jsonl(args.file, num_experts=args.num_experts, model=args.model or "unknown",
                                    key_fields=tuple(args.key) if args.key else None, holes=args.holes,
                                    source=args.source, license=args.license, dataset=args.dataset)
@@ -557,7 +572,6 @@ def cmd_trace_import(args: argparse.Namespace) -> int:
         print(f"warning: ... and {len(problems) - SHOWN_WARNINGS} more problems like these", file=sys.stderr)
     if args.model:
         trace.check_model(get_model(args.model), args.file)
-    out = args.out or str(Path(args.file).with_suffix(".npz"))
     trace.save(out)
     print(f"wrote {out}: {trace.num_sequences} sequences, {len(trace.experts)} tokens, {trace.num_layers} layers, "
           f"top-{trace.top_k} of {trace.num_experts} experts" + (f"; {len(problems)} problem(s) reported" if problems else ""))

@@ -281,6 +281,12 @@ TINY_RUN = ["--model", "tiny-mixtral", "--prompt-len", "8", "--gen-len", "2", "-
     (["trace", "synth", "--model", "tiny-mixtral", "--out", "{file}/x.npz"], "afile is not a folder"),
     (["trace", "synth", "--model", "tiny-mixtral", "--out", "{tmp}"], "is a folder; give a file name"),
     (["trace", "stats", "traces/tiny-mixtral-recorded.npz", "--csv", "{tmp}"], "--csv"),
+    # written over what is read, with a success line: the trace became its table, the log its trace
+    (["trace", "stats", "traces/tiny-mixtral-recorded.npz", "--csv", "./traces/tiny-mixtral-recorded.npz"],
+     "--csv traces/tiny-mixtral-recorded.npz: is what this command reads (traces/tiny-mixtral-recorded.npz)"),
+    (["trace", "stats", "traces/tiny-mixtral-recorded.npz", "--csv", ""], "--csv: expected a file name, got an empty"),
+    (["trace", "import", "{file}", "--out", "{file}"], "afile: is what this command reads"),
+    (["trace", "import", "{tmp}/log.npz"], "the output (the log's name with .npz; give --out) {tmp}/log.npz: is what"),
     (["simulate", *TINY_RUN, "--out", " "], "--out: expected a folder, got an empty name"),
     (["simulate", *TINY_RUN, "--out", "{file}/sub"], "cannot create the folder"),
     (["optimize", "--model", "tiny-mixtral", "--resident-layers", "99", "--out", "{tmp}/o"],
@@ -290,7 +296,9 @@ def test_refused_in_one_line_before_any_work(tmp_path, args, message):
     """Found by a fuzz pass: each of these was a traceback, a silent default or work thrown away."""
     afile = tmp_path / "afile"
     afile.write_text("x")
+    (tmp_path / "log.npz").write_text('{"seq_id": 0, "token_idx": 0, "layer": 0, "experts": [0, 1]}\n')
     args = [a.format(file=afile, tmp=tmp_path) for a in args]
+    message = message.format(tmp=tmp_path)
     rc, out, err = run_cli(*args)
     assert rc == 2 and message in err and err.count("\n") == 1 and "Traceback" not in err, (out, err)
 

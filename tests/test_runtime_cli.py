@@ -108,6 +108,8 @@ def test_record_refuses_what_it_cannot_read_in_one_line(tmp_path):
     (("validate", "--policy", "klotski,flexgen,klotski", "--out", "{d}/v"),
      "--policy klotski,flexgen,klotski: 'klotski' is given twice"),
     (("calibrate", "--batch-sizes", "1,2,1", "--out", "{d}/p.yaml"), "argument --batch-sizes: 1 is given twice"),
+    (("record", "--model-dir", "{d}", "--text", "{d}/a_file", "--out", "{d}/a_file"),  # (the text became a trace)
+     "a_file: is what this command reads"),
     (("validate", "--policy", "klotski", "--num-batches", "100000", "--out", "{d}/v", "--profile",
       "experiments/results/cpu/small-mixtral-presets/profile.yaml"),  # (a traceback: the routing it never built)
      "100000 batches of 4 cannot run on this profile: out of GPU memory at the memory check (nothing built)"),
@@ -146,3 +148,5 @@ def test_an_execute_whose_emulated_links_would_take_hours_is_refused_with_the_nu
     schedule = Schedule.load(tmp_path / "schedule.json")
     h2d = sum(op.bytes for op in schedule.ops if op.kind == "transfer" and schedule.streams[op.stream] == "pcie_h2d")
     assert int(moved[1].replace(",", "")) == h2d and float(moved[2]) == round(h2d / 10 / 3600, 1)
+    rc, out, err = run_runtime("execute", str(tmp_path / "schedule.json"), "--out", str(tmp_path))
+    assert rc == 2 and "is what this command reads" in err and not out, err  # (the simulation's files kept)

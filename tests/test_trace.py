@@ -404,9 +404,13 @@ def test_trace_cache_keeps_the_recently_used_within_its_cap_and_refuses_a_bad_ca
     calls = []
     cached_trace(m, "calibrated", 2, 5, 6, 3, lambda: calls.append(1) or synthesize(m, 5, 6, 3, "calibrated", 2))
     assert calls == []  # (2 was kept)
+    mine = folder / "my_important_trace.npz"  # a user's own file where the cache keeps its traces
+    mine.write_bytes(b"not the cache's")
+    os.utime(mine, (0, 0))  # (the least recently used of all)
     monkeypatch.setenv("KLOTSKI_CACHE_MAX_GB", "0")
     get(5)
-    assert list(folder.glob("*.npz")) == []  # (larger than the cap: not kept; and a cap of 0 keeps nothing)
+    # larger than the cap: not kept; a cap of 0 keeps none of the cache's traces, and deletes nothing else
+    assert list(folder.glob("*.npz")) == [mine] and mine.read_bytes() == b"not the cache's"
     for bad in ("lots", "-1", "inf", "nan"):
         monkeypatch.setenv("KLOTSKI_CACHE_MAX_GB", bad)
         with pytest.raises(UsageError, match="KLOTSKI_CACHE_MAX_GB"):
