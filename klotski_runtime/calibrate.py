@@ -88,8 +88,10 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
                emulate_links: Mapping[str, float] | None, link_latency_s: float, command: str,
                emulate_pageable: Mapping[str, float]) -> HardwareProfile:
     dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("CUDA was requested but torch sees no GPU (use --device cpu)")
+    if dev.type == "cuda" and not torch.cuda.is_available():  # (one line, as execute says it: not a traceback)
+        from .executor import ExecutionError
+
+        raise ExecutionError("CUDA was requested but torch sees no GPU (use --device cpu)")
     measure = _timer(dev)
     moe = spec.first_dense_layers  # the first layer with experts (DeepSeek's first layers are dense)
     w = WeightStore.random(spec, layers=moe + 1, dtype=dtype)

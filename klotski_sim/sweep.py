@@ -193,7 +193,7 @@ def parse_spec(data: Any, where: str = "sweep spec") -> SweepSpec:
             elif e["type"] == "value_error" and "error" in e.get("ctx", {}):  # (our own check: it names the value)
                 problems.setdefault(loc, str(e["ctx"]["error"]))
             else:
-                problems.setdefault(loc, f"{e['msg'][0].lower()}{e['msg'][1:]}, got {e.get('input')!r}")
+                problems.setdefault(loc, f"{e['msg'][0].lower()}{e['msg'][1:]}, got {e.get('input')!r:.80}")
         raise SweepError(f"{where}: invalid sweep spec: " + "; ".join(f"{k}: {v}" for k, v in problems.items())) \
             from None
     check_spec(spec, where)

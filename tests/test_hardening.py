@@ -50,6 +50,14 @@ def test_yaml_alias_bomb_is_refused(tmp_path):
         load_profile_file(path)
     rc, out, err = run_cli("sweep", str(path), "--out", str(tmp_path / "o"))
     assert rc == 2 and "aliases" in err and "Traceback" not in err
+    # under the alias cap (72 of them, nested 8 deep: a 382-byte spec) but 43 million policies (91 million values) once
+    # expanded: a 312 MB error line after 7 s, and at 10 levels a hang
+    lines = ["name: t", "l0: &l0 [" + ", ".join(["klotski"] * 9) + "]"]
+    lines += [f"l{k}: &l{k} [" + ", ".join([f"*l{k - 1}"] * 9) + "]" for k in range(1, 8)]
+    path.write_text("\n".join([*lines, "policies: *l7"]))
+    rc, out, err = run_cli("sweep", str(path), "--out", str(tmp_path / "o"))
+    assert rc == 2 and err == (f"error: {path}: its YAML aliases expand to 91,474,292 values (at most 100,000): "
+                               f"refused\n"), err
 
 
 READERS = [("trace", "import", "{f}", "--out", "{d}/t.npz"), ("sweep", "{f}", "--out", "{d}/o"),

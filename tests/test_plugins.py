@@ -186,6 +186,12 @@ def build_pickle(inp):
 @register("broken-none", "returns None")
 def build_none(inp):
     return None
+
+
+@register("broken-exit", "ends the process")
+def build_exit(inp):
+    import sys
+    sys.exit(0)
 '''
 
 
@@ -194,6 +200,9 @@ def build_none(inp):
     ("broken-div", "2", "policy 'broken-div' failed at {file}:13: ZeroDivisionError: division by zero"),
     ("broken-pickle", "2", "bad thing 1 2"),
     ("broken-none", "1", "policy 'broken-none' returned NoneType, not a Schedule"),
+    # (compare, simulate and sweeps ended with status 0 and wrote nothing)
+    ("broken-exit", "1", "policy 'broken-exit' failed at {file}:29: SystemExit: 0"),
+    ("broken-exit", "2", "policy 'broken-exit' failed at {file}:29: SystemExit: 0"),
 ])
 def test_a_broken_policy_file_is_one_line_naming_where(tmp_path, policy, workers, message):
     path = tmp_path / "broken.py"

@@ -1,5 +1,6 @@
 """`klotski-runtime` end to end."""
 
+import json
 import re
 import subprocess
 import sys
@@ -8,7 +9,7 @@ import pytest
 
 from klotski_sim.schedule import Schedule
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from .conftest import ROOT  # noqa: E402
@@ -108,6 +109,9 @@ def test_record_refuses_what_it_cannot_read_in_one_line(tmp_path):
     (("validate", "--policy", "klotski,flexgen,klotski", "--out", "{d}/v"),
      "--policy klotski,flexgen,klotski: 'klotski' is given twice"),
     (("calibrate", "--batch-sizes", "1,2,1", "--out", "{d}/p.yaml"), "argument --batch-sizes: 1 is given twice"),
+    pytest.param(("calibrate", "--device", "cuda", "--out", "{d}/p.yaml"),  # (a traceback; execute said it in one line)
+                 "CUDA was requested but torch sees no GPU (use --device cpu)",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")),
     (("record", "--model-dir", "{d}", "--text", "{d}/a_file", "--out", "{d}/a_file"),  # (the text became a trace)
      "a_file: is what this command reads"),
     (("validate", "--policy", "klotski", "--num-batches", "100000", "--out", "{d}/v", "--profile",
@@ -150,3 +154,11 @@ def test_an_execute_whose_emulated_links_would_take_hours_is_refused_with_the_nu
     assert int(moved[1].replace(",", "")) == h2d and float(moved[2]) == round(h2d / 10 / 3600, 1)
     rc, out, err = run_runtime("execute", str(tmp_path / "schedule.json"), "--out", str(tmp_path))
     assert rc == 2 and "is what this command reads" in err and not out, err  # (the simulation's files kept)
+    meta_int = tmp_path / "meta_int"
+    meta_int.mkdir()
+    data = json.loads((tmp_path / "schedule.json").read_text())
+    data["meta"]["model"] = 5
+    (meta_int / "schedule.json").write_text(json.dumps(data))
+    (meta_int / "routing.npz").write_bytes((tmp_path / "routing.npz").read_bytes())
+    rc, out, err = run_runtime("execute", str(meta_int))  # (an AttributeError traceback)
+    assert rc == 2 and "meta.model must be a model preset's name, got 5" in err and not out, err

@@ -284,7 +284,7 @@ def build_schedule(name: str, inp: PolicyInput) -> Schedule:
                                               inp.warmup, inp.impl))
         except KlotskiError:
             raise
-        except Exception as err:
+        except (Exception, SystemExit) as err:  # (a policy's sys.exit(0) ended a run, sweep or compare "done")
             module = sys.modules.get(getattr(info.build, "__module__", ""))
             if module is None or module.__name__.startswith("klotski_sim."):
                 raise  # a bug of ours: the traceback is the report
