@@ -50,10 +50,13 @@ def nonnegative_int(text: str) -> int:
     return _int_from(text, 0, "an integer >= 0")
 
 
+MAX_SEED = (1 << 63) - 1  # numpy's and torch's generators take seeds up to this (torch overflowed beyond)
+
+
 def seed_int(text: str) -> int:
     """A seed the simulator and the runtime both take: numpy's and torch's generators (torch's needs
     it to fit in 64 bits; a larger one crashed the runtime that the simulator had accepted)."""
-    return _int_from(text, 0, "a seed from 0 to 2**63 - 1", high=(1 << 63) - 1)
+    return _int_from(text, 0, "a seed from 0 to 2**63 - 1", high=MAX_SEED)
 
 
 def bounded_int(low: int, high: int) -> Callable[[str], int]:

@@ -730,6 +730,9 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except (MemoryError, RuntimeError) as err:  # (torch's allocators raise RuntimeError: "... can't allocate ...")
+        if "can't start new thread" in str(err) and not getattr(args, "debug", False):  # (a process or memory limit)
+            print(f"error: the machine refused another thread ({err}): ask for fewer --threads", file=sys.stderr)
+            return 2
         if getattr(args, "debug", False) or not (isinstance(err, MemoryError) or "allocate" in str(err)):
             raise
         said = " ".join(str(err).split())[:200]

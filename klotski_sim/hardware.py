@@ -8,26 +8,41 @@ Pydantic does the checking; the models are frozen so a profile can be shared bet
 from __future__ import annotations
 
 import difflib
+import math
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from .errors import KlotskiError, UsageError
 from .textfile import read_text
 from .yamlfile import MAX_BYTES as MAX_YAML_BYTES
 from .yamlfile import load_yaml
 
-Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]  # finite: an infinite bandwidth is no what-if
-NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+def _a_number(value: Any) -> Any:
+    """A number field refuses true/false (which would be read as 1 and 0: `--set
+    links.pcie_h2d.bandwidth=true` was a 1 B/s link) and NaN or infinity (said so before any bound
+    is checked against it); numbers written as text (`25e9`, which YAML reads as a string) are
+    still converted."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got {str(value).lower()}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"expected a finite number, got {value}")
+    return value
+
+
+_Number = BeforeValidator(_a_number)
+Positive = Annotated[float, _Number, Field(gt=0, allow_inf_nan=False)]  # finite: an infinite bandwidth is no what-if
+NonNegative = Annotated[float, _Number, Field(ge=0, allow_inf_nan=False)]
 # A rate (bytes/s, FLOP/s) below one per second, or a fixed per-op cost (launch, dispatch, signal,
 # sync, link latency: microseconds on every machine) above a second, is a unit slip, not a what-if:
 # it made ops of 1e300 s whose sums overflowed into inf and NaN in every output.
-Rate = Annotated[float, Field(ge=1, allow_inf_nan=False)]
-PerOpSeconds = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
-Fraction = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
+Rate = Annotated[float, _Number, Field(ge=1, allow_inf_nan=False)]
+PerOpSeconds = Annotated[float, _Number, Field(ge=0, le=1, allow_inf_nan=False)]
+Fraction = Annotated[float, _Number, Field(gt=0, le=1, allow_inf_nan=False)]
 
 
 class _Strict(BaseModel):
@@ -76,7 +91,7 @@ class LinkSpec(_Strict):
     pageable_bandwidth: Rate | None = Field(
         None, description="sustained bytes/s for large copies from/to pageable (unpinned) host memory")
     latency_s: PerOpSeconds = 0.0
-    copy_engines: Annotated[int, Field(ge=1)] = 1
+    copy_engines: Annotated[int, _Number, Field(ge=1)] = 1
 
 
 class LinksSpec(_Strict):
@@ -105,7 +120,7 @@ class CPUSpec(_Strict):
     FLOP/s in the dtype it computes in — which depends on the ISA (AVX-512, AVX512-BF16, AMX)."""
 
     name: str
-    cores: Annotated[int, Field(ge=1)]
+    cores: Annotated[int, _Number, Field(ge=1)]
     isa: list[str] = Field(default_factory=list, description="vector/matrix extensions, e.g. avx512, amx: a record "
                                                             "of the machine (the cost model reads compute_dtype and "
                                                             "flops, which the ISA decides, not this list)")
@@ -134,8 +149,8 @@ class DiskSpec(_Strict):
 class MeasuredPoint(_Strict):
     """One measured op duration; `tokens` is the op's token count, `kv_len` its KV length."""
 
-    tokens: Annotated[int, Field(ge=0)]
-    kv_len: Annotated[int, Field(ge=0)] = 0
+    tokens: Annotated[int, _Number, Field(ge=0)]
+    kv_len: Annotated[int, _Number, Field(ge=0)] = 0
     seconds: Positive
 
 

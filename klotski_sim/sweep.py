@@ -62,7 +62,7 @@ from pydantic import (
     field_validator,
 )
 
-from .argtypes import first_repeat
+from .argtypes import MAX_SEED, first_repeat
 from .errors import KlotskiError, UsageError
 from .hardware import ProfileError, load_profile, with_overrides
 from .impl import PRESET_NAMES
@@ -132,9 +132,9 @@ class SweepSpec(BaseModel):
     @field_validator("seeds")
     @classmethod
     def _seeds(cls, values: list[int]) -> list[int]:
-        bad = [v for v in values if v < 0]
+        bad = [v for v in values if not 0 <= v <= MAX_SEED]  # (as the command lines take them)
         if bad:
-            raise UsageError(f"seeds must be >= 0, got {bad[0]!r}")
+            raise UsageError(f"seeds must be from 0 to 2**63 - 1, got {bad[0]!r}")
         return values
 
     @field_validator("models", "hardware", "policies", "batch_sizes", "num_batches", "prompt_lens", "gen_lens",

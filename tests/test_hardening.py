@@ -33,7 +33,9 @@ TINY = {"name": "t", "models": ["tiny-mixtral"], "policies": ["klotski"], "batch
     ("links.pcie_h2d.bandwidth", -1.0, "links.pcie_h2d.bandwidth: Input should be greater than or equal to 1"),
     ("links.nvme.bandwidth", 1e-300, "greater than or equal to 1"),  # (ops of 1e300 s: inf and NaN outputs)
     ("gpu.kernel_overhead_s", 1e300, "gpu.kernel_overhead_s: Input should be less than or equal to 1"),
-    ("cpu.op_overhead_s", 2.0, "less than or equal to 1")])
+    ("cpu.op_overhead_s", 2.0, "less than or equal to 1"),
+    ("links.pcie_h2d.bandwidth", True, "links.pcie_h2d.bandwidth: Value error, expected a number, got true"),  # (1 B/s)
+    ("links.pcie_h2d.copy_engines", True, "expected a number, got true")])
 def test_non_finite_and_inconsistent_profile_values_are_refused(field, value, message):
     with pytest.raises(ProfileError, match=message):
         with_overrides(load_profile("rtx3090"), {field: value})
@@ -315,7 +317,7 @@ def test_sweep_specs_refuse_empty_axes_repeats_and_negative_seeds():
     for bad, message in (({"overrides": {"links.pcie_h2d.bandwidth": []}}, "give at least one value"),
                          ({"options": {"expert_cache": []}}, "give at least one value"),
                          ({"policies": ["klotski", "klotski"]}, "'klotski' is given twice"),
-                         ({"seeds": [-1]}, "seeds must be >= 0"),
+                         ({"seeds": [-1]}, r"seeds must be from 0 to 2\*\*63 - 1"),
                          ({"resident_layers": [999]}, "more than"),
                          ({"options": {"expert_cache": [-1]}}, "expert_cache must be a whole number"),
                          ({"options": {"expert_cache": [float("nan")]}}, "expert_cache must be a whole number"),
@@ -352,7 +354,9 @@ def test_plan_names_what_does_not_fit():
 @pytest.mark.parametrize("raised,shown", [
     (MemoryError("Unable to allocate 3.64 TiB"), "error: out of memory: Unable to allocate 3.64 TiB"),
     (RuntimeError("[enforce fail] DefaultCPUAllocator: can't allocate memory: you tried to allocate 2560 bytes"),
-     "error: out of memory: [enforce fail]")])
+     "error: out of memory: [enforce fail]"),
+    (RuntimeError("can't start new thread"),  # (execute --threads 1000 under a memory limit: a traceback)
+     "error: the machine refused another thread (can't start new thread): ask for fewer --threads")])
 def test_running_out_of_memory_is_one_line_and_other_errors_keep_their_traceback(capsys, raised, shown):
     """numpy's and torch's allocation failures (calibrate --batch-sizes 1000000000 ended in a torch
     traceback) are one line; any other RuntimeError is a bug and keeps its traceback."""

@@ -184,7 +184,8 @@ def test_a_what_if_over_hardware_numbers_reuses_the_schedule_and_gives_the_same_
      "resident_layers.0: input should be a valid integer, got True"),
     ("name: t\npolicies: [klotski]\nnum_batches: [2.5]\n", "num_batches.0: input should be a valid integer, got 2.5"),
     ("name: t\npolicies: [klotski]\nnum_batches: ['0']\n", "positive integers or 'auto', got '0'"),
-    ("name: t\npolicies: [klotski]\nseeds: [3, -2]\n", "seeds: seeds must be >= 0, got -2"),
+    ("name: t\npolicies: [klotski]\nseeds: [3, -2]\n", "seeds: seeds must be from 0 to 2**63 - 1, got -2"),
+    ("name: t\npolicies: [klotski]\nseeds: [99999999999999999999999]\n", "got 99999999999999999999999"),
 ])
 def test_a_spec_key_given_twice_or_a_value_of_the_wrong_type_is_one_line_with_the_value(tmp_path, text, words):
     from klotski_sim.errors import KlotskiError
