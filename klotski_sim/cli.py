@@ -71,7 +71,8 @@ def add_run_arguments(p: argparse.ArgumentParser, policy: bool = True, num_batch
                             "keeps one batch in flight)")
     p.add_argument("--prompt-len", type=positive_int, default=512, help="prompt tokens P (default: %(default)s)")
     p.add_argument("--gen-len", type=positive_int, default=32, help="generated tokens G (default: %(default)s)")
-    p.add_argument("--seed", type=seed_int, default=0, help="seed of the routing generator (default: %(default)s)")
+    p.add_argument("--seed", type=seed_int, default=None,
+                   help="seed of the routing generator, when no --trace is given (default: 0)")
     p.add_argument("--routing", default=None, metavar="KIND",
                    help=f"synthetic routing when no --trace is given: calibrated, uniform, zipf:<a>, skewed "
                         f"(default: {DEFAULT_ROUTING})")
@@ -177,9 +178,16 @@ def output_file(path: str | os.PathLike, flag: str = "--out", reads: Sequence[st
 
 
 def spec_from_args(args: argparse.Namespace, **changes: Any) -> RunSpec:
+    # (each of these changed nothing, silently: a trace has its own routing, a synthetic one is never short)
+    if args.seed is not None and args.trace is not None:
+        raise CliError(f"--seed {args.seed} and --trace {args.trace}: the seed draws synthetic routing, and a trace "
+                       f"replays its own; give one of them")
+    if args.wrap and args.trace is None:
+        raise CliError("--wrap lets a --trace with too few sequences reuse them; without --trace (synthetic routing "
+                       "has as many as the run needs) it does nothing")
     fields = dict(model=args.model, hardware=args.hardware, policy=getattr(args, "policy", "single-batch"),
                   batch_size=args.batch_size, num_batches=getattr(args, "num_batches", None), prompt_len=args.prompt_len,
-                  gen_len=args.gen_len, seed=args.seed, routing=routing_kind(args.routing, args.trace),
+                  gen_len=args.gen_len, seed=args.seed or 0, routing=routing_kind(args.routing, args.trace),
                   trace=args.trace, wrap=args.wrap, warmup_sequences=args.warmup_sequences, kv=args.kv,
                   experts=args.experts, resident_layers=args.resident_layers, impl=args.impl,
                   overrides=parse_overrides(args.overrides, "--set"))

@@ -20,7 +20,6 @@ in memory in the type they are stored in) that replays with a single slice.
 from __future__ import annotations
 
 import json
-import math
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -271,6 +270,9 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return record
 
 
+MAX_GATE_WEIGHT = 65504.0  # the largest float16, which a trace stores gate weights in (1e6 became inf)
+
+
 def _shown(value: Any, limit: int = 60) -> str:
     """A sequence id as a message shows it: its repr, cut short (a log's ids can be thousands of
     characters, and a warning names one per sequence)."""
@@ -336,7 +338,11 @@ def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str
                 isinstance(x, int) and not isinstance(x, bool) for x in experts):
             raise TraceError(f"{path}:{lineno}: experts must be a non-empty list of integers")
         if not all(0 <= x < MAX_IMPORT_INDEX for x in experts):
-            raise TraceError(f"{path}:{lineno}: expert ids must be from 0 to {MAX_IMPORT_INDEX - 1}, got {experts}")
+            raise TraceError(f"{path}:{lineno}: expert ids must be from 0 to {MAX_IMPORT_INDEX - 1}, got "
+                             f"{_shown(experts)}")
+        if len(set(experts)) < len(experts):  # (found later, for the whole trace, without its line)
+            raise TraceError(f"{path}:{lineno}: the token selects an expert twice ({_shown(experts)}); a router's "
+                             f"top-k experts are distinct")
         if not isinstance(tok, int) or not isinstance(layer, int) or isinstance(tok, bool) or isinstance(layer, bool):
             raise TraceError(f"{path}:{lineno}: token index and layer must be integers")
         if not 0 <= tok < MAX_IMPORT_TOKENS or not 0 <= layer < MAX_IMPORT_INDEX:
@@ -359,9 +365,9 @@ def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str
             max_id, max_id_line = max(experts), lineno
         if weights is not None and (not isinstance(weights, list) or len(weights) != len(experts)
                                     or not all(isinstance(w, (int, float)) and not isinstance(w, bool)
-                                               and 0 <= w < math.inf for w in weights)):
-            raise TraceError(f"{path}:{lineno}: gate weights must be a list of finite non-negative numbers, one per "
-                             f"expert")
+                                               and 0 <= w <= MAX_GATE_WEIGHT for w in weights)):
+            raise TraceError(f"{path}:{lineno}: gate weights must be a list of numbers from 0 to {MAX_GATE_WEIGHT} "
+                             f"(stored as float16), one per expert")
         if top_k is None:
             top_k = len(experts)
         elif len(experts) != top_k:
