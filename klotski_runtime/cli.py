@@ -51,8 +51,10 @@ def cmd_tiny_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _csv_ints(text: str) -> list[int]:
+    if any(not v.strip() for v in text.split(",")):  # (`1,,2` was taken as 1,2; `''` refused)
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
     try:
-        values = [plain_int(v) for v in text.split(",") if v.strip()]
+        values = [plain_int(v) for v in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not values or min(values) < 1:

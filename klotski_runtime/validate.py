@@ -58,13 +58,26 @@ class ValidationSetup:
     options: Mapping[str, Any] = field(default_factory=dict)  # policy options for every schedule (expert_cache, ...)
 
 
-def check_profile_device(profile: HardwareProfile, device: str) -> None:
-    """A calibrated profile describes one kind of device; refuse to validate another with it."""
+def check_profile_device(profile: HardwareProfile, device: str, emulated: Mapping[str, float] | None = None) -> None:
+    """A calibrated profile describes one kind of device, and its links the rates they were
+    emulated at: refuse to validate another device, or other emulated rates, with it (the simulated
+    and measured runs would differ by construction). A CPU run needs a CPU calibration: a GPU's
+    spec-sheet profile (no device kind) compared a simulated RTX 3090 with a CPU."""
     kind = profile.provenance.get("device_kind")
     want = "cuda" if device.startswith("cuda") else "cpu"
-    if kind and kind != want:
-        raise ProfileError(f"profile {profile.name!r} was calibrated on a {kind} device "
-                           f"({profile.provenance.get('device')}), not {want}: calibrate this device first")
+    if kind and kind != want or want == "cpu" and kind != "cpu":
+        what = f"was calibrated on a {kind} device ({profile.provenance.get('device')})" if kind else \
+            "is a spec-sheet profile, not a calibration"
+        raise ProfileError(f"profile {profile.name!r} {what}, not {want}: calibrate this device first (or leave "
+                           f"out --profile: validate calibrates it)")
+    if emulated is not None and kind == "cpu":
+        calibrated = dict(profile.provenance.get("emulated_links") or {})
+        if calibrated != dict(emulated):
+            def rates(links: Mapping[str, float]) -> str:
+                return ", ".join(f"{k} {v:g} B/s" for k, v in sorted(links.items())) or "none (real copies)"
+            raise ProfileError(f"profile {profile.name!r} was calibrated with emulated links {rates(calibrated)}, "
+                               f"this run emulates {rates(emulated)}: give the same --emulate-pcie, or calibrate "
+                               f"again")
 
 
 def compare(sim: Timeline, meas: Timeline, worst: int = 10) -> dict[str, Any]:
@@ -172,7 +185,7 @@ def validate(setup: ValidationSetup, profile_path: str, out_dir: str | Path,
     if prep.refused is not None:  # (nothing to build, run or measure: it crashed on the routing it never made)
         raise UsageError(f"{setup.num_batches} batches of {setup.batch_size} cannot run on this profile: "
                          f"{prep.refused.describe()}")
-    check_profile_device(prep.profile, setup.device)
+    check_profile_device(prep.profile, setup.device, setup.emulate_links)
     model = get_model(setup.model)
     dtype = getattr(torch, setup.dtype)
     weights = (WeightStore.from_checkpoint(setup.checkpoint, model, dtype=dtype) if setup.checkpoint

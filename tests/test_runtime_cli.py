@@ -109,6 +109,8 @@ def test_record_refuses_what_it_cannot_read_in_one_line(tmp_path):
     (("validate", "--policy", "klotski,flexgen,klotski", "--out", "{d}/v"),
      "--policy klotski,flexgen,klotski: 'klotski' is given twice"),
     (("calibrate", "--batch-sizes", "1,2,1", "--out", "{d}/p.yaml"), "argument --batch-sizes: 1 is given twice"),
+    (("calibrate", "--prompt-lens", "16,,64", "--out", "{d}/p.yaml"),
+     "argument --prompt-lens: expected comma-separated integers, got '16,,64'"),
     pytest.param(("calibrate", "--device", "cuda", "--out", "{d}/p.yaml"),  # (a traceback; execute said it in one line)
                  "CUDA was requested but torch sees no GPU (use --device cpu)",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")),

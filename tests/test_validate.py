@@ -59,7 +59,7 @@ def test_calibration_writes_a_loadable_profile_with_a_measured_table(profile_fil
 
 def test_validate_produces_its_files_and_figures(profile_file, tmp_path):
     setup = ValidationSetup(model="tiny-mixtral", batch_size=2, num_batches=2, prompt_len=6, gen_len=3,
-                            emulate_links={"pcie_h2d": 2e8, "pcie_d2h": 2e8}, warmup_runs=0)
+                            emulate_links={"pcie_h2d": 1e9, "pcie_d2h": 1e9}, warmup_runs=0)  # (as calibrated)
     report = validate(setup, str(profile_file), tmp_path, ("klotski", "flexgen"))
     for policy in ("klotski", "flexgen"):
         for name in ("simulated.parquet", "measured.parquet", "validation.png", "validation.json", "schedule.json"):
@@ -68,14 +68,22 @@ def test_validate_produces_its_files_and_figures(profile_file, tmp_path):
         assert r["makespan"]["measured_s"] > 0 and r["makespan"]["error"] is not None
         assert set(r["bubbles"]) == {"all", "inter", "intra"} and r["worst_ops"]
     saved = json.loads((tmp_path / "validation.json").read_text())
-    assert saved["emulated_links"] == {"pcie_h2d": 2e8, "pcie_d2h": 2e8}
+    assert saved["emulated_links"] == {"pcie_h2d": 1e9, "pcie_d2h": 1e9}
     assert "EMULATED" in format_report(report)
 
 
-def test_a_profile_for_another_device_is_refused(profile_file):
+def test_a_profile_for_another_device_or_other_emulated_links_is_refused(profile_file):
     with pytest.raises(ProfileError, match="calibrated on a cpu device"):
         check_profile_device(load_profile(profile_file), "cuda")
-    check_profile_device(load_profile("rtx3090"), "cuda")  # spec profiles carry no device kind
+    check_profile_device(load_profile("rtx3090"), "cuda")  # (a spec sheet against a real GPU of its kind: a check)
+    with pytest.raises(ProfileError, match="'rtx3090' is a spec-sheet profile, not a calibration, not cpu"):
+        check_profile_device(load_profile("rtx3090"), "cpu")  # (a simulated RTX 3090 against the CPU)
+    check_profile_device(load_profile(profile_file), "cpu", {"pcie_h2d": 1e9, "pcie_d2h": 1e9})
+    with pytest.raises(ProfileError, match="calibrated with emulated links pcie_d2h 1e\\+09 B/s, pcie_h2d 1e\\+09 "
+                                           "B/s, this run emulates pcie_d2h 5e\\+09 B/s, pcie_h2d 5e\\+09 B/s"):
+        check_profile_device(load_profile(profile_file), "cpu", {"pcie_h2d": 5e9, "pcie_d2h": 5e9})
+    with pytest.raises(ProfileError, match="this run emulates none \\(real copies\\)"):
+        check_profile_device(load_profile(profile_file), "cpu", {})
 
 
 def test_validate_cli_end_to_end(tmp_path):
@@ -101,7 +109,7 @@ def test_execute_cli_runs_what_simulate_wrote(tmp_path):
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     rc, _, err = _runtime("validate", "--policy", "klotski", "--model", "tiny-mixtral", "--checkpoint",
-                          str(tmp_path / "nope"), "--profile", "klotski_sim/profiles/rtx3090.yaml",
+                          str(tmp_path / "nope"), "--profile", "experiments/results/cpu/small-mixtral-presets/profile.yaml",
                           "--out", str(tmp_path / "v"))
     assert rc == 2 and "no such checkpoint directory" in err and "Traceback" not in err
 
@@ -170,7 +178,7 @@ def test_calibration_measures_the_host_cpu_and_cpu_expert_policies_validate(prof
     capped.write_text(yaml.safe_dump(data))
     # prompt 2 x 16 = 32 tokens: llama.cpp's rule uploads whole layers in prefill
     setup = ValidationSetup(model="tiny-mixtral", batch_size=2, num_batches=2, prompt_len=16, gen_len=3, repeats=1,
-                            impl="ideal")
+                            impl="ideal", emulate_links=p.provenance["emulated_links"])  # (the links as calibrated)
     report = validate(setup, str(capped), tmp_path / "out", ("fiddler", "llamacpp-moe", "klotski-hybrid"))
     fiddler = report["policies"]["fiddler"]
     assert fiddler["per_category"]["expert"]["ops"] > 0 and abs(fiddler["makespan"]["error"]) < 1.0
