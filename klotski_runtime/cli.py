@@ -13,14 +13,15 @@ from typing import Sequence
 from klotski_sim.argtypes import (
     OneLineParser,
     bounded_int,
+    first_repeat,
     nonnegative_int,
     plain_int,
     positive_float,
     positive_int,
     seed_int,
 )
-from klotski_sim.cli import (DEFAULT_ROUTING, CliError, guarded, not_an_input, output_file, output_folder,
-                             parse_overrides, routing_kind)
+from klotski_sim.cli import CliError, guarded, not_an_input, output_file, output_folder, parse_overrides, routing_kind
+from klotski_sim.trace_synth import DEFAULT_ROUTING
 
 from .record import read_texts, record, save_tiny_mixtral, save_tiny_olmoe, save_tiny_qwen3_moe
 
@@ -59,7 +60,7 @@ def _csv_ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    repeated = next((v for k, v in enumerate(values) if v in values[:k]), None)
+    repeated = first_repeat(values)
     if repeated is not None:  # (each shape would be measured twice, and the profile hold it once)
         raise argparse.ArgumentTypeError(f"{repeated} is given twice in {text!r}")
     return values
@@ -138,7 +139,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from .validate import ALL_POLICIES, ValidationSetup, format_report, validate
 
     policies = ALL_POLICIES if args.policy == "all" else tuple(args.policy.split(","))
-    repeated = next((p for k, p in enumerate(policies) if p in policies[:k]), None)
+    repeated = first_repeat(policies)
     if repeated is not None:
         raise CliError(f"--policy {args.policy}: {repeated!r} is given twice")
     setup = ValidationSetup(model=args.model, device=args.device, batch_size=args.batch_size,

@@ -40,7 +40,7 @@ from .runner import RunSpec, available_cores, policy_batches, policy_prepared, p
 from .timeline import FIGURE_COLUMNS, OutOfMemory, Summary, jsonable
 from .trace import Trace, import_jsonl
 from .trace_stats import format_stats, layer_stats, token_subset
-from .trace_synth import check_routing_fits, synthesize
+from .trace_synth import DEFAULT_ROUTING, check_routing_fits, synthesize
 from .units import GIB
 
 
@@ -92,9 +92,6 @@ def add_run_arguments(p: argparse.ArgumentParser, policy: bool = True, num_batch
                    help="override a profile field, e.g. --set links.pcie_h2d.bandwidth=32e9 (repeatable)")
     p.add_argument("--impl", default="as-published", choices=list(impl_choices),
                    help=IMPL_HELP + " (default: %(default)s)")
-
-
-DEFAULT_ROUTING = "calibrated"
 
 
 def routing_kind(routing: str | None, trace: str | None) -> str:
@@ -608,7 +605,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=positive_int, default=512, help="prompt tokens per sequence (default: %(default)s)")
     p.add_argument("--gen-len", type=nonnegative_int, default=32,
                    help="generated tokens per sequence (default: %(default)s)")
-    p.add_argument("--routing", default="calibrated", metavar="KIND",
+    p.add_argument("--routing", default=DEFAULT_ROUTING, metavar="KIND",
                    help="calibrated, uniform, zipf:<a>, skewed (default: %(default)s)")
     p.add_argument("--seed", type=seed_int, default=0, help="generator seed (default: %(default)s)")
     p.add_argument("--with-weights", action="store_true", help="also store synthetic gate weights (3x larger file)")

@@ -41,7 +41,7 @@ from .schedule import Schedule, quiet_gc_in_worker
 from .timeline import OutOfMemory, Timeline
 from .trace import Replay, Trace, TraceError, replay
 from .trace_stats import popularity
-from .trace_synth import base_popularity, check_routing_fits, params_for, synthesize
+from .trace_synth import DEFAULT_ROUTING, base_popularity, check_routing_fits, params_for, synthesize
 from .units import memory_text
 
 
@@ -58,7 +58,7 @@ class RunSpec:
     prompt_len: int = 512
     gen_len: int = 32
     seed: int = 0
-    routing: str = "calibrated"  # synthetic routing kind, used when no trace is given
+    routing: str = DEFAULT_ROUTING  # synthetic routing kind, used when no trace is given
     trace: str | None = None  # a routing trace file (.npz) to replay instead
     wrap: bool = False  # let a short trace reuse sequences (said in the summary)
     warmup_sequences: int = 8  # sequences kept apart for a prefetcher's pre-run (paper: batch 8)

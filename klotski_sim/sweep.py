@@ -74,7 +74,7 @@ from .policies.plugins import load_policy_files
 from .schedule import quiet_gc_in_worker
 from .textfile import read_text
 from .timeline import jsonable
-from .trace_synth import params_for
+from .trace_synth import DEFAULT_ROUTING, params_for
 from .yamlfile import MAX_BYTES as MAX_YAML_BYTES
 from .yamlfile import load_yaml
 
@@ -97,7 +97,7 @@ class SweepSpec(BaseModel):
     num_batches: list[StrictInt | StrictStr] = Field(default_factory=lambda: ["auto"], min_length=1)
     prompt_lens: list[StrictInt] = Field(default_factory=lambda: [512], min_length=1)
     gen_lens: list[StrictInt] = Field(default_factory=lambda: [32], min_length=1)
-    routings: list[StrictStr] = Field(default_factory=lambda: ["calibrated"], min_length=1)
+    routings: list[StrictStr] = Field(default_factory=lambda: [DEFAULT_ROUTING], min_length=1)
     seeds: list[StrictInt] = Field(default_factory=lambda: [0], min_length=1)
     kv: list[str] = Field(default_factory=lambda: ["auto"], min_length=1)
     experts: list[str] = Field(default_factory=lambda: ["auto"], min_length=1)

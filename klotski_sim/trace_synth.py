@@ -36,6 +36,7 @@ from .routing import RoutingTable, RunShape, expert_id_type
 from .trace import Trace, replay
 
 ROUTINGS = ("calibrated", "uniform", "zipf:<a>", "skewed")
+DEFAULT_ROUTING = "calibrated"  # what every command draws when it is not told
 
 
 @dataclass(frozen=True)
@@ -187,7 +188,7 @@ def check_routing_fits(model: ModelSpec, sequences: int, tokens: int, described:
 _TOKENS_PER_CHUNK = 64 * 8192  # the tokens of a chunk of sequences drawn together (64 up to 8192 tokens each)
 
 
-def synthesize(model: ModelSpec, sequences: int, prompt_len: int, gen_len: int, routing: str = "calibrated",
+def synthesize(model: ModelSpec, sequences: int, prompt_len: int, gen_len: int, routing: str = DEFAULT_ROUTING,
                seed: int = 0, with_weights: bool = False, chunk: int | None = None) -> Trace:
     """A trace of `sequences` sequences of prompt_len + gen_len tokens each. Gate weights (the
     softmax of the drawn logits over the chosen experts) only on request: they triple the file.
@@ -273,7 +274,7 @@ def synthesize(model: ModelSpec, sequences: int, prompt_len: int, gen_len: int, 
                  meta, None if weights is None else weights.reshape(sequences * T, L, k))
 
 
-def synthetic_routing(model: ModelSpec, shape: RunShape, routing: str = "calibrated", seed: int = 0) -> RoutingTable:
+def synthetic_routing(model: ModelSpec, shape: RunShape, routing: str = DEFAULT_ROUTING, seed: int = 0) -> RoutingTable:
     """The routing of one run straight from the generator (tests, benchmarks, notebooks)."""
     trace = synthesize(model, shape.num_sequences, shape.prompt_len, shape.gen_len, routing, seed)
     return replay(trace, model, shape, where=f"synthetic {routing}").routing
