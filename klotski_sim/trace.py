@@ -393,7 +393,12 @@ def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str
     problems: list[str] = duplicates[:20] + ([f"... and {len(duplicates) - 20} more duplicated records"]
                                              if len(duplicates) > 20 else [])
     experts_out, weights_out, lengths, plens = [], [], [], []
-    has_weights = all(w is not None for seq in records.values() for _, w in seq.values())
+    weighted = sum(w is not None for seq in records.values() for _, w in seq.values())
+    entries = sum(map(len, records.values()))
+    has_weights = weighted == entries
+    if 0 < weighted < entries:  # (said: a few records without them dropped every weight silently)
+        problems.append(f"{path}: {entries - weighted} of {entries} records have no gate weights; the trace keeps "
+                        f"none")
     for seq, table in records.items():
         max_tok = max(t for t, _ in table)
         if prompt_lens.get(seq, 0) > max_tok + 1:

@@ -504,7 +504,7 @@ def test_provenance_flags_and_late_errors_name_the_line(tmp_path):
         import_jsonl(path, num_experts=3)
 
 
-@pytest.mark.parametrize("records,message", [
+IMPORT_REFUSALS = [
     ([{"seq_id": 0, "token_idx": 0, "layer": 0, "experts": [1, 2], "gating_probs": [float("nan"), 0.5]}],
      "log.jsonl:1: gate weights must be a list of numbers from 0 to 65504.0"),
     ([{"seq_id": 0, "token_idx": 0, "layer": 0, "experts": [1, 2], "gating_probs": [-0.5, 1.5]}],
@@ -518,7 +518,20 @@ def test_provenance_flags_and_late_errors_name_the_line(tmp_path):
      "has prompt_len 100 but only 3 tokens"),
     ([{"seq_id": 0, "token_idx": t, "layer": 0, "experts": [1, 2], "prompt_len": 2 + t} for t in range(3)],
      "prompt_len 3 for sequence 0, whose earlier records said 2"),
-    ('{"seq_id": 0, "seq_id": 1, "token_idx": 0, "layer": 0, "experts": [1, 2]}', "key 'seq_id' is given twice")])
+    ('{"seq_id": 0, "seq_id": 1, "token_idx": 0, "layer": 0, "experts": [1, 2]}', "key 'seq_id' is given twice")]
+
+
+def test_gate_weights_missing_from_some_records_are_dropped_with_a_warning(tmp_path):
+    records = [{"seq_id": 0, "token_idx": t, "layer": 0, "experts": [1, 2], "gating_probs": [0.6, 0.4]}
+               for t in range(3)]
+    del records[1]["gating_probs"]
+    (tmp_path / "log.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    trace, problems = import_jsonl(tmp_path / "log.jsonl", num_experts=4)
+    assert trace.weights is None and problems == [f"{tmp_path / 'log.jsonl'}: 1 of 3 records have no gate weights; "
+                                                  f"the trace keeps none"]
+
+
+@pytest.mark.parametrize("records,message", IMPORT_REFUSALS)
 def test_an_imported_log_is_taken_as_written_or_refused_by_line(tmp_path, records, message):
     """NaN or negative gate probabilities were stored, a prompt longer than its sequence was
     clipped, a sequence's two prompt lengths resolved silently, a repeated key kept its last value."""
