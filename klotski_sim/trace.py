@@ -274,8 +274,8 @@ MAX_GATE_WEIGHT = 65504.0  # the largest float16, which a trace stores gate weig
 
 
 def _shown(value: Any, limit: int = 60) -> str:
-    """A sequence id as a message shows it: its repr, cut short (a log's ids can be thousands of
-    characters, and a warning names one per sequence)."""
+    """A value from a log (a sequence id, a record's expert ids) as a message shows it: its repr,
+    cut short (a log's ids can be thousands of characters, and a warning names one per sequence)."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit - 3]}..."
 

@@ -42,17 +42,17 @@ def load_yaml(text: str, where: str, error: type[KlotskiError] = KlotskiError) -
     if len(text) > MAX_BYTES:
         raise error(f"{where}: {len(text):,} bytes is too large for a YAML file here (at most {MAX_BYTES:,})")
     try:
-        aliases, values = _expanded_size(text)
-    except yaml.YAMLError as err:
-        raise error(f"{where}{_line_of(err)}: not valid YAML ({_problem_of(err)})") from err
-    if aliases > MAX_ALIASES:
-        raise error(f"{where}: {aliases} YAML aliases (at most {MAX_ALIASES}): refused, it could expand without bound")
-    if values > MAX_VALUES:
-        raise error(f"{where}: its YAML aliases expand to {values:,} values (at most {MAX_VALUES:,}): refused")
-    try:
+        aliases, values = _expanded_size(text)  # (before anything is built: counting costs no memory)
+        if aliases > MAX_ALIASES:
+            raise error(f"{where}: {aliases} YAML aliases (at most {MAX_ALIASES}): refused, it could expand "
+                        f"without bound")
+        if values > MAX_VALUES:
+            raise error(f"{where}: its YAML aliases expand to {values:,} values (at most {MAX_VALUES:,}): refused")
         return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as err:
         raise error(f"{where}{_line_of(err)}: not valid YAML ({_problem_of(err)})") from err
+    except KlotskiError:
+        raise
     except ValueError as err:  # (an integer of more than 4300 digits, which Python will not convert)
         raise error(f"{where}: not valid YAML here ({str(err).split(';')[0]})") from None
 
