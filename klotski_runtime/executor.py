@@ -161,17 +161,38 @@ def check_compatible(schedule: Schedule, spec: ModelSpec, weights: WeightStore |
         if meta.get("routing") not in (None, routing.source):  # (same shape, other tokens: another seed, say)
             raise ScheduleError(f"the routing does not belong to this schedule: it is {routing.source!r}, the "
                                 f"schedule was built from {meta.get('routing')!r}")
-        bad = next((op for op in schedule.ops if any(b >= sh.num_batches for b in op.batches)
-                    or op.expert >= spec.num_experts), None)
-        if bad is not None:
-            raise ScheduleError(f"op {bad.id!r}: batches {list(bad.batches)} / expert {bad.expert} outside the run "
-                                f"({sh.num_batches} batches, {spec.num_experts} experts)")
+        for op in schedule.ops:  # (each named by the field that is wrong: a handler would index with it)
+            problem = _outside_the_run(op, sh, spec)
+            if problem:
+                raise ScheduleError(f"op {op.id!r}: {problem}")
     if weights is None:
         return
     layers = max((op.layer for op in schedule.ops), default=-1) + 1
     if layers > weights.num_layers:
         raise ScheduleError(f"schedule uses {layers} layers but the weights hold {weights.num_layers} "
                             f"({weights.source}); build the schedule for fewer layers or load more")
+
+
+# compute ops that work on the tokens of given batches at a given step: without them a handler
+# indexed `batches[0]` (KeyError: -1) or the step's routing of another step
+_PER_BATCH = frozenset({"embed", "attention", "gate", "expert", "lm_head", "attn_qkv", "attn_out", "dense_mlp"})
+
+
+def _outside_the_run(op: Op, shape: RunShape, spec: ModelSpec) -> str:
+    """What of an op's tags the run does not have (empty: nothing): a hand-edited schedule ran an
+    expert op with `expert: -1` as the last expert, silently."""
+    if any(b >= shape.num_batches for b in op.batches):
+        return f"batches {list(op.batches)} outside the run's {shape.num_batches} batches"
+    if op.step >= shape.num_steps:
+        return f"step {op.step} outside the run's {shape.num_steps} steps"
+    if op.layer >= spec.num_layers:
+        return f"layer {op.layer} outside the model's {spec.num_layers} layers"
+    is_expert = op.category == "expert" or op.tensor == "expert"
+    if is_expert and not 0 <= op.expert < spec.num_experts or op.expert >= spec.num_experts:
+        return f"expert {op.expert} outside the model's {spec.num_experts} experts"
+    if op.kind == "compute" and op.category in _PER_BATCH and (not op.batches or op.step < 0):
+        return f"{op.category} ops need their batches and step (got batches {list(op.batches)}, step {op.step})"
+    return ""
 
 
 class OpRunner:

@@ -29,6 +29,28 @@ def _input(placement=Placement(), n=2, bs=2, P=6, G=3, model=TINY, impl="as-publ
                        impl=impl)
 
 
+@pytest.mark.parametrize("category,change,message", [
+    ("expert", {"expert": -1}, "expert -1 outside the model's 4 experts"),  # (ran as the last expert, silently)
+    ("expert", {"expert": 99}, "expert 99 outside the model's 4 experts"),
+    ("attention", {"batches": ()}, "attention ops need their batches and step (got batches [], step"),  # (KeyError: -1)
+    ("embed", {"step": 99}, "step 99 outside the run's 3 steps"),
+    ("gate", {"batches": (5,)}, "batches [5] outside the run's 2 batches"),
+    ("gate", {"layer": 7}, "layer 7 outside the model's 2 layers")])
+def test_an_op_whose_tags_the_run_does_not_have_is_refused_before_it_runs(category, change, message):
+    """A hand-edited schedule.json: each of these executed (or failed on an internal KeyError)."""
+    from klotski_runtime.executor import check_compatible
+
+    inp = _input()
+    schedule = build_schedule("klotski", inp)
+    k = next(k for k, op in enumerate(schedule.ops) if op.category == category and op.kind == "compute")
+    ops = list(schedule.ops)
+    ops[k] = ops[k]._replace(**change)
+    edited = Schedule(tuple(ops), schedule.streams, schedule.preloaded, schedule.meta)
+    check_compatible(schedule, TINY, None, inp.routing)  # (the schedule as built passes)
+    with pytest.raises(ScheduleError, match=f"op '{ops[k].id}': " + message.replace("(", "\\(").replace("[", "\\[")):
+        check_compatible(edited, TINY, None, inp.routing)
+
+
 @pytest.mark.parametrize("impl", ["as-published", "ideal"])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("placement", [Placement(), Placement(kv="cpu"), Placement(experts="disk")],
