@@ -187,7 +187,9 @@ def plan(model: ModelSpec, profile: HardwareProfile, batch_size: int, prompt_len
     attention = impl.attention_impl
     notes: list[str] = []
     placement = placement or default_placement(model, profile)
-    if placement.uses_disk:
+    if placement.uses_disk and model.layers_bytes() <= profile.host.memory_bytes * HOST_HEADROOM:
+        notes.append("weights on disk as asked (--experts disk): host memory would hold them")  # (not "exceed")
+    elif placement.uses_disk:
         notes.append(f"weights exceed {HOST_HEADROOM:.0%} of host memory: {placement.describe()}")
     if popularity is None:
         popularity = np.full((model.num_layers, model.num_experts), 1 / model.num_experts)

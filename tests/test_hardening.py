@@ -352,6 +352,9 @@ def test_a_refused_configuration_compares_and_executes_in_one_line(tmp_path):
 def test_plan_names_what_does_not_fit():
     rc, out, err = run_cli("plan", "--batch-size", "4", "--prompt-len", "10000000000")
     assert rc == 3 and "not even one batch fits" in out and "weight buffers alone" not in out  # (exit 3 as simulate)
+    # experts put on disk by hand: said as asked, not "weights exceed 90% of host memory" for a 0.0 GB model
+    rc, out, err = run_cli("plan", *TINY_RUN, "--experts", "disk")
+    assert rc == 0 and "note: weights on disk as asked (--experts disk)" in out and "exceed" not in out, err
 
 
 @pytest.mark.parametrize("raised,shown", [
