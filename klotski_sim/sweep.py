@@ -438,9 +438,24 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, workers: int = 1, dask: str 
     process): a second one is refused, not interleaved."""
     out = Path(out_dir)
     rows_dir = out / "rows"
+    _check_sweep_folder(out)
     rows_dir.mkdir(parents=True, exist_ok=True)
     with _locked(out):
         return _run_sweep(spec, out, rows_dir, workers, dask, progress, on_row, None if only is None else set(only))
+
+
+def _check_sweep_folder(out: Path) -> None:
+    """What a sweep writes in `out` must be what it can write: a folder, a file or a row where the
+    other is (a damaged or foreign folder) ended a resumed sweep in a raw `[Errno 21] Is a directory`,
+    sometimes after a configuration had run."""
+    expected = [(out / "rows", True, "its rows folder"), (out / ".lock", False, "its lock file"),
+                (out / "spec.yaml", False, "its spec file"), (out / "results.parquet", False, "its results file")]
+    if (out / "rows").is_dir():
+        expected += [(row, False, "a finished row's file") for row in (out / "rows").glob("*.json")]
+    for path, folder, what in expected:
+        if path.exists() and path.is_dir() != folder:
+            raise SweepError(f"{path}: is {'not ' if folder else ''}a folder, but the sweep keeps {what} there: not a "
+                             f"sweep folder as this command writes it (move it away, or give another --out)")
 
 
 class _locked:

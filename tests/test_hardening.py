@@ -218,6 +218,18 @@ def test_a_huge_grid_asks_for_yes(tmp_path):
     assert rc == 2 and "20000 configurations" in err and "--yes" in err
 
 
+@pytest.mark.parametrize("damage,message", [
+    (lambda out: (out / ".lock").mkdir(parents=True), ".lock: is a folder, but the sweep keeps its lock file there"),
+    (lambda out: out.mkdir() or (out / "rows").write_text("x"), "rows: is not a folder, but the sweep keeps its rows"),
+    (lambda out: (out / "rows" / "0123456789abcdef.json").mkdir(parents=True),
+     "0123456789abcdef.json: is a folder, but the sweep keeps a finished row's file there")])
+def test_a_sweep_into_a_damaged_folder_is_refused_in_one_line(tmp_path, damage, message):
+    """Each ended a resumed sweep in a raw `[Errno 21] Is a directory` (one after a configuration ran)."""
+    damage(tmp_path / "o")
+    with pytest.raises(SweepError, match=message):
+        run_sweep(parse_spec(TINY), tmp_path / "o", progress=False)
+
+
 def test_two_sweeps_into_one_folder_do_not_interleave(tmp_path):
     with _locked(tmp_path):
         with pytest.raises(SweepError, match="another sweep is writing there"):
