@@ -48,6 +48,9 @@ def load_moe_model(model_dir: str | Path, device: str = "cpu", dtype: torch.dtyp
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     model_dir = Path(model_dir)
+    if not model_dir.is_dir():  # (said "no config.json" of a folder that is not there)
+        raise RecordError(f"{model_dir}: {'not a folder' if model_dir.exists() else 'no such folder'}: give a Hugging "
+                          f"Face checkpoint directory")
     if not (model_dir / "config.json").is_file():
         raise RecordError(f"{model_dir}: no config.json — not a Hugging Face checkpoint directory")
     if device.startswith("cuda") and not torch.cuda.is_available():

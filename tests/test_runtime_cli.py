@@ -85,6 +85,7 @@ def test_record_refuses_what_it_cannot_read_in_one_line(tmp_path):
          "--model-name tiny-mixtral"),
         (("--model-dir", str(tmp_path / "ck"), "--out", str(tmp_path / "nodir" / "r.npz")), "does not exist"),
         (("--model-dir", str(tmp_path / "ck"), "--device", "bogus", "--out", str(tmp_path / "r.npz")), "--device"),
+        (("--model-dir", str(tmp_path / "nope"), "--out", str(tmp_path / "r.npz")), "nope: no such folder"),
     ]
     for extra, words in cases:
         rc, _, err = run_runtime("record", *args, *extra)
