@@ -36,7 +36,7 @@ DEFAULT_MAX_GB = 2.0
 
 
 def cache_dir() -> Path | None:
-    setting = os.environ.get("KLOTSKI_CACHE_DIR", "")
+    setting = os.environ.get("KLOTSKI_CACHE_DIR", "").strip()  # (" off" made a folder named " off")
     if setting.lower() == "off":
         return None
     return Path(setting) if setting else Path.home() / ".cache" / "klotski"

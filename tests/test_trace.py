@@ -549,3 +549,11 @@ def test_a_repeated_expert_is_found_as_token_by_token_would_find_it(top_k, token
     ids = np.random.default_rng(seed).integers(0, experts, (tokens, 2, top_k))
     expected = any(len(set(row)) < top_k for row in ids.reshape(-1, top_k).tolist())
     assert repeats_an_expert(ids) == expected
+
+
+@pytest.mark.parametrize("setting", ["off", " off", "OFF\n"])
+def test_the_trace_cache_is_off_however_it_is_spelt(monkeypatch, setting):
+    from klotski_sim.cache import cache_dir
+
+    monkeypatch.setenv("KLOTSKI_CACHE_DIR", setting)
+    assert cache_dir() is None  # (" off" was a folder named " off")
