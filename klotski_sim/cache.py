@@ -4,7 +4,8 @@ processes (sweep workers, repeated CLI runs) do not generate the same trace agai
 A trace is stored under a hash of everything that determines it — the model's shape, the routing
 kind, the seed, the sizes and the generator's own code — so a changed generator never serves an
 old trace. Files are written atomically (`npzfile.write_npz`: a per-process temp name, then a
-rename) and read back uncompressed, ids in a byte up to 256 experts. `KLOTSKI_CACHE_DIR` sets the
+rename) and stored uncompressed, ids in a byte up to 256 experts, so that a run maps the ids
+rather than reading them (`mapped.py`: a long prompt's routing is not held whole). `KLOTSKI_CACHE_DIR` sets the
 folder (default `~/.cache/klotski`); `off` disables it. A cache that cannot be written is simply
 not used.
 
@@ -28,6 +29,7 @@ from typing import Callable
 import numpy as np
 
 from .errors import UsageError
+from .mapped import map_stored_array
 from .model import ModelSpec
 from .npzfile import write_npz
 from .trace import Trace
@@ -71,9 +73,10 @@ def cached_trace(model: ModelSpec, routing: str, seed: int, sequences: int, prom
                      sort_keys=True)
     path = folder / "traces" / f"{hashlib.sha1(key.encode()).hexdigest()[:20]}.npz"
     try:
+        experts = map_stored_array(path, "experts")  # (the largest part: its pages read as a run needs them)
         with np.load(path, allow_pickle=False) as z:
             meta = json.loads(str(z["meta"]))
-            trace = Trace(z["experts"], z["seq_offsets"], z["prompt_lens"], meta)
+            trace = Trace(z["experts"] if experts is None else experts, z["seq_offsets"], z["prompt_lens"], meta)
         os.utime(path)  # (used now: the last to be evicted)
         return trace
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):

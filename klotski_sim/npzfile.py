@@ -12,14 +12,16 @@ from __future__ import annotations
 import os
 import zipfile
 from pathlib import Path
-from typing import Mapping
+from typing import IO, Iterator, Mapping
 
 import numpy as np
 
 from .errors import KlotskiError, UsageError
+from .mapped import in_chunks, is_mapped
 from .textfile import regular_file_size
 
 LEVEL = 1
+_WRITTEN_BYTES = 4 << 20  # a mapped array is written at most this much at a time (numpy's buffer: 16 MB)
 MAX_NPZ_BYTES = 8 << 30  # the decompressed arrays of one trace or routing file
 # What reading a damaged .npz raises (by numpy, or by `check_npz`): its readers word it as such.
 NPZ_READ_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile)
@@ -66,7 +68,7 @@ def write_npz(path: str | Path, arrays: Mapping[str, np.ndarray], level: int | N
         with zipfile.ZipFile(tmp, "w", compression=compression, compresslevel=level) as archive:
             for name, array in arrays.items():
                 with archive.open(name + ".npy", "w", force_zip64=True) as member:
-                    np.lib.format.write_array(member, np.asanyarray(array), allow_pickle=False)
+                    _write_array(member, np.asanyarray(array))
         tmp.replace(path)
     except OSError as err:  # (the file the user named, not our temporary one)
         raise UsageError(f"{path}: cannot write ({err.strerror or err})") from None
@@ -75,3 +77,30 @@ def write_npz(path: str | Path, arrays: Mapping[str, np.ndarray], level: int | N
             tmp.unlink(missing_ok=True)
         except OSError:
             pass
+
+
+def _write_array(member: IO[bytes], array: np.ndarray) -> None:
+    """`array` as `numpy.lib.format.write_array` writes it; a mapped one (a cached trace's ids, cut
+    for a run) a block along its first axis at a time, each block's pages given back once written."""
+    if not is_mapped(array) or array.ndim == 0:
+        np.lib.format.write_array(member, array, allow_pickle=False)
+        return
+    header = np.lib.format.header_data_from_array_1_0(array)
+    try:
+        np.lib.format.write_array_header_1_0(member, header)
+    except ValueError:  # (a header longer than format 1.0 holds: what write_array falls back to)
+        np.lib.format.write_array_header_2_0(member, header)
+    for part in _blocks(array, _WRITTEN_BYTES):
+        member.write(memoryview(part) if part.flags.c_contiguous else part.tobytes("C"))
+
+
+def _blocks(array: np.ndarray, limit: int) -> Iterator[np.ndarray]:
+    """`array` in C order as blocks of at most `limit` bytes where its rows allow (a row larger
+    than that is cut the same way), each released once the loop has moved past it."""
+    if array.nbytes <= limit or array.ndim == 1:
+        yield array
+    elif array[0].nbytes <= limit:
+        yield from in_chunks(array, limit // array[0].nbytes)
+    else:
+        for row in array:
+            yield from _blocks(row, limit)

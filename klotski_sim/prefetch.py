@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .mapped import in_chunks, release
 from .routing import CHOICE_CODES, choice_codes, choice_experts
 from .trace import Trace
 
@@ -27,6 +28,7 @@ _CHUNK_PAIRS = 1 << 18  # (token, layer, pair) counts per bincount pass: ~1 MB o
 # ... when the tokens' pairs outnumber the (choice, choice) cells this many times: a decode step's
 # few tokens are counted pair by pair (0.3 ms, against 1 ms by choices).
 _CHOICE_PAIRS_PER_CELL = 1
+_OBSERVED_IDS = 1 << 22  # ids observed per block (a 16k-token prompt's prefill: a batch a block)
 _CODE_TOKENS = 4096  # tokens per pass: [tokens, layers] of index-type codes, ~1 MB at Mixtral's size
 
 
@@ -49,7 +51,17 @@ class CorrelationTable:
         """Learn from every layer of some tokens at once (`ids[..., layer, k]`, each token's k
         experts distinct, as trace validation guarantees): the same counts as layer by layer,
         in one pass over the tokens. A step's learning can wait until the
-        step ends: predicting layer L reads only T[L], which only layer L's own observation changes."""
+        step ends: predicting layer L reads only T[L], which only layer L's own observation changes.
+        Many tokens (a prefill) are counted a block along the first axis at a time: the counts are
+        sums, so the same, and a mapped routing's pages are given back as the pass moves on."""
+        if ids.size > _OBSERVED_IDS and len(ids) > 1:
+            for part in in_chunks(ids, max(1, _OBSERVED_IDS // max(1, ids[0].size))):
+                self._observe(part)
+        else:
+            self._observe(ids)
+            release(ids)
+
+    def _observe(self, ids: np.ndarray) -> None:
         L, E, K = self.num_layers, self.num_experts, self.top_k
         count = ids.size // (L * K)
         if count == 0:

@@ -28,6 +28,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from .errors import KlotskiError
+from .mapped import in_chunks, release
 from .model import ModelSpec
 from .npzfile import NPZ_READ_ERRORS, check_npz, write_npz
 from .routing import RoutingTable, RunShape, expert_id_type, repeats_an_expert
@@ -38,6 +39,7 @@ VERSION = 1
 REQUIRED_META = ("model", "num_experts", "top_k", "num_layers")
 
 
+_CHECKED_IDS = 1 << 23  # ids a trace's check looks at per pass (a bounded temporary however long the trace)
 MAX_IMPORT_TOKENS = 1 << 20  # token positions per sequence in an imported log
 MAX_IMPORT_INDEX = 1 << 14  # layers and expert ids in an imported log (expert ids held in int16 at most)
 
@@ -100,8 +102,10 @@ class Trace:
         if self.weights is not None:
             weights = np.concatenate([self.weights[self.seq_offsets[i]:self.seq_offsets[i + 1]] for i in idx]) \
                 if idx else self.weights[:0]
-        return Trace(np.concatenate(parts) if parts else self.experts[:0],
-                     np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        experts = np.concatenate(parts) if parts else self.experts[:0]
+        for part in parts:  # (copied: a mapped trace's pages given back)
+            release(part)
+        return Trace(experts, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
                      self.prompt_lens[idx].copy(), dict(self.meta), weights)
 
     # ---- checks -----------------------------------------------------------------------------
@@ -123,11 +127,14 @@ class Trace:
         if pl.shape != (len(off) - 1,) or np.any(pl < 0) or np.any(pl > np.diff(off)):
             raise TraceError(f"{where}: prompt_lens must give one length per sequence, within its tokens")
         n_exp = int(self.meta["num_experts"])
-        if e.size and (e.min() < 0 or e.max() >= n_exp):
-            bad = int(e.max()) if e.max() >= n_exp else int(e.min())
-            raise TraceError(f"{where}: expert id {bad} out of range for num_experts={n_exp}")
-        if repeats_an_expert(e):
-            raise TraceError(f"{where}: a token selects the same expert twice in one layer")
+        # (a block of tokens at a time: the repeat check's temporaries stay bounded, and a mapped
+        # trace's pages are given back as the check moves on)
+        for part in in_chunks(e, max(1, _CHECKED_IDS // max(1, e.shape[1] * e.shape[2]))):
+            if part.size and (part.min() < 0 or part.max() >= n_exp):
+                bad = int(part.max()) if part.max() >= n_exp else int(part.min())
+                raise TraceError(f"{where}: expert id {bad} out of range for num_experts={n_exp}")
+            if repeats_an_expert(part):
+                raise TraceError(f"{where}: a token selects the same expert twice in one layer")
         if self.weights is not None:
             w = self.weights
             if w.shape != e.shape:

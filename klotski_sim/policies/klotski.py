@@ -231,7 +231,7 @@ def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
             if sublayer_sync:  # end of the MoE sub-layer: the next attention weights
                 em.sync(f"{at}/moe", [next_attention] if next_attention else [op])
         if rung.hot_prefetch and not rung.oracle:  # online learning from the step's every MoE layer
-            table.observe_tokens(routing.ids[:, :, sh.step_positions(step)])
+            table.observe_tokens(routing.step_block(step))
         for b in batches:
             em.lm_head(f"s{step}/b{b}/lm_head", step, b, cpu_out)
         cpu_out = []

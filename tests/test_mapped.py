@@ -1,0 +1,130 @@
+"""Mapped arrays (klotski_sim/mapped.py): a cached trace's ids read from the file's pages, passes
+that give the pages back, and routing files written from them byte for byte as numpy writes."""
+
+import re
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from klotski_sim import npzfile
+from klotski_sim.mapped import in_chunks, is_mapped, map_stored_array, release
+from klotski_sim.npzfile import write_npz
+
+SMAPS = Path("/proc/self/smaps")
+needs_smaps = pytest.mark.skipif(not SMAPS.exists(), reason="resident pages are read from /proc/self/smaps (Linux)")
+
+
+def _resident_kb(path: Path) -> int:
+    """Resident kB of this process's mappings of `path`."""
+    total, current = 0, False
+    for line in SMAPS.read_text().splitlines():
+        if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+            current = line.endswith(str(path))
+        elif current and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=st.lists(st.integers(0, 6), min_size=1, max_size=4),
+       dtype=st.sampled_from([np.uint8, np.int16, np.int32, np.float16]), seed=st.integers(0, 2**32 - 1))
+def test_a_stored_array_maps_to_what_numpy_reads(tmp_path_factory, shape, dtype, seed):
+    folder = tmp_path_factory.mktemp("npz")
+    array = np.random.default_rng(seed).integers(0, 100, size=shape).astype(dtype)
+    write_npz(folder / "a.npz", dict(meta=np.array("x"), experts=array), level=None)
+    mapped = map_stored_array(folder / "a.npz", "experts")
+    with np.load(folder / "a.npz") as z:
+        assert mapped is not None and mapped.dtype == z["experts"].dtype and np.array_equal(mapped, z["experts"])
+    assert not mapped.flags.writeable and (is_mapped(mapped) or mapped.size == 0)
+    assert map_stored_array(folder / "a.npz", "weights") is None  # no such member
+
+
+def test_what_cannot_be_mapped_is_left_to_numpy(tmp_path):
+    """A compressed member, a Fortran-order array, a truncated or absent file: None, never a wrong array."""
+    array = np.arange(4096, dtype=np.uint8).reshape(64, 64)
+    write_npz(tmp_path / "deflated.npz", dict(experts=array))
+    np.savez(tmp_path / "fortran.npz", experts=np.asfortranarray(array))
+    write_npz(tmp_path / "whole.npz", dict(experts=array), level=None)
+    whole = (tmp_path / "whole.npz").read_bytes()
+    (tmp_path / "cut.npz").write_bytes(whole[: len(whole) // 2])
+    (tmp_path / "junk.npz").write_bytes(b"PK\x03\x04" + b"\0" * 100)
+    for name in ("deflated", "fortran", "cut", "junk", "absent"):
+        assert map_stored_array(tmp_path / f"{name}.npz", "experts") is None, name
+    assert np.array_equal(map_stored_array(tmp_path / "whole.npz", "experts"), array)
+
+
+@needs_smaps
+def test_release_gives_the_pages_back_and_keeps_the_values(tmp_path):
+    array = np.random.default_rng(0).integers(0, 256, size=(64, 1 << 16), dtype=np.uint8)  # 4 MiB
+    path = tmp_path / "big.npz"
+    write_npz(path, dict(experts=array), level=None)
+    mapped = map_stored_array(path, "experts")
+    assert int(mapped.sum(dtype=np.int64)) == int(array.sum(dtype=np.int64))  # every page read
+    assert _resident_kb(path) >= 3 * 1024
+    release(mapped[::-1, ::3])  # (a view with negative and uneven strides spans the same bytes)
+    assert _resident_kb(path) < 512
+    total = sum(int(part.sum(dtype=np.int64)) for part in in_chunks(mapped, 8))  # a pass in chunks
+    assert total == int(array.sum(dtype=np.int64)) and _resident_kb(path) < 1024
+    assert np.array_equal(mapped, array)  # released pages are read again
+    release(np.zeros(3))  # an array in memory: nothing to give back
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=4), data=st.data(),
+       limit=st.sampled_from([1, 3, 16, 100, 4096]))
+def test_a_mapped_view_is_written_as_numpy_writes_it(tmp_path_factory, shape, data, limit):
+    """Routing files are written from a mapped trace in blocks of at most `_WRITTEN_BYTES`: the
+    bytes are numpy's for any view (cut, strided) and any block size."""
+    folder = tmp_path_factory.mktemp("w")
+    array = np.arange(int(np.prod(shape)), dtype=np.int16).reshape(shape)
+    write_npz(folder / "src.npz", dict(experts=array), level=None)
+    mapped = map_stored_array(folder / "src.npz", "experts")
+    cut = tuple(slice(data.draw(st.integers(0, n - 1)), None, data.draw(st.sampled_from([1, 2]))) for n in shape)
+    view = mapped[cut]
+    old = npzfile._WRITTEN_BYTES
+    try:
+        npzfile._WRITTEN_BYTES = limit
+        write_npz(folder / "mapped.npz", dict(ids=view))
+    finally:
+        npzfile._WRITTEN_BYTES = old
+    write_npz(folder / "memory.npz", dict(ids=np.ascontiguousarray(array[cut])))
+    with zipfile.ZipFile(folder / "mapped.npz") as a, zipfile.ZipFile(folder / "memory.npz") as b:
+        assert a.read("ids.npy") == b.read("ids.npy")
+
+
+@needs_smaps
+def test_a_long_prompt_run_from_the_cache_builds_the_same_schedule_without_holding_its_routing(
+        tmp_path, monkeypatch):
+    """A run whose trace comes from the cache (mapped) builds the schedule a run without the
+    cache builds, writes the same routing.npz, and leaves at most a quarter of the trace's pages
+    resident once Klotski's schedule (counts, first-use orders, online learning) is built."""
+    from klotski_sim.policies import build_schedule
+    from klotski_sim.runner import RunSpec, prepare
+
+    spec = RunSpec(model="mixtral-8x7b", policy="klotski", impl="ideal", batch_size=4, num_batches=4,
+                   prompt_len=4096, gen_len=4, seed=11)
+    monkeypatch.setenv("KLOTSKI_CACHE_DIR", "off")
+    plain = prepare(spec)
+    expected = build_schedule("klotski", plain.policy_input())
+    plain.replay.routing.save(tmp_path / "plain.npz")
+    monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(tmp_path / "cache"))
+    from klotski_sim.runner import _synthetic_trace
+    _synthetic_trace.cache_clear()
+    prepare(spec)  # (writes the cache)
+    _synthetic_trace.cache_clear()
+    cached = prepare(spec)
+    (trace_file,) = (tmp_path / "cache" / "traces").glob("*.npz")
+    routing = cached.replay.routing
+    assert is_mapped(routing.ids) and routing.ids.nbytes > 4 << 20
+    schedule = build_schedule("klotski", cached.policy_input())
+    assert schedule.ops == expected.ops
+    assert _resident_kb(trace_file) <= trace_file.stat().st_size / 1024 / 4
+    routing.save(tmp_path / "cached.npz")
+    with zipfile.ZipFile(tmp_path / "plain.npz") as a, zipfile.ZipFile(tmp_path / "cached.npz") as b:
+        assert a.read("ids.npy") == b.read("ids.npy")
+    assert _resident_kb(trace_file) <= trace_file.stat().st_size / 1024 / 4
+    _synthetic_trace.cache_clear()
