@@ -24,15 +24,18 @@ import zipfile
 from dataclasses import asdict
 from importlib import resources
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
 from .errors import UsageError
 from .mapped import map_stored_array
 from .model import ModelSpec
-from .npzfile import write_npz
+from .npzfile import Blocks, write_npz
 from .trace import Trace
+
+if TYPE_CHECKING:
+    from .trace_synth import TraceStream
 
 DEFAULT_MAX_GB = 2.0
 
@@ -62,8 +65,11 @@ def _generator_fingerprint() -> str:
 
 
 def cached_trace(model: ModelSpec, routing: str, seed: int, sequences: int, prompt_len: int, gen_len: int,
-                 make: Callable[[], Trace]) -> Trace:
-    """The synthetic trace for these inputs: from the cache when it is there, else made and stored."""
+                 make: Callable[[], Trace], stream: Callable[[], TraceStream] | None = None) -> Trace:
+    """The synthetic trace for these inputs: from the cache when it is there, else made and stored.
+    With `stream` (the same trace as `make`'s, drawn a chunk of sequences at a time) a trace that
+    the cache can keep is written as it is drawn and then read back as a cached one is (its ids
+    mapped): it is never held whole."""
     folder = cache_dir()
     if folder is None:
         return make()
@@ -72,15 +78,23 @@ def cached_trace(model: ModelSpec, routing: str, seed: int, sequences: int, prom
                       "prompt_len": prompt_len, "gen_len": gen_len, "code": _generator_fingerprint()},
                      sort_keys=True)
     path = folder / "traces" / f"{hashlib.sha1(key.encode()).hexdigest()[:20]}.npz"
-    try:
-        experts = map_stored_array(path, "experts")  # (the largest part: its pages read as a run needs them)
-        with np.load(path, allow_pickle=False) as z:
-            meta = json.loads(str(z["meta"]))
-            trace = Trace(z["experts"] if experts is None else experts, z["seq_offsets"], z["prompt_lens"], meta)
+    trace = _read(path)
+    if trace is not None:
         os.utime(path)  # (used now: the last to be evicted)
         return trace
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
-        pass  # not there yet, or unreadable (a truncated file is a ValueError/BadZipFile): make it
+    if stream is not None:
+        drawn = stream()
+        if int(np.prod(drawn.shape)) * drawn.dtype.itemsize <= max_bytes:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                _write(path, Blocks(drawn.shape, drawn.dtype, drawn.blocks), drawn.seq_offsets, drawn.prompt_lens,
+                       drawn.meta)
+                evict(path.parent, max_bytes, keep=path)
+                trace = _read(path)
+                if trace is not None:
+                    return trace
+            except (OSError, UsageError):  # (a cache that cannot be written is not used)
+                pass
     trace = make()
     if trace.experts.nbytes > max_bytes:  # larger than the whole cache may be: not kept (and the cap applied)
         if path.parent.is_dir():
@@ -88,12 +102,29 @@ def cached_trace(model: ModelSpec, routing: str, seed: int, sequences: int, prom
         return trace
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_npz(path, dict(experts=trace.experts, seq_offsets=trace.seq_offsets, prompt_lens=trace.prompt_lens,
-                             meta=np.array(json.dumps(dict(trace.meta)))), level=None)  # (read back often)
+        _write(path, trace.experts, trace.seq_offsets, trace.prompt_lens, trace.meta)
         evict(path.parent, max_bytes, keep=path)
     except (OSError, UsageError):  # (a cache that cannot be written is not used)
         pass
     return trace
+
+
+def _read(path: Path) -> Trace | None:
+    """The cached trace at `path`, its ids mapped where they can be; None when it is not there or
+    cannot be used (a truncated or invalid file is made again)."""
+    try:
+        experts = map_stored_array(path, "experts")  # (the largest part: its pages read as a run needs them)
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(str(z["meta"]))
+            return Trace(z["experts"] if experts is None else experts, z["seq_offsets"], z["prompt_lens"], meta)
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+        return None  # not there yet, or unreadable (a truncated file is a ValueError/BadZipFile)
+
+
+def _write(path: Path, experts: np.ndarray | Blocks, seq_offsets: np.ndarray, prompt_lens: np.ndarray,
+           meta: Mapping[str, Any]) -> None:
+    write_npz(path, dict(experts=experts, seq_offsets=seq_offsets, prompt_lens=prompt_lens,
+                         meta=np.array(json.dumps(dict(meta)))), level=None)  # (read back often, and mapped)
 
 
 _OWN_NAME = re.compile(r"[0-9a-f]{20}\.npz")  # what `cached_trace` names a trace: its key's hash

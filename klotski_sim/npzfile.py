@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import os
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Iterator, Mapping
+from typing import IO, Iterable, Iterator, Mapping
 
 import numpy as np
 
@@ -55,10 +56,11 @@ def check_npz(path: str | Path, what: str, error: type[KlotskiError]) -> None:
                             f"the file holds {max(0, info.file_size - header):,} bytes of it: truncated or corrupt")
 
 
-def write_npz(path: str | Path, arrays: Mapping[str, np.ndarray], level: int | None = LEVEL) -> None:
+def write_npz(path: str | Path, arrays: Mapping[str, np.ndarray | Blocks], level: int | None = LEVEL) -> None:
     """Write `arrays` to `path` as an npz (no pickled objects), compressed at deflate `level`, or
-    stored as they are with `level=None` (as `numpy.savez`: what is read back often, fast). The
-    temporary file is this process's own: processes writing one path never share it."""
+    stored as they are with `level=None` (as `numpy.savez`: what is read back often, fast); an
+    array given as `Blocks` is written as its blocks come. The temporary file is this process's
+    own: processes writing one path never share it."""
     path = Path(os.path.realpath(path))  # (a link: its target is written, the link kept)
     if path.exists() and not path.is_file():  # (the rename would put a file where a device or a pipe was)
         raise UsageError(f"{path}: cannot write, it is not a regular file")
@@ -68,7 +70,7 @@ def write_npz(path: str | Path, arrays: Mapping[str, np.ndarray], level: int | N
         with zipfile.ZipFile(tmp, "w", compression=compression, compresslevel=level) as archive:
             for name, array in arrays.items():
                 with archive.open(name + ".npy", "w", force_zip64=True) as member:
-                    _write_array(member, np.asanyarray(array))
+                    _write_array(member, array if isinstance(array, Blocks) else np.asanyarray(array))
         tmp.replace(path)
     except OSError as err:  # (the file the user named, not our temporary one)
         raise UsageError(f"{path}: cannot write ({err.strerror or err})") from None
@@ -79,19 +81,47 @@ def write_npz(path: str | Path, arrays: Mapping[str, np.ndarray], level: int | N
             pass
 
 
-def _write_array(member: IO[bytes], array: np.ndarray) -> None:
+@dataclass(frozen=True)
+class Blocks:
+    """An array given as the consecutive blocks of its first axis, as they are made (a synthetic
+    trace drawn into the cache a chunk of sequences at a time): written without being held whole."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    blocks: Iterable[np.ndarray]
+
+
+def _write_array(member: IO[bytes], array: np.ndarray | Blocks) -> None:
     """`array` as `numpy.lib.format.write_array` writes it; a mapped one (a cached trace's ids, cut
-    for a run) a block along its first axis at a time, each block's pages given back once written."""
+    for a run) a block along its first axis at a time, each block's pages given back once written;
+    `Blocks` block by block."""
+    if isinstance(array, Blocks):
+        _write_header(member, {"descr": np.lib.format.dtype_to_descr(np.dtype(array.dtype)),
+                               "fortran_order": False, "shape": tuple(array.shape)})
+        rows = 0
+        for block in array.blocks:
+            if block.dtype != array.dtype or block.shape[1:] != tuple(array.shape[1:]):
+                raise ValueError(f"a block of shape {block.shape} ({block.dtype}) in an array of {array.shape} "
+                                 f"({array.dtype})")
+            member.write(np.ascontiguousarray(block).data)
+            rows += len(block)
+        if rows != array.shape[0]:
+            raise ValueError(f"blocks of {rows} rows for an array of {array.shape[0]}")
+        return
     if not is_mapped(array) or array.ndim == 0:
         np.lib.format.write_array(member, array, allow_pickle=False)
         return
-    header = np.lib.format.header_data_from_array_1_0(array)
+    _write_header(member, np.lib.format.header_data_from_array_1_0(array))
+    for part in _blocks(array, _WRITTEN_BYTES):
+        member.write(memoryview(part) if part.flags.c_contiguous else part.tobytes("C"))
+
+
+def _write_header(member: IO[bytes], header: dict) -> None:
+    """The npy header `numpy.lib.format.write_array` writes for an array with `header`'s fields."""
     try:
         np.lib.format.write_array_header_1_0(member, header)
     except ValueError:  # (a header longer than format 1.0 holds: what write_array falls back to)
         np.lib.format.write_array_header_2_0(member, header)
-    for part in _blocks(array, _WRITTEN_BYTES):
-        member.write(memoryview(part) if part.flags.c_contiguous else part.tobytes("C"))
 
 
 def _blocks(array: np.ndarray, limit: int) -> Iterator[np.ndarray]:

@@ -41,7 +41,8 @@ from .schedule import Schedule, quiet_gc_in_worker
 from .timeline import OutOfMemory, Timeline
 from .trace import Replay, Trace, TraceError, replay
 from .trace_stats import popularity
-from .trace_synth import DEFAULT_ROUTING, base_popularity, check_routing_fits, params_for, synthesize
+from .trace_synth import (DEFAULT_ROUTING, base_popularity, check_routing_fits, params_for, synthesize,
+                          synthesized_blocks)
 from .units import memory_text
 
 
@@ -126,7 +127,8 @@ def resolve_profile(spec: RunSpec) -> HardwareProfile:
 @lru_cache(maxsize=4)
 def _synthetic_trace(model: ModelSpec, routing: str, seed: int, sequences: int, prompt_len: int, gen_len: int) -> Trace:
     return cached_trace(model, routing, seed, sequences, prompt_len, gen_len,
-                        lambda: synthesize(model, sequences, prompt_len, gen_len, routing, seed))
+                        lambda: synthesize(model, sequences, prompt_len, gen_len, routing, seed),
+                        lambda: synthesized_blocks(model, sequences, prompt_len, gen_len, routing, seed))
 
 
 @lru_cache(maxsize=4)

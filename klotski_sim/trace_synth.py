@@ -25,8 +25,9 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from importlib import resources
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -185,31 +186,87 @@ def check_routing_fits(model: ModelSpec, sequences: int, tokens: int, described:
                          f"host memory; this machine has {have / 2**30:.1f} GiB")
 
 
-_TOKENS_PER_CHUNK = 64 * 8192  # the tokens of a chunk of sequences drawn together (64 up to 8192 tokens each)
+# Sequences of up to 8192 tokens are drawn 64 at a time, as they always were (their draws are
+# pinned); longer ones this many tokens at a time: the generator's working arrays ([sequences,
+# tokens, experts], several of them) grow with a chunk's tokens. At 136 sequences of 16k tokens
+# (the default Klotski run at prompt 16384) drawing 2^19 tokens a chunk peaked at 328 MB in 12.1 s,
+# 2^17 at 103 MB in 11.2 s (drawing only, `experiments/bench_long_prompt.py` for whole runs).
+_LONG_TOKENS_PER_CHUNK = 1 << 17
 
 
 def synthesize(model: ModelSpec, sequences: int, prompt_len: int, gen_len: int, routing: str = DEFAULT_ROUTING,
                seed: int = 0, with_weights: bool = False, chunk: int | None = None) -> Trace:
     """A trace of `sequences` sequences of prompt_len + gen_len tokens each. Gate weights (the
     softmax of the drawn logits over the chosen experts) only on request: they triple the file.
-    Sequences are drawn `chunk` at a time (by default 64, fewer for sequences longer than 8192
-    tokens: a chunk's working arrays grow with its tokens; `KLOTSKI_CACHE_DIR=off /usr/bin/time -f %M
-    klotski-sim simulate --policy klotski --impl ideal --prompt-len 32768 --gen-len 8` peaked at
-    1.14 GB drawing 64 at a time, 581 MB drawing 15)."""
+    Sequences are drawn `chunk` at a time (`synthesized_blocks`), each chunk into its place."""
+    stream = synthesized_blocks(model, sequences, prompt_len, gen_len, routing, seed, with_weights, chunk)
+    experts = np.empty(stream.shape, dtype=stream.dtype)
+    weights = np.empty(stream.shape, dtype=np.float16) if with_weights else None
+    for _ in stream.drawn(into=(experts, weights)):
+        pass
+    return Trace(experts, stream.seq_offsets, stream.prompt_lens, stream.meta, weights)
+
+
+@dataclass(frozen=True)
+class TraceStream:
+    """A synthetic trace as it is drawn: everything but its ids (and gate weights), which `drawn()`
+    yields a chunk of sequences at a time, `[tokens, layers, top_k]` each, in order. Written to a
+    file as they come (the trace cache), a long prompt's trace is never held whole."""
+
+    shape: tuple[int, int, int]  # [tokens, layers, top_k] of the whole trace
+    dtype: np.dtype
+    seq_offsets: np.ndarray
+    prompt_lens: np.ndarray
+    meta: dict
+    drawn: Callable[..., Iterator[tuple[np.ndarray, np.ndarray | None]]]  # `_drawn_blocks`, bound
+
+    @property
+    def blocks(self) -> Iterator[np.ndarray]:
+        """The ids, a chunk of sequences at a time (each block its own array)."""
+        return (ids for ids, _ in self.drawn())
+
+
+def synthesized_blocks(model: ModelSpec, sequences: int, prompt_len: int, gen_len: int,
+                       routing: str = DEFAULT_ROUTING, seed: int = 0, with_weights: bool = False,
+                       chunk: int | None = None) -> TraceStream:
+    """The trace `synthesize` returns, as a stream of blocks: sequences are drawn `chunk` at a
+    time (by default 64, fewer for sequences longer than 8192 tokens: `_LONG_TOKENS_PER_CHUNK`).
+    Nothing is drawn until `drawn()` is read."""
     if sequences < 1 or prompt_len < 1 or gen_len < 0:
         raise UsageError("sequences and prompt_len must be >= 1, gen_len >= 0")
     params = params_for(routing, model)
-    rng = np.random.default_rng(seed)
     L, E, k = model.num_layers, model.num_experts, model.top_k
     T = prompt_len + gen_len
-    chunk = chunk or max(1, min(64, _TOKENS_PER_CHUNK // T))
+    meta = {"model": model.name, "num_experts": E, "top_k": k, "num_layers": L,
+            "dataset": "synthetic", "recorder": "klotski_sim.trace_synth",
+            "license": "Apache-2.0 (generated; calibration data Apache-2.0, see klotski_sim/data/NOTICE)",
+            "source": f"synth:{routing}(seed={seed})",
+            "generator": {"routing": routing, "seed": seed, "sequences": sequences, "prompt_len": prompt_len,
+                          "gen_len": gen_len, "params": asdict(params)}}
+    return TraceStream((sequences * T, L, k), np.dtype(expert_id_type(E)),
+                       np.arange(sequences + 1, dtype=np.int64) * T, np.full(sequences, prompt_len, dtype=np.int32),
+                       meta, partial(_drawn_blocks, model, params, sequences, T, seed, with_weights, chunk))
+
+
+def _drawn_blocks(model: ModelSpec, params: SynthParams, sequences: int, T: int, seed: int, with_weights: bool,
+                  chunk: int | None, into: tuple[np.ndarray, np.ndarray | None] | None = None
+                  ) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
+    """The generator's draws, a chunk of sequences at a time: `([S * T, L, k] ids, weights or None)`,
+    drawn into their rows of `into` (the whole trace's ids and weights) when given."""
+    rng = np.random.default_rng(seed)
+    L, E, k = model.num_layers, model.num_experts, model.top_k
+    chunk = chunk or (64 if T <= 8192 else max(1, _LONG_TOKENS_PER_CHUNK // T))
     base = base_popularity(model, params, rng)
     affinity = rng.standard_normal((L, E, E))
     type_affinity = rng.standard_normal((L, params.token_types, E))
-    experts = np.empty((sequences, T, L, k), dtype=expert_id_type(E))
-    weights = np.empty((sequences, T, L, k), dtype=np.float16) if with_weights else None
     for lo in range(0, sequences, chunk):
         S = min(chunk, sequences - lo)
+        if into is None:
+            experts = np.empty((S, T, L, k), dtype=expert_id_type(E))
+            weights = np.empty((S, T, L, k), dtype=np.float16) if with_weights else None
+        else:
+            experts = into[0][lo * T:(lo + S) * T].reshape(S, T, L, k)
+            weights = None if into[1] is None else into[1][lo * T:(lo + S) * T].reshape(S, T, L, k)
         if params.concentration:
             alpha = np.maximum(params.concentration * E * base, 1e-3)  # [L, E]
             g = rng.standard_gamma(np.broadcast_to(alpha, (S, L, E)))
@@ -257,21 +314,13 @@ def synthesize(model: ModelSpec, sequences: int, prompt_len: int, gen_len: int, 
             rest_own = np.take_along_axis(cand, order, axis=-1)
             rest = np.take_along_axis(rest_own, source[..., None], axis=1)
             chosen = np.concatenate([first[..., None], rest], axis=-1)
-            experts[lo:lo + S, :, layer, :] = chosen
+            experts[:, :, layer, :] = chosen
             if weights is not None:  # softmax of the logits over the chosen experts, renormalised
                 sel = np.take_along_axis(logits, chosen.astype(np.int64), axis=-1)
                 w = np.exp(sel - sel.max(axis=-1, keepdims=True))
-                weights[lo:lo + S, :, layer, :] = w / w.sum(axis=-1, keepdims=True)
+                weights[:, :, layer, :] = w / w.sum(axis=-1, keepdims=True)
             prev_first = first
-    meta = {"model": model.name, "num_experts": E, "top_k": k, "num_layers": L,
-            "dataset": "synthetic", "recorder": "klotski_sim.trace_synth",
-            "license": "Apache-2.0 (generated; calibration data Apache-2.0, see klotski_sim/data/NOTICE)",
-            "source": f"synth:{routing}(seed={seed})",
-            "generator": {"routing": routing, "seed": seed, "sequences": sequences, "prompt_len": prompt_len,
-                          "gen_len": gen_len, "params": asdict(params)}}
-    offsets = np.arange(sequences + 1, dtype=np.int64) * T
-    return Trace(experts.reshape(sequences * T, L, k), offsets, np.full(sequences, prompt_len, dtype=np.int32),
-                 meta, None if weights is None else weights.reshape(sequences * T, L, k))
+        yield experts.reshape(S * T, L, k), None if weights is None else weights.reshape(S * T, L, k)
 
 
 def synthetic_routing(model: ModelSpec, shape: RunShape, routing: str = DEFAULT_ROUTING, seed: int = 0) -> RoutingTable:

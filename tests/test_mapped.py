@@ -128,3 +128,52 @@ def test_a_long_prompt_run_from_the_cache_builds_the_same_schedule_without_holdi
         assert a.read("ids.npy") == b.read("ids.npy")
     assert _resident_kb(trace_file) <= trace_file.stat().st_size / 1024 / 4
     _synthetic_trace.cache_clear()
+
+
+def test_a_trace_drawn_into_the_cache_is_the_one_drawn_in_memory_and_comes_back_mapped(tmp_path, monkeypatch):
+    """The cache writes a synthetic trace as it is drawn (a chunk of sequences at a time) and
+    reads it back mapped: the same ids as `synthesize`, `make` never called; a cache that cannot
+    be written falls back to `make`."""
+    from klotski_sim.cache import cached_trace
+    from klotski_sim.model import get_model
+    from klotski_sim.trace_synth import synthesize, synthesized_blocks
+
+    m = get_model("mixtral-8x7b")
+    args = (m, 70, 40, 3, "calibrated", 5)  # (70 sequences: two chunks of up to 64)
+    expected = synthesize(*args[:4], routing="calibrated", seed=5)
+    made = []
+
+    def make():
+        made.append(1)
+        return synthesize(*args[:4], routing="calibrated", seed=5)
+
+    monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(tmp_path / "cache"))
+    streamed = cached_trace(m, "calibrated", 5, 70, 40, 3, make,
+                            lambda: synthesized_blocks(*args[:4], routing="calibrated", seed=5))
+    assert not made and is_mapped(streamed.experts) and np.array_equal(streamed.experts, expected.experts)
+    assert streamed.meta == json_round_trip(expected.meta)
+    assert np.array_equal(streamed.seq_offsets, expected.seq_offsets)
+    assert np.array_equal(streamed.prompt_lens, expected.prompt_lens)
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(tmp_path / "file"))  # (a folder that cannot be made)
+    fallback = cached_trace(m, "calibrated", 5, 70, 40, 3, make,
+                            lambda: synthesized_blocks(*args[:4], routing="calibrated", seed=5))
+    assert made == [1] and np.array_equal(fallback.experts, expected.experts)
+
+
+def json_round_trip(value):
+    import json
+
+    return json.loads(json.dumps(value))
+
+
+def test_blocks_are_written_as_the_whole_array_and_must_add_up_to_it(tmp_path):
+    whole = np.arange(7 * 3 * 2, dtype=np.uint8).reshape(7, 3, 2)
+    write_npz(tmp_path / "blocks.npz", dict(a=npzfile.Blocks(whole.shape, whole.dtype, iter([whole[:3], whole[3:]]))))
+    write_npz(tmp_path / "whole.npz", dict(a=whole))
+    with zipfile.ZipFile(tmp_path / "blocks.npz") as a, zipfile.ZipFile(tmp_path / "whole.npz") as b:
+        assert a.read("a.npy") == b.read("a.npy")
+    for blocks in ([whole[:3]], [whole, whole[:1]], [whole.astype(np.int16)]):
+        with pytest.raises(ValueError):
+            write_npz(tmp_path / "bad.npz", dict(a=npzfile.Blocks(whole.shape, whole.dtype, iter(blocks))))
+    assert not (tmp_path / "bad.npz").exists()  # (an interrupted write leaves no file)
