@@ -41,8 +41,14 @@ from .schedule import Schedule, quiet_gc_in_worker
 from .timeline import OutOfMemory, Timeline
 from .trace import Replay, Trace, TraceError, replay
 from .trace_stats import popularity
-from .trace_synth import (DEFAULT_ROUTING, base_popularity, check_routing_fits, params_for, synthesize,
-                          synthesized_blocks)
+from .trace_synth import (
+    DEFAULT_ROUTING,
+    base_popularity,
+    check_routing_fits,
+    params_for,
+    synthesize,
+    synthesized_blocks,
+)
 from .units import memory_text
 
 
