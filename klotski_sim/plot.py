@@ -149,7 +149,11 @@ def _finish(fig: plt.Figure, categories: Sequence[str], path: str | Path | None,
     """Legend on top, layout, and save (closing the figure) when a path is given."""
     legend(fig, categories)
     fig.tight_layout(rect=(0, 0, 1, top))
-    fig.set_layout_engine("none")  # laid out once: else saving draws the whole figure twice
+    # laid out once, and no layout engine left: with one (even the placeholder that "none" leaves
+    # after tight_layout) saving draws the whole figure once more before it renders (0.18 of 0.67 s
+    # for compare.png); None removes it unless the user's rcParams ask for a layout
+    with plt.rc_context({"figure.autolayout": False, "figure.constrained_layout.use": False}):
+        fig.set_layout_engine(None)
     if path is not None:
         fig.savefig(path, dpi=dpi)
         plt.close(fig)
