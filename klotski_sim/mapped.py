@@ -21,6 +21,8 @@ import numpy as np
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # a zip member's local header: signature, ..., name and extra lengths
 _PAGE = mmap.PAGESIZE
+# (where the platform has no madvise, e.g. Windows, a mapping is read as any and never released)
+_DONTNEED = getattr(mmap, "MADV_DONTNEED", None) if hasattr(mmap.mmap, "madvise") else None
 
 
 def map_stored_array(path: str | Path, name: str) -> np.ndarray | None:
@@ -51,7 +53,6 @@ def map_stored_array(path: str | Path, name: str) -> np.ndarray | None:
                 empty.flags.writeable = False
                 return empty
             pages = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)  # (kept open by the array)
-            pages.madvise(mmap.MADV_RANDOM)
         return np.frombuffer(pages, dtype=dtype, count=count, offset=start).reshape(shape)
     except (OSError, ValueError, KeyError, zipfile.BadZipFile, struct.error):
         return None
@@ -76,7 +77,7 @@ def release(view: np.ndarray) -> None:
     """Give back the pages of a mapped file that `view` spans (nothing for an array in memory): a
     pass calls it on each chunk once done with it."""
     pages = _mapping(view)
-    if pages is None or view.size == 0 or pages.closed:
+    if pages is None or view.size == 0 or pages.closed or _DONTNEED is None:
         return
     origin = np.frombuffer(pages, dtype=np.uint8, count=1).ctypes.data
     low = high = view.ctypes.data
@@ -86,7 +87,7 @@ def release(view: np.ndarray) -> None:
     start = (low - origin) // _PAGE * _PAGE
     end = min(len(pages), high + view.itemsize - origin)
     if end > start:
-        pages.madvise(mmap.MADV_DONTNEED, start, end - start)
+        pages.madvise(_DONTNEED, start, end - start)
 
 
 def in_chunks(array: np.ndarray, rows: int) -> Iterator[np.ndarray]:

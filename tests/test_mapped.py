@@ -177,3 +177,16 @@ def test_blocks_are_written_as_the_whole_array_and_must_add_up_to_it(tmp_path):
         with pytest.raises(ValueError):
             write_npz(tmp_path / "bad.npz", dict(a=npzfile.Blocks(whole.shape, whole.dtype, iter(blocks))))
     assert not (tmp_path / "bad.npz").exists()  # (an interrupted write leaves no file)
+
+
+def test_without_madvise_a_mapping_is_read_and_never_released(tmp_path, monkeypatch):
+    """(Windows has no madvise: the pages stay, the values are the same.)"""
+    from klotski_sim import mapped
+
+    monkeypatch.setattr(mapped, "_DONTNEED", None)
+    array = np.arange(1 << 16, dtype=np.uint8)
+    write_npz(tmp_path / "a.npz", dict(experts=array), level=None)
+    view = map_stored_array(tmp_path / "a.npz", "experts")
+    assert sum(int(part.sum(dtype=np.int64)) for part in in_chunks(view, 4096)) == int(array.sum(dtype=np.int64))
+    release(view)
+    assert np.array_equal(view, array)
