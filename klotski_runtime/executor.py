@@ -517,6 +517,9 @@ class OpRunner:
 
     def _embed(self, op: Op) -> None:
         b = op.batch
+        if op.step > 0 and b not in self.next_token:  # (a schedule edited by hand, or one wired wrongly)
+            raise ExecutionError(f"batch {b} has no token generated at step {op.step - 1} to embed: the schedule "
+                                 f"must run that step's lm_head op of batch {b} before this op")
         tokens = self.prompt[b] if op.step == 0 else self.next_token[b]
         self.x[b] = kernels.embed(tokens.to(self.device), self.resident["embed"])
         self.moe_out[b] = None

@@ -285,6 +285,30 @@ def test_execute_refuses_routing_of_another_run(tmp_path):
         assert "Traceback" not in proc.stderr
 
 
+
+def test_a_schedule_without_the_lm_head_a_step_embeds_from_is_one_clear_line(tmp_path):
+    """A hand-edited schedule whose later step embeds a token no lm_head op generated: named, not a KeyError."""
+    pytest.importorskip("torch")
+    import json
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    assert run_cli("simulate", "--model", "tiny-mixtral", "--policy", "klotski", "--batch-size", "2", "--num-batches",
+                   "2", "--prompt-len", "4", "--gen-len", "3", "--no-png", "--out", str(tmp_path / "a"))[0] == 0
+    data = json.loads((tmp_path / "a" / "schedule.json").read_text())
+    kept = [op for op in data["ops"] if op["category"] != "lm_head"]
+    names = {op["id"] for op in kept}
+    for op in kept:
+        op["deps"] = [d for d in op.get("deps", []) if d in names]
+    data["ops"] = kept
+    (tmp_path / "a" / "schedule.json").write_text(json.dumps(data))
+    proc = subprocess.run([sys.executable, "-m", "klotski_runtime.cli", "execute", str(tmp_path / "a"), "--out",
+                           str(tmp_path / "m")], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert "has no token generated at step 0 to embed" in proc.stderr and "lm_head op of batch" in proc.stderr
+
 TINY_RUN = ["--model", "tiny-mixtral", "--prompt-len", "8", "--gen-len", "2", "--batch-size", "2"]
 
 
