@@ -412,7 +412,6 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from .sweep import grid_size, load_spec, run_sweep, summarize
 
     spec = load_spec(args.spec)
-    output_folder(args.out)
     size = grid_size(spec)
     minutes = size * SECONDS_PER_CONFIG / max(1, args.workers) / 60
     took = f"{minutes:.0f} min" if minutes >= 1 else f"{minutes * 60:.0f} s"
@@ -420,6 +419,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
           f"{args.workers} worker(s), if none is done yet)")
     if size > SWEEP_CONFIRM and not args.yes:
         raise CliError(f"{args.spec}: {size} configurations is more than {SWEEP_CONFIRM}; add --yes to run them")
+    output_folder(args.out)  # (after the grid is accepted: a refused one leaves no empty folder)
     done_before = len(list((Path(args.out) / "rows").glob("*.json"))) if (Path(args.out) / "rows").is_dir() else 0
     df = run_sweep(spec, args.out, workers=args.workers, dask=args.dask, progress=not args.no_progress)
     if done_before:

@@ -216,6 +216,7 @@ def test_a_huge_grid_asks_for_yes(tmp_path):
     path.write_text(yaml.safe_dump(spec))
     rc, out, err = run_cli("sweep", str(path), "--out", str(tmp_path / "o"))
     assert rc == 2 and "20000 configurations" in err and "--yes" in err
+    assert not (tmp_path / "o").exists()  # (refused before its output folder is made)
 
 
 @pytest.mark.parametrize("damage,message", [
