@@ -9,6 +9,10 @@ rather than reading them (`mapped.py`: a long prompt's routing is not held whole
 folder (default `~/.cache/klotski`); `off` disables it. A cache that cannot be written is simply
 not used.
 
+It also keeps an uncompressed copy of a recorded trace file's large arrays (`unpacked_array`:
+ids or gate weights of at least UNPACKED_ABOVE bytes), decompressed once and then mapped, keyed by
+the file's path, size and modification time.
+
 The cache is bounded: `KLOTSKI_CACHE_MAX_GB` (default 2) caps its traces; the least recently used
 go first, and a trace larger than the cap is not kept (a sweep over seeds and prompt lengths left
 709 traces, 14 GB, in a cache without a bound).
@@ -24,7 +28,7 @@ import zipfile
 from dataclasses import asdict
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import IO, TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -125,6 +129,64 @@ def _write(path: Path, experts: np.ndarray | Blocks, seq_offsets: np.ndarray, pr
            meta: Mapping[str, Any]) -> None:
     write_npz(path, dict(experts=experts, seq_offsets=seq_offsets, prompt_lens=prompt_lens,
                          meta=np.array(json.dumps(dict(meta)))), level=None)  # (read back often, and mapped)
+
+
+# A trace file's array (its ids, its gate weights) at least this large, decompressed, is unpacked
+# into the cache once and mapped from there (`unpacked_array`); smaller ones are read as they are.
+UNPACKED_ABOVE = 32 << 20
+_UNPACKED_BLOCK = 4 << 20  # bytes decompressed at a time into the unpacked copy
+
+
+def unpacked_array(path: Path, name: str) -> np.ndarray | None:
+    """Array `name` of the npz at `path` (a recorded trace, deflated) from an uncompressed copy in
+    the cache, mapped: decompressed once, a block at a time, and then read by pages as a run needs
+    them (a long prompt's trace is not held whole, and is not decompressed again). The copy is
+    keyed by the file's real path, size and modification time, and evicted like a synthetic trace.
+    None where the caller should read the array itself: the cache off, the array smaller than
+    UNPACKED_ABOVE or larger than the cache, in Fortran order, or the copy not writable. A damaged
+    member raises as numpy's reading of it would (a ValueError, zipfile.BadZipFile or EOFError)."""
+    folder = cache_dir()
+    if folder is None:
+        return None
+    max_bytes = cache_max_bytes()  # (a bad KLOTSKI_CACHE_MAX_GB is refused here as for a synthetic run)
+    stat = path.stat()
+    key = json.dumps({"unpacked": os.path.realpath(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+                      "array": name, "format": 1}, sort_keys=True)
+    copy = folder / "traces" / f"{hashlib.sha1(key.encode()).hexdigest()[:20]}.npz"
+    mapped = map_stored_array(copy, "a")
+    if mapped is not None:
+        os.utime(copy)  # (used now: the last to be evicted)
+        return mapped
+    with zipfile.ZipFile(path) as archive, archive.open(f"{name}.npy") as member:
+        version = np.lib.format.read_magic(member)
+        read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                       else np.lib.format.read_array_header_2_0)
+        shape, fortran_order, dtype = read_header(member)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if fortran_order or dtype.hasobject or not shape or not UNPACKED_ABOVE <= nbytes <= max_bytes:
+            return None
+        try:
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            write_npz(copy, {"a": Blocks(shape, dtype, _rows(member, shape, dtype))}, level=None)
+            evict(copy.parent, max_bytes, keep=copy)
+        except (OSError, UsageError):  # (a cache that cannot be written is not used)
+            return None
+    return map_stored_array(copy, "a")
+
+
+def _rows(member: IO[bytes], shape: tuple[int, ...], dtype: np.dtype) -> Iterator[np.ndarray]:
+    """The rows of an npy array's data read from `member`, a block of about _UNPACKED_BLOCK bytes
+    at a time; a member that ends early is an error, as in numpy's reading."""
+    row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+    rows = max(1, _UNPACKED_BLOCK // max(1, row_bytes))
+    left = shape[0]
+    while left:
+        count = min(rows, left)
+        data = member.read(count * row_bytes)
+        if len(data) < count * row_bytes:
+            raise ValueError(f"EOF: reading array data, expected {count * row_bytes} bytes got {len(data)}")
+        yield np.frombuffer(data, dtype=dtype).reshape((count,) + tuple(shape[1:]))
+        left -= count
 
 
 _OWN_NAME = re.compile(r"[0-9a-f]{20}\.npz")  # what `cached_trace` names a trace: its key's hash

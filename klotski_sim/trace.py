@@ -27,7 +27,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from .errors import KlotskiError
+from .errors import KlotskiError, UsageError
 from .mapped import in_chunks, release
 from .model import ModelSpec
 from .npzfile import NPZ_READ_ERRORS, check_npz, write_npz
@@ -181,7 +181,7 @@ class Trace:
                 meta = json.loads(str(z["meta"]))
                 if not isinstance(meta, dict):
                     raise TraceError(f"{path}: meta must be a JSON object, got {type(meta).__name__}")
-                arrays = {k: z[k] for k in ("experts", "seq_offsets", "prompt_lens")}
+                arrays = {k: z[k] for k in ("seq_offsets", "prompt_lens")}
                 for name in ("seq_offsets", "prompt_lens"):
                     if not np.issubdtype(arrays[name].dtype, np.integer) or arrays[name].ndim != 1:
                         raise TraceError(f"{path}: {name} must be a 1-d integer array, got {arrays[name].dtype} "
@@ -190,8 +190,11 @@ class Trace:
                     value = meta.get(key)
                     if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 1 << 16:
                         raise TraceError(f"{path}: meta {key} must be an integer from 1 to 65536, got {value!r}")
-                weights = z["weights"] if "weights" in names else None
-        except TraceError:
+                # the large arrays last, each from an unpacked copy in the cache where it is large
+                # (`cache.unpacked_array`: mapped, not held), else as numpy reads it
+                arrays["experts"] = _large_array(path, z, "experts")
+                weights = _large_array(path, z, "weights") if "weights" in names else None
+        except (TraceError, UsageError):  # (UsageError: the cache's own setting, KLOTSKI_CACHE_MAX_GB)
             raise
         except FileNotFoundError:
             raise TraceError(f"{path}: no such trace file") from None
@@ -206,6 +209,15 @@ class Trace:
             return Trace(arrays["experts"], arrays["seq_offsets"], arrays["prompt_lens"], meta, weights)
         except TraceError as err:
             raise TraceError(str(err).replace("trace:", f"{path}:", 1)) from None
+
+
+def _large_array(path: Path, archive: Any, name: str) -> np.ndarray:
+    """Array `name` of a trace file: an unpacked, mapped copy from the trace cache when the cache
+    keeps one (a large array), else read from `archive` (the open `np.load`)."""
+    from .cache import unpacked_array  # (the cache holds traces: it imports this module)
+
+    unpacked = unpacked_array(path, name)
+    return archive[name] if unpacked is None else unpacked
 
 
 # ---- replay -------------------------------------------------------------------------------------

@@ -190,3 +190,72 @@ def test_without_madvise_a_mapping_is_read_and_never_released(tmp_path, monkeypa
     assert sum(int(part.sum(dtype=np.int64)) for part in in_chunks(view, 4096)) == int(array.sum(dtype=np.int64))
     release(view)
     assert np.array_equal(view, array)
+
+
+def test_a_large_recorded_trace_is_unpacked_into_the_cache_once_and_mapped(tmp_path, monkeypatch):
+    """A trace file's large arrays (above cache.UNPACKED_ABOVE, lowered here) are decompressed once
+    into the cache and mapped: the same values as numpy reads, the copy reused while the file is
+    unchanged and made again when it changes; the cache off, or a small array, read as before."""
+    from klotski_sim import cache
+    from klotski_sim.model import get_model
+    from klotski_sim.trace import Trace
+    from klotski_sim.trace_synth import synthesize
+
+    m = get_model("tiny-mixtral")
+    original = synthesize(m, 6, 30, 4, "calibrated", seed=2, with_weights=True)
+    original.save(tmp_path / "t.npz")
+    monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(tmp_path / "cache"))
+    assert not is_mapped(Trace.load(tmp_path / "t.npz").experts)  # (small: read as it is)
+    monkeypatch.setattr(cache, "UNPACKED_ABOVE", 64)
+    monkeypatch.setattr(cache, "_UNPACKED_BLOCK", 100)  # (several blocks, and rows cut at their bounds)
+    loaded = Trace.load(tmp_path / "t.npz")
+    assert is_mapped(loaded.experts) and is_mapped(loaded.weights)
+    assert np.array_equal(loaded.experts, original.experts) and np.array_equal(loaded.weights, original.weights)
+    copies = sorted((tmp_path / "cache" / "traces").glob("*.npz"))
+    assert len(copies) == 2  # (ids and gate weights)
+    again = Trace.load(tmp_path / "t.npz")
+    assert np.array_equal(again.experts, original.experts)
+    assert sorted((tmp_path / "cache" / "traces").glob("*.npz")) == copies
+    other = synthesize(m, 6, 30, 4, "calibrated", seed=3, with_weights=True)
+    other.save(tmp_path / "t.npz")
+    assert np.array_equal(Trace.load(tmp_path / "t.npz").experts, other.experts)  # (a new file: a new copy)
+    monkeypatch.setenv("KLOTSKI_CACHE_DIR", "off")
+    off = Trace.load(tmp_path / "t.npz")
+    assert not is_mapped(off.experts) and np.array_equal(off.experts, other.experts)
+
+
+def test_a_damaged_recorded_trace_is_refused_alike_with_the_cache_on_and_off(tmp_path, monkeypatch):
+    from klotski_sim import cache
+    from klotski_sim.model import get_model
+    from klotski_sim.trace import Trace, TraceError
+    from klotski_sim.trace_synth import synthesize
+
+    synthesize(get_model("tiny-mixtral"), 40, 60, 4, "calibrated", seed=2).save(tmp_path / "t.npz")
+    data = bytearray((tmp_path / "t.npz").read_bytes())
+    with zipfile.ZipFile(tmp_path / "t.npz") as archive:
+        info = archive.getinfo("experts.npy")
+    middle = info.header_offset + 100 + info.compress_size // 2
+    data[middle:middle + 16] = bytes(16)  # (deflated ids overwritten: a CRC or inflate error)
+    (tmp_path / "bad.npz").write_bytes(bytes(data))
+    monkeypatch.setattr(cache, "UNPACKED_ABOVE", 64)
+    messages = []
+    for where in ("off", str(tmp_path / "cache")):
+        monkeypatch.setenv("KLOTSKI_CACHE_DIR", where)
+        with pytest.raises(TraceError) as refused:
+            Trace.load(tmp_path / "bad.npz")
+        messages.append(str(refused.value).split(" (")[0])
+    assert messages[0] == messages[1] and "cannot read trace, the file is truncated or corrupt" in messages[0]
+    assert not list((tmp_path / "cache" / "traces").glob("*.npz"))  # (no copy of a damaged array is kept)
+
+
+def test_a_bad_cache_cap_is_named_when_a_trace_file_is_read(tmp_path, monkeypatch):
+    from klotski_sim.errors import UsageError
+    from klotski_sim.model import get_model
+    from klotski_sim.trace import Trace
+    from klotski_sim.trace_synth import synthesize
+
+    synthesize(get_model("tiny-mixtral"), 2, 6, 2, "calibrated", seed=2).save(tmp_path / "t.npz")
+    monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("KLOTSKI_CACHE_MAX_GB", "lots")
+    with pytest.raises(UsageError, match="KLOTSKI_CACHE_MAX_GB"):
+        Trace.load(tmp_path / "t.npz")
