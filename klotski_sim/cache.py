@@ -35,7 +35,7 @@ import numpy as np
 from .errors import UsageError
 from .mapped import map_stored_array
 from .model import ModelSpec
-from .npzfile import Blocks, write_npz
+from .npzfile import NPZ_READ_ERRORS, Blocks, write_npz
 from .trace import Trace
 
 if TYPE_CHECKING:
@@ -121,7 +121,7 @@ def _read(path: Path) -> Trace | None:
         with np.load(path, allow_pickle=False) as z:
             meta = json.loads(str(z["meta"]))
             return Trace(z["experts"] if experts is None else experts, z["seq_offsets"], z["prompt_lens"], meta)
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+    except (*NPZ_READ_ERRORS, KeyError):
         return None  # not there yet, or unreadable (a truncated file is a ValueError/BadZipFile)
 
 
@@ -144,7 +144,7 @@ def unpacked_array(path: Path, name: str) -> np.ndarray | None:
     keyed by the file's real path, size and modification time, and evicted like a synthetic trace.
     None where the caller should read the array itself: the cache off, the array smaller than
     UNPACKED_ABOVE or larger than the cache, in Fortran order, or the copy not writable. A damaged
-    member raises as numpy's reading of it would (a ValueError, zipfile.BadZipFile or EOFError)."""
+    member raises as numpy's reading of it would (one of `npzfile.NPZ_READ_ERRORS`)."""
     folder = cache_dir()
     if folder is None:
         return None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Iterable, Iterator, Mapping
@@ -25,7 +26,9 @@ LEVEL = 1
 _WRITTEN_BYTES = 4 << 20  # a mapped array is written at most this much at a time (numpy's buffer: 16 MB)
 MAX_NPZ_BYTES = 8 << 30  # the decompressed arrays of one trace or routing file
 # What reading a damaged .npz raises (by numpy, or by `check_npz`): its readers word it as such.
-NPZ_READ_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile)
+# (zlib.error: a deflated member whose data is damaged before its CRC is reached; RuntimeError and
+# NotImplementedError: a member flagged encrypted, or compressed by a method zipfile does not read.)
+NPZ_READ_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error, RuntimeError, NotImplementedError)
 
 
 def check_npz(path: str | Path, what: str, error: type[KlotskiError]) -> None:

@@ -137,6 +137,22 @@ def test_fuzzed_trace_files(tmp_path_factory, data):
 
 
 @FUZZ
+@given(data=st.data(), deflated=st.booleans())
+def test_fuzzed_trace_files_unpacked_into_the_cache(tmp_path_factory, monkeypatch, data, deflated):
+    """The same files, their arrays unpacked into the trace cache and mapped (cache.unpacked_array,
+    its size floor lowered to a byte): the same one-line answers."""
+    from klotski_sim import cache
+
+    folder = tmp_path_factory.mktemp("t")
+    monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(folder / "cache"))
+    monkeypatch.setattr(cache, "UNPACKED_ABOVE", 1)
+    (np.savez_compressed if deflated else np.savez)(folder / "trace.npz", **_trace_arrays(data.draw))
+    check_answer(*run_cli("trace", "stats", str(folder / "trace.npz")))
+    check_answer(*run_cli("simulate", "--trace", str(folder / "trace.npz"), "--wrap", "--warmup-sequences", "0",
+                          *SMALL_RUN))
+
+
+@FUZZ
 @given(blob=st.binary(max_size=200))
 def test_fuzzed_trace_bytes(tmp_path_factory, blob):
     f = tmp_path_factory.mktemp("t") / "trace.npz"

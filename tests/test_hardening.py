@@ -116,6 +116,37 @@ def _npz_declaring(path, shape, **arrays):
             archive.writestr(name + ".npy", member.getvalue())
 
 
+
+@pytest.mark.parametrize("damage", ["inflate", "encrypted", "method"])
+def test_a_trace_whose_zip_cannot_be_inflated_is_refused_in_one_line(tmp_path, damage):
+    """A deflated member damaged before its CRC is reached (zlib.error), flagged encrypted
+    (RuntimeError) or compressed by an unknown method (NotImplementedError): found by a mutation
+    fuzz of a trace file, each was a traceback from zipfile."""
+    import struct
+    import zipfile
+
+    from klotski_sim.model import get_model
+    from klotski_sim.trace_synth import synthesize
+
+    synthesize(get_model("tiny-mixtral"), 4, 6, 2, "calibrated", seed=1).save(tmp_path / "t.npz")
+    data = bytearray((tmp_path / "t.npz").read_bytes())
+    with zipfile.ZipFile(tmp_path / "t.npz") as archive:
+        info = archive.getinfo("seq_offsets.npy")
+    name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26:info.header_offset + 30])
+    start = info.header_offset + 30 + name_len + extra_len
+    central = next(k for k in range(len(data)) if data[k:k + 4] == b"PK\x01\x02"
+                   and data[k + 46:k + 46 + len("seq_offsets.npy")] == b"seq_offsets.npy")
+    if damage == "inflate":
+        data[start:start + 4] = b"\xff\xff\xff\xff"  # (an invalid deflate block header)
+    elif damage == "encrypted":
+        data[central + 8] |= 1  # (general purpose flag bit 0 in the central directory)
+    else:
+        data[central + 10:central + 12] = struct.pack("<H", 99)  # (compression method 99)
+    (tmp_path / "bad.npz").write_bytes(bytes(data))
+    rc, _, err = run_cli("trace", "stats", str(tmp_path / "bad.npz"))
+    assert rc == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "bad.npz" in err
+
 def test_an_npz_whose_header_declares_more_than_it_holds_is_refused_before_numpy_allocates(tmp_path):
     """A few hundred bytes declaring a 4 TB array: numpy allocated it before finding the data missing
     (_ArrayMemoryError traceback); now refused, naming the array, by trace stats, simulate --trace
