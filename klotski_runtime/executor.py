@@ -158,9 +158,12 @@ def check_compatible(schedule: Schedule, spec: ModelSpec, weights: WeightStore |
                                 f"model {spec.num_experts} x {spec.num_layers}")
         if routing.top_k != spec.top_k:
             raise ScheduleError(f"the routing chooses {routing.top_k} experts a token, model {spec.name} {spec.top_k}")
+        if routing.dense_layers != spec.first_dense_layers:
+            raise ScheduleError(f"the routing routes no tokens in its first {routing.dense_layers} layer(s), model "
+                                f"{spec.name} in its first {spec.first_dense_layers}")
         if meta.get("routing") not in (None, routing.source):  # (same shape, other tokens: another seed, say)
-            raise ScheduleError(f"the routing does not belong to this schedule: it is {routing.source!r}, the "
-                                f"schedule was built from {meta.get('routing')!r}")
+            raise ScheduleError(f"the routing does not belong to this schedule: it is {routing.source!r:.120}, the "
+                                f"schedule was built from {meta.get('routing')!r:.120}")
         for op in schedule.ops:  # (each named by the field that is wrong: a handler would index with it)
             problem = _outside_the_run(op, sh, spec)
             if problem:

@@ -365,6 +365,7 @@ class Schedule:
         if not all(isinstance(b, list) and len(b) == 2 and isinstance(b[0], str) and isinstance(b[1], int)
                    and not isinstance(b[1], bool) and b[1] >= 0 for b in preloaded):
             raise ScheduleError(f"{where}: preloaded must be a list of [name, bytes] pairs")
+        _check_meta(data.get("meta", {}), where)
         try:
             ops = [Op.from_dict(o) for o in data["ops"]]
         except ScheduleError as err:
@@ -386,6 +387,37 @@ class Schedule:
             except RecursionError:
                 raise ScheduleError(f"{path}: not a klotski schedule (JSON nested too deeply)") from None
             return Schedule.from_json_dict(data, str(path))
+
+
+_META_TEXT = ("policy", "model", "hardware", "routing", "impl")
+_META_COUNTS = ("batch_size", "num_batches", "prompt_len", "gen_len", "generated_tokens")
+_META_OBJECTS = ("placement", "options", "rung", "prefetch")
+
+
+def _check_meta(meta: Mapping[str, Any], where: str) -> None:
+    """The meta fields the tools read, where a schedule file gives them, of the types they are
+    read as (meta is otherwise free: a hand-made schedule may say anything else there): a
+    hand-edited `placement: null` or `generated_tokens: "x"` failed deep in the runtime."""
+    def refuse(key: str, expected: str) -> None:
+        raise ScheduleError(f"{where}: meta.{key} must be {expected}, got {meta[key]!r:.60}")
+
+    for key in _META_TEXT:
+        if key in meta and not isinstance(meta[key], str) and not (key == "routing" and meta[key] is None):
+            refuse(key, "a model preset's name" if key == "model" else "a string")
+    for key in _META_COUNTS:
+        if key in meta and (not isinstance(meta[key], int) or isinstance(meta[key], bool) or meta[key] < 0):
+            refuse(key, "an integer >= 0")
+    for key in _META_OBJECTS:
+        if key in meta and not isinstance(meta[key], dict):
+            refuse(key, "a JSON object")
+    layers = meta.get("placement", {}).get("resident_layers", 0)
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 0:
+        raise ScheduleError(f"{where}: meta.placement.resident_layers must be an integer >= 0, got {layers!r:.60}")
+    pinned = meta.get("resident_weights", [])
+    if not isinstance(pinned, list) or not all(
+            isinstance(k, list) and len(k) == 3 and isinstance(k[0], str)
+            and all(isinstance(i, int) and not isinstance(i, bool) for i in k[1:]) for k in pinned):
+        refuse("resident_weights", "a list of [tensor, layer, expert] triples")
 
 
 def _check_op_fields(op: Op, streams: Mapping[str, str]) -> tuple[str, tuple[str, ...], str, tuple, tuple[str, ...]]:

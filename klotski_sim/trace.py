@@ -113,6 +113,8 @@ class Trace:
         missing = [k for k in REQUIRED_META if k not in self.meta]
         if missing:
             raise TraceError(f"{where}: metadata lacks {', '.join(missing)}")
+        if not isinstance(self.meta["model"], str):  # (messages name it; null or a list was accepted)
+            raise TraceError(f"{where}: meta model must be a model's name, got {self.meta['model']!r:.60}")
         e, off, pl = self.experts, self.seq_offsets, self.prompt_lens
         if e.ndim != 3:
             raise TraceError(f"{where}: experts must be [tokens, layers, top_k], got shape {e.shape}")

@@ -341,6 +341,33 @@ def test_a_schedule_without_the_lm_head_a_step_embeds_from_is_one_clear_line(tmp
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert "has no token generated at step 0 to embed" in proc.stderr and "lm_head op of batch" in proc.stderr
 
+
+def test_execute_refuses_routing_with_other_dense_layers_and_shortens_a_long_source(tmp_path):
+    """(Found by a fuzz of routing.npz: dense_layers 2 for a model without dense layers ran; a
+    100,000-character source was echoed whole in the one error line.)"""
+    pytest.importorskip("torch")
+    import subprocess
+    import sys
+
+    from klotski_sim.routing import RoutingTable
+
+    from .conftest import ROOT
+
+    assert run_cli("simulate", "--model", "tiny-mixtral", "--policy", "klotski", "--batch-size", "2", "--num-batches",
+                   "2", "--prompt-len", "4", "--gen-len", "2", "--no-png", "--out", str(tmp_path / "a"))[0] == 0
+    good = RoutingTable.load(tmp_path / "a" / "routing.npz")
+    for name, table, message in (
+            ("dense", RoutingTable(good.ids, good.shape, good.num_experts, good.source, dense_layers=1),
+             "the routing routes no tokens in its first 1 layer(s), model tiny-mixtral in its first 0"),
+            ("long", RoutingTable(good.ids, good.shape, good.num_experts, "x" * 100_000),
+             "the routing does not belong to this schedule: it is 'xxx")):
+        table.save(tmp_path / f"{name}.npz")
+        proc = subprocess.run([sys.executable, "-m", "klotski_runtime.cli", "execute", str(tmp_path / "a"),
+                               "--routing", str(tmp_path / f"{name}.npz"), "--out", str(tmp_path / "m")],
+                              capture_output=True, text=True, cwd=ROOT)
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert len(proc.stderr) < 600
+
 TINY_RUN = ["--model", "tiny-mixtral", "--prompt-len", "8", "--gen-len", "2", "--batch-size", "2"]
 
 

@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 
@@ -203,3 +204,29 @@ def test_what_a_gc_pause_leaves_alive_is_old_and_its_cycles_still_collected():
     finally:
         if not was:
             gc.disable()
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("placement", None, "meta.placement must be a JSON object"),
+    ("placement", {"resident_layers": "2"}, "meta.placement.resident_layers must be an integer >= 0"),
+    ("generated_tokens", "12", "meta.generated_tokens must be an integer >= 0"),
+    ("gen_len", -1, "meta.gen_len must be an integer >= 0"),
+    ("batch_size", True, "meta.batch_size must be an integer >= 0"),
+    ("model", 7, "meta.model must be a model preset's name"),
+    ("policy", ["x"], "meta.policy must be a string"),
+    ("resident_weights", [["expert", 0]], "meta.resident_weights must be a list of [tensor, layer, expert]"),
+    ("resident_weights", "all", "meta.resident_weights must be a list of [tensor, layer, expert]"),
+])
+def test_schedule_meta_fields_the_tools_read_are_checked_when_loaded(key, value, message):
+    """A hand-edited schedule file's meta of another type than the tools read it as: refused when
+    the file is read (found by a fuzz of `klotski-runtime execute`: AttributeError, ValueError)."""
+    good = {"policy": "x", "model": "tiny-mixtral", "batch_size": 2, "gen_len": 3, "generated_tokens": 12,
+            "placement": {"resident_layers": 0}, "resident_weights": [["expert", 0, 1]]}
+    data = Schedule((t("w", alloc=(("w", 10),)), c("a", ["w"], free=("w",))), meta=good).to_json_dict()
+    Schedule.from_json_dict(data, where="s.json")
+    data["meta"] = {**data["meta"], key: value}
+    with pytest.raises(ScheduleError, match=re.escape(message)):
+        Schedule.from_json_dict(data, where="s.json")
+    data["meta"] = {**data["meta"], "routing": None, "anything": [1, {"else": None}]}  # (free otherwise)
+    data["meta"].pop(key)
+    Schedule.from_json_dict(data, where="s.json")

@@ -557,3 +557,13 @@ def test_the_trace_cache_is_off_however_it_is_spelt(monkeypatch, setting):
 
     monkeypatch.setenv("KLOTSKI_CACHE_DIR", setting)
     assert cache_dir() is None  # (" off" was a folder named " off")
+
+
+
+@pytest.mark.parametrize("model", [None, ["tiny-mixtral"], 3])
+def test_a_trace_whose_meta_model_is_no_name_is_refused(tmp_path, model):
+    """(A fuzz of trace files: a model of null or a list was accepted, though a missing one is not.)"""
+    t = _tiny_trace()
+    Trace(t.experts, t.seq_offsets, t.prompt_lens, {**t.meta, "model": "tiny-mixtral"})  # (a name: fine)
+    with pytest.raises(TraceError, match="meta model must be a model's name"):
+        Trace(t.experts, t.seq_offsets, t.prompt_lens, {**t.meta, "model": model})
