@@ -5,9 +5,9 @@ A trace is stored under a hash of everything that determines it — the model's 
 kind, the seed, the sizes and the generator's own code — so a changed generator never serves an
 old trace. Files are written atomically (`npzfile.write_npz`: a per-process temp name, then a
 rename) and stored uncompressed, ids in a byte up to 256 experts, so that a run maps the ids
-rather than reading them (`mapped.py`: a long prompt's routing is not held whole). `KLOTSKI_CACHE_DIR` sets the
-folder (default `~/.cache/klotski`); `off` disables it. A cache that cannot be written is simply
-not used.
+rather than reading them (`mapped.py`: a long prompt's routing is not held whole).
+`KLOTSKI_CACHE_DIR` sets the folder (default `~/.cache/klotski`); `off` disables it. A cache that
+cannot be written is simply not used.
 
 It also keeps an uncompressed copy of a recorded trace file's large arrays (`unpacked_array`:
 ids or gate weights of at least UNPACKED_ABOVE bytes), decompressed once and then mapped, keyed by
