@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import re
+import time
 import zipfile
 from dataclasses import asdict
 from importlib import resources
@@ -190,13 +191,24 @@ def _rows(member: IO[bytes], shape: tuple[int, ...], dtype: np.dtype) -> Iterato
 
 
 _OWN_NAME = re.compile(r"[0-9a-f]{20}\.npz")  # what `cached_trace` names a trace: its key's hash
+_OWN_TEMP = re.compile(r"\.[0-9a-f]{20}\.npz\.[0-9]+\.tmp")  # `write_npz`'s temporary name for one of them
+STALE_TEMP_S = 3600.0  # older than this, such a file is a killed write's (a trace is written as it is
+# drawn: 11-12 s for the default run's at a 16k-token prompt)
 
 
 def evict(folder: Path, max_bytes: int, keep: Path | None = None) -> None:
     """Delete the least recently used traces in `folder` until they take at most `max_bytes`
     (never `keep`, the one just written). Only the cache's own files, by their hashed names, count
     and go: KLOTSKI_CACHE_DIR pointed at a project whose `traces/` held the user's own .npz files
-    deleted them. Another process may evict the same file: that is fine."""
+    deleted them. Another process may evict the same file: that is fine. A temporary file of a
+    write killed before its rename (`write_npz`'s name for one of them) goes once STALE_TEMP_S old."""
+    now = time.time()
+    for path in folder.glob(".*.tmp"):
+        try:
+            if _OWN_TEMP.fullmatch(path.name) and now - path.stat().st_mtime > STALE_TEMP_S:
+                path.unlink()
+        except OSError:
+            continue
     entries = []
     for path in folder.glob("*.npz"):
         if not _OWN_NAME.fullmatch(path.name):

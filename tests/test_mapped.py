@@ -259,3 +259,23 @@ def test_a_bad_cache_cap_is_named_when_a_trace_file_is_read(tmp_path, monkeypatc
     monkeypatch.setenv("KLOTSKI_CACHE_MAX_GB", "lots")
     with pytest.raises(UsageError, match="KLOTSKI_CACHE_MAX_GB"):
         Trace.load(tmp_path / "t.npz")
+
+
+def test_a_killed_writes_temporary_file_is_evicted_once_stale(tmp_path):
+    """(A write killed before its rename left `.NAME.PID.tmp` in the cache for good: eviction
+    counts only hash-named traces.) Only the cache's own temporary names go, and only when stale."""
+    import os
+    import time
+
+    from klotski_sim.cache import STALE_TEMP_S, evict
+
+    stale = tmp_path / ".0123456789abcdef0123.npz.4242.tmp"
+    fresh = tmp_path / ".fedcba9876543210fedc.npz.4243.tmp"
+    theirs = tmp_path / ".notes.npz.1.tmp"
+    for path in (stale, fresh, theirs):
+        path.write_bytes(b"x" * 10)
+    old = time.time() - STALE_TEMP_S - 60
+    os.utime(stale, (old, old))
+    os.utime(theirs, (old, old))
+    evict(tmp_path, 1 << 30)
+    assert not stale.exists() and fresh.exists() and theirs.exists()
