@@ -34,7 +34,7 @@ from typing import IO, TYPE_CHECKING, Any, Callable, Iterator, Mapping
 import numpy as np
 
 from .errors import UsageError
-from .mapped import map_stored_array
+from .mapped import map_stored_array, read_npy_header
 from .model import ModelSpec
 from .npzfile import NPZ_READ_ERRORS, Blocks, write_npz
 from .trace import Trace
@@ -159,10 +159,7 @@ def unpacked_array(path: Path, name: str) -> np.ndarray | None:
         os.utime(copy)  # (used now: the last to be evicted)
         return mapped
     with zipfile.ZipFile(path) as archive, archive.open(f"{name}.npy") as member:
-        version = np.lib.format.read_magic(member)
-        read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                       else np.lib.format.read_array_header_2_0)
-        shape, fortran_order, dtype = read_header(member)
+        shape, fortran_order, dtype = read_npy_header(member)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if fortran_order or dtype.hasobject or not shape or not UNPACKED_ABOVE <= nbytes <= max_bytes:
             return None

@@ -15,7 +15,7 @@ import mmap
 import struct
 import zipfile
 from pathlib import Path
-from typing import Iterator
+from typing import IO, Iterator
 
 import numpy as np
 
@@ -40,10 +40,7 @@ def map_stored_array(path: str | Path, name: str) -> np.ndarray | None:
                 return None
             data = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
             file.seek(data)
-            version = np.lib.format.read_magic(file)
-            read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                           else np.lib.format.read_array_header_2_0)
-            shape, fortran_order, dtype = read_header(file)
+            shape, fortran_order, dtype = read_npy_header(file)
             start = file.tell()
             count = int(np.prod(shape, dtype=np.int64))
             if fortran_order or dtype.hasobject or start - data + count * dtype.itemsize > info.file_size:
@@ -56,6 +53,14 @@ def map_stored_array(path: str | Path, name: str) -> np.ndarray | None:
         return np.frombuffer(pages, dtype=dtype, count=count, offset=start).reshape(shape)
     except Exception:  # noqa: BLE001 - whatever it is, numpy's reading of the file says it in the user's terms
         return None
+
+
+def read_npy_header(file: IO[bytes]) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """The shape, Fortran order and dtype an `.npy` header at the file's position declares (the
+    file left at the array's first byte), without reading the array."""
+    version = np.lib.format.read_magic(file)
+    read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    return read_header(file)
 
 
 def is_mapped(array: np.ndarray) -> bool:

@@ -19,7 +19,7 @@ from typing import IO, Iterable, Iterator, Mapping
 import numpy as np
 
 from .errors import KlotskiError, UsageError
-from .mapped import in_chunks, is_mapped
+from .mapped import in_chunks, is_mapped, read_npy_header
 from .textfile import regular_file_size
 
 LEVEL = 1
@@ -48,10 +48,7 @@ def check_npz(path: str | Path, what: str, error: type[KlotskiError]) -> None:
             if not info.filename.endswith(".npy"):
                 continue
             with archive.open(info) as member:
-                version = np.lib.format.read_magic(member)
-                read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                               else np.lib.format.read_array_header_2_0)
-                shape, _, dtype = read_header(member)
+                shape, _, dtype = read_npy_header(member)
                 header = member.tell()
             needed = int(np.prod(shape, dtype=object)) * dtype.itemsize
             if needed > info.file_size - header:
