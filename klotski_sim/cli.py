@@ -11,7 +11,7 @@ import importlib
 import json
 import os
 import sys
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -279,7 +279,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     prep = prepare(spec)
     print(format_plan(prep.plan, prep.model, prep.profile, spec.batch_size))
     if prep.refused is not None:
-        print(f"refused: {_oom_text(asdict(prep.refused))}")
+        print(f"refused: {prep.refused.describe()}")
     if prep.refused is not None or prep.plan.n_memory == 0:
         return 3  # (as simulate exits on out-of-memory)
     runs, probes = policy_prepared(spec, prep)
@@ -324,7 +324,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     traces = [out / f"trace_{name}{'' if len(impls) == 1 else '_' + impl}.json.gz" for name, impl in runs]
     simulated = prep.refused is None
     if not simulated:
-        print(f"refused: {_oom_text(asdict(prep.refused))}; no figure or traces: nothing was simulated")
+        print(f"refused: {prep.refused.describe()}; no figure or traces: nothing was simulated")
     sys.stdout.flush()  # (before worker processes start)
     figure = not args.no_png and simulated
     timelines = dict(zip(runs, run_each(list(runs.values()), prep, args.workers or available_cores(),

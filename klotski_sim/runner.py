@@ -38,7 +38,7 @@ from .policies.base import resolve_options
 from .probe import Probe, ProbeSearch, probe_gen_len, search
 from .routing import RoutingTable, RunShape
 from .schedule import Schedule, quiet_gc_in_worker
-from .timeline import OutOfMemory, Timeline
+from .timeline import MEMORY_CHECK, OutOfMemory, Timeline
 from .trace import Replay, Trace, TraceError, replay
 from .trace_stats import popularity
 from .trace_synth import (
@@ -256,7 +256,7 @@ def _over(floor: dict[str, float], profile: HardwareProfile) -> OutOfMemory | No
     usable memory, with every part named; None when it fits."""
     if floor["total"] <= profile.gpu.usable_bytes:
         return None
-    return OutOfMemory(op_id="<memory check>", time=0.0, needed_bytes=int(floor["total"]),
+    return OutOfMemory(op_id=MEMORY_CHECK, time=0.0, needed_bytes=int(floor["total"]),
                        available_bytes=int(profile.gpu.usable_bytes), in_use_bytes=0,
                        detail=", ".join(f"{k} {memory_text(v)}" for k, v in floor.items() if k != "total"))
 

@@ -38,6 +38,9 @@ def _batch_text(batches: tuple[int, ...]) -> str:
     return text
 
 
+MEMORY_CHECK = "<memory check>"  # the op_id of a refusal by the memory check, before any op was built
+
+
 @dataclass(frozen=True)
 class OutOfMemory:
     """Why a run stopped: starting `op_id` would have needed `needed_bytes` of GPU memory."""
@@ -51,7 +54,7 @@ class OutOfMemory:
 
     def describe(self) -> str:
         """Where the run ran out and the numbers, in one line (what both CLIs print)."""
-        where = "the memory check (nothing built)" if self.op_id == "<memory check>" else f"starting {self.op_id}"
+        where = "the memory check (nothing built)" if self.op_id == MEMORY_CHECK else f"starting {self.op_id}"
         return (f"out of GPU memory at {where}: needs {memory_text(self.needed_bytes)}, "
                 f"{memory_text(self.available_bytes)} available" + (f" ({self.detail})" if self.detail else ""))
 
