@@ -30,6 +30,7 @@ from klotski_sim.hardware import HardwareProfile, profile_from_dict
 from klotski_sim.model import ModelSpec
 
 from . import kernels
+from .executor import require_cuda
 from .kernels import WeightStore
 
 MB = 1 << 20
@@ -87,11 +88,8 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
                kv_lens: Iterable[int] | None, max_expert_tokens: int, repeats: int, dtype: torch.dtype,
                emulate_links: Mapping[str, float] | None, link_latency_s: float, command: str,
                emulate_pageable: Mapping[str, float]) -> HardwareProfile:
+    require_cuda(device)
     dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():  # (one line, as execute says it: not a traceback)
-        from .executor import ExecutionError
-
-        raise ExecutionError("CUDA was requested but torch sees no GPU (use --device cpu)")
     measure = _timer(dev)
     moe = spec.first_dense_layers  # the first layer with experts (DeepSeek's first layers are dense)
     w = WeightStore.random(spec, layers=moe + 1, dtype=dtype)

@@ -621,12 +621,17 @@ def prepare_disk(schedule: Schedule, weights: WeightStore, directory: Path) -> P
     return directory
 
 
+def require_cuda(device: str) -> None:
+    """A CUDA device asked for where torch sees none: one line (execute and calibrate), not a traceback."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ExecutionError("CUDA was requested but torch sees no GPU (use --device cpu)")
+
+
 def execute(schedule: Schedule, spec: ModelSpec, weights: WeightStore, routing: RoutingTable,
             options: ExecOptions = ExecOptions()) -> tuple[Timeline, OpRunner]:
     """Run every op of `schedule` and return the measured Timeline (and the runner, whose state
     holds logits and per-expert token counts for checks)."""
-    if options.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ExecutionError("CUDA was requested but torch sees no GPU (use --device cpu)")
+    require_cuda(options.device)
     if options.emulate_links and not options.device == "cpu":
         raise ExecutionError("link emulation is for the CPU device only")
     copying: dict[str, list[float]] = {}  # emulated link -> [seconds, bytes] of the schedule's copies over it
@@ -639,7 +644,8 @@ def execute(schedule: Schedule, spec: ModelSpec, weights: WeightStore, routing: 
             total[1] += op.bytes
     for resource, (seconds, moved) in sorted(copying.items()):
         if seconds > MAX_EMULATED_S:  # (a lower bound of the run's time: ops of one link run one after another)
-            raise ExecutionError(f"emulated {resource} at {options.emulate_links[resource]:.3g} B/s: the schedule's "
+            rate = options.emulate_links.get(resource, options.emulate_pageable.get(resource))  # (pageable alone)
+            raise ExecutionError(f"emulated {resource} at {rate:.3g} B/s: the schedule's "
                                  f"copies over it ({moved:,} bytes) would take {seconds / 3600:.1f} h, more than "
                                  f"{MAX_EMULATED_S / 3600:g} h: refused (check the emulated rate)")
     pageable = {schedule.streams[op.stream] for op in schedule.ops if op.pageable}
