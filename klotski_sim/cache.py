@@ -89,28 +89,18 @@ def cached_trace(model: ModelSpec, routing: str, seed: int, sequences: int, prom
         return trace
     if stream is not None:
         drawn = stream()
-        if int(np.prod(drawn.shape)) * drawn.dtype.itemsize <= max_bytes:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                _write(path, Blocks(drawn.shape, drawn.dtype, drawn.blocks), drawn.seq_offsets, drawn.prompt_lens,
-                       drawn.meta)
-                evict(path.parent, max_bytes, keep=path)
-                trace = _read(path)
-                if trace is not None:
-                    return trace
-            except (OSError, UsageError):  # (a cache that cannot be written is not used)
-                pass
+        if int(np.prod(drawn.shape)) * drawn.dtype.itemsize <= max_bytes and _store(
+                path, _trace_arrays(Blocks(drawn.shape, drawn.dtype, drawn.blocks), drawn.seq_offsets,
+                                    drawn.prompt_lens, drawn.meta), max_bytes):
+            trace = _read(path)
+            if trace is not None:
+                return trace
     trace = make()
     if trace.experts.nbytes > max_bytes:  # larger than the whole cache may be: not kept (and the cap applied)
         if path.parent.is_dir():
             evict(path.parent, max_bytes)
         return trace
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _write(path, trace.experts, trace.seq_offsets, trace.prompt_lens, trace.meta)
-        evict(path.parent, max_bytes, keep=path)
-    except (OSError, UsageError):  # (a cache that cannot be written is not used)
-        pass
+    _store(path, _trace_arrays(trace.experts, trace.seq_offsets, trace.prompt_lens, trace.meta), max_bytes)
     return trace
 
 
@@ -126,10 +116,23 @@ def _read(path: Path) -> Trace | None:
         return None  # not there yet, or unreadable (a truncated file is a ValueError/BadZipFile)
 
 
-def _write(path: Path, experts: np.ndarray | Blocks, seq_offsets: np.ndarray, prompt_lens: np.ndarray,
-           meta: Mapping[str, Any]) -> None:
-    write_npz(path, dict(experts=experts, seq_offsets=seq_offsets, prompt_lens=prompt_lens,
-                         meta=np.array(json.dumps(dict(meta)))), level=None)  # (read back often, and mapped)
+def _trace_arrays(experts: np.ndarray | Blocks, seq_offsets: np.ndarray, prompt_lens: np.ndarray,
+                  meta: Mapping[str, Any]) -> dict[str, np.ndarray | Blocks]:
+    """A cached trace's members, as `_read` reads them back."""
+    return dict(experts=experts, seq_offsets=seq_offsets, prompt_lens=prompt_lens,
+                meta=np.array(json.dumps(dict(meta))))
+
+
+def _store(path: Path, arrays: Mapping[str, np.ndarray | Blocks], max_bytes: int) -> bool:
+    """Write `arrays` as the cache's file `path`, stored uncompressed (read back often, and mapped),
+    and apply the cap; False where the cache cannot be written (it is then not used)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_npz(path, arrays, level=None)
+        evict(path.parent, max_bytes, keep=path)
+        return True
+    except (OSError, UsageError):
+        return False
 
 
 # A trace file's array (its ids, its gate weights) at least this large, decompressed, is unpacked
@@ -163,11 +166,7 @@ def unpacked_array(path: Path, name: str) -> np.ndarray | None:
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         if fortran_order or dtype.hasobject or not shape or not UNPACKED_ABOVE <= nbytes <= max_bytes:
             return None
-        try:
-            copy.parent.mkdir(parents=True, exist_ok=True)
-            write_npz(copy, {"a": Blocks(shape, dtype, _rows(member, shape, dtype))}, level=None)
-            evict(copy.parent, max_bytes, keep=copy)
-        except (OSError, UsageError):  # (a cache that cannot be written is not used)
+        if not _store(copy, {"a": Blocks(shape, dtype, _rows(member, shape, dtype))}, max_bytes):
             return None
     return map_stored_array(copy, "a")
 
