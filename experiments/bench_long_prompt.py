@@ -1,6 +1,7 @@
 """Long prompts: wall time and peak memory of `klotski-sim simulate --out` (Klotski, ideal preset,
 8 generated tokens, n from the planner) at long prompt lengths, with a cold trace cache (the
-synthetic routing generated, then cached) and a warm one, each in a fresh process. `--code DIR`
+synthetic routing generated, then cached), a warm one, and the cache off (`KLOTSKI_CACHE_DIR=off`),
+each in a fresh process. `--code DIR`
 runs another checkout's code (e.g. a git worktree at an older revision) for a before/after.
 
     python experiments/bench_long_prompt.py [--prompts 4096,16384,32768] [--code DIR]
@@ -45,12 +46,15 @@ def main() -> None:
     args = parser.parse_args()
     code = str(Path(args.code).resolve()) if args.code else None
     print(f"code: {code or 'this checkout'}")
-    print(f"{'prompt':>7} {'cold s':>7} {'cold MB':>8} {'warm s':>7} {'warm MB':>8} {'routing.npz MB':>15}")
+    print(f"{'prompt':>7} {'cold s':>7} {'cold MB':>8} {'warm s':>7} {'warm MB':>8} {'off s':>7} {'off MB':>8} "
+          f"{'routing.npz MB':>15}")
     for prompt_len in (int(p) for p in args.prompts.split(",")):
         with tempfile.TemporaryDirectory() as cache:
             cold_s, cold_mb, _ = simulate(prompt_len, cache, code)
             warm_s, warm_mb, routing_mb = simulate(prompt_len, cache, code)
-        print(f"{prompt_len:7d} {cold_s:7.1f} {cold_mb:8.0f} {warm_s:7.1f} {warm_mb:8.0f} {routing_mb:15.1f}")
+        off_s, off_mb, _ = simulate(prompt_len, "off", code)
+        print(f"{prompt_len:7d} {cold_s:7.1f} {cold_mb:8.0f} {warm_s:7.1f} {warm_mb:8.0f} {off_s:7.1f} {off_mb:8.0f} "
+              f"{routing_mb:15.1f}")
 
 
 if __name__ == "__main__":

@@ -7,10 +7,11 @@ old trace. Files are written atomically (`npzfile.write_npz`: a per-process temp
 rename) and stored uncompressed, ids in a byte up to 256 experts, so that a run maps the ids
 rather than reading them (`mapped.py`: a long prompt's routing is not held whole).
 `KLOTSKI_CACHE_DIR` sets the folder (default `~/.cache/klotski`); `off` disables it. A cache that
-cannot be written is simply not used.
+cannot be written is simply not used. A trace it does not keep (off, not writable, larger than its
+cap) is drawn into a temporary file and mapped all the same when it is large (`_unnamed_trace`).
 
 It also keeps an uncompressed copy of a recorded trace file's large arrays (`unpacked_array`:
-ids or gate weights of at least UNPACKED_ABOVE bytes), decompressed once and then mapped, keyed by
+ids or gate weights of at least MAPPED_ABOVE bytes), decompressed once and then mapped, keyed by
 the file's path, size and modification time.
 
 The cache is bounded: `KLOTSKI_CACHE_MAX_GB` (default 2) caps its traces; the least recently used
@@ -24,6 +25,7 @@ import hashlib
 import json
 import os
 import re
+import tempfile
 import time
 import zipfile
 from dataclasses import asdict
@@ -77,7 +79,8 @@ def cached_trace(model: ModelSpec, routing: str, seed: int, sequences: int, prom
     mapped): it is never held whole."""
     folder = cache_dir()
     if folder is None:
-        return make()
+        trace = _unnamed_trace(stream()) if stream is not None else None
+        return make() if trace is None else trace
     max_bytes = cache_max_bytes()
     key = json.dumps({"model": asdict(model), "routing": routing, "seed": seed, "sequences": sequences,
                       "prompt_len": prompt_len, "gen_len": gen_len, "code": _generator_fingerprint()},
@@ -89,12 +92,16 @@ def cached_trace(model: ModelSpec, routing: str, seed: int, sequences: int, prom
         return trace
     if stream is not None:
         drawn = stream()
-        if int(np.prod(drawn.shape)) * drawn.dtype.itemsize <= max_bytes and _store(
-                path, _trace_arrays(Blocks(drawn.shape, drawn.dtype, drawn.blocks), drawn.seq_offsets,
-                                    drawn.prompt_lens, drawn.meta), max_bytes):
+        fits = _stream_bytes(drawn) <= max_bytes
+        if fits and _store(path, _streamed_arrays(drawn), max_bytes):
             trace = _read(path)
             if trace is not None:
                 return trace
+        if not fits and path.parent.is_dir():  # (not kept: the cap applied, as below)
+            evict(path.parent, max_bytes)
+        trace = _unnamed_trace(drawn)  # (larger than the cache, or the cache not writable)
+        if trace is not None:
+            return trace
     trace = make()
     if trace.experts.nbytes > max_bytes:  # larger than the whole cache may be: not kept (and the cap applied)
         if path.parent.is_dir():
@@ -116,6 +123,34 @@ def _read(path: Path) -> Trace | None:
         return None  # not there yet, or unreadable (a truncated file is a ValueError/BadZipFile)
 
 
+def _stream_bytes(drawn: TraceStream) -> int:
+    return int(np.prod(drawn.shape, dtype=np.int64)) * drawn.dtype.itemsize
+
+
+def _streamed_arrays(drawn: TraceStream) -> dict[str, np.ndarray | Blocks]:
+    """A trace being drawn as the members of its file, its ids written as they are drawn."""
+    return _trace_arrays(Blocks(drawn.shape, drawn.dtype, drawn.blocks), drawn.seq_offsets, drawn.prompt_lens,
+                         drawn.meta)
+
+
+def _unnamed_trace(drawn: TraceStream) -> Trace | None:
+    """A trace of at least MAPPED_ABOVE bytes that the cache does not keep (off, not writable, or
+    too small for it) drawn into a file of a private temporary folder, mapped, and the folder
+    removed at once: its routing is not held whole either (POSIX keeps a removed file's pages while
+    they are mapped, and gives the space back when the run lets go of the trace). None for a smaller
+    trace, on another platform, or where no temporary file can be written: the caller draws it into
+    memory."""
+    if os.name != "posix" or _stream_bytes(drawn) < MAPPED_ABOVE:
+        return None
+    try:
+        with tempfile.TemporaryDirectory(prefix="klotski-trace-") as folder:
+            path = Path(folder) / "trace.npz"
+            write_npz(path, _streamed_arrays(drawn), level=None)
+            return _read(path)
+    except (OSError, UsageError):
+        return None
+
+
 def _trace_arrays(experts: np.ndarray | Blocks, seq_offsets: np.ndarray, prompt_lens: np.ndarray,
                   meta: Mapping[str, Any]) -> dict[str, np.ndarray | Blocks]:
     """A cached trace's members, as `_read` reads them back."""
@@ -135,9 +170,11 @@ def _store(path: Path, arrays: Mapping[str, np.ndarray | Blocks], max_bytes: int
         return False
 
 
-# A trace file's array (its ids, its gate weights) at least this large, decompressed, is unpacked
-# into the cache once and mapped from there (`unpacked_array`); smaller ones are read as they are.
-UNPACKED_ABOVE = 32 << 20
+# An array of routing at least this large is mapped from a file rather than held in memory: a
+# recorded trace file's ids or gate weights, decompressed, are unpacked into the cache once and
+# mapped from there (`unpacked_array`), and a synthetic trace the cache does not keep is drawn into
+# a temporary file (`_unnamed_trace`); smaller ones are read, or drawn, into memory.
+MAPPED_ABOVE = 32 << 20
 _UNPACKED_BLOCK = 4 << 20  # bytes decompressed at a time into the unpacked copy
 
 
@@ -147,7 +184,7 @@ def unpacked_array(path: Path, name: str) -> np.ndarray | None:
     them (a long prompt's trace is not held whole, and is not decompressed again). The copy is
     keyed by the file's real path, size and modification time, and evicted like a synthetic trace.
     None where the caller should read the array itself: the cache off, the array smaller than
-    UNPACKED_ABOVE or larger than the cache, in Fortran order, or the copy not writable. A damaged
+    MAPPED_ABOVE or larger than the cache, in Fortran order, or the copy not writable. A damaged
     member raises as numpy's reading of it would (one of `npzfile.NPZ_READ_ERRORS`)."""
     folder = cache_dir()
     if folder is None:
@@ -164,7 +201,7 @@ def unpacked_array(path: Path, name: str) -> np.ndarray | None:
     with zipfile.ZipFile(path) as archive, archive.open(f"{name}.npy") as member:
         shape, fortran_order, dtype = read_npy_header(member)
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if fortran_order or dtype.hasobject or not shape or not UNPACKED_ABOVE <= nbytes <= max_bytes:
+        if fortran_order or dtype.hasobject or not shape or not MAPPED_ABOVE <= nbytes <= max_bytes:
             return None
         if not _store(copy, {"a": Blocks(shape, dtype, _rows(member, shape, dtype))}, max_bytes):
             return None

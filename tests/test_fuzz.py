@@ -145,7 +145,7 @@ def test_fuzzed_trace_files_unpacked_into_the_cache(tmp_path_factory, monkeypatc
 
     folder = tmp_path_factory.mktemp("t")
     monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(folder / "cache"))
-    monkeypatch.setattr(cache, "UNPACKED_ABOVE", 1)
+    monkeypatch.setattr(cache, "MAPPED_ABOVE", 1)
     (np.savez_compressed if deflated else np.savez)(folder / "trace.npz", **_trace_arrays(data.draw))
     check_answer(*run_cli("trace", "stats", str(folder / "trace.npz")))
     check_answer(*run_cli("simulate", "--trace", str(folder / "trace.npz"), "--wrap", "--warmup-sequences", "0",

@@ -2,6 +2,7 @@
 that give the pages back, and routing files written from them byte for byte as numpy writes."""
 
 import re
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from klotski_sim import npzfile
+from klotski_sim import cache, npzfile
 from klotski_sim.mapped import in_chunks, is_mapped, map_stored_array, release
 from klotski_sim.npzfile import write_npz
 
@@ -18,13 +19,15 @@ SMAPS = Path("/proc/self/smaps")
 needs_smaps = pytest.mark.skipif(not SMAPS.exists(), reason="resident pages are read from /proc/self/smaps (Linux)")
 
 
-def _resident_kb(path: Path) -> int:
-    """Resident kB of this process's mappings of `path`."""
+def _resident_kb(path: Path | re.Pattern, field: str = "Rss") -> int:
+    """Resident kB (or another smaps `field`: `Size`, mapped) of this process's mappings of `path`
+    (or of the files whose path, removed or not, matches the pattern)."""
     total, current = 0, False
     for line in SMAPS.read_text().splitlines():
         if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
-            current = line.endswith(str(path))
-        elif current and line.startswith("Rss:"):
+            named = line.split(maxsplit=5)[5].removesuffix(" (deleted)") if len(line.split()) > 5 else ""
+            current = bool(path.fullmatch(named)) if isinstance(path, re.Pattern) else named == str(path)
+        elif current and line.startswith(field + ":"):
             total += int(line.split()[1])
     return total
 
@@ -127,14 +130,68 @@ def test_a_long_prompt_run_from_the_cache_builds_the_same_schedule_without_holdi
     with zipfile.ZipFile(tmp_path / "plain.npz") as a, zipfile.ZipFile(tmp_path / "cached.npz") as b:
         assert a.read("ids.npy") == b.read("ids.npy")
     assert _resident_kb(trace_file) <= trace_file.stat().st_size / 1024 / 4
+    # the cache off, the trace drawn into a temporary file (the bar for that lowered to fit this trace)
+    monkeypatch.setenv("KLOTSKI_CACHE_DIR", "off")
+    monkeypatch.setattr(cache, "MAPPED_ABOVE", 1 << 20)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     _synthetic_trace.cache_clear()
+    unnamed = prepare(spec)
+    assert is_mapped(unnamed.replay.routing.ids) and not list(tmp_path.glob("klotski-trace-*"))
+    assert build_schedule("klotski", unnamed.policy_input()).ops == expected.ops
+    drawn_file = re.compile(re.escape(str(tmp_path)) + r"/klotski-trace-[^/]+/trace\.npz")
+    assert _resident_kb(drawn_file, "Size") >= trace_file.stat().st_size / 1024 / 2  # (mapped, removed)
+    assert _resident_kb(drawn_file) <= trace_file.stat().st_size / 1024 / 4
+    _synthetic_trace.cache_clear()
+
+
+def test_a_large_trace_the_cache_does_not_keep_is_drawn_into_a_temporary_file_and_mapped(tmp_path, monkeypatch):
+    """The cache off, not writable, or with a cap below the trace: a trace of at least
+    cache.MAPPED_ABOVE bytes (lowered here) is drawn into a temporary file, mapped, the file removed
+    at once; the same ids as `synthesize`, `make` never called, nothing left in the temporary
+    folder or the cache. A smaller trace, or no writable temporary folder: drawn into memory."""
+    cached_trace = cache.cached_trace
+    from klotski_sim.model import get_model
+    from klotski_sim.trace_synth import synthesize, synthesized_blocks
+
+    m = get_model("mixtral-8x7b")
+    expected = synthesize(m, 70, 40, 3, routing="calibrated", seed=5)
+    made = []
+
+    def make():
+        made.append(1)
+        return synthesize(m, 70, 40, 3, routing="calibrated", seed=5)
+
+    def drawn():
+        return cached_trace(m, "calibrated", 5, 70, 40, 3, make,
+                            lambda: synthesized_blocks(m, 70, 40, 3, routing="calibrated", seed=5))
+
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
+    monkeypatch.setattr(cache, "MAPPED_ABOVE", expected.experts.nbytes)
+    (tmp_path / "file").write_text("")
+    for setting, cap in (("off", "2"), (str(tmp_path / "file"), "2"), (str(tmp_path / "cache"), "0.0001")):
+        monkeypatch.setenv("KLOTSKI_CACHE_DIR", setting)  # off; a folder that cannot be made; a cap of ~100 kB
+        monkeypatch.setenv("KLOTSKI_CACHE_MAX_GB", cap)
+        trace = drawn()
+        assert not made and is_mapped(trace.experts) and np.array_equal(trace.experts, expected.experts), setting
+        assert np.array_equal(trace.seq_offsets, expected.seq_offsets) and trace.meta == json_round_trip(expected.meta)
+        assert not list(temporary.iterdir()) and not list(tmp_path.glob("cache/traces/*.npz"))
+    monkeypatch.setenv("KLOTSKI_CACHE_DIR", "off")
+    monkeypatch.setattr(cache, "MAPPED_ABOVE", expected.experts.nbytes + 1)  # smaller than the bar: in memory
+    trace = drawn()
+    assert made == [1] and not is_mapped(trace.experts) and np.array_equal(trace.experts, expected.experts)
+    monkeypatch.setattr(cache, "MAPPED_ABOVE", expected.experts.nbytes)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "file" / "below"))  # no temporary file can be made
+    trace = drawn()
+    assert made == [1, 1] and not is_mapped(trace.experts) and np.array_equal(trace.experts, expected.experts)
 
 
 def test_a_trace_drawn_into_the_cache_is_the_one_drawn_in_memory_and_comes_back_mapped(tmp_path, monkeypatch):
     """The cache writes a synthetic trace as it is drawn (a chunk of sequences at a time) and
     reads it back mapped: the same ids as `synthesize`, `make` never called; a cache that cannot
     be written falls back to `make`."""
-    from klotski_sim.cache import cached_trace
+    cached_trace = cache.cached_trace
     from klotski_sim.model import get_model
     from klotski_sim.trace_synth import synthesize, synthesized_blocks
 
@@ -193,10 +250,9 @@ def test_without_madvise_a_mapping_is_read_and_never_released(tmp_path, monkeypa
 
 
 def test_a_large_recorded_trace_is_unpacked_into_the_cache_once_and_mapped(tmp_path, monkeypatch):
-    """A trace file's large arrays (above cache.UNPACKED_ABOVE, lowered here) are decompressed once
+    """A trace file's large arrays (above cache.MAPPED_ABOVE, lowered here) are decompressed once
     into the cache and mapped: the same values as numpy reads, the copy reused while the file is
     unchanged and made again when it changes; the cache off, or a small array, read as before."""
-    from klotski_sim import cache
     from klotski_sim.model import get_model
     from klotski_sim.trace import Trace
     from klotski_sim.trace_synth import synthesize
@@ -206,7 +262,7 @@ def test_a_large_recorded_trace_is_unpacked_into_the_cache_once_and_mapped(tmp_p
     original.save(tmp_path / "t.npz")
     monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(tmp_path / "cache"))
     assert not is_mapped(Trace.load(tmp_path / "t.npz").experts)  # (small: read as it is)
-    monkeypatch.setattr(cache, "UNPACKED_ABOVE", 64)
+    monkeypatch.setattr(cache, "MAPPED_ABOVE", 64)
     monkeypatch.setattr(cache, "_UNPACKED_BLOCK", 100)  # (several blocks, and rows cut at their bounds)
     loaded = Trace.load(tmp_path / "t.npz")
     assert is_mapped(loaded.experts) and is_mapped(loaded.weights)
@@ -225,7 +281,6 @@ def test_a_large_recorded_trace_is_unpacked_into_the_cache_once_and_mapped(tmp_p
 
 
 def test_a_damaged_recorded_trace_is_refused_alike_with_the_cache_on_and_off(tmp_path, monkeypatch):
-    from klotski_sim import cache
     from klotski_sim.model import get_model
     from klotski_sim.trace import Trace, TraceError
     from klotski_sim.trace_synth import synthesize
@@ -237,7 +292,7 @@ def test_a_damaged_recorded_trace_is_refused_alike_with_the_cache_on_and_off(tmp
     middle = info.header_offset + 100 + info.compress_size // 2
     data[middle:middle + 16] = bytes(16)  # (deflated ids overwritten: a CRC or inflate error)
     (tmp_path / "bad.npz").write_bytes(bytes(data))
-    monkeypatch.setattr(cache, "UNPACKED_ABOVE", 64)
+    monkeypatch.setattr(cache, "MAPPED_ABOVE", 64)
     messages = []
     for where in ("off", str(tmp_path / "cache")):
         monkeypatch.setenv("KLOTSKI_CACHE_DIR", where)
