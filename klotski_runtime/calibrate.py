@@ -30,7 +30,7 @@ from klotski_sim.hardware import HardwareProfile, profile_from_dict
 from klotski_sim.model import ModelSpec
 
 from . import kernels
-from .executor import require_cuda
+from .executor import ExecutionError, require_cuda
 from .kernels import WeightStore
 
 MB = 1 << 20
@@ -105,6 +105,7 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
     h = spec.hidden_size
     batch_sizes, prompt_lens = sorted(set(batch_sizes)), sorted(set(prompt_lens))
     kv_lens = sorted(set(kv_lens or [p + d for p in prompt_lens for d in (1, 16)]))
+    _check_fits(spec, dev, batch_sizes, prompt_lens, kv_lens, max_expert_tokens, dtype)
     # tables named as the schedules' ops are (`attention.fused+qk_norm`, `gate.topk_as_is`: cost.op_variant)
     gate_key = ".".join(filter(None, ("gate", op_variant(spec, "gate"))))
     attention_key = {impl: f"attention.{op_variant(spec, 'attention', impl)}" for impl in kernels.ATTENTION_IMPLS}
@@ -234,6 +235,26 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
     return profile_from_dict(data, "calibration")
 
 
+def _check_fits(spec: ModelSpec, dev: torch.device, batch_sizes: list[int], prompt_lens: list[int],
+                kv_lens: list[int], max_expert_tokens: int, dtype: torch.dtype) -> None:
+    """Refuse, before any measurement, sizes whose largest tensors the device's memory cannot hold
+    (a --max-expert-tokens of 2**31 ran for minutes before failing; a --prompt-lens of 2**31 failed
+    only when its first tensor was allocated). Counted: an expert's intermediate activations at the
+    most tokens any op gets, and an eager attention's scores at the longest prompt."""
+    item = torch.tensor([], dtype=dtype).element_size()
+    tokens = max(max_expert_tokens, batch_sizes[-1] * prompt_lens[-1])
+    expert = tokens * (spec.hidden_size * 2 + spec.ffn_size * 3) * item
+    scores = batch_sizes[-1] * spec.num_heads * prompt_lens[-1] * max(prompt_lens[-1], kv_lens[-1]) * 4
+    need = max(expert, scores)
+    have = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else _host_memory()
+    if need > have:
+        what = ("--max-expert-tokens" if expert >= scores and max_expert_tokens >= batch_sizes[-1] * prompt_lens[-1]
+                else "--batch-sizes x --prompt-lens")
+        raise ExecutionError(f"calibration sizes too large for {dev.type} memory: {what} ({tokens:,} tokens at most, "
+                             f"prompts up to {prompt_lens[-1]:,}) needs {need / 2**30:,.1f} GiB for one op's tensors, "
+                             f"the {dev.type} has {have / 2**30:,.1f} GiB")
+
+
 DTYPE_KEYS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 CPU_EXPERT_MAX_TOKENS = 256  # CPU experts serve few tokens; above this the roofline answers
 CPU_EXPERT_MAX_SECONDS = 0.25  # ... and above the first token count whose expert takes this long
@@ -251,7 +272,7 @@ def _measure_host_cpu(spec: ModelSpec, w: WeightStore, dtype: torch.dtype, repea
     flops = 2 * n**3 / measure(lambda: a @ b, repeats)
     big = torch.randn(16 * MB // 2, dtype=dtype)
     bandwidth = 2 * big.numel() * big.element_size() / measure(lambda: big.clone(), repeats)
-    weights = w.get("expert", 0, 0)
+    weights = w.get("expert", spec.first_dense_layers, 0)  # (the first layer with experts, as `_calibrate`'s)
     if spec.quantised:
         weights = kernels.dequantise_expert(weights, spec, dtype)
     measured["cpu:expert"] = []
@@ -272,8 +293,9 @@ def _probe_dispatch(spec: ModelSpec, draft: HardwareProfile, dev: torch.device, 
     """The executor's fixed cost per compute op beyond the kernels the table timed (looking up
     buffers, bookkeeping, thread hand-offs): run small real schedules (Klotski's batched experts
     and FlexGen's per-batch ones), compare with their simulation; overall and per category."""
+    from dataclasses import replace
+
     from klotski_sim.engine import simulate
-    from klotski_sim.model import get_model
     from klotski_sim.policies import Placement, PolicyInput, build_schedule
     from klotski_sim.routing import RunShape
     from klotski_sim.trace import replay
@@ -283,8 +305,11 @@ def _probe_dispatch(spec: ModelSpec, draft: HardwareProfile, dev: torch.device, 
 
     # out of sample: the probes have their own layer count, batch size, batch count, prompt and
     # generation lengths, so a validation that uses this profile is not checked on its own fit
-    plain, at, dtype_text = spec.name.partition("@")  # NAME[:L][@intN...]: the probe keeps the quantisation
-    probe = get_model(f"{plain.split(':')[0]}:{min(2, spec.num_layers)}" + (f"@{dtype_text}" if at else ""))
+    # the model's first layers (at least one with experts: DeepSeek-V3's first three are dense), its
+    # quantisation kept; cut from the spec itself, which need not be a preset
+    layers = min(spec.num_layers, max(2, spec.first_dense_layers + 1))
+    plain, at, dtype_text = spec.name.partition("@")
+    probe = replace(spec, name=f"{plain.split(':')[0]}:{layers}" + (f"@{dtype_text}" if at else ""), num_layers=layers)
     shape = RunShape(batch_size, PROBE_BATCHES, prompt_len, PROBE_GEN)
     rep = replay(synthesize(probe, shape.num_sequences + 2, prompt_len, PROBE_GEN, "calibrated", 0), probe, shape,
                  warmup_sequences=2)

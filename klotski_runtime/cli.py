@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Sequence
 
 from klotski_sim.argtypes import (
+    MAX_COUNT,
+    MAX_COUNT_TEXT,
     OneLineParser,
     bounded_int,
     first_repeat,
@@ -27,7 +29,7 @@ from .record import read_texts, record, save_tiny_mixtral, save_tiny_olmoe, save
 
 
 def cmd_record(args: argparse.Namespace) -> int:
-    output_file(args.out, reads=[args.text])
+    output_file(args.out, reads=[args.text, args.model_dir])
     texts = read_texts(args.text)
     trace = record(args.model_dir, texts, max_tokens=args.max_tokens, gen_len=args.gen_len, device=args.device,
                    dataset=args.dataset or Path(args.text).name, model_name=args.model_name)
@@ -56,8 +58,8 @@ def _csv_ints(text: str) -> list[int]:
         values = [plain_int(v) for v in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    if min(values) < 1 or max(values) > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"expected positive integers up to {MAX_COUNT_TEXT}, got {text!r}")
     repeated = first_repeat(values)
     if repeated is not None:  # (each shape would be measured twice, and the profile hold it once)
         raise argparse.ArgumentTypeError(f"{repeated} is given twice in {text!r}")

@@ -21,6 +21,7 @@ import torch
 
 from klotski_sim.errors import KlotskiError
 from klotski_sim.model import PRESETS
+from klotski_sim.textfile import read_text
 from klotski_sim.trace import Trace, TraceError
 
 
@@ -31,12 +32,7 @@ class RecordError(KlotskiError):
 def read_texts(path: str | Path) -> list[str]:
     """Sequences are the blank-line separated paragraphs of a UTF-8 text file."""
     path = Path(path)
-    try:
-        raw = path.read_text(encoding="utf-8")
-    except OSError as err:
-        raise RecordError(f"{path}: cannot read text ({err.strerror})") from None
-    except UnicodeDecodeError:
-        raise RecordError(f"{path}: not UTF-8 text") from None
+    raw = read_text(path, "text file", RecordError)  # (a device or a pipe refused: /dev/zero was read till memory ran out)
     texts = [p.strip() for p in raw.split("\n\n") if p.strip()]
     if not texts:
         raise RecordError(f"{path}: no text")

@@ -32,6 +32,15 @@ def plain_int(text: str) -> int:
     return int(body)
 
 
+# The largest count a run takes (batch size, batches, prompt or generated tokens, sequences): larger
+# ones overflowed the 64-bit arithmetic of the planner and the generator (2**70 as --batch-size was
+# a traceback), and no workload comes within a thousand-fold of it.
+MAX_COUNT = (1 << 31) - 1
+MAX_COUNT_TEXT = "2**31 - 1"
+# The most worker processes a command starts (2**70 was a traceback from the process pool's locks).
+MAX_WORKERS = 1024
+
+
 def _int_from(text: str, low: int, what: str, high: int | None = None) -> int:
     try:
         value = plain_int(text)
@@ -42,12 +51,26 @@ def _int_from(text: str, low: int, what: str, high: int | None = None) -> int:
     return value
 
 
+def _count(text: str, low: int, what: str) -> int:
+    value = _int_from(text, low, what)
+    if value > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"expected {what} up to {MAX_COUNT_TEXT}, got {value}")
+    return value
+
+
 def positive_int(text: str) -> int:
-    return _int_from(text, 1, "a positive integer")
+    """A count from 1 to MAX_COUNT."""
+    return _count(text, 1, "a positive integer")
 
 
 def nonnegative_int(text: str) -> int:
-    return _int_from(text, 0, "an integer >= 0")
+    """A count from 0 to MAX_COUNT."""
+    return _count(text, 0, "an integer >= 0")
+
+
+def workers_int(text: str) -> int:
+    """A number of worker processes, from 1 to MAX_WORKERS."""
+    return _int_from(text, 1, f"a number of workers from 1 to {MAX_WORKERS}", high=MAX_WORKERS)
 
 
 MAX_SEED = (1 << 63) - 1  # numpy's and torch's generators take seeds up to this (torch overflowed beyond)

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from .trace_synth import TraceStream
 
 DEFAULT_MAX_GB = 2.0
+MAX_CACHE_GB = 1e9  # (an exabyte: no disk holds more; a cap above it means "no cap")
 
 
 def cache_dir() -> Path | None:
@@ -61,8 +62,9 @@ def cache_max_bytes() -> int:
         gib = float(setting) if setting else DEFAULT_MAX_GB
     except ValueError:
         gib = float("nan")
-    if not gib >= 0 or gib == float("inf"):
-        raise UsageError(f"KLOTSKI_CACHE_MAX_GB={setting!r}: must be a number of GiB >= 0 (0 keeps no trace)")
+    if not 0 <= gib <= MAX_CACHE_GB:  # (NaN too; 1e308 GiB was an OverflowError in bytes)
+        raise UsageError(f"KLOTSKI_CACHE_MAX_GB={setting!r}: must be a number of GiB from 0 to {MAX_CACHE_GB:.0e} "
+                         f"(0 keeps no trace)")
     return int(gib * 2**30)
 
 

@@ -18,8 +18,11 @@ from typing import Any, Callable, Sequence
 import pandas as pd
 
 from .argtypes import (
+    MAX_COUNT,
+    MAX_COUNT_TEXT,
     OneLineParser,
     batches,
+    bounded_int,
     layers_or_fill,
     name_list,
     nonnegative_int,
@@ -27,6 +30,7 @@ from .argtypes import (
     positive_float,
     positive_int,
     seed_int,
+    workers_int,
 )
 from .errors import KlotskiError
 from .exports import save_all
@@ -38,7 +42,7 @@ from .policies import POLICIES
 from .policies.plugins import load_for_command_line
 from .runner import RunSpec, available_cores, policy_batches, policy_prepared, prepare, run, run_each
 from .timeline import FIGURE_COLUMNS, OutOfMemory, Summary, jsonable
-from .trace import Trace, import_jsonl
+from .trace import MAX_IMPORT_INDEX, Trace, import_jsonl
 from .trace_stats import format_stats, layer_stats, token_subset
 from .trace_synth import DEFAULT_ROUTING, check_routing_fits, synthesize
 from .units import GIB
@@ -145,7 +149,8 @@ def output_folder(path: str | os.PathLike, flag: str = "--out") -> Path:
 def not_an_input(out: Path, flag: str, reads: Sequence[str | os.PathLike]) -> None:
     """Refuse writing where the command reads: `trace stats t.npz --csv t.npz` replaced the trace
     with its table, `trace import x.npz` (a log named .npz) the log with the trace, and each said
-    it wrote."""
+    it wrote. A folder it reads (a checkpoint) is read whole: none of its files may be replaced
+    (`record --out ckpt/config.json` had replaced the checkpoint's config with the trace)."""
     for read in reads:
         source = Path(read)
         try:
@@ -154,6 +159,9 @@ def not_an_input(out: Path, flag: str, reads: Sequence[str | os.PathLike]) -> No
             same = False
         if same or out.resolve() == source.resolve():
             raise CliError(f"{flag} {out}: is what this command reads ({read}); writing there would replace it")
+        if source.is_dir() and out.exists() and out.resolve().is_relative_to(source.resolve()):
+            raise CliError(f"{flag} {out}: is a file of {read}, which this command reads; writing there would "
+                           f"replace it")
 
 
 def output_file(path: str | os.PathLike, flag: str = "--out", reads: Sequence[str | os.PathLike] = ()) -> Path:
@@ -419,6 +427,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
           f"{args.workers} worker(s), if none is done yet)")
     if size > SWEEP_CONFIRM and not args.yes:
         raise CliError(f"{args.spec}: {size} configurations is more than {SWEEP_CONFIRM}; add --yes to run them")
+    if args.dask is not None and not args.dask.strip():  # (an empty address ran locally, silently)
+        raise CliError("--dask: expected a scheduler address like tcp://HOST:8786 or 'local', got an empty one")
     output_folder(args.out)  # (after the grid is accepted: a refused one leaves no empty folder)
     done_before = len(list((Path(args.out) / "rows").glob("*.json"))) if (Path(args.out) / "rows").is_dir() else 0
     df = run_sweep(spec, args.out, workers=args.workers, dask=args.dask, progress=not args.no_progress)
@@ -447,8 +457,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             values = tuple(v if v in words else plain_int(v) for v in text.split(","))
         except ValueError:
             raise CliError(f"{flag}: give {what}, got {text!r}") from None
-        if any(v not in words and v < low for v in values):
-            raise CliError(f"{flag}: give {what}, got {text!r}")
+        if any(v not in words and not low <= v <= MAX_COUNT for v in values):
+            raise CliError(f"{flag}: give {what} (up to {MAX_COUNT_TEXT}), got {text!r}")
         return values
 
     if "@" in args.model:
@@ -622,7 +632,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "[, gating_probs][, prompt_len: the sequence's prompt length]")
     p.add_argument("--out", metavar="FILE", help="output .npz (default: FILE with .npz)")
     p.add_argument("--model", choices=sorted(PRESETS), help="check the log against this model and record its name")
-    p.add_argument("--num-experts", type=positive_int, help="experts per layer (default: the largest id + 1)")
+    p.add_argument("--num-experts", type=bounded_int(1, MAX_IMPORT_INDEX),
+                   help="experts per layer (default: the largest id + 1)")
     p.add_argument("--key", action="append", metavar="FIELD",
                    help="a record field that, with the sequence id, names a sequence (repeatable; default: "
                         "dataset, when the records carry it), so ids of two datasets never merge")
@@ -641,7 +652,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_arguments(p, policy=False, impl_choices=(*PRESET_NAMES, "both"))
     p.add_argument("--policies", type=name_list, metavar="A,B,...",
                    help=f"comma-separated (default: {','.join(COMPARE_POLICIES)})")
-    p.add_argument("--workers", type=positive_int, default=None,
+    p.add_argument("--workers", type=workers_int, default=None,
                    help="processes running the policies side by side (default: one per available core)")
     p.add_argument("--flexgen-overlap", choices=["code", "model"], default=None,
                    help="FlexGen's overlap: its implementation's (code) or its cost model's (default: the "
@@ -658,7 +669,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sweep", help="run a YAML grid of configurations (resumable) into one Parquet file")
     p.add_argument("spec", help="sweep spec YAML (see klotski_sim/sweep.py or experiments/specs/)")
     p.add_argument("--out", required=True, metavar="DIR", help="results.parquet and rows/ go here; rerun to resume")
-    p.add_argument("--workers", type=positive_int, default=1, help="local processes (default: %(default)s)")
+    p.add_argument("--workers", type=workers_int, default=1, help="local processes (default: %(default)s)")
     p.add_argument("--dask", metavar="ADDRESS|local", help="run on a dask.distributed scheduler, or 'local' to "
                                                           "start a LocalCluster with --workers workers")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -693,7 +704,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "allows (default: %(default)s)")
     p.add_argument("--seed", type=seed_int, default=0,
                    help="seed of the routing and of the sample (default: %(default)s)")
-    p.add_argument("--workers", type=positive_int, default=2, help="local processes (default: %(default)s)")
+    p.add_argument("--workers", type=workers_int, default=2, help="local processes (default: %(default)s)")
     p.add_argument("--policy-file", action="append", default=[], metavar="FILE.py", help="your own policy (repeatable)")
     p.add_argument("--out", default="klotski-optimize", metavar="DIR", help="results (resumable; default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

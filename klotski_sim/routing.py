@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .argtypes import MAX_COUNT, MAX_COUNT_TEXT
 from .errors import UsageError
 from .mapped import in_chunks, release
 from .npzfile import NPZ_READ_ERRORS, check_npz, write_npz
@@ -85,8 +86,8 @@ class RunShape:
     def __post_init__(self) -> None:
         for name in ("batch_size", "num_batches", "prompt_len", "gen_len"):
             value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or value < 1:
-                raise UsageError(f"{name} must be a positive integer, got {value!r}")
+            if not isinstance(value, (int, np.integer)) or not 1 <= value <= MAX_COUNT:
+                raise UsageError(f"{name} must be a positive integer up to {MAX_COUNT_TEXT}, got {value!r}")
 
     @property
     def num_steps(self) -> int:

@@ -205,6 +205,7 @@ def planner_impl(spec: RunSpec) -> Impl:
 
 def prepare(spec: RunSpec) -> Prepared:
     """Resolve model, profile, n (planner when `num_batches` is None), placement and routing."""
+    spec.shape(spec.num_batches or 1)  # (its sizes checked before the planner computes with them)
     model = get_model(spec.model)
     profile = resolve_profile(spec)
     placement = resolve_placement(spec, model, profile)

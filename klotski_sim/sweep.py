@@ -62,7 +62,7 @@ from pydantic import (
     field_validator,
 )
 
-from .argtypes import MAX_SEED, first_repeat
+from .argtypes import MAX_COUNT, MAX_COUNT_TEXT, MAX_SEED, first_repeat
 from .errors import KlotskiError, UsageError
 from .hardware import ProfileError, load_profile, with_overrides
 from .impl import PRESET_NAMES
@@ -124,9 +124,9 @@ class SweepSpec(BaseModel):
     @field_validator("batch_sizes", "prompt_lens", "gen_lens")
     @classmethod
     def _positive(cls, values: list[int]) -> list[int]:
-        bad = [v for v in values if v < 1]
+        bad = [v for v in values if not 1 <= v <= MAX_COUNT]
         if bad:
-            raise UsageError(f"values must be >= 1, got {bad[0]!r}")
+            raise UsageError(f"values must be from 1 to {MAX_COUNT_TEXT}, got {bad[0]!r}")
         return values
 
     @field_validator("seeds")
@@ -549,8 +549,12 @@ def _check_dask_address(address: str) -> None:
     import socket
     from urllib.parse import urlparse
 
-    parsed = urlparse(address if "://" in address else f"tcp://{address}")
-    if parsed.scheme != "tcp" or not parsed.hostname or not parsed.port:
+    try:  # (a port out of range or not a number, a broken IPv6 bracket: urllib's ValueError)
+        parsed = urlparse(address if "://" in address else f"tcp://{address}")
+        usable = parsed.scheme == "tcp" and parsed.hostname and parsed.port
+    except ValueError:
+        usable = False
+    if not usable:
         raise SweepError(f"--dask {address!r}: give a scheduler address like tcp://HOST:8786, or 'local'")
     try:
         with socket.create_connection((parsed.hostname, parsed.port), timeout=DASK_TIMEOUT_S) as sock:

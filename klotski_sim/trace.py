@@ -409,6 +409,9 @@ def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str
         raise TraceError(f"{path}: no records")
     num_layers = 1 + max(layer for seq in records.values() for (_, layer) in seq)
     n_exp = num_experts if num_experts is not None else max_id + 1
+    if not 1 <= n_exp <= MAX_IMPORT_INDEX:  # (100,000 wrote a trace that every reader refused)
+        raise TraceError(f"{path}: --num-experts {n_exp} must be from 1 to {MAX_IMPORT_INDEX}, as an imported "
+                         f"log's expert ids are")
     if max_id >= n_exp:
         raise TraceError(f"{path}:{max_id_line}: expert id {max_id} is out of range for --num-experts {n_exp}")
     problems: list[str] = duplicates[:20] + ([f"... and {len(duplicates) - 20} more duplicated records"]

@@ -373,7 +373,7 @@ TINY_RUN = ["--model", "tiny-mixtral", "--prompt-len", "8", "--gen-len", "2", "-
 
 @pytest.mark.parametrize("args,message", [
     (["simulate", "--seed", "-1"], "argument --seed: expected a seed from 0 to 2**63 - 1, got -1"),
-    (["simulate", *TINY_RUN, "--warmup-sequences", "100000000000"], "GiB of host memory; this machine has"),
+    (["simulate", *TINY_RUN, "--warmup-sequences", "2000000000"], "GiB of host memory; this machine has"),
     (["compare", "--policies", "klotski,klotski"], "argument --policies: 'klotski' is given twice"),
     (["compare", "--policies", ""], "argument --policies: expected comma-separated names"),
     (["compare", *TINY_RUN, "--routing", "uniform", "--trace", "traces/tiny-mixtral-recorded.npz"],
@@ -445,7 +445,7 @@ def test_a_refused_configuration_compares_and_executes_in_one_line(tmp_path):
 
 
 def test_plan_names_what_does_not_fit():
-    rc, out, err = run_cli("plan", "--batch-size", "4", "--prompt-len", "10000000000")
+    rc, out, err = run_cli("plan", "--batch-size", "4", "--prompt-len", "2000000000")
     assert rc == 3 and "not even one batch fits" in out and "weight buffers alone" not in out  # (exit 3 as simulate)
     # experts put on disk by hand: said as asked, not "weights exceed 90% of host memory" for a 0.0 GB model
     rc, out, err = run_cli("plan", *TINY_RUN, "--experts", "disk")
@@ -488,3 +488,54 @@ def test_flexgen_that_cannot_hold_a_moe_layer_is_refused_before_its_schedule_is_
     rc, out, err = run_cli("simulate", "--model", "deepseek-v3", "--hardware", "t4", "--policy", "klotski",
                            "--gen-len", "2", "--prompt-len", "16", "--batch-size", "2")
     assert rc == 0 and "status      ok" in out, err  # (expert-aware buffers: it runs)
+
+
+@pytest.mark.parametrize("args,message", [
+    (("simulate", "--batch-size", str(2**70)), "--batch-size: expected a positive integer up to 2**31 - 1"),
+    (("plan", "--prompt-len", "2147483648"), "--prompt-len: expected a positive integer up to 2**31 - 1"),
+    (("sweep", "spec.yaml", "--out", "x", "--workers", str(2**70)), "expected a number of workers from 1"),
+    (("trace", "import", "log.jsonl", "--num-experts", "100000"), "--num-experts: expected an integer from 1 to 16384"),
+    (("sweep", "spec.yaml", "--out", "x", "--dask", ""), "--dask: expected a scheduler address"),
+])
+def test_sizes_beyond_what_a_run_can_compute_with_are_refused_on_the_command_line(tmp_path, args, message):
+    """2**70 as a batch size was an OverflowError from the planner's int64 arithmetic, as --workers
+    from the process pool's locks; --num-experts 100,000 wrote a trace no reader takes; an empty
+    --dask address ran locally."""
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(TINY))
+    rc, _, err = run_cli(*[str(tmp_path / a) if a in ("spec.yaml", "x") else a for a in args])
+    assert rc == 2 and message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_sizes_beyond_what_a_run_can_compute_with_are_refused_by_the_python_api_and_a_sweep_spec(tmp_path):
+    from klotski_sim.runner import RunSpec, prepare
+    from klotski_sim.trace import TraceError, import_jsonl
+
+    with pytest.raises(KlotskiError, match="batch_size must be a positive integer up to 2\\*\\*31 - 1"):
+        prepare(RunSpec(model="tiny-mixtral", batch_size=2**70, num_batches=None, prompt_len=8, gen_len=2))
+    with pytest.raises(KlotskiError, match="from 1 to 2\\*\\*31 - 1"):
+        parse_spec({**TINY, "batch_sizes": [2**40]})
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"seq": 0, "token_idx": 0, "layer": 0, "experts": [0, 1]}\n')
+    with pytest.raises(TraceError, match="--num-experts 100000 must be from 1 to 16384"):
+        import_jsonl(log, num_experts=100_000)
+
+
+@pytest.mark.parametrize("address", ["tcp://127.0.0.1:99999", "tcp://127.0.0.1:abc", "tcp://[::1", "tcp://", "http://x:1"])
+def test_a_malformed_dask_address_is_one_line(address):
+    """A port out of range or not a number, a broken IPv6 bracket: urllib's ValueError was a traceback."""
+    from klotski_sim.sweep import _check_dask_address
+
+    with pytest.raises(SweepError, match="give a scheduler address like tcp://HOST:8786"):
+        _check_dask_address(address)
+
+
+@pytest.mark.parametrize("setting", ["1e308", "1e10", "nan", "-1", "inf"])
+def test_a_cache_cap_beyond_any_disk_is_refused(monkeypatch, setting):
+    """1e308 GiB passed the check and overflowed converting to bytes (an OverflowError traceback)."""
+    from klotski_sim.cache import cache_max_bytes
+
+    monkeypatch.setenv("KLOTSKI_CACHE_MAX_GB", setting)
+    with pytest.raises(KlotskiError, match="KLOTSKI_CACHE_MAX_GB=.*must be a number of GiB from 0 to 1e\\+09"):
+        cache_max_bytes()
+    monkeypatch.setenv("KLOTSKI_CACHE_MAX_GB", "1e9")
+    assert cache_max_bytes() == int(1e9 * 2**30)

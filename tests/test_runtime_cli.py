@@ -165,3 +165,50 @@ def test_an_execute_whose_emulated_links_would_take_hours_is_refused_with_the_nu
     (meta_int / "routing.npz").write_bytes((tmp_path / "routing.npz").read_bytes())
     rc, out, err = run_runtime("execute", str(meta_int))  # (an AttributeError traceback)
     assert rc == 2 and "meta.model must be a model preset's name, got 5" in err and not out, err
+
+
+def test_record_never_overwrites_the_checkpoint_and_refuses_a_device_or_a_pipe_as_text(tmp_path):
+    """`record --out` inside the checkpoint it reads replaced its config.json with the trace (exit 0);
+    `--text /dev/zero` was read until memory ran out, a FIFO without a writer blocked for ever."""
+    import os
+
+    rc, _, err = run_runtime("tiny-checkpoint", "--out", str(tmp_path / "ckpt"))
+    assert rc == 0, err
+    config = (tmp_path / "ckpt" / "config.json").read_bytes()
+    rc, _, err = run_runtime("record", "--model-dir", str(tmp_path / "ckpt"), "--text", "traces/sample_text.txt",
+                             "--max-tokens", "8", "--gen-len", "2", "--out", str(tmp_path / "ckpt" / "config.json"))
+    assert rc == 2 and "is a file of" in err and "would replace it" in err and len(err.splitlines()) == 1
+    assert (tmp_path / "ckpt" / "config.json").read_bytes() == config
+    os.mkfifo(tmp_path / "fifo")
+    for text in ("/dev/zero", str(tmp_path / "fifo")):
+        rc, _, err = run_runtime("record", "--model-dir", str(tmp_path / "ckpt"), "--text", text, "--max-tokens", "8",
+                                 "--gen-len", "2", "--out", str(tmp_path / "r.npz"))  # (the FIFO: the timeout fails it)
+        assert rc == 2 and "not a regular file" in err and len(err.splitlines()) == 1, err
+
+
+def test_calibration_sizes_the_memory_cannot_hold_are_refused_before_measuring():
+    """A --max-expert-tokens of 2**31 - 1 ran for minutes, --prompt-lens of that size failed at its
+    first tensor; sizes beyond 2**31 - 1 were a torch traceback. Refused at once, with the numbers."""
+    for sizes in (["--batch-sizes", "1,2", "--prompt-lens", "16", "--max-expert-tokens", "2147483647"],
+                  ["--batch-sizes", "1,2", "--prompt-lens", "2147483647", "--max-expert-tokens", "32"]):
+        rc, _, err = run_runtime("calibrate", "--model", "tiny-mixtral", *sizes, "--repeats", "1", "--out", "x.yaml")
+        assert rc == 2 and "calibration sizes too large for cpu memory" in err and "GiB" in err, err
+    rc, _, err = run_runtime("calibrate", "--model", "tiny-mixtral", "--batch-sizes", "1180591620717411303424")
+    assert rc == 2 and "expected positive integers up to 2**31 - 1" in err and "Traceback" not in err
+
+
+def test_calibration_of_a_model_whose_first_layers_are_dense_measures_its_cpu_expert():
+    """DeepSeek's first layers have a dense MLP and no experts: the CPU expert was taken from layer 0
+    and every such calibration failed after its measurements ("no weights for ('expert', 0, 0)")."""
+    from dataclasses import replace
+
+    from klotski_runtime.calibrate import calibrate
+    from klotski_sim.model import get_model
+
+    small = replace(get_model("deepseek-v2-lite:2"), name="small-deepseek", num_experts=4, top_k=2, hidden_size=64,
+                    ffn_size=32, num_heads=2, num_kv_heads=2, head_dim=24, vocab_size=128, shared_ffn_size=32,
+                    dense_ffn_size=64, kv_lora_rank=16, qk_rope_dim=8, qk_nope_dim=16, v_head_dim=16)
+    assert small.first_dense_layers == 1
+    profile = calibrate(small, "cpu", batch_sizes=(1,), prompt_lens=(4,), max_expert_tokens=4, repeats=1,
+                        dtype=torch.float32)
+    assert profile.measured["cpu:expert"] and profile.cpu is not None
