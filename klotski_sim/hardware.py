@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any
@@ -45,6 +46,16 @@ PerOpSeconds = Annotated[float, _Number, Field(ge=0, le=1, allow_inf_nan=False)]
 Fraction = Annotated[float, _Number, Field(gt=0, le=1, allow_inf_nan=False)]
 
 
+# More copy engines than any GPU has (an H100 has 7 DMA engines per direction at most, CUDA's
+# asyncEngineCount reports 2-5): 2**70 was accepted, and every transfer ran at once.
+MAX_COPY_ENGINES = 64
+# A measured op of more than an hour is a unit slip (1e30 s made a 2e30 s makespan); calibrate's
+# tables are of single kernels, milliseconds to seconds.
+MAX_MEASURED_S = 3600.0
+# A measured table's name: `[cpu:]category[.variant][:prefill|decode]` (cost.CostModel reads them so)
+_MEASURED_KEY = re.compile(r"(cpu:)?[a-z][a-z0-9_]*(\.[a-z0-9_+]+)?(:(prefill|decode))?")
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -76,6 +87,12 @@ class GPUSpec(_Strict):
         if self.reserved_bytes >= self.memory_bytes:
             raise ValueError(f"reserved_bytes ({self.reserved_bytes:.4g}) must be below memory_bytes "
                              f"({self.memory_bytes:.4g})")
+        # the rates the roofline uses are the peaks times these shares: held to a Rate's bound too
+        # (memory_efficiency 1e-300 made a ~1e-288 B/s GPU and 290-digit makespans)
+        for rate, share in (("peak_flops", "compute_efficiency"), ("memory_bandwidth", "memory_efficiency")):
+            if getattr(self, rate) * getattr(self, share) < 1:
+                raise ValueError(f"{rate} x {share} ({getattr(self, rate):.4g} x {getattr(self, share):.4g}) is "
+                                 f"below 1 per second: a unit slip, not a what-if")
         return self
 
     @property
@@ -91,7 +108,7 @@ class LinkSpec(_Strict):
     pageable_bandwidth: Rate | None = Field(
         None, description="sustained bytes/s for large copies from/to pageable (unpinned) host memory")
     latency_s: PerOpSeconds = 0.0
-    copy_engines: Annotated[int, _Number, Field(ge=1)] = 1
+    copy_engines: Annotated[int, _Number, Field(ge=1, le=MAX_COPY_ENGINES)] = 1
 
 
 class LinksSpec(_Strict):
@@ -151,7 +168,7 @@ class MeasuredPoint(_Strict):
 
     tokens: Annotated[int, _Number, Field(ge=0)]
     kv_len: Annotated[int, _Number, Field(ge=0)] = 0
-    seconds: Positive
+    seconds: Annotated[float, _Number, Field(gt=0, le=MAX_MEASURED_S, allow_inf_nan=False)]
 
 
 class HardwareProfile(_Strict):
@@ -168,6 +185,23 @@ class HardwareProfile(_Strict):
     measured: dict[str, list[MeasuredPoint]] = Field(
         default_factory=dict, description="op category -> measured durations (from calibrate)")
     provenance: dict[str, Any] = Field(default_factory=dict, description="who measured this, when, how")
+
+    @model_validator(mode="after")
+    def _measured_tables(self) -> "HardwareProfile":
+        """A table under a name the cost model never reads, or one shape measured twice with two
+        durations, was kept silently (unknown fields elsewhere are refused)."""
+        for name, points in self.measured.items():
+            if not _MEASURED_KEY.fullmatch(name):
+                raise ValueError(f"measured.{name}: not a table name the cost model reads "
+                                 f"([cpu:]category[.variant][:prefill|decode], e.g. expert, attention.fused:decode)")
+            seen: dict[tuple[int, int], float] = {}
+            for point in points:
+                shape = (point.tokens, point.kv_len)
+                if shape in seen and seen[shape] != point.seconds:
+                    raise ValueError(f"measured.{name}: tokens {shape[0]}, kv_len {shape[1]} measured twice, "
+                                     f"{seen[shape]:.4g} s and {point.seconds:.4g} s")
+                seen[shape] = point.seconds
+        return self
 
     def link(self, resource: str) -> LinkSpec:
         """The link behind a transfer resource name (`pcie_h2d`, `pcie_d2h`, `nvme`)."""

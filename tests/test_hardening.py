@@ -35,7 +35,10 @@ TINY = {"name": "t", "models": ["tiny-mixtral"], "policies": ["klotski"], "batch
     ("gpu.kernel_overhead_s", 1e300, "gpu.kernel_overhead_s: Input should be less than or equal to 1"),
     ("cpu.op_overhead_s", 2.0, "less than or equal to 1"),
     ("links.pcie_h2d.bandwidth", True, "links.pcie_h2d.bandwidth: Value error, expected a number, got true"),  # (1 B/s)
-    ("links.pcie_h2d.copy_engines", True, "expected a number, got true")])
+    ("links.pcie_h2d.copy_engines", True, "expected a number, got true"),
+    ("links.pcie_h2d.copy_engines", 2**70, "copy_engines: Input should be less than or equal to 64"),
+    ("gpu.memory_efficiency", 1e-300, "memory_bandwidth x memory_efficiency .* is below 1 per second"),
+    ("gpu.compute_efficiency", 1e-15, "peak_flops x compute_efficiency .* is below 1 per second")])
 def test_non_finite_and_inconsistent_profile_values_are_refused(field, value, message):
     with pytest.raises(ProfileError, match=message):
         with_overrides(load_profile("rtx3090"), {field: value})
@@ -539,3 +542,22 @@ def test_a_cache_cap_beyond_any_disk_is_refused(monkeypatch, setting):
         cache_max_bytes()
     monkeypatch.setenv("KLOTSKI_CACHE_MAX_GB", "1e9")
     assert cache_max_bytes() == int(1e9 * 2**30)
+
+
+def test_a_measured_table_is_held_to_names_the_cost_model_reads_single_durations_and_an_hours_bound():
+    """1e30 s in a calibrated table made a 2e30 s makespan; two durations for one shape, and a
+    table named as no op reads it, were kept silently."""
+    from klotski_sim.hardware import profile_from_dict
+
+    base = load_profile("rtx3090").model_dump(mode="json", exclude_none=True)
+    point = {"tokens": 1, "kv_len": 0, "seconds": 1e-4}
+    for measured, message in (
+            ({"expert": [{**point, "seconds": 1e30}]}, "measured.expert.0.seconds: Input should be less than or equal "
+                                                        "to 3600"),
+            ({"expert": [point, {**point, "seconds": 2e-4}]}, "measured.expert: tokens 1, kv_len 0 measured twice"),
+            ({"Expert Table": [point]}, "measured.Expert Table: not a table name the cost model reads"),
+            ({"attention.fused:later": [point]}, "not a table name")):
+        with pytest.raises(ProfileError, match=message):
+            profile_from_dict({**base, "measured": measured}, "p.yaml")
+    for name in ("expert", "cpu:expert", "attention.fused+qk_norm:decode", "gate.topk_as_is", "my_plugin_op"):
+        assert profile_from_dict({**base, "measured": {name: [point, dict(point)]}}, "p.yaml").measured[name]
