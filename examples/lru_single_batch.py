@@ -14,8 +14,9 @@ from klotski_sim.policies import OpEmitter, PolicyInput, register
           defaults={"slots": 8}, one_batch=True, manages_experts=True)
 def build(inp: PolicyInput):
     em, m, counts, slots = OpEmitter(inp), inp.model, inp.routing.counts, inp.options["slots"]
-    if slots < 1:
-        raise UsageError(f"lru-single-batch: slots must be >= 1, got {slots}")
+    if not 1 <= slots <= m.num_layers * m.num_experts:  # (more slots than experts: 2**70 was taken)
+        raise UsageError(f"lru-single-batch: slots must be from 1 to {m.num_layers * m.num_experts} "
+                         f"(every expert of {m.name}), got {slots}")
     cache: OrderedDict = OrderedDict()  # (layer, expert) -> (its load op, the last op that used it)
     hits = misses = 0
     op = None  # the latest compute op: the next layer's weights load once it has started (double buffering)

@@ -22,7 +22,16 @@ from klotski_sim.argtypes import (
     positive_int,
     seed_int,
 )
-from klotski_sim.cli import CliError, guarded, not_an_input, output_file, output_folder, parse_overrides, routing_kind
+from klotski_sim.cli import (
+    CliError,
+    guarded,
+    not_an_input,
+    output_file,
+    output_folder,
+    parse_overrides,
+    routing_kind,
+    written,
+)
 from klotski_sim.trace_synth import DEFAULT_ROUTING
 
 from .record import read_texts, record, save_tiny_mixtral, save_tiny_olmoe, save_tiny_qwen3_moe
@@ -47,6 +56,7 @@ TINY_CHECKPOINTS = {"tiny-mixtral": (save_tiny_mixtral, "Mixtral"),
 def cmd_tiny_checkpoint(args: argparse.Namespace) -> int:
     if Path(args.out).exists() and not Path(args.out).is_dir():  # (transformers only warns, and writes nothing)
         raise CliError(f"--out {args.out}: is a file; a checkpoint is a folder")
+    output_folder(args.out)  # (an empty name, or one that cannot be made: raw errno text after the model was built)
     save, family = TINY_CHECKPOINTS[args.model]
     path = save(args.out, seed=args.seed)
     print(f"wrote a tiny random {family} checkpoint (model {args.model}) to {path}/")
@@ -81,9 +91,23 @@ def _emulation(args: argparse.Namespace) -> dict[str, float]:
     return {"pcie_h2d": args.emulate_pcie, "pcie_d2h": args.emulate_pcie}
 
 
+# An emulated link's rate, bytes/s: at least a profile's least rate (1 per second; 1e-300 ran a whole
+# calibration before its profile was refused), at most 10 TB/s (above any host link: NVLink-C2C is
+# 0.9 TB/s; 1e30 was printed as a 1e21 GB/s link).
+EMULATED_RATES = (1.0, 1e13)
+
+
+def _emulated_rate(text: str) -> float:
+    rate = positive_float(text)
+    low, high = EMULATED_RATES
+    if not low <= rate <= high:
+        raise argparse.ArgumentTypeError(f"expected bytes per second from {low:g} to {high:g}, got {text!r}")
+    return rate
+
+
 def _rate_or_off(text: str) -> float | str:
-    """A link rate to emulate (finite, > 0), or `off` for real memcpy speed."""
-    return "off" if text == "off" else positive_float(text)
+    """A link rate to emulate (EMULATED_RATES), or `off` for real memcpy speed."""
+    return "off" if text == "off" else _emulated_rate(text)
 
 
 def _pageable(args: argparse.Namespace) -> dict[str, float]:
@@ -106,7 +130,7 @@ def _add_device(p: argparse.ArgumentParser) -> None:
     p.add_argument("--emulate-pcie", type=_rate_or_off, default=1e9, metavar="BYTES_PER_S|off",
                    help="CPU only: emulate PCIe H2D/D2H at this rate, labelled as emulation in every output "
                         "(off = real memcpy speed; default: %(default)s)")
-    p.add_argument("--emulate-pageable", type=positive_float, default=None, metavar="BYTES_PER_S",
+    p.add_argument("--emulate-pageable", type=_emulated_rate, default=None, metavar="BYTES_PER_S",
                    help="CPU only: emulated rate of copies from pageable memory (default: --emulate-pcie x "
                         f"{PAGEABLE_RATIO:.3f}, the pageable:pinned ratio of a DGX A100 bandwidthTest)")
     p.add_argument("--threads", type=bounded_int(1, MAX_THREADS), default=1,
@@ -126,7 +150,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                         dtype=getattr(torch, args.dtype), emulate_links=_emulation(args),
                         emulate_pageable=_pageable(args), command="klotski-runtime " + " ".join(sys.argv[1:]),
                         threads=args.threads if args.device == "cpu" else None)
-    Path(args.out).write_text(profile.to_yaml())
+    written(args.out, "--out", lambda: Path(args.out).write_text(profile.to_yaml()))
     print(f"wrote {args.out}: {profile.gpu.name}; peak {profile.gpu.peak_flops / 1e12:.2f} TFLOP/s, memory "
           f"{profile.gpu.memory_bandwidth / 1e9:.1f} GB/s, H2D {profile.links.pcie_h2d.bandwidth / 1e9:.2f} GB/s"
           f"{' (emulated)' if _emulation(args) else ''}; "

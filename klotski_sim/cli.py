@@ -146,6 +146,15 @@ def output_folder(path: str | os.PathLike, flag: str = "--out") -> Path:
     return out
 
 
+def written(path: str | os.PathLike, flag: str, write: Callable[[], object]) -> None:
+    """Run `write` (which writes `path`), an OSError said as one line naming the flag and the file:
+    a full disk said only "[Errno 28] No space left on device", after the whole work was done."""
+    try:
+        write()
+    except OSError as err:
+        raise CliError(f"{flag} {path}: cannot write ({err.strerror or err})") from None
+
+
 def not_an_input(out: Path, flag: str, reads: Sequence[str | os.PathLike]) -> None:
     """Refuse writing where the command reads: `trace stats t.npz --csv t.npz` replaced the trace
     with its table, `trace import x.npz` (a log named .npz) the log with the trace, and each said
@@ -567,7 +576,7 @@ def cmd_trace_stats(args: argparse.Namespace) -> int:
     df = layer_stats(trace)
     print(format_stats(trace, df))
     if args.csv is not None:
-        df.to_csv(args.csv)
+        written(args.csv, "--csv", lambda: df.to_csv(args.csv))
         print(f"wrote {args.csv}")
     return 0
 

@@ -402,6 +402,9 @@ TINY_RUN = ["--model", "tiny-mixtral", "--prompt-len", "8", "--gen-len", "2", "-
     (["simulate", *TINY_RUN, "--out", "{file}/sub"], "cannot create the folder"),
     (["optimize", "--model", "tiny-mixtral", "--resident-layers", "99", "--out", "{tmp}/o"],
      "resident_layers: 99 is more than tiny-mixtral's 2 layers"),
+    (["simulate", *TINY_RUN, "--policy-file", "/dev/null"], "--policy-file /dev/null: not a regular file"),
+    (["trace", "stats", "traces/tiny-mixtral-recorded.npz", "--csv", "/dev/full"],
+     "--csv /dev/full: cannot write (No space left on device)"),
 ])
 def test_refused_in_one_line_before_any_work(tmp_path, args, message):
     """Found by a fuzz pass: each of these was a traceback, a silent default or work thrown away."""

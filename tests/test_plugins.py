@@ -147,7 +147,9 @@ def test_register_refuses_a_name_that_cannot_name_a_file(name):
 
 @pytest.mark.parametrize("args, message", [
     (("--option", "slots=abc"), "must be of type int"),
-    (("--option", "slots=-1"), "slots must be >= 1"),
+    (("--option", "slots=-1"), "slots must be from 1 to 8"),
+    (("--option", "slots=NaN"), "must be of type int"),
+    (("--option", "slots=2.5"), "must be of type int"),
     (("--option", "expert_cache=4"), "has no option(s) ['expert_cache']"),  # it keeps its own cache
 ])
 def test_the_example_s_options_are_checked_in_one_line(args, message):

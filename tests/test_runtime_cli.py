@@ -212,3 +212,16 @@ def test_calibration_of_a_model_whose_first_layers_are_dense_measures_its_cpu_ex
     profile = calibrate(small, "cpu", batch_sizes=(1,), prompt_lens=(4,), max_expert_tokens=4, repeats=1,
                         dtype=torch.float32)
     assert profile.measured["cpu:expert"] and profile.cpu is not None
+
+
+@pytest.mark.parametrize("args,message", [
+    (("tiny-checkpoint", "--out", ""), "--out: expected a folder, got an empty name"),
+    (("tiny-checkpoint", "--out", "/proc/no/such"), "--out /proc/no/such: cannot create the folder"),
+    (("calibrate", "--emulate-pcie", "1e-300"), "--emulate-pcie: expected bytes per second from 1 to 1e+13"),
+    (("execute", "x", "--emulate-pageable", "1e30"), "--emulate-pageable: expected bytes per second from 1 to 1e+13"),
+])
+def test_runtime_flags_are_refused_in_one_line_before_any_work(args, message):
+    """Each ran its work first (a calibration, a model built) and then failed in raw errno or
+    validation text, or printed a 1e21 GB/s link."""
+    rc, _, err = run_runtime(*args)
+    assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err

@@ -8,6 +8,7 @@ with the right FLOPs, bytes, tags, KV traffic and memory effects, so policies on
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 import traceback
@@ -251,8 +252,10 @@ def resolve_options(name: str, impl: str, options: Mapping[str, Any]) -> dict[st
         default = resolved[key]
         if isinstance(default, bool) or isinstance(value, bool):
             ok = isinstance(value, bool) == isinstance(default, bool)
-        elif isinstance(default, (int, float)):
-            ok = isinstance(value, (int, float))
+        elif isinstance(default, int):  # (a count: NaN and 2.5 slots had passed as numbers)
+            ok = isinstance(value, int)
+        elif isinstance(default, float):
+            ok = isinstance(value, (int, float)) and math.isfinite(value)
         else:
             ok = default is None or isinstance(value, type(default))
         if not ok:

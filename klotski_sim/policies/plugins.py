@@ -26,7 +26,9 @@ def load_policy_file(path: str | Path) -> list[str]:
     file, a syntax error or an exception while importing is one line naming the file and line."""
     p = Path(path)
     if not p.is_file():
-        raise UsageError(f"--policy-file {path}: {'is a folder, not a Python file' if p.is_dir() else 'no such file'}")
+        why = ("is a folder, not a Python file" if p.is_dir() else
+               "not a regular file (a device or a pipe?), not a Python file" if p.exists() else "no such file")
+        raise UsageError(f"--policy-file {path}: {why}")
     key = str(p.resolve())
     if key in _loaded:
         return _loaded[key]
