@@ -17,6 +17,7 @@ from klotski_sim.argtypes import (
     bounded_int,
     first_repeat,
     nonnegative_int,
+    path_arg,
     plain_int,
     positive_float,
     positive_int,
@@ -250,8 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("record", help="record a routing trace from a local Hugging Face MoE checkpoint")
-    p.add_argument("--model-dir", required=True, metavar="DIR", help="checkpoint directory (config.json + weights)")
-    p.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text; blank-line separated paragraphs "
+    p.add_argument("--model-dir", required=True, type=path_arg, metavar="DIR",
+                   help="checkpoint directory (config.json + weights)")
+    p.add_argument("--text", required=True, type=path_arg, metavar="FILE",
+                   help="UTF-8 text; blank-line separated paragraphs "
                                                                  "are sequences")
     p.add_argument("--max-tokens", type=positive_int, default=512, help="prompt tokens per sequence (default: %(default)s)")
     p.add_argument("--gen-len", type=nonnegative_int, default=32,
@@ -264,10 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_record)
 
     p = sub.add_parser("execute", help="execute a schedule written by `klotski-sim simulate --out DIR` and measure it")
-    p.add_argument("schedule", metavar="DIR|schedule.json")
-    p.add_argument("--routing", metavar="FILE", help="routing.npz (default: next to the schedule)")
+    p.add_argument("schedule", type=path_arg, metavar="DIR|schedule.json")
+    p.add_argument("--routing", type=path_arg, metavar="FILE", help="routing.npz (default: next to the schedule)")
     p.add_argument("--model", help="model preset (default: the schedule's)")
-    p.add_argument("--checkpoint", metavar="DIR", help="load weights from a local safetensors checkpoint "
+    p.add_argument("--checkpoint", type=path_arg, metavar="DIR",
+                   help="load weights from a local safetensors checkpoint "
                                                        "(default: random weights of the true shapes)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--out", metavar="DIR", help="write the measured timeline files here")
@@ -306,10 +310,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-len", type=positive_int, default=4, help="generated tokens (default: %(default)s)")
     p.add_argument("--routing", default=None, metavar="KIND",
                    help=f"synthetic routing kind when no --trace is given (default: {DEFAULT_ROUTING})")
-    p.add_argument("--trace", metavar="FILE", help="replay a routing trace instead of synthetic routing")
+    p.add_argument("--trace", type=path_arg, metavar="FILE", help="replay a routing trace instead of synthetic routing")
     p.add_argument("--seed", type=seed_int, default=0, help="routing and weight seed (default: %(default)s)")
     p.add_argument("--kv", default="gpu", choices=["gpu", "cpu"], help="where the KV cache lives (default: %(default)s)")
-    p.add_argument("--checkpoint", metavar="DIR", help="weights from a local checkpoint (default: random)")
+    p.add_argument("--checkpoint", type=path_arg, metavar="DIR",
+                   help="weights from a local checkpoint (default: random)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="weight and activation dtype (default: %(default)s)")
     p.add_argument("--impl", default="as-published", choices=["as-published", "ideal", "v0.1", "both"],

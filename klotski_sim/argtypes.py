@@ -92,6 +92,15 @@ def layers_or_fill(text: str) -> int | str:
     return "fill" if text == "fill" else _int_from(text, 0, "an integer >= 0 or fill")
 
 
+def path_arg(text: str) -> str:
+    """A file or folder the command reads (or names): not an empty name, which the file system
+    reads as the current folder (`--hardware ''` said ".: is a directory"; `trace import --out ''`
+    wrote its default file)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a name or a path, got an empty one")
+    return text
+
+
 def name_list(text: str) -> list[str]:
     """A comma-separated list of names: at least one, none twice."""
     names = [n.strip() for n in text.split(",")]

@@ -26,6 +26,7 @@ from .argtypes import (
     layers_or_fill,
     name_list,
     nonnegative_int,
+    path_arg,
     plain_int,
     positive_float,
     positive_int,
@@ -62,7 +63,7 @@ def add_run_arguments(p: argparse.ArgumentParser, policy: bool = True, num_batch
     p.add_argument("--model", default="mixtral-8x7b", metavar="NAME[:L][@intN]",
                    help=f"model preset ({', '.join(sorted(PRESETS))}); NAME:L keeps its first L layers, "
                         f"@int8|int4|int3|int2[:gG][:fp32] quantises its experts (default: %(default)s)")
-    p.add_argument("--hardware", default="rtx3090", metavar="NAME|FILE",
+    p.add_argument("--hardware", default="rtx3090", type=path_arg, metavar="NAME|FILE",
                    help=f"built-in profile ({', '.join(builtin_profile_names())}) or a profile YAML (default: %(default)s)")
     if policy:
         p.add_argument("--policy", default="single-batch", choices=list(POLICIES), help="schedule (default: %(default)s)")
@@ -80,7 +81,8 @@ def add_run_arguments(p: argparse.ArgumentParser, policy: bool = True, num_batch
     p.add_argument("--routing", default=None, metavar="KIND",
                    help=f"synthetic routing when no --trace is given: calibrated, uniform, zipf:<a>, skewed "
                         f"(default: {DEFAULT_ROUTING})")
-    p.add_argument("--trace", metavar="FILE", help="replay a routing trace (.npz from `trace synth`, `trace import` "
+    p.add_argument("--trace", type=path_arg, metavar="FILE",
+                   help="replay a routing trace (.npz from `trace synth`, `trace import` "
                                                    "or `klotski-runtime record`)")
     p.add_argument("--wrap", action="store_true", help="let a trace with too few sequences reuse them")
     p.add_argument("--warmup-sequences", type=nonnegative_int, default=8, metavar="N",
@@ -631,15 +633,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="FILE", help="trace file to write (.npz)")
     p.set_defaults(func=cmd_trace_synth)
     p = tp.add_parser("stats", help="per-layer statistics: popularity, stickiness, layer correlation, group skew")
-    p.add_argument("file", help="a routing trace (.npz)")
+    p.add_argument("file", type=path_arg, help="a routing trace (.npz)")
     p.add_argument("--csv", metavar="FILE", help="also write the per-layer table as CSV")
     p.add_argument("--tokens", choices=["all", "prompt", "generated"], default="all",
                    help="measure all tokens, the prompts' or the generated ones (default: %(default)s)")
     p.set_defaults(func=cmd_trace_stats)
     p = tp.add_parser("import", help="convert a JSON-lines routing log (one record per token per layer) to a trace")
-    p.add_argument("file", help="JSON lines, one record per token and layer: seq_id, token_idx, layer, experts "
+    p.add_argument("file", type=path_arg,
+                   help="JSON lines, one record per token and layer: seq_id, token_idx, layer, experts "
                                 "[, gating_probs][, prompt_len: the sequence's prompt length]")
-    p.add_argument("--out", metavar="FILE", help="output .npz (default: FILE with .npz)")
+    p.add_argument("--out", type=path_arg, metavar="FILE", help="output .npz (default: FILE with .npz)")
     p.add_argument("--model", choices=sorted(PRESETS), help="check the log against this model and record its name")
     p.add_argument("--num-experts", type=bounded_int(1, MAX_IMPORT_INDEX),
                    help="experts per layer (default: the largest id + 1)")
@@ -690,7 +693,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Exhaustive search (memory-floor pruned, n from the planner) on the sweep "
                                    "machinery; prints the Pareto front and the winner as a runnable simulate command.")
     p.add_argument("--model", default="mixtral-8x7b", metavar="NAME[:L]", help="model preset (default: %(default)s)")
-    p.add_argument("--hardware", default="rtx3090", metavar="NAME|FILE", help="profile (default: %(default)s)")
+    p.add_argument("--hardware", default="rtx3090", type=path_arg, metavar="NAME|FILE",
+                   help="profile (default: %(default)s)")
     p.add_argument("--prompt-len", type=positive_int, default=512, help="prompt tokens (default: %(default)s)")
     p.add_argument("--gen-len", type=positive_int, default=32, help="generated tokens (default: %(default)s)")
     p.add_argument("--max-token-latency", type=positive_float, default=None, metavar="S",
