@@ -402,6 +402,6 @@ def get_model(name: str) -> ModelSpec:
                          f"(NAME:L keeps the first L layers)") from None
     if not layers:
         return spec
-    if not layers.isdigit() or not 1 <= int(layers) <= spec.num_layers:
+    if not (layers.isascii() and layers.isdigit()) or not 1 <= int(layers) <= spec.num_layers:
         raise UsageError(f"model {name!r}: after ':' give a layer count from 1 to {spec.num_layers}")
     return replace(spec, name=name, num_layers=int(layers))

@@ -212,7 +212,10 @@ class RoutingTable:
                                  f"{f' ({size} of them)' if size and size > 1 else ''}, got {array.dtype} "
                                  f"of shape {array.shape}")
         bs, nb, p, g = (int(v) for v in shape)
-        table = RoutingTable(ids, RunShape(bs, nb, p, g), int(num_experts), str(source), int(dense))
+        try:  # (the table's own checks, said of this file: "batch_size must be ..." named none)
+            table = RoutingTable(ids, RunShape(bs, nb, p, g), int(num_experts), str(source), int(dense))
+        except UsageError as err:
+            raise UsageError(f"{path}: {err}") from None
         if not 0 <= table.dense_layers <= table.num_layers:
             raise UsageError(f"{path}: dense_layers {table.dense_layers} is not within the routing's "
                              f"{table.num_layers} layers")

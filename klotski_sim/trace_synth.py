@@ -70,8 +70,11 @@ def params_for(routing: str, model: ModelSpec) -> SynthParams:
     if routing == "skewed":  # a strongly skewed what-if: zipf 1.5 plus calibrated stickiness
         return SynthParams(None, MIXTRAL_LIKE.stick_all, MIXTRAL_LIKE.stick_one, 0.0, "zipf", 1.5)
     if routing.startswith("zipf:"):
+        exponent = routing.split(":", 1)[1]
         try:
-            a = float(routing.split(":", 1)[1])
+            if not exponent.isascii():  # (as every number on a command line: float() reads other scripts' digits)
+                raise ValueError(exponent)
+            a = float(exponent)
         except ValueError:
             raise UsageError(f"zipf routing needs an exponent, e.g. zipf:1.2, got {routing!r}") from None
         if not 0 <= a <= 100:  # (NaN fails too)

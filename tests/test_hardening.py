@@ -404,6 +404,8 @@ TINY_RUN = ["--model", "tiny-mixtral", "--prompt-len", "8", "--gen-len", "2", "-
      "resident_layers: 99 is more than tiny-mixtral's 2 layers"),
     (["simulate", *TINY_RUN, "--policy-file", "/dev/null"], "--policy-file /dev/null: not a regular file"),
     (["simulate", *TINY_RUN, "--hardware", ""], "--hardware: expected a name or a path, got an empty one"),
+    (["simulate", "--model", "tiny-mixtral:\uff12"], "after ':' give a layer count"),  # (fullwidth digits ran)
+    (["simulate", *TINY_RUN, "--routing", "zipf:\uff11.\uff12"], "zipf routing needs an exponent"),
     (["trace", "stats", " "], "file: expected a name or a path, got an empty one"),
     (["trace", "import", "{file}", "--out", ""], "--out: expected a name or a path, got an empty one"),
     (["trace", "stats", "traces/tiny-mixtral-recorded.npz", "--csv", "/dev/full"],
@@ -568,3 +570,17 @@ def test_a_measured_table_is_held_to_names_the_cost_model_reads_single_durations
             profile_from_dict({**base, "measured": measured}, "p.yaml")
     for name in ("expert", "cpu:expert", "attention.fused+qk_norm:decode", "gate.topk_as_is", "my_plugin_op"):
         assert profile_from_dict({**base, "measured": {name: [point, dict(point)]}}, "p.yaml").measured[name]
+
+
+def test_a_routing_file_whose_shape_cannot_be_is_named(tmp_path):
+    """A routing.npz with a batch size of -1 said "batch_size must be ..." without naming the file."""
+    from klotski_sim.routing import RoutingTable, RunShape
+
+    ids = np.zeros((1, 1, 2, 2, 2), dtype=np.int16)
+    ids[..., 1] = 1
+    RoutingTable(ids, RunShape(1, 1, 2, 1), 4, "test").save(tmp_path / "r.npz")
+    arrays = dict(np.load(tmp_path / "r.npz"))
+    arrays["shape"] = np.array([-1, 1, 2, 1])
+    np.savez(tmp_path / "bad.npz", **arrays)
+    with pytest.raises(KlotskiError, match=f"{tmp_path / 'bad.npz'}: batch_size must be a positive integer"):
+        RoutingTable.load(tmp_path / "bad.npz")
