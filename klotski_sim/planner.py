@@ -132,6 +132,36 @@ def memory_floor(model: ModelSpec, batch_size: int, n: int, prompt_len: int, gen
     return out
 
 
+def storage_needed(model: ModelSpec, placement: Placement, batch_size: int, n: int, prompt_len: int,
+                   gen_len: int) -> dict[str, float]:
+    """Bytes the run keeps off the GPU: in host memory (the weights placed there, and the KV cache
+    of n batches when it lives there) and on disk (the weights placed there). The layers kept
+    whole on the GPU are counted nowhere else."""
+    stored = {"host": 0.0, "disk": 0.0}
+    tier_of = {"cpu": "host", "disk": "disk"}
+    for layer in range(placement.resident_layers, model.num_layers):
+        for what, nbytes in (("attention", model.attention_bytes()), ("gate", model.gate_bytes(layer)),
+                             ("experts", model.moe_layer_bytes(layer))):
+            stored[tier_of[placement.tier(what, layer, model.num_layers)]] += nbytes
+    if placement.kv == "cpu":
+        stored["host"] += model.num_layers * model.kv_bytes(n * batch_size, prompt_len + gen_len)
+    return stored
+
+
+def storage_refusal(model: ModelSpec, profile: HardwareProfile, placement: Placement, batch_size: int, n: int,
+                    prompt_len: int, gen_len: int) -> str | None:
+    """Why the host memory or the disk cannot hold what the run keeps there (None: they can): a
+    model on a 1-byte disk ran, its every expert read from it."""
+    stored = storage_needed(model, placement, batch_size, n, prompt_len, gen_len)
+    for tier, have, field_name in (("host", profile.host.memory_bytes, "host.memory_bytes"),
+                                   ("disk", profile.disk.capacity_bytes, "disk.capacity_bytes")):
+        if stored[tier] > have:
+            where = "in host memory" if tier == "host" else "on disk"
+            return (f"{model.name} keeps {memory_text(stored[tier])} {where} ({placement.describe()}), more than "
+                    f"the profile's {field_name} ({memory_text(have)}): nothing simulated")
+    return None
+
+
 def default_placement(model: ModelSpec, profile: HardwareProfile, kv: str = "gpu") -> Placement:
     """Experts get host memory first: when the host cannot hold every layer, the experts of the
     last layers move to disk (as many as needed); attention and gate stay in host memory while

@@ -32,6 +32,7 @@ from .planner import (
     memory_floor,
     memory_needed,
     plan,
+    storage_refusal,
 )
 from .policies import Placement, PolicyInput, build_schedule, get_policy
 from .policies.base import resolve_options
@@ -237,6 +238,9 @@ def prepare(spec: RunSpec) -> Prepared:
     refused = _over(memory_floor(model, spec.batch_size, n, spec.prompt_len, spec.gen_len, placement), profile)
     if refused is not None:
         return Prepared(spec, model, profile, n, placement, None, None, the_plan, refused)
+    unstorable = storage_refusal(model, profile, placement, spec.batch_size, n, spec.prompt_len, spec.gen_len)
+    if unstorable is not None:
+        raise UsageError(unstorable)
     trace, rep = make_replay(spec, model, n)
     return Prepared(spec, model, profile, n, placement, trace, rep, the_plan)
 

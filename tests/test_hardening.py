@@ -584,3 +584,23 @@ def test_a_routing_file_whose_shape_cannot_be_is_named(tmp_path):
     np.savez(tmp_path / "bad.npz", **arrays)
     with pytest.raises(KlotskiError, match=f"{tmp_path / 'bad.npz'}: batch_size must be a positive integer"):
         RoutingTable.load(tmp_path / "bad.npz")
+
+
+def test_a_run_whose_weights_or_kv_cache_the_host_or_disk_cannot_hold_is_refused_with_the_numbers():
+    """Mixtral-8x7B's every expert on a 1-byte disk (or its weights in 46 GiB of host memory) ran
+    and reported status ok: the host and the disk were never checked."""
+    from klotski_sim.model import get_model
+    from klotski_sim.planner import storage_needed
+    from klotski_sim.policies import Placement
+
+    rc, out, err = run_cli("simulate", "--no-png", "--prompt-len", "64", "--gen-len", "4", "--resident-layers", "0",
+                           "--set", "host.memory_bytes=1", "--set", "disk.capacity_bytes=1")
+    assert rc == 2 and "keeps 86.50 GiB on disk" in err and "disk.capacity_bytes" in err and len(err.splitlines()) == 1
+    rc, out, err = run_cli("simulate", "--no-png", "--prompt-len", "64", "--gen-len", "4", "--experts", "cpu",
+                           "--resident-layers", "0", "--set", "host.memory_bytes=50e9")
+    assert rc == 2 and "keeps 86.50 GiB in host memory" in err and "host.memory_bytes (46.57 GiB)" in err, err
+    m = get_model("mixtral-8x7b")
+    split = storage_needed(m, Placement(disk_layers=10, resident_layers=2, kv="cpu"), 4, 3, 100, 10)
+    assert split["disk"] == 10 * m.moe_layer_bytes()
+    assert split["host"] == (m.layers_bytes() - 2 * m.layer_bytes() - 10 * m.moe_layer_bytes()
+                             + m.num_layers * m.kv_bytes(12, 110))
