@@ -89,7 +89,7 @@ def cached_trace(model: ModelSpec, routing: str, seed: int, sequences: int, prom
                      sort_keys=True)
     path = folder / "traces" / f"{hashlib.sha1(key.encode()).hexdigest()[:20]}.npz"
     trace = _read(path)
-    if trace is not None:
+    if trace is not None and _drawn_for(trace, model, sequences, prompt_len + gen_len):
         os.utime(path)  # (used now: the last to be evicted)
         return trace
     if stream is not None:
@@ -111,6 +111,14 @@ def cached_trace(model: ModelSpec, routing: str, seed: int, sequences: int, prom
         return trace
     _store(path, _trace_arrays(trace.experts, trace.seq_offsets, trace.prompt_lens, trace.meta), max_bytes)
     return trace
+
+
+def _drawn_for(trace: Trace, model: ModelSpec, sequences: int, tokens: int) -> bool:
+    """Whether a cached trace has the shape its key says: a file replaced by another (valid) trace
+    failed every later run of its configuration, without naming the cache; it is drawn again."""
+    return ((trace.num_sequences, trace.num_layers, trace.top_k, trace.num_experts)
+            == (sequences, model.num_layers, model.top_k, model.num_experts)
+            and bool((trace.lengths == tokens).all()))
 
 
 def _read(path: Path) -> Trace | None:

@@ -334,3 +334,23 @@ def test_a_killed_writes_temporary_file_is_evicted_once_stale(tmp_path):
     os.utime(theirs, (old, old))
     evict(tmp_path, 1 << 30)
     assert not stale.exists() and fresh.exists() and theirs.exists()
+
+
+def test_a_cached_trace_replaced_by_another_models_is_drawn_again(tmp_path, monkeypatch):
+    """A cache file overwritten by a valid trace of another shape failed every later run of its
+    configuration ("the trace (recorded for ...) has another shape"), naming no cache file."""
+    from klotski_sim.model import get_model
+    from klotski_sim.trace_synth import synthesize, synthesized_blocks
+
+    m, tiny = get_model("mixtral-8x7b"), get_model("tiny-mixtral")
+    monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(tmp_path / "cache"))
+
+    def drawn():
+        return cache.cached_trace(m, "calibrated", 5, 6, 40, 3, lambda: synthesize(m, 6, 40, 3, "calibrated", 5),
+                                  lambda: synthesized_blocks(m, 6, 40, 3, routing="calibrated", seed=5))
+
+    expected = drawn().experts.copy()
+    (path,) = (tmp_path / "cache" / "traces").glob("*.npz")
+    synthesize(tiny, 3, 10, 2, "calibrated", 1).save(path)
+    again = drawn()
+    assert again.num_experts == m.num_experts and np.array_equal(again.experts, expected)
