@@ -13,7 +13,7 @@ Spec (every key optional except `policies`; lists are grid axes):
 
     name: pcie-what-if
     models: [mixtral-8x7b]
-    hardware: [rtx3090, h800]
+    hardware: [rtx3090, h800]        # built-in names or profile YAML files
     overrides:                       # grid over dotted profile fields
       links.pcie_h2d.bandwidth: [16e9, 32e9, 64e9]
     policies: [klotski, flexgen]
@@ -22,6 +22,7 @@ Spec (every key optional except `policies`; lists are grid axes):
     prompt_lens: [512]
     gen_lens: [32]
     routings: [calibrated, uniform]  # or trace files: [trace:path/to/file.npz]
+                                     # (every file a spec names: relative to the spec, or absolute)
     seeds: [0]
     kv: [auto]
     experts: [auto]
@@ -64,7 +65,7 @@ from pydantic import (
 
 from .argtypes import MAX_COUNT, MAX_COUNT_TEXT, MAX_SEED, first_repeat
 from .errors import KlotskiError, UsageError
-from .hardware import ProfileError, load_profile, with_overrides
+from .hardware import ProfileError, builtin_profile_names, load_profile, with_overrides
 from .impl import PRESET_NAMES
 from .model import ModelSpec, get_model
 from .npzfile import NPZ_READ_ERRORS, check_npz
@@ -165,11 +166,23 @@ class SweepSpec(BaseModel):
 
 
 def load_spec(path: str | Path) -> SweepSpec:
+    """A spec file; every file it names (policy files, hardware YAML files, `trace:` routings) is
+    relative to the spec's folder, absolute paths as they are (the policy files were, the others
+    were relative to wherever the sweep was started)."""
     path = Path(path)
     data = load_yaml(read_text(path, "sweep spec", SweepError, MAX_YAML_BYTES), str(path), SweepError)
-    if isinstance(data, dict) and isinstance(data.get("policy_files"), list):  # relative to the spec file
-        data["policy_files"] = [str(path.parent / f) if isinstance(f, str) and not Path(f).is_absolute() else f
-                                for f in data["policy_files"]]
+    if isinstance(data, dict):
+        def beside_spec(name: Any, prefix: str = "") -> Any:
+            if not isinstance(name, str) or not name.startswith(prefix):
+                return name
+            file = name[len(prefix):]
+            return name if not file or Path(file).is_absolute() else prefix + str(path.parent / file)
+
+        files = {"policy_files": lambda f: beside_spec(f), "routings": lambda r: beside_spec(r, "trace:"),
+                 "hardware": lambda h: h if h in builtin_profile_names() else beside_spec(h)}
+        for key, resolve in files.items():
+            if isinstance(data.get(key), list):
+                data[key] = [resolve(entry) for entry in data[key]]
     return parse_spec(data, str(path))
 
 

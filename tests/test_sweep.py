@@ -196,3 +196,30 @@ def test_a_spec_key_given_twice_or_a_value_of_the_wrong_type_is_one_line_with_th
     with pytest.raises(KlotskiError) as err:
         load_spec(path)
     assert "\n" not in str(err.value) and words in str(err.value) and str(err.value).count("got") <= 1, str(err.value)
+
+
+def test_every_file_a_spec_names_is_relative_to_the_spec(tmp_path):
+    """Policy files were relative to the spec, hardware YAML files and `trace:` routings to where the
+    sweep was started: a spec that ran from its own folder failed from any other."""
+    import shutil
+
+    from klotski_sim.hardware import builtin_profile_names
+    from klotski_sim.sweep import load_spec
+
+    from .conftest import run_cli
+
+    folder = tmp_path / "specs"
+    folder.mkdir()
+    shutil.copy(ROOT / "klotski_sim" / "profiles" / "rtx3090.yaml", folder / "mine.yaml")
+    shutil.copy(ROOT / "klotski_sim" / "profiles" / "h800.yaml", tmp_path / "other.yaml")
+    shutil.copy(ROOT / "traces" / "tiny-mixtral-recorded.npz", folder / "tr.npz")
+    absolute = str(tmp_path / "other.yaml")
+    (folder / "spec.yaml").write_text(yaml.safe_dump({
+        "name": "rel", "models": ["tiny-mixtral"], "hardware": ["mine.yaml", absolute, "rtx3090"],
+        "policies": ["klotski"], "batch_sizes": [2], "num_batches": [2], "prompt_lens": [4], "gen_lens": [2],
+        "routings": ["trace:tr.npz", "calibrated"]}))
+    spec = load_spec(folder / "spec.yaml")
+    assert "rtx3090" in builtin_profile_names() and spec.hardware == [str(folder / "mine.yaml"), absolute, "rtx3090"]
+    assert spec.routings == [f"trace:{folder / 'tr.npz'}", "calibrated"]
+    rc, out, err = run_cli("sweep", str(folder / "spec.yaml"), "--out", str(tmp_path / "out"), "--no-progress")
+    assert rc == 0 and "Traceback" not in err, err
