@@ -145,7 +145,7 @@ def _streamed_arrays(drawn: TraceStream) -> dict[str, np.ndarray | Blocks]:
 
 def _unnamed_trace(drawn: TraceStream) -> Trace | None:
     """A trace of at least MAPPED_ABOVE bytes that the cache does not keep (off, not writable, or
-    too small for it) drawn into a file of a private temporary folder, mapped, and the folder
+    capped below its size) drawn into a file of a private temporary folder, mapped, and the folder
     removed at once: its routing is not held whole either (POSIX keeps a removed file's pages while
     they are mapped, and gives the space back when the run lets go of the trace). None for a smaller
     trace, on another platform, or where no temporary file can be written: the caller draws it into
