@@ -319,10 +319,41 @@ def expand(spec: SweepSpec) -> list[dict[str, Any]]:
         if resident != "auto":
             cfg["resident_layers"] = resident
         if spec.policy_files:  # the files' contents are part of the configuration (an edit is a new result)
-            cfg["policy_files"] = {f: hashlib.sha1(Path(f).read_bytes()).hexdigest()[:12] for f in spec.policy_files}
-        cfg["id"] = config_id(cfg)
+            cfg["policy_files"] = {f: content_hash(f) for f in spec.policy_files}
+        cfg["id"] = config_id(_identity(cfg))
         configs.append(cfg)
     return configs
+
+
+@lru_cache(maxsize=256)
+def _file_hash(path: str, size: int, mtime_ns: int) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha1").hexdigest()[:12]
+
+
+def content_hash(path: str) -> str:
+    """A file's contents as a short hash (read once per version of the file); a file that cannot
+    be read is named by its path, for its run to report."""
+    try:
+        stat = os.stat(path)
+        return _file_hash(os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+    except OSError:
+        return f"unreadable:{path}"
+
+
+def _identity(cfg: dict[str, Any]) -> dict[str, Any]:
+    """What a configuration's id is made of: its files (a hardware YAML, a `trace:` routing, policy
+    files) by their contents, not their paths. An edited profile or trace reran nothing (its rows
+    were reused under the old numbers), and the same spec started from another folder, its paths
+    spelt otherwise, reran everything."""
+    identity = dict(cfg)
+    if cfg["hardware"] not in builtin_profile_names():
+        identity["hardware"] = "file:" + content_hash(cfg["hardware"])
+    if cfg["routing"].startswith("trace:"):
+        identity["routing"] = "trace:" + content_hash(cfg["routing"][len("trace:"):])
+    if "policy_files" in cfg:
+        identity["policy_files"] = sorted(cfg["policy_files"].values())
+    return identity
 
 
 @lru_cache(maxsize=1)

@@ -223,3 +223,37 @@ def test_every_file_a_spec_names_is_relative_to_the_spec(tmp_path):
     assert spec.routings == [f"trace:{folder / 'tr.npz'}", "calibrated"]
     rc, out, err = run_cli("sweep", str(folder / "spec.yaml"), "--out", str(tmp_path / "out"), "--no-progress")
     assert rc == 0 and "Traceback" not in err, err
+
+
+def test_a_configuration_s_files_are_part_of_its_id_by_contents_not_by_path(tmp_path, monkeypatch):
+    """An edited hardware YAML or trace file reran nothing (its rows were reused under the old
+    numbers, status ok), and the same spec started from another folder reran everything."""
+    import shutil
+
+    from klotski_sim.model import get_model
+    from klotski_sim.sweep import load_spec
+    from klotski_sim.trace_synth import synthesize
+
+    from .conftest import ROOT
+
+    folder = tmp_path / "specs"
+    folder.mkdir()
+    shutil.copy(ROOT / "klotski_sim" / "profiles" / "rtx3090.yaml", folder / "hw.yaml")
+    shutil.copy(ROOT / "traces" / "tiny-mixtral-recorded.npz", folder / "tr.npz")
+    (folder / "spec.yaml").write_text(yaml.safe_dump({
+        "name": "ids", "models": ["tiny-mixtral"], "hardware": ["hw.yaml"], "policies": ["klotski"],
+        "batch_sizes": [2], "num_batches": [2], "prompt_lens": [4], "gen_lens": [2], "routings": ["trace:tr.npz"]}))
+
+    def ids(spec_path) -> list[str]:
+        return [c["id"] for c in expand(load_spec(spec_path))]
+
+    first = ids(folder / "spec.yaml")
+    monkeypatch.chdir(folder)
+    assert ids("spec.yaml") == first  # (the same files, spelt from another folder)
+    text = (folder / "hw.yaml").read_text()
+    assert "kernel_overhead_s: 8.6e-6" in text
+    (folder / "hw.yaml").write_text(text.replace("kernel_overhead_s: 8.6e-6", "kernel_overhead_s: 8.6e-3"))
+    edited_profile = ids("spec.yaml")
+    assert edited_profile != first
+    synthesize(get_model("tiny-mixtral"), 12, 4, 2, "calibrated", 3).save(folder / "tr.npz")
+    assert ids("spec.yaml") not in (first, edited_profile)
