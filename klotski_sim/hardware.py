@@ -17,6 +17,7 @@ from typing import Annotated, Any
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
+from .argtypes import MAX_COUNT
 from .errors import KlotskiError, UsageError
 from .textfile import read_text
 from .yamlfile import MAX_BYTES as MAX_YAML_BYTES
@@ -110,6 +111,15 @@ class LinkSpec(_Strict):
     latency_s: PerOpSeconds = 0.0
     copy_engines: Annotated[int, _Number, Field(ge=1, le=MAX_COPY_ENGINES)] = 1
 
+    @model_validator(mode="after")
+    def _pageable_not_faster(self) -> "LinkSpec":
+        """A pageable copy is staged through a pinned buffer: never faster than a pinned one (the
+        runtime's emulation refuses the same)."""
+        if self.pageable_bandwidth is not None and self.pageable_bandwidth > self.bandwidth:
+            raise ValueError(f"pageable_bandwidth ({self.pageable_bandwidth:.4g}) is above the pinned bandwidth "
+                             f"({self.bandwidth:.4g}): a pageable copy is staged through a pinned buffer")
+        return self
+
 
 class LinksSpec(_Strict):
     pcie_h2d: LinkSpec
@@ -166,8 +176,8 @@ class DiskSpec(_Strict):
 class MeasuredPoint(_Strict):
     """One measured op duration; `tokens` is the op's token count, `kv_len` its KV length."""
 
-    tokens: Annotated[int, _Number, Field(ge=0)]
-    kv_len: Annotated[int, _Number, Field(ge=0)] = 0
+    tokens: Annotated[int, _Number, Field(ge=0, le=MAX_COUNT)]
+    kv_len: Annotated[int, _Number, Field(ge=0, le=MAX_COUNT)] = 0
     seconds: Annotated[float, _Number, Field(gt=0, le=MAX_MEASURED_S, allow_inf_nan=False)]
 
 
@@ -188,8 +198,9 @@ class HardwareProfile(_Strict):
 
     @model_validator(mode="after")
     def _measured_tables(self) -> "HardwareProfile":
-        """A table under a name the cost model never reads, or one shape measured twice with two
-        durations, was kept silently (unknown fields elsewhere are refused)."""
+        """A table whose name is not of the form the cost model reads, or one shape measured twice
+        with two durations, was kept silently (unknown fields elsewhere are refused). A well-formed
+        name of a category no built-in op has is kept: a policy file's own ops may read it."""
         for name, points in self.measured.items():
             if not _MEASURED_KEY.fullmatch(name):
                 raise ValueError(f"measured.{name}: not a table name the cost model reads "

@@ -16,6 +16,7 @@ from typing import Any, Callable, Collection, Mapping
 
 import numpy as np
 
+from .argtypes import MAX_COUNT, MAX_SEED
 from .cache import cached_trace
 from .cost import CostModel
 from .engine import simulate
@@ -77,6 +78,40 @@ class RunSpec:
     overrides: Mapping[str, Any] = field(default_factory=dict)
     options: Mapping[str, Any] = field(default_factory=dict)
     impl: str = "as-published"  # implementation preset (klotski_sim.impl); `options` override it
+
+    def __post_init__(self) -> None:
+        """Each field of the type it is read as, numpy integers taken as ints: from a notebook,
+        `seed=None` drew random routing (and cached it under `seed: null`), `batch_size=np.int64(2)`
+        failed in the trace cache's JSON, `options=None` and `model=3` in attribute look-ups."""
+        def count(name: str, low: int, high: int, optional: bool = False) -> None:
+            value = getattr(self, name)
+            if optional and value is None:
+                return
+            if isinstance(value, np.integer):
+                value = int(value)
+                object.__setattr__(self, name, value)
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                raise UsageError(f"RunSpec.{name} must be an integer from {low} to {high}"
+                                 f"{' (or None)' if optional else ''}, got {value!r}")
+
+        for name in ("batch_size", "prompt_len", "gen_len"):
+            count(name, 1, MAX_COUNT)
+        count("num_batches", 1, MAX_COUNT, optional=True)
+        count("warmup_sequences", 0, MAX_COUNT)
+        count("seed", 0, MAX_SEED)
+        if isinstance(self.hardware, os.PathLike):  # (a profile file given as a Path)
+            object.__setattr__(self, "hardware", os.fspath(self.hardware))
+        for name in ("model", "hardware", "policy", "routing", "kv", "experts", "impl"):
+            if not isinstance(getattr(self, name), str):
+                raise UsageError(f"RunSpec.{name} must be a string, got {getattr(self, name)!r}")
+        if self.trace is not None and not isinstance(self.trace, (str, os.PathLike)):
+            raise UsageError(f"RunSpec.trace must be a path (or None), got {self.trace!r}")
+        if not isinstance(self.wrap, bool):
+            raise UsageError(f"RunSpec.wrap must be true or false, got {self.wrap!r}")
+        for name in ("overrides", "options"):
+            value = getattr(self, name)
+            if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+                raise UsageError(f"RunSpec.{name} must map names (strings) to values, got {value!r:.80}")
 
     def shape(self, num_batches: int) -> RunShape:
         return RunShape(self.batch_size, num_batches, self.prompt_len, self.gen_len)
@@ -206,7 +241,6 @@ def planner_impl(spec: RunSpec) -> Impl:
 
 def prepare(spec: RunSpec) -> Prepared:
     """Resolve model, profile, n (planner when `num_batches` is None), placement and routing."""
-    spec.shape(spec.num_batches or 1)  # (its sizes checked before the planner computes with them)
     model = get_model(spec.model)
     profile = resolve_profile(spec)
     placement = resolve_placement(spec, model, profile)

@@ -38,6 +38,7 @@ TINY = {"name": "t", "models": ["tiny-mixtral"], "policies": ["klotski"], "batch
     ("links.pcie_h2d.copy_engines", True, "expected a number, got true"),
     ("links.pcie_h2d.copy_engines", 2**70, "copy_engines: Input should be less than or equal to 64"),
     ("gpu.memory_efficiency", 1e-300, "memory_bandwidth x memory_efficiency .* is below 1 per second"),
+    ("links.pcie_h2d.pageable_bandwidth", 1e12, "pageable_bandwidth .* is above the pinned bandwidth"),
     ("gpu.compute_efficiency", 1e-15, "peak_flops x compute_efficiency .* is below 1 per second")])
 def test_non_finite_and_inconsistent_profile_values_are_refused(field, value, message):
     with pytest.raises(ProfileError, match=message):
@@ -522,7 +523,7 @@ def test_sizes_beyond_what_a_run_can_compute_with_are_refused_by_the_python_api_
     from klotski_sim.runner import RunSpec, prepare
     from klotski_sim.trace import TraceError, import_jsonl
 
-    with pytest.raises(KlotskiError, match="batch_size must be a positive integer up to 2\\*\\*31 - 1"):
+    with pytest.raises(KlotskiError, match="RunSpec.batch_size must be an integer from 1 to 2147483647"):
         prepare(RunSpec(model="tiny-mixtral", batch_size=2**70, num_batches=None, prompt_len=8, gen_len=2))
     with pytest.raises(KlotskiError, match="from 1 to 2\\*\\*31 - 1"):
         parse_spec({**TINY, "batch_sizes": [2**40]})
@@ -564,6 +565,7 @@ def test_a_measured_table_is_held_to_names_the_cost_model_reads_single_durations
             ({"expert": [{**point, "seconds": 1e30}]}, "measured.expert.0.seconds: Input should be less than or equal "
                                                         "to 3600"),
             ({"expert": [point, {**point, "seconds": 2e-4}]}, "measured.expert: tokens 1, kv_len 0 measured twice"),
+            ({"expert": [{**point, "tokens": 2**63}]}, "measured.expert.0.tokens: Input should be less than or equal"),
             ({"Expert Table": [point]}, "measured.Expert Table: not a table name the cost model reads"),
             ({"attention.fused:later": [point]}, "not a table name")):
         with pytest.raises(ProfileError, match=message):
@@ -604,3 +606,32 @@ def test_a_run_whose_weights_or_kv_cache_the_host_or_disk_cannot_hold_is_refused
     assert split["disk"] == 10 * m.moe_layer_bytes()
     assert split["host"] == (m.layers_bytes() - 2 * m.layer_bytes() - 10 * m.moe_layer_bytes()
                              + m.num_layers * m.kv_bytes(12, 110))
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("seed", None, "RunSpec.seed must be an integer from 0"), ("seed", -1, "seed"), ("seed", 1.5, "seed"),
+    ("batch_size", True, "RunSpec.batch_size must be an integer from 1 to 2147483647"),
+    ("warmup_sequences", None, "RunSpec.warmup_sequences"), ("num_batches", 0, "RunSpec.num_batches"),
+    ("model", None, "RunSpec.model must be a string"), ("routing", 1, "RunSpec.routing must be a string"),
+    ("trace", 3, "RunSpec.trace must be a path"), ("wrap", "yes", "RunSpec.wrap must be true or false"),
+    ("options", None, "RunSpec.options must map names"), ("overrides", {1: 2}, "RunSpec.overrides must map names"),
+    ("overrides", "gpu.memory_bytes=1", "RunSpec.overrides must map names")])
+def test_a_run_spec_of_the_wrong_types_is_refused_in_one_line(field, value, message):
+    """From a notebook: `seed=None` drew random routing and cached it under `seed: null`; the others
+    were TypeErrors and AttributeErrors deep in the run."""
+    from klotski_sim.runner import RunSpec
+
+    with pytest.raises(KlotskiError, match=message):
+        RunSpec(**{**dict(model="tiny-mixtral", prompt_len=8, gen_len=2, batch_size=2, num_batches=2), field: value})
+
+
+def test_a_run_spec_takes_numpy_integers_and_a_path_as_what_they_are(tmp_path):
+    """`batch_size=np.int64(2)` failed in the trace cache's JSON; a Path for a profile file is its path."""
+    from pathlib import Path
+
+    from klotski_sim.runner import RunSpec, run
+
+    spec = RunSpec(model="tiny-mixtral", prompt_len=8, gen_len=2, batch_size=np.int64(2), num_batches=np.uint8(2),
+                   seed=np.int64(3), hardware=Path("klotski_sim/profiles/rtx3090.yaml"))
+    assert type(spec.batch_size) is int and type(spec.seed) is int and spec.hardware.endswith("rtx3090.yaml")
+    assert run(spec).timeline.status == "ok"
