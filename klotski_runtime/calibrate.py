@@ -358,7 +358,6 @@ def _measure_links(dev: torch.device, measure: Callable, repeats: int, emulate: 
         h2d_bw, h2d_lat = fit(lambda s: s.clone(), pin=False)
         h2d_pageable, d2h_bw, d2h_lat, d2h_pageable = h2d_bw, h2d_bw, h2d_lat, h2d_bw
     # a pageable copy is staged through a pinned buffer: a measurement above the pinned rate is noise
-    # (and a profile refuses it)
     h2d_pageable, d2h_pageable = min(h2d_pageable, h2d_bw), min(d2h_pageable, d2h_bw)
     disk_bw, disk_lat = _measure_disk(sizes, repeats)
     out["pcie_h2d"] = {"bandwidth": emulate.get("pcie_h2d", h2d_bw),

@@ -111,15 +111,6 @@ class LinkSpec(_Strict):
     latency_s: PerOpSeconds = 0.0
     copy_engines: Annotated[int, _Number, Field(ge=1, le=MAX_COPY_ENGINES)] = 1
 
-    @model_validator(mode="after")
-    def _pageable_not_faster(self) -> "LinkSpec":
-        """A pageable copy is staged through a pinned buffer: never faster than a pinned one (the
-        runtime's emulation refuses the same)."""
-        if self.pageable_bandwidth is not None and self.pageable_bandwidth > self.bandwidth:
-            raise ValueError(f"pageable_bandwidth ({self.pageable_bandwidth:.4g}) is above the pinned bandwidth "
-                             f"({self.bandwidth:.4g}): a pageable copy is staged through a pinned buffer")
-        return self
-
 
 class LinksSpec(_Strict):
     pcie_h2d: LinkSpec

@@ -154,6 +154,9 @@ class SweepSpec(BaseModel):
         for key, values in grid.items():
             if not values:
                 raise UsageError(f"{key}: give at least one value (an empty axis would empty the grid)")
+            twice = first_repeat(values)  # (as on every other axis: `[2e10, 20000000000]` ran twice)
+            if twice is not None:
+                raise UsageError(f"{key}: {twice!r} is given twice")
         return grid
 
     @field_validator("num_batches")

@@ -38,7 +38,6 @@ TINY = {"name": "t", "models": ["tiny-mixtral"], "policies": ["klotski"], "batch
     ("links.pcie_h2d.copy_engines", True, "expected a number, got true"),
     ("links.pcie_h2d.copy_engines", 2**70, "copy_engines: Input should be less than or equal to 64"),
     ("gpu.memory_efficiency", 1e-300, "memory_bandwidth x memory_efficiency .* is below 1 per second"),
-    ("links.pcie_h2d.pageable_bandwidth", 1e12, "pageable_bandwidth .* is above the pinned bandwidth"),
     ("gpu.compute_efficiency", 1e-15, "peak_flops x compute_efficiency .* is below 1 per second")])
 def test_non_finite_and_inconsistent_profile_values_are_refused(field, value, message):
     with pytest.raises(ProfileError, match=message):
@@ -430,6 +429,9 @@ def test_sweep_specs_refuse_empty_axes_repeats_and_negative_seeds():
                          ({"seeds": [-1]}, r"seeds must be from 0 to 2\*\*63 - 1"),
                          ({"resident_layers": [999]}, "more than"),
                          ({"options": {"expert_cache": [-1]}}, "expert_cache must be a whole number"),
+                         ({"options": {"expert_cache": [0, 0]}}, "expert_cache: 0 is given twice"),
+                         ({"overrides": {"links.pcie_h2d.bandwidth": [2e10, "20000000000"]}},
+                          "links.pcie_h2d.bandwidth: 20000000000.0 is given twice"),
                          ({"options": {"expert_cache": [float("nan")]}},
                           "option expert_cache must be of type int \\(default 0\\), got nan"),
                          ({"routings": ["trace:/tmp"]}, "is a directory, not a routing trace"),
