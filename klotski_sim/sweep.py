@@ -181,7 +181,7 @@ def load_spec(path: str | Path) -> SweepSpec:
             file = name[len(prefix):]
             return name if not file or Path(file).is_absolute() else prefix + str(path.parent / file)
 
-        files = {"policy_files": lambda f: beside_spec(f), "routings": lambda r: beside_spec(r, "trace:"),
+        files = {"policy_files": beside_spec, "routings": lambda r: beside_spec(r, "trace:"),
                  "hardware": lambda h: h if h in builtin_profile_names() else beside_spec(h)}
         for key, resolve in files.items():
             if isinstance(data.get(key), list):
