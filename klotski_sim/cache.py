@@ -87,30 +87,34 @@ def cached_trace(model: ModelSpec, routing: str, seed: int, sequences: int, prom
     key = json.dumps({"model": asdict(model), "routing": routing, "seed": seed, "sequences": sequences,
                       "prompt_len": prompt_len, "gen_len": gen_len, "code": _generator_fingerprint()},
                      sort_keys=True)
-    path = folder / "traces" / f"{hashlib.sha1(key.encode()).hexdigest()[:20]}.npz"
-    trace = _read(path)
-    if trace is not None and _drawn_for(trace, model, sequences, prompt_len + gen_len):
+    path = _entry(folder, key)
+    cached = _read(path)
+    if cached is not None and _drawn_for(cached, model, sequences, prompt_len + gen_len):
         os.utime(path)  # (used now: the last to be evicted)
-        return trace
+        return cached
+    trace = None
     if stream is not None:
         drawn = stream()
-        fits = _stream_bytes(drawn) <= max_bytes
-        if fits and _store(path, _streamed_arrays(drawn), max_bytes):
+        if _nbytes(drawn.shape, drawn.dtype) <= max_bytes and _store(path, _streamed_arrays(drawn), max_bytes):
             trace = _read(path)
-            if trace is not None:
-                return trace
-        if not fits and path.parent.is_dir():  # (not kept: the cap applied, as below)
-            evict(path.parent, max_bytes)
-        trace = _unnamed_trace(drawn)  # (larger than the cache, or the cache not writable)
-        if trace is not None:
-            return trace
-    trace = make()
-    if trace.experts.nbytes > max_bytes:  # larger than the whole cache may be: not kept (and the cap applied)
-        if path.parent.is_dir():
-            evict(path.parent, max_bytes)
-        return trace
-    _store(path, _trace_arrays(trace.experts, trace.seq_offsets, trace.prompt_lens, trace.meta), max_bytes)
+        if trace is None:  # (larger than the cache, or the cache not writable)
+            trace = _unnamed_trace(drawn)
+    if trace is None:
+        trace = make()
+        if trace.experts.nbytes <= max_bytes:
+            _store(path, _trace_arrays(trace.experts, trace.seq_offsets, trace.prompt_lens, trace.meta), max_bytes)
+    if trace.experts.nbytes > max_bytes and path.parent.is_dir():  # (not kept: the cap applied all the same)
+        evict(path.parent, max_bytes)
     return trace
+
+
+def _entry(folder: Path, key: str) -> Path:
+    """The cache's file for `key` (everything that determines its contents): named by its hash."""
+    return folder / "traces" / f"{hashlib.sha1(key.encode()).hexdigest()[:20]}.npz"
+
+
+def _nbytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
 
 
 def _drawn_for(trace: Trace, model: ModelSpec, sequences: int, tokens: int) -> bool:
@@ -133,10 +137,6 @@ def _read(path: Path) -> Trace | None:
         return None  # not there yet, or unreadable (a truncated file is a ValueError/BadZipFile)
 
 
-def _stream_bytes(drawn: TraceStream) -> int:
-    return int(np.prod(drawn.shape, dtype=np.int64)) * drawn.dtype.itemsize
-
-
 def _streamed_arrays(drawn: TraceStream) -> dict[str, np.ndarray | Blocks]:
     """A trace being drawn as the members of its file, its ids written as they are drawn."""
     return _trace_arrays(Blocks(drawn.shape, drawn.dtype, drawn.blocks), drawn.seq_offsets, drawn.prompt_lens,
@@ -150,7 +150,7 @@ def _unnamed_trace(drawn: TraceStream) -> Trace | None:
     they are mapped, and gives the space back when the run lets go of the trace). None for a smaller
     trace, on another platform, or where no temporary file can be written: the caller draws it into
     memory."""
-    if os.name != "posix" or _stream_bytes(drawn) < MAPPED_ABOVE:
+    if os.name != "posix" or _nbytes(drawn.shape, drawn.dtype) < MAPPED_ABOVE:
         return None
     try:
         with tempfile.TemporaryDirectory(prefix="klotski-trace-") as folder:
@@ -203,14 +203,14 @@ def unpacked_array(path: Path, name: str) -> np.ndarray | None:
     stat = path.stat()
     key = json.dumps({"unpacked": os.path.realpath(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
                       "array": name, "format": 1}, sort_keys=True)
-    copy = folder / "traces" / f"{hashlib.sha1(key.encode()).hexdigest()[:20]}.npz"
+    copy = _entry(folder, key)
     mapped = map_stored_array(copy, "a")
     if mapped is not None:
         os.utime(copy)  # (used now: the last to be evicted)
         return mapped
     with zipfile.ZipFile(path) as archive, archive.open(f"{name}.npy") as member:
         shape, fortran_order, dtype = read_npy_header(member)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = _nbytes(shape, dtype)
         if fortran_order or dtype.hasobject or not shape or not MAPPED_ABOVE <= nbytes <= max_bytes:
             return None
         if not _store(copy, {"a": Blocks(shape, dtype, _rows(member, shape, dtype))}, max_bytes):
@@ -221,7 +221,7 @@ def unpacked_array(path: Path, name: str) -> np.ndarray | None:
 def _rows(member: IO[bytes], shape: tuple[int, ...], dtype: np.dtype) -> Iterator[np.ndarray]:
     """The rows of an npy array's data read from `member`, a block of about _UNPACKED_BLOCK bytes
     at a time; a member that ends early is an error, as in numpy's reading."""
-    row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+    row_bytes = _nbytes(shape[1:], dtype)
     rows = max(1, _UNPACKED_BLOCK // max(1, row_bytes))
     left = shape[0]
     while left:
