@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import math
 import re
+from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any
@@ -260,9 +261,11 @@ def load_profile_file(path: str | Path) -> HardwareProfile:
     return profile_from_dict(load_yaml(text, str(path), ProfileError), str(path))
 
 
-def builtin_profile_names() -> list[str]:
+@lru_cache(maxsize=1)
+def builtin_profile_names() -> tuple[str, ...]:
+    """The packaged profiles' names, listed once (a sweep asks for every configuration)."""
     folder = resources.files("klotski_sim") / "profiles"
-    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml"))
+    return tuple(sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml")))
 
 
 def load_profile(name_or_path: str | Path) -> HardwareProfile:
