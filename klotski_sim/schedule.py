@@ -404,14 +404,17 @@ def _check_meta(meta: Mapping[str, Any], where: str) -> None:
     for key in _META_TEXT:
         if key in meta and not isinstance(meta[key], str) and not (key == "routing" and meta[key] is None):
             refuse(key, "a model preset's name" if key == "model" else "a string")
+    def count(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
     for key in _META_COUNTS:
-        if key in meta and (not isinstance(meta[key], int) or isinstance(meta[key], bool) or meta[key] < 0):
+        if key in meta and not count(meta[key]):
             refuse(key, "an integer >= 0")
     for key in _META_OBJECTS:
         if key in meta and not isinstance(meta[key], dict):
             refuse(key, "a JSON object")
     layers = meta.get("placement", {}).get("resident_layers", 0)
-    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 0:
+    if not count(layers):
         raise ScheduleError(f"{where}: meta.placement.resident_layers must be an integer >= 0, got {layers!r:.60}")
     pinned = meta.get("resident_weights", [])
     if not isinstance(pinned, list) or not all(
