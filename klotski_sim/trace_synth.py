@@ -189,11 +189,11 @@ def check_routing_fits(model: ModelSpec, sequences: int, tokens: int, described:
                          f"host memory; this machine has {have / 2**30:.1f} GiB")
 
 
-# Sequences of up to 8192 tokens are drawn 64 at a time, as they always were (their draws are
-# pinned); longer ones this many tokens at a time: the generator's working arrays ([sequences,
-# tokens, experts], several of them) grow with a chunk's tokens. At 136 sequences of 16k tokens
-# (the default Klotski run at prompt 16384) drawing 2^19 tokens a chunk peaked at 328 MB in 12.1 s,
-# 2^17 at 103 MB in 11.2 s (drawing only, `experiments/bench_long_prompt.py` for whole runs).
+# Sequences of up to 8192 tokens are drawn 64 at a time; longer ones this many tokens at a time:
+# the generator's working arrays ([sequences, tokens, experts], several of them) grow with a chunk's
+# tokens. At 136 sequences of 16k tokens (the default Klotski run at prompt 16384) drawing 2^19
+# tokens a chunk peaked at 328 MB in 12.1 s, 2^17 at 103 MB in 11.2 s (drawing only,
+# `experiments/bench_long_prompt.py` for whole runs). The chunk changes no draw (`_drawn_blocks`).
 _LONG_TOKENS_PER_CHUNK = 1 << 17
 
 
@@ -201,7 +201,9 @@ def synthesize(model: ModelSpec, sequences: int, prompt_len: int, gen_len: int, 
                seed: int = 0, with_weights: bool = False, chunk: int | None = None) -> Trace:
     """A trace of `sequences` sequences of prompt_len + gen_len tokens each. Gate weights (the
     softmax of the drawn logits over the chosen experts) only on request: they triple the file.
-    Sequences are drawn `chunk` at a time (`synthesized_blocks`), each chunk into its place."""
+    Sequences are drawn `chunk` at a time (`synthesized_blocks`), each chunk into its place.
+    Sequence i is the same in every trace of the same model, routing, seed and lengths, however
+    many sequences it holds and whatever the chunk (`_drawn_blocks`)."""
     stream = synthesized_blocks(model, sequences, prompt_len, gen_len, routing, seed, with_weights, chunk)
     experts = np.empty(stream.shape, dtype=stream.dtype)
     weights = np.empty(stream.shape, dtype=np.float16) if with_weights else None
@@ -255,13 +257,22 @@ def _drawn_blocks(model: ModelSpec, params: SynthParams, sequences: int, T: int,
                   chunk: int | None, into: tuple[np.ndarray, np.ndarray | None] | None = None
                   ) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
     """The generator's draws, a chunk of sequences at a time: `([S * T, L, k] ids, weights or None)`,
-    drawn into their rows of `into` (the whole trace's ids and weights) when given."""
+    drawn into their rows of `into` (the whole trace's ids and weights) when given.
+
+    Each kind of draw has a random stream of its own (a sequence's shares; its tokens' types; each
+    layer's Gumbel noise; each layer's stickiness), read sequence after sequence in order: a
+    sequence's numbers then depend on the sequences before it alone, not on how many follow or how
+    many are drawn at once. (With one stream for every draw, a policy run for 1 batch and one for
+    17 replayed different routing for the same first batch, and a hardware number that changed the
+    planner's n changed every sequence's routing with it.)"""
     rng = np.random.default_rng(seed)
     L, E, k = model.num_layers, model.num_experts, model.top_k
     chunk = chunk or (64 if T <= 8192 else max(1, _LONG_TOKENS_PER_CHUNK // T))
     base = base_popularity(model, params, rng)
     affinity = rng.standard_normal((L, E, E))
     type_affinity = rng.standard_normal((L, params.token_types, E))
+    streams = [np.random.default_rng(child) for child in np.random.SeedSequence(seed).spawn(2 + 2 * L)]
+    shares_rng, types_rng, gumbel_rngs, stick_rngs = streams[0], streams[1], streams[2:2 + L], streams[2 + L:]
     for lo in range(0, sequences, chunk):
         S = min(chunk, sequences - lo)
         if into is None:
@@ -272,12 +283,14 @@ def _drawn_blocks(model: ModelSpec, params: SynthParams, sequences: int, T: int,
             weights = None if into[1] is None else into[1][lo * T:(lo + S) * T].reshape(S, T, L, k)
         if params.concentration:
             alpha = np.maximum(params.concentration * E * base, 1e-3)  # [L, E]
-            g = rng.standard_gamma(np.broadcast_to(alpha, (S, L, E)))
+            g = shares_rng.standard_gamma(np.broadcast_to(alpha, (S, L, E)))
             seq_shares = g / g.sum(axis=-1, keepdims=True)
         else:
             seq_shares = np.broadcast_to(base, (S, L, E))
         log_shares = np.log(np.maximum(seq_shares, 1e-12))
-        token_type = rng.integers(0, params.token_types, size=(S, T))
+        # (from uniform doubles: `integers` draws two values from each 64-bit number and drops an
+        # odd call's last half, so a chunk's size would move the next chunk's types)
+        token_type = (types_rng.random((S, T)) * params.token_types).astype(np.intp)
         prev_first = None
         for layer in range(L):
             # [S, T, E] arrays, computed in place where the values are the same (each of them 32 MB
@@ -287,7 +300,7 @@ def _drawn_blocks(model: ModelSpec, params: SynthParams, sequences: int, T: int,
                 logits = _plus_scaled(logits, params.coupling, affinity[layer][prev_first])
             if params.type_coupling:
                 logits = _plus_scaled(logits, params.type_coupling, type_affinity[layer][token_type])
-            gumbel = rng.random((S, T, E), dtype=np.float32)
+            gumbel = gumbel_rngs[layer].random((S, T, E), dtype=np.float32)
             np.maximum(gumbel, 1e-30, out=gumbel)
             np.log(gumbel, out=gumbel)
             np.negative(gumbel, out=gumbel)
@@ -295,7 +308,7 @@ def _drawn_blocks(model: ModelSpec, params: SynthParams, sequences: int, T: int,
             noisy = np.subtract(logits, gumbel, out=None if weights is not None else logits)  # (weights read logits)
             del gumbel
             ranking = _top_sorted(noisy, k + 1)  # Gumbel-top-k = sampling without replacement
-            u = rng.random((S, T))
+            u = stick_rngs[layer].random((S, T))
             mode_all = u < params.stick_all
             mode_one = (u >= params.stick_all) & (u < params.stick_all + params.stick_one)
             mode_all[:, 0] = mode_one[:, 0] = False
