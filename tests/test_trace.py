@@ -252,8 +252,8 @@ def test_counts_by_choice_or_by_expert_are_the_ids_counted_one_by_one(nb, bs, pr
 def test_the_generator_draws_what_it_drew(model, sequences, prompt, gen, routing, weights, digest):
     """Golden draws of the synthetic generator (every run without a trace replays one): its working
     arrays are computed in place where the numbers are the same, and these digests (taken when each
-    kind of draw got its own random stream) pin it. (A numpy that changed its random streams would change them, and every synthetic
-    run with them.)"""
+    kind of draw got its own random stream) pin it. (A numpy that changed its random streams would
+    change them, and every synthetic run with them.)"""
     import hashlib
 
     t = synthesize(get_model(model), sequences, prompt, gen, routing, seed=11, with_weights=weights)
@@ -262,7 +262,8 @@ def test_the_generator_draws_what_it_drew(model, sequences, prompt, gen, routing
 
 
 @settings(max_examples=25, deadline=None)
-@given(model=st.sampled_from(["tiny-mixtral", "olmoe-1b-7b"]), routing=st.sampled_from(["calibrated", "uniform", "zipf:1.2"]),
+@given(model=st.sampled_from(["tiny-mixtral", "olmoe-1b-7b"]),
+       routing=st.sampled_from(["calibrated", "uniform", "zipf:1.2"]),
        fewer=st.integers(1, 9), more=st.integers(1, 9), chunk=st.sampled_from([None, 1, 2, 3, 64]),
        tokens=st.integers(1, 7), seed=st.integers(0, 2**32))
 def test_a_sequence_is_drawn_the_same_however_many_are_drawn_and_however_many_at_a_time(
