@@ -168,10 +168,11 @@ class SweepSpec(BaseModel):
         return values
 
 
-def load_spec(path: str | Path) -> SweepSpec:
+def load_spec(path: str | Path, checked: bool = True) -> SweepSpec:
     """A spec file; every file it names (policy files, hardware YAML files, `trace:` routings) is
     relative to the spec's folder, absolute paths as they are (the policy files were, the others
-    were relative to wherever the sweep was started)."""
+    were relative to wherever the sweep was started). `checked=False`: its types only, not yet
+    `check_spec` (which loads every profile once per override value)."""
     path = Path(path)
     data = load_yaml(read_text(path, "sweep spec", SweepError, MAX_YAML_BYTES), str(path), SweepError)
     if isinstance(data, dict):
@@ -186,10 +187,10 @@ def load_spec(path: str | Path) -> SweepSpec:
         for key, resolve in files.items():
             if isinstance(data.get(key), list):
                 data[key] = [resolve(entry) for entry in data[key]]
-    return parse_spec(data, str(path))
+    return parse_spec(data, str(path), checked)
 
 
-def parse_spec(data: Any, where: str = "sweep spec") -> SweepSpec:
+def parse_spec(data: Any, where: str = "sweep spec", checked: bool = True) -> SweepSpec:
     import difflib
 
     if not isinstance(data, dict):
@@ -212,7 +213,8 @@ def parse_spec(data: Any, where: str = "sweep spec") -> SweepSpec:
                 problems.setdefault(loc, f"{e['msg'][0].lower()}{e['msg'][1:]}, got {e.get('input')!r:.80}")
         raise SweepError(f"{where}: invalid sweep spec: " + "; ".join(f"{k}: {v}" for k, v in problems.items())) \
             from None
-    check_spec(spec, where)
+    if checked:
+        check_spec(spec, where)
     return spec
 
 
