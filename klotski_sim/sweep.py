@@ -255,12 +255,16 @@ def check_spec(spec: SweepSpec, where: str) -> None:
                         problems.append(f"options.{key}: {err}")
         if p not in POLICIES:
             problems.append(f"unknown policy {p!r}; known: {', '.join(POLICIES)}")
+    profiles: dict[str, str] = {}  # a profile's contents -> the first entry that gave them
     for h in spec.hardware:
         try:
             profile = load_profile(h)
         except ProfileError as err:
             problems.append(str(err))
             continue
+        same = profiles.setdefault(json.dumps(profile.model_dump(mode="json"), sort_keys=True), h)
+        if same != h:  # (a copy of a profile's file, or its path and its name: every configuration twice)
+            problems.append(f"hardware: {h!r} is the profile {same!r} again")
         for field, values in spec.overrides.items():
             for v in values:
                 try:

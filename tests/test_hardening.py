@@ -476,6 +476,19 @@ def test_sweep_specs_refuse_empty_axes_repeats_and_negative_seeds():
             parse_spec({**TINY, **bad})
 
 
+def test_a_sweep_refuses_one_profile_under_two_names(tmp_path):
+    """A copy of a packaged profile's file (or two copies) next to its name ran every configuration
+    twice, under two hardware labels; a copy with one number changed is another profile."""
+    from importlib import resources
+
+    copy = tmp_path / "mine.yaml"
+    copy.write_text((resources.files("klotski_sim") / "profiles" / "rtx3090.yaml").read_text())
+    with pytest.raises(SweepError, match=f"hardware: '{copy}' is the profile 'rtx3090' again"):
+        parse_spec({**TINY, "hardware": ["rtx3090", str(copy)]})
+    copy.write_text(copy.read_text().replace("bandwidth: 25.7e9", "bandwidth: 25.8e9", 1))
+    assert parse_spec({**TINY, "hardware": ["rtx3090", str(copy)]}).hardware == ["rtx3090", str(copy)]
+
+
 def test_a_refused_configuration_compares_and_executes_in_one_line(tmp_path):
     big = ["--model", "mixtral-8x22b", "--batch-size", "64", "--num-batches", "16", "--prompt-len", "4096",
            "--gen-len", "8"]

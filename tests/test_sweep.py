@@ -210,7 +210,9 @@ def test_every_file_a_spec_names_is_relative_to_the_spec(tmp_path):
 
     folder = tmp_path / "specs"
     folder.mkdir()
-    shutil.copy(ROOT / "klotski_sim" / "profiles" / "rtx3090.yaml", folder / "mine.yaml")
+    # a what-if of the rtx3090 (an unchanged copy next to "rtx3090" is refused: the same profile twice)
+    mine = (ROOT / "klotski_sim" / "profiles" / "rtx3090.yaml").read_text()
+    (folder / "mine.yaml").write_text(mine.replace("bandwidth: 25.7e9", "bandwidth: 16e9", 1))
     shutil.copy(ROOT / "klotski_sim" / "profiles" / "h800.yaml", tmp_path / "other.yaml")
     shutil.copy(ROOT / "traces" / "tiny-mixtral-recorded.npz", folder / "tr.npz")
     absolute = str(tmp_path / "other.yaml")
