@@ -9,7 +9,8 @@ configuration that fails — out of memory, or an error — is a row with its st
 The id hashes the inputs *and* the simulator's code, so rows computed by older code stay on disk
 but are neither reused nor reported.
 
-Spec (every key optional except `policies`; lists are grid axes):
+Spec (every key optional except `policies`; lists are grid axes, each value once — a model or a
+profile under a second name counts as given twice):
 
     name: pcie-what-if
     models: [mixtral-8x7b]
