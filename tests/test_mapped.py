@@ -1,10 +1,12 @@
 """Mapped arrays (klotski_sim/mapped.py): a cached trace's ids read from the file's pages, passes
 that give the pages back, and routing files written from them byte for byte as numpy writes."""
 
+import os
 import re
 import tempfile
 import zipfile
 from pathlib import Path
+from unittest.mock import patch
 
 import numpy as np
 import pytest
@@ -216,6 +218,38 @@ def test_a_trace_drawn_into_the_cache_is_the_one_drawn_in_memory_and_comes_back_
     fallback = cached_trace(m, "calibrated", 5, 70, 40, 3, make,
                             lambda: synthesized_blocks(*args[:4], routing="calibrated", seed=5))
     assert made == [1] and np.array_equal(fallback.experts, expected.experts)
+
+
+@settings(max_examples=8, deadline=None)
+@given(first=st.integers(1, 70), then=st.integers(1, 70))
+def test_a_cached_trace_serves_fewer_sequences_and_a_larger_one_replaces_it(tmp_path_factory, first, then):
+    """Runs of one workload at other batch sizes or n share one cached trace: a request for fewer
+    sequences than a cached trace holds gets its first ones, exactly the trace drawn for that many
+    (ids, offsets, prompt lengths and meta), nothing drawn; a request for more draws it, and it
+    replaces the smaller file."""
+    from klotski_sim.model import get_model
+    from klotski_sim.trace_synth import synthesize, synthesized_blocks
+
+    folder = tmp_path_factory.mktemp("cache")
+    m = get_model("tiny-mixtral")
+    drawn = []
+
+    def cached(sequences):
+        def stream():
+            drawn.append(sequences)
+            return synthesized_blocks(m, sequences, 20, 3, routing="calibrated", seed=5)
+        return cache.cached_trace(m, "calibrated", 5, sequences, 20, 3, lambda: 1 / 0, stream)
+
+    with patch.dict(os.environ, {"KLOTSKI_CACHE_DIR": str(folder), "KLOTSKI_CACHE_MAX_GB": "1"}):
+        cached(first)
+        trace = cached(then)
+    expected = synthesize(m, then, 20, 3, "calibrated", seed=5)
+    assert drawn == ([first] if then <= first else [first, then])
+    assert np.array_equal(trace.experts, expected.experts) and trace.meta == json_round_trip(expected.meta)
+    assert np.array_equal(trace.seq_offsets, expected.seq_offsets)
+    assert np.array_equal(trace.prompt_lens, expected.prompt_lens)
+    kept = sorted(p.name.rsplit("-", 1)[1] for p in (folder / "traces").glob("*.npz"))
+    assert kept == [f"{max(first, then)}.npz"]
 
 
 def json_round_trip(value):
