@@ -6,9 +6,10 @@ model's shape, the routing kind, the seed, the lengths and the generator's own c
 generator never serves an old trace — and that number (`<hash>-<sequences>.npz`): the generator
 draws sequence i the same however many follow, so a trace of more sequences serves a run that needs
 fewer (its first ones), and the workload keeps one file, its largest (an `optimize` over batch sizes
-and n, cold: 9 files, 69 MB before, 3 files, 29 MB now). Files are written atomically (`npzfile.write_npz`: a per-process temp name, then a
-rename) and stored uncompressed, ids in a byte up to 256 experts, so that a run maps the ids
-rather than reading them (`mapped.py`: a long prompt's routing is not held whole).
+and n, cold: 9 files, 69 MB before, 3 files, 29 MB now). Files are written atomically
+(`npzfile.write_npz`: a per-process temp name, then a rename) and stored uncompressed, ids in a
+byte up to 256 experts, so that a run maps the ids rather than reading them (`mapped.py`: a long
+prompt's routing is not held whole).
 `KLOTSKI_CACHE_DIR` sets the folder (default `~/.cache/klotski`); `off` disables it. A cache that
 cannot be written is simply not used. A trace it does not keep (off, not writable, larger than its
 cap) is drawn into a temporary file and mapped all the same when it is large (`_unnamed_trace`).
