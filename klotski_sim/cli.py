@@ -424,7 +424,8 @@ def _pct(value: float | None) -> str:
 
 
 SWEEP_CONFIRM = 10_000  # a grid larger than this runs only with --yes
-SECONDS_PER_CONFIG = 5.0  # a default-size configuration, as-published (experiments/bench_sweep.py)
+SECONDS_PER_CONFIG = 1.5  # a default-size as-published Klotski configuration on one worker: 78 a minute on 2
+# (`python experiments/bench_sweep.py --default-size 20`, every schedule distinct; README, Performance)
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -437,7 +438,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     check_spec(spec, str(args.spec))
     minutes = size * SECONDS_PER_CONFIG / max(1, args.workers) / 60
     took = f"{minutes:.0f} min" if minutes >= 1 else f"{minutes * 60:.0f} s"
-    print(f"{size} configurations in the grid (about {took} at {SECONDS_PER_CONFIG:.0f} s each on "
+    print(f"{size} configurations in the grid (about {took} at {SECONDS_PER_CONFIG:.1f} s each on "
           f"{args.workers} worker(s), if none is done yet)")
     if args.dask is not None and not args.dask.strip():  # (an empty address ran locally, silently)
         raise CliError("--dask: expected a scheduler address like tcp://HOST:8786 or 'local', got an empty one")
