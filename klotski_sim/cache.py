@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import tempfile
 import time
 import zipfile
@@ -94,8 +95,8 @@ def cached_trace(model: ModelSpec, routing: str, seed: int, sequences: int, prom
     path = _member(folder, family, sequences)
     for count, entry in [(sequences, path)] + _larger_members(folder, family, sequences):
         cached = _read(entry)
-        if cached is not None and _drawn_for(cached, model, count, prompt_len + gen_len):
-            os.utime(entry)  # (used now: the last to be evicted)
+        if cached is not None and _drawn_for(cached, model, count, prompt_len, gen_len):
+            _touch(entry)  # (used now: the last to be evicted)
             return cached if count == sequences else _first_sequences(cached, sequences)
     trace = None
     if stream is not None:
@@ -169,24 +170,39 @@ def _nbytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
     return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
 
 
-def _drawn_for(trace: Trace, model: ModelSpec, sequences: int, tokens: int) -> bool:
-    """Whether a cached trace has the shape its key says: a file replaced by another (valid) trace
-    failed every later run of its configuration, without naming the cache; it is drawn again."""
+def _drawn_for(trace: Trace, model: ModelSpec, sequences: int, prompt_len: int, gen_len: int) -> bool:
+    """Whether a cached trace has the shape its name says (and the generator's settings in its meta,
+    which a smaller run served from it rewrites): a file replaced by another (valid) trace failed
+    every later run of its configuration, without naming the cache; it is drawn again."""
     return ((trace.num_sequences, trace.num_layers, trace.top_k, trace.num_experts)
             == (sequences, model.num_layers, model.top_k, model.num_experts)
-            and bool((trace.lengths == tokens).all()))
+            and bool((trace.lengths == prompt_len + gen_len).all()) and bool((trace.prompt_lens == prompt_len).all())
+            and isinstance(trace.meta.get("generator"), dict))
+
+
+def _touch(path: Path) -> None:
+    """Mark a cached file used now (eviction goes by it); a cache of another user's, or read-only,
+    or a file another process has just replaced by a larger one, is used all the same."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
 
 
 def _read(path: Path) -> Trace | None:
     """The cached trace at `path`, its ids mapped where they can be; None when it is not there or
-    cannot be used (a truncated or invalid file is made again)."""
+    cannot be used (a truncated or invalid file is made again; anything but a regular file, which
+    could block a read or point elsewhere, is passed over)."""
     try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return None
         experts = map_stored_array(path, "experts")  # (the largest part: its pages read as a run needs them)
         with np.load(path, allow_pickle=False) as z:
             meta = json.loads(str(z["meta"]))
             return Trace(z["experts"] if experts is None else experts, z["seq_offsets"], z["prompt_lens"], meta)
-    except (*NPZ_READ_ERRORS, KeyError):
-        return None  # not there yet, or unreadable (a truncated file is a ValueError/BadZipFile)
+    except (*NPZ_READ_ERRORS, KeyError, TypeError, MemoryError):
+        return None  # not there yet, or unreadable (a truncated file is a ValueError/BadZipFile; a damaged
+        # header may ask for terabytes, damaged meta be of the wrong types)
 
 
 def _streamed_arrays(drawn: TraceStream) -> dict[str, np.ndarray | Blocks]:
@@ -225,6 +241,8 @@ def _store(path: Path, arrays: Mapping[str, np.ndarray | Blocks], max_bytes: int
     and apply the cap; False where the cache cannot be written (it is then not used)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_symlink() or (path.exists() and not path.is_file() and not path.is_dir()):
+            path.unlink()  # (a link's target would be written, a FIFO block: a name of the cache's is its own)
         write_npz(path, arrays, level=None)
         evict(path.parent, max_bytes, keep=path)
         return True
@@ -252,13 +270,13 @@ def unpacked_array(path: Path, name: str) -> np.ndarray | None:
     if folder is None:
         return None
     max_bytes = cache_max_bytes()  # (a bad KLOTSKI_CACHE_MAX_GB is refused here as for a synthetic run)
-    stat = path.stat()
-    key = json.dumps({"unpacked": os.path.realpath(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+    info = path.stat()
+    key = json.dumps({"unpacked": os.path.realpath(path), "size": info.st_size, "mtime_ns": info.st_mtime_ns,
                       "array": name, "format": 1}, sort_keys=True)
     copy = _entry(folder, key)
     mapped = map_stored_array(copy, "a")
     if mapped is not None:
-        os.utime(copy)  # (used now: the last to be evicted)
+        _touch(copy)  # (used now: the last to be evicted)
         return mapped
     with zipfile.ZipFile(path) as archive, archive.open(f"{name}.npy") as member:
         shape, fortran_order, dtype = read_npy_header(member)

@@ -252,6 +252,102 @@ def test_a_cached_trace_serves_fewer_sequences_and_a_larger_one_replaces_it(tmp_
     assert kept == [f"{max(first, then)}.npz"]
 
 
+def _damage(kind, path, good):
+    """Put a damaged cache file of kind `kind` at `path` (`good`: the file's undamaged arrays)."""
+    import io
+    import json
+
+    arrays = dict(good)
+    if kind == "meta of another type":
+        arrays["meta"] = np.array("null")
+    elif kind == "generator settings not a mapping":
+        meta = json.loads(str(arrays["meta"]))
+        arrays["meta"] = np.array(json.dumps({**meta, "generator": [1]}))
+    elif kind == "another prompt/generated split":  # (the same tokens a sequence: 20 + 3 as 21 + 2)
+        arrays["prompt_lens"] = arrays["prompt_lens"] + 1
+    elif kind == "a header asking for terabytes":
+        with zipfile.ZipFile(path, "w") as z:
+            head = io.BytesIO()
+            np.lib.format.write_array_header_1_0(head, {"descr": "|u1", "fortran_order": False,
+                                                        "shape": (10**13, 2, 2)})
+            z.writestr("experts.npy", head.getvalue() + bytes(1000))
+            for name in ("seq_offsets", "prompt_lens", "meta"):
+                body = io.BytesIO()
+                np.save(body, arrays[name])
+                z.writestr(f"{name}.npy", body.getvalue())
+        return
+    elif kind == "a FIFO":
+        os.mkfifo(path)
+        return
+    elif kind == "a link to nowhere":
+        os.symlink(path.parent / "elsewhere.npz", path)
+        return
+    np.savez(path, **arrays)
+
+
+@pytest.mark.parametrize("kind", ["meta of another type", "generator settings not a mapping",
+                                  "another prompt/generated split", "a header asking for terabytes", "a FIFO",
+                                  "a link to nowhere"])
+@pytest.mark.parametrize("wanted", [5, 20])
+def test_a_damaged_cache_file_is_drawn_again_never_a_traceback_a_hang_or_a_write_elsewhere(
+        tmp_path, monkeypatch, kind, wanted):
+    """The cache fuzzed (a helper's battery): each of these cache files, under the name of a 20-sequence
+    trace of the workload, raised out of `cached_trace` (TypeError, MemoryError), blocked it for
+    ever (a FIFO), served another prompt/generated split, or made it write outside the cache (a
+    link's target). Each is passed over now, and the run gets the trace `synthesize` draws."""
+    import signal
+
+    from klotski_sim.model import get_model
+    from klotski_sim.trace_synth import synthesize, synthesized_blocks
+
+    m = get_model("tiny-mixtral")
+    monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(tmp_path / "cache"))
+
+    def cached(sequences):
+        return cache.cached_trace(m, "calibrated", 5, sequences, 20, 3, lambda: 1 / 0,
+                                  lambda: synthesized_blocks(m, sequences, 20, 3, routing="calibrated", seed=5))
+
+    cached(20)
+    (path,) = (tmp_path / "cache" / "traces").glob("*.npz")
+    with np.load(path) as z:
+        good = {name: z[name] for name in z.files}
+    path.unlink()
+    _damage(kind, path, good)
+    signal.signal(signal.SIGALRM, lambda *_: pytest.fail("the cache blocked"))
+    signal.alarm(30)
+    try:
+        trace = cached(wanted)
+    finally:
+        signal.alarm(0)
+    expected = synthesize(m, wanted, 20, 3, "calibrated", seed=5)
+    assert np.array_equal(trace.experts, expected.experts) and trace.meta == json_round_trip(expected.meta)
+    assert np.array_equal(trace.prompt_lens, expected.prompt_lens)
+    assert not (tmp_path / "cache" / "traces" / "elsewhere.npz").exists()
+
+
+def test_a_cache_file_that_cannot_be_touched_is_used_all_the_same(tmp_path, monkeypatch):
+    """Marking a cached file used (its time, for eviction) raised out of a run where the cache was
+    read-only or another user's (PermissionError), or where another process had just replaced the
+    file by a larger trace and removed it (FileNotFoundError)."""
+    from klotski_sim.model import get_model
+    from klotski_sim.trace_synth import synthesize, synthesized_blocks
+
+    m = get_model("tiny-mixtral")
+    monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(tmp_path / "cache"))
+
+    def cached(sequences):
+        return cache.cached_trace(m, "calibrated", 5, sequences, 20, 3, lambda: 1 / 0,
+                                  lambda: synthesized_blocks(m, sequences, 20, 3, routing="calibrated", seed=5))
+
+    cached(9)
+    for error in (PermissionError, FileNotFoundError):
+        def refuse(*args, error=error, **kwargs):
+            raise error("refused")
+        monkeypatch.setattr(cache.os, "utime", refuse)
+        for wanted in (9, 4):
+            assert np.array_equal(cached(wanted).experts, synthesize(m, wanted, 20, 3, "calibrated", seed=5).experts)
+
+
 def json_round_trip(value):
     import json
 
