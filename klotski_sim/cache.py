@@ -5,8 +5,8 @@ A trace is stored under a hash of everything that determines it but its number o
 model's shape, the routing kind, the seed, the lengths and the generator's own code, so a changed
 generator never serves an old trace — and that number (`<hash>-<sequences>.npz`): the generator
 draws sequence i the same however many follow, so a trace of more sequences serves a run that needs
-fewer (its first ones), and the workload keeps one file, its largest (an `optimize` over batch sizes
-and n, cold: 9 files, 69 MB before, 3 files, 29 MB now). Files are written atomically
+fewer (its first ones), and the workload keeps one file, its largest (an `optimize` over batch sizes,
+n and expert dtypes, cold: 9 files, 69 MB before, 2 files, 19 MB now; `_family`). Files are written atomically
 (`npzfile.write_npz`: a per-process temp name, then a rename) and stored uncompressed, ids in a
 byte up to 256 experts, so that a run maps the ids rather than reading them (`mapped.py`: a long
 prompt's routing is not held whole).
@@ -33,7 +33,6 @@ import stat
 import tempfile
 import time
 import zipfile
-from dataclasses import asdict
 from importlib import resources
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Callable, Iterator, Mapping
@@ -97,7 +96,7 @@ def cached_trace(model: ModelSpec, routing: str, seed: int, sequences: int, prom
         cached = _read(entry)
         if cached is not None and _drawn_for(cached, model, count, prompt_len, gen_len):
             _touch(entry)  # (used now: the last to be evicted)
-            return cached if count == sequences else _first_sequences(cached, sequences)
+            return _as_drawn_for(cached, model, sequences)
     trace = None
     if stream is not None:
         drawn = stream()
@@ -120,9 +119,12 @@ def cached_trace(model: ModelSpec, routing: str, seed: int, sequences: int, prom
 
 def _family(model: ModelSpec, routing: str, seed: int, prompt_len: int, gen_len: int) -> str:
     """What names the cached traces of one workload, whatever their number of sequences: a hash of
-    everything else that determines them (the generator's own code too)."""
-    key = json.dumps({"model": asdict(model), "routing": routing, "seed": seed, "prompt_len": prompt_len,
-                      "gen_len": gen_len, "code": _generator_fingerprint()}, sort_keys=True)
+    everything else that determines them (the generator's own code too). Of the model, the
+    generator reads its layers, experts and top-k alone (and writes its name into the meta, which a
+    run served from another name's trace rewrites): Mixtral-8x7B and its int4 experts share one."""
+    key = json.dumps({"layers": model.num_layers, "experts": model.num_experts, "top_k": model.top_k,
+                      "routing": routing, "seed": seed, "prompt_len": prompt_len, "gen_len": gen_len,
+                      "code": _generator_fingerprint()}, sort_keys=True)
     return hashlib.sha1(key.encode()).hexdigest()[:20]
 
 
@@ -145,11 +147,12 @@ def _larger_members(folder: Path, family: str, sequences: int) -> list[tuple[int
     return sorted(m for m in ((_count(p), p) for p in _members(folder, family)) if m[0] > sequences)
 
 
-def _first_sequences(trace: Trace, sequences: int) -> Trace:
-    """The trace of the first `sequences` of a cached synthetic trace: the one the generator draws
-    for that many (its meta says so), its ids a view of the mapped file."""
-    meta = dict(trace.meta)
-    meta["generator"] = {**meta.get("generator", {}), "sequences": sequences}
+def _as_drawn_for(trace: Trace, model: ModelSpec, sequences: int) -> Trace:
+    """A cached synthetic trace as the generator draws it for `model` and `sequences`: its first
+    `sequences` (a view of the mapped file), its meta naming that model and that many."""
+    if trace.num_sequences == sequences and trace.meta.get("model") == model.name:
+        return trace
+    meta = {**trace.meta, "model": model.name, "generator": {**trace.meta["generator"], "sequences": sequences}}
     return Trace(trace.experts[:int(trace.seq_offsets[sequences])], trace.seq_offsets[:sequences + 1].copy(),
                  trace.prompt_lens[:sequences].copy(), meta)
 

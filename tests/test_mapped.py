@@ -252,6 +252,33 @@ def test_a_cached_trace_serves_fewer_sequences_and_a_larger_one_replaces_it(tmp_
     assert kept == [f"{max(first, then)}.npz"]
 
 
+def test_models_of_one_shape_share_a_cached_trace_named_for_each(tmp_path, monkeypatch):
+    """The generator reads a model's layers, experts and top-k alone: Mixtral-8x7B with int4 experts
+    is served the bf16 model's cached trace (its meta naming the int4 model, as a fresh draw for it
+    does), a model of another shape is not."""
+    from klotski_sim.model import get_model
+    from klotski_sim.trace_synth import synthesize, synthesized_blocks
+
+    monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(tmp_path / "cache"))
+    drawn = []
+
+    def cached(name, sequences):
+        m = get_model(name)
+
+        def stream():
+            drawn.append(name)
+            return synthesized_blocks(m, sequences, 20, 3, routing="calibrated", seed=5)
+        return cache.cached_trace(m, "calibrated", 5, sequences, 20, 3, lambda: 1 / 0, stream)
+
+    cached("mixtral-8x7b", 9)
+    for name, sequences in (("mixtral-8x7b@int4", 9), ("mixtral-8x7b@int4", 4), ("mixtral-8x7b", 9)):
+        expected = synthesize(get_model(name), sequences, 20, 3, "calibrated", seed=5)
+        trace = cached(name, sequences)
+        assert np.array_equal(trace.experts, expected.experts) and trace.meta == json_round_trip(expected.meta)
+    assert drawn == ["mixtral-8x7b"]
+    assert cached("mixtral-8x7b:4", 9).num_layers == 4 and drawn == ["mixtral-8x7b", "mixtral-8x7b:4"]
+
+
 def _damage(kind, path, good):
     """Put a damaged cache file of kind `kind` at `path` (`good`: the file's undamaged arrays)."""
     import io
