@@ -279,6 +279,21 @@ def test_models_of_one_shape_share_a_cached_trace_named_for_each(tmp_path, monke
     assert cached("mixtral-8x7b:4", 9).num_layers == 4 and drawn == ["mixtral-8x7b", "mixtral-8x7b:4"]
 
 
+def _tiny_workload():
+    """`cached(sequences)`: the trace cache's tiny-mixtral trace of that many sequences (never made in
+    memory: `make` fails); `expected(sequences)`: the one `synthesize` draws."""
+    from klotski_sim.model import get_model
+    from klotski_sim.trace_synth import synthesize, synthesized_blocks
+
+    m = get_model("tiny-mixtral")
+
+    def cached(sequences):
+        return cache.cached_trace(m, "calibrated", 5, sequences, 20, 3, lambda: 1 / 0,
+                                  lambda: synthesized_blocks(m, sequences, 20, 3, routing="calibrated", seed=5))
+
+    return cached, lambda sequences: synthesize(m, sequences, 20, 3, "calibrated", seed=5)
+
+
 def _damage(kind, path, good):
     """Put a damaged cache file of kind `kind` at `path` (`good`: the file's undamaged arrays)."""
     import io
@@ -324,16 +339,8 @@ def test_a_damaged_cache_file_is_drawn_again_never_a_traceback_a_hang_or_a_write
     link's target). Each is passed over now, and the run gets the trace `synthesize` draws."""
     import signal
 
-    from klotski_sim.model import get_model
-    from klotski_sim.trace_synth import synthesize, synthesized_blocks
-
-    m = get_model("tiny-mixtral")
     monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(tmp_path / "cache"))
-
-    def cached(sequences):
-        return cache.cached_trace(m, "calibrated", 5, sequences, 20, 3, lambda: 1 / 0,
-                                  lambda: synthesized_blocks(m, sequences, 20, 3, routing="calibrated", seed=5))
-
+    cached, expected = _tiny_workload()
     cached(20)
     (path,) = (tmp_path / "cache" / "traces").glob("*.npz")
     with np.load(path) as z:
@@ -346,9 +353,9 @@ def test_a_damaged_cache_file_is_drawn_again_never_a_traceback_a_hang_or_a_write
         trace = cached(wanted)
     finally:
         signal.alarm(0)
-    expected = synthesize(m, wanted, 20, 3, "calibrated", seed=5)
-    assert np.array_equal(trace.experts, expected.experts) and trace.meta == json_round_trip(expected.meta)
-    assert np.array_equal(trace.prompt_lens, expected.prompt_lens)
+    assert np.array_equal(trace.experts, expected(wanted).experts)
+    assert trace.meta == json_round_trip(expected(wanted).meta)
+    assert np.array_equal(trace.prompt_lens, expected(wanted).prompt_lens)
     assert not (tmp_path / "cache" / "traces" / "elsewhere.npz").exists()
 
 
@@ -356,23 +363,15 @@ def test_a_cache_file_that_cannot_be_touched_is_used_all_the_same(tmp_path, monk
     """Marking a cached file used (its time, for eviction) raised out of a run where the cache was
     read-only or another user's (PermissionError), or where another process had just replaced the
     file by a larger trace and removed it (FileNotFoundError)."""
-    from klotski_sim.model import get_model
-    from klotski_sim.trace_synth import synthesize, synthesized_blocks
-
-    m = get_model("tiny-mixtral")
     monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(tmp_path / "cache"))
-
-    def cached(sequences):
-        return cache.cached_trace(m, "calibrated", 5, sequences, 20, 3, lambda: 1 / 0,
-                                  lambda: synthesized_blocks(m, sequences, 20, 3, routing="calibrated", seed=5))
-
+    cached, expected = _tiny_workload()
     cached(9)
     for error in (PermissionError, FileNotFoundError):
         def refuse(*args, error=error, **kwargs):
             raise error("refused")
         monkeypatch.setattr(cache.os, "utime", refuse)
         for wanted in (9, 4):
-            assert np.array_equal(cached(wanted).experts, synthesize(m, wanted, 20, 3, "calibrated", seed=5).experts)
+            assert np.array_equal(cached(wanted).experts, expected(wanted).experts)
 
 
 def json_round_trip(value):
