@@ -265,10 +265,11 @@ class Schedule:
                                     f"resources: {', '.join(RESOURCES)}")
         ops = self.ops
         # every op's fields checked, and the few that the rest of the check reads taken on the way
-        # (while the op is at hand: at 300k ops a pass over them costs a cache miss per op)
+        # (while the op is at hand: at 300k ops a pass over them costs a cache miss per op), with
+        # those a timeline's summary reads
         taken = list(map(_check_op_fields, ops, repeat(self.streams)))
         ids = list(map(itemgetter(0), taken))
-        for k, name in enumerate(("stream", "alloc", "free"), start=2):
+        for k, name in enumerate(_TAKEN_COLUMNS, start=2):
             self._columns[name] = list(map(itemgetter(k), taken))
         deps = list(map(itemgetter(1), taken))
         del taken
@@ -423,12 +424,15 @@ def _check_meta(meta: Mapping[str, Any], where: str) -> None:
         refuse("resident_weights", "a list of [tensor, layer, expert] triples")
 
 
-def _check_op_fields(op: Op, streams: Mapping[str, str]) -> tuple[str, tuple[str, ...], str, tuple, tuple[str, ...]]:
-    """Reject an op whose fields cannot run; return its id, deps, stream, alloc and free (what
-    the rest of the schedule's check reads)."""
+_TAKEN_COLUMNS = ("stream", "alloc", "free", "category", "step", "layer", "batches")  # after id and deps
+
+
+def _check_op_fields(op: Op, streams: Mapping[str, str]) -> tuple[Any, ...]:
+    """Reject an op whose fields cannot run; return its id, deps and `_TAKEN_COLUMNS` (what the rest
+    of the schedule's check reads, and a timeline's summary)."""
     # (the fields unpacked once: a schedule's every op passes here, and attribute access costs more)
-    (op_id, kind, stream, _, deps, flops, nbytes, src, dst, step, _, layer, batches, expert, tokens, kv_len, alloc,
-     free, tensor, pageable, _) = op
+    (op_id, kind, stream, category, deps, flops, nbytes, src, dst, step, _, layer, batches, expert, tokens, kv_len,
+     alloc, free, tensor, pageable, _) = op
     if not isinstance(op_id, str) or not op_id:
         raise ScheduleError(f"op id must be a non-empty string, got {op_id!r}")
     if kind not in KINDS:
@@ -471,7 +475,7 @@ def _check_op_fields(op: Op, streams: Mapping[str, str]) -> tuple[str, tuple[str
     for name, size in alloc:
         if size < 0:
             raise ScheduleError(f"op {op_id!r}: buffer {name!r} has negative size {size}")
-    return op_id, deps, stream, alloc, free
+    return op_id, deps, stream, alloc, free, category, step, layer, batches
 
 
 class Graph(NamedTuple):
