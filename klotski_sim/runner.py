@@ -7,7 +7,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import threading
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
@@ -467,8 +467,10 @@ def run_each(specs: list[RunSpec], prep: Prepared, workers: int = 1,
     `workers` processes when more than one: each run is independent and single-threaded. Each
     run's Chrome trace is written where `trace_paths` says (by the process that ran it); each
     timeline keeps its summary and the columns `keep` names (all when None). With worker processes,
-    `meanwhile` runs in a thread of this process while they run (what it raises is ignored:
-    compare imports the plotting library there, and imports it again, raising, where it draws)."""
+    `meanwhile` runs in a thread of this process once fewer runs are left than workers, on the core
+    a worker no longer needs (what it raises is ignored: compare imports the plotting library there,
+    and imports it again, raising, where it draws; started with the workers, the import took
+    0.15-0.25 s of their time from the slowest of them)."""
     traces = trace_paths or [None] * len(specs)
     workers = min(workers, len(specs))
     if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
@@ -478,10 +480,13 @@ def run_each(specs: list[RunSpec], prep: Prepared, workers: int = 1,
     try:
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_share,
                                  initargs=(prep,)) as pool:
-            results = pool.map(_timeline_in_worker, specs, traces, [keep] * len(specs))  # (workers forked)
-            if helper is not None:  # (started after the fork: a forked worker never holds its locks)
+            futures = [pool.submit(_timeline_in_worker, spec, path, keep) for spec, path in zip(specs, traces)]
+            if helper is not None:  # (started after the forks: a forked worker never holds its locks)
+                left = set(futures)
+                while len(left) >= workers:  # (every worker busy: a core for the helper only once one is not)
+                    left = wait(left, return_when=FIRST_COMPLETED).not_done
                 helper.start()
-            return list(results)
+            return [future.result() for future in futures]
     except BrokenProcessPool:
         raise UsageError(f"a worker process died before it finished (killed, or out of host memory?): "
                          f"rerun with --workers 1, or fewer than {workers}") from None
