@@ -92,7 +92,7 @@ def cached_trace(model: ModelSpec, routing: str, seed: int, sequences: int, prom
     max_bytes = cache_max_bytes()
     family = _family(model, routing, seed, prompt_len, gen_len)
     path = _member(folder, family, sequences)
-    for count, entry in [(sequences, path)] + _larger_members(folder, family, sequences):
+    for count, entry in _candidates(folder, family, sequences):
         cached = _read(entry)
         if cached is not None and _drawn_for(cached, model, count, prompt_len, gen_len):
             _touch(entry)  # (used now: the last to be evicted)
@@ -142,9 +142,12 @@ def _members(folder: Path, family: str) -> list[Path]:
     return [p for p in (folder / "traces").glob(f"{family}-*.npz") if _OWN_NAME.fullmatch(p.name)]
 
 
-def _larger_members(folder: Path, family: str, sequences: int) -> list[tuple[int, Path]]:
-    """The cached traces of this workload that hold more than `sequences`, fewest first."""
-    return sorted(m for m in ((_count(p), p) for p in _members(folder, family)) if m[0] > sequences)
+def _candidates(folder: Path, family: str, sequences: int) -> Iterator[tuple[int, Path]]:
+    """The cached traces that could serve `sequences` of this workload, with the sequences each holds:
+    its own file, then (looked for only when that one does not serve) those holding more, fewest
+    first."""
+    yield sequences, _member(folder, family, sequences)
+    yield from sorted(m for m in ((_count(p), p) for p in _members(folder, family)) if m[0] > sequences)
 
 
 def _as_drawn_for(trace: Trace, model: ModelSpec, sequences: int) -> Trace:
@@ -157,11 +160,14 @@ def _as_drawn_for(trace: Trace, model: ModelSpec, sequences: int) -> Trace:
                  trace.prompt_lens[:sequences].copy(), meta)
 
 
-def _remove(path: Path) -> None:
+def _remove(path: Path) -> bool:
+    """Delete a cache file; False where it could not be (another process removed it, or the folder
+    is read-only now)."""
     try:
         path.unlink()
-    except OSError:  # (another process removed it, or the folder is read-only now)
-        pass
+    except OSError:
+        return False
+    return True
 
 
 def _entry(folder: Path, key: str) -> Path:
@@ -340,10 +346,5 @@ def evict(folder: Path, max_bytes: int, keep: Path | None = None) -> None:
     for _, path, size in sorted(entries):
         if total <= max_bytes:
             break
-        if path == keep:
-            continue
-        try:
-            path.unlink()
-        except OSError:
-            continue
-        total -= size
+        if path != keep and _remove(path):
+            total -= size
