@@ -2,8 +2,11 @@ import json
 import re
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from klotski_sim.schedule import Op, Schedule, ScheduleBuilder, ScheduleError, compute_op, transfer_op
+from klotski_sim.schedule import (Op, Schedule, ScheduleBuilder, ScheduleError, compute_op, dep_positions,
+                                  transfer_op)
 
 
 def c(op_id, deps=(), stream="compute", **kw):
@@ -63,6 +66,38 @@ def test_a_column_is_one_field_of_every_op_and_is_made_once():
 def test_unknown_dep_names_op():
     with pytest.raises(ScheduleError, match="'a' depends on unknown op 'ghost'"):
         Schedule((c("a", ["ghost"]),))
+
+
+def _copy(text: str) -> str:
+    """An equal string that is another object (what JSON reading gives a dep)."""
+    return "".join(list(text)) if len(text) > 1 else text  # (CPython keeps one object per 1-char string)
+
+
+@given(st.lists(st.text(min_size=1, max_size=4), min_size=1, max_size=30, unique=True).flatmap(
+    lambda ids: st.tuples(st.just(ids), st.lists(st.lists(st.tuples(st.sampled_from(ids), st.booleans()),
+                                                          max_size=4), min_size=len(ids), max_size=len(ids)))))
+def test_a_dep_is_found_at_its_ops_position_whether_it_is_the_ids_object_or_an_equal_string(case):
+    ids, picks = case
+    deps = [tuple(dep if same else _copy(dep) for dep, same in row) for row in picks]
+    expected = [ids.index(dep) for row in deps for dep in row]
+    assert dep_positions(ids, deps, len(expected)).tolist() == expected
+
+
+def test_a_dep_on_no_op_is_a_key_error_for_dep_positions():
+    with pytest.raises(KeyError):
+        dep_positions(["a", "b"], [(), ("a", _copy("ghost"))], 2)
+
+
+def test_a_built_schedule_and_its_json_copy_have_one_graph(tmp_path):
+    """The built ops' deps are their ids' very objects, the loaded ones equal strings: one graph."""
+    b = ScheduleBuilder()
+    w = b.transfer("w", "weights", "h2d_weights", 10, "cpu", "gpu", alloc=(("w", 10),))
+    a = b.compute("a", "attention", [w])
+    b.host_wait("a/sync", "sync", [a])
+    b.compute("e", "expert", [a, w], free=("w",))
+    built = b.build({})
+    built.save(tmp_path / "s.json")
+    assert Schedule.load(tmp_path / "s.json").graph == built.graph
 
 
 def test_duplicate_id():
