@@ -5,8 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from klotski_sim.schedule import (Op, Schedule, ScheduleBuilder, ScheduleError, compute_op, dep_positions,
-                                  transfer_op)
+from klotski_sim.schedule import Op, Schedule, ScheduleBuilder, ScheduleError, compute_op, dep_positions, transfer_op
 
 
 def c(op_id, deps=(), stream="compute", **kw):
