@@ -23,6 +23,8 @@ on wall-clock time, so a run is deterministic.
 from __future__ import annotations
 
 import heapq
+from itertools import compress
+from operator import not_
 from typing import Sequence
 
 import numpy as np
@@ -106,7 +108,7 @@ def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | No
     # host ops: when the host thread reached them (their host-stream predecessor ended)
     # (a host op is an op of a host stream: the schedule's check allows no other kind there, nor a host op elsewhere)
     is_host = list(map({s: r == "host" for s, r in schedule.streams.items()}.__getitem__, stream_names))
-    arrival = [0.0 if h else nan for h in is_host]
+    arrival = [0.0] * n  # (read of host ops alone)
     # a dependency on another stream is seen `latency` after it ends (event signalling)
     latency = profile.gpu.dependency_latency_s
     stream_number = {s: k for k, s in enumerate(schedule.streams)}
@@ -147,7 +149,7 @@ def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | No
                 memory_trace.append((now, mem[0]))
             free_units[r] -= 1
             start[i] = arrival[i] if is_host[i] else now
-            done = env._now + durations[i]
+            done = now + durations[i]
             busy_until[r] = done
             if spare:  # (a processed event, reused: cheaper than a new one)
                 wake = spare.pop()
@@ -227,10 +229,9 @@ def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | No
         oom.append(OutOfMemory(op_id="<preloaded>", time=0.0, needed_bytes=preloaded,
                                available_bytes=capacity, in_use_bytes=0))
     else:
-        for i in range(n):
-            if pending[i] == 0:
-                ready_at[i] = 0.0
-                heappush(queues[resource_of[i]], (0.0, i))
+        for i in compress(range(n), map(not_, pending)):  # (the ops waiting for none: a C-level filter)
+            ready_at[i] = 0.0
+            heappush(queues[resource_of[i]], (0.0, i))
         for r in range(len(resources)):
             dispatch(r, 0.0)
         env.run()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, fields
 from functools import cached_property
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any, Collection, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -151,9 +151,10 @@ class Timeline:
         meta.update(status=status, source=source, num_ops=len(schedule.ops), peak_gpu_bytes=int(peak_gpu_bytes),
                     capacities=dict(capacities or {}), oom=asdict(oom) if oom else None)
         meta.update(extra_meta or {})
-        if memory_trace:
-            t, b = zip(*memory_trace)
-            memory = (np.asarray(t, dtype=float), np.asarray(b, dtype=np.int64))
+        if memory_trace:  # (a pass per column: transposing the engine's 200k pairs with zip took 3-6x as long)
+            count = len(memory_trace)
+            memory = (np.fromiter(map(itemgetter(0), memory_trace), dtype=float, count=count),
+                      np.fromiter(map(itemgetter(1), memory_trace), dtype=np.int64, count=count))
         else:
             memory = None
         return cls(ScheduleColumns(schedule, start, end, ready, blocked_by), meta, memory)
