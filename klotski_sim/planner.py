@@ -187,6 +187,25 @@ def largest_fitting_n(model: ModelSpec, profile: HardwareProfile, batch_size: in
                                                                    placement, buffering)["total"] <= capacity), 0)
 
 
+def largest_storable_n(model: ModelSpec, profile: HardwareProfile, batch_size: int, prompt_len: int, gen_len: int,
+                       placement: Placement, n_max: int = 256) -> int:
+    """The most batches (up to n_max) whose KV cache host memory holds beside the weights kept
+    there, when the KV cache lives there (n_max when it does not; 0 when not even one batch's
+    fits): what `storage_refusal` would otherwise refuse after the planner chose n. (The host's
+    share grows with n: bisected.)"""
+    def stored(n: int) -> bool:
+        needed = storage_needed(model, placement, batch_size, n, prompt_len, gen_len)["host"]
+        return needed <= profile.host.memory_bytes
+
+    if placement.kv != "cpu" or stored(n_max):
+        return n_max
+    low, high = 0, n_max  # stored(low) (or low == 0), not stored(high)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if stored(mid) else (low, mid)
+    return low
+
+
 def fill_resident_layers(model: ModelSpec, profile: HardwareProfile, batch_size: int, n: int, prompt_len: int,
                          gen_len: int, placement: Placement, buffering: str = "expert-aware") -> Placement:
     """`placement` with as many layers kept whole on the GPU as the memory n batches leave allows
@@ -313,6 +332,12 @@ def plan(model: ModelSpec, profile: HardwareProfile, batch_size: int, prompt_len
         n = n_memory
     else:
         n = want
+    n_host = largest_storable_n(model, profile, batch_size, prompt_len, gen_len, placement, n_max)
+    if n_memory and n_host and n > n_host:  # the KV cache in host memory: as many batches as it holds
+        stored = storage_needed(model, placement, batch_size, n, prompt_len, gen_len)["host"]
+        notes.append(f"n lowered from {n} to {n_host}: with the KV cache in host memory, {n} batches keep "
+                     f"{memory_text(stored)} there but the host has {memory_text(profile.host.memory_bytes)}")
+        n = n_host
     if resident_layers and n_memory and n <= n_memory:
         placement = fill_resident_layers(model, profile, batch_size, n, prompt_len, gen_len, placement)
         if placement.resident_layers:

@@ -13,7 +13,7 @@ from klotski_sim import prefetch
 from klotski_sim.engine import simulate
 from klotski_sim.hardware import load_profile, with_overrides
 from klotski_sim.model import get_model
-from klotski_sim.planner import memory_floor, memory_needed, plan
+from klotski_sim.planner import largest_storable_n, memory_floor, memory_needed, plan, storage_refusal
 from klotski_sim.policies import POLICIES, Placement, PolicyInput, build_schedule
 from klotski_sim.policies.base import OpEmitter
 from klotski_sim.prefetch import CorrelationTable
@@ -301,6 +301,31 @@ def test_planner_moves_kv_to_host_when_one_batch_does_not_fit():
     no_kv = memory_needed(m, 16, 1, 512, 32, Placement(kv="cpu"))["total"]
     p = plan(m, _slow_profile(memory_bytes=no_kv + 10), batch_size=16, resident_layers=False)
     assert p.placement.kv == "cpu" and any("moved to host memory" in note for note in p.notes)
+
+
+@given(st.sampled_from([2048, 8192, 16384, 32768]), st.sampled_from([8, 16, 32]),
+       st.sampled_from([64e9, 128e9, 256e9, 1e12]))
+@settings(max_examples=25, deadline=None)
+def test_the_planners_n_is_one_whose_kv_cache_host_memory_holds(prompt_len, batch_size, host_bytes):
+    """With the KV cache moved to host memory, the planner chose n by GPU memory alone, and the
+    run was then refused (a 16k-token prompt on the rtx3090: 273 GiB in 238 GiB): n is now the
+    most batches the host holds, the largest such, and refused only when not even one fits."""
+    m = get_model("mixtral-8x7b")
+    profile = with_overrides(load_profile("rtx3090"), {"host.memory_bytes": host_bytes})
+    p = plan(m, profile, batch_size=batch_size, prompt_len=prompt_len, gen_len=8)
+    n_host = largest_storable_n(m, profile, batch_size, prompt_len, 8, p.placement)
+    refused = storage_refusal(m, profile, p.placement, batch_size, p.n, prompt_len, 8)
+    assert (refused is None) == (n_host >= 1)
+    if p.placement.kv == "cpu" and n_host >= 1:
+        assert p.n <= n_host
+        if p.n < p.n_memory:  # lowered by the host alone: one more batch would not fit there
+            assert storage_refusal(m, profile, p.placement, batch_size, p.n + 1, prompt_len, 8) is not None
+
+
+def test_a_16k_prompt_on_the_rtx3090_runs_as_many_batches_as_host_memory_holds():
+    p = plan(get_model("mixtral-8x7b"), load_profile("rtx3090"), batch_size=16, prompt_len=16384, gen_len=8)
+    assert p.n == 4 and p.placement.kv == "cpu"
+    assert any(note.startswith("n lowered from ") and " to 4: with the KV cache in host memory" in note for note in p.notes)
 
 
 def test_planner_reproduces_the_papers_memory_bound_n_order():
