@@ -12,10 +12,9 @@ import json
 import os
 import sys
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
-
-import pandas as pd
 
 from .argtypes import (
     MAX_COUNT,
@@ -37,6 +36,7 @@ from .errors import KlotskiError
 from .exports import save_all
 from .hardware import builtin_profile_names, load_profile
 from .impl import PRESET_NAMES
+from .lazy import pd  # (imported when first used: klotski_sim/lazy.py)
 from .model import PRESETS, get_model
 from .planner import format_plan
 from .policies import POLICIES
@@ -349,7 +349,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     timelines = dict(zip(runs, run_each(list(runs.values()), prep, args.workers or available_cores(),
                                         traces if args.traces and simulated else None,
                                         keep=FIGURE_COLUMNS if figure else (),
-                                        meanwhile=_import_plotting if figure else None)))
+                                        meanwhile=partial(_import_for_output, figure))))
     summaries = {key: tl.summary() for key, tl in timelines.items()}
     print(format_comparison(summaries))
     if len(impls) > 1:
@@ -374,10 +374,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0 if all(s.status == "ok" for s in summaries.values()) else 3
 
 
-def _import_plotting() -> None:
-    """The plotting library, imported while compare's workers run: half a second that the main
-    process would otherwise spend after them, before it can draw."""
-    importlib.import_module("klotski_sim.plot")
+def _import_for_output(figure: bool) -> None:
+    """pandas (compare.csv is written by it, the figure reads bubbles as a frame) and, for a
+    figure, the plotting library, imported while compare's workers run: half a second that the
+    main process would otherwise spend after them."""
+    importlib.import_module("pandas")
+    if figure:
+        importlib.import_module("klotski_sim.plot")
 
 
 def _label(name: str, impl: str, impls: Sequence[str]) -> str:

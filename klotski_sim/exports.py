@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
-import pandas as pd
 
+from .lazy import pd  # (imported when first used: klotski_sim/lazy.py)
 from .timeline import Timeline, jsonable
 
 

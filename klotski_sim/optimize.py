@@ -23,11 +23,10 @@ import shlex
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import pandas as pd
-
 from .argtypes import first_repeat
 from .errors import UsageError
 from .hardware import load_profile
+from .lazy import pd  # (imported when first used: klotski_sim/lazy.py)
 from .model import get_model
 from .policies import POLICIES
 from .sweep import SweepSpec, check_spec, expand

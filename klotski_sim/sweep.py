@@ -52,7 +52,6 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-import pandas as pd
 import yaml
 from pydantic import (
     BaseModel,
@@ -68,6 +67,7 @@ from .argtypes import MAX_COUNT, MAX_COUNT_TEXT, MAX_SEED, first_repeat
 from .errors import KlotskiError, UsageError
 from .hardware import ProfileError, builtin_profile_names, load_profile, with_overrides
 from .impl import PRESET_NAMES
+from .lazy import pd  # (imported when first used: klotski_sim/lazy.py)
 from .model import ModelSpec, get_model
 from .npzfile import NPZ_READ_ERRORS, check_npz
 from .policies import POLICIES

@@ -20,8 +20,8 @@ from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any, Collection, Iterator, Mapping, Sequence
 
 import numpy as np
-import pandas as pd
 
+from .lazy import pd  # (imported when first used: klotski_sim/lazy.py)
 from .schedule import Op, gc_paused
 from .units import memory_text
 

@@ -9,8 +9,8 @@ handle, and how many distinct experts such a group activates (what has to be loa
 from __future__ import annotations
 
 import numpy as np
-import pandas as pd
 
+from .lazy import pd  # (imported when first used: klotski_sim/lazy.py)
 from .trace import Trace, TraceError
 
 GROUP_BATCH_SIZE = 16

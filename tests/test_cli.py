@@ -263,3 +263,20 @@ def test_resident_layers_takes_a_count_or_fill_and_nothing_else(tmp_path):
     assert code == 0, err
     placement = json.loads((tmp_path / "c" / "summary.json").read_text())["extra"]["placement"]
     assert 0 < placement["resident_layers"] < 12
+
+
+def test_the_cli_starts_without_pandas_until_a_command_needs_it():
+    """pandas is 0.23 s of the CLI's start: `--help`, `plan` and a refused argument never read it
+    (klotski_sim/lazy.py); a summary does, and gets the real module."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, klotski_sim.cli as cli\n"
+             "assert 'pandas' not in sys.modules, 'imported at start'\n"
+             "cli.main(['plan'])\n"
+             "assert 'pandas' not in sys.modules, 'imported by plan'\n"
+             "from klotski_sim.lazy import pd\n"
+             "import pandas\n"
+             "assert pd.DataFrame is pandas.DataFrame\n")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
