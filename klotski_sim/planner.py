@@ -158,8 +158,22 @@ def storage_refusal(model: ModelSpec, profile: HardwareProfile, placement: Place
         if stored[tier] > have:
             where = "in host memory" if tier == "host" else "on disk"
             return (f"{model.name} keeps {memory_text(stored[tier])} {where} ({placement.describe()}), more than "
-                    f"the profile's {field_name} ({memory_text(have)}): nothing simulated")
+                    f"the profile's {field_name} ({memory_text(have)}): nothing simulated"
+                    f"{_room_for_kv(model, placement, batch_size, n, prompt_len, gen_len) if tier == 'host' else ''}")
     return None
+
+
+def _room_for_kv(model: ModelSpec, placement: Placement, batch_size: int, n: int, prompt_len: int,
+                 gen_len: int) -> str:
+    """What the KV cache takes of a refused run's host memory, and what would leave it room (a
+    16k-token prompt's run was refused without saying that its KV cache was most of it)."""
+    if placement.kv != "cpu":
+        return ""
+    kv = model.num_layers * model.kv_bytes(n * batch_size, prompt_len + gen_len)
+    ways = (["--experts disk"] if placement.experts != "disk" else []) + (["fewer batches"] if n > 1 else []) + [
+        "a smaller batch size", "a shorter prompt"]
+    batches = f"{n} batches" if n > 1 else "one batch"
+    return f" (the KV cache of {batches} is {memory_text(kv)} of it: {', '.join(ways)} would leave it room)"
 
 
 def default_placement(model: ModelSpec, profile: HardwareProfile, kv: str = "gpu") -> Placement:
@@ -333,11 +347,13 @@ def plan(model: ModelSpec, profile: HardwareProfile, batch_size: int, prompt_len
     else:
         n = want
     n_host = largest_storable_n(model, profile, batch_size, prompt_len, gen_len, placement, n_max)
-    if n_memory and n_host and n > n_host:  # the KV cache in host memory: as many batches as it holds
+    if n_memory and n > max(n_host, 1):  # the KV cache in host memory: as many batches as it holds
         stored = storage_needed(model, placement, batch_size, n, prompt_len, gen_len)["host"]
-        notes.append(f"n lowered from {n} to {n_host}: with the KV cache in host memory, {n} batches keep "
-                     f"{memory_text(stored)} there but the host has {memory_text(profile.host.memory_bytes)}")
-        n = n_host
+        why = (f"{n} batches keep {memory_text(stored)} there but the host has "
+               f"{memory_text(profile.host.memory_bytes)}" if n_host else
+               "not even one batch fits there beside the weights kept there (the run is refused)")
+        notes.append(f"n lowered from {n} to {max(n_host, 1)}: with the KV cache in host memory, {why}")
+        n = max(n_host, 1)
     if resident_layers and n_memory and n <= n_memory:
         placement = fill_resident_layers(model, profile, batch_size, n, prompt_len, gen_len, placement)
         if placement.resident_layers:

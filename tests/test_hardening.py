@@ -650,6 +650,15 @@ def test_a_run_whose_weights_or_kv_cache_the_host_or_disk_cannot_hold_is_refused
     rc, out, err = run_cli("simulate", "--no-png", "--prompt-len", "64", "--gen-len", "4", "--experts", "cpu",
                            "--resident-layers", "0", "--set", "host.memory_bytes=50e9")
     assert rc == 2 and "keeps 86.50 GiB in host memory" in err and "host.memory_bytes (46.57 GiB)" in err, err
+    # with the KV cache in host memory the line says how much of it that is, and what leaves it room
+    rc, out, err = run_cli("simulate", "--no-png", "--model", "mixtral-8x22b", "--batch-size", "64", "--prompt-len",
+                           "8192", "--gen-len", "4", "--impl", "ideal")
+    assert rc == 2 and len(err.splitlines()) == 1 and "keeps 319.08 GiB in host memory" in err, err
+    assert "(the KV cache of one batch is 112.05 GiB of it: --experts disk, a smaller batch size" in err, err
+    rc, out, err = run_cli("simulate", "--no-png", "--model", "mixtral-8x22b", "--batch-size", "64", "--prompt-len",
+                           "8192", "--gen-len", "4", "--impl", "ideal", "--experts", "disk",
+                           "--set", "host.memory_bytes=100e9")
+    assert rc == 2 and "the KV cache of one batch is 112.05 GiB of it: a smaller batch size" in err, err
     m = get_model("mixtral-8x7b")
     split = storage_needed(m, Placement(disk_layers=10, resident_layers=2, kv="cpu"), 4, 3, 100, 10)
     assert split["disk"] == 10 * m.moe_layer_bytes()

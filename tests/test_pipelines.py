@@ -316,6 +316,8 @@ def test_the_planners_n_is_one_whose_kv_cache_host_memory_holds(prompt_len, batc
     n_host = largest_storable_n(m, profile, batch_size, prompt_len, 8, p.placement)
     refused = storage_refusal(m, profile, p.placement, batch_size, p.n, prompt_len, 8)
     assert (refused is None) == (n_host >= 1)
+    if p.placement.kv == "cpu" and not n_host and p.n_memory:  # refused: at one batch, the least it could need
+        assert p.n == 1
     if p.placement.kv == "cpu" and n_host >= 1:
         assert p.n <= n_host
         if p.n < p.n_memory:  # lowered by the host alone: one more batch would not fit there
