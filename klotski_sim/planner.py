@@ -144,8 +144,14 @@ def storage_needed(model: ModelSpec, placement: Placement, batch_size: int, n: i
                              ("experts", model.moe_layer_bytes(layer))):
             stored[tier_of[placement.tier(what, layer, model.num_layers)]] += nbytes
     if placement.kv == "cpu":
-        stored["host"] += model.num_layers * model.kv_bytes(n * batch_size, prompt_len + gen_len)
+        stored["host"] += host_kv_bytes(model, batch_size, n, prompt_len, gen_len)
     return stored
+
+
+def host_kv_bytes(model: ModelSpec, batch_size: int, n: int, prompt_len: int, gen_len: int) -> float:
+    """The KV cache of n batches at its final length, every layer: what host memory holds of it
+    when it lives there."""
+    return model.num_layers * model.kv_bytes(n * batch_size, prompt_len + gen_len)
 
 
 def storage_refusal(model: ModelSpec, profile: HardwareProfile, placement: Placement, batch_size: int, n: int,
@@ -165,11 +171,12 @@ def storage_refusal(model: ModelSpec, profile: HardwareProfile, placement: Place
 
 def _room_for_kv(model: ModelSpec, placement: Placement, batch_size: int, n: int, prompt_len: int,
                  gen_len: int) -> str:
-    """What the KV cache takes of a refused run's host memory, and what would leave it room (a
-    16k-token prompt's run was refused without saying that its KV cache was most of it)."""
+    """What the KV cache takes of a refused run's host memory, and what would leave it room
+    (Mixtral-8x22B at 64 x 8k tokens was refused without saying that one batch's KV cache was
+    112 GiB of the 319 GiB)."""
     if placement.kv != "cpu":
         return ""
-    kv = model.num_layers * model.kv_bytes(n * batch_size, prompt_len + gen_len)
+    kv = host_kv_bytes(model, batch_size, n, prompt_len, gen_len)
     ways = (["--experts disk"] if placement.experts != "disk" else []) + (["fewer batches"] if n > 1 else []) + [
         "a smaller batch size", "a shorter prompt"]
     batches = f"{n} batches" if n > 1 else "one batch"
