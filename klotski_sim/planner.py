@@ -355,10 +355,12 @@ def plan(model: ModelSpec, profile: HardwareProfile, batch_size: int, prompt_len
         n = want
     n_host = largest_storable_n(model, profile, batch_size, prompt_len, gen_len, placement, n_max)
     if n_memory and n > max(n_host, 1):  # the KV cache in host memory: as many batches as it holds
-        stored = storage_needed(model, placement, batch_size, n, prompt_len, gen_len)["host"]
-        why = (f"{n} batches keep {memory_text(stored)} there but the host has "
-               f"{memory_text(profile.host.memory_bytes)}" if n_host else
-               "not even one batch fits there beside the weights kept there (the run is refused)")
+        if n_host:
+            stored = storage_needed(model, placement, batch_size, n, prompt_len, gen_len)["host"]
+            have = memory_text(profile.host.memory_bytes)
+            why = f"{n} batches keep {memory_text(stored)} there but the host has {have}"
+        else:
+            why = "not even one batch fits there beside the weights kept there (the run is refused)"
         notes.append(f"n lowered from {n} to {max(n_host, 1)}: with the KV cache in host memory, {why}")
         n = max(n_host, 1)
     if resident_layers and n_memory and n <= n_memory:

@@ -468,8 +468,8 @@ def run_each(specs: list[RunSpec], prep: Prepared, workers: int = 1,
     run's Chrome trace is written where `trace_paths` says (by the process that ran it); each
     timeline keeps its summary and the columns `keep` names (all when None). With worker processes,
     `meanwhile` runs in a thread of this process once fewer runs are left than workers, on the core
-    a worker no longer needs (what it raises is ignored: compare imports the plotting library there,
-    and imports it again, raising, where it draws; started with the workers, the import took
+    a worker no longer needs (what it raises is ignored: compare imports pandas and the plotting
+    library there, and imports them again, raising, where it needs them; started with the workers, the import took
     0.15-0.25 s of their time from the slowest of them)."""
     traces = trace_paths or [None] * len(specs)
     workers = min(workers, len(specs))

@@ -144,8 +144,9 @@ def test_compare_in_worker_processes_gives_the_serial_results(tmp_path):
 @pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="worker processes need fork")
 @pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # (an error that escaped)
 def test_what_runs_meanwhile_runs_beside_the_workers_and_its_errors_are_ignored(capsys):
-    """run_each's `meanwhile` (compare imports the plotting library there) runs in a thread of the
-    main process while the workers run; what it raises is neither printed nor changes the results."""
+    """run_each's `meanwhile` (compare imports pandas and the plotting library there) runs in a
+    thread of the main process while the workers run; what it raises is neither printed nor changes
+    the results."""
     import threading
 
     from klotski_sim import runner
