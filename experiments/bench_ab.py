@@ -11,9 +11,12 @@ interpreter and its packages):
   main job itself (`klotski-sim compare`: as-published, with its figure);
 - `klotski-sim simulate --policy klotski --out` (as-published) with every file it writes;
 - `--sweep`: the distinct-seed grid of experiments/bench_sweep.py (N default-size ideal Klotski
-  configurations on 2 workers), configurations per minute.
+  configurations on 2 workers), configurations per minute;
+- `--synth`: the synthetic routing generator alone (`synthesize`, a fresh process each), seconds and
+  peak memory, at the sequences and tokens of default runs of Mixtral-8x7B, DeepSeek-V2-Lite and
+  Qwen3-30B-A3B (each run's n batches of 16, plus its warm-up sequences) and of a long prompt.
 
-    python experiments/bench_ab.py --base REV [--rounds 3] [--sweep 20]
+    python experiments/bench_ab.py --base REV [--rounds 3] [--sweep 20] [--synth | --only-synth]
 """
 
 from __future__ import annotations
@@ -37,6 +40,19 @@ SWEEP = """
 from bench_sweep import time_default_size
 print(time_default_size({count}, 2, "ideal", "distinct")[0])
 """
+SYNTH = """
+import resource, time
+from klotski_sim.model import get_model
+from klotski_sim.trace_synth import synthesize
+t = time.perf_counter()
+synthesize(get_model({model!r}), {sequences}, {prompt}, {gen})
+print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+"""
+# (model, sequences, prompt, generated tokens): the traces of default Klotski runs (`klotski-sim simulate
+# --policy klotski --model M` caches one of 296, 184 and 88 sequences: its batches and its warm-up
+# sequences) and a long prompt of a fine-grained model
+SYNTH_CASES = [("mixtral-8x7b", 296, 512, 32), ("deepseek-v2-lite", 184, 512, 32), ("qwen3-30b-a3b", 88, 512, 32),
+               ("qwen3-30b-a3b", 16, 8192, 1)]
 
 
 def python_in(code_dir: Path, *args: str) -> subprocess.CompletedProcess:
@@ -65,12 +81,21 @@ def sweep_rate(code_dir: Path, count: int) -> float:
     return count / float(python_in(code_dir, "-c", SWEEP.format(count=count)).stdout.split()[-1]) * 60
 
 
+def synth(code_dir: Path, case: tuple[str, int, int, int], field: int) -> float:
+    """Seconds (field 0) or peak resident MB (field 1) of one synthetic draw in a fresh process."""
+    model, sequences, prompt, gen = case
+    out = python_in(code_dir, "-c", SYNTH.format(model=model, sequences=sequences, prompt=prompt, gen=gen))
+    return float(out.stdout.split()[field])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", required=True, help="git revision of the code to compare against")
     parser.add_argument("--rounds", type=int, default=3, help="alternations of old and new per measure")
     parser.add_argument("--sweep", type=int, default=20, metavar="N",
                         help="configurations in the distinct-seed sweep (0: skip it)")
+    parser.add_argument("--synth", action="store_true", help="also time the synthetic routing generator alone")
+    parser.add_argument("--only-synth", action="store_true", help="only the generator's measures")
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="klotski-ab-"))
     subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(base), args.base], check=True,
@@ -84,9 +109,16 @@ def main() -> None:
                          lambda d: compare(d, "as-published", figure=True), min))
         measures.append(("simulate --policy klotski --out (every file), as-published", "s",
                          lambda d: command(d, "simulate", "--policy", "klotski"), min))
-        if args.sweep:
+        if args.only_synth:
+            measures = []
+        elif args.sweep:
             measures.append((f"distinct default-size sweep ({args.sweep}, ideal, 2 workers)", "configurations/min",
                              lambda d: sweep_rate(d, args.sweep), max))
+        if args.synth or args.only_synth:
+            for case in SYNTH_CASES:
+                what = f"synthesize {case[0]} {case[1]} x {case[2] + case[3]} tokens"
+                measures.append((what, "s", lambda d, c=case: synth(d, c, 0), min))
+                measures.append((f"{what}, peak", "MB", lambda d, c=case: synth(d, c, 1), min))
         print(f"{args.base} (old) against the working tree (new), {args.rounds} alternations each, best of each:")
         for name, unit, measure, best in measures:
             old, new = [], []

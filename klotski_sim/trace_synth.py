@@ -142,10 +142,10 @@ def base_popularity(model: ModelSpec, params: SynthParams, rng: np.random.Genera
 
 def _top_sorted(values: np.ndarray, count: int) -> np.ndarray:
     """Indices of the `count` largest values along the last axis, largest first. `values`, the
-    caller's own, may be overwritten: it is the scratch space (a copy the size of the generator's
-    largest array saved)."""
+    caller's own, is overwritten: it is the scratch space (negated in place, not copied: a copy of
+    the generator's largest array, [sequences, tokens, experts], for every layer)."""
     if count >= values.shape[-1]:
-        return np.argsort(-values, axis=-1)
+        return np.argsort(np.negative(values, out=values), axis=-1)
     if count <= 4:  # a few argmax passes beat a partition and a sort over a short last axis
         work = values
         picks = []
@@ -154,15 +154,16 @@ def _top_sorted(values: np.ndarray, count: int) -> np.ndarray:
             picks.append(best)
             np.put_along_axis(work, best[..., None], -np.inf, axis=-1)
         return np.stack(picks, axis=-1)
-    part = np.argpartition(-values, count - 1, axis=-1)[..., :count]
-    order = np.argsort(-np.take_along_axis(values, part, axis=-1), axis=-1)
+    negated = np.negative(values, out=values)  # (the very numbers -values would give: negation is exact)
+    part = np.argpartition(negated, count - 1, axis=-1)[..., :count]
+    order = np.argsort(np.take_along_axis(negated, part, axis=-1), axis=-1)
     return np.take_along_axis(part, order, axis=-1)
 
 
-def _plus_scaled(base: np.ndarray, scale: float, term: np.ndarray) -> np.ndarray:
-    """`base + scale * term` (the same numbers: both operations commute exactly), computed in the
-    memory of `term`, a gather of the caller's own, instead of two more temporaries."""
-    np.multiply(term, scale, out=term)
+def _plus(base: np.ndarray, term: np.ndarray) -> np.ndarray:
+    """`base + term` computed in the memory of `term`, a gather of the caller's own (of an
+    affinity matrix scaled once: `(a * scale)[rows]` holds the numbers `a[rows] * scale` would),
+    instead of another temporary."""
     np.add(term, base, out=term)
     return term
 
@@ -189,12 +190,14 @@ def check_routing_fits(model: ModelSpec, sequences: int, tokens: int, described:
                          f"host memory; this machine has {have / 2**30:.1f} GiB")
 
 
-# Sequences of up to 8192 tokens are drawn 64 at a time; longer ones this many tokens at a time:
-# the generator's working arrays ([sequences, tokens, experts], several of them) grow with a chunk's
-# tokens. At 136 sequences of 16k tokens (the default Klotski run at prompt 16384) drawing 2^19
-# tokens a chunk peaked at 328 MB in 12.1 s, 2^17 at 103 MB in 11.2 s (drawing only,
-# `experiments/bench_long_prompt.py` for whole runs). The chunk changes no draw (`_drawn_blocks`).
-_LONG_TOKENS_PER_CHUNK = 1 << 17
+# Sequences are drawn as many at a time as keep a chunk's [sequences, tokens, experts] working
+# arrays (several of them, float64 and float32) near this many elements, at most 64 sequences and
+# at least one. The chunk changes no draw (`_drawn_blocks`), only memory and speed. A bound in
+# elements, not tokens: fine-grained models' arrays are 8-16 times Mixtral's per token (64 sequences
+# at a time, and 2^17 tokens a chunk above 8192 tokens, drew 16 x 8193 tokens of Qwen3-30B-A3B in
+# 13.7 s and 546 MB, its default run's 80 x 544 in 3.8 s and 210 MB; 2^18 elements: 9.5 s and 134 MB,
+# 2.9 s and 75 MB; Mixtral's own within 3% either way; `synthesize` in fresh processes, README).
+_ELEMENTS_PER_CHUNK = 1 << 18
 
 
 def synthesize(model: ModelSpec, sequences: int, prompt_len: int, gen_len: int, routing: str = DEFAULT_ROUTING,
@@ -235,7 +238,7 @@ def synthesized_blocks(model: ModelSpec, sequences: int, prompt_len: int, gen_le
                        routing: str = DEFAULT_ROUTING, seed: int = 0, with_weights: bool = False,
                        chunk: int | None = None) -> TraceStream:
     """The trace `synthesize` returns, as a stream of blocks: sequences are drawn `chunk` at a
-    time (by default 64, fewer for sequences longer than 8192 tokens: `_LONG_TOKENS_PER_CHUNK`).
+    time (by default as many as `_ELEMENTS_PER_CHUNK` allows: 1 to 64).
     Nothing is drawn until `drawn()` is read."""
     if sequences < 1 or prompt_len < 1 or gen_len < 0:
         raise UsageError("sequences and prompt_len must be >= 1, gen_len >= 0")
@@ -267,10 +270,11 @@ def _drawn_blocks(model: ModelSpec, params: SynthParams, sequences: int, T: int,
     planner's n changed every sequence's routing with it.)"""
     rng = np.random.default_rng(seed)
     L, E, k = model.num_layers, model.num_experts, model.top_k
-    chunk = chunk or (64 if T <= 8192 else max(1, _LONG_TOKENS_PER_CHUNK // T))
+    chunk = chunk or max(1, min(64, _ELEMENTS_PER_CHUNK // (T * E)))
     base = base_popularity(model, params, rng)
-    affinity = rng.standard_normal((L, E, E))
-    type_affinity = rng.standard_normal((L, params.token_types, E))
+    # the affinities times their coupling, once (the same numbers as scaling each gather of them)
+    affinity = rng.standard_normal((L, E, E)) * params.coupling
+    type_affinity = rng.standard_normal((L, params.token_types, E)) * params.type_coupling
     streams = [np.random.default_rng(child) for child in np.random.SeedSequence(seed).spawn(2 + 2 * L)]
     shares_rng, types_rng, gumbel_rngs, stick_rngs = streams[0], streams[1], streams[2:2 + L], streams[2 + L:]
     for lo in range(0, sequences, chunk):
@@ -293,13 +297,13 @@ def _drawn_blocks(model: ModelSpec, params: SynthParams, sequences: int, T: int,
         token_type = (types_rng.random((S, T)) * params.token_types).astype(np.intp)
         prev_first = None
         for layer in range(L):
-            # [S, T, E] arrays, computed in place where the values are the same (each of them 32 MB
-            # at 31 sequences of 16k tokens: the generator's working memory at long prompts)
+            # [S, T, E] arrays, computed in place where the values are the same (each of them 1-2 MB:
+            # `_ELEMENTS_PER_CHUNK`)
             logits = np.broadcast_to(log_shares[:, None, layer, :], (S, T, E)).astype(np.float32)
             if prev_first is not None and params.coupling:
-                logits = _plus_scaled(logits, params.coupling, affinity[layer][prev_first])
+                logits = _plus(logits, affinity[layer][prev_first])
             if params.type_coupling:
-                logits = _plus_scaled(logits, params.type_coupling, type_affinity[layer][token_type])
+                logits = _plus(logits, type_affinity[layer][token_type])
             gumbel = gumbel_rngs[layer].random((S, T, E), dtype=np.float32)
             np.maximum(gumbel, 1e-30, out=gumbel)
             np.log(gumbel, out=gumbel)

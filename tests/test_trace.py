@@ -14,7 +14,7 @@ from klotski_sim.model import get_model
 from klotski_sim.routing import RoutingTable, RunShape
 from klotski_sim.trace import Trace, TraceError, import_jsonl, replay
 from klotski_sim.trace_stats import layer_stats, summary
-from klotski_sim.trace_synth import synthesize
+from klotski_sim.trace_synth import synthesize, synthesized_blocks
 
 from .conftest import run_cli
 
@@ -245,7 +245,7 @@ def test_counts_by_choice_or_by_expert_are_the_ids_counted_one_by_one(nb, bs, pr
 
 @pytest.mark.parametrize("model,sequences,prompt,gen,routing,weights,digest", [
     ("tiny-mixtral", 5, 30, 4, "calibrated", True, "3768d5ca6f6276fd"),
-    ("mixtral-8x7b", 3, 9000, 2, "calibrated", False, "c97cec01750ee1df"),  # (longer than 8192: fewer at a time)
+    ("mixtral-8x7b", 3, 9000, 2, "calibrated", False, "c97cec01750ee1df"),  # (a long prompt)
     ("olmoe-1b-7b", 4, 20, 3, "calibrated", True, "a1e96e71f0efe832"),  # (top-8: a partition, not argmax passes)
     ("mixtral-8x7b", 4, 20, 3, "uniform", False, "7ad9279eba0310d8"),
 ])
@@ -278,6 +278,24 @@ def test_a_sequence_is_drawn_the_same_however_many_are_drawn_and_however_many_at
     rows = fewer * (tokens + 1)
     assert np.array_equal(many.experts[:rows], few.experts)
     assert np.array_equal(many.weights[:rows], few.weights)
+
+
+@pytest.mark.parametrize("model,sequences,tokens", [("qwen3-30b-a3b", 20, 544), ("qwen3-30b-a3b", 2, 4100),
+                                                    ("olmoe-1b-7b", 40, 300), ("mixtral-8x7b", 150, 100)])
+def test_the_generator_draws_as_many_sequences_at_a_time_as_its_element_budget_allows(model, sequences, tokens):
+    """A chunk's working arrays are [sequences, tokens, experts]: the default chunk holds at most
+    `_ELEMENTS_PER_CHUNK` of their elements (or one sequence, when one alone is more) and at most 64
+    sequences — a fine-grained model's 128 experts drawn 64 sequences at a time took four times the
+    memory, and longer."""
+    from klotski_sim import trace_synth
+
+    spec = get_model(model)
+    blocks = list(synthesized_blocks(spec, sequences, tokens - 1, 1, "calibrated", seed=2).blocks)
+    per_sequence = tokens * spec.num_experts
+    largest = max(1, min(64, trace_synth._ELEMENTS_PER_CHUNK // per_sequence))
+    assert [len(b) // tokens for b in blocks[:-1]] == [largest] * (len(blocks) - 1)
+    assert sum(len(b) for b in blocks) == sequences * tokens
+    assert max(len(b) // tokens for b in blocks) * per_sequence <= max(per_sequence, trace_synth._ELEMENTS_PER_CHUNK)
 
 
 def test_the_first_batch_a_policy_replays_does_not_depend_on_its_number_of_batches():
