@@ -507,10 +507,13 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     df = run_sweep(spec, args.out, workers=args.workers, progress=not args.no_progress, only=ids)
     ok = ok_rows(df)
     failed_count = int((df["status"] == "error").sum()) if "status" in df.columns else 0
-    oom = len(df) - len(ok) - failed_count
+    refused = int((df["status"] == "refused").sum()) if "status" in df.columns else 0
+    oom = len(df) - len(ok) - failed_count - refused
     notes = []
     if oom:
         notes.append(f"{oom} do not fit in GPU memory")
+    if refused:
+        notes.append(f"{refused} do not fit in the profile's host memory or disk")
     if failed_count:
         notes.append(f"{failed_count} failed: see the error column")
     print(f"{len(ok)} of {len(df)} ran to the end" + (f" ({'; '.join(notes)})" if notes else "")
@@ -520,6 +523,11 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         if len(failed):
             raise CliError(f"{len(failed)} of {len(df)} configurations failed and none ran to the end; the first: "
                            f"{failed['error'].iloc[0]}")
+        if refused:
+            first = df.loc[df["status"] == "refused", "error"].iloc[0]
+            where = ((f"{oom} not in GPU memory, " if oom else "")
+                     + f"{refused} not in the profile's host memory or disk")
+            raise CliError(f"no configuration fits ({len(df)} tried: {where}); the first refused: {first}")
         raise CliError(f"no configuration fits in GPU memory ({len(df)} tried): try smaller --batch-sizes, "
                        f"--num-batches or --expert-dtypes int4")
     front = pareto_front(ok)

@@ -14,3 +14,9 @@ class KlotskiError(ValueError):
 
 class UsageError(KlotskiError):
     """A value that is not allowed (a model, policy, option or size), refused before anything runs."""
+
+
+class StorageRefusal(UsageError):
+    """A configuration whose weights and KV cache the simulated machine's host memory or disk
+    cannot hold (the message says which, with the numbers): a sweep records it as status
+    `refused`, not as an `error`, which would read as a failure of the simulator."""

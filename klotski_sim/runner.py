@@ -20,7 +20,7 @@ from .argtypes import MAX_COUNT, MAX_SEED
 from .cache import cached_trace
 from .cost import CostModel
 from .engine import simulate
-from .errors import KlotskiError, UsageError
+from .errors import KlotskiError, StorageRefusal, UsageError
 from .exports import to_chrome_trace
 from .hardware import HardwareProfile, load_profile, with_overrides
 from .impl import Impl
@@ -274,7 +274,7 @@ def prepare(spec: RunSpec) -> Prepared:
         return Prepared(spec, model, profile, n, placement, None, None, the_plan, refused)
     unstorable = storage_refusal(model, profile, placement, spec.batch_size, n, spec.prompt_len, spec.gen_len)
     if unstorable is not None:
-        raise UsageError(unstorable)
+        raise StorageRefusal(unstorable)
     trace, rep = make_replay(spec, model, n)
     return Prepared(spec, model, profile, n, placement, trace, rep, the_plan)
 

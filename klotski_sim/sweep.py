@@ -5,7 +5,9 @@ Resumable by construction: each finished configuration is written atomically to
 `rows/<id>.json` (temp file + rename) the moment it finishes; `results.parquet` is rebuilt from
 those rows (also atomically). Rerunning the same command skips the ids already there; killing
 the sweep at any moment loses nothing that finished and never leaves a half-written file. A
-configuration that fails — out of memory, or an error — is a row with its status and error.
+configuration that does not run to the end is a row with its status and error: `oom` (GPU memory:
+simulated, or refused by the memory check; error holds the numbers as JSON), `refused` (the
+profile's host memory or disk cannot hold what the run keeps there: the reason) or `error`.
 The id hashes the inputs *and* the simulator's code, so rows computed by older code stay on disk
 but are neither reused nor reported.
 
@@ -64,7 +66,7 @@ from pydantic import (
 )
 
 from .argtypes import MAX_COUNT, MAX_COUNT_TEXT, MAX_SEED, first_repeat
-from .errors import KlotskiError, UsageError
+from .errors import KlotskiError, StorageRefusal, UsageError
 from .hardware import ProfileError, builtin_profile_names, load_profile, with_overrides
 from .impl import PRESET_NAMES
 from .lazy import pd  # (imported when first used: klotski_sim/lazy.py)
@@ -395,7 +397,8 @@ def config_id(cfg: dict[str, Any]) -> str:
 
 
 def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Simulate one configuration; never raises — a failure is a row with status `error`."""
+    """Simulate one configuration; never raises — a failure is a row with status `refused` (host
+    memory or disk) or `error`."""
     from .runner import RunSpec, run
 
     t = time.perf_counter()
@@ -431,6 +434,9 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
         row["m.hot_identification"] = pf.get("hot_identification")
         row["status"] = s.status
         row["error"] = "" if s.status == "ok" else json.dumps(s.oom)
+    except StorageRefusal as err:  # (the configuration, not the simulator: no traceback)
+        row["status"] = "refused"
+        row["error"] = str(err)
     except Exception as err:  # noqa: BLE001 - recorded, the sweep goes on
         row["status"] = "error"
         row["error"] = f"{type(err).__name__}: {err}"

@@ -71,6 +71,18 @@ def test_bad_search_settings_are_one_line(tmp_path, args, message):
     assert code == 2 and err.count("\n") == 1 and message in err, err
 
 
+def test_configurations_host_memory_cannot_hold_are_counted_apart_from_failures(tmp_path):
+    """Refused by the profile's host memory (16 batches of 8 x 8k tokens' KV cache there): not
+    "failed", and the one line says why with the numbers."""
+    code, out, err = run_cli("optimize", "--model", "mixtral-8x22b", "--batch-sizes", "8", "--prompt-len", "8192",
+                             "--gen-len", "2", "--num-batches", "16", "--kv", "cpu", "--policies", "klotski",
+                             "--impl", "ideal", "--expert-dtypes", "bf16", "--no-progress", "--workers", "1",
+                             "--out", str(tmp_path / "o"))
+    assert code == 2 and "0 of 1 ran to the end (1 do not fit in the profile's host memory or disk)" in out, out
+    assert err.count("\n") == 1 and "no configuration fits (1 tried: 1 not in the profile's host memory or disk); " \
+        "the first refused: mixtral-8x22b keeps 431.08 GiB in host memory" in err, err
+
+
 @given(st.lists(st.tuples(st.floats(0.1, 100), st.floats(0.001, 10)), min_size=1, max_size=30))
 def test_the_front_is_exactly_the_undominated_points(points):
     df = pd.DataFrame({"m.throughput_tok_s": [p[0] for p in points], "m.decode_step_s": [p[1] for p in points]})

@@ -52,6 +52,20 @@ def test_failures_are_rows_not_crashes(tmp_path):
     assert (tmp_path / "results.parquet").exists()
 
 
+def test_a_configuration_host_memory_cannot_hold_is_refused_not_an_error(tmp_path):
+    """A configuration whose weights the profile's host memory cannot hold is the configuration's
+    verdict, as a GPU that cannot hold it is (`oom`): status `refused` with the reason, not `error`
+    with a traceback (which reads as the simulator failing); optimize counts it apart too."""
+    spec = parse_spec({**SMALL, "models": ["mixtral-8x7b"], "policies": ["single-batch"], "routings": ["calibrated"],
+                       "experts": ["cpu"], "impls": ["ideal"], "num_batches": [2],
+                       "overrides": {"host.memory_bytes": [50e9, 500e9]}})
+    df = run_sweep(spec, tmp_path, progress=False)
+    assert list(df.sort_values("set.host.memory_bytes")["status"]) == ["refused", "ok"]
+    refused = df[df["status"] == "refused"].iloc[0]
+    assert refused["error"].startswith("mixtral-8x7b keeps ") and "host.memory_bytes (46.57 GiB)" in refused["error"]
+    assert "traceback" not in df.columns or pd.isna(refused["traceback"])
+
+
 def test_local_and_dask_give_identical_results(tmp_path):
     pytest.importorskip("dask.distributed")
     spec = parse_spec(SMALL)
