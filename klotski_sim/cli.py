@@ -441,8 +441,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     check_spec(spec, str(args.spec))
     minutes = size * SECONDS_PER_CONFIG / max(1, args.workers) / 60
     took = f"{minutes:.0f} min" if minutes >= 1 else f"{minutes * 60:.0f} s"
-    print(f"{size} configurations in the grid (about {took} at {SECONDS_PER_CONFIG:.1f} s each on "
-          f"{args.workers} worker(s), if none is done yet)")
+    print(f"{size} configurations in the grid (about {took} on {args.workers} worker(s) if none is done yet, at "
+          f"{SECONDS_PER_CONFIG:.1f} s each as a default-size Mixtral-8x7B run; larger models, prompts and n take "
+          f"longer)")
     if args.dask is not None and not args.dask.strip():  # (an empty address ran locally, silently)
         raise CliError("--dask: expected a scheduler address like tcp://HOST:8786 or 'local', got an empty one")
     output_folder(args.out)  # (after the grid is accepted: a refused one leaves no empty folder)
