@@ -41,7 +41,16 @@ from .model import PRESETS, get_model
 from .planner import format_plan
 from .policies import POLICIES
 from .policies.plugins import load_for_command_line
-from .runner import RunSpec, available_cores, policy_batches, policy_prepared, prepare, run, run_each
+from .runner import (
+    RunSpec,
+    available_cores,
+    draw_listeners,
+    policy_batches,
+    policy_prepared,
+    prepare,
+    run,
+    run_each,
+)
 from .timeline import FIGURE_COLUMNS, OutOfMemory, Summary, jsonable
 from .trace import MAX_IMPORT_INDEX, Trace, import_jsonl
 from .trace_stats import format_stats, layer_stats, token_subset
@@ -268,7 +277,19 @@ def _oom_text(oom: dict[str, Any]) -> str:
 
 
 # ---- subcommands ----------------------------------------------------------------------------
+def _note(text: str) -> None:
+    print(f"note: {text}", file=sys.stderr, flush=True)
+
+
+def _say_long_draws() -> None:
+    """A long synthetic draw (a fine-grained model's long prompts: a minute) is said on stderr before
+    it begins, not taken for a hang (simulate and compare: a sweep's workers say nothing)."""
+    if _note not in draw_listeners:
+        draw_listeners.append(_note)
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
+    _say_long_draws()
     out = output_folder(args.out) if args.out is not None else None
     result = run(spec_from_args(args, options=parse_overrides(args.options, "--option")))
     print(format_summary(result.timeline.summary()))
@@ -320,6 +341,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise CliError(f"--flexgen-overlap {args.flexgen_overlap}: flexgen is not among the policies compared "
                        f"({', '.join(policies)})")
     out = output_folder(args.out)
+    _say_long_draws()
     prep = prepare(spec)
     if prep.plan is not None:
         print(f"planner: n = {prep.num_batches} ({'; '.join(prep.plan.notes) or 'bubbles closed within memory'})")

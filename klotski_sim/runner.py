@@ -166,11 +166,40 @@ def resolve_profile(spec: RunSpec) -> HardwareProfile:
     return with_overrides(profile, dict(spec.overrides)) if spec.overrides else profile
 
 
+# Who hears that a long synthetic draw begins (the CLI's simulate and compare: a note on stderr, so
+# that a minute of drawing is not taken for a hang). A draw happens only when the trace cache has no
+# trace for the run; "long": more than this many elements of the generator's work (sequences x
+# tokens x layers x experts) — 3 to 4 s at the 11.5-13 ns an element that `python
+# experiments/bench_ab.py --base REV --only-synth` measured for fine-grained models on a 2-core machine.
+draw_listeners: list[Callable[[str], None]] = []
+LONG_DRAW_ELEMENTS = 300_000_000
+DRAW_NS_PER_ELEMENT = 12.0
+
+
+def _announce_draw(model: ModelSpec, routing: str, sequences: int, tokens: int) -> None:
+    """Tell `draw_listeners` that a long draw begins (see above)."""
+    elements = sequences * tokens * model.num_layers * model.num_experts
+    if elements > LONG_DRAW_ELEMENTS:
+        for listener in draw_listeners:
+            listener(f"drawing the {routing} routing of {sequences} sequences x {tokens:,} tokens for {model.name} "
+                     f"({model.num_layers} layers x {model.num_experts} experts; not in the trace cache yet): about "
+                     f"{elements * DRAW_NS_PER_ELEMENT * 1e-9:.0f} s on a 2-core machine")
+
+
 @lru_cache(maxsize=4)
 def _synthetic_trace(model: ModelSpec, routing: str, seed: int, sequences: int, prompt_len: int, gen_len: int) -> Trace:
+    said: list[bool] = []  # (the cache may ask for the stream, then draw with `make` after all: said once)
+
+    def announced(draw: Callable[[], Any]) -> Any:
+        if not said:
+            said.append(True)
+            _announce_draw(model, routing, sequences, prompt_len + gen_len)
+        return draw()
+
     return cached_trace(model, routing, seed, sequences, prompt_len, gen_len,
-                        lambda: synthesize(model, sequences, prompt_len, gen_len, routing, seed),
-                        lambda: synthesized_blocks(model, sequences, prompt_len, gen_len, routing, seed))
+                        lambda: announced(lambda: synthesize(model, sequences, prompt_len, gen_len, routing, seed)),
+                        lambda: announced(lambda: synthesized_blocks(model, sequences, prompt_len, gen_len, routing,
+                                                                     seed)))
 
 
 @lru_cache(maxsize=4)

@@ -5,6 +5,7 @@ import os
 import re
 import tempfile
 import zipfile
+from dataclasses import replace
 from pathlib import Path
 from unittest.mock import patch
 
@@ -510,3 +511,33 @@ def test_a_cached_trace_replaced_by_another_models_is_drawn_again(tmp_path, monk
     synthesize(tiny, 3, 10, 2, "calibrated", 1).save(path)
     again = drawn()
     assert again.num_experts == m.num_experts and np.array_equal(again.experts, expected)
+
+
+@pytest.mark.parametrize("cache_setting", ["folder", "off"])
+def test_a_long_synthetic_draw_is_said_once_before_it_begins_and_never_when_cached(tmp_path, monkeypatch,
+                                                                                    cache_setting):
+    """A draw longer than `LONG_DRAW_ELEMENTS` is told to `draw_listeners` (the CLI: a note on
+    stderr) once, with its size — also when the cache asks for the stream and then draws with
+    `make` after all (the cache off, a trace below the mapping's bar) — and a run that finds its
+    trace in the cache says nothing."""
+    from klotski_sim import runner
+    from klotski_sim.model import get_model
+
+    monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(tmp_path / "cache") if cache_setting == "folder" else "off")
+    monkeypatch.setattr(runner, "LONG_DRAW_ELEMENTS", 1000)
+    heard: list[str] = []
+    monkeypatch.setattr(runner, "draw_listeners", [heard.append])
+    spec = runner.RunSpec(model="tiny-mixtral", batch_size=2, prompt_len=9, gen_len=3, num_batches=None)
+    runner._synthetic_trace.cache_clear()
+    runner.make_replay(spec, get_model("tiny-mixtral"), 3)
+    sequences = 3 * 2 + spec.warmup_sequences
+    assert heard == [f"drawing the calibrated routing of {sequences} sequences x 12 tokens for tiny-mixtral "
+                     f"(2 layers x 4 experts; not in the trace cache yet): about 0 s on a 2-core machine"]
+    runner._synthetic_trace.cache_clear()
+    runner.make_replay(spec, get_model("tiny-mixtral"), 3)
+    assert len(heard) == (1 if cache_setting == "folder" else 2)  # (drawn again only without a cache)
+    monkeypatch.setattr(runner, "LONG_DRAW_ELEMENTS", 10**9)
+    runner._synthetic_trace.cache_clear()
+    runner.make_replay(replace(spec, seed=1), get_model("tiny-mixtral"), 3)  # short: drawn without a word
+    assert len(heard) == (1 if cache_setting == "folder" else 2)
+    runner._synthetic_trace.cache_clear()
