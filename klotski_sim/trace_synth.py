@@ -297,8 +297,8 @@ def _drawn_blocks(model: ModelSpec, params: SynthParams, sequences: int, T: int,
         token_type = (types_rng.random((S, T)) * params.token_types).astype(np.intp)
         prev_first = None
         for layer in range(L):
-            # [S, T, E] arrays, computed in place where the values are the same (each of them 1-2 MB:
-            # `_ELEMENTS_PER_CHUNK`)
+            # [S, T, E] arrays, computed in place where the values are the same (each of them 1-2 MB,
+            # or one sequence's when that is more: `_ELEMENTS_PER_CHUNK`)
             logits = np.broadcast_to(log_shares[:, None, layer, :], (S, T, E)).astype(np.float32)
             if prev_first is not None and params.coupling:
                 logits = _plus(logits, affinity[layer][prev_first])
