@@ -301,7 +301,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         drawn = not args.no_png and len(result.timeline) > 0
         if not args.no_png and not drawn:
             print("no timeline.png: nothing was simulated")
-        paths = save_all(result.timeline, out, png=drawn)
+        paths = save_all(result.timeline, out, png=drawn, csv_beside=True)
         result.schedule.save(out / "schedule.json")
         written = sorted(p.name for p in paths.values()) + ["schedule.json"]
         if result.routing is not None:  # (none when the memory check refused the run before any routing)

@@ -65,6 +65,24 @@ def test_exports(tmp_path):
     assert np.array_equal(back.memory[1], tl.memory[1])
 
 
+def test_the_csv_written_beside_the_other_files_is_the_csv_written_in_turn(tmp_path):
+    """`simulate --out` has timeline.csv written by a forked process while it writes the others
+    (klotski_sim/forked.py): the same files, byte for byte, and a failure is one line."""
+    from klotski_sim.forked import BesideError
+
+    tl = _timeline()
+    in_turn, beside = save_all(tl, tmp_path / "a", png=False), save_all(tl, tmp_path / "b", png=False, csv_beside=True)
+    assert sorted(in_turn) == sorted(beside)
+    for name in ("timeline.csv", "summary.json"):
+        assert in_turn[name].read_bytes() == beside[name].read_bytes()
+    traces = [gzip.decompress(paths["trace.json.gz"].read_bytes()) for paths in (in_turn, beside)]
+    assert traces[0] == traces[1]
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "timeline.csv").mkdir()  # (a folder where the file goes: the writer's error comes back)
+    with pytest.raises(BesideError, match="timeline.csv"):
+        save_all(tl, tmp_path / "c", png=False, csv_beside=True)
+
+
 def test_chrome_trace_times_are_the_timelines_to_the_nanosecond():
     tl = simulate(_timeline_schedule(), make_profile(), durations=[1.23456789e-5, 2.5e-6 + 1e-13, 3.14159265e-6,
                                                                      7.7777777e-7, 1e-9 / 3])
