@@ -16,7 +16,8 @@ from .errors import KlotskiError
 
 
 class BesideError(KlotskiError):
-    """The work failed in its process: its error's text, brought back."""
+    """The work failed in its process: its error's text, brought back (a user's error or a file's
+    as its own message, as the CLIs show them here; anything else with its type)."""
 
 
 def started_beside(work: Callable[..., object], *args: Any) -> Callable[[], None]:
@@ -52,7 +53,7 @@ def _run_and_report(writing: Any, work: Callable[..., object], args: tuple[Any, 
     try:
         work(*args)
     except BaseException as err:  # noqa: BLE001 - reported to the waiting process, which raises it
-        writing.send(str(err) if isinstance(err, KlotskiError) else f"{type(err).__name__}: {err}")
+        writing.send(str(err) if isinstance(err, (KlotskiError, OSError)) else f"{type(err).__name__}: {err}")
         writing.close()
         os._exit(1)
     writing.close()

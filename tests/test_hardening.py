@@ -210,6 +210,17 @@ def test_an_npz_is_never_written_over_a_device_or_a_pipe_and_a_link_keeps_pointi
     assert rc == 0 and (tmp_path / "link.npz").is_symlink() and (tmp_path / "target.npz").stat().st_size > 0
 
 
+@pytest.mark.parametrize("blocked", ["schedule.json", "timeline.csv", "timeline.parquet"])
+def test_a_file_simulate_out_cannot_write_is_one_line_whichever_process_writes_it(tmp_path, blocked):
+    """schedule.json and timeline.csv are written by forked processes beside the others
+    (klotski_sim/forked.py): a folder where one of them goes is one `error:` line naming it, as
+    for the files written in the command's own process."""
+    (tmp_path / "o" / blocked).mkdir(parents=True)
+    rc, out, err = run_cli("simulate", "--policy", "klotski", "--impl", "ideal", "--model", "tiny-mixtral",
+                           "--prompt-len", "8", "--gen-len", "2", "--out", str(tmp_path / "o"))
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("error: ") and blocked in err, err
+
+
 def test_a_synthetic_trace_larger_than_the_machine_is_refused_with_the_numbers():
     """trace synth of 100k sequences x 4k tokens of DeepSeek-V3 died allocating 186 GiB."""
     rc, out, err = run_cli("trace", "synth", "--model", "deepseek-v3", "--sequences", "100000", "--prompt-len", "4096",
