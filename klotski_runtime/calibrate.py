@@ -27,7 +27,6 @@ import torch
 
 from klotski_sim.cost import op_variant
 from klotski_sim.hardware import HardwareProfile, profile_from_dict
-from klotski_sim.machine import host_memory
 from klotski_sim.model import ModelSpec
 
 from . import kernels
@@ -65,7 +64,7 @@ def _fit_link(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
 
 
 def _host_memory() -> float:
-    return float(host_memory("MemTotal") or 16e9)
+    return float(kernels.host_memory("MemTotal") or 16e9)
 
 
 def calibrate(spec: ModelSpec, device: str = "cpu", batch_sizes: Iterable[int] = (1, 2, 4, 8, 16),

@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 
 from klotski_sim.errors import KlotskiError
-from klotski_sim.machine import host_memory
 from klotski_sim.model import ModelSpec
 
 
@@ -353,6 +352,18 @@ def qk_norms(resident: dict[str, torch.Tensor], spec: ModelSpec,
     if not spec.qk_norm:
         return None
     return resident[f"q_norm/{layer}"], resident[f"k_norm/{layer}"]
+
+
+def host_memory(field: str = "MemAvailable") -> int:
+    """A /proc/meminfo field in bytes (`MemAvailable`, `MemTotal`); 0 when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(f"{field}:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 # ---- kernels --------------------------------------------------------------------------------------

@@ -34,7 +34,6 @@ from .argtypes import (
 )
 from .errors import KlotskiError
 from .exports import save_all
-from .forked import started_beside
 from .hardware import builtin_profile_names, load_profile
 from .impl import PRESET_NAMES
 from .lazy import pd  # (imported when first used: klotski_sim/lazy.py)
@@ -302,17 +301,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         drawn = not args.no_png and len(result.timeline) > 0
         if not args.no_png and not drawn:
             print("no timeline.png: nothing was simulated")
-        # schedule.json and timeline.csv (json's and pandas' writers hold the GIL) by forked processes
-        # meanwhile, on the other core (forked.py)
-        schedule_written = started_beside(result.schedule.save, out / "schedule.json")
-        try:
-            paths = save_all(result.timeline, out, png=drawn, csv_beside=True)
-            written = sorted(p.name for p in paths.values()) + ["schedule.json"]
-            if result.routing is not None:  # (none when the memory check refused the run before any routing)
-                result.routing.save(out / "routing.npz")
-                written.append("routing.npz")
-        finally:
-            schedule_written()
+        paths = save_all(result.timeline, out, png=drawn)
+        result.schedule.save(out / "schedule.json")
+        written = sorted(p.name for p in paths.values()) + ["schedule.json"]
+        if result.routing is not None:  # (none when the memory check refused the run before any routing)
+            result.routing.save(out / "routing.npz")
+            written.append("routing.npz")
         print(f"wrote {', '.join(written)} to {out}/")
     return 0 if result.timeline.status == "ok" else 3
 

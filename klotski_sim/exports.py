@@ -12,7 +12,6 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from .forked import started_beside
 from .lazy import pd  # (imported when first used: klotski_sim/lazy.py)
 from .timeline import Timeline, jsonable
 
@@ -43,7 +42,12 @@ def read_parquet(path: str | Path) -> Timeline:
 
 
 def to_csv(timeline: Timeline, path: str | Path, df: pd.DataFrame | None = None) -> None:
-    (timeline.df if df is None else df).to_csv(path, index=False)
+    """The timeline's columns as CSV, by Arrow's writer: a tenth of pandas' time (0.14 against 1.38 s
+    at 338k ops), and the same frame when pandas reads either back (strings quoted, `0` for 0.0)."""
+    import pyarrow as pa
+    import pyarrow.csv as pa_csv
+
+    pa_csv.write_csv(pa.Table.from_pandas(timeline.df if df is None else df, preserve_index=False), str(path))
 
 
 def chrome_trace(timeline: Timeline) -> dict[str, Any]:
@@ -155,33 +159,24 @@ def to_chrome_trace(timeline: Timeline, path: str | Path) -> None:
             f.writelines(chrome_trace_chunks(timeline))
 
 
-def save_all(timeline: Timeline, out_dir: str | Path, *, png: bool = True, csv_beside: bool = False) -> dict[str, Path]:
-    """Write summary.json, timeline.parquet, timeline.csv, trace.json.gz and timeline.png; with
-    `csv_beside` timeline.csv is written meanwhile by a forked process (forked.py: 1.3 s of pandas'
-    writer at 338k ops, on the other core) — for a process with no other threads (not the
-    runtime's, where torch has its own)."""
+def save_all(timeline: Timeline, out_dir: str | Path, *, png: bool = True) -> dict[str, Path]:
+    """Write summary.json, timeline.parquet, timeline.csv, trace.json.gz and timeline.png."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {name: out / name for name in
              ("summary.json", "timeline.parquet", "timeline.csv", "trace.json.gz", "timeline.png")}
     paths["summary.json"].write_text(json.dumps(jsonable(timeline.summary().to_dict()), indent=2))
     df = timeline.df  # (made once for both: 0.3 s at 300k ops)
-    csv_written = started_beside(to_csv, timeline, paths["timeline.csv"], df) if csv_beside else None
-    try:
-        if csv_written is None:
-            to_csv(timeline, paths["timeline.csv"], df)
-        to_parquet(timeline, paths["timeline.parquet"], df)
-        del df
-        to_chrome_trace(timeline, paths["trace.json.gz"])
-        if png:
-            from .plot import gantt
+    to_parquet(timeline, paths["timeline.parquet"], df)
+    to_csv(timeline, paths["timeline.csv"], df)
+    del df
+    to_chrome_trace(timeline, paths["trace.json.gz"])
+    if png:
+        from .plot import gantt
 
-            gantt(timeline, paths["timeline.png"])
-        else:
-            del paths["timeline.png"]
-    finally:
-        if csv_written is not None:  # (also when another file failed: the CSV is whole, or its error said)
-            csv_written()
+        gantt(timeline, paths["timeline.png"])
+    else:
+        del paths["timeline.png"]
     return paths
 
 
