@@ -150,13 +150,47 @@ def to_chrome_trace(timeline: Timeline, path: str | Path) -> None:
     (Perfetto and chrome://tracing open `.json.gz` as they are: under a tenth of the size)."""
     path = Path(path)
     if path.suffix == ".gz":
-        import gzip
-
-        with gzip.open(path, "wt", compresslevel=TRACE_GZIP_LEVEL, encoding="utf-8") as f:
-            f.writelines(chrome_trace_chunks(timeline))
+        gzip_beside(path, chrome_trace_chunks(timeline), TRACE_GZIP_LEVEL)
     else:
         with path.open("w", encoding="utf-8") as f:
             f.writelines(chrome_trace_chunks(timeline))
+
+
+def gzip_beside(path: Path, texts: Iterator[str], level: int) -> None:
+    """`texts` gzip-compressed into `path` by a thread of its own while the next ones are made:
+    zlib lets go of the GIL as it compresses (a default as-published trace, 338k ops: 1.18 -> 0.90
+    s). What the thread raises (a full disk) is raised here; the same bytes as `gzip.open`'s."""
+    import gzip
+    import queue
+    import threading
+
+    pieces: queue.Queue[bytes | None] = queue.Queue(maxsize=1)  # (one piece ahead: each ~6 MB of text)
+    failed: list[BaseException] = []
+
+    def compress() -> None:
+        ended = False
+        try:
+            with gzip.open(path, "wb", compresslevel=level) as f:
+                while (piece := pieces.get()) is not None:
+                    f.write(piece)
+                ended = True
+        except BaseException as err:  # noqa: BLE001 - raised again by the thread that waits
+            failed.append(err)
+            while not ended:  # (taken until the end, so that the maker never waits on a full queue)
+                ended = pieces.get() is None
+
+    writer = threading.Thread(target=compress, daemon=True)
+    writer.start()
+    try:
+        for text in texts:
+            if failed:
+                break
+            pieces.put(text.encode("utf-8"))
+    finally:
+        pieces.put(None)
+        writer.join()
+    if failed:
+        raise failed[0]
 
 
 def save_all(timeline: Timeline, out_dir: str | Path, *, png: bool = True) -> dict[str, Path]:

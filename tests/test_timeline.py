@@ -87,6 +87,74 @@ def test_the_csv_reads_back_as_the_frame_pandas_writes(tmp_path_factory, ids):
     assert list(arrow["op_id"]) == ids and arrow["end"].dtype == pandas["end"].dtype == float
 
 
+@given(texts=st.lists(st.text(), max_size=8))
+def test_a_trace_compressed_beside_its_making_is_what_gzip_open_writes(tmp_path_factory, texts):
+    """The trace's text is gzip-compressed by a thread of its own while the next pieces are made
+    (zlib lets go of the GIL): the same text as `gzip.open`'s, non-ASCII included."""
+    from klotski_sim.exports import gzip_beside
+
+    folder = tmp_path_factory.mktemp("gz")
+    gzip_beside(folder / "t.json.gz", iter(texts), 5)
+    with gzip.open(folder / "u.json.gz", "wt", compresslevel=5, encoding="utf-8") as f:
+        f.writelines(texts)
+    assert gzip.decompress((folder / "t.json.gz").read_bytes()) == gzip.decompress((folder / "u.json.gz").read_bytes())
+
+
+def test_what_fails_while_a_trace_is_compressed_is_raised_and_nothing_waits_forever(tmp_path, monkeypatch):
+    """A failing disk (the writer thread's error) or a failing maker (the caller's) is raised in the
+    caller, with the queue between them never left full: every case ends within seconds."""
+    import threading
+
+    from klotski_sim import exports
+
+    def run(*args):
+        outcome = []
+        worker = threading.Thread(target=lambda: outcome.append(_raised(exports.gzip_beside, *args)), daemon=True)
+        worker.start()
+        worker.join(timeout=20)
+        assert not worker.is_alive(), "gzip_beside hung"
+        return outcome[0]
+
+    many = (f"piece {i} " * 1000 for i in range(200))
+    (tmp_path / "folder.gz").mkdir()
+    assert isinstance(run(tmp_path / "folder.gz", many, 5), IsADirectoryError)  # (failed before the first piece)
+
+    def broken_maker():
+        yield "first"
+        raise ValueError("the maker failed")
+
+    assert str(run(tmp_path / "m.gz", broken_maker(), 5)) == "the maker failed"
+    real_open = gzip.open
+
+    class FullDisk:
+        def __init__(self, *args, **kwargs):
+            self.f, self.written = real_open(*args, **kwargs), 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            self.written += 1
+            if self.written == 3:
+                raise OSError(28, "No space left on device")
+            self.f.write(data)
+
+    monkeypatch.setattr(gzip, "open", FullDisk)
+    error = run(tmp_path / "full.gz", (f"piece {i} " * 1000 for i in range(200)), 5)
+    assert isinstance(error, OSError) and error.errno == 28
+
+
+def _raised(call, *args):
+    try:
+        call(*args)
+    except BaseException as err:  # noqa: BLE001 - the test looks at it
+        return err
+    return None
+
+
 def test_chrome_trace_times_are_the_timelines_to_the_nanosecond():
     tl = simulate(_timeline_schedule(), make_profile(), durations=[1.23456789e-5, 2.5e-6 + 1e-13, 3.14159265e-6,
                                                                      7.7777777e-7, 1e-9 / 3])
