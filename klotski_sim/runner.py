@@ -168,22 +168,26 @@ def resolve_profile(spec: RunSpec) -> HardwareProfile:
 
 # Who hears that a long synthetic draw begins (the CLI's simulate and compare: a note on stderr, so
 # that a minute of drawing is not taken for a hang). A draw happens only when the trace cache has no
-# trace for the run; "long": more than this many elements of the generator's work (sequences x
-# tokens x layers x experts) — 3 to 4 s at the 11.5-13 ns an element that `python
-# experiments/bench_ab.py --base REV --only-synth` measured for fine-grained models on a 2-core machine.
+# trace for the run; "long": an estimated LONG_DRAW_S or more on a 2-core machine, at DRAW_S_PER_ELEMENT
+# an element of the generator's [tokens, layers, experts] work and DRAW_S_PER_TOKEN_LAYER a token and
+# layer — fitted to `synthesize` in this project's round after 1e640f8: Qwen3-30B-A3B 16 x 8193
+# tokens 9.26 s (`python experiments/bench_ab.py --base REV --only-synth`), Mixtral-8x7B 136 x 16392
+# 11.2 s (README, long prompts); the fit gives DeepSeek-V2-Lite 64 x 8193 10.9 s, measured 12.1 s.
 draw_listeners: list[Callable[[str], None]] = []
-LONG_DRAW_ELEMENTS = 300_000_000
-DRAW_NS_PER_ELEMENT = 12.0
+LONG_DRAW_S = 3.0
+DRAW_S_PER_ELEMENT = 11e-9
+DRAW_S_PER_TOKEN_LAYER = 67e-9
 
 
 def _announce_draw(model: ModelSpec, routing: str, sequences: int, tokens: int) -> None:
     """Tell `draw_listeners` that a long draw begins (see above)."""
-    elements = sequences * tokens * model.num_layers * model.num_experts
-    if elements > LONG_DRAW_ELEMENTS:
+    token_layers = sequences * tokens * model.num_layers
+    seconds = token_layers * (model.num_experts * DRAW_S_PER_ELEMENT + DRAW_S_PER_TOKEN_LAYER)
+    if seconds >= LONG_DRAW_S:
         for listener in draw_listeners:
             listener(f"drawing the {routing} routing of {sequences} sequences x {tokens:,} tokens for {model.name} "
                      f"({model.num_layers} layers x {model.num_experts} experts; not in the trace cache yet): about "
-                     f"{elements * DRAW_NS_PER_ELEMENT * 1e-9:.0f} s on a 2-core machine")
+                     f"{seconds:.0f} s on a 2-core machine")
 
 
 @lru_cache(maxsize=4)

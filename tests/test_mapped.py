@@ -516,7 +516,7 @@ def test_a_cached_trace_replaced_by_another_models_is_drawn_again(tmp_path, monk
 @pytest.mark.parametrize("cache_setting", ["folder", "off"])
 def test_a_long_synthetic_draw_is_said_once_before_it_begins_and_never_when_cached(tmp_path, monkeypatch,
                                                                                     cache_setting):
-    """A draw longer than `LONG_DRAW_ELEMENTS` is told to `draw_listeners` (the CLI: a note on
+    """A draw estimated at `LONG_DRAW_S` or more is told to `draw_listeners` (the CLI: a note on
     stderr) once, with its size — also when the cache asks for the stream and then draws with
     `make` after all (the cache off, a trace below the mapping's bar) — and a run that finds its
     trace in the cache says nothing."""
@@ -524,7 +524,7 @@ def test_a_long_synthetic_draw_is_said_once_before_it_begins_and_never_when_cach
     from klotski_sim.model import get_model
 
     monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(tmp_path / "cache") if cache_setting == "folder" else "off")
-    monkeypatch.setattr(runner, "LONG_DRAW_ELEMENTS", 1000)
+    monkeypatch.setattr(runner, "LONG_DRAW_S", 1e-6)
     heard: list[str] = []
     monkeypatch.setattr(runner, "draw_listeners", [heard.append])
     spec = runner.RunSpec(model="tiny-mixtral", batch_size=2, prompt_len=9, gen_len=3, num_batches=None)
@@ -536,7 +536,7 @@ def test_a_long_synthetic_draw_is_said_once_before_it_begins_and_never_when_cach
     runner._synthetic_trace.cache_clear()
     runner.make_replay(spec, get_model("tiny-mixtral"), 3)
     assert len(heard) == (1 if cache_setting == "folder" else 2)  # (drawn again only without a cache)
-    monkeypatch.setattr(runner, "LONG_DRAW_ELEMENTS", 10**9)
+    monkeypatch.setattr(runner, "LONG_DRAW_S", 1e6)
     runner._synthetic_trace.cache_clear()
     runner.make_replay(replace(spec, seed=1), get_model("tiny-mixtral"), 3)  # short: drawn without a word
     assert len(heard) == (1 if cache_setting == "folder" else 2)
