@@ -516,10 +516,11 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     spec = search.spec()
     output_folder(args.out)
     ids, size = search.selected_ids(spec)
+    one_batch = [p for p in search.policy_names() if POLICIES[p].one_batch] if "auto" not in search.num_batches else []
     if not ids:
         raise CliError(f"--num-batches {args.num_batches}: no configuration left — "
-                       f"{', '.join(search.policy_names())} keep one batch in flight by definition and run at n "
-                       f"auto only")
+                       f"{', '.join(one_batch)} {'keeps' if len(one_batch) == 1 else 'keep'} one batch in flight by "
+                       f"definition and {'runs' if len(one_batch) == 1 else 'run'} at n auto only")
     sampled = f" (a seeded sample of {len(ids)}: the grid exceeds --budget)" if len(ids) < size else ""
     print(f"optimize {args.model} on {args.hardware}: {size} configurations{sampled} — policies "
           f"{', '.join(search.policy_names())}; impl {', '.join(search.impls)}; batch sizes "
@@ -527,6 +528,10 @@ def cmd_optimize(args: argparse.Namespace) -> int:
           f"{', '.join(search.kv)}; cache sizes {', '.join(map(str, search.cache_sizes))}; resident layers "
           f"{', '.join(map(str, search.resident_layers))}; n {', '.join(map(str, search.num_batches))}"
           + (" (auto: the planner's; --num-batches auto,4,16 searches n)" if search.num_batches == ("auto",) else ""))
+    if one_batch:  # (left out of the grid without a word, the header naming them all the same)
+        alone = len(one_batch) == 1
+        print(f"note: {', '.join(one_batch)} {'is' if alone else 'are'} not searched: one batch in flight by "
+              f"definition, at n auto only (--num-batches auto,... includes {'it' if alone else 'them'})")
     df = run_sweep(spec, args.out, workers=args.workers, progress=not args.no_progress, only=ids)
     ok = ok_rows(df)
     failed_count = int((df["status"] == "error").sum()) if "status" in df.columns else 0

@@ -177,8 +177,8 @@ def _room_for_kv(model: ModelSpec, placement: Placement, batch_size: int, n: int
     if placement.kv != "cpu":
         return ""
     kv = host_kv_bytes(model, batch_size, n, prompt_len, gen_len)
-    ways = (["--experts disk"] if placement.experts != "disk" else []) + (["fewer batches"] if n > 1 else []) + [
-        "a smaller batch size", "a shorter prompt"]
+    ways = ["every expert on disk (--experts disk)"] if placement.experts != "disk" else []
+    ways += (["fewer batches"] if n > 1 else []) + ["a smaller batch size", "a shorter prompt"]
     batches = f"{n} batches" if n > 1 else "one batch"
     return f" (the KV cache of {batches} is {memory_text(kv)} of it: {', '.join(ways)} would leave it room)"
 

@@ -17,7 +17,7 @@ from typing import Any, Callable, Collection, Mapping
 import numpy as np
 
 from .argtypes import MAX_COUNT, MAX_SEED
-from .cache import cached_trace
+from .cache import cache_dir, cached_trace
 from .cost import CostModel
 from .engine import simulate
 from .errors import KlotskiError, StorageRefusal, UsageError
@@ -185,9 +185,10 @@ def _announce_draw(model: ModelSpec, routing: str, sequences: int, tokens: int) 
     seconds = token_layers * (model.num_experts * DRAW_S_PER_ELEMENT + DRAW_S_PER_TOKEN_LAYER)
     if seconds >= LONG_DRAW_S:
         for listener in draw_listeners:
+            cached = "the trace cache is off" if cache_dir() is None else "not in the trace cache yet"
             listener(f"drawing the {routing} routing of {sequences} sequences x {tokens:,} tokens for {model.name} "
-                     f"({model.num_layers} layers x {model.num_experts} experts; not in the trace cache yet): about "
-                     f"{seconds:.0f} s on a 2-core machine")
+                     f"({model.num_layers} layers x {model.num_experts} experts; {cached}): about {seconds:.0f} s on "
+                     f"a 2-core machine")
 
 
 @lru_cache(maxsize=4)

@@ -664,7 +664,8 @@ def test_a_run_whose_weights_or_kv_cache_the_host_or_disk_cannot_hold_is_refused
     rc, out, err = run_cli("simulate", "--no-png", "--model", "mixtral-8x22b", "--batch-size", "64", "--prompt-len",
                            "8192", "--gen-len", "4", "--impl", "ideal")
     assert rc == 2 and len(err.splitlines()) == 1 and "keeps 319.08 GiB in host memory" in err, err
-    assert "(the KV cache of one batch is 112.05 GiB of it: --experts disk, a smaller batch size" in err, err
+    assert ("(the KV cache of one batch is 112.05 GiB of it: every expert on disk (--experts disk), a smaller batch "
+            "size") in err, err
     rc, out, err = run_cli("simulate", "--no-png", "--model", "mixtral-8x22b", "--batch-size", "64", "--prompt-len",
                            "8192", "--gen-len", "4", "--impl", "ideal", "--experts", "disk",
                            "--set", "host.memory_bytes=100e9")

@@ -156,8 +156,22 @@ def test_n_is_searched_and_the_winner_at_a_given_n_reproduces(tmp_path):
     assert _throughput(sim_out) == pytest.approx(best, abs=0.06)
 
 
+def test_a_one_batch_policy_left_out_of_a_search_over_n_is_said(tmp_path):
+    """single-batch runs at n auto only: asked beside klotski at --num-batches 2 it was dropped from
+    the grid without a word, the header naming it all the same."""
+    code, out, err = run_cli("optimize", "--model", "tiny-mixtral", "--prompt-len", "8", "--gen-len", "3",
+                             "--batch-sizes", "2", "--policies", "klotski,single-batch", "--num-batches", "2",
+                             "--expert-dtypes", "bf16", "--impl", "ideal", "--workers", "1", "--no-progress",
+                             "--out", str(tmp_path / "o"))
+    assert code == 0, err
+    assert "note: single-batch is not searched: one batch in flight by definition, at n auto only" in out, out
+    assert set(pd.read_parquet(tmp_path / "o" / "results.parquet")["policy"]) == {"klotski"}
+
+
 @pytest.mark.parametrize("args, message", [
     (("--policies", "single-batch,fiddler", "--num-batches", "3"), "keep one batch in flight"),
+    (("--policies", "single-batch", "--num-batches", "3"),
+     "single-batch keeps one batch in flight by definition and runs at n auto only"),
     (("--cache-sizes", "0,9"), "--cache-sizes 9: tiny-mixtral has 8 routed experts"),
     (("--num-batches", "3_0"), "--num-batches: give comma-separated integers"),
     (("--num-batches", "\u0663"), "--num-batches: give comma-separated integers"),
