@@ -81,11 +81,22 @@ def sweep_rate(code_dir: Path, count: int) -> float:
     return count / float(python_in(code_dir, "-c", SWEEP.format(count=count)).stdout.split()[-1]) * 60
 
 
-def synth(code_dir: Path, case: tuple[str, int, int, int], field: int) -> float:
-    """Seconds (field 0) or peak resident MB (field 1) of one synthetic draw in a fresh process."""
+# the peak memory of the draws the seconds' measure made, taken by its twin measure in the same order
+_SYNTH_PEAKS: dict[tuple[Path, tuple[str, int, int, int]], list[float]] = {}
+
+
+def synth_seconds(code_dir: Path, case: tuple[str, int, int, int]) -> float:
+    """Seconds of one synthetic draw in a fresh process (its peak resident MB kept for `synth_peak`)."""
     model, sequences, prompt, gen = case
     out = python_in(code_dir, "-c", SYNTH.format(model=model, sequences=sequences, prompt=prompt, gen=gen))
-    return float(out.stdout.split()[field])
+    seconds, peak = map(float, out.stdout.split())
+    _SYNTH_PEAKS.setdefault((code_dir, case), []).append(peak)
+    return seconds
+
+
+def synth_peak(code_dir: Path, case: tuple[str, int, int, int]) -> float:
+    """Peak resident MB of the draw `synth_seconds` made in the same alternation (one draw, not two)."""
+    return _SYNTH_PEAKS[(code_dir, case)].pop(0)
 
 
 def main() -> None:
@@ -117,8 +128,8 @@ def main() -> None:
         if args.synth or args.only_synth:
             for case in SYNTH_CASES:
                 what = f"synthesize {case[0]} {case[1]} x {case[2] + case[3]} tokens"
-                measures.append((what, "s", lambda d, c=case: synth(d, c, 0), min))
-                measures.append((f"{what}, peak", "MB", lambda d, c=case: synth(d, c, 1), min))
+                measures.append((what, "s", lambda d, c=case: synth_seconds(d, c), min))
+                measures.append((f"{what}, peak", "MB", lambda d, c=case: synth_peak(d, c), min))
         print(f"{args.base} (old) against the working tree (new), {args.rounds} alternations each, best of each:")
         for name, unit, measure, best in measures:
             old, new = [], []

@@ -516,7 +516,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     spec = search.spec()
     output_folder(args.out)
     ids, size = search.selected_ids(spec)
-    one_batch = [p for p in search.policy_names() if POLICIES[p].one_batch] if "auto" not in search.num_batches else []
+    one_batch = search.one_batch_left_out()
     if not ids:
         raise CliError(f"--num-batches {args.num_batches}: no configuration left — "
                        f"{', '.join(one_batch)} {'keeps' if len(one_batch) == 1 else 'keep'} one batch in flight by "

@@ -90,6 +90,13 @@ class Search:
             return ids, len(ids)
         return sorted(random.Random(self.seed).sample(ids, self.budget)), len(ids)
 
+    def one_batch_left_out(self) -> list[str]:
+        """The policies `selected_ids` leaves out altogether: one batch in flight by definition,
+        and no `auto` among the n searched."""
+        if "auto" in self.num_batches:
+            return []
+        return [p for p in self.policy_names() if POLICIES[p].one_batch]
+
 
 def pareto_front(df: pd.DataFrame) -> pd.DataFrame:
     """The configurations no other one beats on both throughput (higher) and per-token latency

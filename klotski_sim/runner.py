@@ -184,8 +184,8 @@ def _announce_draw(model: ModelSpec, routing: str, sequences: int, tokens: int) 
     token_layers = sequences * tokens * model.num_layers
     seconds = token_layers * (model.num_experts * DRAW_S_PER_ELEMENT + DRAW_S_PER_TOKEN_LAYER)
     if seconds >= LONG_DRAW_S:
+        cached = "the trace cache is off" if cache_dir() is None else "not in the trace cache yet"
         for listener in draw_listeners:
-            cached = "the trace cache is off" if cache_dir() is None else "not in the trace cache yet"
             listener(f"drawing the {routing} routing of {sequences} sequences x {tokens:,} tokens for {model.name} "
                      f"({model.num_layers} layers x {model.num_experts} experts; {cached}): about {seconds:.0f} s on "
                      f"a 2-core machine")
