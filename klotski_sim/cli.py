@@ -16,6 +16,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from . import run_size
 from .argtypes import (
     MAX_COUNT,
     MAX_COUNT_TEXT,
@@ -281,15 +282,18 @@ def _note(text: str) -> None:
     print(f"note: {text}", file=sys.stderr, flush=True)
 
 
-def _say_long_draws() -> None:
-    """A long synthetic draw (a fine-grained model's long prompts: a minute) is said on stderr before
-    it begins, not taken for a hang (simulate and compare: a sweep's workers say nothing)."""
-    if _note not in draw_listeners:
-        draw_listeners.append(_note)
+def _say_long_work() -> None:
+    """A long synthetic draw (a fine-grained model's long prompts: a minute) and a long run (millions
+    of ops, projected from its first steps: klotski_sim.run_size) are said on stderr before they
+    begin, not taken for hangs (simulate and compare: a sweep's workers say nothing)."""
+    for listeners in (draw_listeners, run_size.listeners):
+        if _note not in listeners:
+            listeners.append(_note)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    _say_long_draws()
+    _say_long_work()
+    run_size.expect_files(args.out is not None)
     out = output_folder(args.out) if args.out is not None else None
     result = run(spec_from_args(args, options=parse_overrides(args.options, "--option")))
     print(format_summary(result.timeline.summary()))
@@ -341,7 +345,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise CliError(f"--flexgen-overlap {args.flexgen_overlap}: flexgen is not among the policies compared "
                        f"({', '.join(policies)})")
     out = output_folder(args.out)
-    _say_long_draws()
+    _say_long_work()
     prep = prepare(spec)
     if prep.plan is not None:
         print(f"planner: n = {prep.num_batches} ({'; '.join(prep.plan.notes) or 'bubbles closed within memory'})")
@@ -487,7 +491,14 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_optimize(args: argparse.Namespace) -> int:
-    from .optimize import Search, check_search, ok_rows, pareto_front, simulate_command, winner
+    from .optimize import (
+        Search,
+        check_search,
+        ok_rows,
+        pareto_front,
+        simulate_command,
+        winner,
+    )
     from .sweep import run_sweep
 
     def ints(text: str, flag: str, low: int = 1, words: tuple[str, ...] = ()) -> tuple:
@@ -536,12 +547,15 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     ok = ok_rows(df)
     failed_count = int((df["status"] == "error").sum()) if "status" in df.columns else 0
     refused = int((df["status"] == "refused").sum()) if "status" in df.columns else 0
-    oom = len(df) - len(ok) - failed_count - refused
+    too_large = int((df["status"] == "too-large").sum()) if "status" in df.columns else 0
+    oom = len(df) - len(ok) - failed_count - refused - too_large
     notes = []
     if oom:
         notes.append(f"{oom} do not fit in GPU memory")
     if refused:
         notes.append(f"{refused} do not fit in the profile's host memory or disk")
+    if too_large:
+        notes.append(f"{too_large} too large for this machine's memory to simulate")
     if failed_count:
         notes.append(f"{failed_count} failed: see the error column")
     print(f"{len(ok)} of {len(df)} ran to the end" + (f" ({'; '.join(notes)})" if notes else "")
@@ -551,10 +565,11 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         if len(failed):
             raise CliError(f"{len(failed)} of {len(df)} configurations failed and none ran to the end; the first: "
                            f"{failed['error'].iloc[0]}")
-        if refused:
-            first = df.loc[df["status"] == "refused", "error"].iloc[0]
-            where = ((f"{oom} not in GPU memory, " if oom else "")
-                     + f"{refused} not in the profile's host memory or disk")
+        if refused or too_large:
+            first = df.loc[df["status"].isin(["refused", "too-large"]), "error"].iloc[0]
+            where = ", ".join(f"{count} {why}" for count, why in (
+                (oom, "not in GPU memory"), (refused, "not in the profile's host memory or disk"),
+                (too_large, "too large to simulate here")) if count)
             raise CliError(f"no configuration fits ({len(df)} tried: {where}); the first refused: {first}")
         raise CliError(f"no configuration fits in GPU memory ({len(df)} tried): try smaller --batch-sizes, "
                        f"--num-batches or --expert-dtypes int4")

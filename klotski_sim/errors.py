@@ -20,3 +20,9 @@ class StorageRefusal(UsageError):
     """A configuration whose weights and KV cache the simulated machine's host memory or disk
     cannot hold (the message says which, with the numbers): a sweep records it as status
     `refused`, not as an `error`, which would read as a failure of the simulator."""
+
+
+class MachineRefusal(UsageError):
+    """A run larger than the memory of the machine running klotski (not the simulated one) can
+    hold, refused after its first steps are built (klotski_sim.run_size): a sweep records it as
+    status `too-large`."""

@@ -7,7 +7,9 @@ those rows (also atomically). Rerunning the same command skips the ids already t
 the sweep at any moment loses nothing that finished and never leaves a half-written file. A
 configuration that does not run to the end is a row with its status and error: `oom` (GPU memory:
 simulated, or refused by the memory check; error holds the numbers as JSON), `refused` (the
-profile's host memory or disk cannot hold what the run keeps there: the reason) or `error`.
+profile's host memory or disk cannot hold what the run keeps there: the reason), `too-large` (the
+memory of the machine running the sweep cannot hold the run's schedule and timeline, projected
+from its first steps: klotski_sim/run_size.py; tried again on a rerun) or `error`.
 The id hashes the inputs *and* the simulator's code, so rows computed by older code stay on disk
 but are neither reused nor reported.
 
@@ -66,7 +68,7 @@ from pydantic import (
 )
 
 from .argtypes import MAX_COUNT, MAX_COUNT_TEXT, MAX_SEED, first_repeat
-from .errors import KlotskiError, StorageRefusal, UsageError
+from .errors import KlotskiError, MachineRefusal, StorageRefusal, UsageError
 from .hardware import ProfileError, builtin_profile_names, load_profile, with_overrides
 from .impl import PRESET_NAMES
 from .lazy import pd  # (imported when first used: klotski_sim/lazy.py)
@@ -398,7 +400,7 @@ def config_id(cfg: dict[str, Any]) -> str:
 
 def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """Simulate one configuration; never raises — a failure is a row with status `refused` (host
-    memory or disk) or `error`."""
+    memory or disk), `too-large` (this machine's memory) or `error`."""
     from .runner import RunSpec, run
 
     t = time.perf_counter()
@@ -437,6 +439,9 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
     except StorageRefusal as err:  # (the configuration, not the simulator: no traceback)
         row["status"] = "refused"
         row["error"] = str(err)
+    except MachineRefusal as err:  # (this machine's memory, not the simulated one's)
+        row["status"] = "too-large"
+        row["error"] = str(err)
     except Exception as err:  # noqa: BLE001 - recorded, the sweep goes on
         row["status"] = "error"
         row["error"] = f"{type(err).__name__}: {err}"
@@ -463,7 +468,10 @@ def read_row(path: Path) -> dict[str, Any] | None:
 
 
 def finished_ids(rows_dir: Path) -> set[str]:
-    return {p.stem for p in rows_dir.glob("*.json") if read_row(p) is not None}
+    """The ids a rerun skips: every row's but a `too-large` one's (the machine running klotski
+    could not hold that run: a rerun, perhaps on a larger machine, tries it again)."""
+    return {p.stem for p in rows_dir.glob("*.json") if (row := read_row(p)) is not None
+            and row.get("status") != "too-large"}
 
 
 def collect(out_dir: str | Path, ids: Iterable[str] | None = None) -> pd.DataFrame:

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from .. import run_size
 from ..cost import op_variant
 from ..errors import KlotskiError, UsageError
 from ..hardware import HardwareProfile
@@ -281,7 +282,7 @@ def impl_label(name: str, impl: str, options: Mapping[str, Any]) -> str:
 def build_schedule(name: str, inp: PolicyInput) -> Schedule:
     info = get_policy(name)
     options = resolve_options(name, inp.impl, inp.options)
-    with gc_paused():
+    with gc_paused(), run_size.watching(name, inp.shape.num_steps, inp.shape.num_batches):
         try:
             schedule = info.build(PolicyInput(inp.model, inp.profile, inp.routing, inp.placement, options,
                                               inp.warmup, inp.impl))
@@ -346,6 +347,7 @@ class OpEmitter:
         if self.attention_on_cpu:
             self.b.streams.update(CPU_STREAMS)
         self._preload_resident()
+        self._size_watch = run_size.current()  # (None for an emitter made outside build_schedule)
 
     # ---- residency ----------------------------------------------------------------------------
     def _preload_resident(self) -> None:
@@ -470,6 +472,10 @@ class OpEmitter:
 
     # ---- compute ------------------------------------------------------------------------------
     def embed(self, op_id: str, step: int, batch: int, deps: Iterable[str | None] = ()) -> str:
+        """A batch's embedding at `step`: the first op of its step in every policy loop, where the
+        run's size is projected (klotski_sim.run_size)."""
+        if self._size_watch is not None:
+            self._size_watch.step_begins(step, batch, len(self.b.ops))
         tokens = self.new_tokens(step) * self.shape.batch_size
         return self.b.compute(op_id, "embed", deps, bytes=self.model.hidden_bytes(tokens), step=step,
                               phase=self.phase(step), batches=self.batch_tuple[batch], tokens=tokens)

@@ -1,0 +1,128 @@
+"""How large a run will be, projected from the first steps of its schedule, before it is all built.
+
+A schedule's ops, its dependency graph, the engine's lists and the timeline cost memory in
+proportion to the ops, and the ops of an as-published schedule grow with experts x batches x
+layers x steps: DeepSeek-V3's Klotski schedule on an H800 profile has 10M ops and took 282 s and
+14 GB with `--out`. On a smaller machine such a run ended with the kernel killing it (no message)
+after minutes of building. So each policy loop built by `OpEmitter` is watched: when its third
+step begins (prefill and one decode step built), the ops of the whole run are projected — the
+ops so far plus the first decode step's ops for each step left, times the batches for a loop
+that walks one batch's steps after another — and the run is
+
+- refused (`MachineRefusal`: one line, a sweep row of status `too-large`) when the memory that
+  many ops need is more than this machine has available, before the rest is built;
+- said to `listeners` (the CLI's `note:` on stderr) when it will take LONG_RUN_S or more.
+
+The memory and time per op are measured (the fits below), not modelled: they are this project's
+figures for its own data structures on its 2-core machine.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from .errors import MachineRefusal
+from .machine import available_memory_bytes, resident_bytes
+from .units import memory_text
+
+# Peak resident memory per op of `klotski-sim simulate` (schedule, graph, engine lists, timeline and
+# its summary), and with `--out` (the timeline's frame and Arrow table, the files' pieces): the slopes
+# of the process tree's peak (`python experiments/tree_memory.py klotski-sim simulate --policy klotski
+# [ARGS] [--out DIR]`) over the default run (337,802 ops: 373 / 638 MB), `--gen-len 96` (899,034 ops:
+# 794 / 1366 MB) and `--model qwen3-30b-a3b` (1,301,835 ops: 1128 / 1897 MB), at b6666f0: 0.75-0.78 kB
+# and 1.30-1.31 kB an op.
+BYTES_PER_OP = 800
+BYTES_PER_OP_WITH_FILES = 1350
+# Wall time per op of the same runs (trace cache warm): 3.8-5.2 us without files, 11.2-14.0 us with.
+SECONDS_PER_OP = 5e-6
+SECONDS_PER_OP_WITH_FILES = 14e-6
+LONG_RUN_S = 20.0
+
+listeners: list[Callable[[str], None]] = []  # who hears that a long run begins (the CLI: a note on stderr)
+_files_written = [False]  # whether this process's runs also write their timelines' files (--out)
+
+
+def expect_files(written: bool) -> None:
+    """Tell the projection that the runs of this process write their files (simulate --out): each
+    op then costs BYTES_PER_OP_WITH_FILES."""
+    _files_written[0] = written
+
+
+@dataclass
+class RunSizeWatch:
+    """The ops a policy loop has built at the start of its first steps, and the projection made
+    from them once (see the module's docstring)."""
+
+    policy: str
+    num_steps: int
+    num_batches: int
+    resident_at_start: int | None
+    started: dict[int, int] = field(default_factory=dict)  # step -> ops built before its first op
+    batches_in_prefill: set[int] = field(default_factory=set)
+
+    def step_begins(self, step: int, batch: int, ops_built: int) -> None:
+        """A policy loop begins (step, batch) with `ops_built` ops built so far."""
+        if step == 0:
+            self.batches_in_prefill.add(batch)
+            return
+        if step in self.started or step > 2:
+            return
+        self.started[step] = ops_built
+        if step == 2:
+            self._project(ops_built)
+
+    def projected_ops(self, ops_built: int) -> int:
+        """The run's ops, from those built before steps 1 and 2 began (`started`)."""
+        per_step = ops_built - self.started[1]
+        ops = ops_built + per_step * (self.num_steps - 2)
+        if len(self.batches_in_prefill) < self.num_batches:  # one batch's steps after another
+            ops *= self.num_batches
+        return ops
+
+    def _project(self, ops_built: int) -> None:
+        ops = self.projected_ops(ops_built)
+        with_files = _files_written[0]
+        per_op = BYTES_PER_OP_WITH_FILES if with_files else BYTES_PER_OP
+        one_batch_first = len(self.batches_in_prefill) < self.num_batches
+        projected = (f"{self.num_batches} batches x {self.num_steps} steps, projected from "
+                     + ("its first batch's first steps" if one_batch_first else "its first steps"))
+        needed = (self.resident_at_start or 0) + ops * per_op  # the run's peak, what the process held before included
+        available, resident = available_memory_bytes(), resident_bytes()
+        if available is not None and resident is not None and self.resident_at_start is not None:
+            if needed - resident > available:
+                raise MachineRefusal(
+                    f"{self.policy} would build about {_count(ops)} ops ({projected}) and need about "
+                    f"{memory_text(needed)} of memory{' with its files' if with_files else ''} "
+                    f"({per_op / 1000:.2f} kB an op), but this machine has {memory_text(available)} available "
+                    f"beside the {memory_text(resident)} the run holds; a shorter --gen-len, fewer batches "
+                    f"(--num-batches) or --impl ideal (batched expert ops) builds fewer ops")
+        seconds = ops * (SECONDS_PER_OP_WITH_FILES if with_files else SECONDS_PER_OP)
+        if seconds >= LONG_RUN_S:
+            for listener in listeners:
+                listener(f"{self.policy} builds about {_count(ops)} ops ({projected}): about {seconds:.0f} s and "
+                         f"{memory_text(needed)} of memory on a 2-core machine")
+
+
+def _count(ops: int) -> str:
+    return f"{ops / 1e6:.1f}M" if ops >= 1_000_000 else f"{ops:,}"
+
+
+_current: ContextVar[RunSizeWatch | None] = ContextVar("run_size_watch", default=None)
+
+
+@contextmanager
+def watching(policy: str, num_steps: int, num_batches: int) -> Iterator[None]:
+    """Watch the policy loop built inside the block (`current` hands the watch to its emitter)."""
+    token = _current.set(RunSizeWatch(policy, num_steps, num_batches, resident_bytes()))
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
+def current() -> RunSizeWatch | None:
+    """The watch of the policy loop being built, None outside `watching` (an emitter made by hand)."""
+    return _current.get()
