@@ -1,9 +1,10 @@
 """What this machine (the one running klotski, not the simulated one) has to spare.
 
 Read from Linux's own accounting: `MemAvailable` (what can be allocated without swapping, page
-cache included) and, inside a container, the cgroup's limit less its usage — a CI runner's or a
-notebook server's limit is usually far below the host's. Where neither can be read (macOS,
-Windows) the answer is None: a caller then refuses nothing.
+cache included) and the memory cgroups this process runs in (v2 or v1), each level's limit less
+its usage — a container's, a CI runner's, a Slurm job's or a systemd slice's limit is often far
+below the host's. Where neither can be read (macOS, Windows) the answer is None: a caller then
+refuses nothing.
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ import os
 from pathlib import Path
 
 _MEMINFO = Path("/proc/meminfo")
-_CGROUP_LIMITS = (  # (limit, usage): cgroup v2, then v1
-    (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")),
-    (Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"), Path("/sys/fs/cgroup/memory/memory.usage_in_bytes")),
-)
+_PROC_CGROUP = Path("/proc/self/cgroup")  # this process's cgroups: "0::/path" (v2), "4:memory:/path" (v1)
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+_LIMIT_FILES = {"v2": ("", "memory.max", "memory.current"),  # (folder under the root, limit, usage)
+                "v1": ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes")}
 
 
 def available_memory_bytes() -> int | None:
@@ -47,19 +48,50 @@ def _mem_available() -> int | None:
 
 
 def _cgroup_room() -> int | None:
-    for limit_path, usage_path in _CGROUP_LIMITS:
-        try:
-            limit_text = limit_path.read_text().strip()
-            usage = int(usage_path.read_text().strip())
-        except (OSError, ValueError):
+    """The least room (limit less usage) among this process's memory cgroup and its ancestors: a
+    limit may be set on any of them (a Slurm job's, a systemd slice's, a container's). A cgroup
+    folder that is not there (a container's own view of the tree) is skipped."""
+    rooms = []
+    for version, own in _own_cgroups():
+        folder, limit_name, usage_name = _LIMIT_FILES[version]
+        base = _CGROUP_ROOT / folder if folder else _CGROUP_ROOT
+        level = base / own.strip("/")
+        while True:
+            room = _room(level / limit_name, level / usage_name)
+            if room is not None:
+                rooms.append(room)
+            if level == base or base not in level.parents:
+                break
+            level = level.parent
+    return min(rooms) if rooms else None
+
+
+def _own_cgroups() -> list[tuple[str, str]]:
+    """(version, path) of this process's memory cgroups, from /proc/self/cgroup."""
+    try:
+        lines = _PROC_CGROUP.read_text().splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
             continue
-        if limit_text == "max":  # (v2: no limit)
-            return None
-        try:
-            limit = int(limit_text)
-        except ValueError:
-            return None
-        if limit >= 1 << 60:  # (v1 says "no limit" with a huge number)
-            return None
-        return max(0, limit - usage)
-    return None
+        if parts[0] == "0" and parts[1] == "":
+            found.append(("v2", parts[2]))
+        elif "memory" in parts[1].split(","):
+            found.append(("v1", parts[2]))
+    return found
+
+
+def _room(limit_path: Path, usage_path: Path) -> int | None:
+    """Limit less usage, or None where there is no limit (v2's "max", v1's huge number) or no files."""
+    try:
+        limit_text = limit_path.read_text().strip()
+        usage = int(usage_path.read_text().strip())
+        limit = int(limit_text)
+    except (OSError, ValueError):  # (not there, or "max")
+        return None
+    if limit >= 1 << 60:
+        return None
+    return max(0, limit - usage)

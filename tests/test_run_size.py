@@ -14,7 +14,6 @@ from klotski_sim.errors import MachineRefusal
 from klotski_sim.policies import build_schedule
 from klotski_sim.runner import RunSpec, policy_prepared, prepare
 from klotski_sim.sweep import parse_spec, run_sweep
-from klotski_sim.units import memory_text
 
 
 def built(spec: RunSpec):
@@ -132,22 +131,36 @@ def test_a_sweep_records_too_large_and_tries_it_again_on_a_rerun(projections, mo
     assert list(df["status"]) == ["ok", "ok"]
 
 
-def test_available_memory_is_the_smaller_of_meminfo_and_the_cgroups_room(monkeypatch, tmp_path):
-    meminfo = tmp_path / "meminfo"
+def test_available_memory_is_the_least_of_meminfo_and_every_cgroup_levels_room(monkeypatch, tmp_path):
+    """MemAvailable, and the room of this process's memory cgroup and of each of its ancestors (v2
+    and v1), a folder that is not there skipped; None when nothing can be read."""
+    meminfo, own = tmp_path / "meminfo", tmp_path / "cgroup"
     meminfo.write_text("MemTotal:       24000000 kB\nMemFree:         1000 kB\nMemAvailable:    2000000 kB\n")
-    limit, usage = tmp_path / "memory.max", tmp_path / "memory.current"
     monkeypatch.setattr(machine, "_MEMINFO", meminfo)
-    monkeypatch.setattr(machine, "_CGROUP_LIMITS", ((limit, usage),))
-    assert machine.available_memory_bytes() == 2_000_000 * 1024  # no cgroup files
-    limit.write_text("max\n")
-    usage.write_text("500\n")
+    monkeypatch.setattr(machine, "_PROC_CGROUP", own)
+    monkeypatch.setattr(machine, "_CGROUP_ROOT", tmp_path / "fs")
+    assert machine.available_memory_bytes() == 2_000_000 * 1024  # no cgroup file at all
+    own.write_text("0::/slice/job/step\n")
+    job, step = tmp_path / "fs" / "slice" / "job", tmp_path / "fs" / "slice" / "job" / "step"
+    step.mkdir(parents=True)
+    (step / "memory.max").write_text("max\n")
+    (step / "memory.current").write_text("500\n")
     assert machine.available_memory_bytes() == 2_000_000 * 1024  # no limit
-    limit.write_text("1000000\n")
-    assert machine.available_memory_bytes() == 1_000_000 - 500  # the container's limit, below the host's
-    limit.write_text(f"{1 << 62}\n")  # (v1's "no limit")
+    (job / "memory.max").write_text("1000000\n")  # a job's limit, on the parent
+    (job / "memory.current").write_text("600\n")
+    assert machine.available_memory_bytes() == 1_000_000 - 600
+    (step / "memory.max").write_text("2000000\n")  # a looser one below it: the parent's still binds
+    assert machine.available_memory_bytes() == 1_000_000 - 600
+    own.write_text("12:pids:/x\n4:cpu,memory:/gone/away\n")  # v1, its own folder not in this view
+    v1 = tmp_path / "fs" / "memory"
+    v1.mkdir()
+    (v1 / "memory.limit_in_bytes").write_text(f"{(1 << 63) - 4096}\n")  # (v1's "no limit")
+    (v1 / "memory.usage_in_bytes").write_text("7\n")
     assert machine.available_memory_bytes() == 2_000_000 * 1024
+    (v1 / "memory.limit_in_bytes").write_text("3000\n")
+    assert machine.available_memory_bytes() == 3000 - 7
     meminfo.write_text("nothing here\n")
-    limit.write_text("garbage\n")
+    own.write_text("garbage\n")
     assert machine.available_memory_bytes() is None
 
 
