@@ -278,6 +278,11 @@ def _oom_text(oom: dict[str, Any]) -> str:
 
 
 # ---- subcommands ----------------------------------------------------------------------------
+def counted(count: int, noun: str) -> str:
+    """`1 configuration`, `2 configurations`."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def _note(text: str) -> None:
     print(f"note: {text}", file=sys.stderr, flush=True)
 
@@ -465,19 +470,25 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if size > SWEEP_CONFIRM and not args.yes:  # (before each value is checked against every profile: 2 s at 80k)
         raise CliError(f"{args.spec}: {size} configurations is more than {SWEEP_CONFIRM}; add --yes to run them")
     check_spec(spec, str(args.spec))
-    minutes = size * SECONDS_PER_CONFIG / max(1, args.workers) / 60
-    took = f"{minutes:.0f} min" if minutes >= 1 else f"{minutes * 60:.0f} s"
-    print(f"{size} configurations in the grid (about {took} on {args.workers} worker(s) if none is done yet, at "
-          f"{SECONDS_PER_CONFIG:.1f} s each as a default-size Mixtral-8x7B run; larger models, prompts and n take "
-          f"longer)")
     if args.dask is not None and not args.dask.strip():  # (an empty address ran locally, silently)
         raise CliError("--dask: expected a scheduler address like tcp://HOST:8786 or 'local', got an empty one")
     output_folder(args.out)  # (after the grid is accepted: a refused one leaves no empty folder)
-    done_before = len(list((Path(args.out) / "rows").glob("*.json"))) if (Path(args.out) / "rows").is_dir() else 0
-    df = run_sweep(spec, args.out, workers=args.workers, dask=args.dask, progress=not args.no_progress)
-    if done_before:
-        print(f"resumed: {min(done_before, size)} of {size} configurations were already done (rows of other code "
-              f"or grids are kept but not reused)")
+
+    def starting(done: int, total: int) -> None:
+        """What the sweep will do, before it does it: a resumed sweep's estimate is of what is left."""
+        grid = f"{counted(total, 'configuration')} in the grid"
+        if done == total:
+            print(f"{grid}; resumed: all already done (rows of other code or grids are kept but not reused)")
+            return
+        minutes = (total - done) * SECONDS_PER_CONFIG / max(1, args.workers) / 60
+        took = f"{minutes:.0f} min" if minutes >= 1 else f"{minutes * 60:.0f} s"
+        resumed = (f"; resumed: {done} already done, {total - done} left (rows of other code or grids are kept but "
+                   f"not reused)" if done else "")
+        print(f"{grid}{resumed}: about {took} on {args.workers} worker(s), at {SECONDS_PER_CONFIG:.1f} s each as a "
+              f"default-size Mixtral-8x7B run (larger models, prompts and n take longer)", flush=True)
+
+    df = run_sweep(spec, args.out, workers=args.workers, dask=args.dask, progress=not args.no_progress,
+                   on_start=starting)
     swept = [k for k, values in (("model", spec.models), ("hardware", spec.hardware), ("policy", spec.policies),
                                  ("impl", spec.impls), ("batch_size", spec.batch_sizes),
                                  ("num_batches", spec.num_batches), ("prompt_len", spec.prompt_lens),
@@ -486,7 +497,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     swept += [f"set.{k}" for k in spec.overrides]
     print(summarize(df, swept))
     failed = int((df["status"] != "ok").sum()) if len(df) else 0
-    print(f"{len(df)} configurations in {args.out}/results.parquet ({failed} not ok: see the status and error columns)")
+    print(f"{counted(len(df), 'configuration')} in {args.out}/results.parquet ({failed} not ok: see the status and "
+          f"error columns)")
     return 0
 
 
@@ -533,7 +545,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
                        f"{', '.join(one_batch)} {'keeps' if len(one_batch) == 1 else 'keep'} one batch in flight by "
                        f"definition and {'runs' if len(one_batch) == 1 else 'run'} at n auto only")
     sampled = f" (a seeded sample of {len(ids)}: the grid exceeds --budget)" if len(ids) < size else ""
-    print(f"optimize {args.model} on {args.hardware}: {size} configurations{sampled} — policies "
+    print(f"optimize {args.model} on {args.hardware}: {counted(size, 'configuration')}{sampled} — policies "
           f"{', '.join(search.policy_names())}; impl {', '.join(search.impls)}; batch sizes "
           f"{', '.join(map(str, search.batch_sizes))}; experts {', '.join(search.expert_dtypes)}; kv "
           f"{', '.join(search.kv)}; cache sizes {', '.join(map(str, search.cache_sizes))}; resident layers "
@@ -551,11 +563,12 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     oom = len(df) - len(ok) - failed_count - refused - too_large
     notes = []
     if oom:
-        notes.append(f"{oom} do not fit in GPU memory")
+        notes.append(f"{oom} {'does' if oom == 1 else 'do'} not fit in GPU memory")
     if refused:
-        notes.append(f"{refused} do not fit in the profile's host memory or disk")
+        notes.append(f"{refused} {'does' if refused == 1 else 'do'} not fit in the profile's host memory or disk")
     if too_large:
-        notes.append(f"{too_large} too large for this machine's memory to simulate")
+        notes.append(f"{too_large} {'is' if too_large == 1 else 'are'} too large for this machine's memory to "
+                     f"simulate")
     if failed_count:
         notes.append(f"{failed_count} failed: see the error column")
     print(f"{len(ok)} of {len(df)} ran to the end" + (f" ({'; '.join(notes)})" if notes else "")
@@ -563,7 +576,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     if ok.empty:
         failed = df[df["status"] == "error"] if "status" in df.columns else df.iloc[0:0]
         if len(failed):
-            raise CliError(f"{len(failed)} of {len(df)} configurations failed and none ran to the end; the first: "
+            raise CliError(f"{len(failed)} of {counted(len(df), 'configuration')} failed and none ran to the end; the "
+                           f"first: "
                            f"{failed['error'].iloc[0]}")
         if refused or too_large:
             first = df.loc[df["status"].isin(["refused", "too-large"]), "error"].iloc[0]

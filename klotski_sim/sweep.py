@@ -500,16 +500,18 @@ def collect(out_dir: str | Path, ids: Iterable[str] | None = None) -> pd.DataFra
 
 def run_sweep(spec: SweepSpec, out_dir: str | Path, workers: int = 1, dask: str | None = None,
               progress: bool = True, on_row: Callable[[dict[str, Any]], None] | None = None,
-              only: Iterable[str] | None = None) -> pd.DataFrame:
+              only: Iterable[str] | None = None, on_start: Callable[[int, int], None] | None = None) -> pd.DataFrame:
     """Run every configuration not finished yet (of those whose ids are in `only`, when given);
-    returns their rows. One sweep at a time writes to an output folder (a lock file says which
-    process): a second one is refused, not interleaved."""
+    returns their rows. `on_start` hears, before any runs, how many of how many are finished
+    already (a resumed sweep). One sweep at a time writes to an output folder (a lock file says
+    which process): a second one is refused, not interleaved."""
     out = Path(out_dir)
     rows_dir = out / "rows"
     _check_sweep_folder(out)
     rows_dir.mkdir(parents=True, exist_ok=True)
     with _locked(out):
-        return _run_sweep(spec, out, rows_dir, workers, dask, progress, on_row, None if only is None else set(only))
+        return _run_sweep(spec, out, rows_dir, workers, dask, progress, on_row, None if only is None else set(only),
+                          on_start)
 
 
 def _check_sweep_folder(out: Path) -> None:
@@ -553,11 +555,14 @@ class _locked:
 
 
 def _run_sweep(spec: SweepSpec, out: Path, rows_dir: Path, workers: int, dask: str | None, progress: bool,
-               on_row: Callable[[dict[str, Any]], None] | None, only: set[str] | None = None) -> pd.DataFrame:
+               on_row: Callable[[dict[str, Any]], None] | None, only: set[str] | None = None,
+               on_start: Callable[[int, int], None] | None = None) -> pd.DataFrame:
     (out / "spec.yaml").write_text(yaml.safe_dump(spec.model_dump(), sort_keys=False))
     configs = [c for c in expand(spec) if only is None or c["id"] in only]
     done = finished_ids(rows_dir)
     todo = [c for c in configs if c["id"] not in done]
+    if on_start:
+        on_start(len(configs) - len(todo), len(configs))
 
     def finished(row: dict[str, Any]) -> None:
         write_row(rows_dir, row)

@@ -78,7 +78,7 @@ def test_configurations_host_memory_cannot_hold_are_counted_apart_from_failures(
                              "--gen-len", "2", "--num-batches", "16", "--kv", "cpu", "--policies", "klotski",
                              "--impl", "ideal", "--expert-dtypes", "bf16", "--no-progress", "--workers", "1",
                              "--out", str(tmp_path / "o"))
-    assert code == 2 and "0 of 1 ran to the end (1 do not fit in the profile's host memory or disk)" in out, out
+    assert code == 2 and "0 of 1 ran to the end (1 does not fit in the profile's host memory or disk)" in out, out
     assert err.count("\n") == 1 and "no configuration fits (1 tried: 1 not in the profile's host memory or disk); " \
         "the first refused: mixtral-8x22b keeps 431.08 GiB in host memory" in err, err
 

@@ -171,6 +171,6 @@ def test_optimize_counts_the_configurations_too_large_to_simulate_here(monkeypat
                  "--policies", "klotski", "--impl", "as-published", "--expert-dtypes", "bf16", "--no-progress",
                  "--workers", "1", "--out", str(tmp_path / "o")])
     out, err = capsys.readouterr()
-    assert code == 2 and "0 of 1 ran to the end (1 too large for this machine's memory to simulate)" in out, out
+    assert code == 2 and "0 of 1 ran to the end (1 is too large for this machine's memory to simulate)" in out, out
     assert err.count("\n") == 1 and err.startswith("error: no configuration fits (1 tried: 1 too large to simulate "
                                                    "here); the first refused: klotski would build about "), err

@@ -13,7 +13,7 @@ import yaml
 
 from klotski_sim.sweep import SweepError, collect, expand, parse_spec, run_sweep
 
-from .conftest import ROOT
+from .conftest import ROOT, run_cli
 
 SMALL = {"name": "t", "models": ["tiny-mixtral"], "policies": ["klotski", "flexgen"], "batch_sizes": [2],
          "num_batches": [2, "auto"], "prompt_lens": [8], "gen_lens": [3], "routings": ["calibrated", "uniform"]}
@@ -273,3 +273,25 @@ def test_a_configuration_s_files_are_part_of_its_id_by_contents_not_by_path(tmp_
     assert edited_profile != first
     synthesize(get_model("tiny-mixtral"), 12, 4, 2, "calibrated", 3).save(folder / "tr.npz")
     assert ids("spec.yaml") not in (first, edited_profile)
+
+
+def test_the_cli_says_what_a_resumed_sweep_has_left_before_it_runs(tmp_path):
+    """The estimate is of the configurations left, said before any runs (it came after the sweep,
+    counting every row file, of other code too; "1 configurations")."""
+    spec = tmp_path / "s.yaml"
+    spec.write_text(yaml.safe_dump({"name": "t", "models": ["tiny-mixtral"], "policies": ["klotski", "flexgen"],
+                                    "batch_sizes": [2], "num_batches": [2], "prompt_lens": [8], "gen_lens": [3]}))
+    out = tmp_path / "o"
+    code, first, _ = run_cli("sweep", str(spec), "--out", str(out), "--no-progress")
+    assert code == 0 and first.splitlines()[0].startswith("2 configurations in the grid: about 3 s on 1 worker(s)")
+    code, again, _ = run_cli("sweep", str(spec), "--out", str(out), "--no-progress")
+    assert again.splitlines()[0] == ("2 configurations in the grid; resumed: all already done (rows of other code "
+                                     "or grids are kept but not reused)")
+    min(out.glob("rows/*.json")).unlink()
+    code, resumed, _ = run_cli("sweep", str(spec), "--out", str(out), "--no-progress")
+    assert resumed.splitlines()[0].startswith("2 configurations in the grid; resumed: 1 already done, 1 left "
+                                              "(rows of other code or grids are kept but not reused): about 2 s")
+    assert resumed.splitlines()[-1].startswith("2 configurations in ")
+    spec.write_text(spec.read_text().replace("- flexgen\n", ""))
+    code, one, _ = run_cli("sweep", str(spec), "--out", str(out), "--no-progress")
+    assert one.splitlines()[0].startswith("1 configuration in the grid; resumed: all already done"), one
