@@ -114,9 +114,7 @@ class CorrelationTable:
     def scores(self, layer: int, prev_counts: np.ndarray | None) -> np.ndarray:
         if layer == 0 or prev_counts is None:
             return self.t0.astype(float)
-        table = self.pairs[layer]
-        # columns of the row_top largest entries of each row (ties -> lower expert id)
-        top_cols = np.argsort(-table, axis=1, kind="stable")[:, : self.row_top]
+        top_cols = top_columns(self.pairs[layer], self.row_top)
         # each row's c_prev[e] added to its top columns (row by row, as a loop over e would add them)
         weights = np.repeat(np.asarray(prev_counts, dtype=float), top_cols.shape[1])
         return np.bincount(top_cols.ravel(), weights=weights, minlength=self.num_experts)
@@ -124,6 +122,24 @@ class CorrelationTable:
     def predict(self, layer: int, prev_counts: np.ndarray | None, k: int) -> list[int]:
         """The k hot experts of `layer` (highest score first; ties -> lower expert id)."""
         return np.argsort(-self.scores(layer, prev_counts), kind="stable")[:k].tolist()
+
+
+def top_columns(table: np.ndarray, r: int) -> np.ndarray:
+    """The columns of each row's r largest counts, largest first, ties to the lower column: the
+    first r columns of a stable argsort of -table, taken by r passes of argmax (its first maximum)
+    over the counts not yet taken — a DeepSeek-V3 layer's 256 x 256 table was sorted whole for
+    its top 2 columns, at every layer and step (1.7 ms against 0.03; 3.5 s of a 68 s run). Up to 32
+    experts the sort is the quicker (Mixtral's 8 x 8: 1.5 us against 6), and above 4 passes."""
+    r = min(r, table.shape[1])
+    if r > 4 or table.shape[1] <= 32 or table.dtype.kind not in "iu":  # (counts are integers)
+        return np.argsort(-table, axis=1, kind="stable")[:, :r]
+    rows = np.arange(table.shape[0])
+    left = table.astype(np.int64)  # (a copy: the taken counts are struck out below every count)
+    taken = np.empty((table.shape[0], r), dtype=np.intp)
+    for j in range(r):
+        taken[:, j] = column = np.argmax(left, axis=1)
+        left[rows, column] = np.iinfo(np.int64).min
+    return taken
 
 
 @dataclass

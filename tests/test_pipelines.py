@@ -16,7 +16,7 @@ from klotski_sim.model import get_model
 from klotski_sim.planner import largest_storable_n, memory_floor, memory_needed, plan, storage_refusal
 from klotski_sim.policies import POLICIES, Placement, PolicyInput, build_schedule
 from klotski_sim.policies.base import OpEmitter
-from klotski_sim.prefetch import CorrelationTable
+from klotski_sim.prefetch import CorrelationTable, top_columns
 from klotski_sim.routing import RoutingTable, RunShape, expert_id_type
 from klotski_sim.schedule import Op, compute_op, transfer_op
 from klotski_sim.trace import replay
@@ -181,6 +181,19 @@ def test_correlation_table_counts_every_pair_once_whatever_the_chunking(L, E, K,
                 for cur in token[layer]:
                     pairs[layer, prev, cur] += 1
     assert (t.t0 == t0).all() and (t.pairs == pairs).all()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 7), st.sampled_from([1, 2, 5, 33, 40, 70]), st.integers(1, 6), st.integers(1, 4),
+       st.integers(0, 2**31 - 1))
+def test_top_columns_are_a_stable_argsorts_first_columns(rows, cols, r, spread, seed):
+    """Largest first, ties to the lower column (counts drawn from few values: many ties), r above
+    the columns too; the argmax passes above 32 columns and up to r = 4, the sort otherwise."""
+    table = np.random.default_rng(seed).integers(0, spread + 1, size=(rows, cols)).astype(np.int64)
+    before = table.copy()
+    expected = np.argsort(-table, axis=1, kind="stable")[:, :r]
+    assert np.array_equal(top_columns(table, r), expected)
+    assert np.array_equal(table, before)  # (the table itself untouched)
 
 
 def test_prefetch_precision_is_reported():
