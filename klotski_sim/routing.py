@@ -54,14 +54,29 @@ def choice_codes(ids: np.ndarray, num_experts: int, out: np.ndarray | None = Non
     return code
 
 
+_PAIRED_UP_TO = 8  # top-k up to which `repeats_an_expert` compares slots pair by pair (above: sorts)
+_REPEAT_ROWS = 1 << 20  # tokens' top-k rows per pass of it: a bounded temporary
+
+
 def repeats_an_expert(ids: np.ndarray) -> bool:
-    """Whether some token's top-k ids (`ids[..., k]`) name one expert twice (a router's are distinct)."""
-    if ids.shape[-1] < 2 or not ids.size:
+    """Whether some token's top-k ids (`ids[..., k]`) name one expert twice (a router's are distinct).
+    Up to top-8 each pair of slots is compared, on a block of rows turned slot-major (each slot's
+    ids contiguous): sorting every token's 8 ids took 0.8 s of a 6.6 s Qwen3-30B-A3B run, which
+    validates its cached trace on every load; pair by pair it is 15 times quicker."""
+    k = ids.shape[-1]
+    if k < 2 or not ids.size:
         return False
-    if ids.shape[-1] == 2:
+    if k == 2:
         return bool(np.any(ids[..., 0] == ids[..., 1]))
-    ranked = np.sort(ids, axis=-1)
-    return bool(np.any(ranked[..., 1:] == ranked[..., :-1]))
+    if k > _PAIRED_UP_TO:
+        ranked = np.sort(ids, axis=-1)
+        return bool(np.any(ranked[..., 1:] == ranked[..., :-1]))
+    rows = ids.reshape(-1, k)  # (a view of a contiguous array: the trace's blocks are)
+    for start in range(0, len(rows), _REPEAT_ROWS):
+        slots = rows[start:start + _REPEAT_ROWS].T.copy()
+        if any(np.any(slots[i] == slots[j]) for i in range(k - 1) for j in range(i + 1, k)):
+            return True
+    return False
 
 
 def choice_experts(num_experts: int, top_k: int) -> np.ndarray:

@@ -583,14 +583,38 @@ def test_an_imported_log_is_taken_as_written_or_refused_by_line(tmp_path, record
         import_jsonl(tmp_path / "log.jsonl", num_experts=4)
 
 
-@given(st.integers(1, 5), st.integers(0, 6), st.integers(1, 9), st.integers(0, 2**32 - 1))
-def test_a_repeated_expert_is_found_as_token_by_token_would_find_it(top_k, tokens, experts, seed):
-    """`routing.repeats_an_expert` (traces and routing tables share it) answers as a set per token would."""
-    from klotski_sim.routing import repeats_an_expert
+@pytest.mark.parametrize("top_k", [3, 4, 8, 9])
+def test_a_single_repeat_in_any_pair_of_slots_of_any_token_is_found(top_k):
+    """Every pair of slots, in the first, a middle and the last token, in passes of 3 rows."""
+    from klotski_sim import routing
 
-    ids = np.random.default_rng(seed).integers(0, experts, (tokens, 2, top_k))
+    distinct = np.tile(np.arange(top_k), (7, 2, 1))  # [tokens, layers, k]: no repeat
+    with patch.object(routing, "_REPEAT_ROWS", 3):
+        assert not routing.repeats_an_expert(distinct)
+        for token in (0, 3, 6):
+            for i in range(top_k):
+                for j in range(i + 1, top_k):
+                    ids = distinct.copy()
+                    ids[token, 1, j] = ids[token, 1, i]
+                    assert routing.repeats_an_expert(ids), (token, i, j)
+
+
+@given(st.integers(1, 10), st.integers(0, 6), st.integers(1, 12), st.integers(1, 5), st.integers(0, 2**32 - 1))
+def test_a_repeated_expert_is_found_as_token_by_token_would_find_it(top_k, tokens, experts, rows_per_pass, seed):
+    """`routing.repeats_an_expert` (traces and routing tables share it) answers as a set per token would:
+    slots compared pair by pair up to top-8 (in passes of any number of rows), sorted above."""
+    from klotski_sim import routing
+
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, experts, (tokens, 2, top_k))
+    if experts >= top_k and rng.random() < 0.5:  # (distinct ids but, perhaps, one token's)
+        ids = np.argsort(rng.random((tokens, 2, experts)), axis=-1)[..., :top_k]
+        if tokens and rng.random() < 0.5:
+            token, layer = rng.integers(tokens), rng.integers(2)
+            ids[token, layer, rng.integers(top_k)] = ids[token, layer, rng.integers(top_k)]
     expected = any(len(set(row)) < top_k for row in ids.reshape(-1, top_k).tolist())
-    assert repeats_an_expert(ids) == expected
+    with patch.object(routing, "_REPEAT_ROWS", rows_per_pass):
+        assert routing.repeats_an_expert(ids) == expected
 
 
 @pytest.mark.parametrize("setting", ["off", " off", "OFF\n"])
