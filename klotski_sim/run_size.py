@@ -10,7 +10,8 @@ ops so far plus the first decode step's ops for each step left, times the batche
 that walks one batch's steps after another — and the run is
 
 - refused (`MachineRefusal`: one line, a sweep row of status `too-large`) when the memory that
-  many ops need is more than this machine has available, before the rest is built;
+  many ops need is more than this machine has available (a share of it, in a pool of worker
+  processes: `share_machine`), before the rest is built;
 - said to `listeners` (the CLI's `note:` on stderr) when it will take LONG_RUN_S or more.
 
 The memory and time per op are measured (the fits below), not modelled: they are this project's
@@ -43,12 +44,20 @@ LONG_RUN_S = 20.0
 
 listeners: list[Callable[[str], None]] = []  # who hears that a long run begins (the CLI: a note on stderr)
 _files_written = [False]  # whether this process's runs also write their timelines' files (--out)
+_runs_in_flight = [1]  # worker processes sharing this machine's memory, this one included
 
 
 def expect_files(written: bool) -> None:
     """Tell the projection that the runs of this process write their files (simulate --out): each
     op then costs BYTES_PER_OP_WITH_FILES."""
     _files_written[0] = written
+
+
+def share_machine(workers: int) -> None:
+    """A worker process of a pool of `workers` (compare's, a sweep's): the others' runs grow beside
+    this one's, so what is available is shared — each projected at the same time saw it all, and
+    two runs that each fit could together be killed."""
+    _runs_in_flight[0] = max(1, workers)
 
 
 @dataclass
@@ -91,14 +100,17 @@ class RunSizeWatch:
                      + ("its first batch's first steps" if one_batch_first else "its first steps"))
         needed = (self.resident_at_start or 0) + ops * per_op  # the run's peak, what the process held before included
         available, resident = available_memory_bytes(), resident_bytes()
+        runs = _runs_in_flight[0]
         if available is not None and resident is not None and self.resident_at_start is not None:
-            if needed - resident > available:
+            if (needed - resident) * runs > available:
+                shared = (f" for the {runs} runs in flight (--workers {runs}; fewer workers leave each more)"
+                          if runs > 1 else "")
                 raise MachineRefusal(
                     f"{self.policy} would build about {_count(ops)} ops ({projected}) and need about "
                     f"{memory_text(needed)} of memory{' with its files' if with_files else ''} "
-                    f"({per_op / 1000:.2f} kB an op), but this machine has {memory_text(available)} available "
-                    f"beside the {memory_text(resident)} the run holds; a shorter --gen-len, fewer batches "
-                    f"(--num-batches) or --impl ideal (batched expert ops) builds fewer ops")
+                    f"({per_op / 1000:.2f} kB an op), but this machine has {memory_text(available)} available"
+                    f"{shared} beside the {memory_text(resident)} the run holds; a shorter --gen-len, fewer "
+                    f"batches (--num-batches) or --impl ideal (batched expert ops) builds fewer ops")
         seconds = ops * (SECONDS_PER_OP_WITH_FILES if with_files else SECONDS_PER_OP)
         if seconds >= LONG_RUN_S:
             for listener in listeners:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Collection, Mapping
 
 import numpy as np
 
+from . import run_size
 from .argtypes import MAX_COUNT, MAX_SEED
 from .cache import cache_dir, cached_trace
 from .cost import CostModel
@@ -448,11 +449,13 @@ def _schedule_key(spec: RunSpec, prep: Prepared) -> tuple[Any, ...] | None:
 _SHARED: Prepared | None = None  # what `run_each`'s worker processes share (inherited when they fork)
 
 
-def _share(prep: Prepared) -> None:
-    """A comparison's worker process: the preparation it shares, and the collector set for a worker."""
+def _share(prep: Prepared, workers: int) -> None:
+    """A comparison's worker process: the preparation it shares, the collector set for a worker, and
+    the machine's memory shared with the other workers' runs."""
     global _SHARED
     _SHARED = prep
     quiet_gc_in_worker()
+    run_size.share_machine(workers)
 
 
 def _timeline_of(spec: RunSpec, trace_path: Path | None = None, prep: Prepared | None = None,
@@ -513,7 +516,7 @@ def run_each(specs: list[RunSpec], prep: Prepared, workers: int = 1,
     helper = threading.Thread(target=_ignoring_errors, args=(meanwhile,), daemon=True) if meanwhile else None
     try:
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_share,
-                                 initargs=(prep,)) as pool:
+                                 initargs=(prep, workers)) as pool:
             futures = [pool.submit(_timeline_in_worker, spec, path, keep) for spec, path in zip(specs, traces)]
             if helper is not None:  # (started after the forks: a forked worker never holds its locks)
                 left = set(futures)

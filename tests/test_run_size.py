@@ -174,3 +174,38 @@ def test_optimize_counts_the_configurations_too_large_to_simulate_here(monkeypat
     assert code == 2 and "0 of 1 ran to the end (1 is too large for this machine's memory to simulate)" in out, out
     assert err.count("\n") == 1 and err.startswith("error: no configuration fits (1 tried: 1 too large to simulate "
                                                    "here); the first refused: klotski would build about "), err
+
+
+def test_worker_processes_share_what_is_available(projections, monkeypatch, tmp_path):
+    """Two workers' runs each projected with the whole machine in view could both fit alone and be
+    killed together: a sweep's (and compare's) workers each count on a share."""
+    spec = parse_spec({"name": "t", "models": ["tiny-mixtral"], "policies": ["klotski"], "batch_sizes": [2],
+                       "num_batches": [2], "prompt_lens": [8], "gen_lens": [3], "seeds": [0, 1]})
+    monkeypatch.setattr(run_size, "resident_bytes", lambda: 0)
+    monkeypatch.setattr(run_size, "BYTES_PER_OP", 10**9)
+    monkeypatch.setattr(run_size, "available_memory_bytes", lambda: None)
+    built(RunSpec(model="tiny-mixtral", policy="klotski", batch_size=2, num_batches=2, prompt_len=8, gen_len=3))
+    ops = projections[-1][0]
+    monkeypatch.setattr(run_size, "available_memory_bytes", lambda: int(1.5 * ops * 10**9))  # one run's and a half
+    shared = run_sweep(spec, tmp_path / "two", workers=2, progress=False)  # (forked: the patches hold there)
+    assert list(shared["status"]) == ["too-large", "too-large"]
+    assert "available for the 2 runs in flight (--workers 2; " in shared["error"].iloc[0]
+    alone = run_sweep(spec, tmp_path / "one", workers=1, progress=False)  # (after: it keeps a schedule built)
+    assert list(alone["status"]) == ["ok", "ok"]
+    assert run_size._runs_in_flight == [1]  # (this process: not a worker)
+
+
+def test_compares_workers_share_what_is_available_too(projections, monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(run_size, "resident_bytes", lambda: 0)
+    monkeypatch.setattr(run_size, "BYTES_PER_OP", 10**9)
+    monkeypatch.setattr(run_size, "available_memory_bytes", lambda: None)
+    args = ["compare", "--model", "tiny-mixtral", "--batch-size", "2", "--prompt-len", "8", "--gen-len", "3",
+            "--no-png", "--out", str(tmp_path / "o")]
+    assert main([*args, "--workers", "1"]) == 0
+    largest = max(ops for ops, _ in projections)
+    monkeypatch.setattr(run_size, "available_memory_bytes", lambda: int(1.5 * largest * 10**9))  # each fits alone
+    assert main([*args, "--workers", "1"]) == 0
+    capsys.readouterr()
+    assert main([*args, "--workers", "2"]) == 2
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and "available for the 2 runs in flight (--workers 2; " in err, err
