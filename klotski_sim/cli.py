@@ -503,14 +503,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_optimize(args: argparse.Namespace) -> int:
-    from .optimize import (
-        Search,
-        check_search,
-        ok_rows,
-        pareto_front,
-        simulate_command,
-        winner,
-    )
+    from .optimize import Search, check_search, ok_rows, pareto_front, simulate_command, winner
     from .sweep import run_sweep
 
     def ints(text: str, flag: str, low: int = 1, words: tuple[str, ...] = ()) -> tuple:
@@ -576,9 +569,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     if ok.empty:
         failed = df[df["status"] == "error"] if "status" in df.columns else df.iloc[0:0]
         if len(failed):
-            raise CliError(f"{len(failed)} of {counted(len(df), 'configuration')} failed and none ran to the end; the "
-                           f"first: "
-                           f"{failed['error'].iloc[0]}")
+            raise CliError(f"{len(failed)} of {counted(len(df), 'configuration')} failed and none ran to the end; "
+                           f"the first: {failed['error'].iloc[0]}")
         if refused or too_large:
             first = df.loc[df["status"].isin(["refused", "too-large"]), "error"].iloc[0]
             where = ", ".join(f"{count} {why}" for count, why in (
