@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import sys
 from dataclasses import replace
@@ -56,7 +57,7 @@ from .timeline import FIGURE_COLUMNS, OutOfMemory, Summary, jsonable
 from .trace import MAX_IMPORT_INDEX, Trace, import_jsonl
 from .trace_stats import format_stats, layer_stats, token_subset
 from .trace_synth import DEFAULT_ROUTING, check_routing_fits, synthesize
-from .units import GIB
+from .units import GIB, counted
 
 
 class CliError(KlotskiError):
@@ -137,6 +138,25 @@ def parse_overrides(items: Sequence[str], flag: str) -> dict[str, Any]:
     return out
 
 
+_made_folders: list[tuple[Path, Path]] = []  # (a command's output folder, the highest folder made for it)
+
+
+def _remove_empty_made_folders() -> None:
+    """After an error: the output folders this command made and left empty, with the parents it
+    made for them (a run refused after its folder was made left an empty one behind)."""
+    for out, made in reversed(_made_folders):
+        folder = out
+        while True:
+            try:
+                folder.rmdir()  # (only an empty one)
+            except OSError:
+                break
+            if folder == made:
+                break
+            folder = folder.parent
+    _made_folders.clear()
+
+
 def output_folder(path: str | os.PathLike, flag: str = "--out") -> Path:
     """The folder a command writes to, made and checked before any work: a simulation is not run
     only to find that its results cannot be written."""
@@ -145,10 +165,15 @@ def output_folder(path: str | os.PathLike, flag: str = "--out") -> Path:
     out = Path(path)
     if out.exists() and not out.is_dir():
         raise CliError(f"{flag} {out}: exists and is not a folder")
+    made, missing = None, out  # (the highest folder this makes, if any)
+    while not missing.exists() and missing.parent != missing:
+        made, missing = missing, missing.parent
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise CliError(f"{flag} {out}: cannot create the folder ({err.strerror or err})") from None
+    if made is not None:
+        _made_folders.append((out, made))
     probe = out / f".klotski-write-test-{os.getpid()}"
     try:
         probe.write_bytes(b"")
@@ -278,11 +303,6 @@ def _oom_text(oom: dict[str, Any]) -> str:
 
 
 # ---- subcommands ----------------------------------------------------------------------------
-def counted(count: int, noun: str) -> str:
-    """`1 configuration`, `2 configurations`."""
-    return f"{count} {noun}{'' if count == 1 else 's'}"
-
-
 def _note(text: str) -> None:
     print(f"note: {text}", file=sys.stderr, flush=True)
 
@@ -474,18 +494,21 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         raise CliError("--dask: expected a scheduler address like tcp://HOST:8786 or 'local', got an empty one")
     output_folder(args.out)  # (after the grid is accepted: a refused one leaves no empty folder)
 
-    def starting(done: int, total: int) -> None:
+    def starting(done: int, total: int, others: int) -> None:
         """What the sweep will do, before it does it: a resumed sweep's estimate is of what is left."""
         grid = f"{counted(total, 'configuration')} in the grid"
+        if others:
+            grid += f" ({counted(others, 'row')} of other code or grids in the folder: kept, not reused)"
         if done == total:
-            print(f"{grid}; resumed: all already done (rows of other code or grids are kept but not reused)")
+            print(f"{grid}; resumed: all already done")
             return
-        minutes = (total - done) * SECONDS_PER_CONFIG / max(1, args.workers) / 60
+        left = total - done
+        workers = min(max(1, args.workers), left)
+        minutes = math.ceil(left / workers) * SECONDS_PER_CONFIG / 60
         took = f"{minutes:.0f} min" if minutes >= 1 else f"{minutes * 60:.0f} s"
-        resumed = (f"; resumed: {done} already done, {total - done} left (rows of other code or grids are kept but "
-                   f"not reused)" if done else "")
-        print(f"{grid}{resumed}: about {took} on {args.workers} worker(s), at {SECONDS_PER_CONFIG:.1f} s each as a "
-              f"default-size Mixtral-8x7B run (larger models, prompts and n take longer)", flush=True)
+        resumed = f"; resumed: {done} already done, {left} left" if done else ""
+        print(f"{grid}{resumed}: about {took} on {counted(workers, 'worker')}, at {SECONDS_PER_CONFIG:.1f} s each as "
+              f"a default-size Mixtral-8x7B run (larger models, prompts and n take longer)", flush=True)
 
     df = run_sweep(spec, args.out, workers=args.workers, dask=args.dask, progress=not args.no_progress,
                    on_start=starting)
@@ -576,7 +599,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             where = ", ".join(f"{count} {why}" for count, why in (
                 (oom, "not in GPU memory"), (refused, "not in the profile's host memory or disk"),
                 (too_large, "too large to simulate here")) if count)
-            raise CliError(f"no configuration fits ({len(df)} tried: {where}); the first refused: {first}")
+            fits = "could run" if too_large else "fits"
+            raise CliError(f"no configuration {fits} ({len(df)} tried: {where}); the first refused: {first}")
         raise CliError(f"no configuration fits in GPU memory ({len(df)} tried): try smaller --batch-sizes, "
                        f"--num-batches or --expert-dtypes int4")
     front = pareto_front(ok)
@@ -807,12 +831,14 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     shows the traceback of a user error too."""
     args = parser.parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.func
+    _made_folders.clear()
     try:
         return handler(args)
     except BrokenPipeError:  # the reader (`| head`) has gone: nothing more to say
         sys.stdout = open(os.devnull, "w")
         return 0
     except (KlotskiError, OSError) as err:
+        _remove_empty_made_folders()
         if getattr(args, "debug", False):
             raise
         print(f"error: {err}", file=sys.stderr)

@@ -27,7 +27,7 @@ from typing import Callable, Iterator
 
 from .errors import MachineRefusal
 from .machine import available_memory_bytes, resident_bytes
-from .units import memory_text
+from .units import counted, memory_text
 
 # Peak resident memory per op of `klotski-sim simulate` (schedule, graph, engine lists, timeline and
 # its summary), and with `--out` (the timeline's frame and Arrow table, the files' pieces): the slopes
@@ -66,6 +66,7 @@ class RunSizeWatch:
     from them once (see the module's docstring)."""
 
     policy: str
+    impl: str
     num_steps: int
     num_batches: int
     resident_at_start: int | None
@@ -95,9 +96,9 @@ class RunSizeWatch:
         ops = self.projected_ops(ops_built)
         with_files = _files_written[0]
         per_op = BYTES_PER_OP_WITH_FILES if with_files else BYTES_PER_OP
-        one_batch_first = len(self.batches_in_prefill) < self.num_batches
-        projected = (f"{self.num_batches} batches x {self.num_steps} steps, projected from "
-                     + ("its first batch's first steps" if one_batch_first else "its first steps"))
+        whose = "its first batch's" if len(self.batches_in_prefill) < self.num_batches else "its"
+        projected = (f"{counted(self.num_batches, 'batch', 'batches')} x {counted(self.num_steps, 'step')}, "
+                     f"projected from {whose} first steps")
         needed = (self.resident_at_start or 0) + ops * per_op  # the run's peak, what the process held before included
         available, resident = available_memory_bytes(), resident_bytes()
         runs = _runs_in_flight[0]
@@ -105,12 +106,16 @@ class RunSizeWatch:
             if (needed - resident) * runs > available:
                 shared = (f" for the {runs} runs in flight (--workers {runs}; fewer workers leave each more)"
                           if runs > 1 else "")
+                fewer = ["a shorter --gen-len"] + (["fewer batches (--num-batches)"] if self.num_batches > 1 else [])
+                if self.impl != "ideal":
+                    fewer.append("--impl ideal (batched expert ops)")
                 raise MachineRefusal(
                     f"{self.policy} would build about {_count(ops)} ops ({projected}) and need about "
                     f"{memory_text(needed)} of memory{' with its files' if with_files else ''} "
-                    f"({per_op / 1000:.2f} kB an op), but this machine has {memory_text(available)} available"
-                    f"{shared} beside the {memory_text(resident)} the run holds; a shorter --gen-len, fewer "
-                    f"batches (--num-batches) or --impl ideal (batched expert ops) builds fewer ops")
+                    f"({per_op / 1000:.2f} kB an op), {memory_text(needed - resident)} more than the "
+                    f"{memory_text(resident)} it holds, but this machine has {memory_text(available)} available"
+                    f"{shared}; {', '.join(fewer[:-1]) + ' or ' if len(fewer) > 1 else ''}{fewer[-1]} builds fewer "
+                    f"ops")
         seconds = ops * (SECONDS_PER_OP_WITH_FILES if with_files else SECONDS_PER_OP)
         if seconds >= LONG_RUN_S:
             for listener in listeners:
@@ -123,16 +128,31 @@ def _count(ops: int) -> str:
 
 
 _current: ContextVar[RunSizeWatch | None] = ContextVar("run_size_watch", default=None)
+_unwatched: ContextVar[bool] = ContextVar("run_size_unwatched", default=False)
 
 
 @contextmanager
-def watching(policy: str, num_steps: int, num_batches: int) -> Iterator[None]:
-    """Watch the policy loop built inside the block (`current` hands the watch to its emitter)."""
-    token = _current.set(RunSizeWatch(policy, num_steps, num_batches, resident_bytes()))
+def watching(policy: str, impl: str, num_steps: int, num_batches: int) -> Iterator[None]:
+    """Watch the policy loop built inside the block (`current` hands the watch to its emitter), but
+    inside `unwatched`."""
+    watch = None if _unwatched.get() else RunSizeWatch(policy, impl, num_steps, num_batches, resident_bytes())
+    token = _current.set(watch)
     try:
         yield
     finally:
         _current.reset(token)
+
+
+@contextmanager
+def unwatched() -> Iterator[None]:
+    """Schedules built inside the block are not projected: a policy's probes of n (klotski_sim/probe.py),
+    shorter runs than the one asked for, whose numbers would describe another run than the user's
+    (the run itself is projected when it is built)."""
+    token = _unwatched.set(True)
+    try:
+        yield
+    finally:
+        _unwatched.reset(token)
 
 
 def current() -> RunSizeWatch | None:

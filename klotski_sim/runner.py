@@ -7,7 +7,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import threading
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
@@ -419,7 +419,8 @@ def probe_batches(spec: RunSpec, prep: Prepared, cost: CostModel | None = None) 
         placement = _probe_placement(spec, prep, n)
         inp = PolicyInput(prep.model, prep.profile, rep.routing, placement, dict(spec.options), warmup=rep.warmup,
                           impl=spec.impl)
-        schedule = build_schedule(spec.policy, inp)
+        with run_size.unwatched():  # (a probe's numbers are not the run's: the run is projected itself)
+            schedule = build_schedule(spec.policy, inp)
         summary = simulate(schedule, prep.profile, cost).summary()  # (timed as the run will be)
         decode_experts = [op.stream for op in schedule.ops if op.category == "expert" and op.phase == "decode"]
         on_cpu = decode_experts.count("cpu_compute") / len(decode_experts) if decode_experts else 0.0
@@ -514,16 +515,32 @@ def run_each(specs: list[RunSpec], prep: Prepared, workers: int = 1,
         return [_timeline_of(spec, path, prep, keep) for spec, path in zip(specs, traces)]
     # forked workers inherit the preparation (routing, plan, policies loaded from files) as it is
     helper = threading.Thread(target=_ignoring_errors, args=(meanwhile,), daemon=True) if meanwhile else None
+    timelines: dict[int, Timeline] = {}
+    queued = iter(enumerate(zip(specs, traces)))
     try:
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_share,
                                  initargs=(prep, workers)) as pool:
-            futures = [pool.submit(_timeline_in_worker, spec, path, keep) for spec, path in zip(specs, traces)]
-            if helper is not None:  # (started after the forks: a forked worker never holds its locks)
-                left = set(futures)
-                while len(left) >= workers:  # (every worker busy: a core for the helper only once one is not)
-                    left = wait(left, return_when=FIRST_COMPLETED).not_done
-                helper.start()
-            return [future.result() for future in futures]
+            # a run is handed out only when a worker is free: the pool queues more than its workers take,
+            # and those ran to their end after a run was refused or failed, before its error was said
+            in_flight: dict[Future[Timeline], int] = {}
+
+            def hand_out() -> None:
+                for k, (spec, path) in queued:
+                    in_flight[pool.submit(_timeline_in_worker, spec, path, keep)] = k
+                    return
+
+            for _ in range(workers):
+                hand_out()
+            while in_flight:
+                done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
+                for future in done:
+                    timelines[in_flight.pop(future)] = future.result()  # (an error: said now, nothing more handed out)
+                    hand_out()
+                if helper is not None and len(in_flight) < workers:
+                    # (started after the forks: a forked worker never holds its locks; a worker idle, its core)
+                    helper.start()
+                    helper = None
     except BrokenProcessPool:
         raise UsageError(f"a worker process died before it finished (killed, or out of host memory?): "
                          f"rerun with --workers 1, or fewer than {workers}") from None
+    return [timelines[k] for k in range(len(specs))]

@@ -501,11 +501,13 @@ def collect(out_dir: str | Path, ids: Iterable[str] | None = None) -> pd.DataFra
 
 def run_sweep(spec: SweepSpec, out_dir: str | Path, workers: int = 1, dask: str | None = None,
               progress: bool = True, on_row: Callable[[dict[str, Any]], None] | None = None,
-              only: Iterable[str] | None = None, on_start: Callable[[int, int], None] | None = None) -> pd.DataFrame:
+              only: Iterable[str] | None = None,
+              on_start: Callable[[int, int, int], None] | None = None) -> pd.DataFrame:
     """Run every configuration not finished yet (of those whose ids are in `only`, when given);
     returns their rows. `on_start` hears, before any runs, how many of how many are finished
-    already (a resumed sweep). One sweep at a time writes to an output folder (a lock file says
-    which process): a second one is refused, not interleaved."""
+    already (a resumed sweep) and how many rows in the folder are of other code or grids. One
+    sweep at a time writes to an output folder (a lock file says which process): a second one is
+    refused, not interleaved."""
     out = Path(out_dir)
     rows_dir = out / "rows"
     _check_sweep_folder(out)
@@ -557,13 +559,13 @@ class _locked:
 
 def _run_sweep(spec: SweepSpec, out: Path, rows_dir: Path, workers: int, dask: str | None, progress: bool,
                on_row: Callable[[dict[str, Any]], None] | None, only: set[str] | None = None,
-               on_start: Callable[[int, int], None] | None = None) -> pd.DataFrame:
+               on_start: Callable[[int, int, int], None] | None = None) -> pd.DataFrame:
     (out / "spec.yaml").write_text(yaml.safe_dump(spec.model_dump(), sort_keys=False))
     configs = [c for c in expand(spec) if only is None or c["id"] in only]
     done = finished_ids(rows_dir)
     todo = [c for c in configs if c["id"] not in done]
     if on_start:
-        on_start(len(configs) - len(todo), len(configs))
+        on_start(len(configs) - len(todo), len(configs), len(done - {c["id"] for c in configs}))
 
     def finished(row: dict[str, Any]) -> None:
         write_row(rows_dir, row)
@@ -578,7 +580,8 @@ def _run_sweep(spec: SweepSpec, out: Path, rows_dir: Path, workers: int, dask: s
                 finished(run_config(cfg))
                 advance()
         else:
-            with ProcessPoolExecutor(max_workers=workers, initializer=_sweep_worker, initargs=(workers,)) as pool:
+            in_flight = min(workers, len(todo))  # (the runs that can be in flight at once)
+            with ProcessPoolExecutor(max_workers=workers, initializer=_sweep_worker, initargs=(in_flight,)) as pool:
                 futures = [pool.submit(run_config, c) for c in todo]
                 for fut in as_completed(futures):
                     finished(fut.result())

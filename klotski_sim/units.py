@@ -1,4 +1,4 @@
-"""Memory sizes as messages print them."""
+"""Memory sizes and counts as messages print them."""
 
 from __future__ import annotations
 
@@ -12,3 +12,8 @@ def memory_text(nbytes: float) -> str:
         if abs(nbytes) >= unit / 100 or not nbytes:
             return f"{nbytes / unit:.2f} {name}"
     return f"{nbytes / 2**10:.2f} KiB"
+
+
+def counted(count: int, noun: str, plural: str | None = None) -> str:
+    """`1 configuration`, `2 configurations`; `1 batch`, `2 batches` (`plural` where not noun + s)."""
+    return f"{count} {noun if count == 1 else plural or noun + 's'}"

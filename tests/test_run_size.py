@@ -55,7 +55,7 @@ def test_the_projection_is_within_a_few_percent_of_the_ops_built(projections, mo
 
 def test_a_loop_over_one_batch_steps_after_another_is_projected_for_every_batch():
     """Prefill of batch 0 alone, then its decode steps: its ops times the batches."""
-    watch = run_size.RunSizeWatch("p", num_steps=6, num_batches=3, resident_at_start=None)
+    watch = run_size.RunSizeWatch("p", "as-published", num_steps=6, num_batches=3, resident_at_start=None)
     ops = 0
     for batch in range(3):
         for step in range(6):
@@ -64,7 +64,7 @@ def test_a_loop_over_one_batch_steps_after_another_is_projected_for_every_batch(
                 assert watch.projected_ops(ops) == 3 * (50 + 10 * 5)
             ops += 50 if step == 0 else 10
     assert ops == 3 * (50 + 10 * 5)
-    step_major = run_size.RunSizeWatch("p", num_steps=6, num_batches=3, resident_at_start=None)
+    step_major = run_size.RunSizeWatch("p", "as-published", num_steps=6, num_batches=3, resident_at_start=None)
     ops = 0
     for step in range(6):
         for batch in range(3):
@@ -172,8 +172,8 @@ def test_optimize_counts_the_configurations_too_large_to_simulate_here(monkeypat
                  "--workers", "1", "--out", str(tmp_path / "o")])
     out, err = capsys.readouterr()
     assert code == 2 and "0 of 1 ran to the end (1 is too large for this machine's memory to simulate)" in out, out
-    assert err.count("\n") == 1 and err.startswith("error: no configuration fits (1 tried: 1 too large to simulate "
-                                                   "here); the first refused: klotski would build about "), err
+    assert err.count("\n") == 1 and err.startswith("error: no configuration could run (1 tried: 1 too large to "
+                                                   "simulate here); the first refused: klotski would build about "), err
 
 
 def test_worker_processes_share_what_is_available(projections, monkeypatch, tmp_path):
@@ -209,3 +209,57 @@ def test_compares_workers_share_what_is_available_too(projections, monkeypatch, 
     assert main([*args, "--workers", "2"]) == 2
     out, err = capsys.readouterr()
     assert err.count("\n") == 1 and "available for the 2 runs in flight (--workers 2; " in err, err
+
+
+def test_a_policys_probes_of_n_are_not_projected_the_run_is(projections, monkeypatch):
+    """klotski-hybrid simulates a probe per candidate n (shorter, fewer batches): a refusal or a note
+    of one would describe another run than the user's."""
+    from klotski_sim.runner import run
+
+    monkeypatch.setattr(run_size, "available_memory_bytes", lambda: None)
+    result = run(RunSpec(model="small-mixtral", policy="klotski-hybrid", num_batches=None, prompt_len=32, gen_len=12))
+    assert result.probes is not None and len(result.probes.probes) > 1
+    (projected, _), = projections  # the run's alone
+    assert abs(projected / len(result.schedule) - 1) < 0.05
+
+
+def test_a_compare_stops_starting_runs_once_one_is_refused(monkeypatch, capsys, tmp_path):
+    """Its workers went on through every policy queued behind a refused one before the error (the
+    first policy refused at once here; the others take a while each)."""
+    from klotski_sim import runner
+
+    seen = tmp_path / "projected"
+    project, run = run_size.RunSizeWatch._project, runner.run
+
+    def spy(self, ops_built):
+        with seen.open("a") as f:  # (from the worker processes)
+            f.write(f"{self.policy}\n")
+        project(self, ops_built)
+
+    def refusing_the_first(spec, **kwargs):
+        if spec.policy == "single-batch":
+            raise MachineRefusal("single-batch would build about ... ops")
+        return run(spec, **kwargs)
+
+    monkeypatch.setattr(run_size.RunSizeWatch, "_project", spy)
+    monkeypatch.setattr(runner, "run", refusing_the_first)
+    monkeypatch.setattr(run_size, "available_memory_bytes", lambda: None)
+    code = main(["compare", "--model", "small-mixtral", "--gen-len", "160", "--no-png", "--workers", "2",
+                 "--out", str(tmp_path / "o")])
+    out, err = capsys.readouterr()
+    assert code == 2 and err == "error: single-batch would build about ... ops\n", err
+    ran = seen.read_text().split()
+    assert ran == ["multi-batch"], ran  # of the 5 others: the one the other worker had begun
+
+
+def test_a_refused_run_leaves_no_output_folder_it_made(projections, monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(run_size, "available_memory_bytes", lambda: 1)
+    args = ["simulate", "--model", "small-mixtral", "--policy", "klotski", "--gen-len", "6"]
+    assert main([*args, "--out", str(tmp_path / "new" / "deeper")]) == 2
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "mine").mkdir()
+    assert main([*args, "--out", str(tmp_path / "mine" / "deeper")]) == 2
+    assert (tmp_path / "mine").is_dir() and not (tmp_path / "mine" / "deeper").exists()  # (not made by it: kept)
+    assert main(["compare", "--model", "small-mixtral", "--gen-len", "6", "--no-png", "--workers", "1",
+                 "--out", str(tmp_path / "c")]) == 2
+    assert not (tmp_path / "c").exists()

@@ -276,22 +276,22 @@ def test_a_configuration_s_files_are_part_of_its_id_by_contents_not_by_path(tmp_
 
 
 def test_the_cli_says_what_a_resumed_sweep_has_left_before_it_runs(tmp_path):
-    """The estimate is of the configurations left, said before any runs (it came after the sweep,
-    counting every row file, of other code too; "1 configurations")."""
+    """The estimate is of the configurations left, on the workers they can use, said before any
+    runs (it came after the sweep, counting every row file, of other code too; "1 configurations")."""
     spec = tmp_path / "s.yaml"
     spec.write_text(yaml.safe_dump({"name": "t", "models": ["tiny-mixtral"], "policies": ["klotski", "flexgen"],
                                     "batch_sizes": [2], "num_batches": [2], "prompt_lens": [8], "gen_lens": [3]}))
     out = tmp_path / "o"
-    code, first, _ = run_cli("sweep", str(spec), "--out", str(out), "--no-progress")
-    assert code == 0 and first.splitlines()[0].startswith("2 configurations in the grid: about 3 s on 1 worker(s)")
+    code, first, _ = run_cli("sweep", str(spec), "--out", str(out), "--no-progress", "--workers", "4")
+    assert code == 0 and first.splitlines()[0].startswith("2 configurations in the grid: about 2 s on 2 workers, ")
     code, again, _ = run_cli("sweep", str(spec), "--out", str(out), "--no-progress")
-    assert again.splitlines()[0] == ("2 configurations in the grid; resumed: all already done (rows of other code "
-                                     "or grids are kept but not reused)")
+    assert again.splitlines()[0] == "2 configurations in the grid; resumed: all already done"
     min(out.glob("rows/*.json")).unlink()
     code, resumed, _ = run_cli("sweep", str(spec), "--out", str(out), "--no-progress")
-    assert resumed.splitlines()[0].startswith("2 configurations in the grid; resumed: 1 already done, 1 left "
-                                              "(rows of other code or grids are kept but not reused): about 2 s")
+    assert resumed.splitlines()[0].startswith("2 configurations in the grid; resumed: 1 already done, 1 left: "
+                                              "about 2 s on 1 worker, at 1.5 s each")
     assert resumed.splitlines()[-1].startswith("2 configurations in ")
     spec.write_text(spec.read_text().replace("- flexgen\n", ""))
     code, one, _ = run_cli("sweep", str(spec), "--out", str(out), "--no-progress")
-    assert one.splitlines()[0].startswith("1 configuration in the grid; resumed: all already done"), one
+    assert one.splitlines()[0] == ("1 configuration in the grid (1 row of other code or grids in the folder: kept, "
+                                   "not reused); resumed: all already done"), one

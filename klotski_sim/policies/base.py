@@ -282,7 +282,7 @@ def impl_label(name: str, impl: str, options: Mapping[str, Any]) -> str:
 def build_schedule(name: str, inp: PolicyInput) -> Schedule:
     info = get_policy(name)
     options = resolve_options(name, inp.impl, inp.options)
-    with gc_paused(), run_size.watching(name, inp.shape.num_steps, inp.shape.num_batches):
+    with gc_paused(), run_size.watching(name, inp.impl, inp.shape.num_steps, inp.shape.num_batches):
         try:
             schedule = info.build(PolicyInput(inp.model, inp.profile, inp.routing, inp.placement, options,
                                               inp.warmup, inp.impl))
