@@ -263,3 +263,17 @@ def test_a_refused_run_leaves_no_output_folder_it_made(projections, monkeypatch,
     assert main(["compare", "--model", "small-mixtral", "--gen-len", "6", "--no-png", "--workers", "1",
                  "--out", str(tmp_path / "c")]) == 2
     assert not (tmp_path / "c").exists()
+
+
+def test_a_sweeps_workers_share_only_among_the_runs_left(projections, monkeypatch, tmp_path):
+    """One configuration left on 4 workers is one run in flight, not four."""
+    spec = parse_spec({"name": "t", "models": ["tiny-mixtral"], "policies": ["klotski"], "batch_sizes": [2],
+                       "num_batches": [2], "prompt_lens": [8], "gen_lens": [3]})
+    monkeypatch.setattr(run_size, "resident_bytes", lambda: 0)
+    monkeypatch.setattr(run_size, "BYTES_PER_OP", 10**9)
+    monkeypatch.setattr(run_size, "available_memory_bytes", lambda: None)
+    built(RunSpec(model="tiny-mixtral", policy="klotski", batch_size=2, num_batches=2, prompt_len=8, gen_len=3))
+    ops = projections[-1][0]
+    monkeypatch.setattr(run_size, "available_memory_bytes", lambda: int(1.5 * ops * 10**9))
+    df = run_sweep(spec, tmp_path, workers=4, progress=False)
+    assert list(df["status"]) == ["ok"], df["error"].tolist()
