@@ -148,12 +148,12 @@ def test_correlation_table_follows_the_paper():
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 4), st.sampled_from([2, 3, 4, 5, 6, 200]), st.integers(1, 3), st.integers(0, 30),
-       st.integers(1, 64), st.integers(0, 2**31 - 1), st.booleans(), st.booleans(), st.sampled_from([0, 1]))
+       st.integers(1, 64), st.integers(0, 2**31 - 1), st.booleans(), st.booleans(), st.booleans())
 @example(3, 200, 1, 5, 7, 0, True, False, 0)  # (a choice's code that does not fit the ids' byte: always tried)
 @example(3, 200, 2, 5, 7, 0, False, True, 0)  # (a pair's code, likewise)
-@example(3, 200, 2, 30, 7, 0, False, True, 1)  # (passes as long as the table: one here)
+@example(3, 200, 2, 30, 7, 0, False, True, 1)  # (layer by layer, a byte's ids)
 def test_correlation_table_counts_every_pair_once_whatever_the_chunking(L, E, K, tokens, chunk, seed, by_choice,
-                                                                        step_of_routing, pass_pairs_per_count):
+                                                                        step_of_routing, layer_by_layer):
     """The one-pass learner (counting pairs, or pairs of whole top-k choices; in chunks of any size)
     counts what a token-by-token, layer-by-layer loop counts, for top-k choices of distinct experts
     (as every trace is: trace validation refuses an expert chosen twice) — given a trace's
@@ -168,7 +168,7 @@ def test_correlation_table_counts_every_pair_once_whatever_the_chunking(L, E, K,
     ids = ids.astype(expert_id_type(E))
     t = CorrelationTable(num_layers=L, num_experts=E, top_k=K)
     with patch.object(prefetch, "_CHUNK_PAIRS", chunk), patch.object(prefetch, "_CODE_TOKENS", chunk), \
-            patch.object(prefetch, "_PASS_PAIRS_PER_COUNT", pass_pairs_per_count), \
+            patch.object(prefetch, "_WHOLE_TABLE_COUNTS", 0 if layer_by_layer else 1 << 62), \
             patch.object(prefetch, "CHOICE_CODES", 6**3 if by_choice else 0), \
             patch.object(prefetch, "_CHOICE_PAIRS_PER_CELL", 0):
         t.observe_tokens(ids)
