@@ -53,25 +53,25 @@ def test_the_projection_is_within_a_few_percent_of_the_ops_built(projections, mo
     assert abs(projected / len(schedule) - 1) < 0.05, (projected, len(schedule))
 
 
-def test_a_loop_over_one_batch_steps_after_another_is_projected_for_every_batch():
-    """Prefill of batch 0 alone, then its decode steps: its ops times the batches."""
+def projected_in_loop_order(order: list[tuple[int, int]]) -> int:
+    """The projection of a loop over 3 batches x 6 steps that walks (step, batch) in `order`, each
+    batch's prefill 50 ops and each decode step 10: 3 x (50 + 5 x 10) = 300 ops in all."""
     watch = run_size.RunSizeWatch("p", "as-published", num_steps=6, num_batches=3, resident_at_start=None)
-    ops = 0
-    for batch in range(3):
-        for step in range(6):
-            watch.step_begins(step, batch, ops)
-            if step == 2 and batch == 0:
-                assert watch.projected_ops(ops) == 3 * (50 + 10 * 5)
-            ops += 50 if step == 0 else 10
-    assert ops == 3 * (50 + 10 * 5)
-    step_major = run_size.RunSizeWatch("p", "as-published", num_steps=6, num_batches=3, resident_at_start=None)
-    ops = 0
-    for step in range(6):
-        for batch in range(3):
-            step_major.step_begins(step, batch, ops)
-            if step == 2 and batch == 0:
-                assert step_major.projected_ops(ops) == 3 * 50 + 3 * 10 * 5
-            ops += 50 if step == 0 else 10
+    ops, projected = 0, -1
+    for step, batch in order:
+        watch.step_begins(step, batch, ops)
+        if (step, batch) == (2, 0):
+            projected = watch.projected_ops(ops)
+        ops += 50 if step == 0 else 10
+    assert ops == 300
+    return projected
+
+
+def test_a_loop_over_one_batch_steps_after_another_is_projected_for_every_batch():
+    """Prefill of batch 0 alone, then its decode steps: its ops times the batches; a loop over
+    steps, each step of every batch: as they come."""
+    assert projected_in_loop_order([(step, batch) for batch in range(3) for step in range(6)]) == 300
+    assert projected_in_loop_order([(step, batch) for step in range(6) for batch in range(3)]) == 300
 
 
 def test_a_run_this_machine_cannot_hold_is_refused_after_its_first_steps(projections, monkeypatch):
