@@ -371,6 +371,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
                        f"({', '.join(policies)})")
     out = output_folder(args.out)
     _say_long_work()
+    run_size.expect_files(False)  # (its runs' Chrome traces are written piece by piece: not simulate --out's files)
     prep = prepare(spec)
     if prep.plan is not None:
         print(f"planner: n = {prep.num_batches} ({'; '.join(prep.plan.notes) or 'bubbles closed within memory'})")

@@ -537,7 +537,7 @@ def run_each(specs: list[RunSpec], prep: Prepared, workers: int = 1,
                     timelines[in_flight.pop(future)] = future.result()  # (an error: said now, nothing more handed out)
                     hand_out()
                 if helper is not None and len(in_flight) < workers:
-                    # (started after the forks: a forked worker never holds its locks; a worker idle, its core)
+                    # (a worker idle: its core is the helper's; started after the forks, no worker holds its locks)
                     helper.start()
                     helper = None
     except BrokenProcessPool:
