@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .mapped import in_chunks, release
-from .routing import CHOICE_CODES, choice_codes, choice_experts
+from .routing import CHOICE_CODES, choice_codes, choice_experts, top_by_argmax
 from .trace import Trace
 
 _CHUNK_PAIRS = 1 << 18  # (token, layer, pair) counts per bincount pass: ~1 MB of int32, cache-sized
@@ -141,20 +141,14 @@ class CorrelationTable:
 
 def top_columns(table: np.ndarray, r: int) -> np.ndarray:
     """The columns of each row's r largest counts, largest first, ties to the lower column: the
-    first r columns of a stable argsort of -table, taken by r passes of argmax (its first maximum)
-    over the counts not yet taken — a DeepSeek-V3 layer's 256 x 256 table was sorted whole for
-    its top 2 columns, at every layer and step (1.7 ms against 0.03; 3.5 s of a 68 s run). Up to 32
+    first r columns of a stable argsort of -table, taken by r passes of argmax over a copy
+    (`routing.top_by_argmax`) — a DeepSeek-V3 layer's 256 x 256 table was sorted whole for its top
+    2 columns, at every layer and step (1.7 ms against 0.03; 3.5 s of a 68 s run). Up to 32
     experts the sort is the quicker (Mixtral's 8 x 8: 1.5 us against 6), and above 4 passes."""
     r = min(r, table.shape[1])
     if r > 4 or table.shape[1] <= 32 or table.dtype.kind not in "iu":  # (counts are integers)
         return np.argsort(-table, axis=1, kind="stable")[:, :r]
-    rows = np.arange(table.shape[0])
-    left = table.astype(np.int64)  # (a copy: the taken counts are struck out below every count)
-    taken = np.empty((table.shape[0], r), dtype=np.intp)
-    for j in range(r):
-        taken[:, j] = column = np.argmax(left, axis=1)
-        left[rows, column] = np.iinfo(np.int64).min
-    return taken
+    return top_by_argmax(table.astype(np.int64), r)  # (a copy: the picks are struck out in it)
 
 
 @dataclass

@@ -33,7 +33,7 @@ import numpy as np
 
 from .errors import UsageError
 from .model import ModelSpec
-from .routing import RoutingTable, RunShape, expert_id_type
+from .routing import RoutingTable, RunShape, expert_id_type, top_by_argmax
 from .trace import Trace, replay
 
 ROUTINGS = ("calibrated", "uniform", "zipf:<a>", "skewed")
@@ -147,13 +147,7 @@ def _top_sorted(values: np.ndarray, count: int) -> np.ndarray:
     if count >= values.shape[-1]:
         return np.argsort(np.negative(values, out=values), axis=-1)
     if count <= 4:  # a few argmax passes beat a partition and a sort over a short last axis
-        work = values
-        picks = []
-        for _ in range(count):
-            best = np.argmax(work, axis=-1)
-            picks.append(best)
-            np.put_along_axis(work, best[..., None], -np.inf, axis=-1)
-        return np.stack(picks, axis=-1)
+        return top_by_argmax(values, count)
     negated = np.negative(values, out=values)  # (the very numbers -values would give: negation is exact)
     part = np.argpartition(negated, count - 1, axis=-1)[..., :count]
     order = np.argsort(np.take_along_axis(negated, part, axis=-1), axis=-1)
