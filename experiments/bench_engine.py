@@ -25,6 +25,7 @@ import simpy
 from klotski_sim.cost import CostModel
 from klotski_sim.engine import resource_capacities, simulate
 from klotski_sim.hardware import load_profile, with_overrides
+from klotski_sim.machine import resident_bytes
 from klotski_sim.model import get_model
 from klotski_sim.policies import PolicyInput, build_schedule
 from klotski_sim.routing import RunShape
@@ -63,20 +64,12 @@ def simpy_floor(events: int) -> float:
         gc.enable()
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def scaling(sizes: list[int], profile) -> None:
     """ops/s of the engine and memory per op (schedule + timeline) as the schedule grows."""
     print(f"{'ops':>10} {'build s':>8} {'engine s':>9} {'engine ops/s':>13} {'bytes/op':>9}")
     for size in sizes:
         gc.collect()
-        before = rss_bytes()
+        before = resident_bytes() or 0
         t = time.perf_counter()
         schedule = big_schedule(size)
         build_s = time.perf_counter() - t
@@ -84,7 +77,7 @@ def scaling(sizes: list[int], profile) -> None:
         tl = simulate(schedule, profile)
         engine_s = time.perf_counter() - t
         tl.summary()
-        per_op = (rss_bytes() - before) / len(schedule)
+        per_op = ((resident_bytes() or 0) - before) / len(schedule)
         print(f"{len(schedule):10d} {build_s:8.2f} {engine_s:9.2f} {len(schedule) / engine_s:13,.0f} {per_op:9,.0f}")
         del schedule, tl
 

@@ -450,13 +450,18 @@ def _schedule_key(spec: RunSpec, prep: Prepared) -> tuple[Any, ...] | None:
 _SHARED: Prepared | None = None  # what `run_each`'s worker processes share (inherited when they fork)
 
 
-def _share(prep: Prepared, workers: int) -> None:
-    """A comparison's worker process: the preparation it shares, the collector set for a worker, and
-    the machine's memory shared with the other workers' runs."""
-    global _SHARED
-    _SHARED = prep
+def pool_worker(workers: int) -> None:
+    """A worker process of a pool of `workers` (compare's, a local sweep's): the collector set for a
+    worker, and this machine's memory shared with the other workers' runs (klotski_sim/run_size.py)."""
     quiet_gc_in_worker()
     run_size.share_machine(workers)
+
+
+def _share(prep: Prepared, workers: int) -> None:
+    """A comparison's worker process: the preparation it shares, then as any `pool_worker`."""
+    global _SHARED
+    _SHARED = prep
+    pool_worker(workers)
 
 
 def _timeline_of(spec: RunSpec, trace_path: Path | None = None, prep: Prepared | None = None,

@@ -67,7 +67,6 @@ from pydantic import (
     field_validator,
 )
 
-from . import run_size
 from .argtypes import MAX_COUNT, MAX_COUNT_TEXT, MAX_SEED, first_repeat
 from .errors import KlotskiError, MachineRefusal, StorageRefusal, UsageError
 from .hardware import ProfileError, builtin_profile_names, load_profile, with_overrides
@@ -78,7 +77,6 @@ from .npzfile import NPZ_READ_ERRORS, check_npz
 from .policies import POLICIES
 from .policies.base import resolve_options
 from .policies.plugins import load_policy_files
-from .schedule import quiet_gc_in_worker
 from .textfile import read_text
 from .timeline import jsonable
 from .trace_synth import DEFAULT_ROUTING, params_for
@@ -580,20 +578,15 @@ def _run_sweep(spec: SweepSpec, out: Path, rows_dir: Path, workers: int, dask: s
                 finished(run_config(cfg))
                 advance()
         else:
+            from .runner import pool_worker
+
             in_flight = min(workers, len(todo))  # (the runs that can be in flight at once)
-            with ProcessPoolExecutor(max_workers=workers, initializer=_sweep_worker, initargs=(in_flight,)) as pool:
+            with ProcessPoolExecutor(max_workers=workers, initializer=pool_worker, initargs=(in_flight,)) as pool:
                 futures = [pool.submit(run_config, c) for c in todo]
                 for fut in as_completed(futures):
                     finished(fut.result())
                     advance()
     return collect(out, [c["id"] for c in configs])
-
-
-def _sweep_worker(workers: int) -> None:
-    """A local sweep's worker process: the collector set for a worker, and this machine's memory
-    shared with the other workers' runs (klotski_sim/run_size.py)."""
-    quiet_gc_in_worker()
-    run_size.share_machine(workers)
 
 
 def _run_dask(todo: list[dict[str, Any]], address: str, workers: int, finished: Callable, advance: Callable) -> None:
