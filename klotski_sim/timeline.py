@@ -127,10 +127,11 @@ class Timeline:
                 self.columns = self.columns.materialize()
             return
         if "bubbles" in self._memo:
-            bubbles = self._memo["bubbles"]
-            self._memo["bubbles"] = bubbles[[name for name in bubbles.columns if name in keep]]
+            names, columns = self._memo["bubbles"]
+            self._memo["bubbles"] = ([name for name in names if name in keep],
+                                     None if columns is None else {k: v for k, v in columns.items() if k in keep})
         elif "gaps" in self._memo:  # (a summary found the gaps: their kept columns, while the columns are here)
-            self._memo["bubbles"] = self._find_bubbles(keep)
+            self._memo["bubbles"] = self._bubble_columns(keep)
         self._memo.pop("gaps", None)  # (every gap's arrays: as large as the columns it is asked to drop)
         for name in [key[len("codes:"):] for key in self._memo if key.startswith("codes:")]:
             if name not in keep:
@@ -214,18 +215,23 @@ class Timeline:
         """Idle gaps on the GPU between its first and last op, one row each, with the op that
         ends the gap, its layer/step, the kind (inter/intra) and the cause."""
         if "bubbles" not in self._memo:
-            self._memo["bubbles"] = self._find_bubbles()
-        return self._memo["bubbles"].copy()
+            self._memo["bubbles"] = self._bubble_columns()
+        names, columns = self._memo["bubbles"]
+        return pd.DataFrame(columns) if columns is not None else pd.DataFrame(columns=names)  # (a copy: the
+        # caller may change it)
 
-    def _find_bubbles(self, only: Collection[str] | None = None) -> pd.DataFrame:
-        """The bubbles' columns (those in `only`, when given)."""
+    def _bubble_columns(self, only: Collection[str] | None = None) -> tuple[list[str], dict[str, np.ndarray] | None]:
+        """The names of the bubbles' columns (those in `only`, when given) and the columns (None:
+        no bubble). Kept as arrays, not a frame: a worker process sends its timeline back with
+        them, and unpickling a frame imported pandas in compare's main process on the way (0.15 s
+        while a worker waited for its next run: the main process hands runs out)."""
         names = [name for name in BUBBLE_COLUMNS if only is None or name in only]
         gaps = self._gaps()
         if gaps is None:
-            return pd.DataFrame(columns=names)
+            return names, None
         c, nxt = self.columns, gaps["next"]
         tags = {"next_op": "op_id", "step": "step", "layer": "layer", "batch": "batch"}  # bubble column -> op column
-        return pd.DataFrame({name: c[tags[name]][nxt] if name in tags else gaps[name] for name in names})
+        return names, {name: c[tags[name]][nxt] if name in tags else gaps[name] for name in names}
 
     def _gaps(self) -> dict[str, np.ndarray] | None:
         """The GPU's idle gaps between its first and last op (None: there are none): where each

@@ -350,6 +350,37 @@ def test_a_timeline_kept_to_the_figure_columns_draws_the_same_figure():
     assert np.array_equal(images[0], images[1])
 
 
+def test_a_timeline_sent_back_by_a_worker_unpickles_without_pandas(tmp_path):
+    """A worker hands its timeline back with its bubbles found (compare's figure draws them): the
+    bubbles travel as arrays, so unpickling imports no pandas (it did, on compare's critical path,
+    while a worker waited for its next run); they read back as they were, whole or detached."""
+    import pickle
+    import subprocess
+    import sys
+
+    from klotski_sim.runner import RunSpec, run
+    from klotski_sim.timeline import FIGURE_COLUMNS
+
+    for keep in (None, FIGURE_COLUMNS):
+        tl = run(RunSpec(policy="klotski", num_batches=3, prompt_len=16, gen_len=3)).timeline
+        tl.summary()
+        found = tl.bubbles()
+        assert len(found) > 0
+        tl.detach(keep)
+        sent = pickle.dumps(tl)
+        back = pickle.loads(sent).bubbles()
+        assert list(back.columns) == [name for name in found.columns if keep is None or name in keep]
+        pd.testing.assert_frame_equal(back, found[list(back.columns)])
+        back.loc[0, "start"] = -1.0  # (a copy: the timeline's bubbles stay as they were)
+        assert pickle.loads(sent).bubbles()["start"].iloc[0] == found["start"].iloc[0]
+        (tmp_path / "tl.pkl").write_bytes(sent)
+        probe = ("import pickle, sys; pickle.loads(open(sys.argv[1], 'rb').read()); "
+                 "print('pandas' in sys.modules)")
+        out = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "tl.pkl")], capture_output=True,
+                             text=True, check=True).stdout.strip()
+        assert out == "False"
+
+
 @given(st.lists(st.tuples(st.floats(0.001, 5.0), st.floats(0.0, 2.0),
                           st.sampled_from(["weights", "kv", "cold_expert", "attention", "sync", None, "none"])),
                 min_size=2, max_size=40))
