@@ -54,17 +54,20 @@ def choice_codes(ids: np.ndarray, num_experts: int, out: np.ndarray | None = Non
     return code
 
 
-def top_by_argmax(work: np.ndarray, count: int) -> np.ndarray:
+def top_by_argmax(work: np.ndarray, count: int, values: list[np.ndarray] | None = None) -> np.ndarray:
     """Indices of the `count` largest values along the last axis of `work`, largest first, ties to
     the lower index: `count` passes of argmax (its first maximum), each pick struck out below every
-    value — for a few of them, quicker than a partition and a sort (the generator's top-k, the
-    prefetcher's top columns). `work`, the caller's own, is overwritten."""
+    value — quicker than a partition and a sort, up to top-9 of 256 at least (the generator's
+    top-k, the prefetcher's top columns). `work`, the caller's own, is overwritten; the picked
+    values, pass by pass, are appended to `values` when given."""
     floor = -np.inf if work.dtype.kind == "f" else np.iinfo(work.dtype).min
     picks = []
     for _ in range(count):
-        best = np.argmax(work, axis=-1)
-        picks.append(best)
-        np.put_along_axis(work, best[..., None], floor, axis=-1)
+        best = np.argmax(work, axis=-1)[..., None]
+        picks.append(best[..., 0])
+        if values is not None:
+            values.append(np.take_along_axis(work, best, axis=-1)[..., 0])
+        np.put_along_axis(work, best, floor, axis=-1)
     return np.stack(picks, axis=-1) if picks else np.empty(work.shape[:-1] + (0,), dtype=np.intp)
 
 

@@ -140,14 +140,46 @@ def base_popularity(model: ModelSpec, params: SynthParams, rng: np.random.Genera
     return out
 
 
+# The most experts over which the generator's top-5 and more is a partition and a sort: numpy's
+# partition took 0.23-0.41 us a token's row of 64-128 float32 values, then 1.02-1.08 us over 160-256,
+# where nine argmax passes take 0.51-0.69 us (top-7/top-9, /tmp microbenchmark, numpy 2 on this
+# project's 2-core machine): 18 s of a 32 s DeepSeek-V3 draw were the partition, the sort and their gathers.
+_PARTITION_UP_TO = 128
+
+
 def _top_sorted(values: np.ndarray, count: int) -> np.ndarray:
     """Indices of the `count` largest values along the last axis, largest first. `values`, the
-    caller's own, is overwritten: it is the scratch space (negated in place, not copied: a copy of
-    the generator's largest array, [sequences, tokens, experts], for every layer)."""
+    caller's own, is overwritten: it is the scratch space (struck out or negated in place, not
+    copied: a copy of the generator's largest array, [sequences, tokens, experts], for every layer).
+
+    Argmax passes (`routing.top_by_argmax`), ties to the lower index, up to top-4. Above, a
+    partition and a sort (`_partition_sorted`) over up to `_PARTITION_UP_TO` experts; over more,
+    the passes again, with the rows that hold a tie handed to the partition and sort, which break
+    ties their own way: every draw is as it was."""
     if count >= values.shape[-1]:
         return np.argsort(np.negative(values, out=values), axis=-1)
-    if count <= 4:  # a few argmax passes beat a partition and a sort over a short last axis
+    if count <= 4:
         return top_by_argmax(values, count)
+    if values.shape[-1] <= _PARTITION_UP_TO:
+        return _partition_sorted(values, count)
+    picked: list[np.ndarray] = []
+    top = top_by_argmax(values, count, picked)
+    # Only a row with two equal values among its `count` largest (or one equal to the next: which
+    # is in is then a tie too) has more than one answer; one more pass finds the next largest.
+    picked.append(np.max(values, axis=-1))
+    tops = np.stack(picked, axis=-1)
+    tied = np.nonzero(np.any(tops[..., 1:] == tops[..., :-1], axis=-1))
+    if len(tied[0]):
+        rows = values[tied]  # (a copy of those rows alone: their struck values put back)
+        np.put_along_axis(rows, top[tied], tops[tied][..., :count], axis=-1)
+        top[tied] = _partition_sorted(rows, count)
+    return top
+
+
+def _partition_sorted(values: np.ndarray, count: int) -> np.ndarray:
+    """The `count` largest along the last axis, largest first, by a partition and a sort of the
+    negated values (how the generator drew top-5 and more until argmax passes: its ties, kept);
+    `values` is overwritten."""
     negated = np.negative(values, out=values)  # (the very numbers -values would give: negation is exact)
     part = np.argpartition(negated, count - 1, axis=-1)[..., :count]
     order = np.argsort(np.take_along_axis(negated, part, axis=-1), axis=-1)

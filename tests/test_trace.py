@@ -633,3 +633,28 @@ def test_a_trace_whose_meta_model_is_no_name_is_refused(tmp_path, model):
     Trace(t.experts, t.seq_offsets, t.prompt_lens, {**t.meta, "model": "tiny-mixtral"})  # (a name: fine)
     with pytest.raises(TraceError, match="meta model must be a model's name"):
         Trace(t.experts, t.seq_offsets, t.prompt_lens, {**t.meta, "model": model})
+
+
+@settings(max_examples=60, deadline=None)
+@given(count=st.integers(5, 9), experts=st.sampled_from([10, 16, 64, 129, 256]),
+       spread=st.sampled_from([2, 8, 1000, 0]),
+       rows=st.integers(1, 300), seed=st.integers(0, 2**32))
+def test_the_generators_top_k_by_argmax_passes_is_its_partition_and_sort_ties_and_all(count, experts, spread, rows,
+                                                                                      seed):
+    """Over many experts the generator picks a token's top-5 and more by argmax passes, and a row
+    with a tie among its largest by the partition and sort it drew with before (as it still does
+    over fewer experts; here the passes are asked of every width): the same indices in the same
+    order for every row, whether its values are all distinct (`spread` 0: random floats), few
+    (`spread` 2: nearly every row tied) or some of each, so every draw is as it was."""
+    from klotski_sim import trace_synth
+
+    rng = np.random.default_rng(seed)
+    values = (rng.integers(0, spread, (rows, 2, experts)).astype(np.float32) if spread
+              else rng.standard_normal((rows, 2, experts)).astype(np.float32))
+    expected = trace_synth._partition_sorted(values.copy(), count)
+    with patch.object(trace_synth, "_PARTITION_UP_TO", 0):
+        assert np.array_equal(trace_synth._top_sorted(values.copy(), count), expected)
+    assert np.array_equal(trace_synth._top_sorted(values.copy(), count), expected)
+    ranked = np.take_along_axis(values, expected, axis=-1)
+    assert np.all(ranked[..., :-1] >= ranked[..., 1:])  # (largest first: the reference is a top-k at all)
+    assert np.all(ranked[..., -1] >= np.sort(values, axis=-1)[..., -count])
