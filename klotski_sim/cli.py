@@ -39,13 +39,13 @@ from .exports import save_all
 from .hardware import builtin_profile_names, load_profile
 from .impl import PRESET_NAMES
 from .lazy import pd  # (imported when first used: klotski_sim/lazy.py)
+from .machine import available_cores
 from .model import PRESETS, get_model
 from .planner import format_plan
 from .policies import POLICIES
 from .policies.plugins import load_for_command_line
 from .runner import (
     RunSpec,
-    available_cores,
     draw_listeners,
     policy_batches,
     policy_prepared,

@@ -27,6 +27,11 @@ def available_memory_bytes() -> int | None:
     return min(known) if known else None
 
 
+def available_cores() -> int:
+    """The cores this process may run on (its affinity, where the platform tells)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def resident_bytes() -> int | None:
     """This process's resident memory now (`/proc/self/statm`), None where unknown."""
     try:

@@ -60,6 +60,11 @@ def share_machine(workers: int) -> None:
     _runs_in_flight[0] = max(1, workers)
 
 
+def sharing() -> int:
+    """The worker processes whose runs share this machine, this one included (`share_machine`)."""
+    return _runs_in_flight[0]
+
+
 @dataclass
 class RunSizeWatch:
     """The ops a policy loop has built at the start of its first steps, and the projection made

@@ -171,13 +171,14 @@ def resolve_profile(spec: RunSpec) -> HardwareProfile:
 # that a minute of drawing is not taken for a hang). A draw happens only when the trace cache has no
 # trace for the run; "long": an estimated LONG_DRAW_S or more on a 2-core machine, at DRAW_S_PER_ELEMENT
 # an element of the generator's [tokens, layers, experts] work and DRAW_S_PER_TOKEN_LAYER a token and
-# layer — fitted to `synthesize` in this project's round after 1e640f8: Qwen3-30B-A3B 16 x 8193
-# tokens 9.26 s (`python experiments/bench_ab.py --base REV --only-synth`), Mixtral-8x7B 136 x 16392
-# 11.2 s (README, long prompts); the fit gives DeepSeek-V2-Lite 64 x 8193 10.9 s, measured 12.1 s.
+# layer — fitted to `synthesize` drawing in two threads (`trace_synth.draw_threads`; 239fb1e's next
+# round): Qwen3-30B-A3B 16 x 8193 tokens 5.08 s, Mixtral-8x7B 136 x 16392 5.68 s (/tmp script, one
+# draw each); the fit gives DeepSeek-V2-Lite 64 x 8193 5.9 s, measured 5.56 s, and DeepSeek-V3's
+# default 424 x 516 21.1 s, measured 16.4 s (its 256 experts' top-k is argmax passes, cheaper an expert).
 draw_listeners: list[Callable[[str], None]] = []
 LONG_DRAW_S = 3.0
-DRAW_S_PER_ELEMENT = 11e-9
-DRAW_S_PER_TOKEN_LAYER = 67e-9
+DRAW_S_PER_ELEMENT = 6.1e-9
+DRAW_S_PER_TOKEN_LAYER = 31e-9
 
 
 def _announce_draw(model: ModelSpec, routing: str, sequences: int, tokens: int) -> None:
@@ -496,11 +497,6 @@ def _timeline_in_worker(spec: RunSpec, trace_path: Path | None, keep: Collection
     except Exception as err:  # noqa: BLE001 - reported with where to find the traceback
         raise WorkerError(f"{spec.policy} ({spec.impl}): {type(err).__name__}: {err} (rerun with --workers 1 "
                           f"--debug for the traceback)") from None
-
-
-def available_cores() -> int:
-    """The cores this process may run on (its affinity, where the platform tells)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def run_each(specs: list[RunSpec], prep: Prepared, workers: int = 1,

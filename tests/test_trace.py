@@ -658,3 +658,84 @@ def test_the_generators_top_k_by_argmax_passes_is_its_partition_and_sort_ties_an
     ranked = np.take_along_axis(values, expected, axis=-1)
     assert np.all(ranked[..., :-1] >= ranked[..., 1:])  # (largest first: the reference is a top-k at all)
     assert np.all(ranked[..., -1] >= np.sort(values, axis=-1)[..., -count])
+
+
+@settings(max_examples=15, deadline=None)
+@given(model=st.sampled_from(["tiny-mixtral", "olmoe-1b-7b"]), threads=st.integers(2, 5),
+       chunk=st.sampled_from([1, 2, 3]), sequences=st.integers(1, 9), seed=st.integers(0, 2**32))
+def test_a_draw_in_threads_is_the_draw_of_one(model, threads, chunk, sequences, seed):
+    """Chunks drawn by several threads at once read each random stream chunk after chunk: the
+    same ids and weights as one thread draws, block by block, in order."""
+    spec = get_model(model)
+
+    def blocks(count):
+        stream = synthesized_blocks(spec, sequences, 5, 2, "calibrated", seed=seed, with_weights=True, chunk=chunk)
+        return list(stream.drawn(threads=count))
+
+    alone, together = blocks(1), blocks(threads)
+    assert len(alone) == len(together) == -(-sequences // chunk)
+    for (ids, weights), (ids_t, weights_t) in zip(alone, together):
+        assert np.array_equal(ids, ids_t) and np.array_equal(weights, weights_t)
+
+
+def _within(seconds, work):
+    """`work()`'s result or error, failing the test if it has not ended after `seconds` (a hang)."""
+    import threading
+
+    out = {}
+
+    def run():
+        try:
+            out["result"] = work()
+        except BaseException as err:  # noqa: BLE001 - handed to the test
+            out["error"] = err
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s"
+    if "error" in out:
+        raise out["error"]
+    return out["result"]
+
+
+def test_a_draw_that_fails_in_a_thread_says_its_error_and_leaves_no_thread_waiting():
+    """A chunk that fails (here the third top-k of the draw) ends the draw with its own error, not
+    a hang of the chunks that wait for the turns it will never pass on; a draw stopped after its
+    first block leaves no thread behind either."""
+    import threading
+
+    from klotski_sim import trace_synth
+
+    spec = get_model("olmoe-1b-7b")
+    real, calls = trace_synth._top_sorted, []
+
+    def failing(values, count):
+        calls.append(count)
+        if len(calls) == 3:
+            raise MemoryError("no room for the third layer")
+        return real(values, count)
+
+    before = threading.active_count()
+    with patch.object(trace_synth, "_top_sorted", failing):
+        stream = synthesized_blocks(spec, 6, 4, 1, "calibrated", seed=1, chunk=1)
+        with pytest.raises(MemoryError, match="third layer"):
+            _within(60, lambda: list(stream.drawn(threads=3)))
+    stream = synthesized_blocks(spec, 12, 4, 1, "calibrated", seed=1, chunk=1)
+    blocks = stream.drawn(threads=3)
+    first = _within(60, lambda: next(blocks))
+    _within(60, blocks.close)
+    assert threading.active_count() == before
+    assert np.array_equal(first[0], synthesize(spec, 1, 4, 1, "calibrated", seed=1).experts)
+
+
+def test_a_draw_uses_the_cores_its_pool_leaves_it():
+    """A draw's threads: the process's cores, shared with the other workers of its pool (a sweep's
+    two workers on two cores draw with one thread each), at most MAX_DRAW_THREADS."""
+    from klotski_sim import run_size, trace_synth
+
+    for cores, workers, expected in [(2, 1, 2), (2, 2, 1), (1, 1, 1), (16, 1, trace_synth.MAX_DRAW_THREADS),
+                                     (16, 8, 2), (3, 4, 1)]:
+        with patch.object(trace_synth, "available_cores", return_value=cores), \
+                patch.object(run_size, "_runs_in_flight", [workers]):
+            assert trace_synth.draw_threads() == expected
