@@ -4,7 +4,8 @@ Read from Linux's own accounting: `MemAvailable` (what can be allocated without 
 cache included) and the memory cgroups this process runs in (v2 or v1), each level's limit less
 its usage — a container's, a CI runner's, a Slurm job's or a systemd slice's limit is often far
 below the host's. Where neither can be read (macOS, Windows) the answer is None: a caller then
-refuses nothing.
+refuses nothing. And the cores this process may run on (its affinity): a comparison's worker
+processes and a synthetic draw's threads are as many.
 """
 
 from __future__ import annotations
