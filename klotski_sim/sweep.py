@@ -606,6 +606,10 @@ def _run_dask(todo: list[dict[str, Any]], address: str, workers: int, finished: 
             raise SweepError(f"--dask {address}: no Dask scheduler answered within {DASK_TIMEOUT_S} s "
                              f"({type(err).__name__}: {err})") from err
         with client:
+            if cluster is not None:  # (its workers are this machine's processes: they share it as a local pool's do)
+                from .runner import pool_worker
+
+                client.run(pool_worker, min(max(1, workers), len(todo)))
             futures = client.map(run_config, todo, pure=False)
             for fut in dask_completed(futures):
                 finished(fut.result())

@@ -382,7 +382,7 @@ def _drawn_blocks(model: ModelSpec, params: SynthParams, sequences: int, T: int,
         return experts.reshape(S * T, L, k), None if weights is None else weights.reshape(S * T, L, k)
 
     starts = range(0, sequences, chunk)
-    threads = min(len(starts), threads or draw_threads())
+    threads = min(len(starts), threads or draw_threads(chunk * T * E))
     if threads <= 1:
         for number, lo in enumerate(starts):
             yield drawn(number, lo)
@@ -400,15 +400,24 @@ def _drawn_blocks(model: ModelSpec, params: SynthParams, sequences: int, T: int,
             turns.give_up()
 
 
-# The most threads a draw uses (`draw_threads`): a chunk's working arrays are a few MB each, and
-# the streams are read in chunk order, so a thread more waits more.
+# The most threads a draw uses (`draw_threads`): the streams are read in chunk order, so a thread
+# more waits more.
 MAX_DRAW_THREADS = 4
+# The most elements of [sequences, tokens, experts] working arrays that a draw's threads hold at
+# once. A chunk holds _ELEMENTS_PER_CHUNK, or one sequence's tokens x experts when that is more:
+# a long prompt's. Each thread more held about 26 bytes an element more: DeepSeek-V3 at a 16k-token
+# prompt (4.2M elements a chunk), 333 -> 444 MB in two threads (`simulate --model deepseek-v3
+# --hardware h800 --prompt-len 16384 --gen-len 2 --impl ideal --batch-size 8`, cold, /usr/bin/time).
+# 9 x 2^20 elements, about 245 MB, keep that prompt to two threads and a 32k-token one to one.
+_ELEMENTS_IN_FLIGHT = 9 << 20
 
 
-def draw_threads() -> int:
-    """Threads for a synthetic draw: this process's cores, shared with the other worker processes
-    of its pool (a sweep's workers draw one routing each at a time), at most MAX_DRAW_THREADS."""
-    return max(1, min(MAX_DRAW_THREADS, available_cores() // run_size.sharing()))
+def draw_threads(chunk_elements: int = 0) -> int:
+    """Threads for a synthetic draw of chunks of `chunk_elements` working elements each: this
+    process's cores, shared with the other worker processes of its pool (a sweep's workers draw one
+    routing each at a time), at most MAX_DRAW_THREADS and as many as _ELEMENTS_IN_FLIGHT hold."""
+    return max(1, min(MAX_DRAW_THREADS, available_cores() // run_size.sharing(),
+                      _ELEMENTS_IN_FLIGHT // max(1, chunk_elements)))
 
 
 class _DrawAbandoned(Exception):

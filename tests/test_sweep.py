@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from unittest.mock import patch
 
 import pandas as pd
 import pytest
@@ -67,12 +68,25 @@ def test_a_configuration_host_memory_cannot_hold_is_refused_not_an_error(tmp_pat
 
 
 def test_local_and_dask_give_identical_results(tmp_path):
-    pytest.importorskip("dask.distributed")
+    """A local pool and a local Dask cluster give the same rows; the cluster's workers, processes of
+    this machine, share it as the pool's do (`runner.pool_worker`: the memory a run projects against,
+    the threads of a draw), and a remote scheduler's workers are left as they are."""
+    distributed = pytest.importorskip("dask.distributed")
+    from klotski_sim.runner import pool_worker
+
     spec = parse_spec(SMALL)
     local = run_sweep(spec, tmp_path / "local", workers=2, progress=False)
-    dask = run_sweep(spec, tmp_path / "dask", workers=2, dask="local", progress=False)
+    real_run, calls = distributed.Client.run, []
+
+    def recorded(client, function, *args, **kwargs):
+        calls.append((function, args))
+        return real_run(client, function, *args, **kwargs)
+
+    with patch.object(distributed.Client, "run", recorded):
+        dask = run_sweep(spec, tmp_path / "dask", workers=2, dask="local", progress=False)
     assert len(local) == len(dask) == 8
     pd.testing.assert_frame_equal(local[["id"] + METRICS], dask[["id"] + METRICS])
+    assert calls == [(pool_worker, (2,))]
 
 
 def test_resume_after_a_killed_sweep_loses_and_duplicates_nothing(tmp_path):

@@ -729,13 +729,26 @@ def test_a_draw_that_fails_in_a_thread_says_its_error_and_leaves_no_thread_waiti
     assert np.array_equal(first[0], synthesize(spec, 1, 4, 1, "calibrated", seed=1).experts)
 
 
-def test_a_draw_uses_the_cores_its_pool_leaves_it():
+def test_a_draw_uses_the_cores_its_pool_leaves_it_and_the_memory_its_chunks_allow():
     """A draw's threads: the process's cores, shared with the other workers of its pool (a sweep's
-    two workers on two cores draw with one thread each), at most MAX_DRAW_THREADS."""
+    two workers on two cores draw with one thread each), at most MAX_DRAW_THREADS, and no more
+    chunks' working arrays at once than _ELEMENTS_IN_FLIGHT (a long prompt's chunk is one sequence
+    of tokens x experts: DeepSeek-V3 at 16k tokens in two threads, at 32k in one)."""
     from klotski_sim import run_size, trace_synth
 
-    for cores, workers, expected in [(2, 1, 2), (2, 2, 1), (1, 1, 1), (16, 1, trace_synth.MAX_DRAW_THREADS),
-                                     (16, 8, 2), (3, 4, 1)]:
+    budget = trace_synth._ELEMENTS_IN_FLIGHT
+    default_chunk = trace_synth._ELEMENTS_PER_CHUNK
+    for cores, workers, elements, expected in [
+            (2, 1, default_chunk, 2), (2, 2, default_chunk, 1), (1, 1, default_chunk, 1),
+            (16, 1, default_chunk, trace_synth.MAX_DRAW_THREADS), (16, 8, default_chunk, 2), (3, 4, default_chunk, 1),
+            (16, 1, 16386 * 256, 2), (16, 1, 32770 * 256, 1), (16, 1, budget // 3, 3), (2, 1, budget + 1, 1)]:
         with patch.object(trace_synth, "available_cores", return_value=cores), \
                 patch.object(run_size, "_runs_in_flight", [workers]):
-            assert trace_synth.draw_threads() == expected
+            assert trace_synth.draw_threads(elements) == expected, (cores, workers, elements)
+    # a drawn chunk asks for the threads its own size allows
+    seen = []
+    real = trace_synth.draw_threads
+    with patch.object(trace_synth, "draw_threads",
+                      side_effect=lambda elements: seen.append(elements) or real(elements)):
+        synthesize(get_model("olmoe-1b-7b"), 3, 99, 1, "calibrated", seed=3)
+    assert seen == [min(64, default_chunk // (100 * 64)) * 100 * 64]
