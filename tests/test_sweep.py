@@ -70,7 +70,7 @@ def test_a_configuration_host_memory_cannot_hold_is_refused_not_an_error(tmp_pat
 def test_local_and_dask_give_identical_results(tmp_path):
     """A local pool and a local Dask cluster give the same rows; the cluster's workers, processes of
     this machine, share it as the pool's do (`runner.pool_worker`: the memory a run projects against,
-    the threads of a draw), and a remote scheduler's workers are left as they are."""
+    the threads of a draw)."""
     distributed = pytest.importorskip("dask.distributed")
     from klotski_sim.runner import pool_worker
 
