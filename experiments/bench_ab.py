@@ -100,7 +100,7 @@ def synth_peak(code_dir: Path, case: tuple[str, int, int, int]) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True, help="git revision of the code to compare against")
     parser.add_argument("--rounds", type=int, default=3, help="alternations of old and new per measure")
     parser.add_argument("--sweep", type=int, default=20, metavar="N",

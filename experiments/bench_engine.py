@@ -120,7 +120,7 @@ def _naive_simpy(schedule: Schedule, durations: list[float], caps: dict[str, int
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ops", type=int, default=200_000)
     parser.add_argument("--repeat", type=int, default=3, help="best of N for each model")
     parser.add_argument("--sizes", default="10000,100000,1000000", help="schedule sizes for the scaling table")

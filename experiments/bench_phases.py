@@ -62,7 +62,7 @@ def phases(impl: str) -> tuple[int, list[float]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3, help="fresh processes per preset (the best of each phase)")
     args = parser.parse_args()
     if args.rounds < 1:

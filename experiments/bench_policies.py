@@ -10,6 +10,7 @@ process with a cold and a warm trace cache), and `klotski-sim compare` wall time
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -71,6 +72,7 @@ def command_wall(command: str, impl: str, *extra: str) -> str:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # (no options: --help says what it runs)
     for impl in ("ideal", "as-published"):
         t = time.perf_counter()
         prep = prepare(RunSpec(num_batches=None, policy="klotski", impl=impl))

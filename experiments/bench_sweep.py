@@ -65,7 +65,7 @@ def time_default_size(count: int, workers: int, impl: str, grid: str) -> tuple[f
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--default-size", type=int, default=0, metavar="N",
                     help="measure N default-size configurations per preset instead of the small grid")

@@ -23,7 +23,7 @@ TARGETS = {
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="mixtral-8x7b")
     ap.add_argument("--sequences", type=int, default=256)
     ap.add_argument("--grid", action="store_true", help="scan a small grid around the current constants")

@@ -1,8 +1,9 @@
 """Cold experts on the CPU against Klotski, on every built-in profile that has a `cpu:` section:
 klotski, klotski-hybrid, fiddler and llamacpp-moe under both implementation presets, at the
-default workload (Mixtral-8x7B, prompt 512, gen 32, bs 16, n from the planner — klotski-hybrid's
-from its simulated probes, per preset; fiddler and llamacpp-moe keep one batch in flight). Prints a
-markdown table (docs/cpu-experts.md holds its output).
+default workload (Mixtral-8x7B, prompt 512, gen 32, bs 16, n from the planner under the
+as-published preset, shared by both presets as `compare --impl both` shares it — klotski-hybrid's
+from its simulated probes up to that n; fiddler and llamacpp-moe keep one batch in flight). Prints
+a markdown table (docs/cpu-experts.md holds its output).
 
     python experiments/cpu_experts.py [--model mixtral-8x7b] [--batch-size 16]
 """
@@ -20,7 +21,7 @@ PRESETS = ("as-published", "ideal")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="mixtral-8x7b")
     parser.add_argument("--batch-size", type=int, default=16)
     args = parser.parse_args()

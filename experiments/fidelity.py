@@ -233,7 +233,7 @@ def render(figs: list[Figure], impls: list[str], command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--impl", default="both", choices=["both", "as-published", "ideal", "v0.1"],
                         help="preset(s) to predict with (default: both = as-published and ideal)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "fidelity.md"))

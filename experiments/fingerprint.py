@@ -58,7 +58,7 @@ def fingerprint(spec: RunSpec) -> dict[str, object]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="where to write the fingerprints (JSON)")
     parser.add_argument("--against", type=Path, metavar="OLD.json", help="fingerprints to compare with")
     args = parser.parse_args()

@@ -154,7 +154,7 @@ EXPERIMENTS = {"ablation": ablation, "baselines": baselines, "batches": batches,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("name", choices=[*EXPERIMENTS, "all"])
     ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args()

@@ -27,7 +27,7 @@ def chosen(probes: list[Probe], margin: float) -> Probe:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="mixtral-8x7b,olmoe-1b-7b,qwen1.5-moe-a2.7b")
     parser.add_argument("--batch-size", type=int, default=16)
     args = parser.parse_args()

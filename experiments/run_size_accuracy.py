@@ -22,7 +22,7 @@ CASES = [("mixtral-8x7b", policy, impl) for policy in ("single-batch", "multi-ba
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="Mixtral-8x7B only")
     args = ap.parse_args()
     projected: list[int] = []

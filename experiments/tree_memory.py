@@ -28,8 +28,9 @@ def tree_resident_kb(root: int) -> int:
 
 
 def main() -> None:
-    if len(sys.argv) < 2:
-        sys.exit(__doc__)
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):  # (the command is everything after the script)
+        print(__doc__.strip())
+        sys.exit(0 if len(sys.argv) > 1 else 2)
     start = time.perf_counter()
     process = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     peak = 0

@@ -76,7 +76,7 @@ def figure(win: pd.DataFrame, out: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", type=Path)
     parser.add_argument("--out", type=Path, default=Path("where-wins.png"))
     args = parser.parse_args()
