@@ -348,6 +348,32 @@ def test_a_16k_prompt_on_the_rtx3090_runs_as_many_batches_as_host_memory_holds()
     assert len(by_host) == 1 and " to 4: with the KV cache in host memory" in by_host[0]
 
 
+@pytest.mark.parametrize("model,hardware,batch_size,as_prepared,expected_n_io", [
+    ("mixtral-8x7b", "rtx3090", 16, True, 29), ("qwen3-30b-a3b", "rtx3090", 16, True, 5),
+    ("deepseek-v3", "h800", 16, True, 26), ("olmoe-1b-7b", "t4", 64, True, 6),
+    ("mixtral-8x7b", "rtx3090", 16, False, 182), ("qwen3-30b-a3b", "rtx3090", 16, False, 76),
+    ("mixtral-8x7b", "h800", 4, False, 147), ("deepseek-v3", "h800", 16, False, None)])
+def test_the_planner_weighs_n_a_block_at_a_time_and_finds_what_all_at_once_found(model, hardware, batch_size,
+                                                                                  as_prepared, expected_n_io):
+    """The planner weighs candidate n a block at a time and stops at the first block where one closes
+    the bubbles: the same plan (n, terms, notes) as every n at once (one block of 256) or n by n,
+    whether that n is in the first block (a run's plan, as `prepare` asks for it: as published, layers
+    kept resident), a later one or none (the planner's defaults, which ask for more)."""
+    from klotski_sim import planner
+    from klotski_sim.runner import RunSpec, planner_impl, planning_popularity, resolve_placement
+
+    spec = RunSpec(model=model, hardware=hardware, batch_size=batch_size)
+    m, profile = get_model(model), load_profile(hardware)
+    popularity, placement = planning_popularity(spec, m), resolve_placement(spec, m, load_profile(hardware))
+    asked = {"resident_layers": True, "impl": planner_impl(spec)} if as_prepared else {}
+    plans = []
+    for block in (planner._CANDIDATES_PER_PASS, 256, 1, 7):
+        with patch.object(planner, "_CANDIDATES_PER_PASS", block):
+            plans.append(plan(m, profile, batch_size, 512, 32, popularity=popularity, placement=placement, **asked))
+    assert all(p == plans[0] for p in plans[1:]), [(p.n, p.n_io) for p in plans]
+    assert plans[0].n_io == expected_n_io
+
+
 def test_planner_reproduces_the_papers_memory_bound_n_order():
     p = plan(get_model("mixtral-8x7b"), load_profile("rtx3090"), batch_size=16)
     assert 10 <= p.n <= 20 and p.placement.kv == "gpu"  # paper: n = 15 on the 3090
