@@ -570,9 +570,10 @@ def _run_sweep(spec: SweepSpec, out: Path, rows_dir: Path, workers: int, dask: s
         if on_row:
             on_row(row)
 
+    in_flight = min(max(1, workers), len(todo))  # (the runs in flight at once: a local pool's or a local cluster's)
     with _progress(progress, len(configs), len(configs) - len(todo), spec.name) as advance:
         if dask:
-            _run_dask(todo, dask, workers, finished, advance)
+            _run_dask(todo, dask, workers, in_flight, finished, advance)
         elif workers <= 1:
             for cfg in todo:
                 finished(run_config(cfg))
@@ -580,7 +581,6 @@ def _run_sweep(spec: SweepSpec, out: Path, rows_dir: Path, workers: int, dask: s
         else:
             from .runner import pool_worker
 
-            in_flight = min(workers, len(todo))  # (the runs that can be in flight at once)
             with ProcessPoolExecutor(max_workers=workers, initializer=pool_worker, initargs=(in_flight,)) as pool:
                 futures = [pool.submit(run_config, c) for c in todo]
                 for fut in as_completed(futures):
@@ -589,7 +589,8 @@ def _run_sweep(spec: SweepSpec, out: Path, rows_dir: Path, workers: int, dask: s
     return collect(out, [c["id"] for c in configs])
 
 
-def _run_dask(todo: list[dict[str, Any]], address: str, workers: int, finished: Callable, advance: Callable) -> None:
+def _run_dask(todo: list[dict[str, Any]], address: str, workers: int, in_flight: int, finished: Callable,
+              advance: Callable) -> None:
     try:
         from dask.distributed import Client, LocalCluster
         from dask.distributed import as_completed as dask_completed
@@ -609,7 +610,7 @@ def _run_dask(todo: list[dict[str, Any]], address: str, workers: int, finished: 
             if cluster is not None:  # (its workers are this machine's processes: they share it as a local pool's do)
                 from .runner import pool_worker
 
-                client.run(pool_worker, min(max(1, workers), len(todo)))
+                client.run(pool_worker, in_flight)
             futures = client.map(run_config, todo, pure=False)
             for fut in dask_completed(futures):
                 finished(fut.result())
