@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, Collection, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from .lazy import pd  # (imported when first used: klotski_sim/lazy.py)
+from .grouping import factorize, group_sums
+from .lazy import pd  # (imported when first used: klotski_sim/lazy.py; a summary never imports it)
 from .schedule import Op, gc_paused
 from .units import memory_text
 
@@ -187,9 +188,9 @@ class Timeline:
         comparing the strings of 300k rows, and a summary or a figure compares them many times."""
         key = "codes:" + name
         if key not in self._memo:
-            codes, values = pd.factorize(self.columns[name], sort=False, use_na_sentinel=False)
+            codes, values = factorize(self.columns[name])
             # (in the smallest type that holds them: a figure keeps the codes of six 300k-row timelines)
-            self._memo[key] = (codes.astype(np.min_scalar_type(max(len(values) - 1, 0))), values.tolist())
+            self._memo[key] = (codes.astype(np.min_scalar_type(max(len(values) - 1, 0))), values)
         return self._memo[key]
 
     def rows_where(self, name: str, value: Any) -> np.ndarray:
@@ -266,17 +267,16 @@ class Timeline:
 
     def _bubble_seconds(self) -> tuple[float, float, float, dict[str, float]]:
         """The GPU's idle seconds: in all, between layers, inside a layer, and by cause (causes in
-        name order). Summed by pandas over numeric series, as over the columns of `bubbles()`, but
-        without a frame of their text columns (pandas 3 copies text into Arrow strings: most of
-        what a summary spent on its bubbles)."""
+        name order): the totals by numpy's sum, each cause's correctly rounded (klotski_sim/grouping.py)."""
         gaps = self._gaps()
         if gaps is None:
             return 0.0, 0.0, 0.0, {}
-        duration = pd.Series(gaps["duration"])
+        duration = gaps["duration"]
         # causes numbered in name order: the few distinct ones found by hashing and sorted alone
         # (np.unique sorted the 150k gaps' causes as fixed-width strings: 28 ms of a 230 ms summary)
-        found_codes, found = pd.factorize(gaps["cause"], sort=False)
-        if (found_codes < 0).any():  # a missing cause (a timeline made by hand): named as str() names it
+        found_codes, found = factorize(gaps["cause"])
+        if any(v is None or (isinstance(v, float) and v != v) for v in found):
+            # a missing cause (a timeline made by hand): named as str() names it
             causes, cause_codes = np.unique(gaps["cause"].astype(str), return_inverse=True)
         else:
             by_name = sorted(range(len(found)), key=lambda k: str(found[k]))
@@ -284,14 +284,22 @@ class Timeline:
             rank = np.empty(len(found), dtype=np.intp)
             rank[by_name] = np.arange(len(found))
             cause_codes = rank[found_codes]
-        by_cause = duration.groupby(cause_codes).sum()  # (pandas' compensated sum, group by group)
+        by_cause, _ = group_sums(duration, cause_codes, len(causes))
         inter = gaps["kind"] == "inter"
         return (float(duration.sum()), float(duration[inter].sum()), float(duration[~inter].sum()),
-                {str(causes[code]): float(total) for code, total in by_cause.items()})
+                {str(cause): total for cause, total in zip(causes, by_cause)})
 
     def step_latencies(self) -> pd.Series:
         """Per step, the mean over batches of the time between the end of a batch's previous step
         and the end of this one: the latency a sequence sees per generated token (step 0 = prefill)."""
+        steps, means = self._step_latency_means()
+        if not len(steps):
+            return pd.Series(dtype=float)
+        return pd.Series(means, index=pd.Index(steps, name="step"), name="end")
+
+    def _step_latency_means(self) -> tuple[np.ndarray, np.ndarray]:
+        """`step_latencies` as arrays: the steps (ascending) and their mean latencies (what a
+        summary reads of them, without pandas)."""
         c = self.columns
         mask = self.rows_where("resource", "gpu") & (c["step"] >= 0)
         steps, texts, op_ends = c["step"][mask], c["batches"][mask], c["end"][mask]
@@ -300,7 +308,7 @@ class Timeline:
             num_steps = int(steps.max()) + 1
             # group ops by the batches they touch (a handful of distinct sets): per set, the last
             # end of each step, then shared with every batch of the set
-            codes, uniques = pd.factorize(texts)
+            codes, uniques = factorize(texts)
             last = np.full((len(uniques), num_steps), -np.inf)
             np.maximum.at(last, (codes, steps), op_ends)
             for text, row in zip(uniques, last):
@@ -310,15 +318,16 @@ class Timeline:
                         if row[step] > ends.get(key, -math.inf):
                             ends[key] = float(row[step])
         if not ends:
-            return pd.Series(dtype=float)
+            return np.zeros(0, dtype=np.int64), np.zeros(0)
         keys = sorted(ends)  # (batch, step): each batch's steps in order
         batch = np.fromiter((b for b, _ in keys), dtype=np.int64, count=len(keys))
-        frame = pd.DataFrame({"step": np.fromiter((s for _, s in keys), dtype=np.int64, count=len(keys)),
-                              "end": np.fromiter(map(ends.__getitem__, keys), dtype=float, count=len(keys))})
-        latency = frame["end"].diff()  # (columns, not a (batch, step) MultiIndex: building one cost most of the time)
+        step = np.fromiter((s for _, s in keys), dtype=np.int64, count=len(keys))
+        end = np.fromiter(map(ends.__getitem__, keys), dtype=float, count=len(keys))
         first = np.concatenate(([True], batch[1:] != batch[:-1]))
-        latency[first] = frame["end"][first]
-        return latency.groupby(frame["step"]).mean().rename_axis("step")
+        latency = np.where(first, end, end - np.concatenate(([np.nan], end[:-1])))  # (a batch's first: its end)
+        found, step_codes = np.unique(step, return_inverse=True)
+        sums, counts = group_sums(latency, step_codes, len(found))
+        return found, np.array(sums) / np.array(counts)
 
     def prefill_seconds(self) -> float:
         """Wall time spent in prefill: from the start to the first GPU op, and for each batch from
@@ -331,7 +340,7 @@ class Timeline:
         starts, ends = [0.0], [float(c["start"][gpu].min())]
         pre = gpu & (c["step"] == 0)
         if pre.any():  # per distinct batch set: its first start and last end
-            codes, uniques = pd.factorize(c["batches"][pre])
+            codes, uniques = factorize(c["batches"][pre])
             first, last = np.full(len(uniques), np.inf), np.full(len(uniques), -np.inf)
             np.minimum.at(first, codes, c["start"][pre])
             np.maximum.at(last, codes, c["end"][pre])
@@ -371,8 +380,8 @@ class Timeline:
         # the host's busy time is mostly waiting for other resources: not a bound of its own
         devices = {r: w for r, w in work.items() if r != "host"}
         bound_resource, bound = max(devices.items(), key=lambda kv: kv[1]) if devices else ("", 0.0)
-        steps = self.step_latencies()
-        decode = steps[steps.index >= 1]
+        steps, step_means = self._step_latency_means()
+        decode = step_means[steps >= 1]
         generated = int(m.get("generated_tokens", 0))
         ok = self.status == "ok"
         prefill_total = self.prefill_seconds()
@@ -387,9 +396,9 @@ class Timeline:
             makespan_s=makespan,
             throughput_tok_s=generated / makespan if ok and makespan > 0 else 0.0,
             decode_throughput_tok_s=decode_tokens / decode_s if ok and decode_s > 0 else 0.0,
-            prefill_s=float(steps.get(0, 0.0)) if len(steps) else 0.0,
+            prefill_s=float(step_means[0]) if len(steps) and steps[0] == 0 else 0.0,
             decode_s=decode_s,
-            decode_step_s=float(decode.mean()) if len(decode) else 0.0,
+            decode_step_s=float(decode.sum() / len(decode)) if len(decode) else 0.0,  # (as pandas' mean)
             moe_block_s=self.moe_block_seconds(),
             gpu_busy_s=busy.get("gpu", 0.0),
             host_blocked_s=busy.get("host", 0.0),

@@ -1,5 +1,6 @@
 import gzip
 import json
+from fractions import Fraction
 
 import numpy as np
 import pandas as pd
@@ -404,13 +405,13 @@ def test_bubbles_by_cause_are_summed_per_cause_in_name_order(ops):
                "blocked_by": np.array(["" if b == "none" else f"h{i}" for i, b in enumerate(blockers)] + [""] * n,
                                       dtype=object)}
     got = Timeline(columns, meta={})._bubble_seconds()[3]
-    expected: dict[str, float] = {}
+    expected: dict[str, Fraction] = {}
     for i in range(1, n):
         if start[i] - end[i - 1] > 1e-12:
             cause = "unknown" if blockers[i] == "none" else str(blockers[i])
-            expected[cause] = expected.get(cause, 0.0) + (start[i] - end[i - 1])
+            expected[cause] = expected.get(cause, Fraction(0)) + Fraction(start[i] - end[i - 1])
     assert list(got) == sorted(expected)
-    assert all(got[c] == pytest.approx(expected[c], rel=1e-12, abs=1e-15) for c in expected)
+    assert all(got[c] == float(expected[c]) for c in expected)  # (each cause's exact sum, rounded once)
 
 
 @given(st.lists(st.integers(-(2**63), 2**63 - 1), min_size=1, max_size=20))
