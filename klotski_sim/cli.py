@@ -11,7 +11,9 @@ import importlib
 import json
 import math
 import os
+import signal
 import sys
+import threading
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -833,6 +835,10 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     args = parser.parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.func
     _made_folders.clear()
+    catch_sigterm = (signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+                     and threading.current_thread() is threading.main_thread())  # (a caller's own handler kept)
+    if catch_sigterm:
+        signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         return handler(args)
     except BrokenPipeError:  # the reader (`| head`) has gone: nothing more to say
@@ -844,9 +850,10 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
             raise
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stop:
+        terminated = isinstance(stop, Terminated)
+        print("terminated" if terminated else "interrupted", file=sys.stderr)
+        return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
     except (MemoryError, RuntimeError) as err:  # (torch's allocators raise RuntimeError: "... can't allocate ...")
         if "can't start new thread" in str(err) and not getattr(args, "debug", False):  # (a process or memory limit)
             print(f"error: the machine refused another thread ({err}): ask for fewer --threads", file=sys.stderr)
@@ -857,6 +864,20 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
         print(f"error: out of memory{': ' + said if said else ''} (a smaller configuration, or --debug for where)",
               file=sys.stderr)
         return 2
+    finally:
+        if catch_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`timeout`, a batch scheduler's end of a job, `kill`), raised in the main thread as
+    Ctrl-C raises KeyboardInterrupt: the same clean-up runs (a trace being drawn into the cache
+    leaves no temporary file, worker processes are stopped), then one line and exit status 143.
+    Unhandled, SIGTERM ended a run with no word, its workers left waiting forever."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

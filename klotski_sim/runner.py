@@ -4,15 +4,19 @@ validate all share, so a configuration means the same thing everywhere.
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
+import signal
+import sys
 import threading
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Collection, Mapping
+from typing import Any, Callable, Collection, Iterator, Mapping
 
 import numpy as np
 
@@ -452,10 +456,53 @@ _SHARED: Prepared | None = None  # what `run_each`'s worker processes share (inh
 
 
 def pool_worker(workers: int) -> None:
-    """A worker process of a pool of `workers` (compare's, a local sweep's): the collector set for a
-    worker, and this machine's memory shared with the other workers' runs (klotski_sim/run_size.py)."""
+    """A worker process of a pool of `workers` (compare's, a local sweep's, a local Dask cluster's): the
+    collector set for a worker, and this machine's memory shared with the other workers' runs
+    (klotski_sim/run_size.py)."""
     quiet_gc_in_worker()
     run_size.share_machine(workers)
+
+
+@contextmanager
+def worker_pool(workers: int, initializer: Callable[..., None], initargs: tuple[Any, ...] = (),
+                fork: bool = False) -> Iterator[ProcessPoolExecutor]:
+    """A pool of `workers` processes that never outlive the run that started them. Leaving the
+    `with` of a plain ProcessPoolExecutor by an exception (Ctrl-C, SIGTERM, an error) waits for
+    every run still queued, a sweep's whole grid; here what has not started is cancelled and the
+    workers are stopped at once. And a worker whose parent dies, even by SIGKILL, is ended by
+    the kernel: it used to wait on its queue forever, holding its memory (Linux; `_worker_start`)."""
+    context = multiprocessing.get_context("fork" if fork else None)
+    parent = os.getpid() if context.get_start_method() in ("fork", "spawn") else None  # (forkserver: its server)
+    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_start,
+                               initargs=(parent, initializer, initargs))
+    try:
+        yield pool
+    except BaseException:
+        processes = list((getattr(pool, "_processes", None) or {}).values())  # (Python 3.14 has
+        # terminate_workers(); before it, only the executor's own table of them, which shutdown empties)
+        pool.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            process.terminate()
+        raise
+    pool.shutdown(wait=True)
+
+
+def _worker_start(parent: int | None, initializer: Callable[..., None], initargs: tuple[Any, ...]) -> None:
+    """A pool worker's first steps: SIGTERM ends it as it ends any process (a worker forked from the
+    CLI inherits its handler, which turns SIGTERM into an interruption of the main process's
+    work), the kernel sends it SIGTERM when its parent dies, then `initializer`."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if sys.platform == "linux":
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
+        except (OSError, AttributeError):  # (a libc without prctl: the worker is left as before)
+            pass
+        if parent is not None and os.getppid() != parent:  # the parent died before the kernel was told
+            os._exit(1)
+    initializer(*initargs)
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def _share(prep: Prepared, workers: int) -> None:
@@ -519,8 +566,7 @@ def run_each(specs: list[RunSpec], prep: Prepared, workers: int = 1,
     timelines: dict[int, Timeline] = {}
     queued = iter(enumerate(zip(specs, traces)))
     try:
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_share,
-                                 initargs=(prep, workers)) as pool:
+        with worker_pool(workers, _share, (prep, workers), fork=True) as pool:
             # a run is handed out only when a worker is free: the pool queues more than its workers take,
             # and those ran to their end after a run was refused or failed, before its error was said
             in_flight: dict[Future[Timeline], int] = {}

@@ -49,7 +49,7 @@ import math
 import os
 import time
 import traceback
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import as_completed
 from dataclasses import replace
 from functools import lru_cache
 from importlib import resources
@@ -579,9 +579,9 @@ def _run_sweep(spec: SweepSpec, out: Path, rows_dir: Path, workers: int, dask: s
                 finished(run_config(cfg))
                 advance()
         else:
-            from .runner import pool_worker
+            from .runner import pool_worker, worker_pool
 
-            with ProcessPoolExecutor(max_workers=workers, initializer=pool_worker, initargs=(in_flight,)) as pool:
+            with worker_pool(workers, pool_worker, (in_flight,)) as pool:
                 futures = [pool.submit(run_config, c) for c in todo]
                 for fut in as_completed(futures):
                     finished(fut.result())

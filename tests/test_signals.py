@@ -1,0 +1,130 @@
+"""Stopping a run from outside: SIGTERM (`timeout`, a batch scheduler, `kill`) and Ctrl-C end it at
+once with one line, its worker processes with it, and leave no temporary file; a worker never
+outlives its parent, even one killed by SIGKILL. (Linux: /proc tells a process's children.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from klotski_sim.runner import worker_pool
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc (Linux)")
+
+HANG_S = 60  # (a hang guard, not a timing: each of these ends within a second when it works)
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a dead child its new parent has not reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_gone(pids: list[int]) -> list[int]:
+    """The pids still running after up to HANG_S seconds (killed then, so that a failing test leaves
+    no process behind)."""
+    deadline = time.monotonic() + HANG_S
+    while any(map(_running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [pid for pid in pids if _running(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return left
+
+
+def _wait_for(found, what: str, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + HANG_S
+    while not found():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"{what} never happened (exit status {proc.poll()}): {proc.communicate()[1][-500:]}")
+        time.sleep(0.02)
+
+
+def _cli(*args: str, **env: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "klotski_sim.cli", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **env}, start_new_session=True)
+
+
+def test_sigterm_ends_a_sweep_at_once_and_its_workers_with_it(tmp_path):
+    """A sweep on two workers: its rows so far kept, nothing more run (a process pool left by an
+    exception ran its whole queue first), "terminated" and exit status 143, no worker left (they
+    waited on their queue forever)."""
+    seeds = ", ".join(map(str, range(400)))
+    (tmp_path / "spec.yaml").write_text(f"name: long\nmodels: [tiny-mixtral]\nhardware: [rtx3090]\n"
+                                        f"policies: [klotski]\nseeds: [{seeds}]\nprompt_lens: [32]\ngen_lens: [4]\n")
+    rows = tmp_path / "out" / "rows"
+    proc = _cli("sweep", str(tmp_path / "spec.yaml"), "--out", str(tmp_path / "out"), "--workers", "2",
+                "--no-progress")
+    _wait_for(lambda: rows.is_dir() and any(rows.iterdir()), "a first row", proc)
+    workers = _children(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=HANG_S)
+    assert proc.returncode == 143 and err.splitlines()[-1] == "terminated" and "Traceback" not in err
+    assert len(workers) == 2 and _wait_gone(workers) == []
+    assert 1 <= len(list(rows.iterdir())) < 400
+
+
+def test_sigterm_while_routing_is_drawn_into_the_cache_leaves_no_temporary_file(tmp_path):
+    """DeepSeek-V3's routing is drawn into the trace cache block by block (20 s): SIGTERM on the way
+    left its temporary file (38 MB) until the cache's hour-old clean-up, and said nothing."""
+    cache = tmp_path / "cache"
+    proc = _cli("simulate", "--model", "deepseek-v3", "--hardware", "h800", "--gen-len", "2",
+                KLOTSKI_CACHE_DIR=str(cache))
+    _wait_for(lambda: any(cache.rglob("*.tmp")), "a temporary file", proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=HANG_S)
+    assert proc.returncode == 143 and err.splitlines()[-1] == "terminated" and "Traceback" not in err
+    assert list(cache.rglob("*.tmp")) == []
+
+
+def _nothing() -> None:
+    """A pool worker's initializer that does nothing."""
+
+
+def test_a_pool_left_by_an_exception_cancels_its_queue_and_stops_its_workers():
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="stop"):
+        with worker_pool(2, _nothing, fork=True) as pool:
+            assert pool.submit(os.getpid).result(timeout=HANG_S) != os.getpid()  # (the workers have started)
+            workers = list(pool._processes)
+            futures = [pool.submit(time.sleep, HANG_S) for _ in range(5)]
+            time.sleep(0.2)  # (two of them running)
+            raise RuntimeError("stop")
+    assert time.monotonic() - started < HANG_S  # (a plain pool would sleep through its whole queue)
+    assert _wait_gone(workers) == []
+    assert futures[-1].cancelled()
+
+
+PARENT = """
+import sys, time
+from klotski_sim.runner import worker_pool
+from tests.test_signals import _nothing
+with worker_pool(2, _nothing) as pool:
+    print(*(pool.submit(__import__("os").getpid).result() for _ in range(4)), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_worker_dies_with_its_parent_even_by_sigkill():
+    """SIGKILL leaves no clean-up to run: the kernel ends the workers (prctl PR_SET_PDEATHSIG)."""
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-c", PARENT], cwd=root, stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    workers = _children(proc.pid)
+    assert workers and set(map(int, line.split())) <= set(workers)
+    proc.kill()
+    proc.wait(timeout=HANG_S)
+    assert _wait_gone(workers) == []
