@@ -225,7 +225,8 @@ def test_a_policys_probes_of_n_are_not_projected_the_run_is(projections, monkeyp
 
 def test_a_compare_stops_starting_runs_once_one_is_refused(monkeypatch, capsys, tmp_path):
     """Its workers went on through every policy queued behind a refused one before the error (the
-    first policy refused at once here; the others take a while each)."""
+    first policy refused at once here; the others take a while each). Now none starts after it, and
+    the one the other worker had begun is stopped where it is (klotski_sim.runner.worker_pool)."""
     from klotski_sim import runner
 
     seen = tmp_path / "projected"
@@ -248,8 +249,8 @@ def test_a_compare_stops_starting_runs_once_one_is_refused(monkeypatch, capsys, 
                  "--out", str(tmp_path / "o")])
     out, err = capsys.readouterr()
     assert code == 2 and err == "error: single-batch would build about ... ops\n", err
-    ran = seen.read_text().split()
-    assert ran == ["multi-batch"], ran  # of the 5 others: the one the other worker had begun
+    ran = seen.read_text().split() if seen.exists() else []
+    assert ran in ([], ["multi-batch"]), ran  # of the 5 others: at most the one the other worker had begun
 
 
 def test_a_refused_run_leaves_no_output_folder_it_made(projections, monkeypatch, capsys, tmp_path):
