@@ -2,8 +2,9 @@
 processes (sweep workers, repeated CLI runs) do not generate the same trace again.
 
 A trace is stored under a hash of everything that determines it but its number of sequences — the
-model's shape, the routing kind, the seed, the lengths and the generator's own code, so a changed
-generator never serves an old trace — and that number (`<hash>-<sequences>.npz`): the generator
+model's shape, the routing kind, the seed, the lengths, and the generator's code, its calibration
+data and numpy's version (`generator_fingerprint`), so a changed generator never serves an old
+trace — and that number (`<hash>-<sequences>.npz`): the generator
 draws sequence i the same however many follow, so a trace of more sequences serves a run that needs
 fewer (its first ones), and the workload keeps one file, its largest (an `optimize` over batch sizes,
 n and expert dtypes, cold: 9 files, 69 MB before, 2 files, 19 MB now; `_family`). Files are written atomically
@@ -46,6 +47,8 @@ from .npzfile import NPZ_READ_ERRORS, Blocks, write_npz
 from .trace import Trace
 
 if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
+
     from .trace_synth import TraceStream
 
 DEFAULT_MAX_GB = 2.0
@@ -72,9 +75,22 @@ def cache_max_bytes() -> int:
     return int(gib * 2**30)
 
 
-def _generator_fingerprint() -> str:
-    code = (resources.files("klotski_sim") / "trace_synth.py").read_bytes()
-    return hashlib.sha1(code).hexdigest()[:12]
+# What a synthetic draw is made of beyond its workload: the generator's code, the routing code it
+# picks top-k with, and the calibration data it is fitted to (klotski_sim/data/*.json); with numpy's
+# version, whose Generator does not promise the same draws from one release to the next. (The key held
+# trace_synth.py alone: a cached trace outlived an upgrade of numpy, or a change of its top-k code.)
+GENERATOR_SOURCES = ("trace_synth.py", "routing.py")
+
+
+def generator_fingerprint(package: Traversable | None = None) -> str:
+    """A hash of everything but the workload that determines a synthetic draw (GENERATOR_SOURCES)."""
+    package = package or resources.files("klotski_sim")
+    digest = hashlib.sha1(np.__version__.encode())
+    data = sorted((entry for entry in (package / "data").iterdir() if entry.name.endswith(".json")),
+                  key=lambda entry: entry.name)
+    for entry in [*(package / name for name in GENERATOR_SOURCES), *data]:
+        digest.update(f"\0{entry.name}\0".encode() + entry.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def cached_trace(model: ModelSpec, routing: str, seed: int, sequences: int, prompt_len: int, gen_len: int,
@@ -119,12 +135,12 @@ def cached_trace(model: ModelSpec, routing: str, seed: int, sequences: int, prom
 
 def _family(model: ModelSpec, routing: str, seed: int, prompt_len: int, gen_len: int) -> str:
     """What names the cached traces of one workload, whatever their number of sequences: a hash of
-    everything else that determines them (the generator's own code too). Of the model, the
+    everything else that determines them (`generator_fingerprint` too). Of the model, the
     generator reads its layers, experts and top-k alone (and writes its name into the meta, which a
     run served from another name's trace rewrites): Mixtral-8x7B and its int4 experts share one."""
     key = json.dumps({"layers": model.num_layers, "experts": model.num_experts, "top_k": model.top_k,
                       "routing": routing, "seed": seed, "prompt_len": prompt_len, "gen_len": gen_len,
-                      "code": _generator_fingerprint()}, sort_keys=True)
+                      "code": generator_fingerprint()}, sort_keys=True)
     return hashlib.sha1(key.encode()).hexdigest()[:20]
 
 

@@ -2,6 +2,7 @@
 
 import json
 import re
+from pathlib import Path
 from unittest.mock import patch
 
 import numpy as np
@@ -371,6 +372,50 @@ def test_import_rejects_malformed_lines(tmp_path):
     (tmp_path / "bad2.jsonl").write_text('{"seq_id": 1, "token_idx": 0, "layer": 0}\n')
     with pytest.raises(TraceError, match="bad2.jsonl:1: record has none of"):
         import_jsonl(tmp_path / "bad2.jsonl")
+
+
+def test_the_trace_cache_key_covers_every_source_of_a_draw(tmp_path, monkeypatch):
+    """A cached draw is keyed by the generator's code, the top-k code it calls, its calibration data
+    and numpy's version (whose Generator may draw otherwise in another release): changing any one
+    of them misses the cache; a file the generator does not read (the data's README) does not."""
+    import shutil
+    from importlib import resources
+
+    from klotski_sim import cache
+
+    package = Path(resources.files("klotski_sim"))
+    copy = tmp_path / "klotski_sim"
+    (copy / "data").mkdir(parents=True)
+    for name in cache.GENERATOR_SOURCES:
+        shutil.copy(package / name, copy / name)
+    for entry in (package / "data").iterdir():
+        shutil.copy(entry, copy / "data" / entry.name)
+    same = cache.generator_fingerprint()
+    assert cache.generator_fingerprint(copy) == same
+    sources = [*cache.GENERATOR_SOURCES, *(f"data/{p.name}" for p in (copy / "data").glob("*.json"))]
+    assert len(sources) >= 4
+    for name in [*sources, "data/CALIBRATION-README.md"]:
+        original = (copy / name).read_bytes()
+        (copy / name).write_bytes(original + b" ")
+        assert (cache.generator_fingerprint(copy) != same) == (name in sources), name
+        (copy / name).write_bytes(original)
+    monkeypatch.setattr(np, "__version__", "0.0.0")
+    assert cache.generator_fingerprint() != same
+
+    monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(tmp_path / "cache"))
+    m = get_model("tiny-mixtral")
+    calls = []
+
+    def make():
+        calls.append(1)
+        return synthesize(m, 5, 6, 3, "calibrated", 7)
+
+    cache.cached_trace(m, "calibrated", 7, 5, 6, 3, make)
+    cache.cached_trace(m, "calibrated", 7, 5, 6, 3, make)
+    monkeypatch.undo()  # (numpy's own version again: the trace drawn under "0.0.0" is not served)
+    monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(tmp_path / "cache"))
+    cache.cached_trace(m, "calibrated", 7, 5, 6, 3, make)
+    assert len(calls) == 2
 
 
 def test_trace_cache_serves_the_same_trace_and_survives_a_bad_file(tmp_path, monkeypatch):
