@@ -73,7 +73,9 @@ def main() -> None:
         sys.exit(f"--against {args.against}: cannot read fingerprints ({err})")
     differ = [key for key in prints if old.get(key) != prints[key]]
     for key in differ:
-        print(f"differs: {key}\n  old {old.get(key)}\n  new {prints[key]}")
+        parts = [part for part in ("schedule", "timeline", "summary")
+                 if key not in old or old[key].get(part) != prints[key][part]]
+        print(f"differs ({', '.join(parts) or 'ops or makespan'}): {key}\n  old {old.get(key)}\n  new {prints[key]}")
     print(f"{len(prints)} configurations against {args.against}: {len(differ)} differ "
           f"(schedule, timeline or summary)")
     if differ:
