@@ -39,6 +39,16 @@ def _batch_text(batches: tuple[int, ...]) -> str:
     return text
 
 
+def _batch_ids(text: Any) -> list[str]:
+    """The batches of a `batches` text ("0,1"; "" or missing: none, "-1"); a number where a
+    timeline was read back from CSV, whose reader takes a lone batch's "3" for 3.0."""
+    if isinstance(text, str):
+        return text.split(",") if text else ["-1"]
+    if isinstance(text, (int, float, np.number)) and text == text:
+        return [str(int(text))]
+    return ["-1"]
+
+
 MEMORY_CHECK = "<memory check>"  # the op_id of a refusal by the memory check, before any op was built
 
 
@@ -312,7 +322,7 @@ class Timeline:
             last = np.full((len(uniques), num_steps), -np.inf)
             np.maximum.at(last, (codes, steps), op_ends)
             for text, row in zip(uniques, last):
-                for b in (text.split(",") if text else ("-1",)):
+                for b in _batch_ids(text):
                     for step in np.flatnonzero(row > -np.inf):
                         key = (int(b), int(step))
                         if row[step] > ends.get(key, -math.inf):

@@ -46,6 +46,26 @@ def test_step_latency_and_throughput():
     assert s.throughput_tok_s == pytest.approx(4 / 5)
 
 
+def test_a_timeline_read_back_from_its_csv_summarises_as_it_did(tmp_path):
+    """pandas reads an op of no batch back as NaN, and a lone batch's "1" as the number 1.0: the
+    per-step latencies (grouped by batches) still find each batch."""
+    from klotski_sim.exports import to_csv
+    from klotski_sim.timeline import Timeline
+
+    ops = (Op("a0", "compute", "compute", "attention", step=0, layer=0, batches=(0,)),
+           Op("a1", "compute", "compute", "attention", step=0, layer=0, batches=(1,)),
+           Op("w", "transfer", "h2d_weights", "weights", bytes=1, src="cpu", dst="gpu"),
+           Op("b0", "compute", "compute", "attention", ("w",), step=1, layer=0, batches=(0,)),
+           Op("b1", "compute", "compute", "attention", step=1, layer=0, batches=(1,)))
+    tl = simulate(Schedule(ops, meta={"generated_tokens": 4}), make_profile(), durations=[1, 2, 5, 1, 1])
+    to_csv(tl, tmp_path / "t.csv")
+    frame = pd.read_csv(tmp_path / "t.csv")
+    assert frame["batches"].dtype == float and frame["batches"].isna().sum() == 1
+    back = Timeline({name: frame[name].to_numpy() for name in frame.columns}, tl.meta)
+    assert back.step_latencies().to_dict() == tl.step_latencies().to_dict() == {0: 2.0, 1: 4.5}
+    assert back.summary() == tl.summary()
+
+
 def test_exports(tmp_path):
     tl = _timeline()
     paths = save_all(tl, tmp_path)
