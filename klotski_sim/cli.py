@@ -37,12 +37,13 @@ from .argtypes import (
     workers_int,
 )
 from .errors import KlotskiError
-from .exports import save_all
+from .exports import TIMELINE_FILES, write_timeline_files
 from .hardware import builtin_profile_names, load_profile
 from .impl import PRESET_NAMES
 from .lazy import pd  # (imported when first used: klotski_sim/lazy.py)
 from .machine import available_cores
 from .model import PRESETS, get_model
+from .outfiles import OutputFiles
 from .planner import format_plan
 from .policies import POLICIES
 from .policies.plugins import load_for_command_line
@@ -332,14 +333,23 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         drawn = not args.no_png and len(result.timeline) > 0
         if not args.no_png and not drawn:
             print("no timeline.png: nothing was simulated")
-        paths = save_all(result.timeline, out, png=drawn)
-        result.schedule.save(out / "schedule.json")
-        written = sorted(p.name for p in paths.values()) + ["schedule.json"]
-        if result.routing is not None:  # (none when the memory check refused the run before any routing)
-            result.routing.save(out / "routing.npz")
-            written.append("routing.npz")
-        print(f"wrote {', '.join(written)} to {out}/")
+        with OutputFiles(out, stale=SIMULATE_FILES) as files:  # (all or none: a stopped run leaves the folder as it was)
+            write_timeline_files(result.timeline, files, png=drawn)
+            result.schedule.save(files.path("schedule.json"))
+            if result.routing is not None:  # (none when the memory check refused the run before any routing)
+                result.routing.save(files.path("routing.npz"))
+            written = files.commit()
+        print(f"wrote {', '.join(written)} to {out}/{_removed_text(files.removed)}")
     return 0 if result.timeline.status == "ok" else 3
+
+
+# what `simulate --out` writes: an earlier run's file of these names that this run does not write
+# (its figure, when --no-png; its routing, when refused) is removed, so that the folder holds one run
+SIMULATE_FILES = (*TIMELINE_FILES, "schedule.json", "routing.npz")
+
+
+def _removed_text(removed: Sequence[str]) -> str:
+    return f" (removed an earlier run's {', '.join(removed)})" if removed else ""
 
 
 COMPARE_POLICIES = ("single-batch", "multi-batch", "hot-prefetch", "klotski", "klotski-oracle", "flexgen")
@@ -394,38 +404,50 @@ def cmd_compare(args: argparse.Namespace) -> int:
         options = {"overlap": args.flexgen_overlap} if name == "flexgen" and args.flexgen_overlap else {}
         for impl in impls:
             runs[(name, impl)] = replace(spec, policy=name, options=options, impl=impl)
-    traces = [out / f"trace_{name}{'' if len(impls) == 1 else '_' + impl}.json.gz" for name, impl in runs]
     simulated = prep.refused is None
     if not simulated:
         print(f"refused: {prep.refused.describe()}; no figure or traces: nothing was simulated")
     sys.stdout.flush()  # (before worker processes start)
     figure = not args.no_png and simulated
-    timelines = dict(zip(runs, run_each(list(runs.values()), prep, args.workers or available_cores(),
-                                        traces if args.traces and simulated else None,
-                                        keep=FIGURE_COLUMNS if figure else (),
-                                        meanwhile=partial(_import_for_output, figure))))
-    summaries = {key: tl.summary() for key, tl in timelines.items()}
-    print(format_comparison(summaries))
-    if len(impls) > 1:
-        print(format_left_on_table(summaries, policies))
-    rows = [{"policy": name, "impl_preset": impl, **s.to_dict()} for (name, impl), s in summaries.items()]
-    (out / "compare.json").write_text(json.dumps(jsonable(rows), indent=2))
-    pd.DataFrame([{k: v for k, v in r.items() if not isinstance(v, dict)} for r in rows]).to_csv(
-        out / "compare.csv", index=False)
-    if prep.plan is not None:
-        (out / "plan.txt").write_text(format_plan(prep.plan, prep.model, prep.profile, spec.batch_size) + "\n")
-    elif (out / "plan.txt").exists():  # an earlier run's plan would describe another n
-        (out / "plan.txt").unlink()
-    if figure:
-        from .plot import compare_gantt
+    with OutputFiles(out, stale=_compare_files()) as files:  # (all or none, as simulate --out)
+        traces = ([files.path(_trace_name(name, impl, impls)) for name, impl in runs]
+                  if args.traces and simulated else None)  # (each written by the worker that ran it)
+        timelines = dict(zip(runs, run_each(list(runs.values()), prep, args.workers or available_cores(), traces,
+                                            keep=FIGURE_COLUMNS if figure else (),
+                                            meanwhile=partial(_import_for_output, figure))))
+        summaries = {key: tl.summary() for key, tl in timelines.items()}
+        print(format_comparison(summaries))
+        if len(impls) > 1:
+            print(format_left_on_table(summaries, policies))
+        rows = [{"policy": name, "impl_preset": impl, **s.to_dict()} for (name, impl), s in summaries.items()]
+        files.path("compare.json").write_text(json.dumps(jsonable(rows), indent=2))
+        pd.DataFrame([{k: v for k, v in r.items() if not isinstance(v, dict)} for r in rows]).to_csv(
+            files.path("compare.csv"), index=False)
+        if prep.plan is not None:  # (without one, an earlier run's plan.txt, of another n, is removed)
+            files.path("plan.txt").write_text(format_plan(prep.plan, prep.model, prep.profile, spec.batch_size) + "\n")
+        if figure:
+            from .plot import compare_gantt
 
-        zoom = (min(1, spec.gen_len - 1), prep.model.num_layers // 2)
-        compare_gantt({_label(name, impl, impls): tl for (name, impl), tl in timelines.items()},
-                      out / "compare.png", zoom=zoom)
+            zoom = (min(1, spec.gen_len - 1), prep.model.num_layers // 2)
+            compare_gantt({_label(name, impl, impls): tl for (name, impl), tl in timelines.items()},
+                          files.path("compare.png"), zoom=zoom)
+        files.commit()
     print(f"wrote compare.csv, compare.json{', compare.png' if figure else ''}"
           f"{', trace_<policy>.json.gz' if args.traces and simulated else ''}{', plan.txt' if prep.plan else ''} "
-          f"to {out}/")
+          f"to {out}/{_removed_text(files.removed)}")
     return 0 if all(s.status == "ok" for s in summaries.values()) else 3
+
+
+def _trace_name(policy: str, impl: str, impls: Sequence[str]) -> str:
+    return f"trace_{policy}{'' if len(impls) == 1 else '_' + impl}.json.gz"
+
+
+def _compare_files() -> list[str]:
+    """Every file a comparison may write (an earlier one's traces of other policies or presets
+    among them), for the one it writes now to replace."""
+    traces = {_trace_name(policy, impl, impls) for policy in POLICIES for impl in PRESET_NAMES
+              for impls in ([impl], PRESET_NAMES)}
+    return ["compare.json", "compare.csv", "compare.png", "plan.txt", *sorted(traces)]
 
 
 def _import_for_output(figure: bool) -> None:

@@ -1,6 +1,6 @@
 """Writing a Timeline out: Parquet (with its metadata, read back losslessly), CSV, the
 Chrome/Perfetto trace (one track per stream, a GPU-bubble track, GPU memory as a counter; `.gz`
-compressed on request) and the set of files `simulate --out` writes. The metrics live in
+compressed on request) and the set of files a timeline is written as. The metrics live in
 timeline.py; this module only serialises them.
 """
 
@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from .lazy import pd  # (imported when first used: klotski_sim/lazy.py)
+from .outfiles import OutputFiles
 from .timeline import Timeline, jsonable
 
 
@@ -172,7 +173,8 @@ def gzip_beside(path: Path, texts: Iterator[str], level: int) -> None:
     def compress() -> None:
         ended = False
         try:
-            with gzip.open(path, "wb", compresslevel=level) as f:
+            # (no file name in gzip's header: the file is written under a temporary name, klotski_sim/outfiles.py)
+            with path.open("wb") as raw, gzip.GzipFile("", "wb", level, raw) as f:
                 while (piece := pieces.get()) is not None:
                     f.write(piece)
                 ended = True
@@ -195,25 +197,34 @@ def gzip_beside(path: Path, texts: Iterator[str], level: int) -> None:
         raise failed[0]
 
 
-def save_all(timeline: Timeline, out_dir: str | Path, *, png: bool = True) -> dict[str, Path]:
-    """Write summary.json, timeline.parquet, timeline.csv, trace.json.gz and timeline.png."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {name: out / name for name in
-             ("summary.json", "timeline.parquet", "timeline.csv", "trace.json.gz", "timeline.png")}
-    paths["summary.json"].write_text(json.dumps(jsonable(timeline.summary().to_dict()), indent=2))
+# the files a timeline is written as (`simulate --out`, `klotski-runtime execute --out`)
+TIMELINE_FILES = ("summary.json", "timeline.parquet", "timeline.csv", "trace.json.gz", "timeline.png")
+
+
+def write_timeline_files(timeline: Timeline, files: OutputFiles, *, png: bool = True) -> None:
+    """Write `TIMELINE_FILES` (the figure only with `png`) into `files`, not yet committed: the
+    caller adds its own files (a schedule, its routing) and commits them all together."""
+    files.path("summary.json").write_text(json.dumps(jsonable(timeline.summary().to_dict()), indent=2))
     df = timeline.df  # (made once for both: 0.3 s at 300k ops)
-    to_parquet(timeline, paths["timeline.parquet"], df)
-    to_csv(timeline, paths["timeline.csv"], df)
+    to_parquet(timeline, files.path("timeline.parquet"), df)
+    to_csv(timeline, files.path("timeline.csv"), df)
     del df
-    to_chrome_trace(timeline, paths["trace.json.gz"])
+    to_chrome_trace(timeline, files.path("trace.json.gz"))
     if png:
         from .plot import gantt
 
-        gantt(timeline, paths["timeline.png"])
-    else:
-        del paths["timeline.png"]
-    return paths
+        gantt(timeline, files.path("timeline.png"))
+
+
+def save_all(timeline: Timeline, out_dir: str | Path, *, png: bool = True) -> dict[str, Path]:
+    """Write summary.json, timeline.parquet, timeline.csv, trace.json.gz and timeline.png into
+    `out_dir`, all or none (klotski_sim/outfiles.py); an earlier timeline.png there is removed
+    when `png` is off. Returns the files written, by name."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with OutputFiles(out, stale=TIMELINE_FILES) as files:
+        write_timeline_files(timeline, files, png=png)
+        return {name: out / name for name in files.commit()}
 
 
 def _to_whole_ns(seconds: np.ndarray) -> np.ndarray:

@@ -145,7 +145,7 @@ def test_what_fails_while_a_trace_is_compressed_is_raised_and_nothing_waits_fore
         raise ValueError("the maker failed")
 
     assert str(run(tmp_path / "m.gz", broken_maker(), 5)) == "the maker failed"
-    real_open = gzip.open
+    real_open = gzip.GzipFile
 
     class FullDisk:
         def __init__(self, *args, **kwargs):
@@ -163,7 +163,7 @@ def test_what_fails_while_a_trace_is_compressed_is_raised_and_nothing_waits_fore
                 raise OSError(28, "No space left on device")
             self.f.write(data)
 
-    monkeypatch.setattr(gzip, "open", FullDisk)
+    monkeypatch.setattr(gzip, "GzipFile", FullDisk)
     error = run(tmp_path / "full.gz", (f"piece {i} " * 1000 for i in range(200)), 5)
     assert isinstance(error, OSError) and error.errno == 28
 

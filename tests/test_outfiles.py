@@ -1,0 +1,108 @@
+"""A command's output files are written all or none: a run stopped or failing while it writes leaves
+its output folder as it was (an earlier run's files whole, no temporary); a run that completes
+replaces the earlier run's files and removes those of them it does not write."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from klotski_sim import exports
+from klotski_sim.outfiles import OutputFiles
+from klotski_sim.runner import RunSpec, run
+
+from .conftest import run_cli
+
+SMALL = ["--model", "tiny-mixtral", "--prompt-len", "16", "--gen-len", "3"]
+
+
+@pytest.fixture(scope="module")
+def tiny_timeline():
+    return run(RunSpec(model="tiny-mixtral", prompt_len=16, gen_len=3)).timeline
+
+
+def _state(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_files_appear_only_at_commit_and_keep_their_suffix(tmp_path):
+    (tmp_path / "a.txt").write_text("old a")
+    (tmp_path / "gone.png").write_text("an earlier figure")
+    with OutputFiles(tmp_path, stale=["a.txt", "gone.png", "never-made.csv"]) as files:
+        files.path("a.txt").write_text("new a")
+        files.path("b.json.gz").write_text("new b")
+        assert files.path("b.json.gz").name.endswith(".json.gz")  # (writers choose a format by it)
+        assert _state(tmp_path)["a.txt"] == b"old a" and "b.json.gz" not in _state(tmp_path)
+        assert files.commit() == ["a.txt", "b.json.gz"]
+    assert _state(tmp_path) == {"a.txt": b"new a", "b.json.gz": b"new b"}
+    assert files.removed == ["gone.png"]
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, OSError])
+def test_files_left_without_a_commit_leave_the_folder_as_it_was(tmp_path, stop):
+    (tmp_path / "a.txt").write_text("old a")
+    with pytest.raises(stop), OutputFiles(tmp_path, stale=["a.txt"]) as files:
+        files.path("a.txt").write_text("new a")
+        files.path("b.txt").write_text("new b")
+        raise stop()
+    assert _state(tmp_path) == {"a.txt": b"old a"}
+
+
+def test_save_all_failing_half_way_keeps_the_earlier_timeline(tmp_path, monkeypatch, tiny_timeline):
+    exports.save_all(tiny_timeline, tmp_path)
+    before = _state(tmp_path)
+
+    def full_disk(*_args, **_kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(exports, "to_chrome_trace", full_disk)  # (after the summary, Parquet and CSV)
+    with pytest.raises(OSError):
+        exports.save_all(tiny_timeline, tmp_path)
+    assert _state(tmp_path) == before
+
+
+def test_simulate_stopped_while_it_writes_leaves_the_earlier_run(tmp_path):
+    """SIGTERM as the CSV is written (sent by the process to itself there: no race): the folder holds
+    the earlier run's files, unchanged, and no temporary; it held a new summary beside the earlier
+    schedule and a cut trace."""
+    out = tmp_path / "out"
+    rc, _, err = run_cli("simulate", *SMALL, "--out", str(out))
+    assert rc == 0, err
+    before = _state(out)
+    stop_in_csv = ("import os, signal, sys\n"
+                   "from klotski_sim import exports, cli\n"
+                   "def stopped(*args, **kwargs):\n"
+                   "    os.kill(os.getpid(), signal.SIGTERM)\n"
+                   "exports.to_csv = stopped\n"
+                   "sys.exit(cli.main(sys.argv[1:]))\n")
+    proc = subprocess.run([sys.executable, "-c", stop_in_csv, "simulate", *SMALL, "--gen-len", "4", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120, env={**os.environ})
+    assert proc.returncode == 128 + signal.SIGTERM and proc.stderr.splitlines()[-1] == "terminated", proc.stderr
+    assert _state(out) == before
+
+
+def test_simulate_into_an_earlier_run_replaces_it_and_says_what_it_removed(tmp_path):
+    rc, _, err = run_cli("simulate", *SMALL, "--out", str(tmp_path))
+    assert rc == 0 and (tmp_path / "timeline.png").exists(), err
+    rc, out, err = run_cli("simulate", *SMALL, "--gen-len", "4", "--no-png", "--out", str(tmp_path))
+    assert rc == 0, err
+    assert "(removed an earlier run's timeline.png)" in out.splitlines()[-1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["summary.json", "timeline.parquet", "timeline.csv", "trace.json.gz", "schedule.json", "routing.npz"])
+    assert json.loads((tmp_path / "summary.json").read_text())["gen_len"] == 4
+
+
+def test_compare_without_traces_removes_an_earlier_comparisons_traces(tmp_path):
+    args = ("compare", *SMALL, "--policies", "klotski,flexgen", "--no-png", "--workers", "1", "--out", str(tmp_path))
+    rc, _, err = run_cli(*args, "--traces")
+    assert rc == 0 and (tmp_path / "trace_klotski.json.gz").exists() and (tmp_path / "trace_flexgen.json.gz").exists()
+    rc, out, err = run_cli(*args)
+    assert rc == 0, err
+    assert "removed an earlier run's trace_flexgen.json.gz, trace_klotski.json.gz" in out.splitlines()[-1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["compare.csv", "compare.json", "plan.txt"]
