@@ -1,7 +1,7 @@
-"""Fingerprints of the schedules, timelines and summaries of 30 configurations, to show that a
+"""Fingerprints of the schedules, timelines and summaries of 33 configurations, to show that a
 speed-up changed nothing: every built-in policy under both presets at a small size, the default
 Klotski run under both, and CPU attention, expert caches, int4 experts, DeepSeek, Qwen3, the L4
-and H800 profiles, the KV cache in host memory and uniform routing.
+and H800 profiles, the KV cache in host memory, uniform routing and experts read from disk.
 
     python experiments/fingerprint.py OUT.json                  # write them
     python experiments/fingerprint.py OUT.json --against OLD.json  # and compare (exit 1 if any differ)
@@ -38,6 +38,10 @@ CONFIGURATIONS = [RunSpec(policy=policy, impl=impl, num_batches=None, **SMALL)
     RunSpec(model="mixtral-8x22b", hardware="h800", policy="flexgen", num_batches=None, **SMALL),
     RunSpec(policy="klotski", num_batches=3, kv="cpu", **SMALL),
     RunSpec(policy="klotski", num_batches=3, routing="uniform", **SMALL),
+    # experts read from disk (through the host staging window), as a machine short of host memory runs them
+    RunSpec(policy="klotski", num_batches=None, experts="disk", **SMALL),
+    RunSpec(policy="single-batch", experts="disk", **SMALL),
+    RunSpec(policy="flexgen", num_batches=None, experts="disk", impl="ideal", **SMALL),
 ]
 
 

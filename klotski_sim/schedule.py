@@ -555,9 +555,10 @@ def dep_positions(ids: Sequence[str], deps: Sequence[tuple[str, ...]], count: in
     return positions
 
 
-# Above this many deps per op (a whole-layer load waiting for each of 256 experts' ops: 82 on average
-# in DeepSeek-V3's FlexGen schedule, 12 GB of graph for 1.3M ops), an op's deps on one stream are
-# kept in the graph as the latest of them alone (`_latest_per_stream`).
+# Above this many deps per op (a disk read waiting for each of a layer's 259 copies: 43.6 on average
+# in DeepSeek-V3's Klotski schedule on an RTX 3090, 43M deps for 1M ops, before the policies named
+# the latest copy per stream themselves, policies/base.py `_stage`; a hand-made schedule may still),
+# an op's deps on one stream are kept in the graph as the latest of them alone (`_latest_per_stream`).
 _PRUNED_ABOVE = 4
 
 

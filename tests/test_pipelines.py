@@ -273,6 +273,40 @@ def test_disk_weights_are_staged_through_host_memory_within_the_window():
             assert len(disk) == 1 and df.at[disk[0], "end"] <= df.at[o.id, "start"]
 
 
+@pytest.mark.parametrize("policy", ["klotski", "single-batch", "flexgen"])
+def test_a_disk_read_waits_for_the_latest_copy_per_stream_as_it_would_for_every_copy(policy):
+    """A disk read names, of the evicted layer's H2D copies, the latest on each stream (streams are
+    in order: its end implies the others'); the timeline is the one of the same schedule with every
+    copy of that layer issued before the read named, op by op (start, end, readiness, blocker)."""
+    # (a window of one layer: a read that waited for the earliest copy alone would start sooner here)
+    inp = make_input(model="mixtral-8x7b", placement=Placement(experts="disk", disk_window=1), bs=2, n=2, P=8, G=4)
+    s = build_schedule(policy, inp)
+    h2d = {"h2d_weights", "h2d_experts"}
+    copies: dict[tuple[int, int], list[int]] = {}  # (step, layer) -> positions of its H2D weight copies
+    every, expanded = [], 0
+    for k, op in enumerate(s.ops):
+        named = [s.index[d] for d in op.deps if s.ops[s.index[d]].stream in h2d]
+        if op.stream == "disk_read" and named:  # (the first layer's reads wait for no copy: the window is free)
+            streams = [s.ops[d].stream for d in named]
+            assert len(streams) == len(set(streams)), op.id  # (one copy per stream)
+            (layer,) = {(s.ops[d].step, s.ops[d].layer) for d in named}  # (the evicted layer)
+            all_copies = [c for c in copies[layer] if c < k]  # its copies issued before this read
+            for d in named:  # the latest of its stream among them
+                assert d == max(c for c in all_copies if s.ops[c].stream == s.ops[d].stream), op.id
+            others = tuple(s.ops[c].id for c in all_copies if s.ops[c].id not in op.deps)
+            expanded += len(others)
+            op = op._replace(deps=op.deps + others)
+        elif op.kind == "transfer" and op.stream in h2d and op.dst == "gpu":
+            copies.setdefault((op.step, op.layer), []).append(k)
+        every.append(op)
+    assert expanded > 0  # (the reads named fewer copies than there are)
+    full = replace(s, ops=tuple(every))
+    assert full is not s and len(full.ops) == len(s.ops)
+    named, all_named = simulate(s, inp.profile), simulate(full, inp.profile)
+    for column in ("start", "end", "ready", "blocked_by"):
+        assert np.array_equal(named.columns[column], all_named.columns[column]), column
+
+
 def test_flexgen_runs_out_of_memory_with_too_many_batches():
     small = with_overrides(load_profile("rtx3090"), {"gpu.memory_bytes": 8e9})
     inp = make_input(model="mixtral-8x7b", bs=16, n=4, P=512, G=2, profile=small)
