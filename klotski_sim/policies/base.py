@@ -470,11 +470,13 @@ class OpEmitter:
         reads: dict[tuple[str, int], str] = {}
         tensors = [("attention", -1, m.attention_bytes(), "weights"), ("gate", -1, m.gate_bytes(layer), "weights")]
         tensors += [("experts", e, m.expert_bytes(), "moe_weights") for e in range(m.experts_in(layer))]
+        evict_deps = clean_deps(evict)  # (one tuple, shared by the layer's reads)
         for what, expert, nbytes, category in tensors:
-            if self.tier(what, layer) == "disk":
+            if self.tier(what, layer) == "disk":  # (built positionally, as `fetch` builds its copies)
                 name = f"disk/{g}/s{step}/L{layer}/{what}" + (f"/E{expert}" if expert >= 0 else "")
-                reads[(what, expert)] = self.b.transfer(name, category, "disk_read", nbytes, "disk", "cpu", evict,
-                                                        step=step, layer=layer, expert=expert, tensor=_TENSOR[what])
+                reads[(what, expert)] = self.b.append(transfer_op(name, category, "disk_read", int(nbytes), "disk",
+                                                                  "cpu", evict_deps, step, layer, expert,
+                                                                  _TENSOR[what], False, (), ()))
         self._staged[(step, layer)] = reads
 
     # ---- compute ------------------------------------------------------------------------------
