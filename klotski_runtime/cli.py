@@ -33,6 +33,8 @@ from klotski_sim.cli import (
     routing_kind,
     written,
 )
+from klotski_sim.exports import TIMELINE_FILES
+from klotski_sim.outfiles import refuse_unwritable
 from klotski_sim.trace_synth import DEFAULT_ROUTING
 
 from .record import read_texts, record, save_tiny_mixtral, save_tiny_olmoe, save_tiny_qwen3_moe
@@ -214,7 +216,7 @@ def cmd_execute(args: argparse.Namespace) -> int:
     schedule_path = folder / "schedule.json" if folder.is_dir() else folder
     if args.out is not None:  # (not the simulation's folder: its summary and timeline files would be replaced)
         not_an_input(Path(args.out), "--out", [schedule_path.parent])
-        output_folder(args.out)
+        refuse_unwritable(output_folder(args.out), TIMELINE_FILES)
     schedule = Schedule.load(schedule_path)
     if not len(schedule):
         raise CliError(f"{schedule_path}: the schedule has no ops (a configuration the memory check refused?): "

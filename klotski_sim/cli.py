@@ -43,7 +43,7 @@ from .impl import PRESET_NAMES
 from .lazy import pd  # (imported when first used: klotski_sim/lazy.py)
 from .machine import available_cores
 from .model import PRESETS, get_model
-from .outfiles import OutputFiles
+from .outfiles import OutputFiles, refuse_unwritable
 from .planner import format_plan
 from .policies import POLICIES
 from .policies.plugins import load_for_command_line
@@ -323,6 +323,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     _say_long_work()
     run_size.expect_files(args.out is not None)
     out = output_folder(args.out) if args.out is not None else None
+    if out is not None:
+        refuse_unwritable(out, SIMULATE_FILES)
     result = run(spec_from_args(args, options=parse_overrides(args.options, "--option")))
     print(format_summary(result.timeline.summary()))
     if result.probes is not None:
@@ -382,6 +384,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise CliError(f"--flexgen-overlap {args.flexgen_overlap}: flexgen is not among the policies compared "
                        f"({', '.join(policies)})")
     out = output_folder(args.out)
+    refuse_unwritable(out, _compare_files())
     _say_long_work()
     run_size.expect_files(False)  # (its runs' Chrome traces are written piece by piece: not simulate --out's files)
     prep = prepare(spec)

@@ -11,9 +11,23 @@ the renames, can leave a hidden temporary (`.tmp-<pid>-<name>`) or a mix.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from types import TracebackType
 from typing import Iterable
+
+from .errors import UsageError
+
+
+def refuse_unwritable(folder: str | os.PathLike, names: Iterable[str], flag: str = "--out") -> None:
+    """Refuse, before any work, an output folder where one of the files a command writes is a
+    folder or another non-file (found at the end, after the whole run: pyarrow's `Expected file
+    path, but ... is a directory`, with the files written before it left in place)."""
+    for name in names:
+        target = Path(folder) / name
+        if target.exists() and not target.is_file():
+            what = "a folder" if target.is_dir() else "not a regular file"
+            raise UsageError(f"{flag} {folder}: {target} is {what}; cannot write {name} there")
 
 
 class OutputFiles:
@@ -36,11 +50,19 @@ class OutputFiles:
         return temporary
 
     def commit(self) -> list[str]:
-        """Every written file into place (a rename each: atomic on one file system), then the stale
-        ones removed; returns the names written, in the order they were asked for."""
+        """Every written file into place (a rename each: atomic on one file system; a link's target
+        replaced, the link kept, as the files were written before), then the stale ones removed;
+        returns the names written, in the order they were asked for. A target that cannot take
+        its file is refused before the first rename."""
         names = list(self._pending)
+        refuse_unwritable(self.folder, names)
         for name, temporary in list(self._pending.items()):
-            temporary.replace(self.folder / name)
+            target = Path(os.path.realpath(self.folder / name))
+            try:
+                temporary.replace(target)
+            except OSError:  # (a link to another file system: copied there)
+                shutil.copyfile(temporary, target)
+                temporary.unlink()
             del self._pending[name]
         for name in self._stale:
             if name not in names and (self.folder / name).is_file():
@@ -62,4 +84,9 @@ class OutputFiles:
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  traceback: TracebackType | None) -> None:
+        written = {str(temporary): name for name, temporary in self._pending.items()}
         self.discard()  # (after a commit: nothing left to discard)
+        if isinstance(error, OSError) and str(error.filename) in written:  # (a full disk: said of the file the
+            # user will look for, not of our temporary; any other OSError is not ours to word)
+            reason = error.strerror or str(error) or type(error).__name__
+            raise UsageError(f"{self.folder}: cannot write {written[str(error.filename)]} ({reason})") from None

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from klotski_sim import exports
+from klotski_sim.errors import UsageError
 from klotski_sim.outfiles import OutputFiles
 from klotski_sim.runner import RunSpec, run
 
@@ -106,3 +107,37 @@ def test_compare_without_traces_removes_an_earlier_comparisons_traces(tmp_path):
     assert rc == 0, err
     assert "removed an earlier run's trace_flexgen.json.gz, trace_klotski.json.gz" in out.splitlines()[-1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["compare.csv", "compare.json", "plan.txt"]
+
+
+def test_a_folder_where_a_file_goes_is_refused_before_the_run(tmp_path):
+    (tmp_path / "timeline.csv").mkdir()
+    (tmp_path / "summary.json").write_text("an earlier summary")
+    rc, out, err = run_cli("simulate", *SMALL, "--out", str(tmp_path))
+    assert rc == 2 and err.strip() == (f"error: --out {tmp_path}: {tmp_path / 'timeline.csv'} is a folder; "
+                                       f"cannot write timeline.csv there")
+    assert out == "" and (tmp_path / "summary.json").read_text() == "an earlier summary"
+    with pytest.raises(UsageError, match="timeline.csv is a folder"), OutputFiles(tmp_path) as files:
+        files.path("summary.json").write_text("new")
+        files.path("timeline.csv").write_text("new")
+        files.commit()  # (refused before the first rename: the summary is not replaced either)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json", "timeline.csv"]
+    assert (tmp_path / "summary.json").read_text() == "an earlier summary"
+
+
+def test_a_write_that_fails_is_said_of_the_file_not_of_its_temporary(tmp_path):
+    with pytest.raises(UsageError) as refused, OutputFiles(tmp_path) as files:
+        temporary = files.path("timeline.parquet")
+        raise OSError(28, "No space left on device", str(temporary))
+    assert str(refused.value) == f"{tmp_path}: cannot write timeline.parquet (No space left on device)"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_linked_output_file_is_written_through_its_link(tmp_path, tiny_timeline):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "kept.csv").write_text("old")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "timeline.csv").symlink_to(elsewhere / "kept.csv")
+    exports.save_all(tiny_timeline, out, png=False)
+    assert (out / "timeline.csv").is_symlink() and (elsewhere / "kept.csv").read_text().startswith('"op_id"')
