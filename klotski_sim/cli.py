@@ -860,10 +860,11 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     args = parser.parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.func
     _made_folders.clear()
-    catch_sigterm = (signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
-                     and threading.current_thread() is threading.main_thread())  # (a caller's own handler kept)
-    if catch_sigterm:
-        signal.signal(signal.SIGTERM, _raise_terminated)
+    # (a caller's own handler kept, and an ignored signal ignored: `nohup` ignores SIGHUP)
+    caught = ([signum for signum in STOP_SIGNALS if signal.getsignal(signum) == signal.SIG_DFL]
+              if threading.current_thread() is threading.main_thread() else [])
+    for signum in caught:
+        signal.signal(signum, _raise_terminated)
     try:
         return handler(args)
     except BrokenPipeError:  # the reader (`| head`) has gone: nothing more to say
@@ -876,9 +877,11 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as stop:
-        terminated = isinstance(stop, Terminated)
-        print("terminated" if terminated else "interrupted", file=sys.stderr)
-        return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
+        _remove_empty_made_folders()
+        signum = stop.signum if isinstance(stop, Terminated) else signal.SIGINT
+        print("hung up" if signum == getattr(signal, "SIGHUP", None) else
+              "terminated" if signum == signal.SIGTERM else "interrupted", file=sys.stderr)
+        return 128 + signum
     except (MemoryError, RuntimeError) as err:  # (torch's allocators raise RuntimeError: "... can't allocate ...")
         if "can't start new thread" in str(err) and not getattr(args, "debug", False):  # (a process or memory limit)
             print(f"error: the machine refused another thread ({err}): ask for fewer --threads", file=sys.stderr)
@@ -890,19 +893,29 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
               file=sys.stderr)
         return 2
     finally:
-        if catch_sigterm:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for signum in caught:
+            signal.signal(signum, signal.SIG_DFL)
+
+
+# SIGTERM (`timeout`, a batch scheduler's end of a job, `kill`) and SIGHUP (the terminal closed, an
+# ssh session dropped), where the platform has them
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM (`timeout`, a batch scheduler's end of a job, `kill`), raised in the main thread as
-    Ctrl-C raises KeyboardInterrupt: the same clean-up runs (a trace being drawn into the cache
-    leaves no temporary file, worker processes are stopped), then one line and exit status 143.
-    Unhandled, SIGTERM ended a run with no word, its workers left waiting forever."""
+    """A stop signal (`STOP_SIGNALS`), raised in the main thread as Ctrl-C raises KeyboardInterrupt:
+    the same clean-up runs (a trace being drawn into the cache leaves no temporary file, output
+    files are left as they were, worker processes are stopped), then one line and exit status
+    128 + the signal's number (SIGTERM: `terminated`, 143; SIGHUP: `hung up`, 129). Unhandled, they
+    ended a run with no word, its workers left waiting forever and its temporary files behind."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 def _raise_terminated(signum: int, frame: object) -> None:
-    raise Terminated()
+    raise Terminated(signum)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -488,10 +488,13 @@ def worker_pool(workers: int, initializer: Callable[..., None], initargs: tuple[
 
 
 def _worker_start(parent: int | None, initializer: Callable[..., None], initargs: tuple[Any, ...]) -> None:
-    """A pool worker's first steps: SIGTERM ends it as it ends any process (a worker forked from the
-    CLI inherits its handler, which turns SIGTERM into an interruption of the main process's
+    """A pool worker's first steps: SIGTERM and SIGHUP end it as they end any process (a worker forked
+    from the CLI inherits its handler, which turns them into an interruption of the main process's
     work), the kernel sends it SIGTERM when its parent dies, then `initializer`."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    for name in ("SIGTERM", "SIGHUP"):  # (those the CLI turns into an interruption, cli.STOP_SIGNALS; one the
+        # parent ignores stays ignored: under `nohup`, a hang-up would have ended the workers and not it)
+        if hasattr(signal, name) and callable(signal.getsignal(getattr(signal, name))):
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
     if sys.platform == "linux":
         try:
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))

@@ -1,4 +1,4 @@
-"""Stopping a run from outside: SIGTERM (`timeout`, a batch scheduler, `kill`) and Ctrl-C end it at
+"""Stopping a run from outside: SIGTERM (`timeout`, a batch scheduler, `kill`), SIGHUP and Ctrl-C end it at
 once with one line, its worker processes with it, and leave no temporary file; a worker never
 outlives its parent, even one killed by SIGKILL. (Linux: /proc tells a process's children.)"""
 
@@ -128,3 +128,49 @@ def test_a_worker_dies_with_its_parent_even_by_sigkill():
     proc.kill()
     proc.wait(timeout=HANG_S)
     assert _wait_gone(workers) == []
+
+
+STOPPED_WHILE_WRITING = """
+import os, signal, sys
+from klotski_sim import cli, exports
+if sys.argv[1] == "nohup":
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+to_csv = exports.to_csv
+def hang_up(*args, **kwargs):  # (as the CSV is written: no race)
+    os.kill(os.getpid(), signal.SIGHUP)
+    to_csv(*args, **kwargs)
+exports.to_csv = hang_up
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("how", ["terminal", "nohup"])
+def test_a_hang_up_stops_a_run_as_sigterm_does_unless_it_is_ignored(tmp_path, how):
+    """SIGHUP (the terminal closed, an ssh session dropped) killed a run with no word and left its
+    temporary output files; now it ends as SIGTERM does (`hung up`, 129), the folder it made
+    removed. Under `nohup` (SIGHUP ignored) the run goes on."""
+    out = tmp_path / "made" / "out"
+    proc = subprocess.run([sys.executable, "-c", STOPPED_WHILE_WRITING, how, "simulate", "--model", "tiny-mixtral",
+                           "--gen-len", "3", "--out", str(out)], capture_output=True, text=True, timeout=HANG_S)
+    if how == "nohup":
+        assert proc.returncode == 0 and "wrote summary.json" in proc.stdout, proc.stderr
+    else:
+        assert proc.returncode == 128 + signal.SIGHUP and proc.stderr.splitlines() == ["hung up"], proc.stderr
+        assert list(tmp_path.iterdir()) == []
+
+
+def _hang_up_handler() -> object:
+    return signal.getsignal(signal.SIGHUP)
+
+
+def test_a_worker_ends_by_a_hang_up_unless_its_parent_ignores_it():
+    """A worker takes SIGHUP as any process does (its parent's handler would raise in its work), but
+    one that its parent ignores (`nohup`) stays ignored: the workers would end and not the run."""
+    before = signal.getsignal(signal.SIGHUP)
+    try:
+        for parent, worker in ((signal.SIG_IGN, signal.SIG_IGN), (lambda *_: None, signal.SIG_DFL)):
+            signal.signal(signal.SIGHUP, parent)
+            with worker_pool(1, _nothing, fork=True) as pool:
+                assert pool.submit(_hang_up_handler).result(timeout=HANG_S) == worker
+    finally:
+        signal.signal(signal.SIGHUP, before)
