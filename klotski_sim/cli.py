@@ -48,6 +48,7 @@ from .planner import format_plan
 from .policies import POLICIES
 from .policies.plugins import load_for_command_line
 from .runner import (
+    STOP_SIGNALS,
     RunSpec,
     draw_listeners,
     policy_batches,
@@ -895,11 +896,6 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     finally:
         for signum in caught:
             signal.signal(signum, signal.SIG_DFL)
-
-
-# SIGTERM (`timeout`, a batch scheduler's end of a job, `kill`) and SIGHUP (the terminal closed, an
-# ssh session dropped), where the platform has them
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 
 class Terminated(KeyboardInterrupt):

@@ -491,10 +491,10 @@ def _worker_start(parent: int | None, initializer: Callable[..., None], initargs
     """A pool worker's first steps: SIGTERM and SIGHUP end it as they end any process (a worker forked
     from the CLI inherits its handler, which turns them into an interruption of the main process's
     work), the kernel sends it SIGTERM when its parent dies, then `initializer`."""
-    for name in ("SIGTERM", "SIGHUP"):  # (those the CLI turns into an interruption, cli.STOP_SIGNALS; one the
-        # parent ignores stays ignored: under `nohup`, a hang-up would have ended the workers and not it)
-        if hasattr(signal, name) and callable(signal.getsignal(getattr(signal, name))):
-            signal.signal(getattr(signal, name), signal.SIG_DFL)
+    for signum in STOP_SIGNALS:  # (one the parent ignores stays ignored: under `nohup`, a hang-up would have
+        # ended the workers and not the run)
+        if callable(signal.getsignal(signum)):
+            signal.signal(signum, signal.SIG_DFL)
     if sys.platform == "linux":
         try:
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
@@ -506,6 +506,11 @@ def _worker_start(parent: int | None, initializer: Callable[..., None], initargs
 
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+# The signals the CLIs turn into an interruption of their work (cli.Terminated): SIGTERM (`timeout`, a
+# batch scheduler's end of a job, `kill`) and SIGHUP (the terminal closed, an ssh session dropped),
+# where the platform has them
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 
 def _share(prep: Prepared, workers: int) -> None:
