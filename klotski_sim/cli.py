@@ -48,7 +48,6 @@ from .planner import format_plan
 from .policies import POLICIES
 from .policies.plugins import load_for_command_line
 from .runner import (
-    STOP_SIGNALS,
     RunSpec,
     draw_listeners,
     policy_batches,
@@ -57,6 +56,7 @@ from .runner import (
     run,
     run_each,
 )
+from .stopping import STOP_SIGNALS, Terminated, raise_terminated
 from .timeline import FIGURE_COLUMNS, OutOfMemory, Summary, jsonable
 from .trace import MAX_IMPORT_INDEX, Trace, import_jsonl
 from .trace_stats import format_stats, layer_stats, token_subset
@@ -865,7 +865,7 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     caught = ([signum for signum in STOP_SIGNALS if signal.getsignal(signum) == signal.SIG_DFL]
               if threading.current_thread() is threading.main_thread() else [])
     for signum in caught:
-        signal.signal(signum, _raise_terminated)
+        signal.signal(signum, raise_terminated)
     try:
         return handler(args)
     except BrokenPipeError:  # the reader (`| head`) has gone: nothing more to say
@@ -896,22 +896,6 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     finally:
         for signum in caught:
             signal.signal(signum, signal.SIG_DFL)
-
-
-class Terminated(KeyboardInterrupt):
-    """A stop signal (`STOP_SIGNALS`), raised in the main thread as Ctrl-C raises KeyboardInterrupt:
-    the same clean-up runs (a trace being drawn into the cache leaves no temporary file, output
-    files are left as they were, worker processes are stopped), then one line and exit status
-    128 + the signal's number (SIGTERM: `terminated`, 143; SIGHUP: `hung up`, 129). Unhandled, they
-    ended a run with no word, its workers left waiting forever and its temporary files behind."""
-
-    def __init__(self, signum: int = signal.SIGTERM) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _raise_terminated(signum: int, frame: object) -> None:
-    raise Terminated(signum)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

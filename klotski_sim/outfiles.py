@@ -4,19 +4,22 @@ renamed into place together once every one is whole.
 A run stopped while it wrote (Ctrl-C, SIGTERM, a full disk, an error in the figure) left a half
 written CSV or trace beside complete files of the earlier run into that folder: a mix that reads
 as one run and is none (a CSV cut at a line's end reads back as a shorter run). Now the folder
-holds, after a stop, exactly what it held before. Only SIGKILL, or a stop in the instant between
-the renames, can leave a hidden temporary (`.tmp-<pid>-<name>`) or a mix.
+holds, after a stop, exactly what it held before, and two runs into one folder at once leave one
+run's files, the later one's. Only SIGKILL can leave a hidden temporary (`.tmp-<pid>-<name>`), or
+a mix when it comes in the instant between the renames.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from .errors import UsageError
+from .stopping import signals_deferred
 
 
 def refuse_unwritable(folder: str | os.PathLike, names: Iterable[str], flag: str = "--out") -> None:
@@ -28,6 +31,23 @@ def refuse_unwritable(folder: str | os.PathLike, names: Iterable[str], flag: str
         if target.exists() and not target.is_file():
             what = "a folder" if target.is_dir() else "not a regular file"
             raise UsageError(f"{flag} {folder}: {target} is {what}; cannot write {name} there")
+
+
+@contextmanager
+def _folder_locked(folder: Path) -> Iterator[None]:
+    """An exclusive lock on the folder itself (flock on its descriptor: no lock file left behind),
+    where the platform has one; other processes committing into it wait their turn."""
+    try:
+        import fcntl
+    except ImportError:  # (Windows: commits unserialised)
+        yield
+        return
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)  # (the lock goes with it)
 
 
 class OutputFiles:
@@ -56,18 +76,20 @@ class OutputFiles:
         its file is refused before the first rename."""
         names = list(self._pending)
         refuse_unwritable(self.folder, names)
-        for name, temporary in list(self._pending.items()):
-            target = Path(os.path.realpath(self.folder / name))
-            try:
-                temporary.replace(target)
-            except OSError:  # (a link to another file system: copied there)
-                shutil.copyfile(temporary, target)
-                temporary.unlink()
-            del self._pending[name]
-        for name in self._stale:
-            if name not in names and (self.folder / name).is_file():
-                (self.folder / name).unlink()
-                self.removed.append(name)
+        # (two runs into one folder: one's set after the other's, never mixed; a stop meanwhile, after them)
+        with signals_deferred(), _folder_locked(self.folder):
+            for name, temporary in list(self._pending.items()):
+                target = Path(os.path.realpath(self.folder / name))
+                try:
+                    temporary.replace(target)
+                except OSError:  # (a link to another file system: copied there)
+                    shutil.copyfile(temporary, target)
+                    temporary.unlink()
+                del self._pending[name]
+            for name in self._stale:
+                if name not in names and (self.folder / name).is_file():
+                    (self.folder / name).unlink()
+                    self.removed.append(name)
         return names
 
     def discard(self) -> None:

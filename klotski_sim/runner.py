@@ -45,6 +45,7 @@ from .policies.base import resolve_options
 from .probe import Probe, ProbeSearch, probe_gen_len, search
 from .routing import RoutingTable, RunShape
 from .schedule import Schedule, quiet_gc_in_worker
+from .stopping import STOP_SIGNALS
 from .timeline import MEMORY_CHECK, OutOfMemory, Timeline
 from .trace import Replay, Trace, TraceError, replay
 from .trace_stats import popularity
@@ -506,11 +507,6 @@ def _worker_start(parent: int | None, initializer: Callable[..., None], initargs
 
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-# The signals the CLIs turn into an interruption of their work (cli.Terminated): SIGTERM (`timeout`, a
-# batch scheduler's end of a job, `kill`) and SIGHUP (the terminal closed, an ssh session dropped),
-# where the platform has them
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 
 def _share(prep: Prepared, workers: int) -> None:

@@ -9,11 +9,13 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from klotski_sim import exports
+from klotski_sim.cli import SIMULATE_FILES
 from klotski_sim.errors import UsageError
 from klotski_sim.outfiles import OutputFiles
 from klotski_sim.runner import RunSpec, run
@@ -141,3 +143,53 @@ def test_a_linked_output_file_is_written_through_its_link(tmp_path, tiny_timelin
     (out / "timeline.csv").symlink_to(elsewhere / "kept.csv")
     exports.save_all(tiny_timeline, out, png=False)
     assert (out / "timeline.csv").is_symlink() and (elsewhere / "kept.csv").read_text().startswith('"op_id"')
+
+
+STOPPED_IN_COMMIT = """
+import os, pathlib, signal, sys
+from klotski_sim import cli
+replace = pathlib.Path.replace
+def first_rename_then_stopped(self, target):
+    if pathlib.Path(target).name == "summary.json":  # (the first file renamed into place: no race)
+        os.kill(os.getpid(), signal.SIGTERM)
+    return replace(self, target)
+pathlib.Path.replace = first_rename_then_stopped
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_a_stop_among_the_renames_comes_after_them(tmp_path):
+    """SIGTERM as the first file is renamed: the renames finish (the folder holds the new run whole,
+    not one new file beside the earlier run's), then the command stops as it would have."""
+    rc, _, err = run_cli("simulate", *SMALL, "--out", str(tmp_path))
+    assert rc == 0, err
+    proc = subprocess.run([sys.executable, "-c", STOPPED_IN_COMMIT, "simulate", *SMALL, "--gen-len", "4", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM and proc.stderr.splitlines()[-1] == "terminated", proc.stderr
+    assert json.loads((tmp_path / "summary.json").read_text())["gen_len"] == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(SIMULATE_FILES)
+    schedule = json.loads((tmp_path / "schedule.json").read_text())
+    assert schedule["meta"]["gen_len"] == 4  # (the last file renamed is of the new run too)
+
+
+COMMITTER = """
+import sys
+from klotski_sim.outfiles import OutputFiles
+with OutputFiles(sys.argv[1]) as files:
+    files.path("a.txt").write_text("new")
+    print("written", flush=True)
+    files.commit()
+"""
+
+
+def test_a_commit_waits_for_another_into_the_same_folder(tmp_path):
+    """Two runs into one folder at once: each one's renames wait for the other's (a lock on the
+    folder), so the folder ends with one run's files, not a mix of both."""
+    from klotski_sim.outfiles import _folder_locked
+
+    with _folder_locked(tmp_path):
+        proc = subprocess.Popen([sys.executable, "-c", COMMITTER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline() == "written\n"
+        time.sleep(0.5)  # (its commit, a rename, would take microseconds)
+        assert not (tmp_path / "a.txt").exists() and proc.poll() is None
+    assert proc.wait(timeout=60) == 0 and (tmp_path / "a.txt").read_text() == "new"

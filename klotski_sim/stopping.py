@@ -1,0 +1,58 @@
+"""A command stopped from outside: the signals that stop it, the exception they raise, and holding
+them back over a few steps that must not be cut in two.
+
+The CLIs (`cli.guarded`) turn SIGTERM and SIGHUP into `Terminated`, a KeyboardInterrupt, so that
+the clean-up Ctrl-C runs runs for them too; pool workers reset them to the default (runner), and
+an output folder's renames hold them back (outfiles).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+# SIGTERM (`timeout`, a batch scheduler's end of a job, `kill`) and SIGHUP (the terminal closed, an
+# ssh session dropped), where the platform has them
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+class Terminated(KeyboardInterrupt):
+    """A stop signal (`STOP_SIGNALS`), raised in the main thread as Ctrl-C raises KeyboardInterrupt:
+    the same clean-up runs (a trace being drawn into the cache leaves no temporary file, output
+    files are left as they were, worker processes are stopped), then one line and exit status
+    128 + the signal's number (SIGTERM: `terminated`, 143; SIGHUP: `hung up`, 129). Unhandled, they
+    ended a run with no word, its workers left waiting forever and its temporary files behind."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def raise_terminated(signum: int, frame: object) -> None:
+    """The handler `cli.guarded` installs for each of `STOP_SIGNALS`."""
+    raise Terminated(signum)
+
+
+@contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Ctrl-C and the stop signals held back until the block has run, then the first of them taken
+    as it would have been: their handlers raise in the main thread, and between two of an output
+    folder's renames that left a mix of two runs. Only the main thread can change handlers;
+    elsewhere, and for a signal without a Python handler (ignored, or the default), as is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[tuple[int, Any]] = []
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, *STOP_SIGNALS)}
+    handlers = {signum: handler for signum, handler in handlers.items() if callable(handler)}
+    for signum in handlers:
+        signal.signal(signum, lambda signum, frame: held.append((signum, frame)))
+    try:
+        yield
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        for signum, frame in held[:1]:
+            handlers[signum](signum, frame)
