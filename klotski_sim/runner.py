@@ -489,12 +489,13 @@ def worker_pool(workers: int, initializer: Callable[..., None], initargs: tuple[
 
 
 def _worker_start(parent: int | None, initializer: Callable[..., None], initargs: tuple[Any, ...]) -> None:
-    """A pool worker's first steps: SIGTERM and SIGHUP end it as they end any process (a worker forked
+    """A pool worker's first steps: the stop signals end it as they end any process (a worker forked
     from the CLI inherits its handler, which turns them into an interruption of the main process's
-    work), the kernel sends it SIGTERM when its parent dies, then `initializer`."""
-    for signum in STOP_SIGNALS:  # (one the parent ignores stays ignored: under `nohup`, a hang-up would have
-        # ended the workers and not the run)
-        if callable(signal.getsignal(signum)):
+    work), the kernel sends it SIGTERM when its parent dies, then `initializer`. SIGTERM always:
+    the pool stops its workers with it, and so does the kernel; SIGHUP unless the parent ignores
+    it (under `nohup` a hang-up would have ended the workers and not the run)."""
+    for signum in STOP_SIGNALS:
+        if signum == signal.SIGTERM or callable(signal.getsignal(signum)):
             signal.signal(signum, signal.SIG_DFL)
     if sys.platform == "linux":
         try:

@@ -174,3 +174,19 @@ def test_a_worker_ends_by_a_hang_up_unless_its_parent_ignores_it():
                 assert pool.submit(_hang_up_handler).result(timeout=HANG_S) == worker
     finally:
         signal.signal(signal.SIGHUP, before)
+
+
+def _term_handler() -> object:
+    return signal.getsignal(signal.SIGTERM)
+
+
+def test_a_worker_takes_sigterm_even_where_its_parent_ignores_it():
+    """The pool stops its workers with SIGTERM, and the kernel sends it when their parent dies: a
+    worker that kept an ignored SIGTERM would outlive both."""
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        with worker_pool(1, _nothing, fork=True) as pool:
+            assert pool.submit(_term_handler).result(timeout=HANG_S) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, before)
