@@ -11,6 +11,7 @@ a mix when it comes in the instant between the renames.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from contextlib import contextmanager
@@ -31,6 +32,43 @@ def refuse_unwritable(folder: str | os.PathLike, names: Iterable[str], flag: str
         if target.exists() and not target.is_file():
             what = "a folder" if target.is_dir() else "not a regular file"
             raise UsageError(f"{flag} {folder}: {target} is {what}; cannot write {name} there")
+
+
+def _move(temporary: Path, target: Path) -> None:
+    """A file into its place: renamed, or copied where the target is on another file system (a link
+    to elsewhere)."""
+    try:
+        temporary.replace(target)
+    except OSError as err:
+        if err.errno != errno.EXDEV:
+            raise
+        shutil.copyfile(temporary, target)
+        temporary.unlink()
+
+
+def _kept(target: Path) -> Path:
+    """What `target` holds, kept under another name until the commit is done: a hard link (no copy),
+    or a copy where the file system has none."""
+    earlier = target.with_name(f".old-{os.getpid()}-{target.name}")
+    earlier.unlink(missing_ok=True)  # (one a killed run of this pid left)
+    try:
+        os.link(target, earlier)
+    except OSError:
+        shutil.copy2(target, earlier)
+    return earlier
+
+
+def _put_back(target: Path, earlier: Path | None) -> None:
+    """Undo a commit's move into `target`: what it held before back (`earlier`), or nothing."""
+    try:
+        if earlier is not None:
+            earlier.replace(target)
+            earlier.unlink(missing_ok=True)  # (still there when the target was never replaced: renaming a
+            # hard link onto another link of the same file does nothing)
+        else:
+            target.unlink(missing_ok=True)
+    except OSError:  # (as much as can be undone is)
+        pass
 
 
 @contextmanager
@@ -72,20 +110,30 @@ class OutputFiles:
     def commit(self) -> list[str]:
         """Every written file into place (a rename each: atomic on one file system; a link's target
         replaced, the link kept, as the files were written before), then the stale ones removed;
-        returns the names written, in the order they were asked for. A target that cannot take
-        its file is refused before the first rename."""
+        returns the names written, in the order they were asked for. A target that is not a file
+        is refused before the first rename; one that cannot be replaced (a link into a missing
+        folder, a file another user owns in a sticky folder) undoes the renames before it, each
+        earlier file put back from a hard link made just before its rename, and is said in one line."""
         names = list(self._pending)
         refuse_unwritable(self.folder, names)
         # (two runs into one folder: one's set after the other's, never mixed; a stop meanwhile, after them)
         with signals_deferred(), _folder_locked(self.folder):
-            for name, temporary in list(self._pending.items()):
-                target = Path(os.path.realpath(self.folder / name))
-                try:
-                    temporary.replace(target)
-                except OSError:  # (a link to another file system: copied there)
-                    shutil.copyfile(temporary, target)
-                    temporary.unlink()
-                del self._pending[name]
+            done: list[tuple[Path, Path | None]] = []  # (target, a link to what it held before, if anything)
+            try:
+                for name, temporary in self._pending.items():
+                    target = Path(os.path.realpath(self.folder / name))
+                    earlier = _kept(target) if target.exists() else None
+                    done.append((target, earlier))
+                    _move(temporary, target)
+            except OSError as err:
+                for target, earlier in reversed(done):
+                    _put_back(target, earlier)
+                reason = err.strerror or str(err) or type(err).__name__
+                raise UsageError(f"{self.folder}: cannot write {name} ({reason}); the folder is as it was") from None
+            for _, earlier in done:
+                if earlier is not None:
+                    earlier.unlink(missing_ok=True)
+            self._pending.clear()
             for name in self._stale:
                 if name not in names and (self.folder / name).is_file():
                     (self.folder / name).unlink()
@@ -108,7 +156,12 @@ class OutputFiles:
                  traceback: TracebackType | None) -> None:
         written = {str(temporary): name for name, temporary in self._pending.items()}
         self.discard()  # (after a commit: nothing left to discard)
-        if isinstance(error, OSError) and str(error.filename) in written:  # (a full disk: said of the file the
-            # user will look for, not of our temporary; any other OSError is not ours to word)
-            reason = error.strerror or str(error) or type(error).__name__
-            raise UsageError(f"{self.folder}: cannot write {written[str(error.filename)]} ({reason})") from None
+        if not isinstance(error, OSError):
+            return
+        # a failed write said of the file the user will look for, not of our temporary; a full disk that
+        # names no file (pyarrow's "[Errno 28] Error writing bytes to file. Detail: ...") as the folder's
+        name = written.get(str(error.filename)) or (
+            "its files" if written and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else None)
+        if name is not None:  # (any other OSError is not ours to word)
+            reason = os.strerror(error.errno) if error.errno else str(error) or type(error).__name__
+            raise UsageError(f"{self.folder}: cannot write {name} ({reason}); the folder is as it was") from None

@@ -65,7 +65,8 @@ def test_save_all_failing_half_way_keeps_the_earlier_timeline(tmp_path, monkeypa
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(exports, "to_chrome_trace", full_disk)  # (after the summary, Parquet and CSV)
-    with pytest.raises(OSError):
+    with pytest.raises(UsageError, match=r": cannot write its files \(No space left on device\); the folder is as "
+                                         r"it was$"):
         exports.save_all(tiny_timeline, tmp_path)
     assert _state(tmp_path) == before
 
@@ -130,7 +131,8 @@ def test_a_write_that_fails_is_said_of_the_file_not_of_its_temporary(tmp_path):
     with pytest.raises(UsageError) as refused, OutputFiles(tmp_path) as files:
         temporary = files.path("timeline.parquet")
         raise OSError(28, "No space left on device", str(temporary))
-    assert str(refused.value) == f"{tmp_path}: cannot write timeline.parquet (No space left on device)"
+    assert str(refused.value) == (f"{tmp_path}: cannot write timeline.parquet (No space left on device); the "
+                                  f"folder is as it was")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -193,3 +195,45 @@ def test_a_commit_waits_for_another_into_the_same_folder(tmp_path):
         time.sleep(0.5)  # (its commit, a rename, would take microseconds)
         assert not (tmp_path / "a.txt").exists() and proc.poll() is None
     assert proc.wait(timeout=60) == 0 and (tmp_path / "a.txt").read_text() == "new"
+
+
+def test_a_file_that_cannot_be_put_in_place_undoes_the_others(tmp_path, monkeypatch, tiny_timeline):
+    """The third file of a commit cannot be moved (another user's file in a sticky folder, say):
+    the two moved before it are put back as they were, and the error says so in one line."""
+    from klotski_sim import outfiles
+
+    exports.save_all(tiny_timeline, tmp_path)
+    before = _state(tmp_path)
+    move, moved = outfiles._move, []
+
+    def third_refused(temporary, target):
+        if len(moved) == 2:
+            raise PermissionError(1, "Operation not permitted", str(target))
+        moved.append(target.name)
+        move(temporary, target)
+
+    monkeypatch.setattr(outfiles, "_move", third_refused)
+    with pytest.raises(UsageError, match=r"cannot write timeline.csv \(Operation not permitted\); the folder is as "
+                                         r"it was"):
+        exports.save_all(tiny_timeline, tmp_path, png=False)
+    assert moved == ["summary.json", "timeline.parquet"] and _state(tmp_path) == before
+
+
+def test_a_link_into_a_missing_folder_leaves_the_folder_as_it_was(tmp_path, tiny_timeline):
+    exports.save_all(tiny_timeline, tmp_path)
+    (tmp_path / "trace.json.gz").unlink()
+    (tmp_path / "trace.json.gz").symlink_to(tmp_path / "no-such-folder" / "t.json.gz")
+    before = {p.name: (p.read_bytes() if not p.is_symlink() else "link") for p in tmp_path.iterdir()}
+    with pytest.raises(UsageError, match=r"cannot write trace.json.gz \(No such file or directory\)"):
+        exports.save_all(tiny_timeline, tmp_path)
+    assert {p.name: (p.read_bytes() if not p.is_symlink() else "link") for p in tmp_path.iterdir()} == before
+
+
+def test_a_file_system_without_hard_links_keeps_the_earlier_files_by_copy(tmp_path, monkeypatch, tiny_timeline):
+    exports.save_all(tiny_timeline, tmp_path)
+
+    def no_hard_links(*_args):
+        raise OSError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_hard_links)
+    assert sorted(exports.save_all(tiny_timeline, tmp_path)) == sorted(p.name for p in tmp_path.iterdir())
