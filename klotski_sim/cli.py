@@ -56,7 +56,7 @@ from .runner import (
     run,
     run_each,
 )
-from .stopping import STOP_SIGNALS, Terminated, raise_terminated
+from .stopping import STOP_SIGNALS, STOP_WORDS, StopHandler, Terminated
 from .timeline import FIGURE_COLUMNS, OutOfMemory, Summary, jsonable
 from .trace import MAX_IMPORT_INDEX, Trace, import_jsonl
 from .trace_stats import format_stats, layer_stats, token_subset
@@ -861,15 +861,21 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     args = parser.parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.func
     _made_folders.clear()
-    # (a caller's own handler kept, and an ignored signal ignored: `nohup` ignores SIGHUP)
-    caught = ([signum for signum in STOP_SIGNALS if signal.getsignal(signum) == signal.SIG_DFL]
+    # Ctrl-C and the stop signals, each where it has its default handler (a caller's own kept, and an
+    # ignored one ignored: `nohup` ignores SIGHUP); only the main thread can set them
+    defaults = {signal.SIGINT: signal.default_int_handler, **{signum: signal.SIG_DFL for signum in STOP_SIGNALS}}
+    caught = ([signum for signum, default in defaults.items() if signal.getsignal(signum) == default]
               if threading.current_thread() is threading.main_thread() else [])
+    stops = StopHandler()
     for signum in caught:
-        signal.signal(signum, raise_terminated)
+        signal.signal(signum, stops)
+    stdout, sys.stdout = sys.stdout, ReaderMayGo(sys.stdout)
     try:
-        return handler(args)
-    except BrokenPipeError:  # the reader (`| head`) has gone: nothing more to say
-        sys.stdout = open(os.devnull, "w")
+        try:
+            return handler(args)
+        finally:
+            stops.done = True  # (a stop from here on ends the process with its word: no traceback)
+    except BrokenPipeError:  # a reader other than stdout's has gone (stdout's is `ReaderMayGo`'s)
         return 0
     except (KlotskiError, OSError) as err:
         _remove_empty_made_folders()
@@ -880,8 +886,7 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     except KeyboardInterrupt as stop:
         _remove_empty_made_folders()
         signum = stop.signum if isinstance(stop, Terminated) else signal.SIGINT
-        print("hung up" if signum == getattr(signal, "SIGHUP", None) else
-              "terminated" if signum == signal.SIGTERM else "interrupted", file=sys.stderr)
+        print(STOP_WORDS[signum], file=sys.stderr)
         return 128 + signum
     except (MemoryError, RuntimeError) as err:  # (torch's allocators raise RuntimeError: "... can't allocate ...")
         if "can't start new thread" in str(err) and not getattr(args, "debug", False):  # (a process or memory limit)
@@ -894,8 +899,44 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
               file=sys.stderr)
         return 2
     finally:
+        sys.stdout = stdout
         for signum in caught:
-            signal.signal(signum, signal.SIG_DFL)
+            signal.signal(signum, defaults[signum])
+
+
+class ReaderMayGo:
+    """A command's stdout: once its reader has gone (`| head` has read its lines), what it prints goes
+    nowhere and the command goes on. `klotski-sim simulate --out d | head -3` stopped at the first
+    line after the third (a BrokenPipeError), before its files were written, and said nothing, exit 0."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._to_nowhere()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._to_nowhere()
+
+    def _to_nowhere(self) -> None:
+        """The stream's file pointed at /dev/null (what it still buffers is flushed there, also at exit,
+        where Python would say `Exception ignored ... BrokenPipeError`), or the stream replaced."""
+        try:
+            nowhere = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(nowhere, self._stream.fileno())
+            os.close(nowhere)
+        except (OSError, ValueError, AttributeError):  # (no file behind it: a test's capture)
+            self._stream = open(os.devnull, "w")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -122,7 +122,10 @@ class OutputFiles:
             try:
                 for name, temporary in self._pending.items():
                     target = Path(os.path.realpath(self.folder / name))
-                    earlier = _kept(target) if target.exists() else None
+                    earlier = None
+                    if target.exists():
+                        earlier = _kept(target)
+                        shutil.copymode(target, temporary)  # (its permissions kept, as a write in place kept them)
                     done.append((target, earlier))
                     _move(temporary, target)
             except OSError as err:

@@ -1,14 +1,15 @@
 """A command stopped from outside: the signals that stop it, the exception they raise, and holding
 them back over a few steps that must not be cut in two.
 
-The CLIs (`cli.guarded`) turn SIGTERM and SIGHUP into `Terminated`, a KeyboardInterrupt, so that
-the clean-up Ctrl-C runs runs for them too; pool workers reset them to the default (runner), and
-an output folder's renames hold them back (outfiles).
+The CLIs (`cli.guarded`) run a command under `StopHandler`, which turns SIGTERM and SIGHUP into
+`Terminated`, a KeyboardInterrupt, so that the clean-up Ctrl-C runs runs for them too; pool workers
+reset them to the default (runner), and an output folder's renames hold them back (outfiles).
 """
 
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from contextlib import contextmanager
 from typing import Any, Iterator
@@ -30,9 +31,33 @@ class Terminated(KeyboardInterrupt):
         self.signum = signum
 
 
-def raise_terminated(signum: int, frame: object) -> None:
-    """The handler `cli.guarded` installs for each of `STOP_SIGNALS`."""
-    raise Terminated(signum)
+STOP_WORDS = {signal.SIGINT: "interrupted", **{getattr(signal, name): word for name, word in
+                                               (("SIGTERM", "terminated"), ("SIGHUP", "hung up"))
+                                               if hasattr(signal, name)}}
+
+
+class StopHandler:
+    """The handler a CLI command runs under, for Ctrl-C and `STOP_SIGNALS`: the first stop raises
+    (KeyboardInterrupt for Ctrl-C, `Terminated` for the others) and the clean-up runs; a repeat
+    during the clean-up (a fraction of a second: temporaries removed, workers stopped) is ignored,
+    where it broke the clean-up off with a traceback and left temporary files; once the command's
+    work has ended (`done`), a stop ends the process with the signal's word and status, where it
+    raised out of the command's last lines with a traceback."""
+
+    def __init__(self) -> None:
+        self.stopping = False
+        self.done = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if self.stopping:
+            return
+        self.stopping = True
+        if self.done:
+            print(STOP_WORDS.get(signum, "stopped"), file=sys.stderr, flush=True)
+            raise SystemExit(128 + signum)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise Terminated(signum)
 
 
 @contextmanager

@@ -237,3 +237,10 @@ def test_a_file_system_without_hard_links_keeps_the_earlier_files_by_copy(tmp_pa
 
     monkeypatch.setattr(os, "link", no_hard_links)
     assert sorted(exports.save_all(tiny_timeline, tmp_path)) == sorted(p.name for p in tmp_path.iterdir())
+
+
+def test_a_replaced_file_keeps_its_permissions(tmp_path, tiny_timeline):
+    exports.save_all(tiny_timeline, tmp_path)
+    (tmp_path / "timeline.csv").chmod(0o600)
+    exports.save_all(tiny_timeline, tmp_path)
+    assert (tmp_path / "timeline.csv").stat().st_mode & 0o777 == 0o600

@@ -190,3 +190,67 @@ def test_a_worker_takes_sigterm_even_where_its_parent_ignores_it():
             assert pool.submit(_term_handler).result(timeout=HANG_S) == signal.SIG_DFL
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+STOPPED_TWICE = """
+import os, signal, sys
+from klotski_sim import cli, exports, outfiles
+to_csv, discard = exports.to_csv, outfiles.OutputFiles.discard
+def stopped(*args, **kwargs):  # (the first SIGTERM as the CSV is written)
+    os.kill(os.getpid(), signal.SIGTERM)
+    to_csv(*args, **kwargs)
+def stopped_again(self):  # (the second as the temporaries are removed: Ctrl-C twice, or a scheduler's repeat)
+    os.kill(os.getpid(), signal.SIGTERM)
+    discard(self)
+exports.to_csv, outfiles.OutputFiles.discard = stopped, stopped_again
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+STOPPED_AT_THE_END = """
+import os, signal, sys
+from klotski_sim import cli
+set_handler, fired = signal.signal, []
+def restored(signum, handler):  # (SIGTERM as the command puts its handlers back: its work is done)
+    if signum == signal.SIGTERM and handler == signal.SIG_DFL and not fired:
+        fired.append(1)
+        os.kill(os.getpid(), signal.SIGTERM)
+    return set_handler(signum, handler)
+signal.signal = restored
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def _state_of(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_a_second_stop_during_the_clean_up_is_ignored(tmp_path):
+    """A second SIGTERM while the first's clean-up removed the temporaries broke it off with a
+    traceback and left them; now it is ignored, the clean-up ends, one line, exit 143."""
+    out = tmp_path / "out"
+    small = ["simulate", "--model", "tiny-mixtral", "--gen-len", "3", "--out", str(out)]
+    assert subprocess.run([sys.executable, "-m", "klotski_sim.cli", *small], capture_output=True).returncode == 0
+    before = _state_of(out)
+    proc = subprocess.run([sys.executable, "-c", STOPPED_TWICE, *small], capture_output=True, text=True,
+                          timeout=HANG_S)
+    assert proc.returncode == 143 and proc.stderr.splitlines() == ["terminated"], proc.stderr
+    assert _state_of(out) == before
+
+
+def test_a_stop_once_the_work_is_done_ends_with_its_word_not_a_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", STOPPED_AT_THE_END, "simulate", "--model", "tiny-mixtral",
+                           "--gen-len", "3", "--out", str(tmp_path)], capture_output=True, text=True, timeout=HANG_S)
+    assert proc.returncode == 143 and proc.stderr.splitlines() == ["terminated"], proc.stderr
+    assert "wrote summary.json" in proc.stdout and (tmp_path / "routing.npz").exists()
+
+
+def test_a_reader_that_goes_early_does_not_stop_the_command(tmp_path):
+    """`klotski-sim simulate --out d | true`: the command goes on and writes its files, exit 0 (it
+    stopped at its first line, the summary, before them: exit 0 with nothing written)."""
+    proc = subprocess.Popen([sys.executable, "-m", "klotski_sim.cli", "simulate", "--model", "tiny-mixtral",
+                             "--gen-len", "3", "--out", str(tmp_path / "out")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # (the reader has gone before the first line)
+    assert proc.wait(timeout=HANG_S) == 0, proc.stderr.read()
+    assert proc.stderr.read() == ""
+    assert (tmp_path / "out" / "routing.npz").exists()
