@@ -142,22 +142,18 @@ def parse_overrides(items: Sequence[str], flag: str) -> dict[str, Any]:
     return out
 
 
-_made_folders: list[tuple[Path, Path]] = []  # (a command's output folder, the highest folder made for it)
+_made_folders: list[Path] = []  # the folders a command made for its output, resolved (`..` and links followed)
 
 
 def _remove_empty_made_folders() -> None:
-    """After an error: the output folders this command made and left empty, with the parents it
-    made for them (a run refused after its folder was made left an empty one behind)."""
-    for out, made in reversed(_made_folders):
-        folder = out
-        while True:
-            try:
-                folder.rmdir()  # (only an empty one)
-            except OSError:
-                break
-            if folder == made:
-                break
-            folder = folder.parent
+    """After an error or a stop: the output folders this command made and left empty, with the
+    parents it made for them, deepest first (a run refused after its folder was made left an empty
+    one behind; `--out a/x/../y` made `a`, `a/x` and `a/y`)."""
+    for folder in sorted(set(_made_folders), key=lambda folder: len(folder.parts), reverse=True):
+        try:
+            folder.rmdir()  # (only an empty one)
+        except OSError:
+            pass
     _made_folders.clear()
 
 
@@ -169,15 +165,15 @@ def output_folder(path: str | os.PathLike, flag: str = "--out") -> Path:
     out = Path(path)
     if out.exists() and not out.is_dir():
         raise CliError(f"{flag} {out}: exists and is not a folder")
-    made, missing = None, out  # (the highest folder this makes, if any)
+    made, missing = [], out  # (the folders this makes: `out` and its missing parents, as written)
     while not missing.exists() and missing.parent != missing:
-        made, missing = missing, missing.parent
+        made.append(missing)
+        missing = missing.parent
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise CliError(f"{flag} {out}: cannot create the folder ({err.strerror or err})") from None
-    if made is not None:
-        _made_folders.append((out, made))
+    _made_folders.extend(folder.resolve() for folder in made)  # (`x/..` is the folder above `x`: made once)
     probe = out / f".klotski-write-test-{os.getpid()}"
     try:
         probe.write_bytes(b"")

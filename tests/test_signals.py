@@ -254,3 +254,13 @@ def test_a_reader_that_goes_early_does_not_stop_the_command(tmp_path):
     assert proc.wait(timeout=HANG_S) == 0, proc.stderr.read()
     assert proc.stderr.read() == ""
     assert (tmp_path / "out" / "routing.npz").exists()
+
+
+def test_a_stopped_command_removes_every_folder_it_made_for_its_output(tmp_path):
+    """`--out made/x/../out` makes `made`, `made/x` and `made/out`; stopped, it removed `made/out`
+    alone (the walk up went through `x/..`, not `x`)."""
+    proc = subprocess.run([sys.executable, "-c", STOPPED_WHILE_WRITING, "terminal", "simulate", "--model",
+                           "tiny-mixtral", "--gen-len", "3", "--out", str(tmp_path / "made" / "x" / ".." / "out")],
+                          capture_output=True, text=True, timeout=HANG_S)
+    assert proc.returncode == 128 + signal.SIGHUP, proc.stderr
+    assert list(tmp_path.iterdir()) == []
