@@ -332,7 +332,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         drawn = not args.no_png and len(result.timeline) > 0
         if not args.no_png and not drawn:
             print("no timeline.png: nothing was simulated")
-        with OutputFiles(out, stale=SIMULATE_FILES) as files:  # (all or none: a stopped run leaves the folder as it was)
+        # (all or none: a stopped run leaves the folder as it was)
+        with OutputFiles(out, stale=SIMULATE_FILES) as files:
             write_timeline_files(result.timeline, files, png=drawn)
             result.schedule.save(files.path("schedule.json"))
             if result.routing is not None:  # (none when the memory check refused the run before any routing)
