@@ -161,10 +161,12 @@ class OutputFiles:
         self.discard()  # (after a commit: nothing left to discard)
         if not isinstance(error, OSError):
             return
-        # a failed write said of the file the user will look for, not of our temporary; a full disk that
-        # names no file (pyarrow's "[Errno 28] Error writing bytes to file. Detail: ...") as the folder's
-        name = written.get(str(error.filename)) or (
-            "its files" if written and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else None)
+        # a failed write said of the file the user will look for, not of our temporary, also where the
+        # writer names no file (pyarrow's "[Errno 28] Error writing bytes to file. Detail: ...")
+        name = written.get(str(error.filename)) or (  # (a writer names no file: the one asked for last,
+            # being written: a command asks for its files one after another)
+            list(written.values())[-1] if written and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+            else None)
         if name is not None:  # (any other OSError is not ours to word)
             reason = os.strerror(error.errno) if error.errno else str(error) or type(error).__name__
             raise UsageError(f"{self.folder}: cannot write {name} ({reason}); the folder is as it was") from None

@@ -65,8 +65,8 @@ def test_save_all_failing_half_way_keeps_the_earlier_timeline(tmp_path, monkeypa
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(exports, "to_chrome_trace", full_disk)  # (after the summary, Parquet and CSV)
-    with pytest.raises(UsageError, match=r": cannot write its files \(No space left on device\); the folder is as "
-                                         r"it was$"):
+    with pytest.raises(UsageError, match=r": cannot write trace.json.gz \(No space left on device\); the folder is "
+                                         r"as it was$"):
         exports.save_all(tiny_timeline, tmp_path)
     assert _state(tmp_path) == before
 
