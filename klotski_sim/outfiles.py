@@ -5,8 +5,8 @@ A run stopped while it wrote (Ctrl-C, SIGTERM, a full disk, an error in the figu
 written CSV or trace beside complete files of the earlier run into that folder: a mix that reads
 as one run and is none (a CSV cut at a line's end reads back as a shorter run). Now the folder
 holds, after a stop, exactly what it held before, and two runs into one folder at once leave one
-run's files, the later one's. Only SIGKILL can leave a hidden temporary (`.tmp-<pid>-<name>`), or
-a mix when it comes in the instant between the renames.
+run's files, the later one's. Only SIGKILL can leave a hidden temporary (`.tmp-<pid>-<name>`, or
+`.old-<pid>-<name>` during the renames), or a mix when it comes in the instant between them.
 """
 
 from __future__ import annotations
