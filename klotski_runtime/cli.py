@@ -37,10 +37,15 @@ from klotski_sim.exports import TIMELINE_FILES
 from klotski_sim.outfiles import refuse_unwritable
 from klotski_sim.trace_synth import DEFAULT_ROUTING
 
-from .record import read_texts, record, save_tiny_mixtral, save_tiny_olmoe, save_tiny_qwen3_moe
+
+
+# (torch, 0.8 s, is imported by the commands that use it: `--help` and a refused flag answer without it,
+# and a stop during its import is a stop of the command, said in one line)
 
 
 def cmd_record(args: argparse.Namespace) -> int:
+    from .record import read_texts, record
+
     output_file(args.out, reads=[args.text, args.model_dir])
     texts = read_texts(args.text)
     trace = record(args.model_dir, texts, max_tokens=args.max_tokens, gen_len=args.gen_len, device=args.device,
@@ -51,17 +56,19 @@ def cmd_record(args: argparse.Namespace) -> int:
     return 0
 
 
-TINY_CHECKPOINTS = {"tiny-mixtral": (save_tiny_mixtral, "Mixtral"),
-                    "tiny-qwen3-moe": (save_tiny_qwen3_moe, "Qwen3-MoE"),
-                    "tiny-olmoe": (save_tiny_olmoe, "OLMoE")}
+TINY_CHECKPOINTS = {"tiny-mixtral": ("save_tiny_mixtral", "Mixtral"),  # (record.py's functions)
+                    "tiny-qwen3-moe": ("save_tiny_qwen3_moe", "Qwen3-MoE"),
+                    "tiny-olmoe": ("save_tiny_olmoe", "OLMoE")}
 
 
 def cmd_tiny_checkpoint(args: argparse.Namespace) -> int:
     if Path(args.out).exists() and not Path(args.out).is_dir():  # (transformers only warns, and writes nothing)
         raise CliError(f"--out {args.out}: is a file; a checkpoint is a folder")
     output_folder(args.out)  # (an empty name, or one that cannot be made: raw errno text after the model was built)
+    from . import record
+
     save, family = TINY_CHECKPOINTS[args.model]
-    path = save(args.out, seed=args.seed)
+    path = getattr(record, save)(args.out, seed=args.seed)
     print(f"wrote a tiny random {family} checkpoint (model {args.model}) to {path}/")
     return 0
 

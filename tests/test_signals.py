@@ -264,3 +264,11 @@ def test_a_stopped_command_removes_every_folder_it_made_for_its_output(tmp_path)
                           capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 128 + signal.SIGHUP, proc.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_runtime_cli_answers_before_importing_torch():
+    """`klotski-runtime --help` imported torch (0.8 s of 1.2 s) before anything; a stop in that time
+    killed it with no word (a traceback for Ctrl-C). The commands import it themselves now."""
+    code = "import sys, klotski_runtime.cli; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=HANG_S).stdout.strip() == "False"
