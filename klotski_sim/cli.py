@@ -902,9 +902,9 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
 
 
 class ReaderMayGo:
-    """A command's stdout: once its reader has gone (`| head` has read its lines), what it prints goes
-    nowhere and the command goes on. `klotski-sim simulate --out d | head -3` stopped at the first
-    line after the third (a BrokenPipeError), before its files were written, and said nothing, exit 0."""
+    """A command's stdout: once its reader has gone (`| true`, `| head` done reading), what it prints
+    goes nowhere and the command goes on. `klotski-sim simulate --out d | true` stopped at its first
+    flushed line (a BrokenPipeError), before its files were written, and said nothing, exit 0."""
 
     def __init__(self, stream: Any) -> None:
         self._stream = stream
