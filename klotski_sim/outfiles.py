@@ -54,7 +54,11 @@ def _kept(target: Path) -> Path:
     try:
         os.link(target, earlier)
     except OSError:
-        shutil.copy2(target, earlier)
+        try:
+            shutil.copy2(target, earlier)
+        except OSError:  # (a full disk: no half copy left behind; the commit is undone by its caller)
+            earlier.unlink(missing_ok=True)
+            raise
     return earlier
 
 
