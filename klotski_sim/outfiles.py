@@ -142,8 +142,9 @@ class OutputFiles:
                     earlier.unlink(missing_ok=True)
             self._pending.clear()
             for name in self._stale:
-                if name not in names and (self.folder / name).is_file():
-                    (self.folder / name).unlink()
+                stale = self.folder / name
+                if name not in names and (stale.is_file() or stale.is_symlink()):  # (a link: itself, dangling too)
+                    stale.unlink()
                     self.removed.append(name)
         return names
 

@@ -37,14 +37,15 @@ def _state(folder: Path) -> dict[str, bytes]:
 def test_files_appear_only_at_commit_and_keep_their_suffix(tmp_path):
     (tmp_path / "a.txt").write_text("old a")
     (tmp_path / "gone.png").write_text("an earlier figure")
-    with OutputFiles(tmp_path, stale=["a.txt", "gone.png", "never-made.csv"]) as files:
+    (tmp_path / "linked.png").symlink_to(tmp_path / "no-such-file.png")  # (dangling: removed as well)
+    with OutputFiles(tmp_path, stale=["a.txt", "gone.png", "linked.png", "never-made.csv"]) as files:
         files.path("a.txt").write_text("new a")
         files.path("b.json.gz").write_text("new b")
         assert files.path("b.json.gz").name.endswith(".json.gz")  # (writers choose a format by it)
-        assert _state(tmp_path)["a.txt"] == b"old a" and "b.json.gz" not in _state(tmp_path)
+        assert (tmp_path / "a.txt").read_text() == "old a" and not (tmp_path / "b.json.gz").exists()
         assert files.commit() == ["a.txt", "b.json.gz"]
     assert _state(tmp_path) == {"a.txt": b"new a", "b.json.gz": b"new b"}
-    assert files.removed == ["gone.png"]
+    assert files.removed == ["gone.png", "linked.png"]
 
 
 @pytest.mark.parametrize("stop", [KeyboardInterrupt, OSError])
