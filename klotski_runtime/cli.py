@@ -37,8 +37,6 @@ from klotski_sim.exports import TIMELINE_FILES
 from klotski_sim.outfiles import refuse_unwritable
 from klotski_sim.trace_synth import DEFAULT_ROUTING
 
-
-
 # (torch, 0.8 s, is imported by the commands that use it: `--help` and a refused flag answer without it,
 # and a stop during its import is a stop of the command, said in one line)
 

@@ -382,7 +382,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise CliError(f"--flexgen-overlap {args.flexgen_overlap}: flexgen is not among the policies compared "
                        f"({', '.join(policies)})")
     out = output_folder(args.out)
-    refuse_unwritable(out, _compare_files())
+    compare_files = _compare_files()
+    refuse_unwritable(out, compare_files)
     _say_long_work()
     run_size.expect_files(False)  # (its runs' Chrome traces are written piece by piece: not simulate --out's files)
     prep = prepare(spec)
@@ -410,7 +411,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         print(f"refused: {prep.refused.describe()}; no figure or traces: nothing was simulated")
     sys.stdout.flush()  # (before worker processes start)
     figure = not args.no_png and simulated
-    with OutputFiles(out, stale=_compare_files()) as files:  # (all or none, as simulate --out)
+    with OutputFiles(out, stale=compare_files) as files:  # (all or none, as simulate --out)
         traces = ([files.path(_trace_name(name, impl, impls)) for name, impl in runs]
                   if args.traces and simulated else None)  # (each written by the worker that ran it)
         timelines = dict(zip(runs, run_each(list(runs.values()), prep, args.workers or available_cores(), traces,

@@ -17,13 +17,19 @@ from typing import Any, Sequence
 import numpy as np
 
 
+def is_missing(value: Any) -> bool:
+    """None or a NaN: what pandas counts as a missing value in a text column."""
+    return value is None or (isinstance(value, float) and value != value)
+
+
 def factorize(values: np.ndarray | Sequence[Any]) -> tuple[np.ndarray, list[Any]]:
     """Integer codes of `values` into their distinct values, those in order of first appearance."""
     items = values.tolist() if isinstance(values, np.ndarray) else list(values)
     distinct = list(dict.fromkeys(items))
-    if any(v is None or (isinstance(v, float) and v != v) for v in distinct):  # a missing value (a timeline
-        from .lazy import pd  # made by hand, or read from a file with gaps): pandas counts every NaN and
-        # None as one value (a NaN), where a dict tells NaN objects apart
+    # a missing value (a timeline made by hand, or read from a file with gaps): pandas counts every
+    # NaN and None as one value (a NaN), where a dict tells NaN objects apart
+    if any(map(is_missing, distinct)):
+        from .lazy import pd
 
         codes, uniques = pd.factorize(np.asarray(values, dtype=object), sort=False, use_na_sentinel=False)
         return codes, uniques.tolist()

@@ -135,8 +135,7 @@ class OutputFiles:
             except OSError as err:
                 for target, earlier in reversed(done):
                     _put_back(target, earlier)
-                reason = err.strerror or str(err) or type(err).__name__
-                raise UsageError(f"{self.folder}: cannot write {name} ({reason}); the folder is as it was") from None
+                raise self._not_written(name, err) from None
             for _, earlier in done:
                 if earlier is not None:
                     earlier.unlink(missing_ok=True)
@@ -173,5 +172,9 @@ class OutputFiles:
             list(written.values())[-1] if written and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
             else None)
         if name is not None:  # (any other OSError is not ours to word)
-            reason = os.strerror(error.errno) if error.errno else str(error) or type(error).__name__
-            raise UsageError(f"{self.folder}: cannot write {name} ({reason}); the folder is as it was") from None
+            raise self._not_written(name, error) from None
+
+    def _not_written(self, name: str, error: OSError) -> UsageError:
+        """One line for a file this folder did not take (its earlier files all in place)."""
+        reason = os.strerror(error.errno) if error.errno else str(error) or type(error).__name__
+        return UsageError(f"{self.folder}: cannot write {name} ({reason}); the folder is as it was")

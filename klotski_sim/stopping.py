@@ -15,8 +15,11 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 # SIGTERM (`timeout`, a batch scheduler's end of a job, `kill`) and SIGHUP (the terminal closed, an
-# ssh session dropped), where the platform has them
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+# ssh session dropped), where the platform has them, with the word a stopped command ends with
+_STOPPED_BY = {"SIGTERM": "terminated", "SIGHUP": "hung up"}
+STOP_WORDS = {signal.SIGINT: "interrupted", **{getattr(signal, name): word for name, word in _STOPPED_BY.items()
+                                               if hasattr(signal, name)}}
+STOP_SIGNALS = tuple(signum for signum in STOP_WORDS if signum != signal.SIGINT)
 
 
 class Terminated(KeyboardInterrupt):
@@ -29,11 +32,6 @@ class Terminated(KeyboardInterrupt):
     def __init__(self, signum: int = signal.SIGTERM) -> None:
         super().__init__(signum)
         self.signum = signum
-
-
-STOP_WORDS = {signal.SIGINT: "interrupted", **{getattr(signal, name): word for name, word in
-                                               (("SIGTERM", "terminated"), ("SIGHUP", "hung up"))
-                                               if hasattr(signal, name)}}
 
 
 class StopHandler:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Collection, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from .grouping import factorize, group_sums
+from .grouping import factorize, group_sums, is_missing
 from .lazy import pd  # (imported when first used: klotski_sim/lazy.py; a summary never imports it)
 from .schedule import Op, gc_paused
 from .units import memory_text
@@ -285,7 +285,7 @@ class Timeline:
         # causes numbered in name order: the few distinct ones found by hashing and sorted alone
         # (np.unique sorted the 150k gaps' causes as fixed-width strings: 28 ms of a 230 ms summary)
         found_codes, found = factorize(gaps["cause"])
-        if any(v is None or (isinstance(v, float) and v != v) for v in found):
+        if any(map(is_missing, found)):
             # a missing cause (a timeline made by hand): named as str() names it
             causes, cause_codes = np.unique(gaps["cause"].astype(str), return_inverse=True)
         else:
