@@ -46,3 +46,8 @@ def run_cli(*args: str) -> tuple[int, str, str]:
     proc = subprocess.run([sys.executable, "-m", "klotski_sim.cli", *args], capture_output=True, text=True,
                           cwd=ROOT, timeout=600)
     return proc.returncode, proc.stdout, proc.stderr
+
+
+def folder_state(folder: Path) -> dict[str, bytes]:
+    """Every file of a folder, by name, with its bytes: what an output folder held, to compare after."""
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}

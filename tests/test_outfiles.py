@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -20,7 +19,7 @@ from klotski_sim.errors import UsageError
 from klotski_sim.outfiles import OutputFiles
 from klotski_sim.runner import RunSpec, run
 
-from .conftest import run_cli
+from .conftest import folder_state, run_cli
 
 SMALL = ["--model", "tiny-mixtral", "--prompt-len", "16", "--gen-len", "3"]
 
@@ -28,10 +27,6 @@ SMALL = ["--model", "tiny-mixtral", "--prompt-len", "16", "--gen-len", "3"]
 @pytest.fixture(scope="module")
 def tiny_timeline():
     return run(RunSpec(model="tiny-mixtral", prompt_len=16, gen_len=3)).timeline
-
-
-def _state(folder: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
 
 def test_files_appear_only_at_commit_and_keep_their_suffix(tmp_path):
@@ -44,7 +39,7 @@ def test_files_appear_only_at_commit_and_keep_their_suffix(tmp_path):
         assert files.path("b.json.gz").name.endswith(".json.gz")  # (writers choose a format by it)
         assert (tmp_path / "a.txt").read_text() == "old a" and not (tmp_path / "b.json.gz").exists()
         assert files.commit() == ["a.txt", "b.json.gz"]
-    assert _state(tmp_path) == {"a.txt": b"new a", "b.json.gz": b"new b"}
+    assert folder_state(tmp_path) == {"a.txt": b"new a", "b.json.gz": b"new b"}
     assert files.removed == ["gone.png", "linked.png"]
 
 
@@ -55,12 +50,12 @@ def test_files_left_without_a_commit_leave_the_folder_as_it_was(tmp_path, stop):
         files.path("a.txt").write_text("new a")
         files.path("b.txt").write_text("new b")
         raise stop()
-    assert _state(tmp_path) == {"a.txt": b"old a"}
+    assert folder_state(tmp_path) == {"a.txt": b"old a"}
 
 
 def test_save_all_failing_half_way_keeps_the_earlier_timeline(tmp_path, monkeypatch, tiny_timeline):
     exports.save_all(tiny_timeline, tmp_path)
-    before = _state(tmp_path)
+    before = folder_state(tmp_path)
 
     def full_disk(*_args, **_kwargs):
         raise OSError(28, "No space left on device")
@@ -69,7 +64,7 @@ def test_save_all_failing_half_way_keeps_the_earlier_timeline(tmp_path, monkeypa
     with pytest.raises(UsageError, match=r": cannot write trace.json.gz \(No space left on device\); the folder is "
                                          r"as it was$"):
         exports.save_all(tiny_timeline, tmp_path)
-    assert _state(tmp_path) == before
+    assert folder_state(tmp_path) == before
 
 
 def test_simulate_stopped_while_it_writes_leaves_the_earlier_run(tmp_path):
@@ -79,7 +74,7 @@ def test_simulate_stopped_while_it_writes_leaves_the_earlier_run(tmp_path):
     out = tmp_path / "out"
     rc, _, err = run_cli("simulate", *SMALL, "--out", str(out))
     assert rc == 0, err
-    before = _state(out)
+    before = folder_state(out)
     stop_in_csv = ("import os, signal, sys\n"
                    "from klotski_sim import exports, cli\n"
                    "def stopped(*args, **kwargs):\n"
@@ -89,7 +84,7 @@ def test_simulate_stopped_while_it_writes_leaves_the_earlier_run(tmp_path):
     proc = subprocess.run([sys.executable, "-c", stop_in_csv, "simulate", *SMALL, "--gen-len", "4", "--out", str(out)],
                           capture_output=True, text=True, timeout=120, env={**os.environ})
     assert proc.returncode == 128 + signal.SIGTERM and proc.stderr.splitlines()[-1] == "terminated", proc.stderr
-    assert _state(out) == before
+    assert folder_state(out) == before
 
 
 def test_simulate_into_an_earlier_run_replaces_it_and_says_what_it_removed(tmp_path):
@@ -204,7 +199,7 @@ def test_a_file_that_cannot_be_put_in_place_undoes_the_others(tmp_path, monkeypa
     from klotski_sim import outfiles
 
     exports.save_all(tiny_timeline, tmp_path)
-    before = _state(tmp_path)
+    before = folder_state(tmp_path)
     move, moved = outfiles._move, []
 
     def third_refused(temporary, target):
@@ -217,7 +212,7 @@ def test_a_file_that_cannot_be_put_in_place_undoes_the_others(tmp_path, monkeypa
     with pytest.raises(UsageError, match=r"cannot write timeline.csv \(Operation not permitted\); the folder is as "
                                          r"it was"):
         exports.save_all(tiny_timeline, tmp_path, png=False)
-    assert moved == ["summary.json", "timeline.parquet"] and _state(tmp_path) == before
+    assert moved == ["summary.json", "timeline.parquet"] and folder_state(tmp_path) == before
 
 
 def test_a_link_into_a_missing_folder_leaves_the_folder_as_it_was(tmp_path, tiny_timeline):

@@ -220,21 +220,20 @@ sys.exit(cli.main(sys.argv[1:]))
 """
 
 
-def _state_of(folder: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
-
-
 def test_a_second_stop_during_the_clean_up_is_ignored(tmp_path):
     """A second SIGTERM while the first's clean-up removed the temporaries broke it off with a
     traceback and left them; now it is ignored, the clean-up ends, one line, exit 143."""
+    # (imported here, not at the top: PARENT imports this module outside pytest)
+    from .conftest import folder_state
+
     out = tmp_path / "out"
     small = ["simulate", "--model", "tiny-mixtral", "--gen-len", "3", "--out", str(out)]
     assert subprocess.run([sys.executable, "-m", "klotski_sim.cli", *small], capture_output=True).returncode == 0
-    before = _state_of(out)
+    before = folder_state(out)
     proc = subprocess.run([sys.executable, "-c", STOPPED_TWICE, *small], capture_output=True, text=True,
                           timeout=HANG_S)
     assert proc.returncode == 143 and proc.stderr.splitlines() == ["terminated"], proc.stderr
-    assert _state_of(out) == before
+    assert folder_state(out) == before
 
 
 def test_a_stop_once_the_work_is_done_ends_with_its_word_not_a_traceback(tmp_path):
