@@ -478,14 +478,24 @@ def worker_pool(workers: int, initializer: Callable[..., None], initargs: tuple[
                                initargs=(parent, initializer, initargs))
     try:
         yield pool
-    except BaseException:
+    except BaseException as err:
         processes = list((getattr(pool, "_processes", None) or {}).values())  # (Python 3.14 has
         # terminate_workers(); before it, only the executor's own table of them, which shutdown empties)
         pool.shutdown(wait=False, cancel_futures=True)
         for process in processes:
             process.terminate()
+        if isinstance(err, BrokenProcessPool):  # (the kernel's OOM killer, a `kill -9`: said in one line)
+            raise WorkerDied(f"{WORKER_DIED}: rerun with --workers 1, or fewer than {workers}") from None
         raise
     pool.shutdown(wait=True)
+
+
+WORKER_DIED = "a worker process died before it finished (killed, or out of host memory?)"
+
+
+class WorkerDied(UsageError):
+    """A pool's worker process ended without finishing its run (killed from outside, or by the kernel
+    for want of host memory): a traceback of BrokenProcessPool said nothing the user could act on."""
 
 
 def _worker_start(parent: int | None, initializer: Callable[..., None], initargs: tuple[Any, ...]) -> None:
@@ -570,29 +580,25 @@ def run_each(specs: list[RunSpec], prep: Prepared, workers: int = 1,
     helper = threading.Thread(target=_ignoring_errors, args=(meanwhile,), daemon=True) if meanwhile else None
     timelines: dict[int, Timeline] = {}
     queued = iter(enumerate(zip(specs, traces)))
-    try:
-        with worker_pool(workers, _share, (prep, workers), fork=True) as pool:
-            # a run is handed out only when a worker is free: the pool queues more than its workers take,
-            # and those ran to their end after a run was refused or failed, before its error was said
-            in_flight: dict[Future[Timeline], int] = {}
+    with worker_pool(workers, _share, (prep, workers), fork=True) as pool:
+        # a run is handed out only when a worker is free: the pool queues more than its workers take,
+        # and those ran to their end after a run was refused or failed, before its error was said
+        in_flight: dict[Future[Timeline], int] = {}
 
-            def hand_out() -> None:
-                for k, (spec, path) in queued:
-                    in_flight[pool.submit(_timeline_in_worker, spec, path, keep)] = k
-                    return
+        def hand_out() -> None:
+            for k, (spec, path) in queued:
+                in_flight[pool.submit(_timeline_in_worker, spec, path, keep)] = k
+                return
 
-            for _ in range(workers):
+        for _ in range(workers):
+            hand_out()
+        while in_flight:
+            done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
+            for future in done:
+                timelines[in_flight.pop(future)] = future.result()  # (an error: said now, nothing more handed out)
                 hand_out()
-            while in_flight:
-                done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
-                for future in done:
-                    timelines[in_flight.pop(future)] = future.result()  # (an error: said now, nothing more handed out)
-                    hand_out()
-                if helper is not None and len(in_flight) < workers:
-                    # (a worker idle: its core is the helper's; started after the forks, no worker holds its locks)
-                    helper.start()
-                    helper = None
-    except BrokenProcessPool:
-        raise UsageError(f"a worker process died before it finished (killed, or out of host memory?): "
-                         f"rerun with --workers 1, or fewer than {workers}") from None
+            if helper is not None and len(in_flight) < workers:
+                # (a worker idle: its core is the helper's; started after the forks, no worker holds its locks)
+                helper.start()
+                helper = None
     return [timelines[k] for k in range(len(specs))]

@@ -45,6 +45,7 @@ import fcntl
 import hashlib
 import itertools
 import json
+import logging
 import math
 import os
 import time
@@ -77,6 +78,7 @@ from .npzfile import NPZ_READ_ERRORS, check_npz
 from .policies import POLICIES
 from .policies.base import resolve_options
 from .policies.plugins import load_policy_files
+from .stopping import signals_deferred
 from .textfile import read_text
 from .timeline import jsonable
 from .trace_synth import DEFAULT_ROUTING, params_for
@@ -579,13 +581,18 @@ def _run_sweep(spec: SweepSpec, out: Path, rows_dir: Path, workers: int, dask: s
                 finished(run_config(cfg))
                 advance()
         else:
-            from .runner import pool_worker, worker_pool
+            from .runner import WORKER_DIED, WorkerDied, pool_worker, worker_pool
 
-            with worker_pool(workers, pool_worker, (in_flight,)) as pool:
-                futures = [pool.submit(run_config, c) for c in todo]
-                for fut in as_completed(futures):
-                    finished(fut.result())
-                    advance()
+            try:
+                with worker_pool(workers, pool_worker, (in_flight,)) as pool:
+                    futures = [pool.submit(run_config, c) for c in todo]
+                    for fut in as_completed(futures):
+                        finished(fut.result())
+                        advance()
+            except WorkerDied:
+                raise WorkerDied(f"{WORKER_DIED}: {len(finished_ids(rows_dir))} of {len(configs)} rows are kept in "
+                                 f"{rows_dir}; the same command runs the rest (with --workers 1, or fewer than "
+                                 f"{workers})") from None
     return collect(out, [c["id"] for c in configs])
 
 
@@ -596,8 +603,10 @@ def _run_dask(todo: list[dict[str, Any]], address: str, workers: int, in_flight:
         from dask.distributed import as_completed as dask_completed
     except ImportError:
         raise SweepError("--dask needs dask.distributed: pip install 'klotski[dask]'") from None
+    # (its workers' own warnings silenced: a stopped sweep cancels their tasks, which they log
+    # as two WARNING lines of a CancelledError each; errors are still shown)
     cluster = LocalCluster(n_workers=max(1, workers), threads_per_worker=1, processes=True,
-                           dashboard_address=None) if address == "local" else None
+                           dashboard_address=None, silence_logs=logging.ERROR) if address == "local" else None
     if cluster is None:
         _check_dask_address(address)
     try:
@@ -613,7 +622,9 @@ def _run_dask(todo: list[dict[str, Any]], address: str, workers: int, in_flight:
                 client.run(pool_worker, in_flight)
             futures = client.map(run_config, todo, pure=False)
             for fut in dask_completed(futures):
-                finished(fut.result())
+                with signals_deferred():  # (a stop raised inside distributed's `sync` had it log a
+                    row = fut.result()    # NameError of its own and a failed gather, in the stop's place)
+                finished(row)
                 advance()
     finally:
         if cluster is not None:

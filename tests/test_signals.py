@@ -77,6 +77,24 @@ def test_sigterm_ends_a_sweep_at_once_and_its_workers_with_it(tmp_path):
     assert 1 <= len(list(rows.iterdir())) < 400
 
 
+def test_sigterm_ends_a_local_dask_sweep_in_one_line(tmp_path):
+    """The same on a local Dask cluster: its workers' tasks are cancelled, which each logged as a
+    WARNING line with a CancelledError; the user asked for the stop, so the one line is "terminated"."""
+    pytest.importorskip("dask.distributed")
+    seeds = ", ".join(map(str, range(400)))
+    # (default-size runs, a few tenths of a second each: the stop finds both workers' tasks in flight)
+    (tmp_path / "spec.yaml").write_text(f"name: long\nmodels: [mixtral-8x7b]\nhardware: [rtx3090]\n"
+                                        f"policies: [klotski]\nimpls: [ideal]\nseeds: [{seeds}]\n")
+    rows = tmp_path / "out" / "rows"
+    proc = _cli("sweep", str(tmp_path / "spec.yaml"), "--out", str(tmp_path / "out"), "--workers", "2",
+                "--dask", "local", "--no-progress")
+    _wait_for(lambda: rows.is_dir() and len(list(rows.iterdir())) >= 2, "two rows", proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=HANG_S)
+    assert proc.returncode == 143 and err.splitlines() == ["terminated"], err[-2000:]
+    assert 2 <= len(list(rows.iterdir())) < 400
+
+
 def test_sigterm_while_routing_is_drawn_into_the_cache_leaves_no_temporary_file(tmp_path):
     """DeepSeek-V3's routing is drawn into the trace cache block by block (20 s): SIGTERM on the way
     left its temporary file (38 MB) until the cache's hour-old clean-up, and said nothing."""

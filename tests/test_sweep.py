@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from klotski_sim.sweep import SweepError, collect, expand, parse_spec, run_sweep
+from klotski_sim.sweep import SweepError, collect, expand, parse_spec, run_config, run_sweep
 
 from .conftest import ROOT, run_cli
 
@@ -43,6 +43,35 @@ def test_grid_ids_are_stable_and_unique():
     configs = expand(spec)
     assert len(configs) == 2 * 2 * 2 and len({c["id"] for c in configs}) == len(configs)
     assert [c["id"] for c in expand(parse_spec(SMALL))] == [c["id"] for c in configs]
+
+
+_DIES_ON = []  # (the config id whose worker dies: set before the pool forks)
+
+
+def _dies_on_one(cfg):
+    if cfg["id"] == _DIES_ON[0]:
+        os._exit(3)  # as the kernel's OOM killer or a `kill -9` would end it
+    return run_config(cfg)
+
+
+def test_a_worker_that_dies_is_one_line_that_says_the_rows_are_kept_and_a_rerun_finishes(tmp_path, monkeypatch):
+    """A local pool's worker killed mid-sweep raised BrokenProcessPool's traceback; now one line that
+    says how many rows are kept and that the same command runs the rest, which it does."""
+    from klotski_sim import sweep
+    from klotski_sim.runner import WorkerDied
+
+    spec = parse_spec(SMALL)
+    ids = [c["id"] for c in expand(spec)]
+    _DIES_ON[:] = [ids[-1]]
+    monkeypatch.setattr(sweep, "run_config", _dies_on_one)
+    with pytest.raises(WorkerDied, match=rf"^a worker process died before it finished \(killed, or out of host "
+                                         rf"memory\?\): \d of 8 rows are kept in {tmp_path / 'rows'}; the same "
+                                         rf"command runs the rest \(with --workers 1, or fewer than 2\)$"):
+        run_sweep(spec, tmp_path, workers=2, progress=False)
+    kept = len(list((tmp_path / "rows").iterdir()))
+    assert kept < 8
+    monkeypatch.undo()
+    assert sorted(run_sweep(spec, tmp_path, workers=2, progress=False)["id"]) == sorted(ids)
 
 
 def test_failures_are_rows_not_crashes(tmp_path):
