@@ -485,7 +485,7 @@ def worker_pool(workers: int, initializer: Callable[..., None], initargs: tuple[
         for process in processes:
             process.terminate()
         if isinstance(err, BrokenProcessPool):  # (the kernel's OOM killer, a `kill -9`: said in one line)
-            raise WorkerDied(f"{WORKER_DIED}: rerun with --workers 1, or fewer than {workers}") from None
+            raise WorkerDied(WORKER_DIED, f"with --workers 1, or fewer than {workers}") from None
         raise
     pool.shutdown(wait=True)
 
@@ -494,8 +494,13 @@ WORKER_DIED = "a worker process died before it finished (killed, or out of host 
 
 
 class WorkerDied(UsageError):
-    """A pool's worker process ended without finishing its run (killed from outside, or by the kernel
-    for want of host memory): a traceback of BrokenProcessPool said nothing the user could act on."""
+    """A worker process ended without finishing its run (killed from outside, or by the kernel for
+    want of host memory): a traceback of BrokenProcessPool or Dask's KilledWorker said nothing the
+    user could act on. `what` happened, and how to `rerun`."""
+
+    def __init__(self, what: str, rerun: str) -> None:
+        super().__init__(f"{what}: rerun {rerun}")
+        self.what, self.rerun = what, rerun
 
 
 def _worker_start(parent: int | None, initializer: Callable[..., None], initargs: tuple[Any, ...]) -> None:

@@ -573,40 +573,46 @@ def _run_sweep(spec: SweepSpec, out: Path, rows_dir: Path, workers: int, dask: s
             on_row(row)
 
     in_flight = min(max(1, workers), len(todo))  # (the runs in flight at once: a local pool's or a local cluster's)
-    with _progress(progress, len(configs), len(configs) - len(todo), spec.name) as advance:
-        if dask:
-            _run_dask(todo, dask, workers, in_flight, finished, advance)
-        elif workers <= 1:
-            for cfg in todo:
-                finished(run_config(cfg))
-                advance()
-        else:
-            from .runner import WORKER_DIED, WorkerDied, pool_worker, worker_pool
+    from .runner import WorkerDied
 
-            try:
+    try:
+        with _progress(progress, len(configs), len(configs) - len(todo), spec.name) as advance:
+            if dask:
+                _run_dask(todo, dask, workers, in_flight, finished, advance)
+            elif workers <= 1:
+                for cfg in todo:
+                    finished(run_config(cfg))
+                    advance()
+            else:
+                from .runner import pool_worker, worker_pool
+
                 with worker_pool(workers, pool_worker, (in_flight,)) as pool:
                     futures = [pool.submit(run_config, c) for c in todo]
                     for fut in as_completed(futures):
                         finished(fut.result())
                         advance()
-            except WorkerDied:
-                raise WorkerDied(f"{WORKER_DIED}: {len(finished_ids(rows_dir))} of {len(configs)} rows are kept in "
-                                 f"{rows_dir}; the same command runs the rest (with --workers 1, or fewer than "
-                                 f"{workers})") from None
+    except WorkerDied as err:  # (what the rows hold, and that a rerun resumes)
+        raise WorkerDied(f"{err.what}; {len(finished_ids(rows_dir))} of {len(configs)} rows are kept in {rows_dir}",
+                         f"the same command to run the rest, {err.rerun}") from None
     return collect(out, [c["id"] for c in configs])
 
 
 def _run_dask(todo: list[dict[str, Any]], address: str, workers: int, in_flight: int, finished: Callable,
               advance: Callable) -> None:
+    from .runner import WorkerDied
+
     try:
-        from dask.distributed import Client, LocalCluster
+        from dask.distributed import Client, KilledWorker, LocalCluster
         from dask.distributed import as_completed as dask_completed
     except ImportError:
         raise SweepError("--dask needs dask.distributed: pip install 'klotski[dask]'") from None
-    # (its workers' own warnings silenced: a stopped sweep cancels their tasks, which they log
-    # as two WARNING lines of a CancelledError each; errors are still shown)
+    # Its logs are silenced: every failure reaches the user through a future (a run's error is its
+    # row; workers that died, one line), and what they logged besides was noise of ours — a stopped
+    # sweep's cancelled tasks (a WARNING each), workers missing their scheduler's heartbeat as it
+    # closed, the scheduler giving up on a task after its fourth dead worker (ERRORs). Its HTTP
+    # server, which it always starts, on a free port of this host: the default 8787 warned when taken.
     cluster = LocalCluster(n_workers=max(1, workers), threads_per_worker=1, processes=True,
-                           dashboard_address=None, silence_logs=logging.ERROR) if address == "local" else None
+                           dashboard_address="127.0.0.1:0", silence_logs=logging.CRITICAL) if address == "local" else None
     if cluster is None:
         _check_dask_address(address)
     try:
@@ -621,9 +627,14 @@ def _run_dask(todo: list[dict[str, Any]], address: str, workers: int, in_flight:
 
                 client.run(pool_worker, in_flight)
             futures = client.map(run_config, todo, pure=False)
+            config_of = {fut.key: cfg["id"] for fut, cfg in zip(futures, todo)}
             for fut in dask_completed(futures):
-                with signals_deferred():  # (a stop raised inside distributed's `sync` had it log a
-                    row = fut.result()    # NameError of its own and a failed gather, in the stop's place)
+                try:
+                    with signals_deferred():  # (a stop raised inside distributed's `sync` had it log a
+                        row = fut.result()    # NameError of its own and a failed gather, in the stop's place)
+                except KilledWorker:  # (the scheduler gave the run to worker after worker, and each died)
+                    raise WorkerDied(f"configuration {config_of[fut.key]} ended every Dask worker that ran it "
+                                     f"(killed, or out of host memory?)", "with fewer workers per machine") from None
                 finished(row)
                 advance()
     finally:

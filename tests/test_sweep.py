@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from klotski_sim.sweep import SweepError, collect, expand, parse_spec, run_config, run_sweep
+from klotski_sim.sweep import SweepError, collect, expand, parse_spec, run_sweep
 
 from .conftest import ROOT, run_cli
 
@@ -45,33 +45,38 @@ def test_grid_ids_are_stable_and_unique():
     assert [c["id"] for c in expand(parse_spec(SMALL))] == [c["id"] for c in configs]
 
 
-_DIES_ON = []  # (the config id whose worker dies: set before the pool forks)
+# A policy whose build ends the process that runs it, as the kernel's OOM killer or a `kill -9` would.
+DIES = """import os
+from klotski_sim.policies import register
+
+@register("dies", "ends the process that builds it")
+def build(inp):
+    os._exit(3)
+"""
 
 
-def _dies_on_one(cfg):
-    if cfg["id"] == _DIES_ON[0]:
-        os._exit(3)  # as the kernel's OOM killer or a `kill -9` would end it
-    return run_config(cfg)
-
-
-def test_a_worker_that_dies_is_one_line_that_says_the_rows_are_kept_and_a_rerun_finishes(tmp_path, monkeypatch):
-    """A local pool's worker killed mid-sweep raised BrokenProcessPool's traceback; now one line that
-    says how many rows are kept and that the same command runs the rest, which it does."""
-    from klotski_sim import sweep
-    from klotski_sim.runner import WorkerDied
-
-    spec = parse_spec(SMALL)
-    ids = [c["id"] for c in expand(spec)]
-    _DIES_ON[:] = [ids[-1]]
-    monkeypatch.setattr(sweep, "run_config", _dies_on_one)
-    with pytest.raises(WorkerDied, match=rf"^a worker process died before it finished \(killed, or out of host "
-                                         rf"memory\?\): \d of 8 rows are kept in {tmp_path / 'rows'}; the same "
-                                         rf"command runs the rest \(with --workers 1, or fewer than 2\)$"):
-        run_sweep(spec, tmp_path, workers=2, progress=False)
-    kept = len(list((tmp_path / "rows").iterdir()))
-    assert kept < 8
-    monkeypatch.undo()
-    assert sorted(run_sweep(spec, tmp_path, workers=2, progress=False)["id"]) == sorted(ids)
+@pytest.mark.parametrize("where", [["--workers", "2"], ["--workers", "2", "--dask", "local"]],
+                         ids=["local pool", "local dask cluster"])
+def test_a_worker_that_dies_is_one_line_that_says_the_rows_are_kept(tmp_path, where):
+    """A worker killed mid-sweep ended it with the traceback of BrokenProcessPool (a local pool) or
+    of KilledWorker (Dask, after the fourth worker died on the run); now one line that says how many
+    rows are kept and that the same command runs the rest."""
+    if "--dask" in where:
+        pytest.importorskip("dask.distributed")
+    (tmp_path / "dies.py").write_text(DIES)
+    spec = {**SMALL, "policy_files": ["dies.py"], "policies": ["klotski", "dies"], "num_batches": [2],
+            "routings": ["calibrated"]}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    rows = tmp_path / "out" / "rows"
+    rc, out, err = run_cli("sweep", str(tmp_path / "spec.yaml"), "--out", str(tmp_path / "out"), *where,
+                           "--no-progress")
+    rerun = "with fewer workers per machine" if "--dask" in where else "with --workers 1, or fewer than 2"
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    # (a local pool breaks as a whole: the other worker's run may be lost with it; Dask's finishes)
+    kept = len(list(rows.iterdir()))
+    assert kept == 1 or (kept == 0 and "--dask" not in where)
+    assert err.endswith(f"; {kept} of 2 rows are kept in {rows}: rerun the same command to run the rest, "
+                        f"{rerun}\n"), err  # (a rerun resumes from them: test_resume_after_a_killed_sweep...)
 
 
 def test_failures_are_rows_not_crashes(tmp_path):
