@@ -11,9 +11,7 @@ import importlib
 import json
 import math
 import os
-import signal
 import sys
-import threading
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -56,7 +54,7 @@ from .runner import (
     run,
     run_each,
 )
-from .stopping import STOP_SIGNALS, STOP_WORDS, StopHandler, Terminated
+from .stopping import restore_stops, stopped, take_stops
 from .timeline import FIGURE_COLUMNS, OutOfMemory, Summary, jsonable
 from .trace import MAX_IMPORT_INDEX, Trace, import_jsonl
 from .trace_stats import format_stats, layer_stats, token_subset
@@ -859,14 +857,7 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     args = parser.parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.func
     _made_folders.clear()
-    # Ctrl-C and the stop signals, each where it has its default handler (a caller's own kept, and an
-    # ignored one ignored: `nohup` ignores SIGHUP); only the main thread can set them
-    defaults = {signal.SIGINT: signal.default_int_handler, **{signum: signal.SIG_DFL for signum in STOP_SIGNALS}}
-    caught = ([signum for signum, default in defaults.items() if signal.getsignal(signum) == default]
-              if threading.current_thread() is threading.main_thread() else [])
-    stops = StopHandler()
-    for signum in caught:
-        signal.signal(signum, stops)
+    stops, replaced = take_stops()
     stdout, sys.stdout = sys.stdout, ReaderMayGo(sys.stdout)
     try:
         try:
@@ -883,9 +874,7 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
         return 2
     except KeyboardInterrupt as stop:
         _remove_empty_made_folders()
-        signum = stop.signum if isinstance(stop, Terminated) else signal.SIGINT
-        print(STOP_WORDS[signum], file=sys.stderr)
-        return 128 + signum
+        return stopped(stop)
     except (MemoryError, RuntimeError) as err:  # (torch's allocators raise RuntimeError: "... can't allocate ...")
         if "can't start new thread" in str(err) and not getattr(args, "debug", False):  # (a process or memory limit)
             print(f"error: the machine refused another thread ({err}): ask for fewer --threads", file=sys.stderr)
@@ -898,8 +887,7 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
         return 2
     finally:
         sys.stdout = stdout
-        for signum in caught:
-            signal.signal(signum, defaults[signum])
+        restore_stops(replaced)
 
 
 class ReaderMayGo:

@@ -58,6 +58,36 @@ class StopHandler:
         raise Terminated(signum)
 
 
+def take_stops() -> tuple[StopHandler, dict[int, Any]]:
+    """A new StopHandler for Ctrl-C and each stop signal that has its default handler, or an outer
+    StopHandler (the console script's, `entry`); a caller's own handler is kept, and an ignored
+    signal stays ignored (`nohup` ignores SIGHUP). Returns the handler and what it replaced, for
+    `restore_stops`. Only the main thread can set handlers: elsewhere, none is taken."""
+    stops = StopHandler()
+    if threading.current_thread() is not threading.main_thread():
+        return stops, {}
+    defaults = {signal.SIGINT: signal.default_int_handler, **{signum: signal.SIG_DFL for signum in STOP_SIGNALS}}
+    replaced = {signum: signal.getsignal(signum) for signum in defaults}
+    replaced = {signum: handler for signum, handler in replaced.items()
+                if handler == defaults[signum] or isinstance(handler, StopHandler)}
+    for signum in replaced:
+        signal.signal(signum, stops)
+    return stops, replaced
+
+
+def restore_stops(replaced: dict[int, Any]) -> None:
+    """Put back the handlers `take_stops` replaced."""
+    for signum, handler in replaced.items():
+        signal.signal(signum, handler)
+
+
+def stopped(stop: KeyboardInterrupt) -> int:
+    """Say the word of the stop that ended a command (on stderr) and return its exit status."""
+    signum = stop.signum if isinstance(stop, Terminated) else signal.SIGINT
+    print(STOP_WORDS[signum], file=sys.stderr)
+    return 128 + signum
+
+
 @contextmanager
 def signals_deferred() -> Iterator[None]:
     """Ctrl-C and the stop signals held back until the block has run, then the first of them taken
@@ -79,3 +109,28 @@ def signals_deferred() -> Iterator[None]:
             signal.signal(signum, handler)
         for signum, frame in held[:1]:
             handlers[signum](signum, frame)
+
+
+# What a terminal sends to its whole process group: Ctrl-C, and a hang-up when it closes
+TERMINAL_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGHUP") if hasattr(signal, name))
+
+
+@contextmanager
+def terminal_signals_ignored() -> Iterator[None]:
+    """Ctrl-C and a hang-up ignored over the block, for the processes it starts to inherit: a
+    terminal sends them to its whole process group, and a local Dask cluster's nanny and worker
+    processes printed a KeyboardInterrupt traceback each for a Ctrl-C, multiprocessing's resource
+    tracker died of a hang-up and its successor a KeyError traceback for every semaphore; started
+    with them ignored, they leave them to the command, which stops them itself. One sent during the
+    block itself is lost (the second or so of a cluster's start: press Ctrl-C again). (Blocking them
+    instead does not reach them: they are started by threads of the cluster's event loop, which do
+    not keep the blocking thread's mask.) Only the main thread can change a handler; elsewhere, as is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handlers = {signum: signal.signal(signum, signal.SIG_IGN) for signum in TERMINAL_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)

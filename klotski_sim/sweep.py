@@ -78,7 +78,7 @@ from .npzfile import NPZ_READ_ERRORS, check_npz
 from .policies import POLICIES
 from .policies.base import resolve_options
 from .policies.plugins import load_policy_files
-from .stopping import signals_deferred
+from .stopping import signals_deferred, terminal_signals_ignored
 from .textfile import read_text
 from .timeline import jsonable
 from .trace_synth import DEFAULT_ROUTING, params_for
@@ -611,35 +611,57 @@ def _run_dask(todo: list[dict[str, Any]], address: str, workers: int, in_flight:
     # sweep's cancelled tasks (a WARNING each), workers missing their scheduler's heartbeat as it
     # closed, the scheduler giving up on a task after its fourth dead worker (ERRORs). Its HTTP
     # server, which it always starts, on a free port of this host: the default 8787 warned when taken.
-    cluster = LocalCluster(n_workers=max(1, workers), threads_per_worker=1, processes=True,
-                           dashboard_address="127.0.0.1:0", silence_logs=logging.CRITICAL) if address == "local" else None
-    if cluster is None:
+    local = address == "local"
+    if not local:
         _check_dask_address(address)
+    cluster = client = None
+    # this process's part of the local cluster (its scheduler and nannies) silenced too, and left so
+    # after a stop: the cluster restores the level when it closes, and what its closing connections
+    # log after that was a CommClosedError traceback once in a few stops
+    distributed_log = logging.getLogger("distributed")
+    level, stopped = distributed_log.level, False
+    if local:
+        distributed_log.setLevel(logging.CRITICAL)
     try:
-        try:
-            client = Client(cluster or address, timeout=DASK_TIMEOUT_S)
-        except (OSError, TimeoutError, ValueError) as err:
-            raise SweepError(f"--dask {address}: no Dask scheduler answered within {DASK_TIMEOUT_S} s "
-                             f"({type(err).__name__}: {err})") from err
-        with client:
-            if cluster is not None:  # (its workers are this machine's processes: they share it as a local pool's do)
+        # Set up with the stops held back (a stop inside distributed's calls left a cluster half
+        # made, which its exit hook failed to close with a traceback); the cluster's processes
+        # started with a terminal's signals ignored, so that its Ctrl-C or hang-up is this one's alone
+        with signals_deferred():
+            if local:
+                with terminal_signals_ignored():
+                    cluster = LocalCluster(n_workers=max(1, workers), threads_per_worker=1, processes=True,
+                                           dashboard_address="127.0.0.1:0", silence_logs=logging.CRITICAL)
+            try:
+                client = Client(cluster or address, timeout=DASK_TIMEOUT_S)
+            except (OSError, TimeoutError, ValueError) as err:
+                raise SweepError(f"--dask {address}: no Dask scheduler answered within {DASK_TIMEOUT_S} s "
+                                 f"({type(err).__name__}: {err})") from err
+            if local:  # (its workers are this machine's processes: they share it as a local pool's do)
                 from .runner import pool_worker
 
                 client.run(pool_worker, in_flight)
             futures = client.map(run_config, todo, pure=False)
-            config_of = {fut.key: cfg["id"] for fut, cfg in zip(futures, todo)}
-            for fut in dask_completed(futures):
-                try:
-                    with signals_deferred():  # (a stop raised inside distributed's `sync` had it log a
-                        row = fut.result()    # NameError of its own and a failed gather, in the stop's place)
-                except KilledWorker:  # (the scheduler gave the run to worker after worker, and each died)
-                    raise WorkerDied(f"configuration {config_of[fut.key]} ended every Dask worker that ran it "
-                                     f"(killed, or out of host memory?)", "with fewer workers per machine") from None
-                finished(row)
-                advance()
+        config_of = {fut.key: cfg["id"] for fut, cfg in zip(futures, todo)}
+        for fut in dask_completed(futures):
+            try:
+                with signals_deferred():  # (a stop raised inside distributed's `sync` had it log a
+                    row = fut.result()    # NameError of its own and a failed gather, in the stop's place)
+            except KilledWorker:  # (the scheduler gave the run to worker after worker, and each died)
+                raise WorkerDied(f"configuration {config_of[fut.key]} ended every Dask worker that ran it "
+                                 f"(killed, or out of host memory?)", "with fewer workers per machine") from None
+            finished(row)
+            advance()
+    except KeyboardInterrupt:
+        stopped = True
+        raise
     finally:
-        if cluster is not None:
-            cluster.close()
+        with signals_deferred():  # (closed whole: a stop meanwhile is taken once it is)
+            if client is not None:
+                client.close()
+            if cluster is not None:
+                cluster.close()
+            if local and not stopped:
+                distributed_log.setLevel(level)
 
 
 DASK_TIMEOUT_S = 10

@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 
 from klotski_sim.runner import worker_pool
+from klotski_sim.stopping import STOP_WORDS
+
+from .conftest import ROOT
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc (Linux)")
 
@@ -77,10 +80,41 @@ def test_sigterm_ends_a_sweep_at_once_and_its_workers_with_it(tmp_path):
     assert 1 <= len(list(rows.iterdir())) < 400
 
 
-def test_sigterm_ends_a_local_dask_sweep_in_one_line(tmp_path):
-    """The same on a local Dask cluster: its workers' tasks are cancelled, which each logged as a
-    WARNING line with a CancelledError; the user asked for the stop, so the one line is "terminated"."""
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid`, whichever of its threads started it (a Dask cluster's are started
+    by its event loop's thread, which `_children` of the main thread does not list)."""
+    found = []
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            for child in map(int, (task / "children").read_text().split()):
+                found += [child, *_descendants(child)]
+    except OSError:  # (gone meanwhile)
+        pass
+    return found
+
+
+def _caught(pid: int, signum: int) -> bool:
+    """Whether the process has a handler of its own for `signum` (/proc's SigCgt mask)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
+
+
+DASK_STOPS = [("SIGTERM", "process", "after two rows"), ("SIGINT", "group", "after two rows"),
+              ("SIGHUP", "group", "after two rows"), ("SIGTERM", "group", "after two rows"),
+              ("SIGTERM", "process", "as the cluster starts")]
+
+
+@pytest.mark.parametrize("name, to, when", DASK_STOPS, ids=[" ".join(c) for c in DASK_STOPS])
+def test_a_stopped_local_dask_sweep_ends_in_one_line(tmp_path, name, to, when):
+    """As a local pool's: one line, the signal's status, no process left, the rows kept. A terminal
+    sends Ctrl-C and a hang-up to its whole process group, and a batch scheduler may send SIGTERM
+    so too. Before: the workers' WARNING lines of cancelled tasks, a KeyboardInterrupt traceback of
+    each nanny and worker process, KeyError tracebacks of a resource tracker killed by the hang-up,
+    and, stopped as the cluster started, a traceback of its exit hook failing to close it."""
     pytest.importorskip("dask.distributed")
+    signum = getattr(signal, name)
     seeds = ", ".join(map(str, range(400)))
     # (default-size runs, a few tenths of a second each: the stop finds both workers' tasks in flight)
     (tmp_path / "spec.yaml").write_text(f"name: long\nmodels: [mixtral-8x7b]\nhardware: [rtx3090]\n"
@@ -88,11 +122,47 @@ def test_sigterm_ends_a_local_dask_sweep_in_one_line(tmp_path):
     rows = tmp_path / "out" / "rows"
     proc = _cli("sweep", str(tmp_path / "spec.yaml"), "--out", str(tmp_path / "out"), "--workers", "2",
                 "--dask", "local", "--no-progress")
-    _wait_for(lambda: rows.is_dir() and len(list(rows.iterdir())) >= 2, "two rows", proc)
-    proc.send_signal(signal.SIGTERM)
+    if when == "after two rows":
+        _wait_for(lambda: rows.is_dir() and len(list(rows.iterdir())) >= 2, "two rows", proc)
+    else:
+        _wait_for(lambda: _descendants(proc.pid), "a first process of the cluster", proc)
+    family = [proc.pid, *_descendants(proc.pid)]
+    if to == "group":
+        os.killpg(proc.pid, signum)
+    else:
+        proc.send_signal(signum)
     _, err = proc.communicate(timeout=HANG_S)
-    assert proc.returncode == 143 and err.splitlines() == ["terminated"], err[-2000:]
-    assert 2 <= len(list(rows.iterdir())) < 400
+    assert proc.returncode == 128 + signum and err.splitlines() == [STOP_WORDS[signum]], err[-3000:]
+    assert _wait_gone(family) == []
+    assert len(list(rows.iterdir())) < 400 if rows.is_dir() else when == "as the cluster starts"
+
+
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM", "SIGHUP"])
+def test_a_console_script_takes_a_stop_while_its_command_is_imported(tmp_path, name):
+    """`klotski-sim` and `klotski-runtime` import their command half a second before it sets its own
+    handler; the console scripts (klotski_sim.entry) take the stops first: a Ctrl-C then ended in a
+    KeyboardInterrupt traceback, SIGTERM and SIGHUP silently (status -15 / -1). A module that takes
+    a minute to import stands in for the command's."""
+    signum = getattr(signal, name)
+    (tmp_path / "slow_to_import.py").write_text("import time\ntime.sleep(HANG := 60)\ndef main():\n    return 0\n")
+    proc = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(tmp_path)!r}); "
+                             "from klotski_sim.entry import run_main; sys.exit(run_main('slow_to_import'))"],
+                            stderr=subprocess.PIPE, text=True)
+    _wait_for(lambda: _caught(proc.pid, signal.SIGHUP), "the entry's handlers", proc)  # (Python catches SIGINT itself)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=HANG_S)
+    assert proc.returncode == 128 + signum and err.splitlines() == [STOP_WORDS[signum]], err[-2000:]
+
+
+def test_the_console_scripts_are_the_entry_that_takes_the_stops_first(monkeypatch):
+    import tomllib
+
+    from klotski_sim import entry
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"klotski-sim": "klotski_sim.entry:simulator", "klotski-runtime": "klotski_sim.entry:runtime"}
+    monkeypatch.setattr(entry, "run_main", lambda module: module)
+    assert (entry.simulator(), entry.runtime()) == ("klotski_sim.cli", "klotski_runtime.cli")
 
 
 def test_sigterm_while_routing_is_drawn_into_the_cache_leaves_no_temporary_file(tmp_path):
