@@ -51,11 +51,12 @@ import os
 import time
 import traceback
 from concurrent.futures import as_completed
+from contextlib import contextmanager
 from dataclasses import replace
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import yaml
 from pydantic import (
@@ -602,30 +603,55 @@ def _run_dask(todo: list[dict[str, Any]], address: str, workers: int, in_flight:
     from .runner import WorkerDied
 
     try:
-        from dask.distributed import Client, KilledWorker, LocalCluster
+        from dask.distributed import KilledWorker
         from dask.distributed import as_completed as dask_completed
     except ImportError:
         raise SweepError("--dask needs dask.distributed: pip install 'klotski[dask]'") from None
-    # Its logs are silenced: every failure reaches the user through a future (a run's error is its
-    # row; workers that died, one line), and what they logged besides was noise of ours — a stopped
-    # sweep's cancelled tasks (a WARNING each), workers missing their scheduler's heartbeat as it
-    # closed, the scheduler giving up on a task after its fourth dead worker (ERRORs). Its HTTP
-    # server, which it always starts, on a free port of this host: the default 8787 warned when taken.
+    with _dask_client(address, workers, in_flight) as client:
+        with signals_deferred():  # (a stop raised inside distributed's `sync` had it log a NameError
+            futures = client.map(run_config, todo, pure=False)  # of its own and a failed gather)
+        config_of = {fut.key: cfg["id"] for fut, cfg in zip(futures, todo)}
+        for fut in dask_completed(futures):
+            try:
+                with signals_deferred():
+                    row = fut.result()
+            except KilledWorker:  # (the scheduler gave the run to worker after worker, and each died)
+                raise WorkerDied(f"configuration {config_of[fut.key]} ended every Dask worker that ran it "
+                                 f"(killed, or out of host memory?)", "with fewer workers per machine") from None
+            finished(row)
+            advance()
+
+
+@contextmanager
+def _dask_client(address: str, workers: int, in_flight: int) -> Iterator[Any]:
+    """A client of the Dask scheduler at `address`, or of a local cluster of `workers` processes
+    (`local`), closed whole however the block ends.
+
+    - Set up and closed with the stops held back: a stop inside distributed's calls left a cluster
+      half made, which its exit hook then failed to close with a traceback.
+    - A local cluster's processes start with the terminal's signals ignored, so that its Ctrl-C or
+      hang-up, sent to the whole process group, is this process's alone.
+    - A local cluster is silenced, this process's part of it (its scheduler and nannies) too, and
+      left so after a stop: every failure reaches the user through a future (a run's error is its
+      row, dead workers one line), and what it logged besides was noise of ours — a stopped
+      sweep's cancelled tasks (a WARNING each), workers missing the heartbeat of a scheduler that
+      closed, a task given up after its fourth dead worker (ERRORs), and, after the cluster had
+      restored the log level on closing, a CommClosedError traceback once in a few stops.
+    - Its HTTP server, which it always starts, listens on a free port of this host (the default
+      8787 warned when it was taken)."""
+    from dask.distributed import Client, LocalCluster
+
     local = address == "local"
     if not local:
         _check_dask_address(address)
-    cluster = client = None
-    # this process's part of the local cluster (its scheduler and nannies) silenced too, and left so
-    # after a stop: the cluster restores the level when it closes, and what its closing connections
-    # log after that was a CommClosedError traceback once in a few stops
     distributed_log = logging.getLogger("distributed")
     level, stopped = distributed_log.level, False
-    if local:
-        distributed_log.setLevel(logging.CRITICAL)
+    env_level = os.environ.get(_DASK_LOG_LEVEL)
+    if local:  # (the environment's level for its processes from their first import: one the nanny
+        distributed_log.setLevel(logging.CRITICAL)  # restarts after a death logged its start at INFO)
+        os.environ[_DASK_LOG_LEVEL] = "critical"
+    cluster = client = None
     try:
-        # Set up with the stops held back (a stop inside distributed's calls left a cluster half
-        # made, which its exit hook failed to close with a traceback); the cluster's processes
-        # started with a terminal's signals ignored, so that its Ctrl-C or hang-up is this one's alone
         with signals_deferred():
             if local:
                 with terminal_signals_ignored():
@@ -640,28 +666,26 @@ def _run_dask(todo: list[dict[str, Any]], address: str, workers: int, in_flight:
                 from .runner import pool_worker
 
                 client.run(pool_worker, in_flight)
-            futures = client.map(run_config, todo, pure=False)
-        config_of = {fut.key: cfg["id"] for fut, cfg in zip(futures, todo)}
-        for fut in dask_completed(futures):
-            try:
-                with signals_deferred():  # (a stop raised inside distributed's `sync` had it log a
-                    row = fut.result()    # NameError of its own and a failed gather, in the stop's place)
-            except KilledWorker:  # (the scheduler gave the run to worker after worker, and each died)
-                raise WorkerDied(f"configuration {config_of[fut.key]} ended every Dask worker that ran it "
-                                 f"(killed, or out of host memory?)", "with fewer workers per machine") from None
-            finished(row)
-            advance()
+        yield client
     except KeyboardInterrupt:
         stopped = True
         raise
     finally:
-        with signals_deferred():  # (closed whole: a stop meanwhile is taken once it is)
+        with signals_deferred():
             if client is not None:
                 client.close()
             if cluster is not None:
                 cluster.close()
             if local and not stopped:
                 distributed_log.setLevel(level)
+            if local:
+                if env_level is None:
+                    os.environ.pop(_DASK_LOG_LEVEL, None)
+                else:
+                    os.environ[_DASK_LOG_LEVEL] = env_level
+
+
+_DASK_LOG_LEVEL = "DASK_LOGGING__DISTRIBUTED"  # (dask's configuration from the environment: logging.distributed)
 
 
 DASK_TIMEOUT_S = 10
