@@ -485,22 +485,16 @@ def worker_pool(workers: int, initializer: Callable[..., None], initargs: tuple[
         for process in processes:
             process.terminate()
         if isinstance(err, BrokenProcessPool):  # (the kernel's OOM killer, a `kill -9`: said in one line)
-            raise WorkerDied(WORKER_DIED, f"with --workers 1, or fewer than {workers}") from None
+            raise WorkerDied(f"a worker process died before it finished (killed, or out of host memory?): "
+                             f"rerun with --workers 1, or fewer than {workers}") from None
         raise
     pool.shutdown(wait=True)
 
 
-WORKER_DIED = "a worker process died before it finished (killed, or out of host memory?)"
-
-
 class WorkerDied(UsageError):
-    """A worker process ended without finishing its run (killed from outside, or by the kernel for
-    want of host memory): a traceback of BrokenProcessPool or Dask's KilledWorker said nothing the
-    user could act on. `what` happened, and how to `rerun`."""
-
-    def __init__(self, what: str, rerun: str) -> None:
-        super().__init__(f"{what}: rerun {rerun}")
-        self.what, self.rerun = what, rerun
+    """A pool's worker process ended without finishing its run (killed from outside, or by the
+    kernel for want of host memory), which breaks the pool: one line where BrokenProcessPool's
+    traceback said nothing the user could act on (compare); a sweep goes on (sweep._run_pool)."""
 
 
 def _worker_start(parent: int | None, initializer: Callable[..., None], initargs: tuple[Any, ...]) -> None:

@@ -9,7 +9,8 @@ configuration that does not run to the end is a row with its status and error: `
 simulated, or refused by the memory check; error holds the numbers as JSON), `refused` (the
 profile's host memory or disk cannot hold what the run keeps there: the reason), `too-large` (the
 memory of the machine running the sweep cannot hold the run's schedule and timeline, projected
-from its first steps: klotski_sim/run_size.py; tried again on a rerun) or `error`.
+from its first steps: klotski_sim/run_size.py; tried again on a rerun), `killed` (its worker process
+died running it, on its own: the kernel's OOM killer, a `kill -9`; tried again on a rerun) or `error`.
 The id hashes the inputs *and* the simulator's code, so rows computed by older code stay on disk
 but are neither reused nor reported.
 
@@ -406,11 +407,7 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
     from .runner import RunSpec, run
 
     t = time.perf_counter()
-    row: dict[str, Any] = {"id": cfg["id"], "code": code_fingerprint(),
-                           **{k: v for k, v in cfg.items() if k not in ("id", "overrides", "policy_files", "options")},
-                           **{f"set.{k}": v for k, v in cfg["overrides"].items()},
-                           **{f"opt.{k}": v for k, v in cfg.get("options", {}).items()}}
-    row["num_batches"] = str(cfg["num_batches"])
+    row = _row_of(cfg)
     try:
         load_policy_files(cfg.get("policy_files", {}))  # a worker process imports them itself
         routing = cfg["routing"]
@@ -452,6 +449,24 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return jsonable(row)
 
 
+def _row_of(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A configuration's row before its run: its id, the code's, and its inputs."""
+    row: dict[str, Any] = {"id": cfg["id"], "code": code_fingerprint(),
+                           **{k: v for k, v in cfg.items() if k not in ("id", "overrides", "policy_files", "options")},
+                           **{f"set.{k}": v for k, v in cfg["overrides"].items()},
+                           **{f"opt.{k}": v for k, v in cfg.get("options", {}).items()}}
+    row["num_batches"] = str(cfg["num_batches"])
+    return row
+
+
+def killed_row(cfg: dict[str, Any], how: str) -> dict[str, Any]:
+    """The row of a configuration whose worker process died running it (`how`: on its own, or on
+    every Dask worker it was given), status `killed`: the kernel's OOM killer or a `kill -9`
+    leaves no error to record."""
+    return jsonable({**_row_of(cfg), "status": "killed", "wall_s": 0.0,
+                     "error": f"its worker process died running it {how} (killed, or out of host memory?)"})
+
+
 def write_row(rows_dir: Path, row: dict[str, Any]) -> None:
     """Atomically: a reader sees the whole row or none of it."""
     tmp = rows_dir / f".{row['id']}.{os.getpid()}.tmp"
@@ -470,10 +485,11 @@ def read_row(path: Path) -> dict[str, Any] | None:
 
 
 def finished_ids(rows_dir: Path) -> set[str]:
-    """The ids a rerun skips: every row's but a `too-large` one's (the machine running klotski
-    could not hold that run: a rerun, perhaps on a larger machine, tries it again)."""
+    """The ids a rerun skips: every row's but a `too-large` or `killed` one's (the machine running
+    klotski could not hold that run, or something ended its worker: a rerun, perhaps on a larger
+    machine, tries it again)."""
     return {p.stem for p in rows_dir.glob("*.json") if (row := read_row(p)) is not None
-            and row.get("status") != "too-large"}
+            and row.get("status") not in ("too-large", "killed")}
 
 
 def collect(out_dir: str | Path, ids: Iterable[str] | None = None) -> pd.DataFrame:
@@ -574,34 +590,55 @@ def _run_sweep(spec: SweepSpec, out: Path, rows_dir: Path, workers: int, dask: s
             on_row(row)
 
     in_flight = min(max(1, workers), len(todo))  # (the runs in flight at once: a local pool's or a local cluster's)
-    from .runner import WorkerDied
-
-    try:
-        with _progress(progress, len(configs), len(configs) - len(todo), spec.name) as advance:
-            if dask:
-                _run_dask(todo, dask, workers, in_flight, finished, advance)
-            elif workers <= 1:
-                for cfg in todo:
-                    finished(run_config(cfg))
-                    advance()
-            else:
-                from .runner import pool_worker, worker_pool
-
-                with worker_pool(workers, pool_worker, (in_flight,)) as pool:
-                    futures = [pool.submit(run_config, c) for c in todo]
-                    for fut in as_completed(futures):
-                        finished(fut.result())
-                        advance()
-    except WorkerDied as err:  # (what the rows hold, and that a rerun resumes)
-        raise WorkerDied(f"{err.what}; {len(finished_ids(rows_dir))} of {len(configs)} rows are kept in {rows_dir}",
-                         f"the same command to run the rest, {err.rerun}") from None
+    with _progress(progress, len(configs), len(configs) - len(todo), spec.name) as advance:
+        if dask:
+            _run_dask(todo, dask, workers, in_flight, finished, advance)
+        elif workers <= 1:
+            for cfg in todo:
+                finished(run_config(cfg))
+                advance()
+        else:
+            _run_pool(todo, workers, in_flight, finished, advance)
     return collect(out, [c["id"] for c in configs])
+
+
+def _run_pool(todo: list[dict[str, Any]], workers: int, in_flight: int, finished: Callable,
+              advance: Callable) -> None:
+    """On a local pool of `workers` processes. A worker that dies (the kernel's OOM killer, a
+    `kill -9`) breaks the whole pool, and the runs in flight with it, which ended the sweep. Now the
+    first `workers + 1` configurations not finished (those that were running, and the one queued
+    next) are run one at a time, each on a worker of its own: one that kills that worker too is a
+    row of status `killed`; then the sweep goes on with a new pool."""
+    from .runner import WorkerDied, pool_worker, worker_pool
+
+    left = list(todo)
+    while left:
+        done: set[str] = set()
+        try:
+            with worker_pool(workers, pool_worker, (in_flight,)) as pool:
+                futures = {pool.submit(run_config, cfg): cfg["id"] for cfg in left}
+                for fut in as_completed(futures):
+                    finished(fut.result())
+                    done.add(futures[fut])
+                    advance()
+            return
+        except WorkerDied:
+            left = [cfg for cfg in left if cfg["id"] not in done]
+        for cfg in left[:workers + 1]:  # (in submission order: a pool hands its runs out in it)
+            try:
+                with worker_pool(1, pool_worker, (1,)) as alone:
+                    row = alone.submit(run_config, cfg).result()
+            except WorkerDied:
+                row = killed_row(cfg, "on its own")
+            finished(row)
+            advance()
+        left = left[workers + 1:]
 
 
 def _run_dask(todo: list[dict[str, Any]], address: str, workers: int, in_flight: int, finished: Callable,
               advance: Callable) -> None:
-    from .runner import WorkerDied
-
+    """On a Dask cluster; the scheduler gives a run whose worker died to another worker, and a
+    configuration that ended every worker it was given (four) is a row of status `killed`."""
     try:
         from dask.distributed import KilledWorker
         from dask.distributed import as_completed as dask_completed
@@ -610,14 +647,13 @@ def _run_dask(todo: list[dict[str, Any]], address: str, workers: int, in_flight:
     with _dask_client(address, workers, in_flight) as client:
         with signals_deferred():  # (a stop raised inside distributed's `sync` had it log a NameError
             futures = client.map(run_config, todo, pure=False)  # of its own and a failed gather)
-        config_of = {fut.key: cfg["id"] for fut, cfg in zip(futures, todo)}
+        config_of = {fut.key: cfg for fut, cfg in zip(futures, todo)}
         for fut in dask_completed(futures):
             try:
                 with signals_deferred():
                     row = fut.result()
-            except KilledWorker:  # (the scheduler gave the run to worker after worker, and each died)
-                raise WorkerDied(f"configuration {config_of[fut.key]} ended every Dask worker that ran it "
-                                 f"(killed, or out of host memory?)", "with fewer workers per machine") from None
+            except KilledWorker:
+                row = killed_row(config_of[fut.key], "on every Dask worker it was given")
             finished(row)
             advance()
 
