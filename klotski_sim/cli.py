@@ -601,7 +601,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     failed_count = int((df["status"] == "error").sum()) if "status" in df.columns else 0
     refused = int((df["status"] == "refused").sum()) if "status" in df.columns else 0
     too_large = int((df["status"] == "too-large").sum()) if "status" in df.columns else 0
-    oom = len(df) - len(ok) - failed_count - refused - too_large
+    killed = int((df["status"] == "killed").sum()) if "status" in df.columns else 0
+    oom = len(df) - len(ok) - failed_count - refused - too_large - killed
     notes = []
     if oom:
         notes.append(f"{oom} {'does' if oom == 1 else 'do'} not fit in GPU memory")
@@ -610,6 +611,9 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     if too_large:
         notes.append(f"{too_large} {'is' if too_large == 1 else 'are'} too large for this machine's memory to "
                      f"simulate")
+    if killed:
+        notes.append(f"{killed} ended the worker process that ran {'it' if killed == 1 else 'them'}: killed, or out "
+                     f"of host memory?")
     if failed_count:
         notes.append(f"{failed_count} failed: see the error column")
     print(f"{len(ok)} of {len(df)} ran to the end" + (f" ({'; '.join(notes)})" if notes else "")
@@ -619,13 +623,15 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         if len(failed):
             raise CliError(f"{len(failed)} of {counted(len(df), 'configuration')} failed and none ran to the end; "
                            f"the first: {failed['error'].iloc[0]}")
-        if refused or too_large:
-            first = df.loc[df["status"].isin(["refused", "too-large"]), "error"].iloc[0]
+        if refused or too_large or killed:
+            first = df.loc[df["status"].isin(["refused", "too-large"] if refused or too_large else ["killed"]),
+                           "error"].iloc[0]
             where = ", ".join(f"{count} {why}" for count, why in (
                 (oom, "not in GPU memory"), (refused, "not in the profile's host memory or disk"),
-                (too_large, "too large to simulate here")) if count)
-            fits = "could run" if too_large else "fits"
-            raise CliError(f"no configuration {fits} ({len(df)} tried: {where}); the first refused: {first}")
+                (too_large, "too large to simulate here"), (killed, "killed")) if count)
+            fits = "could run" if too_large or killed else "fits"
+            label = "refused" if refused or too_large else "killed"
+            raise CliError(f"no configuration {fits} ({len(df)} tried: {where}); the first {label}: {first}")
         raise CliError(f"no configuration fits in GPU memory ({len(df)} tried): try smaller --batch-sizes, "
                        f"--num-batches or --expert-dtypes int4")
     front = pareto_front(ok)

@@ -83,6 +83,23 @@ def test_configurations_host_memory_cannot_hold_are_counted_apart_from_failures(
         "the first refused: mixtral-8x22b keeps 431.08 GiB in host memory" in err, err
 
 
+def test_configurations_that_kill_their_worker_are_counted_apart_from_gpu_memory(tmp_path):
+    """A configuration whose worker process dies (its row `killed`) was counted as one that does not
+    fit in GPU memory; with nothing else left, the one line says so."""
+    from .test_sweep import DIES
+
+    (tmp_path / "dies.py").write_text(DIES)
+    common = ("--model", "tiny-mixtral", "--prompt-len", "32", "--gen-len", "3", "--policy-file",
+              str(tmp_path / "dies.py"), "--batch-sizes", "2", "--impl", "ideal", "--expert-dtypes", "bf16",
+              "--workers", "2", "--no-progress")
+    code, out, err = run_cli("optimize", *common, "--policies", "klotski,dies", "--out", str(tmp_path / "a"))
+    assert code == 0 and "1 of 2 ran to the end (1 ended the worker process that ran it: killed, or out of host " \
+        "memory?)" in out, out + err
+    code, out, err = run_cli("optimize", *common, "--policies", "dies", "--out", str(tmp_path / "b"))
+    assert code == 2 and err == "error: no configuration could run (1 tried: 1 killed); the first killed: its " \
+        "worker process died running it on its own (killed, or out of host memory?)\n", err
+
+
 @given(st.lists(st.tuples(st.floats(0.1, 100), st.floats(0.001, 10)), min_size=1, max_size=30))
 def test_the_front_is_exactly_the_undominated_points(points):
     df = pd.DataFrame({"m.throughput_tok_s": [p[0] for p in points], "m.decode_step_s": [p[1] for p in points]})
