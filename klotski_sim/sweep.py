@@ -537,15 +537,17 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, workers: int = 1, dask: str 
 def _check_sweep_folder(out: Path) -> None:
     """What a sweep writes in `out` must be what it can write: a folder, a file or a row where the
     other is (a damaged or foreign folder) ended a resumed sweep in a raw `[Errno 21] Is a directory`,
-    sometimes after a configuration had run."""
+    sometimes after a configuration had run; a FIFO where a file goes (its spec, lock or a row) hung
+    it forever, opened for reading or writing with no process at the other end."""
     expected = [(out / "rows", True, "its rows folder"), (out / ".lock", False, "its lock file"),
                 (out / "spec.yaml", False, "its spec file"), (out / "results.parquet", False, "its results file")]
     if (out / "rows").is_dir():
         expected += [(row, False, "a finished row's file") for row in (out / "rows").glob("*.json")]
     for path, folder, what in expected:
-        if path.exists() and path.is_dir() != folder:
-            raise SweepError(f"{path}: is {'not ' if folder else ''}a folder, but the sweep keeps {what} there: not a "
-                             f"sweep folder as this command writes it (move it away, or give another --out)")
+        if path.exists() and not (path.is_dir() if folder else path.is_file()):
+            found = "not a folder" if folder else "a folder" if path.is_dir() else "not a regular file (a FIFO?)"
+            raise SweepError(f"{path}: is {found}, but the sweep keeps {what} there: not a sweep folder as this "
+                             f"command writes it (move it away, or give another --out)")
 
 
 class _locked:

@@ -5,6 +5,7 @@ sweeps, mismatched files)."""
 from __future__ import annotations
 
 import http.server
+import os
 import socket
 import threading
 
@@ -301,9 +302,15 @@ def test_a_huge_override_axis_is_refused_before_each_value_is_checked(tmp_path, 
     (lambda out: (out / ".lock").mkdir(parents=True), ".lock: is a folder, but the sweep keeps its lock file there"),
     (lambda out: out.mkdir() or (out / "rows").write_text("x"), "rows: is not a folder, but the sweep keeps its rows"),
     (lambda out: (out / "rows" / "0123456789abcdef.json").mkdir(parents=True),
-     "0123456789abcdef.json: is a folder, but the sweep keeps a finished row's file there")])
+     "0123456789abcdef.json: is a folder, but the sweep keeps a finished row's file there"),
+    (lambda out: (out / "rows").mkdir(parents=True) or os.mkfifo(out / "rows" / "0123456789abcdef.json"),
+     r"0123456789abcdef.json: is not a regular file \(a FIFO\?\), but the sweep keeps a finished row's file there"),
+    (lambda out: out.mkdir() or os.mkfifo(out / "spec.yaml"),
+     r"spec.yaml: is not a regular file \(a FIFO\?\), but the sweep keeps its spec file there"),
+    (lambda out: out.mkdir() or os.mkfifo(out / ".lock"), r".lock: is not a regular file \(a FIFO\?\)")])
 def test_a_sweep_into_a_damaged_folder_is_refused_in_one_line(tmp_path, damage, message):
-    """Each ended a resumed sweep in a raw `[Errno 21] Is a directory` (one after a configuration ran)."""
+    """Each ended a resumed sweep in a raw `[Errno 21] Is a directory` (one after a configuration ran),
+    or, a FIFO where a file goes, hung it forever."""
     damage(tmp_path / "o")
     with pytest.raises(SweepError, match=message):
         run_sweep(parse_spec(TINY), tmp_path / "o", progress=False)
