@@ -593,20 +593,21 @@ def _run_sweep(spec: SweepSpec, out: Path, rows_dir: Path, workers: int, dask: s
 
     in_flight = min(max(1, workers), len(todo))  # (the runs in flight at once: a local pool's or a local cluster's)
     with _progress(progress, len(configs), len(configs) - len(todo), spec.name) as advance:
-        if dask:
-            _run_dask(todo, dask, workers, in_flight, finished, advance)
+        if not todo:  # (all finished before: no cluster or pool to start)
+            pass
+        elif dask:
+            _run_dask(todo, dask, in_flight, finished, advance)
         elif workers <= 1:
             for cfg in todo:
                 finished(run_config(cfg))
                 advance()
         else:
-            _run_pool(todo, workers, in_flight, finished, advance)
+            _run_pool(todo, in_flight, finished, advance)
     return collect(out, [c["id"] for c in configs])
 
 
-def _run_pool(todo: list[dict[str, Any]], workers: int, in_flight: int, finished: Callable,
-              advance: Callable) -> None:
-    """On a local pool of `workers` processes. A worker that dies (the kernel's OOM killer, a
+def _run_pool(todo: list[dict[str, Any]], in_flight: int, finished: Callable, advance: Callable) -> None:
+    """On a local pool of `in_flight` processes (no more than there are runs). A worker that dies (the kernel's OOM killer, a
     `kill -9`) breaks the whole pool, and the runs in flight with it, which ended the sweep. Now the
     first `workers + 1` configurations not finished (those that were running, and the one queued
     next) are run one at a time, each on a worker of its own: one that kills that worker too is a
@@ -617,7 +618,7 @@ def _run_pool(todo: list[dict[str, Any]], workers: int, in_flight: int, finished
     while left:
         done: set[str] = set()
         try:
-            with worker_pool(workers, pool_worker, (in_flight,)) as pool:
+            with worker_pool(in_flight, pool_worker, (in_flight,)) as pool:
                 futures = {pool.submit(run_config, cfg): cfg["id"] for cfg in left}
                 for fut in as_completed(futures):
                     finished(fut.result())
@@ -626,7 +627,7 @@ def _run_pool(todo: list[dict[str, Any]], workers: int, in_flight: int, finished
             return
         except WorkerDied:
             left = [cfg for cfg in left if cfg["id"] not in done]
-        for cfg in left[:workers + 1]:  # (in submission order: a pool hands its runs out in it)
+        for cfg in left[:in_flight + 1]:  # (in submission order: a pool hands its runs out in it)
             try:
                 with worker_pool(1, pool_worker, (1,)) as alone:
                     row = alone.submit(run_config, cfg).result()
@@ -634,10 +635,10 @@ def _run_pool(todo: list[dict[str, Any]], workers: int, in_flight: int, finished
                 row = killed_row(cfg, "on its own")
             finished(row)
             advance()
-        left = left[workers + 1:]
+        left = left[in_flight + 1:]
 
 
-def _run_dask(todo: list[dict[str, Any]], address: str, workers: int, in_flight: int, finished: Callable,
+def _run_dask(todo: list[dict[str, Any]], address: str, in_flight: int, finished: Callable,
               advance: Callable) -> None:
     """On a Dask cluster; the scheduler gives a run whose worker died to another worker, and a
     configuration that ended every worker it was given (four) is a row of status `killed`."""
@@ -646,7 +647,7 @@ def _run_dask(todo: list[dict[str, Any]], address: str, workers: int, in_flight:
         from dask.distributed import as_completed as dask_completed
     except ImportError:
         raise SweepError("--dask needs dask.distributed: pip install 'klotski[dask]'") from None
-    with _dask_client(address, workers, in_flight) as client:
+    with _dask_client(address, in_flight) as client:
         with signals_deferred():  # (a stop raised inside distributed's `sync` had it log a NameError
             futures = client.map(run_config, todo, pure=False)  # of its own and a failed gather)
         config_of = {fut.key: cfg for fut, cfg in zip(futures, todo)}
@@ -661,8 +662,8 @@ def _run_dask(todo: list[dict[str, Any]], address: str, workers: int, in_flight:
 
 
 @contextmanager
-def _dask_client(address: str, workers: int, in_flight: int) -> Iterator[Any]:
-    """A client of the Dask scheduler at `address`, or of a local cluster of `workers` processes
+def _dask_client(address: str, in_flight: int) -> Iterator[Any]:
+    """A client of the Dask scheduler at `address`, or of a local cluster of `in_flight` processes
     (`local`), closed whole however the block ends.
 
     - Set up and closed with the stops held back: a stop inside distributed's calls left a cluster
@@ -693,7 +694,7 @@ def _dask_client(address: str, workers: int, in_flight: int) -> Iterator[Any]:
         with signals_deferred():
             if local:
                 with terminal_signals_ignored():
-                    cluster = LocalCluster(n_workers=max(1, workers), threads_per_worker=1, processes=True,
+                    cluster = LocalCluster(n_workers=in_flight, threads_per_worker=1, processes=True,
                                            dashboard_address="127.0.0.1:0", silence_logs=logging.CRITICAL)
             try:
                 client = Client(cluster or address, timeout=DASK_TIMEOUT_S)
