@@ -882,6 +882,12 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
         _remove_empty_made_folders()
         return stopped(stop)
     except (MemoryError, RuntimeError) as err:  # (torch's allocators raise RuntimeError: "... can't allocate ...")
+        if str(err).startswith("Symlink loop from ") and not getattr(args, "debug", False):
+            # (a path given through a link that points back at itself: pathlib's resolve() on Python < 3.13;
+            # from 3.13 it is an OSError, ELOOP, said above)
+            print(f"error: {str(err).removeprefix('Symlink loop from ')}: a symbolic link that loops back on itself",
+                  file=sys.stderr)
+            return 2
         if "can't start new thread" in str(err) and not getattr(args, "debug", False):  # (a process or memory limit)
             print(f"error: the machine refused another thread ({err}): ask for fewer --threads", file=sys.stderr)
             return 2

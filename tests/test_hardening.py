@@ -711,3 +711,17 @@ def test_a_run_spec_takes_numpy_integers_and_a_path_as_what_they_are(tmp_path):
                    seed=np.int64(3), hardware=Path("klotski_sim/profiles/rtx3090.yaml"))
     assert type(spec.batch_size) is int and type(spec.seed) is int and spec.hardware.endswith("rtx3090.yaml")
     assert run(spec).timeline.status == "ok"
+
+
+@pytest.mark.parametrize("args", [("trace", "synth", "--model", "tiny-mixtral", "--sequences", "2", "--prompt-len", "4",
+                                   "--gen-len", "2", "--out", "{loop}"),
+                                  ("trace", "import", "{loop}"),
+                                  ("simulate", "--model", "tiny-mixtral", "--trace", "{loop}")],
+                         ids=["an output", "an input", "a trace"])
+def test_a_path_through_a_link_that_loops_is_one_line(tmp_path, args):
+    """A path that is a symbolic link to itself: pathlib's resolve() raised RuntimeError('Symlink loop
+    from ...') on Python < 3.13, a traceback (the fault battery's `--out loop`)."""
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    rc, out, err = run_cli(*(a.format(loop=loop) for a in args))
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err and str(loop) in err, err
