@@ -686,6 +686,9 @@ def execute(schedule: Schedule, spec: ModelSpec, weights: WeightStore, routing: 
     return timeline, runner
 
 
+_GIVE_UP_S = 10.0  # the most a stopped run waits for each stream's thread to finish its current op
+
+
 def _run_cpu(schedule: Schedule, runner: OpRunner, options: ExecOptions) -> tuple[list[float], list[float]]:
     """One worker thread per stream; deps are thread events."""
     ops, index = schedule.ops, schedule.index
@@ -705,6 +708,8 @@ def _run_cpu(schedule: Schedule, runner: OpRunner, options: ExecOptions) -> tupl
     def worker(indices: list[int]) -> None:
         try:
             for i in indices:
+                if abort.is_set():
+                    return
                 for d in dep_index[i]:
                     while not done[d].wait(0.05):
                         if abort.is_set():
@@ -748,8 +753,17 @@ def _run_cpu(schedule: Schedule, runner: OpRunner, options: ExecOptions) -> tupl
     for t in threads:
         t.start()
     deadline = time.perf_counter() + options.timeout_s
-    for t in threads:
-        t.join(max(0.0, deadline - time.perf_counter()))
+    try:
+        for t in threads:
+            t.join(max(0.0, deadline - time.perf_counter()))
+    except BaseException:
+        # a stop (Ctrl-C, SIGTERM) while the ops run: the threads give up after their current op
+        # and are waited for, so that none is inside torch as the interpreter ends (one was:
+        # "terminate called without an active exception", exit status 134 after the stop's word)
+        abort.set()
+        for t in threads:
+            t.join(_GIVE_UP_S)
+        raise
     if any(t.is_alive() for t in threads):
         abort.set()
         raise ExecutionError(f"execution did not finish within {options.timeout_s:.0f} s")

@@ -313,3 +313,21 @@ def test_a_deepseek_shaped_model_runs_mla_dense_and_shared_experts_with_the_simu
                 torch.testing.assert_close(runner.logits[key], logits, atol=1e-4, rtol=1e-4)
             kv_moves = [o.bytes for o in schedule.ops if o.tensor == "kv" and o.stream == "d2h_kv"]
             assert all(b % spec.kv_bytes_per_token() == 0 for b in kv_moves)
+
+
+def test_a_stop_while_the_ops_run_leaves_no_stream_thread_running():
+    """A stop (Ctrl-C, SIGTERM) during a CPU run raised out of the executor while its stream threads
+    went on running ops; one inside torch as the interpreter ended aborted the process ("terminate
+    called without an active exception", exit 134 after the stop's word: the fault battery, 10 of 35
+    stops). Now they give up after their current op and are waited for."""
+    import _thread
+    import threading
+
+    inp = _input()
+    schedule = build_schedule("single-batch", inp)
+    stop = threading.Timer(0.3, _thread.interrupt_main)  # (as Ctrl-C: KeyboardInterrupt in the main thread)
+    stop.start()
+    with pytest.raises(KeyboardInterrupt):  # (links emulated slowly: the run takes seconds)
+        execute(schedule, TINY, WeightStore.random(TINY), inp.routing, ExecOptions(emulate_links={"pcie_h2d": 2e6}))
+    stop.join()
+    assert [t.name for t in threading.enumerate() if t.name.startswith("stream-")] == []
