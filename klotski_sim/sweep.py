@@ -527,6 +527,8 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, workers: int = 1, dask: str 
     refused, not interleaved."""
     out = Path(out_dir)
     rows_dir = out / "rows"
+    if dask and dask != "local":  # (before the folder is made: a bad address left it with a lock, spec and no rows)
+        _check_dask_address(dask)
     _check_sweep_folder(out)
     rows_dir.mkdir(parents=True, exist_ok=True)
     with _locked(out):
@@ -680,9 +682,7 @@ def _dask_client(address: str, in_flight: int) -> Iterator[Any]:
       8787 warned when it was taken)."""
     from dask.distributed import Client, LocalCluster
 
-    local = address == "local"
-    if not local:
-        _check_dask_address(address)
+    local = address == "local"  # (another address was checked by run_sweep, before the output folder was made)
     distributed_log = logging.getLogger("distributed")
     level, stopped = distributed_log.level, False
     env_level = os.environ.get(_DASK_LOG_LEVEL)

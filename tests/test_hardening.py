@@ -338,6 +338,7 @@ def test_dask_pointed_at_another_service_says_what_answered(tmp_path):
         port = s.getsockname()[1]
     with pytest.raises(SweepError, match="cannot connect"):
         run_sweep(parse_spec(TINY), tmp_path / "b", dask=f"tcp://127.0.0.1:{port}", progress=False)
+    assert not (tmp_path / "b").exists()  # (refused before the output folder is made: it kept a lock and a spec)
 
 
 def test_every_user_error_is_a_klotski_error():
