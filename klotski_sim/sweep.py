@@ -609,11 +609,11 @@ def _run_sweep(spec: SweepSpec, out: Path, rows_dir: Path, workers: int, dask: s
 
 
 def _run_pool(todo: list[dict[str, Any]], in_flight: int, finished: Callable, advance: Callable) -> None:
-    """On a local pool of `in_flight` processes (no more than there are runs). A worker that dies (the kernel's OOM killer, a
-    `kill -9`) breaks the whole pool, and the runs in flight with it, which ended the sweep. Now the
-    first `workers + 1` configurations not finished (those that were running, and the one queued
-    next) are run one at a time, each on a worker of its own: one that kills that worker too is a
-    row of status `killed`; then the sweep goes on with a new pool."""
+    """On a local pool of `in_flight` processes (no more than there are runs). A worker that dies
+    (the kernel's OOM killer, a `kill -9`) breaks the whole pool and the runs in flight with it
+    (that ended the sweep); then the first `in_flight + 1` configurations not finished (those that
+    were running, and the one queued next) are run one at a time, each on a worker of its own: one
+    that kills that worker too is a row of status `killed`. Then a new pool takes the rest."""
     from .runner import WorkerDied, pool_worker, worker_pool
 
     left = list(todo)
@@ -674,7 +674,8 @@ def _dask_client(address: str, in_flight: int) -> Iterator[Any]:
       hang-up, sent to the whole process group, is this process's alone.
     - A local cluster is silenced, this process's part of it (its scheduler and nannies) too, and
       left so after a stop: every failure reaches the user through a future (a run's error is its
-      row, dead workers one line), and what it logged besides was noise of ours — a stopped
+      row, and so is a run that killed every worker it was given), and what it logged besides was
+      noise of ours — a stopped
       sweep's cancelled tasks (a WARNING each), workers missing the heartbeat of a scheduler that
       closed, a task given up after its fourth dead worker (ERRORs), and, after the cluster had
       restored the log level on closing, a CommClosedError traceback once in a few stops.
