@@ -675,10 +675,10 @@ def _dask_client(address: str, in_flight: int) -> Iterator[Any]:
     - A local cluster is silenced, this process's part of it (its scheduler and nannies) too, and
       left so after a stop: every failure reaches the user through a future (a run's error is its
       row, and so is a run that killed every worker it was given), and what it logged besides was
-      noise of ours — a stopped
-      sweep's cancelled tasks (a WARNING each), workers missing the heartbeat of a scheduler that
-      closed, a task given up after its fourth dead worker (ERRORs), and, after the cluster had
-      restored the log level on closing, a CommClosedError traceback once in a few stops.
+      noise of ours — a stopped sweep's cancelled tasks (a WARNING each), workers missing the
+      heartbeat of a scheduler that closed, a task given up after its fourth dead worker (ERRORs),
+      and, after the cluster had restored the log level on closing, a CommClosedError traceback
+      once in a few stops.
     - Its HTTP server, which it always starts, listens on a free port of this host (the default
       8787 warned when it was taken)."""
     from dask.distributed import Client, LocalCluster
