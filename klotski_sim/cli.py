@@ -12,6 +12,7 @@ import json
 import math
 import os
 import sys
+from collections import Counter
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -598,10 +599,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
               f"definition, at n auto only (--num-batches auto,... includes {'it' if alone else 'them'})")
     df = run_sweep(spec, args.out, workers=args.workers, progress=not args.no_progress, only=ids)
     ok = ok_rows(df)
-    failed_count = int((df["status"] == "error").sum()) if "status" in df.columns else 0
-    refused = int((df["status"] == "refused").sum()) if "status" in df.columns else 0
-    too_large = int((df["status"] == "too-large").sum()) if "status" in df.columns else 0
-    killed = int((df["status"] == "killed").sum()) if "status" in df.columns else 0
+    statuses = Counter(df["status"] if "status" in df.columns else ())
+    failed_count, refused, too_large, killed = (statuses[s] for s in ("error", "refused", "too-large", "killed"))
     oom = len(df) - len(ok) - failed_count - refused - too_large - killed
     notes = []
     if oom:
