@@ -51,8 +51,7 @@ class StopHandler:
             return
         self.stopping = True
         if self.done:
-            print(STOP_WORDS.get(signum, "stopped"), file=sys.stderr, flush=True)
-            raise SystemExit(128 + signum)
+            raise SystemExit(_said(signum))
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
         raise Terminated(signum)
@@ -83,8 +82,12 @@ def restore_stops(replaced: dict[int, Any]) -> None:
 
 def stopped(stop: KeyboardInterrupt) -> int:
     """Say the word of the stop that ended a command (on stderr) and return its exit status."""
-    signum = stop.signum if isinstance(stop, Terminated) else signal.SIGINT
-    print(STOP_WORDS[signum], file=sys.stderr)
+    return _said(stop.signum if isinstance(stop, Terminated) else signal.SIGINT)
+
+
+def _said(signum: int) -> int:
+    """A stop's word said on stderr; the exit status of a process it ends."""
+    print(STOP_WORDS.get(signum, "stopped"), file=sys.stderr, flush=True)
     return 128 + signum
 
 
