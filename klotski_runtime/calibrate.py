@@ -459,7 +459,12 @@ def _measure_disk(sizes: list[int], repeats: int) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as tmp:
         for size in sizes:
             path = Path(tmp) / f"blob-{size}"
-            path.write_bytes(os.urandom(size))
+            try:
+                path.write_bytes(os.urandom(size))
+            except OSError as err:  # (a full disk: a bare "[Errno 28]" after the compute had been measured)
+                raise ExecutionError(f"cannot measure the disk: writing a {size:,}-byte file in {tmp} failed "
+                                     f"({err.strerror or err}); free space there or point TMPDIR at another "
+                                     f"folder") from None
             samples = []
             for _ in range(repeats):
                 t = time.perf_counter()

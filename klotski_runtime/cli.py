@@ -34,6 +34,7 @@ from klotski_sim.cli import (
     written,
 )
 from klotski_sim.exports import TIMELINE_FILES
+from klotski_sim.machine import available_cores
 from klotski_sim.outfiles import refuse_unwritable
 from klotski_sim.trace_synth import DEFAULT_ROUTING
 
@@ -145,6 +146,20 @@ def _add_device(p: argparse.ArgumentParser) -> None:
                    help="CPU only: torch compute threads; the other cores run the copy threads (default: %(default)s)")
 
 
+def _threads(args: argparse.Namespace) -> int | None:
+    """torch's compute threads on the CPU (None on a GPU), at most the cores this process may use: more
+    time-share them, and every measured op would include its wait for a core (a profile calibrated so,
+    or a measured timeline, describes the contention, not the machine)."""
+    if args.device != "cpu":
+        return None
+    cores = available_cores()
+    if args.threads > cores:
+        raise CliError(f"--threads {args.threads}: this process may use {cores} core(s); more torch threads than "
+                       f"cores would time-share them and every measured op would include the wait (give at most "
+                       f"{cores})")
+    return args.threads
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     import torch
 
@@ -157,8 +172,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                         prompt_lens=args.prompt_lens, max_expert_tokens=args.max_expert_tokens, repeats=args.repeats,
                         dtype=getattr(torch, args.dtype), emulate_links=_emulation(args),
                         emulate_pageable=_pageable(args), command="klotski-runtime " + " ".join(sys.argv[1:]),
-                        threads=args.threads if args.device == "cpu" else None)
-    written(args.out, "--out", lambda: Path(args.out).write_text(profile.to_yaml()))
+                        threads=_threads(args))
+    written(args.out, "--out", lambda temporary: temporary.write_text(profile.to_yaml()))
     print(f"wrote {args.out}: {profile.gpu.name}; peak {profile.gpu.peak_flops / 1e12:.2f} TFLOP/s, memory "
           f"{profile.gpu.memory_bandwidth / 1e9:.1f} GB/s, H2D {profile.links.pcie_h2d.bandwidth / 1e9:.2f} GB/s"
           f"{' (emulated)' if _emulation(args) else ''}; "
@@ -179,7 +194,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
                             routing=routing_kind(args.routing, args.trace), trace=args.trace, seed=args.seed,
                             kv=args.kv,
                             emulate_links=_emulation(args), emulate_pageable=_pageable(args),
-                            checkpoint=args.checkpoint, dtype=args.dtype, threads=args.threads, impl=args.impl,
+                            checkpoint=args.checkpoint, dtype=args.dtype, threads=_threads(args) or 1, impl=args.impl,
                             repeats=args.repeats, options=parse_overrides(args.options, "--option"))
     out = output_folder(args.out)
     profile_path = args.profile
@@ -196,10 +211,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
                             max_expert_tokens=max(64, 2 ** (args.batch_size * args.num_batches * args.prompt_len)
                                                   .bit_length()),
                             dtype=getattr(torch, args.dtype), emulate_links=_emulation(args),
-                            emulate_pageable=_pageable(args), threads=args.threads if args.device == "cpu" else None,
+                            emulate_pageable=_pageable(args), threads=_threads(args),
                             command="klotski-runtime " + " ".join(sys.argv[1:]))
         profile_path = str(out / "profile.yaml")
-        Path(profile_path).write_text(profile.to_yaml())
+        written(profile_path, "--out", lambda temporary: temporary.write_text(profile.to_yaml()))
         print(f"wrote {profile_path}")
     report = validate(setup, profile_path, out, policies)
     print(format_report(report))
@@ -217,6 +232,7 @@ def cmd_execute(args: argparse.Namespace) -> int:
     from .executor import ExecOptions, check_compatible, execute
     from .kernels import WeightStore
 
+    threads = _threads(args)
     folder = Path(args.schedule)
     schedule_path = folder / "schedule.json" if folder.is_dir() else folder
     if args.out is not None:  # (not the simulation's folder: its summary and timeline files would be replaced)
@@ -238,7 +254,7 @@ def cmd_execute(args: argparse.Namespace) -> int:
     timeline, _ = execute(schedule, model, weights, routing,
                           ExecOptions(device=args.device, emulate_links=_emulation(args),
                                       emulate_pageable=_pageable(args),
-                                      threads=args.threads if args.device == "cpu" else None))
+                                      threads=threads))
     from klotski_sim.cli import format_summary
     from klotski_sim.exports import save_all
 

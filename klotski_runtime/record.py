@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import datetime as _dt
 import platform
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -60,15 +61,39 @@ def load_moe_model(model_dir: str | Path, device: str = "cpu", dtype: torch.dtyp
         raise RecordError(f"{model_dir}: {config.model_type!r} is not a mixture-of-experts model "
                           f"(config has no num_experts / num_experts_per_tok)")
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True,
-                                                     dtype=dtype or (torch.float32 if device == "cpu" else torch.bfloat16))
+        with transformers_quiet():
+            model, loading = AutoModelForCausalLM.from_pretrained(
+                model_dir, local_files_only=True, output_loading_info=True,
+                dtype=dtype or (torch.float32 if device == "cpu" else torch.bfloat16))
     except Exception as err:  # noqa: BLE001 - a bad config value or weights file surfaces as many kinds
         raise RecordError(f"{model_dir}: cannot load the checkpoint ({_first_line(err)})") from None
+    missing = sorted(loading.get("missing_keys") or ())
+    if missing:  # (transformers draws them at random and says so in a table: the trace was a random model's routing)
+        raise RecordError(f"{model_dir}: the checkpoint lacks {len(missing)} of the model's weights "
+                          f"({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}); transformers would draw "
+                          f"them at random, and the routing recorded would be a random model's")
     model.to(device).eval()
     tokenizer = None
     if any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     return model, tokenizer
+
+
+@contextmanager
+def transformers_quiet() -> Iterator[None]:
+    """transformers' progress bars and load report off while it loads or saves a checkpoint: this
+    command's output is its own lines (a missing weight is refused by the caller, in one line)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def _first_line(err: BaseException) -> str:
@@ -213,7 +238,8 @@ def save_tiny_mixtral(path: str | Path, seed: int = 0, num_layers: int = 2, num_
                            num_local_experts=num_experts, num_experts_per_tok=2, max_position_embeddings=2048,
                            rms_norm_eps=1e-5, tie_word_embeddings=False)
     model = MixtralForCausalLM(config)
-    model.save_pretrained(path)
+    with transformers_quiet():
+        model.save_pretrained(path)
     return Path(path)
 
 
@@ -241,7 +267,8 @@ def save_tiny_qwen3_moe(path: str | Path, seed: int = 0, num_layers: int = 2, nu
                          tie_word_embeddings=False, **config)
     model = Qwen3MoeForCausalLM(cfg)
     _randomise_norms(model, torch.Generator().manual_seed(seed))
-    model.save_pretrained(path)
+    with transformers_quiet():
+        model.save_pretrained(path)
     return Path(path)
 
 
@@ -260,5 +287,6 @@ def save_tiny_olmoe(path: str | Path, seed: int = 0, num_layers: int = 2, num_ex
                       rms_norm_eps=1e-5, tie_word_embeddings=False, pad_token_id=None, eos_token_id=None, **config)
     model = OlmoeForCausalLM(cfg)
     _randomise_norms(model, torch.Generator().manual_seed(seed))
-    model.save_pretrained(path)
+    with transformers_quiet():
+        model.save_pretrained(path)
     return Path(path)

@@ -42,7 +42,7 @@ from .impl import PRESET_NAMES
 from .lazy import pd  # (imported when first used: klotski_sim/lazy.py)
 from .machine import available_cores
 from .model import PRESETS, get_model
-from .outfiles import OutputFiles, refuse_unwritable
+from .outfiles import OutputFiles, refuse_unwritable, write_file
 from .planner import format_plan
 from .policies import POLICIES
 from .policies.plugins import load_for_command_line
@@ -182,13 +182,11 @@ def output_folder(path: str | os.PathLike, flag: str = "--out") -> Path:
     return out
 
 
-def written(path: str | os.PathLike, flag: str, write: Callable[[], object]) -> None:
-    """Run `write` (which writes `path`), an OSError said as one line naming the flag and the file:
-    a full disk said only "[Errno 28] No space left on device", after the whole work was done."""
-    try:
-        write()
-    except OSError as err:
-        raise CliError(f"{flag} {path}: cannot write ({err.strerror or err})") from None
+def written(path: str | os.PathLike, flag: str, write: Callable[[Path], object]) -> None:
+    """`write(temporary)` writes the file `path` will be, put in place once whole: a full disk or a stop
+    leaves `path` as it was, said in one line naming the flag and the file (it said only
+    "[Errno 28] No space left on device", after the whole work was done, and left a cut file)."""
+    write_file(path, write, flag)
 
 
 def not_an_input(out: Path, flag: str, reads: Sequence[str | os.PathLike]) -> None:
@@ -212,13 +210,16 @@ def not_an_input(out: Path, flag: str, reads: Sequence[str | os.PathLike]) -> No
 def output_file(path: str | os.PathLike, flag: str = "--out", reads: Sequence[str | os.PathLike] = ()) -> Path:
     """A file a command will write, checked before any work (a whole table or a calibration was
     printed before `Is a directory` or a missing folder was found): not a folder, in a folder that
-    exists and can be written, and none of the files it `reads`."""
+    exists and can be written, not a device or a pipe (the file is written whole beside it and renamed onto it:
+    `write_file`), and none of the files it `reads`."""
     if not str(path).strip():
         raise CliError(f"{flag}: expected a file name, got an empty one")
     out = Path(path)
     not_an_input(out, flag, reads)
     if out.is_dir():
         raise CliError(f"{flag} {out}: is a folder; give a file name")
+    if out.exists() and not out.is_file():  # (a file is written beside it and renamed onto it: found after the work)
+        raise CliError(f"{flag} {out}: not a regular file (a device, a pipe or a socket); give a file name")
     folder = out.resolve().parent
     if not folder.is_dir():
         raise CliError(f"{flag} {out}: {folder} {'is not a folder' if folder.exists() else 'does not exist'}")
@@ -518,6 +519,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     check_spec(spec, str(args.spec))
     if args.dask is not None and not args.dask.strip():  # (an empty address ran locally, silently)
         raise CliError("--dask: expected a scheduler address like tcp://HOST:8786 or 'local', got an empty one")
+    # (the sweep keeps its spec as DIR/spec.yaml: a link there to the spec it reads had the user's file, comments and
+    # all, replaced by the sweep's own dump of it)
+    not_an_input(Path(args.out) / "spec.yaml", "--out", [args.spec])
     output_folder(args.out)  # (after the grid is accepted: a refused one leaves no empty folder)
 
     def starting(done: int, total: int, others: int) -> None:
@@ -573,7 +577,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
                     impls=("as-published", "ideal") if args.impl == "both" else (args.impl,),
                     batch_sizes=ints(args.batch_sizes, "--batch-sizes"),
                     num_batches=ints(args.num_batches, "--num-batches", words=("auto",)),
-                    expert_dtypes=tuple(args.expert_dtypes.split(",")), kv=tuple(args.kv.split(",")),
+                    expert_dtypes=tuple(args.expert_dtypes), kv=tuple(args.kv),
                     cache_sizes=ints(args.cache_sizes, "--cache-sizes", low=0),
                     resident_layers=ints(args.resident_layers, "--resident-layers", low=0, words=("auto", "fill")),
                     max_token_latency_s=args.max_token_latency, budget=args.budget, seed=args.seed)
@@ -694,7 +698,11 @@ def cmd_trace_stats(args: argparse.Namespace) -> int:
     df = layer_stats(trace)
     print(format_stats(trace, df))
     if args.csv is not None:
-        written(args.csv, "--csv", lambda: df.to_csv(args.csv))
+        from pandas.io.common import infer_compression  # (pandas picks a compression by the name's suffix, as
+        # it did when it wrote --csv itself: the temporary's name ends in .tmp)
+
+        written(args.csv, "--csv", lambda temporary: df.to_csv(temporary, compression=infer_compression(args.csv,
+                                                                                                          "infer")))
         print(f"wrote {args.csv}")
     return 0
 
@@ -822,9 +830,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", default="4,16,64", metavar="B,...", help="(default: %(default)s)")
     p.add_argument("--num-batches", default="auto", metavar="N,...",
                    help="batches n to try; auto: the planner's (default: %(default)s)")
-    p.add_argument("--expert-dtypes", default="bf16,int4", metavar="D,...",
+    p.add_argument("--expert-dtypes", type=name_list, default="bf16,int4", metavar="D,...",
                    help="bf16 and/or int8|int4|int3|int2 (default: %(default)s)")
-    p.add_argument("--kv", default="auto", metavar="K,...",
+    p.add_argument("--kv", type=name_list, default="auto", metavar="K,...",
                    help="KV cache placements: auto (on the GPU when it fits), gpu, cpu (default: %(default)s)")
     p.add_argument("--cache-sizes", default="0", metavar="C,...",
                    help="expert-cache slots to try (option expert_cache; 0: none) (default: %(default)s)")

@@ -34,6 +34,13 @@ def _a_number(value: Any) -> Any:
         raise ValueError(f"expected a number, got {str(value).lower()}")
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"expected a finite number, got {value}")
+    if isinstance(value, str):  # (`--set ...bandwidth=nan` was said to be below the field's bound)
+        try:
+            number = float(value)
+        except ValueError:
+            return value  # (pydantic says it is no number)
+        if not math.isfinite(number):
+            raise ValueError(f"expected a finite number, got {value}")
     return value
 
 

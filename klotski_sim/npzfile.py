@@ -9,7 +9,6 @@ Why level 1: numpy's own level (zlib's default, 6) took 25.4 s to write the rout
 
 from __future__ import annotations
 
-import os
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -18,8 +17,9 @@ from typing import IO, Iterable, Iterator, Mapping
 
 import numpy as np
 
-from .errors import KlotskiError, UsageError
+from .errors import KlotskiError
 from .mapped import in_chunks, is_mapped, read_npy_header
+from .outfiles import write_file
 from .textfile import regular_file_size
 
 LEVEL = 1
@@ -61,24 +61,15 @@ def write_npz(path: str | Path, arrays: Mapping[str, np.ndarray | Blocks], level
     stored as they are with `level=None` (as `numpy.savez`: what is read back often, fast); an
     array given as `Blocks` is written as its blocks come. The temporary file is this process's
     own: processes writing one path never share it."""
-    path = Path(os.path.realpath(path))  # (a link: its target is written, the link kept)
-    if path.exists() and not path.is_file():  # (the rename would put a file where a device or a pipe was)
-        raise UsageError(f"{path}: cannot write, it is not a regular file")
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     compression = zipfile.ZIP_STORED if level is None else zipfile.ZIP_DEFLATED
-    try:
-        with zipfile.ZipFile(tmp, "w", compression=compression, compresslevel=level) as archive:
+
+    def write(temporary: Path) -> None:
+        with zipfile.ZipFile(temporary, "w", compression=compression, compresslevel=level) as archive:
             for name, array in arrays.items():
                 with archive.open(name + ".npy", "w", force_zip64=True) as member:
                     _write_array(member, array if isinstance(array, Blocks) else np.asanyarray(array))
-        tmp.replace(path)
-    except OSError as err:  # (the file the user named, not our temporary one)
-        raise UsageError(f"{path}: cannot write ({err.strerror or err})") from None
-    finally:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
+
+    write_file(path, write)
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from .errors import UsageError
 from .stopping import signals_deferred
@@ -32,6 +33,39 @@ def refuse_unwritable(folder: str | os.PathLike, names: Iterable[str], flag: str
         if target.exists() and not target.is_file():
             what = "a folder" if target.is_dir() else "not a regular file"
             raise UsageError(f"{flag} {folder}: {target} is {what}; cannot write {name} there")
+
+
+def failure_reason(error: OSError) -> str:
+    """What went wrong, in the system's words ("No space left on device"), also where the writer
+    named no errno (pyarrow: "Error writing bytes to file. Detail: [errno 28] No space left ...")."""
+    if error.errno:
+        return os.strerror(error.errno)
+    found = re.search(r"\[errno (\d+)\]", str(error), re.IGNORECASE)
+    return os.strerror(int(found.group(1))) if found else str(error) or type(error).__name__
+
+
+def write_file(path: str | os.PathLike, write: Callable[[Path], object], flag: str = "") -> None:
+    """One file written whole or not at all: `write(temporary)` writes a hidden temporary beside
+    `path` (this process's own), renamed onto it once whole (a link: its target replaced, the link
+    kept). Written in place, a full disk or a stop left a cut file that read back as a shorter one
+    (a calibrated profile without its last rows); now `path` holds what it held before, no
+    temporary is left, and the failure is one line naming `flag` and the file."""
+    target = Path(os.path.realpath(path))
+    named = f"{flag} {path}" if flag else str(path)
+    if target.exists() and not target.is_file():  # (the rename would put a file where a pipe or a device was)
+        raise UsageError(f"{named}: cannot write, it is not a regular file")
+    temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")  # (".tmp" last: a writer that picks
+    # its format by the name's suffix, as pandas' to_csv does its compression, is told the format)
+    try:
+        write(temporary)
+        temporary.replace(target)
+    except OSError as err:  # (the file the user named, not our temporary one)
+        raise UsageError(f"{named}: cannot write ({failure_reason(err)})") from None
+    finally:
+        try:
+            temporary.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 def _move(temporary: Path, target: Path) -> None:
@@ -176,5 +210,4 @@ class OutputFiles:
 
     def _not_written(self, name: str, error: OSError) -> UsageError:
         """One line for a file this folder did not take (its earlier files all in place)."""
-        reason = os.strerror(error.errno) if error.errno else str(error) or type(error).__name__
-        return UsageError(f"{self.folder}: cannot write {name} ({reason}); the folder is as it was")
+        return UsageError(f"{self.folder}: cannot write {name} ({failure_reason(error)}); the folder is as it was")

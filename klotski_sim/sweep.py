@@ -53,7 +53,7 @@ import time
 import traceback
 from concurrent.futures import as_completed
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import fields, replace
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -77,12 +77,13 @@ from .impl import PRESET_NAMES
 from .lazy import pd  # (imported when first used: klotski_sim/lazy.py)
 from .model import ModelSpec, get_model
 from .npzfile import NPZ_READ_ERRORS, check_npz
+from .outfiles import write_file
 from .policies import POLICIES
 from .policies.base import resolve_options
 from .policies.plugins import load_policy_files
 from .stopping import signals_deferred, terminal_signals_ignored
 from .textfile import read_text
-from .timeline import jsonable
+from .timeline import Summary, jsonable
 from .trace_synth import DEFAULT_ROUTING, params_for
 from .yamlfile import MAX_BYTES as MAX_YAML_BYTES
 from .yamlfile import load_yaml
@@ -469,19 +470,36 @@ def killed_row(cfg: dict[str, Any], how: str) -> dict[str, Any]:
 
 def write_row(rows_dir: Path, row: dict[str, Any]) -> None:
     """Atomically: a reader sees the whole row or none of it."""
-    tmp = rows_dir / f".{row['id']}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(row))
-    os.replace(tmp, rows_dir / f"{row['id']}.json")
+    write_file(rows_dir / f"{row['id']}.json", lambda temporary: temporary.write_text(json.dumps(row)))
+
+
+ROW_STATUSES = ("ok", "oom", "refused", "too-large", "error", "killed")
+# a row's metrics that are text (the summary's text fields, and the KV cache's place); the others are numbers
+_TEXT_METRICS = frozenset({f"m.{f.name}" for f in fields(Summary) if f.type == "str"} | {"m.kv"})
 
 
 def read_row(path: Path) -> dict[str, Any] | None:
-    """A finished row, or None when the file is not one (damaged, or not ours): its configuration
-    is then run again, not taken as done."""
+    """A finished row, or None when the file is not one (damaged, edited by hand, or not ours): its
+    configuration is then run again, not taken as done. A row of valid JSON whose status is none of
+    ours, or whose metric is text where a number belongs (`"m.throughput_tok_s": "fast"`), went into
+    results.parquet as it was: the column became text, and every reader of it failed or ranked wrongly."""
     try:
         row = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):  # (ValueError: not JSON, or not UTF-8 text)
         return None
-    return row if isinstance(row, dict) and row.get("id") == path.stem else None
+    if not isinstance(row, dict) or row.get("id") != path.stem or row.get("status") not in ROW_STATUSES:
+        return None
+    if not _number(row.get("wall_s")) or not row["wall_s"] >= 0 or not isinstance(row.get("error", ""), str):
+        return None
+    for key, value in row.items():
+        if key.startswith("m.") and value is not None and not (
+                isinstance(value, str) if key in _TEXT_METRICS else _number(value)):
+            return None
+    return row
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def finished_ids(rows_dir: Path) -> set[str]:
@@ -510,9 +528,7 @@ def collect(out_dir: str | Path, ids: Iterable[str] | None = None) -> pd.DataFra
         for col in df.columns:  # mixed-type columns (e.g. num_batches) as text for Parquet
             if df[col].dtype == object:
                 df[col] = df[col].map(lambda v: v if v is None or isinstance(v, str) else json.dumps(v))
-    tmp = out / f".results.parquet.{os.getpid()}.tmp"
-    df.to_parquet(tmp, index=False)
-    os.replace(tmp, out / "results.parquet")
+    write_file(out / "results.parquet", lambda temporary: df.to_parquet(temporary, index=False))
     return df
 
 
@@ -581,7 +597,8 @@ class _locked:
 def _run_sweep(spec: SweepSpec, out: Path, rows_dir: Path, workers: int, dask: str | None, progress: bool,
                on_row: Callable[[dict[str, Any]], None] | None, only: set[str] | None = None,
                on_start: Callable[[int, int, int], None] | None = None) -> pd.DataFrame:
-    (out / "spec.yaml").write_text(yaml.safe_dump(spec.model_dump(), sort_keys=False))
+    write_file(out / "spec.yaml", lambda temporary: temporary.write_text(yaml.safe_dump(spec.model_dump(),
+                                                                                       sort_keys=False)))
     configs = [c for c in expand(spec) if only is None or c["id"] in only]
     done = finished_ids(rows_dir)
     todo = [c for c in configs if c["id"] not in done]

@@ -46,8 +46,9 @@ def load_yaml(text: str, where: str, error: type[KlotskiError] = KlotskiError) -
         if aliases > MAX_ALIASES:
             raise error(f"{where}: {aliases} YAML aliases (at most {MAX_ALIASES}): refused, it could expand "
                         f"without bound")
-        if values > MAX_VALUES:
-            raise error(f"{where}: its YAML aliases expand to {values:,} values (at most {MAX_VALUES:,}): refused")
+        if values > MAX_VALUES:  # (a long list without aliases was said to be "aliases that expand")
+            held = f"its YAML aliases expand to {values:,} values" if aliases else f"it holds {values:,} values"
+            raise error(f"{where}: {held} (at most {MAX_VALUES:,}): refused")
         return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as err:
         raise error(f"{where}{_line_of(err)}: not valid YAML ({_problem_of(err)})") from err

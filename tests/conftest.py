@@ -48,6 +48,23 @@ def run_cli(*args: str) -> tuple[int, str, str]:
     return proc.returncode, proc.stdout, proc.stderr
 
 
+def run_on_a_full_disk(module: str, *args: str, room: int = 64) -> tuple[int, str, str]:
+    """Run `python -m module args` as if its disk held `room` more bytes per file: a write past them
+    fails with EFBIG ("File too large"), as ENOSPC would on a full disk (SIGXFSZ ignored, so the write
+    fails rather than killing the process; Python's own caches are written best-effort)."""
+    import resource
+    import signal
+    import subprocess
+
+    def limited() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # (kept across exec: an ignored signal stays ignored)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (room, room))
+
+    proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=600, preexec_fn=limited)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
 def folder_state(folder: Path) -> dict[str, bytes]:
     """Every file of a folder, by name, with its bytes: what an output folder held, to compare after."""
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}

@@ -67,6 +67,10 @@ def test_yaml_alias_bomb_is_refused(tmp_path):
     rc, out, err = run_cli("sweep", str(path), "--out", str(tmp_path / "o"))
     assert rc == 2 and err == (f"error: {path}: its YAML aliases expand to 91,474,292 values (at most 100,000): "
                                f"refused\n"), err
+    # a long list without any alias is said as such (it was said to be aliases that expand)
+    path.write_text("name: t\nseeds: [" + ", ".join(map(str, range(100_001))) + "]\n")
+    rc, out, err = run_cli("sweep", str(path), "--out", str(tmp_path / "o"))
+    assert rc == 2 and err == f"error: {path}: it holds 100,004 values (at most 100,000): refused\n", err
 
 
 READERS = [("trace", "import", "{f}", "--out", "{d}/t.npz"), ("sweep", "{f}", "--out", "{d}/o"),
@@ -460,8 +464,9 @@ TINY_RUN = ["--model", "tiny-mixtral", "--prompt-len", "8", "--gen-len", "2", "-
     (["simulate", *TINY_RUN, "--routing", "zipf:\uff11.\uff12"], "zipf routing needs an exponent"),
     (["trace", "stats", " "], "file: expected a name or a path, got an empty one"),
     (["trace", "import", "{file}", "--out", ""], "--out: expected a name or a path, got an empty one"),
+    # (written whole beside it and renamed onto it: a device would be replaced, as root, by a file)
     (["trace", "stats", "traces/tiny-mixtral-recorded.npz", "--csv", "/dev/full"],
-     "--csv /dev/full: cannot write (No space left on device)"),
+     "--csv /dev/full: not a regular file (a device, a pipe or a socket)"),
 ])
 def test_refused_in_one_line_before_any_work(tmp_path, args, message):
     """Found by a fuzz pass: each of these was a traceback, a silent default or work thrown away."""
@@ -726,3 +731,62 @@ def test_a_path_through_a_link_that_loops_is_one_line(tmp_path, args):
     loop.symlink_to(loop)
     rc, out, err = run_cli(*(a.format(loop=loop) for a in args))
     assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err and str(loop) in err, err
+
+
+@pytest.mark.parametrize("args, flag, name", [
+    (["trace", "stats", "traces/tiny-mixtral-recorded.npz", "--csv", "{out}"], "--csv", "stats.csv"),
+    (["trace", "synth", "--model", "tiny-mixtral", "--sequences", "4", "--out", "{out}"], "", "t.npz"),  # (named
+    # by the file alone: a trace's writer is told no flag)
+])
+def test_a_file_the_disk_cannot_hold_leaves_the_earlier_one_whole(tmp_path, args, flag, name):
+    """Written in place, a full disk left a cut file that read back as a shorter one, beside a bare
+    "[Errno 28]" line; now the earlier file is as it was, no temporary is left, and one line names
+    the flag and the file."""
+    from .conftest import run_on_a_full_disk
+
+    out = tmp_path / name
+    out.write_bytes(b"the earlier run's file\n")
+    rc, _, err = run_on_a_full_disk("klotski_sim.cli", *[a.format(out=out) for a in args])
+    assert rc == 2 and err == f"error: {flag + ' ' if flag else ''}{out}: cannot write (File too large)\n", err
+    assert out.read_bytes() == b"the earlier run's file\n" and sorted(p.name for p in tmp_path.iterdir()) == [name]
+
+
+def test_write_file_puts_a_file_in_place_whole_or_not_at_all(tmp_path):
+    """A writer that fails half way (a full disk) leaves the target as it was and no temporary; one
+    that succeeds replaces a link's target and keeps the link."""
+    import errno
+
+    from klotski_sim.errors import UsageError
+    from klotski_sim.outfiles import write_file
+
+    target = tmp_path / "f.txt"
+    target.write_text("before")
+
+    def half_then_full(temporary):
+        temporary.write_text("half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(UsageError, match=r"^--x .*f\.txt: cannot write \(No space left on device\)$"):
+        write_file(target, half_then_full, "--x")
+    assert target.read_text() == "before" and [p.name for p in tmp_path.iterdir()] == ["f.txt"]
+    (tmp_path / "link.txt").symlink_to(target)
+    write_file(tmp_path / "link.txt", lambda temporary: temporary.write_text("after"))
+    assert (tmp_path / "link.txt").is_symlink() and target.read_text() == "after"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.txt", "link.txt"]
+
+
+def test_a_sweep_whose_folder_links_its_spec_yaml_to_the_spec_it_reads_is_refused(tmp_path):
+    """DIR/spec.yaml, a link to the very spec given, was written through: the user's spec, comments
+    and all, became the sweep's dump of it."""
+    import yaml
+
+    spec = tmp_path / "my.yaml"
+    spec.write_text("# my notes\n" + yaml.safe_dump({"name": "t", "models": ["tiny-mixtral"], "policies": ["klotski"],
+                                                    "batch_sizes": [2], "prompt_lens": [8], "gen_lens": [2]}))
+    before = spec.read_text()
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "spec.yaml").symlink_to(spec)
+    rc, out, err = run_cli("sweep", str(spec), "--out", str(tmp_path / "out"), "--no-progress")
+    assert rc == 2 and err == (f"error: --out {tmp_path / 'out' / 'spec.yaml'}: is what this command reads ({spec}); "
+                               f"writing there would replace it\n"), err
+    assert spec.read_text() == before and sorted(p.name for p in (tmp_path / "out").iterdir()) == ["spec.yaml"]

@@ -61,8 +61,10 @@ def test_above_the_budget_a_seeded_sample_is_evaluated_and_said(tmp_path):
                                            (("--batch-sizes", "0,4"), "--batch-sizes"),
                                            (("--batch-sizes", "4,4"), "--batch-sizes: 4 is given twice"),
                                            (("--num-batches", "auto,8,auto"), "--num-batches: auto is given twice"),
-                                           (("--expert-dtypes", "int4,int4"), "--expert-dtypes: int4 is given twice"),
-                                           (("--kv", "gpu,gpu"), "--kv: gpu is given twice"),
+                                           (("--expert-dtypes", "int4,int4"), "--expert-dtypes: 'int4' is given"),
+                                           (("--kv", "gpu,gpu"), "argument --kv: 'gpu' is given twice"),
+                                           # (an empty list was said to be "  is given twice")
+                                           (("--expert-dtypes", ","), "--expert-dtypes: expected comma-separated"),
                                            (("--cache-sizes", "0,0"), "--cache-sizes: 0 is given twice"),
                                            (("--resident-layers", "auto,auto"), "--resident-layers: auto is given"),
                                            (("--policies", "nope"), "unknown policy")])

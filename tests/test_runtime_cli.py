@@ -96,6 +96,10 @@ def test_record_refuses_what_it_cannot_read_in_one_line(tmp_path):
 @pytest.mark.parametrize("args,message", [
     (("tiny-checkpoint", "--out", "{d}/ckpt", "--seed", "99999999999999999999999"), "a seed from 0 to 2**63 - 1"),
     (("execute", "{d}/run", "--threads", "100000"), "an integer from 1 to 1024"),
+    # (more torch threads than cores time-share them: every measured op included its wait for a core)
+    (("execute", "{d}/run", "--threads", "1024"), "--threads 1024: this process may use "),
+    (("calibrate", "--threads", "1024", "--out", "{d}/p.yaml"), "--threads 1024: this process may use "),
+    (("validate", "--threads", "1024", "--out", "{d}/v"), "--threads 1024: this process may use "),
     (("calibrate", "--repeats", "1000000000", "--out", "{d}/p.yaml"),
      "argument --repeats: expected an integer from 1 to 1000"),
     (("validate", "--repeats", "1001", "--out", "{d}/v"), "argument --repeats: expected an integer from 1 to 1000"),
@@ -225,3 +229,39 @@ def test_runtime_flags_are_refused_in_one_line_before_any_work(args, message):
     validation text, or printed a 1e21 GB/s link."""
     rc, _, err = run_runtime(*args)
     assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_calibration_on_a_full_disk_is_one_line_and_leaves_the_earlier_profile(tmp_path):
+    """On a full disk calibrate's measurement of the disk ended in a bare "[Errno 28]" line, and its
+    profile was written in place (a cut YAML loaded: a `measured:` table without its last rows).
+    Now each is one line, and the earlier profile is as it was."""
+    from .conftest import run_on_a_full_disk
+
+    out = tmp_path / "p.yaml"
+    out.write_text("the earlier profile\n")
+    rc, _, err = run_on_a_full_disk("klotski_runtime.cli", "calibrate", "--model", "tiny-mixtral", "--repeats", "1",
+                                    "--batch-sizes", "1", "--prompt-lens", "16", "--out", str(out), room=1024)
+    assert rc == 2 and err.startswith("error: cannot measure the disk: writing a 1,048,576-byte file in ") and \
+        err.endswith(" failed (File too large); free space there or point TMPDIR at another folder\n"), err
+    assert out.read_text() == "the earlier profile\n" and [p.name for p in tmp_path.iterdir()] == ["p.yaml"]
+    # (the profile itself is written as `trace stats --csv` writes its table: klotski_sim.outfiles.write_file,
+    # test_hardening.py's full-disk test; a limit per file cannot fail it here and pass the 1 MB probes)
+
+
+def test_record_refuses_a_checkpoint_that_lacks_weights_and_prints_only_its_own_lines(tmp_path):
+    """A checkpoint missing a layer's weights was recorded: transformers drew them at random, said so
+    in a table on stderr among its progress bars, and the trace was a random model's routing."""
+    from safetensors.torch import load_file, save_file
+
+    rc, out, err = run_runtime("tiny-checkpoint", "--out", str(tmp_path / "ckpt"))
+    assert rc == 0 and err == "" and out.count("\n") == 1, err  # (no progress bar of transformers' own)
+    rc, out, err = run_runtime("record", "--model-dir", str(tmp_path / "ckpt"), "--text", "traces/sample_text.txt",
+                               "--max-tokens", "20", "--gen-len", "2", "--out", str(tmp_path / "whole.npz"))
+    assert rc == 0 and err == "" and out.count("\n") == 1, err
+    weights = tmp_path / "ckpt" / "model.safetensors"
+    tensors = load_file(weights)
+    save_file({k: v for k, v in tensors.items() if ".layers.1." not in k}, weights, metadata={"format": "pt"})
+    rc, out, err = run_runtime("record", "--model-dir", str(tmp_path / "ckpt"), "--text", "traces/sample_text.txt",
+                               "--max-tokens", "20", "--gen-len", "2", "--out", str(tmp_path / "r.npz"))
+    assert rc == 2 and err.count("\n") == 1 and not (tmp_path / "r.npz").exists(), err
+    assert err.startswith(f"error: {tmp_path / 'ckpt'}: the checkpoint lacks ") and "model.layers.1." in err, err

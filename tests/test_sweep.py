@@ -172,6 +172,23 @@ def test_a_damaged_row_is_run_again_not_taken_as_done(tmp_path, damage):
     assert json.loads(victim.read_text())["m.makespan_s"] == json.loads(whole)["m.makespan_s"]
 
 
+@pytest.mark.parametrize("edit", [{"m.throughput_tok_s": "fast"}, {"m.efficiency": True}, {"m.kv": 3},
+                                  {"status": "great"}, {"wall_s": -1.0}, {"wall_s": "0.1"}, {"error": None}])
+def test_a_row_edited_into_what_no_run_writes_is_run_again(tmp_path, edit):
+    """A hand-edited row of valid JSON (a throughput as text) was collected as it was: results.parquet's
+    column became text and optimize, the figures and any reader ranked on strings. It is run again."""
+    spec = {**SMALL, "policies": ["klotski"], "routings": ["calibrated"], "num_batches": [2]}
+    first = run_sweep(parse_spec(spec), tmp_path, workers=1, progress=False)
+    victim = tmp_path / "rows" / f"{first['id'].iloc[0]}.json"
+    whole = json.loads(victim.read_text())
+    victim.write_text(json.dumps({**whole, **edit}))
+    again = run_sweep(parse_spec(spec), tmp_path, workers=1, progress=False)
+    rewritten = json.loads(victim.read_text())
+    assert len(again) == len(first) and rewritten["m.throughput_tok_s"] == whole["m.throughput_tok_s"]
+    assert all(rewritten[key] == whole[key] for key in edit if key != "wall_s")
+    assert again["m.throughput_tok_s"].dtype == float
+
+
 def test_sweep_cli_validates_spec(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("policies: [klotski]\nhardwares: [rtx3090]\n")
@@ -348,3 +365,22 @@ def test_the_cli_says_what_a_resumed_sweep_has_left_before_it_runs(tmp_path):
     code, one, _ = run_cli("sweep", str(spec), "--out", str(out), "--no-progress")
     assert one.splitlines()[0] == ("1 configuration in the grid (1 row of other code or grids in the folder: kept, "
                                    "not reused); resumed: all already done"), one
+
+
+def test_a_sweep_on_a_full_disk_is_one_line_leaves_no_temporaries_and_a_rerun_collects(tmp_path):
+    """On a full disk a sweep ended in a bare "[Errno 28]" line and left a `.results.parquet.<pid>.tmp`
+    behind on each try. Now the line names the file, nothing half written is left, and the rows
+    written before it stay: a rerun with room runs nothing again and collects them."""
+    from .conftest import run_on_a_full_disk
+
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(SMALL))
+    out = tmp_path / "out"
+    rc, _, err = run_on_a_full_disk("klotski_sim.cli", "sweep", str(tmp_path / "spec.yaml"), "--out", str(out),
+                                    "--no-progress", room=6000)  # (a row's JSON fits, the Parquet table not)
+    assert rc == 2 and err == f"error: {out}/results.parquet: cannot write (File too large)\n", err
+    rows = sorted(p.name for p in (out / "rows").iterdir())
+    assert len(rows) == len(expand(parse_spec(SMALL))) and all(not name.startswith(".") for name in rows)
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "rows", "spec.yaml"]
+    rc, stdout, err = run_cli("sweep", str(tmp_path / "spec.yaml"), "--out", str(out), "--no-progress")
+    assert rc == 0 and err == "" and "resumed: all already done" in stdout, stdout
+    assert len(pd.read_parquet(out / "results.parquet")) == len(rows)
