@@ -143,7 +143,8 @@ def _add_device(p: argparse.ArgumentParser) -> None:
                    help="CPU only: emulated rate of copies from pageable memory (default: --emulate-pcie x "
                         f"{PAGEABLE_RATIO:.3f}, the pageable:pinned ratio of a DGX A100 bandwidthTest)")
     p.add_argument("--threads", type=bounded_int(1, MAX_THREADS), default=1,
-                   help="CPU only: torch compute threads; the other cores run the copy threads (default: %(default)s)")
+                   help="CPU only: torch compute threads, at most the cores this process may use; the other cores "
+                        "run the copy threads (default: %(default)s)")
 
 
 def _threads(args: argparse.Namespace) -> int | None:

@@ -184,6 +184,7 @@ def test_a_row_edited_into_what_no_run_writes_is_run_again(tmp_path, edit):
     victim.write_text(json.dumps({**whole, **edit}))
     again = run_sweep(parse_spec(spec), tmp_path, workers=1, progress=False)
     rewritten = json.loads(victim.read_text())
+    assert rewritten != {**whole, **edit} and isinstance(rewritten["wall_s"], float) and rewritten["wall_s"] >= 0
     assert len(again) == len(first) and rewritten["m.throughput_tok_s"] == whole["m.throughput_tok_s"]
     assert all(rewritten[key] == whole[key] for key in edit if key != "wall_s")
     assert again["m.throughput_tok_s"].dtype == float
