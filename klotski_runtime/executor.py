@@ -165,9 +165,10 @@ def check_compatible(schedule: Schedule, spec: ModelSpec, weights: WeightStore |
             raise ScheduleError(f"the routing does not belong to this schedule: it is {routing.source!r:.120}, the "
                                 f"schedule was built from {meta.get('routing')!r:.120}")
         for op in schedule.ops:  # (each named by the field that is wrong: a handler would index with it)
-            problem = _outside_the_run(op, sh, spec)
+            problem = _outside_the_run(op, sh, spec) or _weights_of_another_size(op, spec)
             if problem:
                 raise ScheduleError(f"op {op.id!r}: {problem}")
+        _check_every_token_made(schedule, sh)
     if weights is None:
         return
     layers = max((op.layer for op in schedule.ops), default=-1) + 1
@@ -196,6 +197,36 @@ def _outside_the_run(op: Op, shape: RunShape, spec: ModelSpec) -> str:
     if op.kind == "compute" and op.category in _PER_BATCH and (not op.batches or op.step < 0):
         return f"{op.category} ops need their batches and step (got batches {list(op.batches)}, step {op.step})"
     return ""
+
+
+def _weights_of_another_size(op: Op, spec: ModelSpec) -> str:
+    """A weight copy whose bytes are not the model's tensor (empty: they are): an emulated link is
+    timed from the op's bytes, so a schedule edited to move 1000x an expert's bytes was "measured"
+    five times slower, its copies still the model's tensors."""
+    if op.kind != "transfer" or op.tensor not in ("attention", "gate", "expert"):
+        return ""
+    layer = max(op.layer, 0)
+    want = {"attention": spec.attention_bytes, "gate": lambda: spec.gate_bytes(layer),
+            "expert": spec.expert_bytes}[op.tensor]()
+    return "" if op.bytes == want else (f"moves {op.bytes:,} bytes of {op.tensor} weights; {spec.name}'s "
+                                        f"{op.tensor} {'of layer ' + str(layer) + ' ' if op.tensor == 'gate' else ''}"
+                                        f"is {want:,} bytes")
+
+
+def _check_every_token_made(schedule: Schedule, shape: RunShape) -> None:
+    """Each batch's token of each step comes from an lm_head op, and the tokens the schedule says
+    it generates are those (a schedule without its last lm_head, or whose meta claimed a million
+    tokens, was measured as a whole run: its throughput a fiction)."""
+    made = {(b, op.step) for op in schedule.ops if op.category == "lm_head" for b in op.batches}
+    missing = [(b, step) for step in range(shape.num_steps) for b in range(shape.num_batches) if (b, step) not in made]
+    if missing:
+        b, step = missing[0]
+        raise ScheduleError(f"no lm_head op makes batch {b}'s tokens at step {step} ({len(missing)} of the run's "
+                            f"{shape.num_batches * shape.num_steps} batch-steps have none): not a whole run")
+    claimed, made_tokens = schedule.meta.get("generated_tokens"), shape.batch_size * shape.num_batches * shape.gen_len
+    if claimed != made_tokens:
+        raise ScheduleError(f"meta.generated_tokens {claimed!r}: the run makes {made_tokens} (batch_size "
+                            f"{shape.batch_size} x num_batches {shape.num_batches} x gen_len {shape.gen_len})")
 
 
 class OpRunner:

@@ -140,15 +140,23 @@ def memory_floor(model: ModelSpec, batch_size: int, n: int, prompt_len: int, gen
 
 def storage_needed(model: ModelSpec, placement: Placement, batch_size: int, n: int, prompt_len: int,
                    gen_len: int) -> dict[str, float]:
-    """Bytes the run keeps off the GPU: in host memory (the weights placed there, and the KV cache
-    of n batches when it lives there) and on disk (the weights placed there). The layers kept
-    whole on the GPU are counted nowhere else."""
+    """Bytes the run keeps off the GPU: in host memory (the weights placed there, the staging window
+    of the layers read from disk, and the KV cache of n batches when it lives there) and on disk
+    (the weights placed there). The layers kept whole on the GPU are counted nowhere else."""
     stored = {"host": 0.0, "disk": 0.0}
     tier_of = {"cpu": "host", "disk": "disk"}
+    read_from_disk = []  # (per streamed layer: the bytes of it that are read from disk into the window)
     for layer in range(placement.resident_layers, model.num_layers):
+        on_disk = 0.0
         for what, nbytes in (("attention", model.attention_bytes()), ("gate", model.gate_bytes(layer)),
                              ("experts", model.moe_layer_bytes(layer))):
-            stored[tier_of[placement.tier(what, layer, model.num_layers)]] += nbytes
+            tier = tier_of[placement.tier(what, layer, model.num_layers)]
+            stored[tier] += nbytes
+            on_disk += nbytes if tier == "disk" else 0.0
+        read_from_disk.append(on_disk)
+    # the host staging window holds `disk_window` layers read from disk (policies/base.py `_stage`): with
+    # 1 byte of host memory, a model streamed from disk through a window of two 2.7 GiB layers ran
+    stored["host"] += sum(sorted(read_from_disk, reverse=True)[:placement.disk_window])
     if placement.kv == "cpu":
         stored["host"] += host_kv_bytes(model, batch_size, n, prompt_len, gen_len)
     return stored

@@ -281,6 +281,10 @@ class Schedule:
                 seen[op_id] = i
         graph = dependency_arrays(ops, deps, ids, self.column("stream"), checked=False)  # (an unknown
         # dep: a ScheduleError naming the op)
+        for name, size in self.preloaded:  # (10**30 preloaded bytes overflowed the timeline's memory trace)
+            if not 0 <= size < MAX_BYTES:  # (an int: __post_init__ made it one)
+                raise ScheduleError(f"preloaded buffer {name!r} has size {size}: give a number of bytes from 0 to "
+                                    f"2**62 - 1")
         preloaded = [name for name, _ in self.preloaded]
         allocs = list(filter(None, self.column("alloc")))
         allocated = set(preloaded).union(map(itemgetter(0), chain.from_iterable(allocs)))
@@ -423,6 +427,24 @@ def _check_meta(meta: Mapping[str, Any], where: str) -> None:
         refuse("resident_weights", "a list of [tensor, layer, expert] triples")
 
 
+MAX_BYTES = 1 << 62  # sizes, bytes and FLOPs below this (what a schedule file's integers are held to): 2**62 bytes
+# is 4 EiB, and numpy's int64 arrays of them (the memory trace, the cost model) hold their sums
+
+
+def check_foreign(schedule: "Schedule", where: str) -> None:
+    """What the check trusts of the package's own builders but not of a schedule from outside it (a
+    policy file's): its meta of the types the tools read, and every op's counts within `MAX_BYTES`
+    (10**400 bytes overflowed the cost model: a traceback). A schedule file's are checked as it is
+    read (`Op.from_dict`, `_check_meta`)."""
+    _check_meta(schedule.meta, where)
+    for op in schedule.ops:
+        for name in ("flops", "bytes", "tokens", "kv_len"):
+            value = getattr(op, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < MAX_BYTES:
+                raise ScheduleError(f"{where}: op {op.id!r}: {name} must be an integer from 0 to 2**62 - 1, got "
+                                    f"{value!r:.60}")
+
+
 _TAKEN_COLUMNS = ("stream", "alloc", "free", "category", "step", "layer", "batches")  # after id and deps
 
 
@@ -472,8 +494,9 @@ def _check_op_fields(op: Op, streams: Mapping[str, str]) -> tuple[Any, ...]:
     if pageable and kind != "transfer":
         raise ScheduleError(f"op {op_id!r}: only a transfer can be pageable")
     for name, size in alloc:
-        if size < 0:
-            raise ScheduleError(f"op {op_id!r}: buffer {name!r} has negative size {size}")
+        if type(size) is not int or not 0 <= size < MAX_BYTES:  # (a policy's NaN size: a traceback at the timeline)
+            raise ScheduleError(f"op {op_id!r}: buffer {name!r} has size {size!r}: give a number of bytes from 0 "
+                                f"to 2**62 - 1")
     return op_id, deps, stream, alloc, free, category, step, layer, batches
 
 

@@ -91,7 +91,7 @@ class Summary:
     makespan_s: float
     throughput_tok_s: float  # generated tokens / makespan (prefill included): the papers' end-to-end figure
     decode_throughput_tok_s: float  # tokens generated after the first / decode time (Klotski's and FlexGen's code)
-    prefill_s: float
+    prefill_s: float  # a batch's prefill latency (its step 0), mean over batches: not a part of the makespan
     decode_s: float  # makespan minus the prefill windows
     decode_step_s: float
     moe_block_s: float  # one layer of one decode step over all n batches (mean)

@@ -281,3 +281,19 @@ def test_the_cli_starts_without_pandas_until_a_command_needs_it():
              "assert pd.DataFrame is pandas.DataFrame\n")
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_makespans_parts_printed_add_up_to_it():
+    """The summary printed a batch's mean prefill latency beside the decode time, inside the
+    makespan's parentheses: the two "parts" summed past the makespan (0.092 + 0.184 > 0.245 s here)."""
+    import re
+
+    rc, out, err = run_cli("simulate", "--model", "small-mixtral", "--hardware", "a5000", "--policy", "single-batch",
+                           "--impl", "ideal", "--batch-size", "1", "--prompt-len", "4", "--gen-len", "4",
+                           "--num-batches", "2")
+    assert rc == 0, err
+    found = re.search(r"makespan +([0-9.]+) s +\(prefill ([0-9.]+) s \+ decode ([0-9.]+) s; a batch's prefill ([0-9.]+)",
+                      out)
+    assert found, out
+    makespan, prefill, decode, latency = map(float, found.groups())
+    assert abs(prefill + decode - makespan) <= 0.0015 and latency > prefill  # (not a part: here larger than it)

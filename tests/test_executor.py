@@ -51,6 +51,34 @@ def test_an_op_whose_tags_the_run_does_not_have_is_refused_before_it_runs(catego
         check_compatible(edited, TINY, None, inp.routing)
 
 
+def _edited(schedule, ops=None, **meta):
+    return Schedule(tuple(schedule.ops if ops is None else ops), schedule.streams, schedule.preloaded,
+                    {**schedule.meta, **meta})
+
+
+def test_a_schedule_edited_into_another_run_is_refused_before_it_runs():
+    """Found by a fault battery: an expert copy of 1000x its bytes was "measured" five times slower
+    (an emulated link is timed from the op's bytes); a schedule without its last lm_head, or whose
+    meta claimed a million generated tokens, was measured as a whole run."""
+    from klotski_runtime.executor import check_compatible
+
+    inp = _input()
+    schedule = build_schedule("klotski", inp)
+    check_compatible(schedule, TINY, None, inp.routing)  # (as built: passes)
+    ops = list(schedule.ops)
+    k = next(k for k, op in enumerate(ops) if op.kind == "transfer" and op.tensor == "expert")
+    ops[k] = ops[k]._replace(bytes=ops[k].bytes * 1000)
+    with pytest.raises(ScheduleError, match=rf"op '{ops[k].id}': moves 49,152,000 bytes of expert weights; "
+                                            rf"tiny-mixtral's expert is 49,152 bytes"):
+        check_compatible(_edited(schedule, ops), TINY, None, inp.routing)
+    last = max(k for k, op in enumerate(schedule.ops) if op.category == "lm_head")
+    without = [op for k, op in enumerate(schedule.ops) if k != last]
+    with pytest.raises(ScheduleError, match=r"no lm_head op makes batch 1's tokens at step 2 \(1 of the run's 6 "):
+        check_compatible(_edited(schedule, without), TINY, None, inp.routing)
+    with pytest.raises(ScheduleError, match=r"meta.generated_tokens 1000000: the run makes 12 \(batch_size 2 x "):
+        check_compatible(_edited(schedule, generated_tokens=1_000_000), TINY, None, inp.routing)
+
+
 @pytest.mark.parametrize("impl", ["as-published", "ideal"])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("placement", [Placement(), Placement(kv="cpu"), Placement(experts="disk")],

@@ -82,7 +82,7 @@ def test_configurations_host_memory_cannot_hold_are_counted_apart_from_failures(
                              "--out", str(tmp_path / "o"))
     assert code == 2 and "0 of 1 ran to the end (1 does not fit in the profile's host memory or disk)" in out, out
     assert err.count("\n") == 1 and "no configuration fits (1 tried: 1 not in the profile's host memory or disk); " \
-        "the first refused: mixtral-8x22b keeps 431.08 GiB in host memory" in err, err
+        "the first refused: mixtral-8x22b keeps 440.08 GiB in host memory" in err, err
 
 
 def test_configurations_that_kill_their_worker_are_counted_apart_from_gpu_memory(tmp_path):

@@ -213,3 +213,45 @@ def test_a_broken_policy_file_is_one_line_naming_where(tmp_path, policy, workers
                            "--batch-size", "2", "--no-png", "--policy-file", str(path), "--policies",
                            f"klotski,{policy}", "--workers", workers, "--out", str(tmp_path / "o"))
     assert rc == 2 and message.format(file=path) in err and "Traceback" not in err, err
+
+
+_HEAD = """from klotski_sim.policies import register
+from klotski_sim.schedule import Op, Schedule, ScheduleBuilder
+
+
+@register("{name}", "a fault battery's case")
+def build(inp):
+    made = inp.shape.batch_size * inp.shape.num_batches * inp.shape.gen_len
+"""
+
+
+@pytest.mark.parametrize("body, message", [
+    # each of these was a traceback
+    ("    b = ScheduleBuilder()\n    b.compute('a', 'attention', [], alloc=(('buf', float('nan')),))\n"
+     "    return b.build({'generated_tokens': made})", "op 'a': buffer 'buf' has size nan: give a number of bytes"),
+    ("    b = ScheduleBuilder()\n    b.preload('w', 10**30)\n    b.compute('a', 'attention', [], flops=1)\n"
+     "    return b.build({'generated_tokens': made})", "preloaded buffer 'w' has size 10000"),
+    ("    b = ScheduleBuilder()\n    b.compute('a', 'attention', [], flops=10**400)\n"
+     "    return b.build({'generated_tokens': made})", "op 'a': flops must be an integer from 0 to 2**62 - 1"),
+    ("    b = ScheduleBuilder()\n    b.compute('a', 'attention', [], flops=1)\n"
+     "    return b.build({'generated_tokens': 'many'})", "meta.generated_tokens must be an integer >= 0, got 'many'"),
+    ("    return Schedule([Op('a', 'compute', 'compute', 'attention', ('zzz',))], meta={'generated_tokens': made},\n"
+     "                    validate=False)", "op 'a' depends on unknown op 'zzz'"),
+    ("    raise GeneratorExit()", "failed at "),
+    # and each of these a figure: -23,256 tok/s, 4.6e15 tok/s, a run of no ops
+    ("    b = ScheduleBuilder()\n    b.compute('a', 'attention', [], flops=1)\n"
+     "    return b.build({'generated_tokens': -5})", "meta.generated_tokens must be an integer >= 0, got -5"),
+    ("    b = ScheduleBuilder()\n    b.compute('a', 'attention', [], flops=1)\n"
+     "    return b.build({'generated_tokens': 10**12})", "meta.generated_tokens 1000000000000 is not the run's 4 "
+                                                       "(batch size 2 x 1 batches x 2 generated)"),
+    ("    return ScheduleBuilder().build({'generated_tokens': made})", "has no ops: nothing to simulate"),
+])
+def test_a_policy_files_schedule_is_checked_as_a_schedule_file_is(tmp_path, body, message):
+    """Found by a fault battery: a policy file's schedule was trusted as the package's own builders'
+    are, so sizes out of range ended in tracebacks (the timeline, the cost model) and a wrong meta
+    in absurd throughputs. Each is one line naming the policy's schedule."""
+    path = tmp_path / "faulty.py"
+    path.write_text(_HEAD.format(name="faulty") + body + "\n")
+    rc, out, err = run_cli("simulate", "--model", "tiny-mixtral", "--prompt-len", "8", "--gen-len", "2",
+                           "--batch-size", "2", "--policy-file", str(path), "--policy", "faulty")
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("error: ") and message in err, err

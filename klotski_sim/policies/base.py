@@ -30,6 +30,8 @@ from ..schedule import (
     Op,
     Schedule,
     ScheduleBuilder,
+    ScheduleError,
+    check_foreign,
     clean_deps,
     compute_op,
     gc_paused,
@@ -288,7 +290,8 @@ def build_schedule(name: str, inp: PolicyInput) -> Schedule:
                                               inp.warmup, inp.impl))
         except KlotskiError:
             raise
-        except (Exception, SystemExit) as err:  # (a policy's sys.exit(0) ended a run, sweep or compare "done")
+        except (Exception, SystemExit, GeneratorExit) as err:  # (a policy's sys.exit(0) ended a run, sweep or
+            # compare "done")
             module = sys.modules.get(getattr(info.build, "__module__", ""))
             if module is None or module.__name__.startswith("klotski_sim."):
                 raise  # a bug of ours: the traceback is the report
@@ -297,7 +300,30 @@ def build_schedule(name: str, inp: PolicyInput) -> Schedule:
     if not isinstance(schedule, Schedule):
         raise PolicyError(f"policy {name!r} returned {type(schedule).__name__}, not a Schedule (end its build "
                           f"function with OpEmitter.build or ScheduleBuilder.build)")
+    if not getattr(info.build, "__module__", "").startswith("klotski_sim."):
+        _check_from_outside(name, schedule, inp)
     return schedule
+
+
+def _check_from_outside(name: str, schedule: Schedule, inp: PolicyInput) -> None:
+    """A policy file's schedule is checked whole, as a schedule file is, and must be of the run it
+    was asked for: each of these ran, into a traceback (an unknown dep with validation off, 10**400
+    bytes) or a figure (-23,256 tok/s from `generated_tokens: -5`, a run of no ops)."""
+    where = f"the schedule of policy {name!r}"
+    try:
+        if not schedule.validate:
+            schedule.check()
+        check_foreign(schedule, where)
+    except ScheduleError as err:
+        raise PolicyError(str(err) if str(err).startswith(where) else f"{where}: {err}") from None
+    if not schedule.ops:
+        raise PolicyError(f"{where} has no ops: nothing to simulate")
+    shape = inp.shape
+    made = shape.batch_size * shape.num_batches * shape.gen_len
+    if schedule.meta.get("generated_tokens", made) != made:
+        raise PolicyError(f"{where}: meta.generated_tokens {schedule.meta['generated_tokens']!r} is not the run's "
+                          f"{made} (batch size {shape.batch_size} x {shape.num_batches} batches x {shape.gen_len} "
+                          f"generated)")
 
 
 class PolicyError(UsageError):

@@ -48,7 +48,7 @@ def load_policy_file(path: str | Path) -> list[str]:
     except KlotskiError as err:
         sys.modules.pop(module_name, None)
         raise UsageError(f"{path}: {err}") from None
-    except (Exception, SystemExit) as err:  # noqa: BLE001 - the user's file: name where it failed
+    except (Exception, SystemExit, GeneratorExit) as err:  # noqa: BLE001 - the user's file: name where it failed
         sys.modules.pop(module_name, None)
         frames = [f for f in traceback.extract_tb(err.__traceback__) if Path(f.filename).resolve() == p.resolve()]
         line = f":{frames[-1].lineno}" if frames else ""
@@ -79,7 +79,7 @@ def load_entry_points() -> list[str]:
             ep.load()
         except KlotskiError:
             raise
-        except (Exception, SystemExit) as err:  # noqa: BLE001 - an installed plugin that does not import
+        except (Exception, SystemExit, GeneratorExit) as err:  # noqa: BLE001 - an installed plugin that does not import
             raise UsageError(f"entry point {ep.name!r} ({ep.value}) of group {ENTRY_POINT_GROUP} does not load: "
                              f"{type(err).__name__}: {err}") from None if isinstance(err, SystemExit) else err
     return sorted(set(POLICIES) - before)
