@@ -384,7 +384,12 @@ def quantised(spec: ModelSpec, text: str, where: str) -> ModelSpec:
     if weights % group:  # (HQQ's Quantizer.quantize asserts W.numel() % group_size == 0: a matrix is whole groups)
         raise UsageError(f"model {where!r}: the group size {group} does not divide an expert matrix's {weights} "
                          f"weights ({spec.hidden_size} x {spec.ffn_size}); HQQ quantises whole groups")
-    return replace(spec, expert_bits=int(bits), quant_group=group, quant_meta_bytes=meta)
+    packed = replace(spec, expert_bits=int(bits), quant_group=group, quant_meta_bytes=meta)
+    if packed.expert_bytes() >= spec.expert_bytes():  # (`@int8:g1:fp32` made experts 4.5x larger: accepted)
+        raise UsageError(f"model {where!r}: {text} stores an expert in {packed.expert_bytes():,} bytes, no fewer "
+                         f"than the {spec.expert_bytes():,} of unquantised ones (a scale and a zero for every "
+                         f"{group} weight(s)); give a larger group size (:g64 by default)")
+    return packed
 
 
 def get_model(name: str) -> ModelSpec:
@@ -394,13 +399,13 @@ def get_model(name: str) -> ModelSpec:
     plain, at, dtype = name.partition("@")
     if at:
         return replace(quantised(get_model(plain), dtype, name), name=name)
-    base, _, layers = name.partition(":")
+    base, colon, layers = name.partition(":")
     try:
         spec = PRESETS[base]
     except KeyError:
         raise UsageError(f"unknown model {name!r}; known models: {', '.join(sorted(PRESETS))} "
                          f"(NAME:L keeps the first L layers)") from None
-    if not layers:
+    if not colon:  # (`tiny-mixtral:`, a count left out, ran the whole model)
         return spec
     if not (layers.isascii() and layers.isdigit()) or not 1 <= int(layers) <= spec.num_layers:
         raise UsageError(f"model {name!r}: after ':' give a layer count from 1 to {spec.num_layers}")

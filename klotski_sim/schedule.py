@@ -526,6 +526,9 @@ def dependency_arrays(ops: Sequence[Op], deps: Sequence[tuple[str, ...]], ids: S
     except (KeyError, TypeError):
         if checked:
             raise
+        text = next((op for op in ops if isinstance(op.deps, str)), None)
+        if text is not None:  # (a string's characters were taken for deps: "depends on unknown op 'b'")
+            raise ScheduleError(f"op {text.id!r}: deps must be a tuple of op ids, got the string {text.deps!r:.60}")
         position = dict(zip(ids, range(n)))
         op, dep = next((op, d) for op in ops for d in op.deps if not isinstance(d, str) or d not in position)
         raise ScheduleError(f"op {op.id!r} depends on unknown op {dep!r}") from None

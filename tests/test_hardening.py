@@ -462,6 +462,7 @@ TINY_RUN = ["--model", "tiny-mixtral", "--prompt-len", "8", "--gen-len", "2", "-
     (["simulate", *TINY_RUN, "--policy-file", "/dev/null"], "--policy-file /dev/null: not a regular file"),
     (["simulate", *TINY_RUN, "--hardware", ""], "--hardware: expected a name or a path, got an empty one"),
     (["simulate", "--model", "tiny-mixtral:\uff12"], "after ':' give a layer count"),  # (fullwidth digits ran)
+    (["simulate", "--model", "tiny-mixtral:"], "model 'tiny-mixtral:': after ':' give a layer count from 1 to 2"),
     (["simulate", *TINY_RUN, "--routing", "zipf:\uff11.\uff12"], "zipf routing needs an exponent"),
     (["trace", "stats", " "], "file: expected a name or a path, got an empty one"),
     (["trace", "import", "{file}", "--out", ""], "--out: expected a name or a path, got an empty one"),

@@ -238,6 +238,10 @@ def build(inp):
     ("    return Schedule([Op('a', 'compute', 'compute', 'attention', ('zzz',))], meta={'generated_tokens': made},\n"
      "                    validate=False)", "op 'a' depends on unknown op 'zzz'"),
     ("    raise GeneratorExit()", "failed at "),
+    # (a string's characters were taken for its deps: "depends on unknown op 'b'")
+    ("    b = ScheduleBuilder()\n    b.compute('abc', 'attention', [], flops=1)\n"
+     "    return Schedule([Op('a', 'compute', 'compute', 'attention', 'abc')], meta={'generated_tokens': made})",
+     "op 'a': deps must be a tuple of op ids, got the string 'abc'"),
     # and each of these a figure: -23,256 tok/s, 4.6e15 tok/s, a run of no ops
     ("    b = ScheduleBuilder()\n    b.compute('a', 'attention', [], flops=1)\n"
      "    return b.build({'generated_tokens': -5})", "meta.generated_tokens must be an integer >= 0, got -5"),

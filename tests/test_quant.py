@@ -138,3 +138,14 @@ def test_the_runtime_moves_exactly_the_simulated_bytes_and_computes_the_dequanti
     for key, logits in run_d.logits.items():
         torch.testing.assert_close(run_q.logits[key], logits, atol=1e-4, rtol=1e-4)
     assert run_q.in_use == run_q.buffer_bytes.get("resident", 0)
+
+
+def test_a_quantisation_that_would_store_experts_no_smaller_is_refused():
+    """Found by a fault battery: `@int8:g1:fp32` (a scale and a zero per weight) made every expert
+    4.5x larger than in bf16, and ran as a "quantised" what-if."""
+    with pytest.raises(UsageError, match=r"int8:g1:fp32 stores an expert in 1,585,446,912 bytes, no fewer than the "
+                                         r"352,321,536 of unquantised ones"):
+        get_model("mixtral-8x7b@int8:g1:fp32")
+    with pytest.raises(UsageError, match="int8:g4 stores an expert in 352,321,536 bytes"):  # (as large: no gain)
+        get_model("mixtral-8x7b@int8:g4")
+    assert get_model("mixtral-8x7b@int8:g8").expert_bytes() < get_model("mixtral-8x7b").expert_bytes()
