@@ -31,11 +31,10 @@ from klotski_sim.cli import (
     output_folder,
     parse_overrides,
     routing_kind,
-    written,
 )
 from klotski_sim.exports import TIMELINE_FILES
 from klotski_sim.machine import available_cores
-from klotski_sim.outfiles import refuse_unwritable
+from klotski_sim.outfiles import refuse_unwritable, write_file
 from klotski_sim.trace_synth import DEFAULT_ROUTING
 
 # (torch, 0.8 s, is imported by the commands that use it: `--help` and a refused flag answer without it,
@@ -174,7 +173,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                         dtype=getattr(torch, args.dtype), emulate_links=_emulation(args),
                         emulate_pageable=_pageable(args), command="klotski-runtime " + " ".join(sys.argv[1:]),
                         threads=_threads(args))
-    written(args.out, "--out", lambda temporary: temporary.write_text(profile.to_yaml()))
+    write_file(args.out, lambda temporary: temporary.write_text(profile.to_yaml()), "--out")
     print(f"wrote {args.out}: {profile.gpu.name}; peak {profile.gpu.peak_flops / 1e12:.2f} TFLOP/s, memory "
           f"{profile.gpu.memory_bandwidth / 1e9:.1f} GB/s, H2D {profile.links.pcie_h2d.bandwidth / 1e9:.2f} GB/s"
           f"{' (emulated)' if _emulation(args) else ''}; "
@@ -215,7 +214,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
                             emulate_pageable=_pageable(args), threads=_threads(args),
                             command="klotski-runtime " + " ".join(sys.argv[1:]))
         profile_path = str(out / "profile.yaml")
-        written(profile_path, "--out", lambda temporary: temporary.write_text(profile.to_yaml()))
+        write_file(profile_path, lambda temporary: temporary.write_text(profile.to_yaml()), "--out")
         print(f"wrote {profile_path}")
     report = validate(setup, profile_path, out, policies)
     print(format_report(report))

@@ -182,13 +182,6 @@ def output_folder(path: str | os.PathLike, flag: str = "--out") -> Path:
     return out
 
 
-def written(path: str | os.PathLike, flag: str, write: Callable[[Path], object]) -> None:
-    """`write(temporary)` writes the file `path` will be, put in place once whole: a full disk or a stop
-    leaves `path` as it was, said in one line naming the flag and the file (it said only
-    "[Errno 28] No space left on device", after the whole work was done, and left a cut file)."""
-    write_file(path, write, flag)
-
-
 def not_an_input(out: Path, flag: str, reads: Sequence[str | os.PathLike]) -> None:
     """Refuse writing where the command reads: `trace stats t.npz --csv t.npz` replaced the trace
     with its table, `trace import x.npz` (a log named .npz) the log with the trace, and each said
@@ -704,8 +697,8 @@ def cmd_trace_stats(args: argparse.Namespace) -> int:
         from pandas.io.common import infer_compression  # (pandas picks a compression by the name's suffix, as
         # it did when it wrote --csv itself: the temporary's name ends in .tmp)
 
-        written(args.csv, "--csv", lambda temporary: df.to_csv(temporary, compression=infer_compression(args.csv,
-                                                                                                          "infer")))
+        write_file(args.csv, lambda temporary: df.to_csv(temporary, compression=infer_compression(args.csv, "infer")),
+                   "--csv")
         print(f"wrote {args.csv}")
     return 0
 
