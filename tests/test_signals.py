@@ -188,7 +188,9 @@ def test_a_pool_left_by_an_exception_cancels_its_queue_and_stops_its_workers():
         with worker_pool(2, _nothing, fork=True) as pool:
             assert pool.submit(os.getpid).result(timeout=HANG_S) != os.getpid()  # (the workers have started)
             workers = list(pool._processes)
-            futures = [pool.submit(time.sleep, HANG_S) for _ in range(5)]
+            # (beyond the pool's call queue, which holds workers + 1 of them: the fifth could be in it,
+            # moved there by the queue's thread, and so not cancellable: the test failed under load)
+            futures = [pool.submit(time.sleep, HANG_S) for _ in range(10)]
             time.sleep(0.2)  # (two of them running)
             raise RuntimeError("stop")
     assert time.monotonic() - started < HANG_S  # (a plain pool would sleep through its whole queue)
