@@ -185,6 +185,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from .calibrate import calibrate
     from .validate import ALL_POLICIES, ValidationSetup, format_report, validate
 
+    threads = _threads(args)
     policies = ALL_POLICIES if args.policy == "all" else tuple(args.policy.split(","))
     repeated = first_repeat(policies)
     if repeated is not None:
@@ -194,7 +195,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
                             routing=routing_kind(args.routing, args.trace), trace=args.trace, seed=args.seed,
                             kv=args.kv,
                             emulate_links=_emulation(args), emulate_pageable=_pageable(args),
-                            checkpoint=args.checkpoint, dtype=args.dtype, threads=_threads(args) or 1, impl=args.impl,
+                            checkpoint=args.checkpoint, dtype=args.dtype, threads=threads or 1, impl=args.impl,
                             repeats=args.repeats, options=parse_overrides(args.options, "--option"))
     out = output_folder(args.out)
     profile_path = args.profile
@@ -211,7 +212,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
                             max_expert_tokens=max(64, 2 ** (args.batch_size * args.num_batches * args.prompt_len)
                                                   .bit_length()),
                             dtype=getattr(torch, args.dtype), emulate_links=_emulation(args),
-                            emulate_pageable=_pageable(args), threads=_threads(args),
+                            emulate_pageable=_pageable(args), threads=threads,
                             command="klotski-runtime " + " ".join(sys.argv[1:]))
         profile_path = str(out / "profile.yaml")
         write_file(profile_path, lambda temporary: temporary.write_text(profile.to_yaml()), "--out")

@@ -206,8 +206,8 @@ def _weights_of_another_size(op: Op, spec: ModelSpec) -> str:
     if op.kind != "transfer" or op.tensor not in ("attention", "gate", "expert"):
         return ""
     layer = max(op.layer, 0)
-    want = {"attention": spec.attention_bytes, "gate": lambda: spec.gate_bytes(layer),
-            "expert": spec.expert_bytes}[op.tensor]()
+    want = (spec.attention_bytes() if op.tensor == "attention" else spec.gate_bytes(layer) if op.tensor == "gate"
+            else spec.expert_bytes())
     return "" if op.bytes == want else (f"moves {op.bytes:,} bytes of {op.tensor} weights; {spec.name}'s "
                                         f"{op.tensor} {'of layer ' + str(layer) + ' ' if op.tensor == 'gate' else ''}"
                                         f"is {want:,} bytes")
@@ -223,9 +223,9 @@ def _check_every_token_made(schedule: Schedule, shape: RunShape) -> None:
         b, step = missing[0]
         raise ScheduleError(f"no lm_head op makes batch {b}'s tokens at step {step} ({len(missing)} of the run's "
                             f"{shape.num_batches * shape.num_steps} batch-steps have none): not a whole run")
-    claimed, made_tokens = schedule.meta.get("generated_tokens"), shape.batch_size * shape.num_batches * shape.gen_len
-    if claimed != made_tokens:
-        raise ScheduleError(f"meta.generated_tokens {claimed!r}: the run makes {made_tokens} (batch_size "
+    claimed = schedule.meta.get("generated_tokens")
+    if claimed != shape.generated_tokens:
+        raise ScheduleError(f"meta.generated_tokens {claimed!r}: the run makes {shape.generated_tokens} (batch_size "
                             f"{shape.batch_size} x num_batches {shape.num_batches} x gen_len {shape.gen_len})")
 
 

@@ -238,6 +238,11 @@ def save_tiny_mixtral(path: str | Path, seed: int = 0, num_layers: int = 2, num_
                            num_local_experts=num_experts, num_experts_per_tok=2, max_position_embeddings=2048,
                            rms_norm_eps=1e-5, tie_word_embeddings=False)
     model = MixtralForCausalLM(config)
+    return _saved(model, path)
+
+
+def _saved(model: Any, path: str | Path) -> Path:
+    """A tiny checkpoint written to `path` without transformers' progress bar."""
     with transformers_quiet():
         model.save_pretrained(path)
     return Path(path)
@@ -267,9 +272,7 @@ def save_tiny_qwen3_moe(path: str | Path, seed: int = 0, num_layers: int = 2, nu
                          tie_word_embeddings=False, **config)
     model = Qwen3MoeForCausalLM(cfg)
     _randomise_norms(model, torch.Generator().manual_seed(seed))
-    with transformers_quiet():
-        model.save_pretrained(path)
-    return Path(path)
+    return _saved(model, path)
 
 
 def save_tiny_olmoe(path: str | Path, seed: int = 0, num_layers: int = 2, num_experts: int = 8, hidden: int = 64,
@@ -287,6 +290,4 @@ def save_tiny_olmoe(path: str | Path, seed: int = 0, num_layers: int = 2, num_ex
                       rms_norm_eps=1e-5, tie_word_embeddings=False, pad_token_id=None, eos_token_id=None, **config)
     model = OlmoeForCausalLM(cfg)
     _randomise_norms(model, torch.Generator().manual_seed(seed))
-    with transformers_quiet():
-        model.save_pretrained(path)
-    return Path(path)
+    return _saved(model, path)

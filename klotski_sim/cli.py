@@ -623,13 +623,13 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             raise CliError(f"{len(failed)} of {counted(len(df), 'configuration')} failed and none ran to the end; "
                            f"the first: {failed['error'].iloc[0]}")
         if refused or too_large or killed:
-            first = df.loc[df["status"].isin(["refused", "too-large"] if refused or too_large else ["killed"]),
+            label = "refused" if refused or too_large else "killed"
+            first = df.loc[df["status"].isin(["refused", "too-large"] if label == "refused" else ["killed"]),
                            "error"].iloc[0]
             where = ", ".join(f"{count} {why}" for count, why in (
                 (oom, "not in GPU memory"), (refused, "not in the profile's host memory or disk"),
                 (too_large, "too large to simulate here"), (killed, "killed")) if count)
             fits = "could run" if too_large or killed else "fits"
-            label = "refused" if refused or too_large else "killed"
             raise CliError(f"no configuration {fits} ({len(df)} tried: {where}); the first {label}: {first}")
         raise CliError(f"no configuration fits in GPU memory ({len(df)} tried): try smaller --batch-sizes, "
                        f"--num-batches or --expert-dtypes int4")

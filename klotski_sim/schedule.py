@@ -153,7 +153,7 @@ class Op(NamedTuple):
             if kind == "str":
                 ok = isinstance(value, str)
             elif kind == "int":
-                ok = isinstance(value, int) and not isinstance(value, bool) and abs(value) < 1 << 62
+                ok = isinstance(value, int) and not isinstance(value, bool) and abs(value) < MAX_BYTES
             elif kind == "bool":
                 ok = isinstance(value, bool)
             elif kind == "strs":

@@ -319,10 +319,9 @@ def _check_from_outside(name: str, schedule: Schedule, inp: PolicyInput) -> None
     if not schedule.ops:
         raise PolicyError(f"{where} has no ops: nothing to simulate")
     shape = inp.shape
-    made = shape.batch_size * shape.num_batches * shape.gen_len
-    if schedule.meta.get("generated_tokens", made) != made:
+    if schedule.meta.get("generated_tokens", shape.generated_tokens) != shape.generated_tokens:
         raise PolicyError(f"{where}: meta.generated_tokens {schedule.meta['generated_tokens']!r} is not the run's "
-                          f"{made} (batch size {shape.batch_size} x {shape.num_batches} batches x {shape.gen_len} "
+                          f"{shape.generated_tokens} (batch size {shape.batch_size} x {shape.num_batches} batches x {shape.gen_len} "
                           f"generated)")
 
 
