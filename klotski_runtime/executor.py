@@ -249,6 +249,12 @@ class OpRunner:
         self.buffers: dict[str, Any] = {}  # the device store: buffer name -> tensors
         self.buffer_bytes: dict[str, int] = {}
         self.lock = threading.Lock()
+        # Adds into one batch's MoE output (`moe_out`) are ordered after its gate and before the next
+        # layer reads it, but not among themselves: a GPU expert on the compute stream and a CPU
+        # expert's output arriving on the `h2d_act` stream may add at once (on CUDA each add is atomic).
+        # On the CPU both are read-modify-writes from two threads, and a row added at once by both
+        # kept one of them: the lock keeps each add whole (klotski-hybrid's logits once differed).
+        self.output_lock = threading.Lock()
         self.in_use = 0
         self.peak = 0
         self.memory_trace: list[tuple[float, int]] = []
@@ -461,7 +467,9 @@ class OpRunner:
             out = self.moe_out[b]
             if cuda:  # used on this copy stream as well as the compute stream (atomic adds on both)
                 out.record_stream(torch.cuda.current_stream())
-            out.index_add_(0, rows.to(self.device), y.to(self.device, non_blocking=cuda))
+            rows, y = rows.to(self.device), y.to(self.device, non_blocking=cuda)
+            with self.output_lock:
+                out.index_add_(0, rows, y)
         if cuda:
             self.staged_from_pool[op.id] = tuple(y for _, _, y in results)
 
@@ -617,15 +625,16 @@ class OpRunner:
             return
         if len(parts) == 1:
             b, rows, slots = parts[0]
-            kernels.expert_step(self.z[b], self.route[b][1], rows, slots, w, self.moe_out[b])
+            kernels.expert_step(self.z[b], self.route[b][1], rows, slots, w, self.moe_out[b], self.output_lock)
             return
         x = torch.cat([self.z[b][rows] for b, rows, _ in parts])
         scale = torch.cat([self.route[b][1][rows, slots] for b, rows, slots in parts])
         y = kernels.expert(x, w) * scale[:, None].to(x.dtype)
         offset = 0
-        for b, rows, _ in parts:
-            self.moe_out[b].index_add_(0, rows, y[offset:offset + len(rows)])
-            offset += len(rows)
+        with self.output_lock:
+            for b, rows, _ in parts:
+                self.moe_out[b].index_add_(0, rows, y[offset:offset + len(rows)])
+                offset += len(rows)
 
     def _lm_head(self, op: Op) -> None:
         b = op.batch

@@ -17,6 +17,7 @@ of those three families (`CHECKPOINT_FAMILIES`).
 from __future__ import annotations
 
 import json
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -632,7 +633,10 @@ def gate_step(h: torch.Tensor, norm: torch.Tensor, router_weight: torch.Tensor, 
 
 
 def expert_step(z: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
-                expert_weights: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
-    """One expert over the rows routed to it, scaled by their gate weights, added into `out`."""
+                expert_weights: tuple[torch.Tensor, ...], out: torch.Tensor,
+                guard: AbstractContextManager[Any] = nullcontext()) -> None:
+    """One expert over the rows routed to it, scaled by their gate weights, added into `out` while
+    holding `guard` (the executor's lock: other threads add into the same output)."""
     y = expert(z[rows], expert_weights) * weights[rows, slots, None].to(z.dtype)
-    out.index_add_(0, rows, y)
+    with guard:
+        out.index_add_(0, rows, y)

@@ -12,6 +12,7 @@ from klotski_runtime.record import save_tiny_mixtral  # noqa: E402
 from klotski_sim.hardware import load_profile  # noqa: E402
 from klotski_sim.model import get_model  # noqa: E402
 from klotski_sim.policies import Placement, PolicyInput, build_schedule  # noqa: E402
+from klotski_sim.policies import POLICIES as REGISTERED  # noqa: E402
 from klotski_sim.routing import RunShape  # noqa: E402
 from klotski_sim.schedule import Schedule, ScheduleError  # noqa: E402
 from klotski_sim.trace import replay  # noqa: E402
@@ -265,11 +266,9 @@ def test_weights_that_host_memory_cannot_hold_are_refused_before_allocating(monk
         WeightStore.random(get_model("small-mixtral"))
 
 
-@pytest.mark.parametrize("policy", ["fiddler", "llamacpp-moe", "klotski-hybrid"])
-@pytest.mark.parametrize("impl", ["as-published", "ideal"])
-def test_cpu_expert_policies_execute_and_compute_what_klotski_computes(policy, impl):
-    """Experts on the host CPU stream: hidden states down, the expert on host weights, the output
-    back into its batches — the same logits as Klotski's all-GPU schedule (fp32, forced routing)."""
+def _cpu_expert_run(policy, impl):
+    """A schedule of `policy` that puts experts on the host CPU, run on the CPU runtime, and the
+    runner of Klotski's all-GPU schedule of the same routing and weights (fp32)."""
     from .test_cpu_experts import cpu_profile
 
     base = _input(n=2, bs=2, P=6, G=3, impl=impl)
@@ -282,6 +281,15 @@ def test_cpu_expert_policies_execute_and_compute_what_klotski_computes(policy, i
     tl, runner = execute(schedule, TINY, weights, inp.routing, ExecOptions(record_logits=True))
     ref_schedule = build_schedule("klotski", PolicyInput(TINY, load_profile("rtx3090"), inp.routing, warmup=inp.warmup))
     _, ref = execute(ref_schedule, TINY, weights, inp.routing, ExecOptions(record_logits=True))
+    return schedule, weights, inp, tl, runner, ref
+
+
+@pytest.mark.parametrize("policy", ["fiddler", "llamacpp-moe", "klotski-hybrid"])
+@pytest.mark.parametrize("impl", ["as-published", "ideal"])
+def test_cpu_expert_policies_execute_and_compute_what_klotski_computes(policy, impl):
+    """Experts on the host CPU stream: hidden states down, the expert on host weights, the output
+    back into its batches — the same logits as Klotski's all-GPU schedule (fp32, forced routing)."""
+    schedule, weights, inp, tl, runner, ref = _cpu_expert_run(policy, impl)
     for key, logits in ref.logits.items():
         torch.testing.assert_close(runner.logits[key], logits, atol=1e-4, rtol=1e-4)
     for op in schedule.ops:
@@ -293,6 +301,67 @@ def test_cpu_expert_policies_execute_and_compute_what_klotski_computes(policy, i
         _, gpu = execute(schedule, TINY, weights, inp.routing, ExecOptions(device="cuda", record_logits=True))
         for key, logits in ref.logits.items():
             torch.testing.assert_close(gpu.logits[key], logits, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("policy,impl", [("fiddler", "as-published"), ("klotski-hybrid", "ideal")])
+def test_adds_into_one_output_from_two_threads_never_lose_one(policy, impl, monkeypatch):
+    """A GPU expert (compute stream) and a CPU expert's output coming back (`h2d_act` stream) add
+    into one batch's MoE output, in no order the schedule fixes (on CUDA each add is atomic). The
+    CPU runtime runs them on two threads: with every add made a slow read-modify-write (what any
+    add is there, in a narrower window), the logits are still Klotski's. Unlocked, 2 to 15 adds
+    overlapped a run and lost one of them: logits differed (once in the suite, in 256 of 512)."""
+    import time
+
+    add = torch.Tensor.index_add_
+
+    def slow_add(self, dim, index, source):
+        before = self.clone()
+        time.sleep(0.002)  # (another thread's add to `self` now is overwritten below)
+        return self.copy_(add(before, dim, index, source))
+
+    monkeypatch.setattr(torch.Tensor, "index_add_", slow_add)
+    _, _, _, _, runner, ref = _cpu_expert_run(policy, impl)
+    for key, logits in ref.logits.items():
+        torch.testing.assert_close(runner.logits[key], logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("policy", sorted(REGISTERED))
+@pytest.mark.parametrize("impl", ["as-published", "ideal"])
+def test_every_add_into_a_batchs_output_comes_before_the_op_that_reads_it(policy, impl):
+    """What makes those unordered adds safe: the op that next applies a batch's MoE output (its next
+    attention, or its lm_head) has every op that wrote into it (gate, GPU expert, CPU expert's copy
+    back) among its ancestors, deps and stream order, in every policy's schedule (a missing dep
+    would read a partial sum only when the threads happen to race)."""
+    from klotski_sim.schedule import topological_order
+
+    from .test_cpu_experts import cpu_profile
+
+    base = _input(n=2, bs=2, P=6, G=3, impl=impl)
+    profile = cpu_profile(memory_bytes=3.2e5, memory_bandwidth=1e12, flops={"bf16": 1e13})  # some experts on the CPU
+    schedule = build_schedule(policy, PolicyInput(TINY, profile, base.routing, base.placement, {}, base.warmup, impl))
+    ops, resource = schedule.ops, schedule.streams
+    ptr, succ, _, _ = schedule.graph
+    ancestors = [0] * len(ops)  # (a bit per op)
+    for i in topological_order(schedule):
+        for s in succ[ptr[i]:ptr[i + 1]]:
+            ancestors[s] |= ancestors[i] | (1 << i)
+    def place(op):  # (step, layer) order within a batch; lm_head after the last layer
+        return (op.step, 1 << 30 if op.category == "lm_head" else op.layer)
+
+    writers = [i for i, op in enumerate(ops) if op.category in ("gate", "dense_mlp")
+               or op.category == "expert" and resource[op.stream] == "gpu"
+               or op.tensor == "activation" and op.dst == "gpu" and op.expert >= 0]  # (a CPU expert's output)
+    readers = [i for i, op in enumerate(ops) if op.category in ("attention", "attn_qkv", "lm_head")
+               and resource[op.stream] == "gpu"]
+    checked = 0
+    for w in writers:
+        for b in ops[w].batches:
+            later = [r for r in readers if b in ops[r].batches and place(ops[r]) > place(ops[w])]
+            if later:
+                r = min(later, key=lambda r: place(ops[r]))
+                assert ancestors[r] >> w & 1, f"{ops[r].id} may read batch {b}'s output before {ops[w].id} adds to it"
+                checked += 1
+    assert checked >= len(writers)  # (each writer has a reader: none skipped unseen)
 
 
 def test_shared_experts_run_in_the_gate_op_with_the_bytes_the_simulator_counts():
