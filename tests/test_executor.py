@@ -364,6 +364,44 @@ def test_every_add_into_a_batchs_output_comes_before_the_op_that_reads_it(policy
     assert checked >= len(writers)  # (each writer has a reader: none skipped unseen)
 
 
+@pytest.mark.parametrize("policy,placement,options", [
+    ("klotski", Placement(kv="cpu"), {"attention_device": "cpu"}), ("fiddler", Placement(), {}),
+    ("flexgen", Placement(experts="disk"), {}), ("klotski-hybrid", Placement(), {"expert_cache": 2})])
+def test_logits_do_not_depend_on_how_the_stream_threads_interleave(policy, placement, options, monkeypatch):
+    """Every op held back and let go by a random 0-2 ms (seeded), on every stream thread: an op that
+    reads what another stream writes without a dependency on it would see it now and then
+    unwritten. The logits stay Klotski's (run undisturbed)."""
+    import random
+    import threading
+    import time
+
+    from klotski_runtime.executor import OpRunner
+
+    from .test_cpu_experts import cpu_profile
+
+    base = _input(n=2, bs=2, P=6, G=3, impl="ideal")
+    weights = WeightStore.random(TINY, dtype=torch.float32)
+    reference = build_schedule("klotski", PolicyInput(TINY, load_profile("rtx3090"), base.routing, warmup=base.warmup))
+    _, ref = execute(reference, TINY, weights, base.routing, ExecOptions(record_logits=True))
+    profile = cpu_profile(memory_bytes=1e6 if placement.experts == "disk" else 3.2e5, memory_bandwidth=1e12,
+                          flops={"bf16": 1e13})
+    schedule = build_schedule(policy, PolicyInput(TINY, profile, base.routing, placement, options, base.warmup, "ideal"))
+    draws, drawing, run = random.Random(0), threading.Lock(), OpRunner.run
+
+    def jittered(self, op):
+        with drawing:
+            before, after = draws.uniform(0, 0.002), draws.uniform(0, 0.002)
+        time.sleep(before)
+        run(self, op)
+        time.sleep(after)
+
+    monkeypatch.setattr(OpRunner, "run", jittered)
+    _, runner = execute(schedule, TINY, weights, base.routing, ExecOptions(record_logits=True))
+    assert runner.logits.keys() == ref.logits.keys()
+    for key, logits in ref.logits.items():
+        torch.testing.assert_close(runner.logits[key], logits, atol=1e-4, rtol=1e-4)
+
+
 def test_shared_experts_run_in_the_gate_op_with_the_bytes_the_simulator_counts():
     """Qwen-MoE style: a sigmoid-gated shared expert every token goes through, computed by the gate op."""
     from dataclasses import replace
