@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from .argtypes import MAX_COUNT
 from .errors import KlotskiError, UsageError
@@ -47,10 +47,22 @@ def _a_number(value: Any) -> Any:
 _Number = BeforeValidator(_a_number)
 Positive = Annotated[float, _Number, Field(gt=0, allow_inf_nan=False)]  # finite: an infinite bandwidth is no what-if
 NonNegative = Annotated[float, _Number, Field(ge=0, allow_inf_nan=False)]
-# A rate (bytes/s, FLOP/s) below one per second, or a fixed per-op cost (launch, dispatch, signal,
-# sync, link latency: microseconds on every machine) above a second, is a unit slip, not a what-if:
-# it made ops of 1e300 s whose sums overflowed into inf and NaN in every output.
-Rate = Annotated[float, _Number, Field(ge=1, allow_inf_nan=False)]
+# A rate (bytes/s, FLOP/s) below a million per second, or a fixed per-op cost (launch, dispatch,
+# signal, sync, link latency: microseconds on every machine) above a second, is a unit slip, not a
+# what-if: `bandwidth: 25.7` (GB/s meant) ran, a link a billion times too slow, and rates below one
+# per second made ops of 1e300 s whose sums overflowed into inf and NaN in every output. The slowest
+# device a profile could describe (a USB 2 disk, ~30 MB/s; a CPU core's 1e9 FLOP/s) is far above it.
+RATE_FLOOR = 1e6
+
+
+def _a_rate(value: float) -> float:
+    if value < RATE_FLOOR:
+        raise ValueError(f"{value:g} per second is below {RATE_FLOOR:g}: a unit slip? rates are in bytes or FLOPs "
+                         f"per second (25.7 GB/s is 25.7e9)")
+    return value
+
+
+Rate = Annotated[float, _Number, Field(allow_inf_nan=False), AfterValidator(_a_rate)]
 PerOpSeconds = Annotated[float, _Number, Field(ge=0, le=1, allow_inf_nan=False)]
 Fraction = Annotated[float, _Number, Field(gt=0, le=1, allow_inf_nan=False)]
 
@@ -99,9 +111,9 @@ class GPUSpec(_Strict):
         # the rates the roofline uses are the peaks times these shares: held to a Rate's bound too
         # (memory_efficiency 1e-300 made a ~1e-288 B/s GPU and 290-digit makespans)
         for rate, share in (("peak_flops", "compute_efficiency"), ("memory_bandwidth", "memory_efficiency")):
-            if getattr(self, rate) * getattr(self, share) < 1:
+            if getattr(self, rate) * getattr(self, share) < RATE_FLOOR:
                 raise ValueError(f"{rate} x {share} ({getattr(self, rate):.4g} x {getattr(self, share):.4g}) is "
-                                 f"below 1 per second: a unit slip, not a what-if")
+                                 f"below {RATE_FLOOR:g} per second: a unit slip, not a what-if")
         return self
 
     @property

@@ -166,7 +166,7 @@ def test_a_cpu_op_cannot_allocate_gpu_memory():
 
 
 def test_hybrid_with_a_hopeless_cpu_is_exactly_klotski():
-    slow = cpu_profile(memory_bytes=3e9, memory_bandwidth=1e3, flops={"bf16": 1e3})
+    slow = cpu_profile(memory_bytes=3e9, memory_bandwidth=1e6, flops={"bf16": 1e6})
     inp = make_input(model="mixtral-8x7b:2", bs=3, n=3, P=6, G=4, profile=slow)
     hybrid = build_schedule("klotski-hybrid", inp)
     klotski = build_schedule("klotski", inp)

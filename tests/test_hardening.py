@@ -34,15 +34,20 @@ TINY = {"name": "t", "models": ["tiny-mixtral"], "policies": ["klotski"], "batch
 @pytest.mark.parametrize("field,value,message", [
     ("gpu.memory_bytes", float("inf"), "finite"), ("gpu.kernel_overhead_s", float("nan"), "finite"),
     ("gpu.reserved_bytes", 1e12, "reserved_bytes"),
-    ("links.pcie_h2d.bandwidth", -1.0, "links.pcie_h2d.bandwidth: Input should be greater than or equal to 1"),
-    ("links.nvme.bandwidth", 1e-300, "greater than or equal to 1"),  # (ops of 1e300 s: inf and NaN outputs)
+    ("links.pcie_h2d.bandwidth", -1.0, "links.pcie_h2d.bandwidth: Value error, -1 per second is below 1e\\+06"),
+    ("links.nvme.bandwidth", 1e-300, "below 1e\\+06"),  # (ops of 1e300 s: inf and NaN outputs)
+    ("links.pcie_h2d.bandwidth", 25.7, r"25.7 per second is below 1e\+06: a unit slip\? .* \(25.7 GB/s is 25.7e9\)"),
+    ("links.pcie_h2d.pageable_bandwidth", 12, "pageable_bandwidth: Value error, 12 per second"),  # (GB/s meant: ran)
+    ("gpu.peak_flops", 71, "gpu.peak_flops: Value error, 71 per second"),  # (TFLOP/s meant)
+    ("cpu.flops.fp32", 1e3, "cpu.flops.fp32: Value error, 1000 per second"),
+    ("cpu.memory_bandwidth", 200, "cpu.memory_bandwidth: Value error, 200 per second"),
     ("gpu.kernel_overhead_s", 1e300, "gpu.kernel_overhead_s: Input should be less than or equal to 1"),
     ("cpu.op_overhead_s", 2.0, "less than or equal to 1"),
     ("links.pcie_h2d.bandwidth", True, "links.pcie_h2d.bandwidth: Value error, expected a number, got true"),  # (1 B/s)
     ("links.pcie_h2d.copy_engines", True, "expected a number, got true"),
     ("links.pcie_h2d.copy_engines", 2**70, "copy_engines: Input should be less than or equal to 64"),
-    ("gpu.memory_efficiency", 1e-300, "memory_bandwidth x memory_efficiency .* is below 1 per second"),
-    ("gpu.compute_efficiency", 1e-15, "peak_flops x compute_efficiency .* is below 1 per second")])
+    ("gpu.memory_efficiency", 1e-300, "memory_bandwidth x memory_efficiency .* is below 1e\\+06 per second"),
+    ("gpu.compute_efficiency", 1e-15, "peak_flops x compute_efficiency .* is below 1e\\+06 per second")])
 def test_non_finite_and_inconsistent_profile_values_are_refused(field, value, message):
     with pytest.raises(ProfileError, match=message):
         with_overrides(load_profile("rtx3090"), {field: value})
