@@ -165,7 +165,8 @@ def check_compatible(schedule: Schedule, spec: ModelSpec, weights: WeightStore |
             raise ScheduleError(f"the routing does not belong to this schedule: it is {routing.source!r:.120}, the "
                                 f"schedule was built from {meta.get('routing')!r:.120}")
         for op in schedule.ops:  # (each named by the field that is wrong: a handler would index with it)
-            problem = _outside_the_run(op, sh, spec) or _weights_of_another_size(op, spec)
+            problem = (_outside_the_run(op, sh, spec) or _weights_of_another_size(op, spec)
+                       or _work_of_another_run(op, sh, routing))
             if problem:
                 raise ScheduleError(f"op {op.id!r}: {problem}")
         _check_every_token_made(schedule, sh)
@@ -211,6 +212,37 @@ def _weights_of_another_size(op: Op, spec: ModelSpec) -> str:
     return "" if op.bytes == want else (f"moves {op.bytes:,} bytes of {op.tensor} weights; {spec.name}'s "
                                         f"{op.tensor} {'of layer ' + str(layer) + ' ' if op.tensor == 'gate' else ''}"
                                         f"is {want:,} bytes")
+
+
+# compute ops over every new token of their batches (lm_head: over each sequence's last one)
+_OVER_NEW_TOKENS = frozenset({"embed", "attention", "gate", "attn_qkv", "attn_out", "dense_mlp"})
+
+
+def _work_of_another_run(op: Op, shape: RunShape, routing: RoutingTable) -> str:
+    """What of a compute op's work (tokens, KV length, phase) differs from what the run gives it
+    (empty: nothing). The simulator times an op by these fields and the runtime computes what the
+    routing and shape say, so an edited `tokens: 999` on an expert was simulated as 999 tokens and
+    measured as its few: a cross-check of two different runs."""
+    if op.kind != "compute" or op.step < 0 or not op.batches:
+        return ""
+    step, sequences = op.step, shape.batch_size * len(op.batches)
+    if op.phase != ("prefill" if step == 0 else "decode"):
+        return f"phase {op.phase!r} at step {step} (step 0 is the prefill, later steps decode)"
+    if op.category == "expert":
+        want = int(routing.counts[step, op.layer, list(op.batches), op.expert].sum())
+        what = f"the routing sends {want} of batches {list(op.batches)}'s tokens to expert {op.expert} there"
+    elif op.category in _OVER_NEW_TOKENS:
+        want = sequences * (shape.prompt_len if step == 0 else 1)
+        what = f"its batches' sequences pass {want} new tokens"
+    elif op.category == "lm_head":
+        want, what = sequences, f"one per sequence of its batches: {sequences}"
+    else:
+        return ""
+    if op.tokens != want:
+        return f"tokens {op.tokens}, but {what} at step {step}, layer {op.layer}"
+    if op.category == "attention" and op.kv_len != shape.kv_len(step):
+        return f"kv_len {op.kv_len}, but its sequences hold {shape.kv_len(step)} tokens once step {step} has run"
+    return ""
 
 
 def _check_every_token_made(schedule: Schedule, shape: RunShape) -> None:

@@ -1,5 +1,7 @@
 """The runtime executes the very schedules the simulator runs (CPU here; CUDA when present)."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -36,9 +38,16 @@ def _input(placement=Placement(), n=2, bs=2, P=6, G=3, model=TINY, impl="as-publ
     ("attention", {"batches": ()}, "attention ops need their batches and step (got batches [], step"),  # (KeyError: -1)
     ("embed", {"step": 99}, "step 99 outside the run's 3 steps"),
     ("gate", {"batches": (5,)}, "batches [5] outside the run's 2 batches"),
-    ("gate", {"layer": 7}, "layer 7 outside the model's 2 layers")])
+    ("gate", {"layer": 7}, "layer 7 outside the model's 2 layers"),
+    # (simulated as the op says, measured as the run computes it: a cross-check of two runs)
+    ("expert", {"tokens": 999}, "tokens 999, but the routing sends "),
+    ("attention", {"tokens": 5}, "tokens 5, but its batches' sequences pass 12 new tokens at step 0, layer 0"),
+    ("attention", {"kv_len": 1}, "kv_len 1, but its sequences hold 6 tokens once step 0 has run"),
+    ("lm_head", {"tokens": 7}, "tokens 7, but one per sequence of its batches: 2 at step 0"),
+    ("gate", {"phase": "decode"}, "phase 'decode' at step 0 (step 0 is the prefill, later steps decode)")])
 def test_an_op_whose_tags_the_run_does_not_have_is_refused_before_it_runs(category, change, message):
-    """A hand-edited schedule.json: each of these executed (or failed on an internal KeyError)."""
+    """A hand-edited schedule.json: each of these executed (or failed on an internal KeyError, or
+    was simulated with other work than the runtime measured)."""
     from klotski_runtime.executor import check_compatible
 
     inp = _input()
@@ -48,7 +57,7 @@ def test_an_op_whose_tags_the_run_does_not_have_is_refused_before_it_runs(catego
     ops[k] = ops[k]._replace(**change)
     edited = Schedule(tuple(ops), schedule.streams, schedule.preloaded, schedule.meta)
     check_compatible(schedule, TINY, None, inp.routing)  # (the schedule as built passes)
-    with pytest.raises(ScheduleError, match=f"op '{ops[k].id}': " + message.replace("(", "\\(").replace("[", "\\[")):
+    with pytest.raises(ScheduleError, match=re.escape(f"op '{ops[k].id}': " + message)):
         check_compatible(edited, TINY, None, inp.routing)
 
 
