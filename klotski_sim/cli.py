@@ -303,6 +303,19 @@ def _note(text: str) -> None:
     print(f"note: {text}", file=sys.stderr, flush=True)
 
 
+def _local_workers(args: argparse.Namespace) -> None:
+    """`--workers` held to the cores this process may use, where the workers are its own processes
+    (not a remote Dask cluster's), said on stderr: the runs are CPU-bound, so more workers than cores
+    finish no sooner and each takes its own memory (`--workers 1024` started a thousand processes of
+    ~100 MB on a 2-core machine)."""
+    cores = available_cores()
+    remote = getattr(args, "dask", None) not in (None, "local")
+    if args.workers is not None and args.workers > cores and not remote:
+        _note(f"--workers {args.workers}: this process may use {cores} core(s); running {counted(cores, 'worker')} (the runs "
+              f"are CPU-bound: more would finish no sooner, each taking its own memory)")
+        args.workers = cores
+
+
 def _say_long_work() -> None:
     """A long synthetic draw (a fine-grained model's long prompts: a minute) and a long run (millions
     of ops, projected from its first steps: klotski_sim.run_size) are said on stderr before they
@@ -369,6 +382,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     impls = ["as-published", "ideal"] if args.impl == "both" else [args.impl]
+    _local_workers(args)
     spec = spec_from_args(args, policy="klotski", impl=impls[0])
     policies = args.policies or list(COMPARE_POLICIES)
     for name in policies:
@@ -515,6 +529,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     check_spec(spec, str(args.spec))
     if args.dask is not None and not args.dask.strip():  # (an empty address ran locally, silently)
         raise CliError("--dask: expected a scheduler address like tcp://HOST:8786 or 'local', got an empty one")
+    _local_workers(args)
     # (the sweep keeps its spec as DIR/spec.yaml: a link there to the spec it reads had the user's file, comments and
     # all, replaced by the sweep's own dump of it)
     not_an_input(Path(args.out) / "spec.yaml", "--out", [args.spec])
@@ -554,6 +569,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def cmd_optimize(args: argparse.Namespace) -> int:
     from .optimize import Search, check_search, ok_rows, pareto_front, simulate_command, winner
     from .sweep import run_sweep
+
+    _local_workers(args)
 
     def ints(text: str, flag: str, low: int = 1, words: tuple[str, ...] = ()) -> tuple:
         what = f"comma-separated integers >= {low}" + "".join(f" or {w}" for w in words)
@@ -785,7 +802,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", type=name_list, metavar="A,B,...",
                    help=f"comma-separated (default: {','.join(COMPARE_POLICIES)})")
     p.add_argument("--workers", type=workers_int, default=None,
-                   help="processes running the policies side by side (default: one per available core)")
+                   help="processes running the policies side by side, at most one per available core (default: "
+                        "one per available core)")
     p.add_argument("--flexgen-overlap", choices=["code", "model"], default=None,
                    help="FlexGen's overlap: its implementation's (code) or its cost model's (default: the "
                         "preset's: code for as-published and v0.1, model for ideal)")
@@ -801,7 +819,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sweep", help="run a YAML grid of configurations (resumable) into one Parquet file")
     p.add_argument("spec", help="sweep spec YAML (see klotski_sim/sweep.py or experiments/specs/)")
     p.add_argument("--out", required=True, metavar="DIR", help="results.parquet and rows/ go here; rerun to resume")
-    p.add_argument("--workers", type=workers_int, default=1, help="local processes (default: %(default)s)")
+    p.add_argument("--workers", type=workers_int, default=1,
+                   help="local processes, at most one per available core (default: %(default)s)")
     p.add_argument("--dask", metavar="ADDRESS|local", help="run on a dask.distributed scheduler, or 'local' to "
                                                           "start a LocalCluster with --workers workers")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -837,7 +856,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "allows (default: %(default)s)")
     p.add_argument("--seed", type=seed_int, default=0,
                    help="seed of the routing and of the sample (default: %(default)s)")
-    p.add_argument("--workers", type=workers_int, default=2, help="local processes (default: %(default)s)")
+    p.add_argument("--workers", type=workers_int, default=2,
+                   help="local processes, at most one per available core (default: %(default)s)")
     p.add_argument("--policy-file", action="append", default=[], metavar="FILE.py", help="your own policy (repeatable)")
     p.add_argument("--out", default="klotski-optimize", metavar="DIR", help="results (resumable; default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -34,7 +34,7 @@ def test_spec_errors_come_before_anything_runs():
         parse_spec({"policies": ["klotski"], "routings": ["zipfy"]})
     with pytest.raises(SweepError, match="num_batches"):
         parse_spec({"policies": ["klotski"], "num_batches": [0]})
-    with pytest.raises(SweepError, match="gpu.peak_flops: Input should be greater than or equal to 1"):
+    with pytest.raises(SweepError, match="gpu.peak_flops: Value error, -1 per second is below 1e\\+06"):
         parse_spec({"policies": ["klotski"], "overrides": {"gpu.peak_flops": [-1]}})
 
 
@@ -385,3 +385,27 @@ def test_a_sweep_on_a_full_disk_is_one_line_leaves_no_temporaries_and_a_rerun_co
     rc, stdout, err = run_cli("sweep", str(tmp_path / "spec.yaml"), "--out", str(out), "--no-progress")
     assert rc == 0 and err == "" and "resumed: all already done" in stdout, stdout
     assert len(pd.read_parquet(out / "results.parquet")) == len(rows)
+
+
+def test_more_local_workers_than_cores_run_as_many_as_there_are_cores(tmp_path, monkeypatch, capsys):
+    """`--workers 1024` started a thousand worker processes (~100 MB each) on a 2-core machine, for
+    CPU-bound runs that finish no sooner: held to the cores, and said so (a remote Dask cluster's
+    workers are not this machine's)."""
+    from klotski_sim import cli
+    from klotski_sim import sweep as sweep_module
+
+    monkeypatch.setattr(cli, "available_cores", lambda: 1)
+    given = []
+    real = sweep_module.run_sweep
+    monkeypatch.setattr(sweep_module, "run_sweep", lambda *a, **k: given.append(k["workers"]) or real(*a, **k))
+    spec = tmp_path / "s.yaml"
+    spec.write_text(yaml.safe_dump({"name": "t", "models": ["tiny-mixtral"], "policies": ["klotski", "flexgen"],
+                                    "batch_sizes": [2], "num_batches": [2], "prompt_lens": [4], "gen_lens": [2]}))
+    assert cli.main(["sweep", str(spec), "--out", str(tmp_path / "o"), "--no-progress", "--workers", "1024"]) == 0
+    out, err = capsys.readouterr()
+    assert given == [1] and "about 3 s on 1 worker" in out.splitlines()[0]
+    assert err.splitlines() == ["note: --workers 1024: this process may use 1 core(s); running 1 worker (the runs "
+                                "are CPU-bound: more would finish no sooner, each taking its own memory)"]
+    args = cli.build_parser().parse_args(["sweep", str(spec), "--out", "o", "--workers", "8", "--dask", "tcp://h:8786"])
+    cli._local_workers(args)
+    assert args.workers == 8  # (a remote cluster's)
