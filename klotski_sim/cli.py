@@ -37,7 +37,7 @@ from .argtypes import (
 )
 from .errors import KlotskiError
 from .exports import TIMELINE_FILES, write_timeline_files
-from .hardware import builtin_profile_names, load_profile
+from .hardware import builtin_profile_names, load_profile, with_overrides
 from .impl import PRESET_NAMES
 from .lazy import pd  # (imported when first used: klotski_sim/lazy.py)
 from .machine import available_cores
@@ -235,6 +235,8 @@ def spec_from_args(args: argparse.Namespace, **changes: Any) -> RunSpec:
                   trace=args.trace, wrap=args.wrap, warmup_sequences=args.warmup_sequences, kv=args.kv,
                   experts=args.experts, resident_layers=args.resident_layers, impl=args.impl,
                   overrides=parse_overrides(args.overrides, "--set"))
+    if fields["overrides"]:  # (checked here to be named by their flag: the run's own check said "overrides:")
+        with_overrides(load_profile(args.hardware), fields["overrides"], where="--set")
     fields.update(changes)
     return RunSpec(**fields)
 

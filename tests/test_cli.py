@@ -44,6 +44,9 @@ def test_bad_input_is_one_line_error(tmp_path):
     assert rc == 2 and "positive integer" in err
     rc, _, err = run_cli("simulate", *SMALL, "--set", "links.pcie_h2d.bandwidth=-1")
     assert rc == 2 and "links.pcie_h2d.bandwidth: Value error, -1 per second is below 1e+06" in err
+    assert err.startswith("error: --set: invalid hardware profile: ")  # (it said "overrides:", no flag of ours)
+    rc, _, err = run_cli("simulate", *SMALL, "--set", "links.pcie_h2d.bandwith=1")
+    assert rc == 2 and err == "error: --set: 'links.pcie_h2d.bandwith' is not a profile field\n"
 
 
 def test_oom_is_reported_with_exit_3():
