@@ -20,6 +20,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from .argtypes import MAX_COUNT
 from .errors import KlotskiError, UsageError
+from .schedule import COMPUTE_CATEGORIES
 from .textfile import read_text
 from .yamlfile import MAX_BYTES as MAX_YAML_BYTES
 from .yamlfile import load_yaml
@@ -77,6 +78,15 @@ MAX_MEASURED_S = 3600.0
 _MEASURED_KEY = re.compile(r"(cpu:)?[a-z][a-z0-9_]*(\.[a-z0-9_+]+)?(:(prefill|decode))?")
 
 
+def _not_misspelt(field: str, category: str) -> None:
+    """A category that is not a built-in op's but close to one (`expret`) is a slip: it would be
+    read by no op, silently. One far from them all may be a policy file's own, and is kept."""
+    if category not in COMPUTE_CATEGORIES:
+        close = difflib.get_close_matches(category, COMPUTE_CATEGORIES, n=1, cutoff=0.8)
+        if close:
+            raise ValueError(f"{field}: {category!r} is no op category (did you mean {close[0]!r}?)")
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -105,6 +115,8 @@ class GPUSpec(_Strict):
 
     @model_validator(mode="after")
     def _reserved_fits(self) -> "GPUSpec":
+        for category in self.dispatch_overhead_by_category:
+            _not_misspelt(f"dispatch_overhead_by_category.{category}", category)
         if self.reserved_bytes >= self.memory_bytes:
             raise ValueError(f"reserved_bytes ({self.reserved_bytes:.4g}) must be below memory_bytes "
                              f"({self.memory_bytes:.4g})")
@@ -216,6 +228,7 @@ class HardwareProfile(_Strict):
             if not _MEASURED_KEY.fullmatch(name):
                 raise ValueError(f"measured.{name}: not a table name the cost model reads "
                                  f"([cpu:]category[.variant][:prefill|decode], e.g. expert, attention.fused:decode)")
+            _not_misspelt(f"measured.{name}", re.split(r"[.:]", name.removeprefix("cpu:"))[0])
             seen: dict[tuple[int, int], float] = {}
             for point in points:
                 shape = (point.tokens, point.kv_len)

@@ -34,6 +34,10 @@ VERSION = 1
 KINDS = ("compute", "transfer", "host")
 TIERS = ("gpu", "cpu", "disk")
 TENSORS = ("", "attention", "gate", "expert", "kv", "activation")
+# The categories of the compute ops the built-in policies make (the runtime has a kernel for each;
+# a policy file may add its own)
+COMPUTE_CATEGORIES = ("embed", "attention", "gate", "dense_mlp", "expert", "lm_head", "combine", "dequant", "attn_qkv",
+                      "attn_out")
 RESOURCES = ("gpu", "pcie_h2d", "pcie_d2h", "nvme", "host", "cpu")
 HOST_STREAM = "host"
 

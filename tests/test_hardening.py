@@ -47,10 +47,20 @@ TINY = {"name": "t", "models": ["tiny-mixtral"], "policies": ["klotski"], "batch
     ("links.pcie_h2d.copy_engines", True, "expected a number, got true"),
     ("links.pcie_h2d.copy_engines", 2**70, "copy_engines: Input should be less than or equal to 64"),
     ("gpu.memory_efficiency", 1e-300, "memory_bandwidth x memory_efficiency .* is below 1e\\+06 per second"),
-    ("gpu.compute_efficiency", 1e-15, "peak_flops x compute_efficiency .* is below 1e\\+06 per second")])
+    ("gpu.compute_efficiency", 1e-15, "peak_flops x compute_efficiency .* is below 1e\\+06 per second"),
+    # (a misspelt category was kept, read by no op: the cost it carried silently unused)
+    ("gpu.dispatch_overhead_by_category", {"expret": 1e-5},
+     "dispatch_overhead_by_category.expret: 'expret' is no op category \\(did you mean 'expert'\\?\\)"),
+    ("measured", {"cpu:atention.fused:decode": [{"tokens": 1, "seconds": 1e-3}]}, "did you mean 'attention'")])
 def test_non_finite_and_inconsistent_profile_values_are_refused(field, value, message):
     with pytest.raises(ProfileError, match=message):
         with_overrides(load_profile("rtx3090"), {field: value})
+
+
+def test_a_category_far_from_every_built_in_one_is_kept_for_a_policy_files_own_ops():
+    profile = with_overrides(load_profile("rtx3090"), {"gpu.dispatch_overhead_by_category": {"my_op": 1e-5},
+                                                       "measured": {"expert_big": [{"tokens": 1, "seconds": 1e-3}]}})
+    assert profile.gpu.dispatch_overhead_by_category == {"my_op": 1e-5} and "expert_big" in profile.measured
 
 
 def test_yaml_alias_bomb_is_refused(tmp_path):
@@ -805,3 +815,21 @@ def test_a_sweep_whose_folder_links_its_spec_yaml_to_the_spec_it_reads_is_refuse
     assert rc == 2 and err == (f"error: --out {tmp_path / 'out' / 'spec.yaml'}: is what this command reads ({spec}); "
                                f"writing there would replace it\n"), err
     assert spec.read_text() == before and sorted(p.name for p in (tmp_path / "out").iterdir()) == ["spec.yaml"]
+
+
+@pytest.mark.parametrize("impl", ["as-published", "ideal"])
+def test_every_built_in_compute_op_has_a_category_the_profile_check_knows(impl):
+    """What a misspelt category is measured against: the built-in policies' compute categories."""
+    from klotski_sim.policies import POLICIES, PolicyInput, build_schedule
+    from klotski_sim.schedule import COMPUTE_CATEGORIES
+
+    from .test_cpu_experts import cpu_profile
+    from .test_pipelines import make_input
+
+    base = make_input(placement=None)
+    seen = set()
+    for name in POLICIES:
+        for options in ({}, {"expert_cache": 2}):
+            inp = PolicyInput(base.model, cpu_profile(), base.routing, base.placement, options, base.warmup, impl)
+            seen |= {op.category for op in build_schedule(name, inp).ops if op.kind == "compute"}
+    assert seen <= set(COMPUTE_CATEGORIES) and {"expert", "attention", "gate", "lm_head", "embed"} <= seen
