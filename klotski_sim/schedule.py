@@ -40,6 +40,9 @@ COMPUTE_CATEGORIES = ("embed", "attention", "gate", "dense_mlp", "expert", "lm_h
                       "attn_out")
 RESOURCES = ("gpu", "pcie_h2d", "pcie_d2h", "nvme", "host", "cpu")
 HOST_STREAM = "host"
+# What each link carries (the runtime copies so, and the simulator times a copy on its link: an
+# expert copy remapped to nvme ran unemulated and was labelled a disk read)
+LINK_DIRECTIONS = {"pcie_h2d": ("cpu", "gpu"), "pcie_d2h": ("gpu", "cpu"), "nvme": ("disk", "cpu")}
 
 # The conventional streams and the physical resource each one runs on. Weight prefetch and
 # expert loads share the one H2D copy engine (KLOTSKI.md: inferred single serial copy engine).
@@ -378,8 +381,11 @@ class Schedule:
             ops = [Op.from_dict(o) for o in data["ops"]]
         except ScheduleError as err:
             raise ScheduleError(f"{where}: {err}") from None
-        return Schedule(ops=tuple(ops), streams=dict(data["streams"]), preloaded=tuple(tuple(b) for b in preloaded),
-                        meta=dict(data.get("meta", {})))
+        try:  # (the check's errors named the op, not the file)
+            return Schedule(ops=tuple(ops), streams=dict(data["streams"]),
+                            preloaded=tuple(tuple(b) for b in preloaded), meta=dict(data.get("meta", {})))
+        except ScheduleError as err:
+            raise ScheduleError(f"{where}: {err}") from None
 
     @staticmethod
     def load(path: str | Path) -> "Schedule":
@@ -486,6 +492,10 @@ def _check_op_fields(op: Op, streams: Mapping[str, str]) -> tuple[Any, ...]:
                                 f"got {src!r} -> {dst!r}")
         if resource in ("gpu", "host", "cpu"):
             raise ScheduleError(f"op {op_id!r}: transfer placed on {resource} stream {stream!r}")
+        if LINK_DIRECTIONS[resource] != (src, dst):
+            there = LINK_DIRECTIONS[resource]
+            raise ScheduleError(f"op {op_id!r}: a {src} -> {dst} copy placed on stream {stream!r}, which maps to "
+                                f"{resource}: that link carries {there[0]} -> {there[1]} copies")
     elif kind == "host":
         if resource != "host":
             raise ScheduleError(f"op {op_id!r}: host op placed on {resource} stream {stream!r}")

@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from klotski_sim.engine import EngineDeadlock, simulate
-from klotski_sim.schedule import Op, Schedule, ScheduleError, topological_order
+from klotski_sim.schedule import DEFAULT_STREAMS, LINK_DIRECTIONS, Op, Schedule, ScheduleError, topological_order
 
 from .conftest import make_profile
 
@@ -14,10 +14,11 @@ STREAMS = {"compute": "gpu", "aux": "gpu", "h2d_a": "pcie_h2d", "h2d_b": "pcie_h
 
 
 def op(op_id, kind, stream, deps=(), category=None, **kw):
-    if kind == "transfer":
+    if kind == "transfer":  # (the direction of the stream's link)
+        src, dst = LINK_DIRECTIONS.get(STREAMS.get(stream) or DEFAULT_STREAMS.get(stream), ("cpu", "gpu"))
         kw.setdefault("bytes", 1)
-        kw.setdefault("src", "cpu")
-        kw.setdefault("dst", "gpu")
+        kw.setdefault("src", src)
+        kw.setdefault("dst", dst)
     return Op(op_id, kind, stream, category or ("weights" if kind == "transfer" else "attention"), tuple(deps), **kw)
 
 

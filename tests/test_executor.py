@@ -334,7 +334,8 @@ def test_adds_into_one_output_from_two_threads_never_lose_one(policy, impl, monk
         torch.testing.assert_close(runner.logits[key], logits, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("policy", sorted(REGISTERED))
+@pytest.mark.parametrize("policy", sorted(name for name, info in REGISTERED.items()
+                                           if info.build.__module__.startswith("klotski_sim.")))
 @pytest.mark.parametrize("impl", ["as-published", "ideal"])
 def test_every_add_into_a_batchs_output_comes_before_the_op_that_reads_it(policy, impl):
     """What makes those unordered adds safe: the op that next applies a batch's MoE output (its next

@@ -828,7 +828,8 @@ def test_every_built_in_compute_op_has_a_category_the_profile_check_knows(impl):
 
     base = make_input(placement=None)
     seen = set()
-    for name in POLICIES:
+    built_in = [name for name, info in POLICIES.items() if info.build.__module__.startswith("klotski_sim.")]
+    for name in built_in:  # (not those a test registered)
         for options in ({}, {"expert_cache": 2}):
             inp = PolicyInput(base.model, cpu_profile(), base.routing, base.placement, options, base.warmup, impl)
             seen |= {op.category for op in build_schedule(name, inp).ops if op.kind == "compute"}
