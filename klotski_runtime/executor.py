@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -166,10 +167,11 @@ def check_compatible(schedule: Schedule, spec: ModelSpec, weights: WeightStore |
                                 f"schedule was built from {meta.get('routing')!r:.120}")
         for op in schedule.ops:  # (each named by the field that is wrong: a handler would index with it)
             problem = (_outside_the_run(op, sh, spec) or _weights_of_another_size(op, spec)
-                       or _work_of_another_run(op, sh, routing))
+                       or _kv_of_another_size(op, spec, sh) or _work_of_another_run(op, sh, routing))
             if problem:
                 raise ScheduleError(f"op {op.id!r}: {problem}")
         _check_every_token_made(schedule, sh)
+        _check_each_computed_once(schedule, sh, routing)
     if weights is None:
         return
     layers = max((op.layer for op in schedule.ops), default=-1) + 1
@@ -212,6 +214,20 @@ def _weights_of_another_size(op: Op, spec: ModelSpec) -> str:
     return "" if op.bytes == want else (f"moves {op.bytes:,} bytes of {op.tensor} weights; {spec.name}'s "
                                         f"{op.tensor} {'of layer ' + str(layer) + ' ' if op.tensor == 'gate' else ''}"
                                         f"is {want:,} bytes")
+
+
+def _kv_of_another_size(op: Op, spec: ModelSpec, shape: RunShape) -> str:
+    """A KV cache copy whose bytes are not its batches' entries (empty: they are): a store carries the
+    entries its step adds, a load those of the steps before; an emulated link is timed from the op's
+    bytes (a store edited to a million times its bytes was measured at 4 s, its copy 1,536 bytes)."""
+    if op.kind != "transfer" or op.tensor != "kv" or op.step < 0 or not op.batches:
+        return ""
+    sequences, new = shape.batch_size * len(op.batches), shape.prompt_len if op.step == 0 else 1
+    store = op.dst == "cpu"
+    want = spec.kv_bytes(sequences, new if store else shape.kv_len(op.step) - new)
+    what = f"the {new} new" if store else f"the {shape.kv_len(op.step) - new} cached"
+    return "" if op.bytes == want else (f"moves {op.bytes:,} bytes of KV cache; {what} tokens of its batches' "
+                                        f"{sequences} sequences at step {op.step} are {want:,} bytes")
 
 
 # compute ops over every new token of their batches (lm_head: over each sequence's last one)
@@ -259,6 +275,53 @@ def _check_every_token_made(schedule: Schedule, shape: RunShape) -> None:
     if claimed != shape.generated_tokens:
         raise ScheduleError(f"meta.generated_tokens {claimed!r}: the run makes {shape.generated_tokens} (batch_size "
                             f"{shape.batch_size} x num_batches {shape.num_batches} x gen_len {shape.gen_len})")
+
+
+def _check_each_computed_once(schedule: Schedule, shape: RunShape, routing: RoutingTable) -> None:
+    """Each batch's embedding and lm_head of each step, its attention and gate (or dense MLP) of each
+    layer, and each expert the routing sends its tokens to, computed by exactly one op (the lm_head
+    is checked first, by `_check_every_token_made`). A schedule with an expert op removed was measured
+    as a whole run, its logits a model's with that expert skipped; one without its gates failed
+    inside an op (`KeyError: 0`); a second lm_head ran twice."""
+    computed: Counter[tuple[str, int, int, int]] = Counter()  # (what, step, layer, batch)
+    experts = np.zeros(routing.counts.shape, dtype=np.int64)  # [step, layer, batch, expert]
+    for op in schedule.ops:
+        if op.kind != "compute":
+            continue
+        if op.category == "expert":
+            experts[op.step, op.layer, list(op.batches), op.expert] += 1
+            continue
+        what = _ONCE.get(op.category)
+        if what:
+            for b in op.batches:
+                computed[(what, op.step, op.layer if what in _PER_LAYER else -1, b)] += 1
+    for what in _ONCE_ORDER:
+        for step in range(shape.num_steps):
+            for layer in range(routing.num_layers) if what in _PER_LAYER else (-1,):
+                for b in range(shape.num_batches):
+                    times = computed[(what, step, layer, b)]
+                    if times != 1:
+                        where = f"batch {b} at step {step}" + (f", layer {layer}" if layer >= 0 else "")
+                        raise ScheduleError(f"{where}: {times} {what} ops (one computes it){_NOT_A_RUN}")
+    twice = np.argwhere(experts > 1)
+    if len(twice):
+        step, layer, b, e = twice[0].tolist()
+        raise ScheduleError(f"expert {e} of layer {layer} is computed for batch {b} at step {step} by "
+                            f"{experts[step, layer, b, e]} ops (each token once){_NOT_A_RUN}")
+    missing = np.argwhere((experts == 0) & (routing.counts > 0))
+    if len(missing):
+        step, layer, b, e = missing[0].tolist()
+        raise ScheduleError(f"no expert op computes expert {e} of layer {layer} for batch {b} at step {step} (the "
+                            f"routing sends it {routing.counts[step, layer, b, e]} token(s); {len(missing)} such "
+                            f"in all){_NOT_A_RUN}")
+
+
+# what of each batch one op computes, by category: per step, or per step and layer
+_ONCE = {"embed": "embed", "attention": "attention", "gate": "gate or dense MLP", "dense_mlp": "gate or dense MLP",
+         "lm_head": "lm_head"}
+_ONCE_ORDER = ("embed", "attention", "gate or dense MLP", "lm_head")
+_PER_LAYER = frozenset({"attention", "gate or dense MLP"})
+_NOT_A_RUN = ": not the run the routing and shape describe"
 
 
 class OpRunner:
@@ -433,7 +496,10 @@ class OpRunner:
         key = (op.layer, op.batch)
         cuda = self.device.type == "cuda"
         if op.stream == "d2h_kv":  # store the new entries the attention produced
-            attention = next(d for d in op.deps if self.ops_by_id[d].category == "attention")
+            attention = next((d for d in op.deps if self.ops_by_id[d].category == "attention"), None)
+            if attention not in self.pending_store:  # (an edited schedule's: it was an empty StopIteration)
+                raise ExecutionError(f"op {op.id!r}: a KV store needs among its deps the attention op whose new "
+                                     f"entries it stores, one that keeps them off the GPU (deps {list(op.deps)})")
             k, v = self.pending_store.pop(attention)
             if cuda and not op.pageable:
                 hk = torch.empty(k.shape, dtype=k.dtype, pin_memory=True).copy_(k, non_blocking=True)
@@ -815,7 +881,8 @@ def _run_cpu(schedule: Schedule, runner: OpRunner, options: ExecOptions) -> tupl
                     gate.release()
                 done[i].set()
         except BaseException as err:  # noqa: BLE001 - re-raised in the caller with the op named
-            errors.append(ExecutionError(f"op {ops[i].id!r} failed: {type(err).__name__}: {err}"))
+            errors.append(err if isinstance(err, ExecutionError) else  # (ours name the op already)
+                          ExecutionError(f"op {ops[i].id!r} failed: {type(err).__name__}: {err}"))
             abort.set()
 
     threads = [threading.Thread(target=worker, args=(idx,), name=f"stream-{s}", daemon=True)

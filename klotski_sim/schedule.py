@@ -306,11 +306,20 @@ class Schedule:
                     if name in allocated:
                         raise ScheduleError(f"op {op.id!r} allocates buffer {name!r}, which is already allocated")
                     allocated.add(name)
-        if not allocated.issuperset(chain.from_iterable(self.column("free"))):
+        freed = list(chain.from_iterable(self.column("free")))
+        if not allocated.issuperset(freed):
             for op in ops:
                 for name in op.free:
                     if name not in allocated:
                         raise ScheduleError(f"op {op.id!r} frees buffer {name!r}, which no op allocates")
+        if len(set(freed)) < len(freed):  # (the runtime dropped it twice silently; the engine stopped at the second)
+            freed_by: dict[str, str] = {}
+            for op in ops:
+                for name in op.free:
+                    if name in freed_by:
+                        raise ScheduleError(f"op {op.id!r} frees buffer {name!r}, which op {freed_by[name]!r} "
+                                            f"frees too (a buffer is freed once)")
+                    freed_by[name] = op.id
         self.__dict__["graph"] = graph  # (`index` is not kept: few users need it, and it costs ~50 bytes an op)
         if not graph.forward:
             return  # every dep is on an earlier op: list order is a topological order, no cycle

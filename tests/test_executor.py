@@ -89,6 +89,65 @@ def test_a_schedule_edited_into_another_run_is_refused_before_it_runs():
         check_compatible(_edited(schedule, generated_tokens=1_000_000), TINY, None, inp.routing)
 
 
+def _without(schedule, k):
+    """The schedule without its op k (its id taken out of the deps of others, the buffers it
+    allocated out of their frees): what a hand edit that deletes an op leaves."""
+    gone = schedule.ops[k]
+    mine = {name for name, _ in gone.alloc}
+    return [op._replace(deps=tuple(d for d in op.deps if d != gone.id),
+                        free=tuple(f for f in op.free if f not in mine)) for i, op in enumerate(schedule.ops) if i != k]
+
+
+def _twice(schedule, k):
+    """The schedule with its op k issued a second time, right after it (under another id)."""
+    again = schedule.ops[k]._replace(id=schedule.ops[k].id + "/again", alloc=(), free=())
+    return [*schedule.ops[:k + 1], again, *schedule.ops[k + 1:]]
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda s: _without(s, next(k for k, op in enumerate(s.ops) if op.category == "expert" and op.tokens)),
+     r"no expert op computes expert \d+ of layer 0 for batch \d+ at step 0 \(the routing sends it \d+ token\(s\); 1 "),
+    (lambda s: _twice(s, next(k for k, op in enumerate(s.ops) if op.category == "expert" and op.tokens)),
+     r"expert \d+ of layer 0 is computed for batch \d+ at step 0 by 2 ops \(each token once\)"),
+    (lambda s: _without(s, next(k for k, op in enumerate(s.ops) if op.category == "gate")),
+     r"batch 0 at step 0, layer 0: 0 gate or dense MLP ops \(one computes it\): not the run"),
+    (lambda s: _without(s, next(k for k, op in enumerate(s.ops) if op.category == "attention")),
+     r"batch 0 at step 0, layer 0: 0 attention ops"),
+    (lambda s: _twice(s, next(k for k, op in enumerate(s.ops) if op.category == "lm_head")),
+     r"batch 0 at step 0: 2 lm_head ops"),
+    (lambda s: _twice(s, next(k for k, op in enumerate(s.ops) if op.category == "embed")),
+     r"batch 0 at step 0: 2 embed ops"),
+    (lambda s: [op._replace(bytes=op.bytes * 10**6) if op.id == "s0/L0/b0/attn/kv_store" else op for op in s.ops],
+     r"op 's0/L0/b0/attn/kv_store': moves 1,536,000,000 bytes of KV cache; the 6 new tokens of its batches' 2 "
+     r"sequences at step 0 are 1,536 bytes"),
+    (lambda s: [op._replace(bytes=1) if op.id == "s1/L1/b1/attn/kv_load" else op for op in s.ops],
+     r"moves 1 bytes of KV cache; the 6 cached tokens of its batches' 2 sequences at step 1 are 1,536 bytes")],
+    ids=["expert-dropped", "expert-twice", "gate-dropped", "attention-dropped", "lm_head-twice", "embed-twice",
+         "kv-store-bigger", "kv-load-smaller"])
+def test_a_schedule_that_computes_less_or_more_than_its_run_is_refused_before_it_runs(edit, message):
+    """Found by a fault battery: with an expert op removed (or all of them) a schedule was measured as
+    a whole run, its logits a model's with experts skipped; without a gate or an attention it failed
+    inside an op (`KeyError: 0`, an empty StopIteration); a second lm_head ran; a KV store edited to a
+    million times its bytes was measured at 4 s (an emulated link is timed from the op's bytes)."""
+    from klotski_runtime.executor import check_compatible
+
+    inp = _input(Placement(kv="cpu"))
+    schedule = build_schedule("klotski", inp)
+    check_compatible(schedule, TINY, None, inp.routing)  # (as built: passes)
+    with pytest.raises(ScheduleError, match=message):
+        check_compatible(_edited(schedule, edit(schedule)), TINY, None, inp.routing)
+
+
+def test_a_kv_store_without_its_attention_among_its_deps_names_what_it_lacks():
+    """It failed as `op '...' failed: StopIteration: ` (an empty message)."""
+    inp = _input(Placement(kv="cpu"))
+    s = build_schedule("klotski", inp)
+    ops = [op._replace(deps=()) if op.id == "s0/L0/b0/attn/kv_store" else op for op in s.ops]
+    with pytest.raises(ExecutionError, match=r"^op 's0/L0/b0/attn/kv_store': a KV store needs among its deps the "
+                                             r"attention op whose new entries it stores"):
+        execute(_edited(s, ops), TINY, WeightStore.random(TINY), inp.routing)
+
+
 @pytest.mark.parametrize("impl", ["as-published", "ideal"])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("placement", [Placement(), Placement(kv="cpu"), Placement(experts="disk")],

@@ -140,6 +140,8 @@ def test_memory_effects_are_checked():
         Schedule((c("a", free=("nope",)),))
     with pytest.raises(ScheduleError, match="already allocated"):
         Schedule((c("a", alloc=(("b", 1),)), c("b", alloc=(("b", 1),))))
+    with pytest.raises(ScheduleError, match="op 'c' frees buffer 'x', which op 'b' frees too"):
+        Schedule((c("a", alloc=(("x", 1),)), c("b", ["a"], free=("x",)), c("c", ["a"], free=("x",))))
 
 
 def test_corrupt_json_gives_clear_error(tmp_path):
