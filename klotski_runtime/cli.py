@@ -33,6 +33,7 @@ from klotski_sim.cli import (
     routing_kind,
 )
 from klotski_sim.exports import TIMELINE_FILES
+from klotski_sim.hardware import RATE_FLOOR
 from klotski_sim.machine import available_cores
 from klotski_sim.outfiles import refuse_unwritable, write_file
 from klotski_sim.trace_synth import DEFAULT_ROUTING
@@ -99,17 +100,19 @@ def _emulation(args: argparse.Namespace) -> dict[str, float]:
     return {"pcie_h2d": args.emulate_pcie, "pcie_d2h": args.emulate_pcie}
 
 
-# An emulated link's rate, bytes/s: at least a profile's least rate (1 per second; 1e-300 ran a whole
-# calibration before its profile was refused), at most 10 TB/s (above any host link: NVLink-C2C is
-# 0.9 TB/s; 1e30 was printed as a 1e21 GB/s link).
-EMULATED_RATES = (1.0, 1e13)
+# An emulated link's rate, bytes/s: at least a profile's least rate (hardware.RATE_FLOOR: 1000 B/s had
+# a tiny run copy for 22 minutes, and calibrate refused it after seconds of work, as its profile's;
+# 1e-300 ran a whole calibration), at most 10 TB/s (above any host link: NVLink-C2C is 0.9 TB/s; 1e30
+# was printed as a 1e21 GB/s link).
+EMULATED_RATES = (RATE_FLOOR, 1e13)
 
 
 def _emulated_rate(text: str) -> float:
     rate = positive_float(text)
     low, high = EMULATED_RATES
     if not low <= rate <= high:
-        raise argparse.ArgumentTypeError(f"expected bytes per second from {low:g} to {high:g}, got {text!r}")
+        slip = " (a unit slip? 1 GB/s is 1e9)" if rate < low else ""
+        raise argparse.ArgumentTypeError(f"expected bytes per second from {low:g} to {high:g}, got {text!r}{slip}")
     return rate
 
 

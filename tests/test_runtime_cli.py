@@ -152,13 +152,23 @@ def test_an_execute_whose_emulated_links_would_take_hours_is_refused_with_the_nu
     rc, _, err = run_cli("simulate", "--model", "tiny-mixtral", "--policy", "klotski", "--num-batches", "2",
                          "--batch-size", "2", "--prompt-len", "6", "--gen-len", "3", "--out", str(tmp_path))
     assert rc == 0, err
-    rc, out, err = run_runtime("execute", str(tmp_path), "--emulate-pcie", "10")
-    moved = re.match(r"error: emulated pcie_h2d at 10 B/s: the schedule's copies over it \(([0-9,]+) bytes\) would "
-                     r"take ([0-9.]+) h, more than 1 h: refused \(check the emulated rate\)$", err.strip())
-    assert rc == 2 and moved and not out, err
+    rc, out, err = run_runtime("execute", str(tmp_path), "--emulate-pcie", "1000")  # (22 minutes of copies)
+    assert rc == 2 and err.strip().endswith("--emulate-pcie: expected bytes per second from 1e+06 to 1e+13, got "
+                                            "'1000' (a unit slip? 1 GB/s is 1e9)") and not out, err
+    from klotski_runtime.executor import ExecOptions, ExecutionError, execute
+    from klotski_runtime.kernels import WeightStore
+    from klotski_sim.model import get_model
+    from klotski_sim.routing import RoutingTable
+
     schedule = Schedule.load(tmp_path / "schedule.json")
     h2d = sum(op.bytes for op in schedule.ops if op.kind == "transfer" and schedule.streams[op.stream] == "pcie_h2d")
-    assert int(moved[1].replace(",", "")) == h2d and float(moved[2]) == round(h2d / 10 / 3600, 1)
+    tiny = get_model("tiny-mixtral")
+    with pytest.raises(ExecutionError) as refused:  # (the library takes any rate: the run's length is checked)
+        execute(schedule, tiny, WeightStore.random(tiny), RoutingTable.load(tmp_path / "routing.npz"),
+                ExecOptions(emulate_links={"pcie_h2d": 10.0}))
+    moved = re.match(r"emulated pcie_h2d at 10 B/s: the schedule's copies over it \(([0-9,]+) bytes\) would "
+                     r"take ([0-9.]+) h, more than 1 h: refused \(check the emulated rate\)$", str(refused.value))
+    assert moved and int(moved[1].replace(",", "")) == h2d and float(moved[2]) == round(h2d / 10 / 3600, 1)
     rc, out, err = run_runtime("execute", str(tmp_path / "schedule.json"), "--out", str(tmp_path))
     assert rc == 2 and "is what this command reads" in err and not out, err  # (the simulation's files kept)
     meta_int = tmp_path / "meta_int"
@@ -221,8 +231,10 @@ def test_calibration_of_a_model_whose_first_layers_are_dense_measures_its_cpu_ex
 @pytest.mark.parametrize("args,message", [
     (("tiny-checkpoint", "--out", ""), "--out: expected a folder, got an empty name"),
     (("tiny-checkpoint", "--out", "/proc/no/such"), "--out /proc/no/such: cannot create the folder"),
-    (("calibrate", "--emulate-pcie", "1e-300"), "--emulate-pcie: expected bytes per second from 1 to 1e+13"),
-    (("execute", "x", "--emulate-pageable", "1e30"), "--emulate-pageable: expected bytes per second from 1 to 1e+13"),
+    (("calibrate", "--emulate-pcie", "1e-300"), "--emulate-pcie: expected bytes per second from 1e+06 to 1e+13"),
+    (("calibrate", "--emulate-pcie", "999999"), "got '999999' (a unit slip? 1 GB/s is 1e9)"),  # (refused after 3-5 s)
+    (("execute", "x", "--emulate-pageable", "1e30"), "--emulate-pageable: expected bytes per second from 1e+06 to "
+                                                      "1e+13"),
 ])
 def test_runtime_flags_are_refused_in_one_line_before_any_work(args, message):
     """Each ran its work first (a calibration, a model built) and then failed in raw errno or
