@@ -17,15 +17,19 @@ MAX_ALIASES = 100
 MAX_VALUES = 100_000
 # libyaml's parser where PyYAML has it (the same safe constructors; a profile parses in a sixth of the time)
 _SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
 class _UniqueKeyLoader(_SAFE_LOADER):  # type: ignore[valid-type,misc]
     """The safe loader, refusing a key given twice in one mapping (YAML keeps the last one silently:
-    `models:` written twice would sweep only the second list)."""
+    `models:` written twice would sweep only the second list). A merge key (`<<: *defaults`) is no
+    key of the mapping: the keys it brings may be given again beside it, which is what it is for."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
         for key_node, _ in node.value:
+            if key_node.tag == _MERGE_TAG:  # (constructing it failed: "no constructor for ...merge")
+                continue
             key = self.construct_object(key_node, deep=deep)
             try:
                 twice = key in seen

@@ -63,6 +63,23 @@ def test_a_category_far_from_every_built_in_one_is_kept_for_a_policy_files_own_o
     assert profile.gpu.dispatch_overhead_by_category == {"my_op": 1e-5} and "expert_big" in profile.measured
 
 
+def test_yaml_merge_keys_are_read_and_a_key_given_twice_beside_one_is_refused(tmp_path):
+    """`pcie_d2h: {<<: *h2d, bandwidth: 5e9}` is valid YAML (yaml.safe_load reads it) and was refused:
+    "could not determine a constructor for the tag 'tag:yaml.org,2002:merge'"."""
+    text = load_profile("rtx3090").to_yaml()
+    own = "  pcie_d2h:\n    bandwidth: 25800000000.0\n    pageable_bandwidth: 10800000000.0\n"
+    assert own in text and "  pcie_h2d:\n" in text
+    merged = text.replace("  pcie_h2d:\n", "  pcie_h2d: &h2d\n", 1).replace(
+        own, "  pcie_d2h:\n    <<: *h2d\n    bandwidth: 25800000000.0\n", 1)
+    path = tmp_path / "merged.yaml"
+    path.write_text(merged)
+    d2h = load_profile_file(path).links.pcie_d2h
+    assert d2h.bandwidth == 25.8e9 and d2h.pageable_bandwidth == 10.0e9  # (its own key, then the h2d link's)
+    path.write_text(merged.replace("    <<: *h2d\n", "    <<: *h2d\n    bandwidth: 1.0e9\n", 1))
+    with pytest.raises(ProfileError, match="merged.yaml:[0-9]+: not valid YAML \\(key 'bandwidth' is given twice\\)"):
+        load_profile_file(path)
+
+
 def test_yaml_alias_bomb_is_refused(tmp_path):
     lines = ['a: &a ["x", "x", "x", "x", "x", "x", "x", "x", "x", "x"]']
     for k in range(1, 12):
