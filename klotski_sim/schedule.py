@@ -26,7 +26,7 @@ from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from .errors import KlotskiError
-from .textfile import read_text
+from .textfile import DuplicateKeyError, read_text, unique_json_keys
 
 FORMAT = "klotski-schedule"
 VERSION = 1
@@ -404,7 +404,9 @@ class Schedule:
         with gc_paused():
             text = read_text(path, "schedule", ScheduleError)
             try:
-                data = json.loads(text)
+                data = json.loads(text, object_pairs_hook=unique_json_keys)
+            except DuplicateKeyError as err:
+                raise ScheduleError(f"{path}: {err} in one JSON object (JSON would keep the last)") from None
             except ValueError as err:  # (JSONDecodeError, or a number too long for an int: 4300 digits)
                 raise ScheduleError(f"{path}: not valid JSON, truncated or corrupt ({err})") from None
             except RecursionError:

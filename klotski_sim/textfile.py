@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 from .errors import KlotskiError
 
@@ -43,3 +44,17 @@ def read_text(path: str | Path, what: str, error: type[KlotskiError] = KlotskiEr
         raise error(f"{path}: cannot read {what} ({err.strerror or err})") from None
     except UnicodeDecodeError as err:
         raise error(f"{path}: cannot read {what}: not a text file (byte {err.start} is not UTF-8)") from None
+
+
+class DuplicateKeyError(ValueError):
+    """A JSON object with a key given twice (a ValueError, as json's own errors are)."""
+
+
+def unique_json_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are each given once (`object_pairs_hook`; json keeps the last of a
+    repeated one: a schedule's `"ops"` given twice, the second empty, was a schedule of no ops)."""
+    record = dict(pairs)
+    if len(record) < len(pairs):
+        twice = next(key for k, (key, _) in enumerate(pairs) if key in dict(pairs[:k]))
+        raise DuplicateKeyError(f"key {twice!r} is given twice")
+    return record

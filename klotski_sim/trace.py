@@ -32,7 +32,7 @@ from .mapped import in_chunks, release
 from .model import ModelSpec
 from .npzfile import NPZ_READ_ERRORS, check_npz, write_npz
 from .routing import RoutingTable, RunShape, expert_id_type, repeats_an_expert
-from .textfile import read_text
+from .textfile import DuplicateKeyError, read_text, unique_json_keys
 
 FORMAT = "klotski-routing-trace"
 VERSION = 1
@@ -180,7 +180,7 @@ class Trace:
                 missing = {"experts", "seq_offsets", "prompt_lens", "meta"} - names
                 if missing:
                     raise TraceError(f"{path}: not a routing trace (missing {', '.join(sorted(missing))})")
-                meta = json.loads(str(z["meta"]))
+                meta = json.loads(str(z["meta"]), object_pairs_hook=unique_json_keys)  # (the last of two won)
                 if not isinstance(meta, dict):
                     raise TraceError(f"{path}: meta must be a JSON object, got {type(meta).__name__}")
                 arrays = {k: z[k] for k in ("seq_offsets", "prompt_lens")}
@@ -200,6 +200,8 @@ class Trace:
             raise
         except FileNotFoundError:
             raise TraceError(f"{path}: no such trace file") from None
+        except DuplicateKeyError as err:
+            raise TraceError(f"{path}: its meta's {err} (JSON would keep the last)") from None
         except (*NPZ_READ_ERRORS, KeyError) as err:  # (JSONDecodeError of the meta: a ValueError)
             raise TraceError(f"{path}: cannot read trace, the file is truncated or corrupt ({err})") from None
         if meta.get("format") != FORMAT:
@@ -282,15 +284,6 @@ def _sequences_ids(trace: Trace, chosen: list[int], tokens: int) -> np.ndarray:
 
 
 # ---- import -------------------------------------------------------------------------------------
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object whose keys are each given once (json keeps the last of a repeated one)."""
-    record = dict(pairs)
-    if len(record) < len(pairs):
-        twice = next(key for k, (key, _) in enumerate(pairs) if key in dict(pairs[:k]))
-        raise ValueError(f"key {twice!r} is given twice")
-    return record
-
-
 MAX_GATE_WEIGHT = 65504.0  # the largest float16, which a trace stores gate weights in (1e6 became inf)
 
 
@@ -345,7 +338,7 @@ def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str
         if not line.strip():
             continue
         try:
-            rec = json.loads(line, object_pairs_hook=_unique_keys)
+            rec = json.loads(line, object_pairs_hook=unique_json_keys)
         except ValueError as err:  # (JSONDecodeError, or a number too long for an int: 4300 digits)
             raise TraceError(f"{path}:{lineno}: not valid JSON ({getattr(err, 'msg', err)})") from None
         except RecursionError:

@@ -144,6 +144,20 @@ def test_memory_effects_are_checked():
         Schedule((c("a", alloc=(("x", 1),)), c("b", ["a"], free=("x",)), c("c", ["a"], free=("x",))))
 
 
+def test_a_key_given_twice_in_a_schedule_file_is_refused(tmp_path):
+    """JSON keeps the last: `"ops"` given twice, the second empty, was a schedule of no ops; a
+    `"category"` given twice sent the check's message to another field."""
+    path = tmp_path / "s.json"
+    Schedule((c("a"),)).save(path)
+    text = path.read_text()
+    path.write_text(text[:-1] + ',"ops":[]}')
+    with pytest.raises(ScheduleError, match=r"s.json: key 'ops' is given twice in one JSON object \(JSON would keep"):
+        Schedule.load(path)
+    path.write_text(text.replace('"category":', '"category":"x","category":', 1))
+    with pytest.raises(ScheduleError, match="key 'category' is given twice"):
+        Schedule.load(path)
+
+
 def test_corrupt_json_gives_clear_error(tmp_path):
     path = tmp_path / "s.json"
     Schedule((c("a"),)).save(path)

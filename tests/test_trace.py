@@ -797,3 +797,16 @@ def test_a_draw_uses_the_cores_its_pool_leaves_it_and_the_memory_its_chunks_allo
                       side_effect=lambda elements: seen.append(elements) or real(elements)):
         synthesize(get_model("olmoe-1b-7b"), 3, 99, 1, "calibrated", seed=3)
     assert seen == [min(64, default_chunk // (100 * 64)) * 100 * 64]
+
+
+def test_a_key_given_twice_in_a_traces_meta_is_refused(tmp_path):
+    """`num_experts` given twice, 4 then 8: the trace was read with 8 experts (JSON keeps the last)."""
+    path = tmp_path / "t.npz"
+    synthesize(get_model("tiny-mixtral"), 3, 4, 2, "calibrated", 0).save(path)
+    with np.load(path) as z:
+        arrays = dict(z)
+    meta = str(arrays["meta"])
+    arrays["meta"] = np.array(meta[:-1] + ', "num_experts": 8}')
+    np.savez(path, **arrays)
+    with pytest.raises(TraceError, match=r"t.npz: its meta's key 'num_experts' is given twice \(JSON would keep"):
+        Trace.load(path)
