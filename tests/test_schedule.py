@@ -165,7 +165,7 @@ def test_corrupt_json_gives_clear_error(tmp_path):
     with pytest.raises(ScheduleError, match="truncated or corrupt"):
         Schedule.load(path)
     for text, found in (('{"hello": 1}', "no format key"), ("[1]", "a JSON list"),
-                        ('{"format": "klotski-schedule", "format": "x"}', "format 'x'")):  # (JSON keeps the last)
+                        ('{"format": "x"}', "format 'x'")):
         path.write_text(text)
         with pytest.raises(ScheduleError, match=f"not a klotski schedule \\({found}; expected format 'klotski-"):
             Schedule.load(path)
