@@ -728,7 +728,9 @@ SHOWN_WARNINGS = 40  # an import's problems printed at most
 def cmd_trace_import(args: argparse.Namespace) -> int:
     out = args.out or str(Path(args.file).with_suffix(".npz"))
     output_file(out, "--out" if args.out else "the output (the log's name with .npz; give --out)", reads=[args.file])
-    trace, problems = import_jsonl(args.file, num_experts=args.num_experts, model=args.model or "unknown",
+    # (with --model, its expert count: a log that never used the highest id was "another shape")
+    num_experts = args.num_experts or (get_model(args.model).num_experts if args.model else None)
+    trace, problems = import_jsonl(args.file, num_experts=num_experts, model=args.model or "unknown",
                                    key_fields=tuple(args.key) if args.key else None, holes=args.holes,
                                    source=args.source, license=args.license, dataset=args.dataset)
     for line in problems[:SHOWN_WARNINGS]:  # (a long log can have one per sequence)
@@ -784,7 +786,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=path_arg, metavar="FILE", help="output .npz (default: FILE with .npz)")
     p.add_argument("--model", choices=sorted(PRESETS), help="check the log against this model and record its name")
     p.add_argument("--num-experts", type=bounded_int(1, MAX_IMPORT_INDEX),
-                   help="experts per layer (default: the largest id + 1)")
+                   help="experts per layer (default: --model's, else the largest id + 1)")
     p.add_argument("--key", action="append", metavar="FIELD",
                    help="a record field that, with the sequence id, names a sequence (repeatable; default: "
                         "dataset, when the records carry it), so ids of two datasets never merge")

@@ -810,3 +810,19 @@ def test_a_key_given_twice_in_a_traces_meta_is_refused(tmp_path):
     np.savez(path, **arrays)
     with pytest.raises(TraceError, match=r"t.npz: its meta's key 'num_experts' is given twice \(JSON would keep"):
         Trace.load(path)
+
+
+def test_import_with_a_model_takes_its_expert_count_when_the_log_never_uses_its_highest_id(tmp_path):
+    """A tiny-mixtral log of experts 0-2 was refused as "another shape (3 experts vs 4)": the count
+    was the largest id + 1 even with --model given."""
+    from .conftest import run_cli
+
+    log = tmp_path / "lo.jsonl"
+    log.write_text("".join(json.dumps({"seq_id": s, "token_idx": t, "layer": layer, "experts": [0, 1 + (t + layer) % 2],
+                                       "prompt_len": 2}) + "\n"
+                           for s in range(2) for t in range(4) for layer in range(2)))
+    rc, out, err = run_cli("trace", "import", str(log), "--model", "tiny-mixtral", "--out", str(tmp_path / "t.npz"))
+    assert rc == 0 and "top-2 of 4 experts" in out, err
+    assert Trace.load(tmp_path / "t.npz").num_experts == 4
+    rc, out, err = run_cli("trace", "import", str(log), "--out", str(tmp_path / "u.npz"))  # (no model: the ids')
+    assert rc == 0 and "top-2 of 3 experts" in out, err
