@@ -11,6 +11,7 @@ import importlib
 import json
 import math
 import os
+import re
 import sys
 from collections import Counter
 from dataclasses import replace
@@ -246,9 +247,10 @@ def _device_name(resource: str, on_cpu: bool) -> str:
     return "cpu-compute" if on_cpu and resource == "gpu" else resource
 
 
-def _warn_if_wrapped(source: str) -> None:
-    if "WRAPPED" in source:
-        print(f"warning: {source[source.index('WRAPPED'):].rstrip(')')}", file=sys.stderr)
+def _warn_of_routing(source: str) -> None:
+    """What a replayed trace's source says the run should not be read without (trace.replay)."""
+    for said in re.findall(r"\(((?:WRAPPED|ANOTHER MODEL): [^()]*)\)", source):
+        print(f"warning: {said}", file=sys.stderr)
 
 
 def format_summary(s: Summary) -> str:
@@ -338,7 +340,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if result.probes is not None:
         print(f"n = {result.probes.chosen.n} chosen by {len(result.probes.probes)} simulated probes "
               f"(klotski-sim plan --policy {result.spec.policy} shows them)")
-    _warn_if_wrapped(result.timeline.meta.get("routing", ""))
+    _warn_of_routing(result.timeline.meta.get("routing", ""))
     if out is not None:
         drawn = not args.no_png and len(result.timeline) > 0
         if not args.no_png and not drawn:
@@ -404,7 +406,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     routing_source = prep.replay.routing.source if prep.replay else "not built (refused by the memory check)"
     print(f"placement: {prep.placement.describe()}; routing: {routing_source}; "
           f"implementation: {' and '.join(impls)}")
-    _warn_if_wrapped(routing_source)
+    _warn_of_routing(routing_source)
     runs: dict[tuple[str, str], RunSpec] = {}
     for name in policies:
         n = policy_batches(name, prep) if spec.num_batches is None else prep.num_batches

@@ -264,9 +264,25 @@ def replay(trace: Trace, model: ModelSpec, shape: RunShape, *, warmup_sequences:
     # reusing sequences repeats their routing, which flatters any predictor: say by how much
     source = f"{trace.meta.get('source', where)}" + (
         f" (WRAPPED: {len(pool)} distinct sequences for {need_seqs} needed, {len(pool) / need_seqs:.0%}; reused "
-        f"routing inflates prefetch accuracy and throughput)" if wrapped else "")
+        f"routing inflates prefetch accuracy and throughput)" if wrapped else "") + _recorded_for_another(trace, model)
     routing = RoutingTable(ids, shape, model.num_experts, source=source, dense_layers=model.first_dense_layers)
     return Replay(routing, trace.subset(range(warmup_sequences)), tuple(chosen), wrapped)
+
+
+def _recorded_for_another(trace: Trace, model: ModelSpec) -> str:
+    """What the routing's source says of a trace recorded for another model of the same shape (a
+    tiny-olmoe trace replayed on tiny-qwen3-moe ran without a word): empty for the model's own, a
+    version of it (`:L` layers, `@int4` experts route as it does) or a log of no known model."""
+    recorded = trace.meta.get("model")
+    if not isinstance(recorded, str) or recorded in ("", "unknown"):
+        return ""
+    def base(name: str) -> str:
+        return name.split("@")[0].split(":")[0]
+
+    if base(recorded) == base(model.name):
+        return ""
+    return (f" (ANOTHER MODEL: recorded for {recorded!r}, replayed on {model.name!r} of the same shape: the routing "
+            f"is not this model's)")
 
 
 def _sequences_ids(trace: Trace, chosen: list[int], tokens: int) -> np.ndarray:

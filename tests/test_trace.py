@@ -826,3 +826,26 @@ def test_import_with_a_model_takes_its_expert_count_when_the_log_never_uses_its_
     assert Trace.load(tmp_path / "t.npz").num_experts == 4
     rc, out, err = run_cli("trace", "import", str(log), "--out", str(tmp_path / "u.npz"))  # (no model: the ids')
     assert rc == 0 and "top-2 of 3 experts" in out, err
+
+
+def test_a_trace_recorded_for_another_model_of_the_same_shape_is_said_so(tmp_path):
+    """A tiny-olmoe trace replayed on tiny-qwen3-moe (same experts, top-k and layers) ran without a
+    word; now the routing's source says so and the CLI warns. A version of the model itself (`:L`
+    layers, `@int4` experts) routes as it does: nothing said."""
+    from klotski_sim.routing import RunShape
+
+    from .conftest import run_cli
+
+    olmoe, qwen = get_model("tiny-olmoe"), get_model("tiny-qwen3-moe")
+    assert (olmoe.num_experts, olmoe.top_k, olmoe.num_layers) == (qwen.num_experts, qwen.top_k, qwen.num_layers)
+    trace = synthesize(olmoe, 12, 6, 3, "calibrated", 0)  # (the CLI keeps 8 for warm-up)
+    shape = RunShape(2, 2, 6, 3)
+    assert "ANOTHER MODEL: recorded for 'tiny-olmoe', replayed on 'tiny-qwen3-moe'" in \
+        replay(trace, qwen, shape).routing.source
+    assert "ANOTHER MODEL" not in replay(trace, olmoe, shape).routing.source
+    assert "ANOTHER MODEL" not in replay(trace, get_model("tiny-olmoe@int4"), shape).routing.source
+    trace.save(tmp_path / "o.npz")
+    rc, _, err = run_cli("simulate", "--model", "tiny-qwen3-moe", "--trace", str(tmp_path / "o.npz"), "--prompt-len",
+                         "6", "--gen-len", "3", "--batch-size", "2", "--num-batches", "2")
+    assert rc == 0 and err == ("warning: ANOTHER MODEL: recorded for 'tiny-olmoe', replayed on 'tiny-qwen3-moe' of "
+                               "the same shape: the routing is not this model's\n"), err
