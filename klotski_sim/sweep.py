@@ -84,6 +84,7 @@ from .policies.plugins import load_policy_files
 from .stopping import signals_deferred, terminal_signals_ignored
 from .textfile import read_text
 from .timeline import Summary, jsonable
+from .trace import Trace
 from .trace_synth import DEFAULT_ROUTING, params_for
 from .yamlfile import MAX_BYTES as MAX_YAML_BYTES
 from .yamlfile import load_yaml
@@ -281,21 +282,31 @@ def check_spec(spec: SweepSpec, where: str) -> None:
                 except ProfileError as err:
                     problems.append(str(err))
     model = get_model(spec.models[0]) if not problems else None
+    drawn: dict[Any, str] = {}  # a synthetic routing's parameters -> the first entry that gave them
     for r in spec.routings:
         if r.startswith("trace:"):
             try:  # (a folder or a file of another kind became a failed row of every configuration)
                 check_npz(r[6:], "routing trace", SweepError)
+                trace = Trace.load(r[6:])
+                for m in spec.models:  # (a trace of another shape, too: an error row each, the sweep exit 0)
+                    trace.check_model(get_model(m), f"routing {r!r}")
             except FileNotFoundError:
                 problems.append(f"routing {r!r}: no such trace file")
             except KlotskiError as err:
-                problems.append(f"routing {r!r}: {err}")
+                problems.append(str(err) if str(err).startswith(f"routing {r!r}") else f"routing {r!r}: {err}")
             except NPZ_READ_ERRORS as err:
                 problems.append(f"routing {r!r}: not a routing trace ({err})")
         elif model is not None:
             try:
-                params_for(r, model)
+                same = drawn.setdefault(repr(params_for(r, model)), r)
             except ValueError as err:
                 problems.append(str(err))
+                continue
+            if same != r:  # (zipf:1 and zipf:1.0: every configuration twice)
+                problems.append(f"routings: {r!r} is the routing {same!r} again")
+    if len(spec.seeds) > 1 and all(r.startswith("trace:") for r in spec.routings):
+        problems.append(f"seeds: {spec.seeds} draw synthetic routing, and every routing is a trace, which replays its "
+                        f"own: each configuration would run {len(spec.seeds)} times (give one seed)")
     for kv in spec.kv:
         if kv not in ("auto", "gpu", "cpu"):
             problems.append(f"kv {kv!r} is not auto, gpu or cpu")

@@ -38,6 +38,26 @@ def test_spec_errors_come_before_anything_runs():
         parse_spec({"policies": ["klotski"], "overrides": {"gpu.peak_flops": [-1]}})
 
 
+def test_a_grids_routings_are_checked_against_its_models_and_for_repeats_before_anything_runs(tmp_path):
+    """Each ran a whole grid: a trace of another shape (or an unreadable meta) made an error row of
+    every configuration, the sweep exit 0; `seeds: [0, 1]` beside traces alone, or `zipf:1` beside
+    `zipf:1.0`, ran every configuration twice."""
+    from klotski_sim.model import get_model
+    from klotski_sim.trace_synth import synthesize
+
+    synthesize(get_model("tiny-olmoe"), 4, 4, 2, "calibrated", 0).save(tmp_path / "o.npz")
+    base = {"policies": ["klotski"], "models": ["tiny-mixtral"]}
+    with pytest.raises(SweepError, match=r"routing 'trace:.*o.npz': the trace \(recorded for 'tiny-olmoe'\) has "
+                                         r"another shape than model 'tiny-mixtral' \(trace vs model: 8 experts vs 4\)"):
+        parse_spec({**base, "routings": [f"trace:{tmp_path / 'o.npz'}"]})
+    with pytest.raises(SweepError, match=r"seeds: \[0, 1\] draw synthetic routing, and every routing is a trace"):
+        parse_spec({**base, "models": ["tiny-olmoe"], "routings": [f"trace:{tmp_path / 'o.npz'}"], "seeds": [0, 1]})
+    parse_spec({**base, "models": ["tiny-olmoe"], "routings": [f"trace:{tmp_path / 'o.npz'}", "uniform"],
+                "seeds": [0, 1]})  # (the seeds draw the uniform routing)
+    with pytest.raises(SweepError, match="routings: 'zipf:1.0' is the routing 'zipf:1' again"):
+        parse_spec({**base, "routings": ["zipf:1", "zipf:1.0"]})
+
+
 def test_grid_ids_are_stable_and_unique():
     spec = parse_spec(SMALL)
     configs = expand(spec)
