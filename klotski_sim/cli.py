@@ -48,8 +48,10 @@ from .planner import format_plan
 from .policies import POLICIES
 from .policies.plugins import load_for_command_line
 from .runner import (
+    LONG_DRAW_S,
     RunSpec,
     draw_listeners,
+    draw_seconds,
     policy_batches,
     policy_prepared,
     prepare,
@@ -318,6 +320,11 @@ def _local_workers(args: argparse.Namespace) -> None:
         _note(f"--workers {args.workers}: this process may use {cores} core(s); running {counted(cores, 'worker')} (the runs "
               f"are CPU-bound: more would finish no sooner, each taking its own memory)")
         args.workers = cores
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else \
+        f"{seconds / 3600:.1f} h"
 
 
 def _say_long_work() -> None:
@@ -700,6 +707,10 @@ def cmd_trace_synth(args: argparse.Namespace) -> int:
     output_file(args.out)
     model = get_model(args.model)
     check_routing_fits(model, args.sequences, args.prompt_len + args.gen_len, f"{args.sequences} sequences")
+    seconds = draw_seconds(model, args.sequences, args.prompt_len + args.gen_len)
+    if seconds >= LONG_DRAW_S:  # (100M sequences of a tiny model drew for 17 minutes without a word)
+        _note(f"drawing {args.sequences:,} sequences x {args.prompt_len + args.gen_len:,} tokens of {model.name}'s "
+              f"routing: about {_duration(seconds)} on a 2-core machine")
     trace = synthesize(model, args.sequences, args.prompt_len, args.gen_len, args.routing, args.seed,
                        with_weights=args.with_weights)
     trace.save(args.out)

@@ -180,16 +180,25 @@ def resolve_profile(spec: RunSpec) -> HardwareProfile:
 # round): Qwen3-30B-A3B 16 x 8193 tokens 5.08 s, Mixtral-8x7B 136 x 16392 5.68 s (/tmp script, one
 # draw each); the fit gives DeepSeek-V2-Lite 64 x 8193 5.9 s, measured 5.56 s, and DeepSeek-V3's
 # default 424 x 516 21.1 s, measured 16.4 s (its 256 experts' top-k is argmax passes, cheaper an expert).
+# Many short sequences cost DRAW_S_PER_SEQUENCE_LAYER a sequence and layer beside: tiny-mixtral
+# 1M x 11 tokens 9.44 s, 100k x 110 2.45 s; Mixtral-8x7B 200k x 11 26.9 s, 2000 x 1100 7.43 s (one
+# process, one draw each, 7b36f0d's next round; the terms above alone said 1.2, 1.2, 5.6 and 5.6 s).
 draw_listeners: list[Callable[[str], None]] = []
 LONG_DRAW_S = 3.0
 DRAW_S_PER_ELEMENT = 6.1e-9
 DRAW_S_PER_TOKEN_LAYER = 31e-9
+DRAW_S_PER_SEQUENCE_LAYER = 3.5e-6
+
+
+def draw_seconds(model: ModelSpec, sequences: int, tokens: int) -> float:
+    """About how long `synthesize` draws `sequences` x `tokens` of `model`'s routing (see above)."""
+    per_sequence = tokens * (model.num_experts * DRAW_S_PER_ELEMENT + DRAW_S_PER_TOKEN_LAYER) + DRAW_S_PER_SEQUENCE_LAYER
+    return sequences * model.num_layers * per_sequence
 
 
 def _announce_draw(model: ModelSpec, routing: str, sequences: int, tokens: int) -> None:
     """Tell `draw_listeners` that a long draw begins (see above)."""
-    token_layers = sequences * tokens * model.num_layers
-    seconds = token_layers * (model.num_experts * DRAW_S_PER_ELEMENT + DRAW_S_PER_TOKEN_LAYER)
+    seconds = draw_seconds(model, sequences, tokens)
     if seconds >= LONG_DRAW_S:
         cached = "the trace cache is off" if cache_dir() is None else "not in the trace cache yet"
         for listener in draw_listeners:

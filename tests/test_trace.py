@@ -849,3 +849,20 @@ def test_a_trace_recorded_for_another_model_of_the_same_shape_is_said_so(tmp_pat
                          "6", "--gen-len", "3", "--batch-size", "2", "--num-batches", "2")
     assert rc == 0 and err == ("warning: ANOTHER MODEL: recorded for 'tiny-olmoe', replayed on 'tiny-qwen3-moe' of "
                                "the same shape: the routing is not this model's\n"), err
+
+
+def test_trace_synth_says_a_long_draw_before_it_begins(tmp_path, monkeypatch, capsys):
+    """100M sequences of a tiny model drew for some 15 minutes without a word (the estimate left out
+    the cost a sequence: many short ones)."""
+    from klotski_sim import cli
+
+    drawn = []
+    monkeypatch.setattr(cli, "synthesize", lambda m, *a, **k: drawn.append(a) or synthesize(m, 2, 4, 2, "uniform", 0))
+    assert cli.main(["trace", "synth", "--model", "tiny-mixtral", "--sequences", "100000000", "--prompt-len", "8",
+                     "--gen-len", "3", "--out", str(tmp_path / "t.npz")]) == 0
+    err = capsys.readouterr().err
+    assert err == ("note: drawing 100,000,000 sequences x 11 tokens of tiny-mixtral's routing: about 14 min on a "
+                   "2-core machine\n") and drawn
+    assert cli.main(["trace", "synth", "--model", "tiny-mixtral", "--sequences", "100", "--prompt-len", "8",
+                     "--gen-len", "3", "--out", str(tmp_path / "t.npz")]) == 0
+    assert capsys.readouterr().err == ""  # (a short draw: nothing said)
