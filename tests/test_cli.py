@@ -95,7 +95,7 @@ def test_trace_import_cli(tmp_path):
     assert rc == 0, err
     assert "missing (token, layer)" in err and (tmp_path / "log.npz").exists()
     rc, out, err = run_cli("trace", "import", str(tmp_path / "log.jsonl"), "--model", "olmoe-1b-7b")
-    assert rc == 2 and "the trace has another shape than model 'olmoe-1b-7b' (trace vs model: 4 experts vs 64" in err
+    assert rc == 2 and "the trace has another shape than model 'olmoe-1b-7b' (trace vs model: top-2 vs top-8; " in err
     # 50 sequences with a hole each and ids of 4000 characters: at most 40 warnings and a count, ids cut short
     many = [json.dumps({"seq_id": f"{k:02d}" + "x" * 4000, "token_idx": t, "layer": layer, "experts": [0, 1]})
             for k in range(50) for t in range(3) for layer in range(2) if (t, layer) != (2, 1)]
