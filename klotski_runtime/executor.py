@@ -183,6 +183,7 @@ def check_compatible(schedule: Schedule, spec: ModelSpec, weights: WeightStore |
 # compute ops that work on the tokens of given batches at a given step: without them a handler
 # indexed `batches[0]` (KeyError: -1) or the step's routing of another step
 _PER_BATCH = frozenset({"embed", "attention", "gate", "expert", "lm_head", "attn_qkv", "attn_out", "dense_mlp"})
+_PER_LAYER_OPS = frozenset({"attention", "gate", "expert", "attn_qkv", "attn_out", "dense_mlp"})
 
 
 def _outside_the_run(op: Op, shape: RunShape, spec: ModelSpec) -> str:
@@ -199,6 +200,10 @@ def _outside_the_run(op: Op, shape: RunShape, spec: ModelSpec) -> str:
         return f"expert {op.expert} outside the model's {spec.num_experts} experts"
     if op.kind == "compute" and op.category in _PER_BATCH and (not op.batches or op.step < 0):
         return f"{op.category} ops need their batches and step (got batches {list(op.batches)}, step {op.step})"
+    if op.kind == "compute" and op.category in _PER_LAYER_OPS and op.layer < 0:  # (-1 indexed the last layer)
+        return f"{op.category} ops need their layer (got layer {op.layer})"
+    if len(set(op.batches)) < len(op.batches):
+        return f"batches {list(op.batches)} name a batch twice"
     return ""
 
 
@@ -245,7 +250,9 @@ def _work_of_another_run(op: Op, shape: RunShape, routing: RoutingTable) -> str:
     if op.phase != ("prefill" if step == 0 else "decode"):
         return f"phase {op.phase!r} at step {step} (step 0 is the prefill, later steps decode)"
     if op.category == "expert":
-        want = int(routing.counts[step, op.layer, list(op.batches), op.expert].sum())
+        counts = routing.counts[step, op.layer]  # (a batch's count read alone: 135k expert ops at the default size)
+        want = int(counts[op.batches[0], op.expert] if len(op.batches) == 1 else
+                   counts[list(op.batches), op.expert].sum())
         what = f"the routing sends {want} of batches {list(op.batches)}'s tokens to expert {op.expert} there"
     elif op.category in _OVER_NEW_TOKENS:
         want = sequences * (shape.prompt_len if step == 0 else 1)
@@ -289,7 +296,8 @@ def _check_each_computed_once(schedule: Schedule, shape: RunShape, routing: Rout
         if op.kind != "compute":
             continue
         if op.category == "expert":
-            experts[op.step, op.layer, list(op.batches), op.expert] += 1
+            for b in op.batches:
+                experts[op.step, op.layer, b, op.expert] += 1
             continue
         what = _ONCE.get(op.category)
         if what:

@@ -39,6 +39,8 @@ def _input(placement=Placement(), n=2, bs=2, P=6, G=3, model=TINY, impl="as-publ
     ("embed", {"step": 99}, "step 99 outside the run's 3 steps"),
     ("gate", {"batches": (5,)}, "batches [5] outside the run's 2 batches"),
     ("gate", {"layer": 7}, "layer 7 outside the model's 2 layers"),
+    ("expert", {"layer": -1}, "expert ops need their layer (got layer -1)"),  # (ran as the last layer's)
+    ("gate", {"batches": (0, 0)}, "batches [0, 0] name a batch twice"),
     # (simulated as the op says, measured as the run computes it: a cross-check of two runs)
     ("expert", {"tokens": 999}, "tokens 999, but the routing sends "),
     ("attention", {"tokens": 5}, "tokens 5, but its batches' sequences pass 12 new tokens at step 0, layer 0"),
