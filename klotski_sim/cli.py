@@ -317,8 +317,8 @@ def _local_workers(args: argparse.Namespace) -> None:
     cores = available_cores()
     remote = getattr(args, "dask", None) not in (None, "local")
     if args.workers is not None and args.workers > cores and not remote:
-        _note(f"--workers {args.workers}: this process may use {cores} core(s); running {counted(cores, 'worker')} (the runs "
-              f"are CPU-bound: more would finish no sooner, each taking its own memory)")
+        _note(f"--workers {args.workers}: this process may use {cores} core(s); running {counted(cores, 'worker')} "
+              f"(the runs are CPU-bound: more would finish no sooner, each taking its own memory)")
         args.workers = cores
 
 

@@ -114,9 +114,13 @@ class GPUSpec(_Strict):
                          "the host thread runs again (cudaStreamSynchronize / .tolist() round trip)")
 
     @model_validator(mode="after")
-    def _reserved_fits(self) -> "GPUSpec":
+    def _categories_known(self) -> "GPUSpec":
         for category in self.dispatch_overhead_by_category:
             _not_misspelt(f"dispatch_overhead_by_category.{category}", category)
+        return self
+
+    @model_validator(mode="after")
+    def _reserved_fits(self) -> "GPUSpec":
         if self.reserved_bytes >= self.memory_bytes:
             raise ValueError(f"reserved_bytes ({self.reserved_bytes:.4g}) must be below memory_bytes "
                              f"({self.memory_bytes:.4g})")

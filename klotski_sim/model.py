@@ -392,6 +392,12 @@ def quantised(spec: ModelSpec, text: str, where: str) -> ModelSpec:
     return packed
 
 
+def preset_name(name: str) -> str:
+    """The preset a model's name is a version of (`mixtral-8x7b:4@int4` -> `mixtral-8x7b`): its
+    routing is the preset's."""
+    return name.partition("@")[0].partition(":")[0]
+
+
 def get_model(name: str) -> ModelSpec:
     """Look up a preset by name; `NAME:L` keeps only its first L layers (a big model's few layers
     are enough to validate a schedule on a real GPU) and `@intN[:gG][:fp32]` quantises its routed

@@ -29,7 +29,7 @@ import numpy as np
 
 from .errors import KlotskiError, UsageError
 from .mapped import in_chunks, release
-from .model import ModelSpec
+from .model import ModelSpec, preset_name
 from .npzfile import NPZ_READ_ERRORS, check_npz, write_npz
 from .routing import RoutingTable, RunShape, expert_id_type, repeats_an_expert
 from .textfile import DuplicateKeyError, read_text, unique_json_keys
@@ -274,12 +274,7 @@ def _recorded_for_another(trace: Trace, model: ModelSpec) -> str:
     tiny-olmoe trace replayed on tiny-qwen3-moe ran without a word): empty for the model's own, a
     version of it (`:L` layers, `@int4` experts route as it does) or a log of no known model."""
     recorded = trace.meta.get("model")
-    if not isinstance(recorded, str) or recorded in ("", "unknown"):
-        return ""
-    def base(name: str) -> str:
-        return name.split("@")[0].split(":")[0]
-
-    if base(recorded) == base(model.name):
+    if not isinstance(recorded, str) or recorded in ("", "unknown") or preset_name(recorded) == preset_name(model.name):
         return ""
     return (f" (ANOTHER MODEL: recorded for {recorded!r}, replayed on {model.name!r} of the same shape: the routing "
             f"is not this model's)")
