@@ -741,17 +741,20 @@ SHOWN_WARNINGS = 40  # an import's problems printed at most
 def cmd_trace_import(args: argparse.Namespace) -> int:
     out = args.out or str(Path(args.file).with_suffix(".npz"))
     output_file(out, "--out" if args.out else "the output (the log's name with .npz; give --out)", reads=[args.file])
-    # (with --model, its expert count: a log that never used the highest id was "another shape")
-    num_experts = args.num_experts or (get_model(args.model).num_experts if args.model else None)
+    # (with --model, its expert count: a log that never used the highest id was "another shape"; and its
+    # dense first layers, which a log has no router records of: a DeepSeek log could not be imported)
+    model = get_model(args.model) if args.model else None
+    num_experts = args.num_experts or (model.num_experts if model else None)
     trace, problems = import_jsonl(args.file, num_experts=num_experts, model=args.model or "unknown",
                                    key_fields=tuple(args.key) if args.key else None, holes=args.holes,
-                                   source=args.source, license=args.license, dataset=args.dataset)
+                                   source=args.source, license=args.license, dataset=args.dataset,
+                                   dense_layers=model.first_dense_layers if model else 0)
     for line in problems[:SHOWN_WARNINGS]:  # (a long log can have one per sequence)
         print(f"warning: {line}", file=sys.stderr)
     if len(problems) > SHOWN_WARNINGS:
         print(f"warning: ... and {len(problems) - SHOWN_WARNINGS} more problems like these", file=sys.stderr)
     if args.model:
-        trace.check_model(get_model(args.model), args.file)
+        trace.check_model(model, args.file)
     trace.save(out)
     print(f"wrote {out}: {trace.num_sequences} sequences, {len(trace.experts)} tokens, {trace.num_layers} layers, "
           f"top-{trace.top_k} of {trace.num_experts} experts" + (f"; {len(problems)} problem(s) reported" if problems else ""))

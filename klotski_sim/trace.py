@@ -308,7 +308,7 @@ def _shown(value: Any, limit: int = 60) -> str:
 def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str = "unknown",
                  prompt_len_field: str = "prompt_len", key_fields: tuple[str, ...] | None = None,
                  holes: str = "cut", source: str | None = None, license: str | None = None,
-                 dataset: str | None = None) -> tuple[Trace, list[str]]:
+                 dataset: str | None = None, dense_layers: int = 0) -> tuple[Trace, list[str]]:
     """Read a JSON-lines routing log, one record per token per layer, e.g.
 
         {"seq_id": 3, "token_idx": 17, "layer": 5, "experts": [1, 6], "gating_probs": [0.7, 0.3]}
@@ -320,7 +320,9 @@ def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str
 
     A sequence is identified by its id *and* `key_fields` (default: `dataset` when the records
     carry it), so integer ids from two datasets in one log never merge. `source`, `license` and
-    `dataset` are the trace's provenance (recorded in its metadata)."""
+    `dataset` are the trace's provenance (recorded in its metadata). The model's first `dense_layers`
+    layers have no router: a record there is kept, a missing one filled with experts 0..k-1 (the
+    routing of a dense layer is never read: `RoutingTable.dense_layers`), not taken for a hole."""
     if holes not in ("cut", "longest"):
         raise TraceError(f"holes must be cut or longest, got {holes!r}")
     path = Path(path)
@@ -427,6 +429,12 @@ def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str
     if 0 < weighted < entries:  # (said: a few records without them dropped every weight silently)
         problems.append(f"{path}: {entries - weighted} of {entries} records have no gate weights; the trace keeps "
                         f"none")
+    if dense_layers:  # (a DeepSeek log has no router records there: every token was a hole at layer 0)
+        filler = (list(range(top_k)), [1.0 / top_k] * top_k if has_weights else None)
+        for table in records.values():
+            for tok in {t for t, _ in table}:
+                for layer in range(dense_layers):
+                    table.setdefault((tok, layer), filler)
     for seq, table in records.items():
         max_tok = max(t for t, _ in table)
         if prompt_lens.get(seq, 0) > max_tok + 1:
@@ -463,12 +471,15 @@ def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str
                                          for t in span], dtype=np.float16))
         lengths.append(usable - start)
         plens.append(max(0, min(prompt_lens.get(seq, usable), usable) - start))
-    if not experts_out:
-        raise TraceError(f"{path}: no sequence has a complete first token")
+    if not experts_out:  # (the warnings that say why are not printed when the import fails: the first, said here)
+        hole = next((p.split(": ", 1)[1] for p in problems if "missing (token, layer)" in p), "")
+        raise TraceError(f"{path}: no sequence has a complete first token" + (f" ({hole})" if hole else ""))
     meta = {"model": model, "num_experts": int(n_exp), "top_k": int(top_k), "num_layers": int(num_layers),
             "dataset": dataset or "unknown", "recorder": f"imported from {path.name} (JSON lines)",
             "license": license or "unknown", "source": source or f"import:{path.name}",
             "sequence_key": [*(key_fields or ()), "sequence id"]}
+    if dense_layers:
+        meta["dense_layers_filled"] = dense_layers  # (experts 0..k-1 there: a dense layer routes nothing)
     trace = Trace(np.concatenate(experts_out),
                   np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
                   np.asarray(plens, dtype=np.int32), meta,

@@ -866,3 +866,27 @@ def test_trace_synth_says_a_long_draw_before_it_begins(tmp_path, monkeypatch, ca
     assert cli.main(["trace", "synth", "--model", "tiny-mixtral", "--sequences", "100", "--prompt-len", "8",
                      "--gen-len", "3", "--out", str(tmp_path / "t.npz")]) == 0
     assert capsys.readouterr().err == ""  # (a short draw: nothing said)
+
+
+def test_a_log_of_a_model_with_dense_first_layers_imports_with_them_filled(tmp_path):
+    """A DeepSeek log has no router records for its dense first layer: every token was a hole at
+    layer 0, and the import failed with "no sequence has a complete first token", the warnings that
+    said why unprinted. With --model, the dense layers are filled (their routing is never read); the
+    refusal without it says where the first hole is."""
+    from .conftest import run_cli
+
+    model = get_model("deepseek-v2-lite")
+    assert model.first_dense_layers == 1
+    log = tmp_path / "ds.jsonl"
+    log.write_text("".join(json.dumps({"seq_id": s, "token_idx": t, "layer": layer, "prompt_len": 2,
+                                       "experts": [(t + layer + k) % 64 for k in range(model.top_k)]}) + "\n"
+                           for s in range(2) for t in range(4) for layer in range(1, model.num_layers)))
+    rc, out, err = run_cli("trace", "import", str(log), "--model", "deepseek-v2-lite", "--out", str(tmp_path / "d.npz"))
+    assert rc == 0 and "2 sequences, 8 tokens, 27 layers, top-6 of 64 experts" in out and not err, err
+    trace = Trace.load(tmp_path / "d.npz")
+    assert trace.meta["dense_layers_filled"] == 1 and (trace.experts[:, 0] == np.arange(6)).all()
+    assert (trace.experts[:, 1:] == np.array([[[(t + layer + k) % 64 for k in range(6)] for layer in range(1, 27)]
+                                             for _ in range(2) for t in range(4)])).all()
+    rc, out, err = run_cli("trace", "import", str(log), "--out", str(tmp_path / "e.npz"))  # (no model: no dense layers)
+    assert rc == 2 and err.endswith("no sequence has a complete first token (sequence 0: 4 missing (token, layer) "
+                                    "entries, first at token 0 layer 0; kept its first 0 tokens)\n"), err
