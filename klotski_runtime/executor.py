@@ -170,8 +170,8 @@ def check_compatible(schedule: Schedule, spec: ModelSpec, weights: WeightStore |
                        or _kv_of_another_size(op, spec, sh) or _work_of_another_run(op, sh, routing))
             if problem:
                 raise ScheduleError(f"op {op.id!r}: {problem}")
-        _check_every_token_made(schedule, sh)
         _check_each_computed_once(schedule, sh, routing)
+        _check_tokens_claimed(schedule, sh)
     if weights is None:
         return
     layers = max((op.layer for op in schedule.ops), default=-1) + 1
@@ -227,7 +227,7 @@ def _kv_of_another_size(op: Op, spec: ModelSpec, shape: RunShape) -> str:
     bytes (a store edited to a million times its bytes was measured at 4 s, its copy 1,536 bytes)."""
     if op.kind != "transfer" or op.tensor != "kv" or op.step < 0 or not op.batches:
         return ""
-    sequences, new = shape.batch_size * len(op.batches), shape.prompt_len if op.step == 0 else 1
+    sequences, new = shape.batch_size * len(op.batches), shape.new_tokens(op.step)
     store = op.dst == "cpu"
     want = spec.kv_bytes(sequences, new if store else shape.kv_len(op.step) - new)
     what = f"the {new} new" if store else f"the {shape.kv_len(op.step) - new} cached"
@@ -247,7 +247,7 @@ def _work_of_another_run(op: Op, shape: RunShape, routing: RoutingTable) -> str:
     if op.kind != "compute" or op.step < 0 or not op.batches:
         return ""
     step, sequences = op.step, shape.batch_size * len(op.batches)
-    if op.phase != ("prefill" if step == 0 else "decode"):
+    if op.phase != shape.phase(step):
         return f"phase {op.phase!r} at step {step} (step 0 is the prefill, later steps decode)"
     if op.category == "expert":
         counts = routing.counts[step, op.layer]  # (a batch's count read alone: 135k expert ops at the default size)
@@ -255,7 +255,7 @@ def _work_of_another_run(op: Op, shape: RunShape, routing: RoutingTable) -> str:
                    counts[list(op.batches), op.expert].sum())
         what = f"the routing sends {want} of batches {list(op.batches)}'s tokens to expert {op.expert} there"
     elif op.category in _OVER_NEW_TOKENS:
-        want = sequences * (shape.prompt_len if step == 0 else 1)
+        want = sequences * shape.new_tokens(step)
         what = f"its batches' sequences pass {want} new tokens"
     elif op.category == "lm_head":
         want, what = sequences, f"one per sequence of its batches: {sequences}"
@@ -268,16 +268,9 @@ def _work_of_another_run(op: Op, shape: RunShape, routing: RoutingTable) -> str:
     return ""
 
 
-def _check_every_token_made(schedule: Schedule, shape: RunShape) -> None:
-    """Each batch's token of each step comes from an lm_head op, and the tokens the schedule says
-    it generates are those (a schedule without its last lm_head, or whose meta claimed a million
-    tokens, was measured as a whole run: its throughput a fiction)."""
-    made = {(b, op.step) for op in schedule.ops if op.category == "lm_head" for b in op.batches}
-    missing = [(b, step) for step in range(shape.num_steps) for b in range(shape.num_batches) if (b, step) not in made]
-    if missing:
-        b, step = missing[0]
-        raise ScheduleError(f"no lm_head op makes batch {b}'s tokens at step {step} ({len(missing)} of the run's "
-                            f"{shape.num_batches * shape.num_steps} batch-steps have none): not a whole run")
+def _check_tokens_claimed(schedule: Schedule, shape: RunShape) -> None:
+    """The tokens the schedule says it generates are the run's (one whose meta claimed a million
+    tokens was measured as a whole run: its throughput a fiction)."""
     claimed = schedule.meta.get("generated_tokens")
     if claimed != shape.generated_tokens:
         raise ScheduleError(f"meta.generated_tokens {claimed!r}: the run makes {shape.generated_tokens} (batch_size "
@@ -286,10 +279,10 @@ def _check_every_token_made(schedule: Schedule, shape: RunShape) -> None:
 
 def _check_each_computed_once(schedule: Schedule, shape: RunShape, routing: RoutingTable) -> None:
     """Each batch's embedding and lm_head of each step, its attention and gate (or dense MLP) of each
-    layer, and each expert the routing sends its tokens to, computed by exactly one op (the lm_head
-    is checked first, by `_check_every_token_made`). A schedule with an expert op removed was measured
-    as a whole run, its logits a model's with that expert skipped; one without its gates failed
-    inside an op (`KeyError: 0`); a second lm_head ran twice."""
+    layer, and each expert the routing sends its tokens to, computed by exactly one op. A schedule
+    without its last lm_head, or with an expert op removed, was measured as a whole run (its
+    logits a model's with that expert skipped); one without its gates failed inside an op
+    (`KeyError: 0`); a second lm_head ran twice."""
     computed: Counter[tuple[str, int, int, int]] = Counter()  # (what, step, layer, batch)
     experts = np.zeros(routing.counts.shape, dtype=np.int64)  # [step, layer, batch, expert]
     for op in schedule.ops:
@@ -303,6 +296,12 @@ def _check_each_computed_once(schedule: Schedule, shape: RunShape, routing: Rout
         if what:
             for b in op.batches:
                 computed[(what, op.step, op.layer if what in _PER_LAYER else -1, b)] += 1
+    missing = [(b, step) for step in range(shape.num_steps) for b in range(shape.num_batches)
+               if not computed[("lm_head", step, -1, b)]]
+    if missing:  # (said first, and of them all: the run's tokens are what it measures)
+        b, step = missing[0]
+        raise ScheduleError(f"no lm_head op makes batch {b}'s tokens at step {step} ({len(missing)} of the run's "
+                            f"{shape.num_batches * shape.num_steps} batch-steps have none): not a whole run")
     for what in _ONCE_ORDER:
         for step in range(shape.num_steps):
             for layer in range(routing.num_layers) if what in _PER_LAYER else (-1,):

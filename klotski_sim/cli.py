@@ -323,8 +323,8 @@ def _local_workers(args: argparse.Namespace) -> None:
 
 
 def _duration(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else \
-        f"{seconds / 3600:.1f} h"
+    """An estimate's length as the notes say it: seconds below a minute, minutes above."""
+    return f"{seconds:.0f} s" if seconds < 60 else f"{seconds / 60:.0f} min"
 
 
 def _say_long_work() -> None:
@@ -556,8 +556,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             return
         left = total - done
         workers = min(max(1, args.workers), left)
-        minutes = math.ceil(left / workers) * SECONDS_PER_CONFIG / 60
-        took = f"{minutes:.0f} min" if minutes >= 1 else f"{minutes * 60:.0f} s"
+        took = _duration(math.ceil(left / workers) * SECONDS_PER_CONFIG)
         resumed = f"; resumed: {done} already done, {left} left" if done else ""
         print(f"{grid}{resumed}: about {took} on {counted(workers, 'worker')}, at {SECONDS_PER_CONFIG:.1f} s each as "
               f"a default-size Mixtral-8x7B run (larger models, prompts and n take longer)", flush=True)

@@ -149,6 +149,15 @@ class RunShape:
         """Tokens in each sequence's KV cache once the step has run."""
         return self.prompt_len + step
 
+    def new_tokens(self, step: int) -> int:
+        """Tokens each sequence adds at `step`: the prompt, then one."""
+        return self.prompt_len if step == 0 else 1
+
+    @staticmethod
+    def phase(step: int) -> str:
+        """What a step is: step 0 the prefill, later steps decode."""
+        return "prefill" if step == 0 else "decode"
+
 
 class RoutingTable:
     """Top-k expert ids of every token of a run: `ids[batch, seq, position, layer, slot]`."""

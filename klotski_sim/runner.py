@@ -192,7 +192,8 @@ DRAW_S_PER_SEQUENCE_LAYER = 3.5e-6
 
 def draw_seconds(model: ModelSpec, sequences: int, tokens: int) -> float:
     """About how long `synthesize` draws `sequences` x `tokens` of `model`'s routing (see above)."""
-    per_sequence = tokens * (model.num_experts * DRAW_S_PER_ELEMENT + DRAW_S_PER_TOKEN_LAYER) + DRAW_S_PER_SEQUENCE_LAYER
+    per_token = model.num_experts * DRAW_S_PER_ELEMENT + DRAW_S_PER_TOKEN_LAYER
+    per_sequence = tokens * per_token + DRAW_S_PER_SEQUENCE_LAYER
     return sequences * model.num_layers * per_sequence
 
 

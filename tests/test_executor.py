@@ -456,7 +456,8 @@ def test_logits_do_not_depend_on_how_the_stream_threads_interleave(policy, place
     _, ref = execute(reference, TINY, weights, base.routing, ExecOptions(record_logits=True))
     profile = cpu_profile(memory_bytes=1e6 if placement.experts == "disk" else 3.2e5, memory_bandwidth=1e12,
                           flops={"bf16": 1e13})
-    schedule = build_schedule(policy, PolicyInput(TINY, profile, base.routing, placement, options, base.warmup, "ideal"))
+    schedule = build_schedule(policy, PolicyInput(TINY, profile, base.routing, placement, options, base.warmup,
+                                                  "ideal"))
     draws, drawing, run = random.Random(0), threading.Lock(), OpRunner.run
 
     def jittered(self, op):

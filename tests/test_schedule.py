@@ -127,7 +127,8 @@ def test_cross_stream_cycle_is_named():
     # (a copy remapped to another link was run and timed there: unemulated on nvme, labelled a disk read)
     (Op("e", "transfer", "disk_read", "hot_expert", bytes=5, src="cpu", dst="gpu"),
      "op 'e': a cpu -> gpu copy placed on stream 'disk_read', which maps to nvme: that link carries disk -> cpu"),
-    (Op("k", "transfer", "d2h_kv", "kv", bytes=5, src="cpu", dst="gpu"), "which maps to pcie_d2h: that link carries gpu"),
+    (Op("k", "transfer", "d2h_kv", "kv", bytes=5, src="cpu", dst="gpu"),
+     "which maps to pcie_d2h: that link carries gpu"),
     (Op("g", "transfer", "h2d_weights", "w", bytes=5, src="disk", dst="gpu"), "a disk -> gpu copy placed on"),
 ])
 def test_bad_ops_are_rejected(op, msg):

@@ -321,8 +321,8 @@ def _check_from_outside(name: str, schedule: Schedule, inp: PolicyInput) -> None
     shape = inp.shape
     if schedule.meta.get("generated_tokens", shape.generated_tokens) != shape.generated_tokens:
         raise PolicyError(f"{where}: meta.generated_tokens {schedule.meta['generated_tokens']!r} is not the run's "
-                          f"{shape.generated_tokens} (batch size {shape.batch_size} x {shape.num_batches} batches x {shape.gen_len} "
-                          f"generated)")
+                          f"{shape.generated_tokens} (batch size {shape.batch_size} x {shape.num_batches} batches x "
+                          f"{shape.gen_len} generated)")
 
 
 class PolicyError(UsageError):
@@ -755,12 +755,10 @@ class OpEmitter:
 
     # ---- helpers --------------------------------------------------------------------------------
     def new_tokens(self, step: int) -> int:
-        """Tokens each sequence adds at `step`: the prompt, then one."""
-        return self.shape.prompt_len if step == 0 else 1
+        """Tokens each sequence adds at `step` (RunShape.new_tokens)."""
+        return self.shape.new_tokens(step)
 
-    @staticmethod
-    def phase(step: int) -> str:
-        return "prefill" if step == 0 else "decode"
+    phase = staticmethod(RunShape.phase)
 
     def build(self, policy: str, **extra_meta: Any) -> Schedule:
         sh, m = self.shape, self.model
