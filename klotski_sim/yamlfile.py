@@ -40,6 +40,34 @@ class _UniqueKeyLoader(_SAFE_LOADER):  # type: ignore[valid-type,misc]
             seen.add(key)
         return super().construct_mapping(node, deep)
 
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        value = super().construct_yaml_int(node)
+        _refuse_yaml11_number(node, value)
+        return value
+
+    def construct_yaml_float(self, node: yaml.ScalarNode) -> float:
+        value = super().construct_yaml_float(node)
+        _refuse_yaml11_number(node, value)
+        return value
+
+
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_yaml_int)
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float", _UniqueKeyLoader.construct_yaml_float)
+
+
+def _refuse_yaml11_number(node: yaml.ScalarNode, value: float) -> None:
+    """A number that YAML 1.1 (PyYAML) reads otherwise than it looks, and than YAML 1.2 would: a
+    leading zero makes it octal (`copy_engines: 010` was 8) and colons base 60 (`1:30` was 90)."""
+    digits = node.value.replace("_", "").lstrip("+-")
+    if ":" in digits:
+        problem = "is a base-60 number in YAML 1.1"
+    elif node.tag.endswith(":int") and len(digits) > 1 and digits[0] == "0" and digits[1] not in "xXbB":
+        problem = "has a leading zero, which makes it octal in YAML 1.1"
+    else:
+        return
+    raise yaml.constructor.ConstructorError(None, None, f"{node.value!r} {problem} (read as {value:g}); write the "
+                                            f"number in decimal, or quote it if it is text", node.start_mark)
+
 
 def load_yaml(text: str, where: str, error: type[KlotskiError] = KlotskiError) -> Any:
     """Parse `text` with the safe loader; `where` names the file in every error."""

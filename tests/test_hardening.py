@@ -80,6 +80,29 @@ def test_yaml_merge_keys_are_read_and_a_key_given_twice_beside_one_is_refused(tm
         load_profile_file(path)
 
 
+@pytest.mark.parametrize("written, read_as", [("010", "octal in YAML 1.1 \\(read as 8\\)"),
+                                               ("-012", "octal in YAML 1.1 \\(read as -10\\)"),
+                                               ("1:30", "base-60 number in YAML 1.1 \\(read as 90\\)"),
+                                               ("1:30.5", "base-60 number in YAML 1.1 \\(read as 90.5\\)")])
+def test_yaml_1_1_octal_and_base_60_numbers_are_refused_naming_the_line(tmp_path, written, read_as):
+    """PyYAML reads YAML 1.1: `copy_engines: 010` was 8 copy engines and `1:30` was 90, silently
+    (YAML 1.2, and every reader's eye, take them as 10 and as text)."""
+    text = load_profile("rtx3090").to_yaml()
+    assert "    copy_engines: 1\n" in text
+    path = tmp_path / "p.yaml"
+    path.write_text(text.replace("    copy_engines: 1\n", f"    copy_engines: {written}\n", 1))
+    line = path.read_text().splitlines().index(f"    copy_engines: {written}") + 1
+    with pytest.raises(ProfileError, match=f"p.yaml:{line}: not valid YAML \\('{written}' .*{read_as}; write the "
+                                           f"number in decimal, or quote it if it is text\\)"):
+        load_profile_file(path)
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"name: t\nmodels: [tiny-mixtral]\nprompt_lens: [{written}]\n")
+    rc, out, err = run_cli("sweep", str(spec), "--out", str(tmp_path / "o"))
+    assert rc == 2 and err.startswith(f"error: {spec}:3: not valid YAML ('{written}' ") and len(err.splitlines()) == 1
+    path.write_text(text.replace("    copy_engines: 1\n", "    copy_engines: 0x2\n", 1))  # (what is not ambiguous stays)
+    assert load_profile_file(path).links.pcie_h2d.copy_engines == 2
+
+
 def test_yaml_alias_bomb_is_refused(tmp_path):
     lines = ['a: &a ["x", "x", "x", "x", "x", "x", "x", "x", "x", "x"]']
     for k in range(1, 12):
