@@ -36,7 +36,7 @@ from .argtypes import (
     seed_int,
     workers_int,
 )
-from .errors import KlotskiError
+from .errors import KlotskiError, one_line
 from .exports import TIMELINE_FILES, write_timeline_files
 from .hardware import builtin_profile_names, load_profile, with_overrides
 from .impl import PRESET_NAMES
@@ -918,7 +918,7 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
         _remove_empty_made_folders()
         if getattr(args, "debug", False):
             raise
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {one_line(str(err))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as stop:
         _remove_empty_made_folders()
@@ -927,8 +927,8 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
         if str(err).startswith("Symlink loop from ") and not getattr(args, "debug", False):
             # (a path given through a link that points back at itself: pathlib's resolve() on Python < 3.13;
             # from 3.13 it is an OSError, ELOOP, said above)
-            print(f"error: {str(err).removeprefix('Symlink loop from ')}: a symbolic link that loops back on itself",
-                  file=sys.stderr)
+            print(f"error: {one_line(str(err).removeprefix('Symlink loop from '))}: a symbolic link that loops back "
+                  f"on itself", file=sys.stderr)
             return 2
         if "can't start new thread" in str(err) and not getattr(args, "debug", False):  # (a process or memory limit)
             print(f"error: the machine refused another thread ({err}): ask for fewer --threads", file=sys.stderr)

@@ -208,10 +208,18 @@ class MeasuredPoint(_Strict):
     seconds: Annotated[float, _Number, Field(gt=0, le=MAX_MEASURED_S, allow_inf_nan=False)]
 
 
+def _a_printable_name(name: str) -> str:
+    """A profile's name is printed in summaries, tables and error lines: a newline in it split them."""
+    if not name or any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise ValueError(f"{name!r}: give a non-empty name of printable characters (no newline or other control "
+                         f"character)")
+    return name
+
+
 class HardwareProfile(_Strict):
     """Everything the cost model needs about one machine, with the sources of its numbers."""
 
-    name: str
+    name: Annotated[str, AfterValidator(_a_printable_name)]
     description: str = ""
     gpu: GPUSpec
     links: LinksSpec

@@ -103,6 +103,21 @@ def test_yaml_1_1_octal_and_base_60_numbers_are_refused_naming_the_line(tmp_path
     assert load_profile_file(path).links.pcie_h2d.copy_engines == 2
 
 
+def test_a_control_character_in_a_path_or_a_profiles_name_keeps_the_error_one_line(tmp_path):
+    """A newline in a file name, or in a profile's name (printed in every summary), split the one
+    `error:` line in two."""
+    rc, out, err = run_cli("simulate", "--model", "tiny-mixtral", "--hardware", str(tmp_path / "x\ny.yaml"))
+    assert rc == 2 and err == f"error: {tmp_path}/x\\ny.yaml: cannot read profile (No such file or directory)\n"
+    text = load_profile("rtx3090").to_yaml()
+    assert text.startswith("name: rtx3090\n")
+    for name, shown in (('"rtx\\n3090"', r"'rtx\n3090'"), ('"rtx\\e[31m"', r"'rtx\x1b[31m'"), ('""', "''")):
+        path = tmp_path / "p.yaml"
+        path.write_text(text.replace("name: rtx3090", f"name: {name}", 1))
+        rc, out, err = run_cli("simulate", "--model", "tiny-mixtral", "--hardware", str(path))
+        assert rc == 2 and err.count("\n") == 1 and err.startswith(f"error: {path}: invalid hardware profile: name: ")
+        assert f"{shown}: give a non-empty name of printable characters" in err, err
+
+
 def test_yaml_alias_bomb_is_refused(tmp_path):
     lines = ['a: &a ["x", "x", "x", "x", "x", "x", "x", "x", "x", "x"]']
     for k in range(1, 12):

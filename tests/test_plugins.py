@@ -137,6 +137,14 @@ def test_register_refuses_a_second_policy_of_the_same_name():
         register("flexgen", "another flexgen")(lambda inp: None)
 
 
+def test_register_refuses_a_name_that_differs_from_a_registered_one_in_case_alone():
+    """`KLOTSKI` beside `klotski` was registered: two policies a reader takes for one, whose trace files
+    are one file where names are case-insensitive (macOS, Windows)."""
+    with pytest.raises(UsageError, match="policy 'KLOTSKI': policy 'klotski' is registered .* more than case"):
+        register("KLOTSKI", "another klotski")(lambda inp: None)
+    assert "KLOTSKI" not in POLICIES
+
+
 @pytest.mark.parametrize("name", ["", "../../escaped", "a/b", ".hidden", "x" * 65, " spaced"])
 def test_register_refuses_a_name_that_cannot_name_a_file(name):
     """A policy's name names its files (compare --traces: trace_<policy>.json.gz): "../../escaped"

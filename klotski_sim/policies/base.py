@@ -177,6 +177,12 @@ def register(name: str, description: str, defaults: Mapping[str, Any] | None = N
         if name in POLICIES and POLICIES[name].build is not fn:
             raise UsageError(f"policy {name!r} is already registered (by {POLICIES[name].build.__module__}); "
                              f"give yours another name")
+        # (`KLOTSKI` beside `klotski`: two policies a reader takes for one, whose trace_<policy>.json.gz files are
+        # one file where names are case-insensitive, as on macOS and Windows)
+        same = next((other for other in POLICIES if other != name and other.lower() == name.lower()), None)
+        if same is not None:
+            raise UsageError(f"policy {name!r}: policy {same!r} is registered (by {POLICIES[same].build.__module__}); "
+                             f"give yours a name that differs from it in more than case")
         info = PolicyInfo(name, description, fn, dict(defaults or {}), buffering, tuple(impl_options),
                           dict(presets or {}), one_batch, manages_experts, needs_cpu, speed_independent, probe_n,
                           holds_moe_layer)
