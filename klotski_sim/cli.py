@@ -60,7 +60,7 @@ from .runner import (
 )
 from .stopping import restore_stops, stopped, take_stops
 from .timeline import FIGURE_COLUMNS, OutOfMemory, Summary, jsonable
-from .trace import MAX_IMPORT_INDEX, Trace, import_jsonl
+from .trace import MAX_IMPORT_INDEX, Trace, TraceError, import_jsonl
 from .trace_stats import format_stats, layer_stats, token_subset
 from .trace_synth import DEFAULT_ROUTING, check_routing_fits, synthesize
 from .units import GIB, counted
@@ -721,8 +721,12 @@ def cmd_trace_synth(args: argparse.Namespace) -> int:
 def cmd_trace_stats(args: argparse.Namespace) -> int:
     if args.csv is not None:  # (`--csv ''` wrote nothing and said nothing)
         output_file(args.csv, "--csv", reads=[args.file])
-    trace = token_subset(Trace.load(args.file), args.tokens)
-    df = layer_stats(trace)
+    trace = Trace.load(args.file)
+    try:
+        trace = token_subset(trace, args.tokens)
+        df = layer_stats(trace)
+    except TraceError as err:  # (the load's own errors name the file; these did not)
+        raise TraceError(f"{args.file}: {err}") from None
     print(format_stats(trace, df))
     if args.csv is not None:
         from pandas.io.common import infer_compression  # (pandas picks a compression by the name's suffix, as

@@ -34,7 +34,7 @@ def token_subset(trace: Trace, tokens: str) -> Trace:
             rows.append(np.arange(lo, hi))
             lengths.append(hi - lo)
     if not rows:
-        raise TraceError(f"the trace holds no {tokens} tokens")
+        raise TraceError(f"--tokens {tokens}: the trace holds no {tokens} tokens")
     idx = np.concatenate(rows)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     prompt_lens = np.array(lengths if tokens == "prompt" else [0] * len(lengths), dtype=np.int32)

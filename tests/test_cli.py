@@ -7,7 +7,10 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+from klotski_sim.trace import Trace
 
 from .conftest import run_cli
 
@@ -47,6 +50,21 @@ def test_bad_input_is_one_line_error(tmp_path):
     assert err.startswith("error: --set: invalid hardware profile: ")  # (it said "overrides:", no flag of ours)
     rc, _, err = run_cli("simulate", *SMALL, "--set", "links.pcie_h2d.bandwith=1")
     assert rc == 2 and err == "error: --set: 'links.pcie_h2d.bandwith' is not a profile field\n"
+
+
+def test_trace_stats_names_the_file_of_a_token_set_it_does_not_hold(tmp_path):
+    """`--tokens generated` of a trace of prompts alone said `error: the trace holds no generated tokens`,
+    naming neither the file nor the flag."""
+    path = tmp_path / "t.npz"
+    assert run_cli("trace", "synth", "--model", "tiny-mixtral", "--sequences", "2", "--prompt-len", "4",
+                   "--gen-len", "2", "--out", str(path))[0] == 0
+    trace = Trace.load(path)
+    prompts_only = tmp_path / "prompts.npz"
+    Trace(trace.experts, trace.seq_offsets, np.diff(trace.seq_offsets).astype(np.int32), trace.meta).save(prompts_only)
+    rc, out, err = run_cli("trace", "stats", str(prompts_only), "--tokens", "generated")
+    assert (rc, out, err) == (2, "", f"error: {prompts_only}: --tokens generated: the trace holds no generated "
+                                     f"tokens\n")
+    assert run_cli("trace", "stats", str(prompts_only), "--tokens", "prompt")[0] == 0
 
 
 def test_oom_is_reported_with_exit_3():
