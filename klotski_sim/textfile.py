@@ -35,11 +35,12 @@ def regular_file_size(path: str | Path, what: str, error: type[KlotskiError] = K
 
 def read_text(path: str | Path, what: str, error: type[KlotskiError] = KlotskiError,
               max_bytes: int = MAX_JSON_BYTES) -> str:
-    """The file's text; `what` says what it should have been ("schedule", "profile")."""
+    """The file's text; `what` says what it should have been ("schedule", "profile"). A byte-order
+    mark, which editors on Windows write, is dropped (JSON refused it where YAML read past it)."""
     path = Path(path)
     try:
         regular_file_size(path, what, error, max_bytes)
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")
     except OSError as err:
         raise error(f"{path}: cannot read {what} ({err.strerror or err})") from None
     except UnicodeDecodeError as err:

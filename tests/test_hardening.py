@@ -118,6 +118,22 @@ def test_a_control_character_in_a_path_or_a_profiles_name_keeps_the_error_one_li
         assert f"{shown}: give a non-empty name of printable characters" in err, err
 
 
+def test_a_byte_order_mark_is_read_past_in_json_as_in_yaml(tmp_path):
+    """A schedule.json saved by a Windows editor (a UTF-8 byte-order mark first) was refused as
+    "not valid JSON", where a profile with one was read."""
+    from klotski_sim.schedule import Schedule
+
+    assert run_cli("simulate", "--model", "tiny-mixtral", "--batch-size", "2", "--num-batches", "2", "--prompt-len",
+                   "4", "--gen-len", "2", "--no-png", "--out", str(tmp_path / "run"))[0] == 0
+    plain = tmp_path / "run" / "schedule.json"
+    marked = tmp_path / "marked.json"
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    assert Schedule.load(marked).ops == Schedule.load(plain).ops
+    profile = tmp_path / "p.yaml"
+    profile.write_bytes(b"\xef\xbb\xbf" + load_profile("rtx3090").to_yaml().encode())
+    assert load_profile_file(profile) == load_profile("rtx3090")
+
+
 def test_yaml_alias_bomb_is_refused(tmp_path):
     lines = ['a: &a ["x", "x", "x", "x", "x", "x", "x", "x", "x", "x"]']
     for k in range(1, 12):
