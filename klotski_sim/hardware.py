@@ -13,7 +13,8 @@ import re
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any
+from types import UnionType
+from typing import Annotated, Any, Union, get_args, get_origin
 
 import yaml
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
@@ -336,7 +337,27 @@ def with_overrides(profile: HardwareProfile, overrides: dict[str, Any], where: s
             if not isinstance(node.get(part), dict):
                 raise ProfileError(f"{where}: {dotted!r} is not a profile field")
             node = node[part]
-        if parts[-1] not in node:
+        if parts[-1] not in node and not _names_a_map(parts[:-1]):
             raise ProfileError(f"{where}: {dotted!r} is not a profile field")
         node[parts[-1]] = value
     return profile_from_dict(data, where)
+
+
+def _names_a_map(parts: list[str]) -> bool:
+    """Whether the dotted path is a field whose keys are the user's to give (a dict: `sources`,
+    `cpu.flops`, `gpu.dispatch_overhead_by_category`), so that an override may add a key to it
+    (`--set gpu.dispatch_overhead_by_category.expert=1e-5` was "not a profile field" until the
+    profile's file had that key); the profile's validation then checks the key and its value."""
+    model: type[BaseModel] = HardwareProfile
+    for k, part in enumerate(parts):
+        field = model.model_fields.get(part)
+        if field is None:
+            return False
+        annotation = next((a for a in get_args(field.annotation) if a is not type(None)), field.annotation) \
+            if get_origin(field.annotation) in (Union, UnionType) else field.annotation
+        if get_origin(annotation) is dict:
+            return k == len(parts) - 1
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return False
+        model = annotation
+    return False

@@ -89,6 +89,22 @@ def test_overrides_validate():
         with_overrides(p, {"gpu.peak_flops": 0})
 
 
+def test_an_override_may_add_a_key_to_a_map_and_to_nothing_else():
+    """`--set gpu.dispatch_overhead_by_category.expert=1e-5` was "not a profile field" while the
+    profile's map had no `expert` key: a what-if could only change keys a file already gave."""
+    p = load_profile("rtx3090")
+    assert "expert" not in p.gpu.dispatch_overhead_by_category and "fp8" not in load_profile("h800").cpu.flops
+    added = with_overrides(p, {"gpu.dispatch_overhead_by_category.expert": 1e-5, "sources.my_note": "a what-if"})
+    assert added.gpu.dispatch_overhead_by_category["expert"] == 1e-5 and added.sources["my_note"] == "a what-if"
+    assert with_overrides(load_profile("h800"), {"cpu.flops.fp8": 1e12}).cpu.flops["fp8"] == 1e12
+    with pytest.raises(ProfileError, match="'expret' is no op category \\(did you mean 'expert'\\?\\)"):
+        with_overrides(p, {"gpu.dispatch_overhead_by_category.expret": 1e-5})  # (the map's own checks still apply)
+    for dotted in ("gpu.new_field", "gpu.dispatch_overhead_by_category.expert.deeper", "links.nvme.new_field",
+                   "new_section.x"):
+        with pytest.raises(ProfileError, match=f"'{dotted}' is not a profile field"):
+            with_overrides(p, {dotted: 1})
+
+
 def test_profile_roundtrips_through_yaml(tmp_path):
     p = load_profile("h200")
     path = tmp_path / "h200.yaml"
