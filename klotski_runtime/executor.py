@@ -244,11 +244,13 @@ def _work_of_another_run(op: Op, shape: RunShape, routing: RoutingTable) -> str:
     (empty: nothing). The simulator times an op by these fields and the runtime computes what the
     routing and shape say, so an edited `tokens: 999` on an expert was simulated as 999 tokens and
     measured as its few: a cross-check of two different runs."""
+    if op.step >= 0 and (op.phase or op.kind == "compute" and op.batches) and op.phase != shape.phase(op.step):
+        # (a copy's phase too, where it has one: a KV load of a decode step tagged `prefill` was taken into
+        # both timelines' prefill)
+        return f"phase {op.phase!r} at step {op.step} (step 0 is the prefill, later steps decode)"
     if op.kind != "compute" or op.step < 0 or not op.batches:
         return ""
     step, sequences = op.step, shape.batch_size * len(op.batches)
-    if op.phase != shape.phase(step):
-        return f"phase {op.phase!r} at step {step} (step 0 is the prefill, later steps decode)"
     if op.category == "expert":
         counts = routing.counts[step, op.layer]  # (a batch's count read alone: 135k expert ops at the default size)
         want = int(counts[op.batches[0], op.expert] if len(op.batches) == 1 else

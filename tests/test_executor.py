@@ -63,6 +63,23 @@ def test_an_op_whose_tags_the_run_does_not_have_is_refused_before_it_runs(catego
         check_compatible(edited, TINY, None, inp.routing)
 
 
+def test_a_copy_tagged_with_another_steps_phase_is_refused_before_it_runs():
+    """A KV copy of a decode step edited to `phase: prefill` (or one of the prefill to `decode`) was
+    executed, and both timelines counted it in the other phase."""
+    from klotski_runtime.executor import check_compatible
+
+    inp = _input(Placement(kv="cpu"))
+    schedule = build_schedule("klotski", inp)
+    check_compatible(schedule, TINY, None, inp.routing)
+    for step, other in ((0, "decode"), (2, "prefill")):
+        k = next(k for k, op in enumerate(schedule.ops) if op.tensor == "kv" and op.step == step)
+        ops = list(schedule.ops)
+        ops[k] = ops[k]._replace(phase=other)
+        with pytest.raises(ScheduleError, match=re.escape(f"op '{ops[k].id}': phase '{other}' at step {step} (step 0 "
+                                                          f"is the prefill, later steps decode)")):
+            check_compatible(_edited(schedule, ops), TINY, None, inp.routing)
+
+
 def _edited(schedule, ops=None, **meta):
     return Schedule(tuple(schedule.ops if ops is None else ops), schedule.streams, schedule.preloaded,
                     {**schedule.meta, **meta})
