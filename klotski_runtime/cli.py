@@ -239,14 +239,19 @@ def cmd_execute(args: argparse.Namespace) -> int:
     threads = _threads(args)
     folder = Path(args.schedule)
     schedule_path = folder / "schedule.json" if folder.is_dir() else folder
-    if args.out is not None:  # (not the simulation's folder: its summary and timeline files would be replaced)
-        not_an_input(Path(args.out), "--out", [schedule_path.parent])
+    routing_path = args.routing or (folder if folder.is_dir() else folder.parent) / "routing.npz"
+    if args.out is not None:
+        # (not the simulation's folder: its summary and timeline files would be replaced; a folder inside it holds
+        # none of the files read: `execute sim --out sim/measured` was refused once that folder existed, so its rerun)
+        not_an_input(Path(args.out), "--out", [schedule_path, routing_path])
+        if Path(args.out).resolve() == schedule_path.parent.resolve():
+            raise CliError(f"--out {args.out}: is what this command reads ({schedule_path.parent}, the schedule's "
+                           f"folder); writing there would replace the simulation's files")
         refuse_unwritable(output_folder(args.out), TIMELINE_FILES)
     schedule = Schedule.load(schedule_path)
     if not len(schedule):
         raise CliError(f"{schedule_path}: the schedule has no ops (a configuration the memory check refused?): "
                        f"nothing to execute")
-    routing_path = args.routing or (folder if folder.is_dir() else folder.parent) / "routing.npz"
     routing = RoutingTable.load(routing_path)
     if not (args.model or schedule.meta.get("model")):
         raise CliError(f"{schedule_path}: meta.model is missing (which model the schedule is of); give --model")

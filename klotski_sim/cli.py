@@ -55,6 +55,7 @@ from .runner import (
     policy_batches,
     policy_prepared,
     prepare,
+    resolve_profile,
     run,
     run_each,
 )
@@ -128,6 +129,7 @@ def routing_kind(routing: str | None, trace: str | None) -> str:
 def parse_overrides(items: Sequence[str], flag: str) -> dict[str, Any]:
     """`KEY=VALUE` pairs of `flag` (--set, --option); values are JSON when they parse as JSON."""
     out: dict[str, Any] = {}
+    given: dict[str, str] = {}  # key -> the item as typed (`=1e9` was echoed as `=1000000000.0`)
     for item in items:
         if "=" not in item:
             raise CliError(f"{flag}: expected KEY=VALUE, got {item!r}")
@@ -136,7 +138,8 @@ def parse_overrides(items: Sequence[str], flag: str) -> dict[str, Any]:
         if not key or not value.strip():  # (an empty name or value was taken as the text "")
             raise CliError(f"{flag} {item}: expected KEY=VALUE with both given")
         if key in out:  # (the last one silently won)
-            raise CliError(f"{flag} {key} is given twice ({key}={json.dumps(out[key])} and {item.strip()})")
+            raise CliError(f"{flag} {key} is given twice ({given[key]} and {item.strip()})")
+        given[key] = item.strip()
         try:
             out[key] = json.loads(value)
         except ValueError:  # (not JSON, or a number too long for an int: the text as it is)
@@ -263,6 +266,11 @@ def format_summary(s: Summary) -> str:
                           f"status      {s.status}  ({_oom_text(s.oom)})"])
     on_cpu = s.source == "measured" and s.hardware.startswith("cpu")
     device = "CPU" if on_cpu else "GPU"  # a CPU run's "device" is the CPU and its memory host memory
+    finished = s.status == "ok"
+    # (a run of one generated token has no decode step, and one stopped before its first has none yet: their
+    # "0.0 ms" decode step and "0.000 tok/s decode only" read as measurements)
+    decode = (f"decode step {s.decode_step_s * 1e3:.1f} ms, MoE block {s.moe_block_s * 1e3:.1f} ms" if s.decode_s > 0
+              else "no decode step")
     lines = [
         f"policy      {s.policy}   model {s.model}   hardware {s.hardware}   impl {s.impl}",
         f"workload    n={s.num_batches} x bs={s.batch_size}, prompt {s.prompt_len}, generate {s.gen_len} "
@@ -270,18 +278,20 @@ def format_summary(s: Summary) -> str:
         f"status      {s.status}" + (f"  ({_oom_text(s.oom)})" if s.oom else ""),
         # (the two parts add up to the makespan; a batch's own prefill latency is another figure: printed beside
         # the decode, it read as a part, and the two "parts" summed past the makespan in half of 60 runs)
-        f"makespan    {s.makespan_s:.3f} s   (prefill {s.makespan_s - s.decode_s:.3f} s + decode {s.decode_s:.3f} s; "
-        f"a batch's prefill {s.prefill_s:.3f} s, decode step {s.decode_step_s * 1e3:.1f} ms, "
-        f"MoE block {s.moe_block_s * 1e3:.1f} ms)",
-        f"throughput  {s.throughput_tok_s:.3f} generated tok/s end to end   "
-        f"{s.decode_throughput_tok_s:.3f} tok/s decode only",
+        f"makespan    {s.makespan_s:.3f} s   ({'' if finished else 'until it stopped: '}prefill "
+        f"{s.makespan_s - s.decode_s:.3f} s + decode {s.decode_s:.3f} s; a batch's prefill {s.prefill_s:.3f} s, "
+        f"{decode})",
+        (f"throughput  {s.throughput_tok_s:.3f} generated tok/s end to end   "
+         + (f"{s.decode_throughput_tok_s:.3f} tok/s decode only" if s.decode_s > 0 else "no decode throughput: "
+            "no decode step")) if finished else "throughput  - (the run did not finish)",
         f"{device} busy    {s.gpu_busy_s:.3f} s   bubbles {s.bubble_s:.3f} s "
         f"(inter-layer {s.bubble_inter_s:.3f} s, intra-layer {s.bubble_intra_s:.3f} s)   "
         f"host blocked {s.host_blocked_s:.3f} s",
         f"bound       {s.lower_bound_s:.3f} s on {_device_name(s.lower_bound_resource, on_cpu)}   "
-        f"efficiency {s.efficiency:.1%}",
+        f"efficiency {f'{s.efficiency:.1%}' if finished else '- (the run did not finish)'}",
         f"peak {'host' if on_cpu else 'GPU'}    {s.peak_gpu_bytes / GIB:.2f} GiB"
-        f"{' (the CPU runtime device store, in host memory)' if on_cpu else ''}   ops {s.num_ops}",
+        f"{' (the CPU runtime device store, in host memory)' if on_cpu else ''}   ops {s.num_ops}"
+        f"{'' if finished else ' in the schedule (the run stopped before them all)'}",
         "utilisation " + "  ".join(f"{_device_name(r, on_cpu)} {u:.1%}" for r, u in s.utilization.items()),
     ]
     if s.bubble_by_cause:
@@ -399,6 +409,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     for name in policies:
         if name not in POLICIES:
             raise CliError(f"unknown policy {name!r}; known policies: {', '.join(POLICIES)}")
+    for name in policies:  # (said before the plan's placement line, not by each worker after it)
+        if POLICIES[name].needs_cpu:
+            resolve_profile(spec).require_cpu(f"policy {name!r}")
     if args.flexgen_overlap and "flexgen" not in policies:  # (it would change nothing, silently)
         raise CliError(f"--flexgen-overlap {args.flexgen_overlap}: flexgen is not among the policies compared "
                        f"({', '.join(policies)})")
@@ -497,9 +510,13 @@ def format_comparison(summaries: dict[tuple[str, str], Summary]) -> str:
         base = summaries.get(("flexgen", impl))
         pf = s.extra.get("prefetch") or {}
         ratio = f"{s.throughput_tok_s / base.throughput_tok_s:8.2f}" if base and base.throughput_tok_s else f"{'-':>8}"
-        lines.append(f"{name:{width}} {s.impl[:12]:12} {s.num_batches:3d} {s.status:6} {s.throughput_tok_s:7.2f} "
-                     f"{s.decode_throughput_tok_s:7.2f} {ratio} {s.makespan_s:10.2f} {s.bubble_inter_s:8.2f} "
-                     f"{s.bubble_intra_s:8.2f} {s.host_blocked_s:7.2f} {s.efficiency:6.1%} "
+        finished = s.status == "ok"  # (a stopped run's throughputs and efficiency are none: "-", not 0 or 100%)
+        tok_s = f"{s.throughput_tok_s:7.2f}" if finished else f"{'-':>7}"
+        decode = f"{s.decode_throughput_tok_s:7.2f}" if finished and s.decode_s > 0 else f"{'-':>7}"
+        efficiency = f"{s.efficiency:6.1%}" if finished else f"{'-':>6}"
+        lines.append(f"{name:{width}} {s.impl[:12]:12} {s.num_batches:3d} {s.status:6} {tok_s} {decode} {ratio} "
+                     f"{s.makespan_s:10.2f} {s.bubble_inter_s:8.2f} {s.bubble_intra_s:8.2f} {s.host_blocked_s:7.2f} "
+                     f"{efficiency} "
                      f"{s.peak_gpu_bytes / GIB:8.2f} {_pct(pf.get('precision')):>9} "
                      f"{_pct(pf.get('hot_identification')):>7}")
     lines.append("tok/s: generated tokens / makespan (prefill included); decode: tokens after the first / decode "

@@ -22,6 +22,12 @@ class StorageRefusal(UsageError):
     `refused`, not as an `error`, which would read as a failure of the simulator."""
 
 
+class MissingCapability(UsageError):
+    """A configuration the simulated machine cannot run for what its profile lacks (a policy that
+    computes on the CPU, on a profile without a `cpu:` section): a sweep records it as status
+    `refused`, as a storage shortfall is, not as an `error`."""
+
+
 class MachineRefusal(UsageError):
     """A run larger than the memory of the machine running klotski (not the simulated one) can
     hold, refused after its first steps are built (klotski_sim.run_size): a sweep records it as

@@ -20,7 +20,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from .argtypes import MAX_COUNT
-from .errors import KlotskiError, UsageError
+from .errors import KlotskiError, MissingCapability, UsageError
 from .schedule import COMPUTE_CATEGORIES
 from .textfile import read_text
 from .yamlfile import MAX_BYTES as MAX_YAML_BYTES
@@ -43,6 +43,9 @@ def _a_number(value: Any) -> Any:
             return value  # (pydantic says it is no number)
         if not math.isfinite(number):
             raise ValueError(f"expected a finite number, got {value}")
+        # (as the number: `cores: 2.4e1`, text to YAML 1.1, was "unable to parse string as an integer", where
+        # `--set cpu.cores=2.4e1` was 24; a whole number written so is an integer field's, a fraction is not)
+        return int(number) if number.is_integer() and abs(number) < 2**53 else number
     return value
 
 
@@ -258,7 +261,7 @@ class HardwareProfile(_Strict):
     def require_cpu(self, who: str) -> CPUSpec:
         """The CPU section, or a one-line refusal naming what needs it."""
         if self.cpu is None:
-            raise UsageError(f"{who} computes on the CPU, but hardware profile {self.name!r} has no `cpu:` section "
+            raise MissingCapability(f"{who} computes on the CPU, but hardware profile {self.name!r} has no `cpu:` section "
                              f"(cores, flops, compute_dtype, memory_bandwidth); add one or pick a profile that has it")
         return self.cpu
 
@@ -295,7 +298,7 @@ def profile_from_dict(data: Any, where: str) -> HardwareProfile:
             loc = ".".join(str(p) for p in e["loc"])
             hint = _did_you_mean(e["loc"]) if e["type"] == "extra_forbidden" else ""
             msg = "unknown field" if e["type"] == "extra_forbidden" else e["msg"]
-            problems.append(f"{loc}: {msg}{hint}")
+            problems.append(f"{loc}: {msg}{hint}" if loc else f"{msg}{hint}")  # (a whole-profile check: no location)
         shown = "; ".join(problems[:6]) + (f"; ... ({len(problems)} problems in all)" if len(problems) > 6 else "")
         raise ProfileError(f"{where}: invalid hardware profile: {shown}") from None  # (one line, every field named)
 

@@ -59,10 +59,13 @@ class Search:
     def policy_names(self) -> tuple[str, ...]:
         """The chosen policies, or every registered one this profile can run (CPU-expert
         policies need a `cpu:` section)."""
-        if self.policies:
+        profile = load_profile(self.hardware)
+        if self.policies:  # (one the profile cannot run was tried in every configuration, each failing)
+            for name in self.policies:
+                if name in POLICIES and POLICIES[name].needs_cpu:
+                    profile.require_cpu(f"--policies {name}: policy {name!r}")
             return self.policies
-        has_cpu = load_profile(self.hardware).cpu is not None
-        return tuple(p for p, info in POLICIES.items() if has_cpu or not info.needs_cpu)
+        return tuple(p for p, info in POLICIES.items() if profile.cpu is not None or not info.needs_cpu)
 
     def models(self) -> list[str]:
         get_model(self.model)  # a bad name is refused before anything runs

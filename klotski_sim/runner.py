@@ -290,12 +290,39 @@ def planner_impl(spec: RunSpec) -> Impl:
                                              {k: v for k, v in spec.options.items() if k in own}))
 
 
+def check_measured_for(profile: HardwareProfile, model: ModelSpec) -> None:
+    """A profile's measured op times are of the model it was calibrated on (`provenance.model_shapes`):
+    its tables key on an op's category and tokens alone, so another model's ops would be timed as
+    that one's (tiny-mixtral's table gave small-mixtral's experts 0.26 ms for 0.91, without a word).
+    The same model with fewer layers is the same ops; a calibration of no known model is not checked."""
+    calibrated = profile.provenance.get("model_shapes")
+    if not profile.measured or not isinstance(calibrated, str):
+        return
+    try:
+        shapes = get_model(calibrated)
+    except UsageError:
+        return
+    ours, theirs = asdict(replace(model, name="", num_layers=1)), asdict(replace(shapes, name="", num_layers=1))
+    differ = [f"{key} {theirs[key]} vs {ours[key]}" for key in ours if ours[key] != theirs[key]]
+    if differ:
+        raise UsageError(f"hardware profile {profile.name!r}: its measured op times were calibrated on {calibrated}'s "
+                         f"ops, not {model.name}'s ({', '.join(differ[:3])}{' ...' if len(differ) > 3 else ''}); "
+                         f"calibrate for this model (klotski-runtime calibrate --model {model.name}), or drop the "
+                         f"profile's `measured:` tables to time its ops by the roofline")
+
+
 def prepare(spec: RunSpec) -> Prepared:
     """Resolve model, profile, n (planner when `num_batches` is None), placement and routing."""
     model = get_model(spec.model)
     profile = resolve_profile(spec)
-    placement = resolve_placement(spec, model, profile)
+    check_measured_for(profile, model)
     attention_on_cpu = spec.options.get("attention_device") == "cpu"  # decode attention reads the KV cache there
+    # (before any plan is printed or routing drawn: `plan --policy klotski-hybrid` printed its plan, then this)
+    if get_policy(spec.policy).needs_cpu:
+        profile.require_cpu(f"policy {spec.policy!r}")
+    if attention_on_cpu:
+        profile.require_cpu("attention_device=cpu")
+    placement = resolve_placement(spec, model, profile)
     if attention_on_cpu:
         if spec.kv == "gpu":
             raise UsageError("attention_device=cpu keeps the KV cache in host memory: --kv gpu contradicts it")

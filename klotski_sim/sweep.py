@@ -71,7 +71,7 @@ from pydantic import (
 )
 
 from .argtypes import MAX_COUNT, MAX_COUNT_TEXT, MAX_SEED, first_repeat
-from .errors import KlotskiError, MachineRefusal, StorageRefusal, UsageError
+from .errors import KlotskiError, MachineRefusal, MissingCapability, StorageRefusal, UsageError
 from .hardware import ProfileError, builtin_profile_names, load_profile, with_overrides
 from .impl import PRESET_NAMES
 from .lazy import pd  # (imported when first used: klotski_sim/lazy.py)
@@ -283,8 +283,13 @@ def check_spec(spec: SweepSpec, where: str) -> None:
                     problems.append(str(err))
     model = get_model(spec.models[0]) if not problems else None
     drawn: dict[Any, str] = {}  # a synthetic routing's parameters -> the first entry that gave them
+    traces: dict[str, str] = {}  # a trace file's real path -> the first entry that named it
     for r in spec.routings:
         if r.startswith("trace:"):
+            same = traces.setdefault(os.path.realpath(r[6:]), r)
+            if same != r:  # (`trace:t.npz` and `trace:../w/t.npz`: one configuration kept of two, without a word)
+                problems.append(f"routings: {r!r} is the trace {same!r} again")
+                continue
             try:  # (a folder or a file of another kind became a failed row of every configuration)
                 check_npz(r[6:], "routing trace", SweepError)
                 trace = Trace.load(r[6:])
@@ -447,7 +452,7 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
         row["m.hot_identification"] = pf.get("hot_identification")
         row["status"] = s.status
         row["error"] = "" if s.status == "ok" else json.dumps(s.oom)
-    except StorageRefusal as err:  # (the configuration, not the simulator: no traceback)
+    except (StorageRefusal, MissingCapability) as err:  # (the configuration, not the simulator: no traceback)
         row["status"] = "refused"
         row["error"] = str(err)
     except MachineRefusal as err:  # (this machine's memory, not the simulated one's)

@@ -395,7 +395,10 @@ class Timeline:
         generated = int(m.get("generated_tokens", 0))
         ok = self.status == "ok"
         prefill_total = self.prefill_seconds()
-        decode_s = max(0.0, makespan - prefill_total)
+        # (no op of a decode step ran — a run of one generated token, or one stopped in its prefill: no decode time;
+        # what followed the last GPU op of the prefill, a copy still in flight, was counted as "decode")
+        decoded = len(self) > 0 and bool((self.columns["step"] >= 1).any())
+        decode_s = max(0.0, makespan - prefill_total) if decoded else 0.0
         sequences = int(m.get("batch_size", 0)) * int(m.get("num_batches", 0))
         decode_tokens = max(0, generated - sequences)
         return Summary(

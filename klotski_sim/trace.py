@@ -180,7 +180,11 @@ class Trace:
                 missing = {"experts", "seq_offsets", "prompt_lens", "meta"} - names
                 if missing:
                     raise TraceError(f"{path}: not a routing trace (missing {', '.join(sorted(missing))})")
-                meta = json.loads(str(z["meta"]), object_pairs_hook=unique_json_keys)  # (the last of two won)
+                stored = z["meta"]
+                if stored.ndim != 0 or stored.dtype.kind != "U":  # (a 2-string array or bytes was "truncated or corrupt")
+                    raise TraceError(f"{path}: meta must be one JSON string, got {stored.dtype} of shape "
+                                     f"{stored.shape}")
+                meta = json.loads(str(stored), object_pairs_hook=unique_json_keys)  # (the last of two won)
                 if not isinstance(meta, dict):
                     raise TraceError(f"{path}: meta must be a JSON object, got {type(meta).__name__}")
                 arrays = {k: z[k] for k in ("seq_offsets", "prompt_lens")}
@@ -202,6 +206,8 @@ class Trace:
             raise TraceError(f"{path}: no such trace file") from None
         except DuplicateKeyError as err:
             raise TraceError(f"{path}: its meta's {err} (JSON would keep the last)") from None
+        except json.JSONDecodeError as err:  # (the meta alone: not the file "truncated or corrupt")
+            raise TraceError(f"{path}: its meta is not valid JSON ({err})") from None
         except (*NPZ_READ_ERRORS, KeyError) as err:  # (JSONDecodeError of the meta: a ValueError)
             raise TraceError(f"{path}: cannot read trace, the file is truncated or corrupt ({err})") from None
         if meta.get("format") != FORMAT:

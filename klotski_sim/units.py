@@ -7,11 +7,12 @@ GIB = 2**30
 
 def memory_text(nbytes: float) -> str:
     """A memory size for a message: GiB to two decimals, or MiB / KiB where that would print 0.00
-    (a tiny model's or a small device's figures)."""
-    for unit, name in ((GIB, "GiB"), (2**20, "MiB")):
+    (a tiny model's or a small device's figures), and bytes below 10 (`host.memory_bytes=1` was said
+    to be `0.00 KiB`)."""
+    for unit, name in ((GIB, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
         if abs(nbytes) >= unit / 100 or not nbytes:
             return f"{nbytes / unit:.2f} {name}"
-    return f"{nbytes / 2**10:.2f} KiB"
+    return f"{nbytes:g} bytes" if nbytes != 1 else "1 byte"
 
 
 def counted(count: int, noun: str, plural: str | None = None) -> str:

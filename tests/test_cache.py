@@ -78,6 +78,11 @@ def test_bad_cache_options_are_refused():
     for options in ({"expert_cache": -1}, {"expert_cache": "many"}, {"cache_policy": "fifo", "expert_cache": 2}):
         with pytest.raises(UsageError):
             build("klotski", **options)
+    for options in ({"cache_policy": "LRU"}, {"cache_policy": "LRU", "expert_cache": 2}):  # ("needs expert_cache > 0")
+        with pytest.raises(UsageError, match="cache_policy must be one of lru, lfu, hot-pinned, got 'LRU'"):
+            build("klotski", **options)
+    with pytest.raises(UsageError, match="cache_policy=lfu needs expert_cache > 0"):
+        build("klotski", cache_policy="lfu")
 
 
 def test_the_runtime_executes_a_cached_schedule_and_ends_with_nothing_allocated():

@@ -67,6 +67,28 @@ def test_trace_stats_names_the_file_of_a_token_set_it_does_not_hold(tmp_path):
     assert run_cli("trace", "stats", str(prompts_only), "--tokens", "prompt")[0] == 0
 
 
+def test_a_run_stopped_in_its_prefill_or_of_one_token_has_no_decode_phase_and_no_efficiency(tmp_path):
+    """A Klotski run out of GPU memory at its first layer printed `prefill 0.004 s + decode 0.013 s`
+    (the tail of a copy of the prefill), `efficiency 100.0%` and, in compare, `100.0%`; a run of one
+    generated token `0.000 tok/s decode only` and a `0.0 ms` decode step."""
+    oom = ("--model", "mixtral-8x7b:1", "--batch-size", "2", "--num-batches", "2", "--prompt-len", "8", "--gen-len",
+           "3", "--set", "gpu.memory_bytes=2e9", "--set", "gpu.reserved_bytes=1e9")
+    rc, out, err = run_cli("simulate", *oom, "--policy", "klotski", "--out", str(tmp_path / "o"))
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert rc == 3 and summary["status"] == "oom" and summary["decode_s"] == 0.0, out
+    assert "(until it stopped: prefill 0.017 s + decode 0.000 s; a batch's prefill" in out and "no decode step)" in out
+    assert "throughput  - (the run did not finish)" in out and "efficiency - (the run did not finish)" in out
+    assert "ops 138 in the schedule (the run stopped before them all)" in out and "%" not in out.split("bound")[1].split(
+        "\n")[0]
+    rc, out, err = run_cli("compare", *oom, "--policies", "klotski", "--no-png", "--out", str(tmp_path / "c"))
+    row = next(line for line in out.splitlines() if line.startswith("klotski "))
+    assert row.split()[3:6] == ["oom", "-", "-"] and row.split()[11] == "-", row  # (tok/s, decode, efficiency)
+    rc, out, err = run_cli("simulate", *SMALL, "--gen-len", "1", "--out", str(tmp_path / "g1"))
+    summary = json.loads((tmp_path / "g1" / "summary.json").read_text())
+    assert rc == 0 and summary["decode_s"] == 0.0 and summary["throughput_tok_s"] > 0, out
+    assert "no decode throughput: no decode step" in out and "no decode step)" in out and "0.0 ms" not in out
+
+
 def test_oom_is_reported_with_exit_3():
     rc, out, err = run_cli("simulate", *SMALL, "--set", "gpu.memory_bytes=2e9")
     assert rc == 3 and "out of GPU memory" in out and "Traceback" not in err

@@ -134,6 +134,28 @@ def test_a_byte_order_mark_is_read_past_in_json_as_in_yaml(tmp_path):
     assert load_profile_file(profile) == load_profile("rtx3090")
 
 
+def test_an_integer_field_written_with_an_exponent_is_read_as_its_number(tmp_path):
+    """`cores: 2.4e1` (text to YAML 1.1, which wants `2.4e+1`) was refused as "unable to parse string
+    as an integer" while `--set cpu.cores=2.4e1` was 24; a fraction is still refused."""
+    text = load_profile("rtx3090").to_yaml()
+    assert "  cores: 24\n" in text
+    path = tmp_path / "p.yaml"
+    path.write_text(text.replace("  cores: 24\n", "  cores: 2.4e1\n", 1))
+    assert load_profile_file(path).cpu.cores == 24
+    path.write_text(text.replace("  cores: 24\n", "  cores: 2.45e1\n", 1))
+    with pytest.raises(ProfileError, match="cpu.cores: Input should be a valid integer, got a number with a "
+                                           "fractional part"):
+        load_profile_file(path)
+
+
+def test_a_whole_profile_check_is_said_without_an_empty_location():
+    """A misspelt measured table was said as `invalid hardware profile: : Value error, measured.expret ...`."""
+    with pytest.raises(ProfileError) as refused:
+        with_overrides(load_profile("rtx3090"), {"measured": {"expret": [{"tokens": 1, "seconds": 1e-3}]}})
+    assert str(refused.value) == ("overrides: invalid hardware profile: Value error, measured.expret: 'expret' is no op "
+                                  "category (did you mean 'expert'?)")
+
+
 def test_yaml_alias_bomb_is_refused(tmp_path):
     lines = ['a: &a ["x", "x", "x", "x", "x", "x", "x", "x", "x", "x"]']
     for k in range(1, 12):
@@ -323,8 +345,10 @@ def test_a_synthetic_trace_larger_than_the_machine_is_refused_with_the_numbers()
     (["--warmup-sequences", "-1"], "--warmup-sequences"), (["--resident-layers", "99"], "--resident-layers"),
     (["--routing", "zipf:nan"], "zipf"), (["--set", "gpu.memory_bytes=Infinity"], "gpu.memory_bytes"),
     (["--seed", str(2**63)], "--seed"),
-    (["--option", "sync=none", "--option", "sync=per-expert"], "--option sync is given twice"),
-    (["--set", "gpu.memory_bytes=1e9", "--set", "gpu.memory_bytes=2e9"], "--set gpu.memory_bytes is given twice"),
+    (["--option", "sync=none", "--option", "sync=per-expert"],
+     "--option sync is given twice (sync=none and sync=per-expert)"),  # (as typed: not `sync="none"`)
+    (["--set", "gpu.memory_bytes=1e9", "--set", "gpu.memory_bytes=2e9"],
+     "--set gpu.memory_bytes is given twice (gpu.memory_bytes=1e9 and gpu.memory_bytes=2e9)"),
     (["--set", "gpu.name="], "--set gpu.name=: expected KEY=VALUE with both given"),
     (["--set", "gpu.memory_bytes=3e6", "--set", "gpu.reserved_bytes=1e6"], "1.91 MiB available"),  # (was 0.00 GiB)
     (["--option", "=none"], "--option =none: expected KEY=VALUE with both given")])
@@ -336,8 +360,8 @@ def test_bad_flags_end_in_one_line(args, flag):
 def test_memory_figures_never_print_as_nothing():
     from klotski_sim.units import memory_text
 
-    assert [memory_text(b) for b in (0, 50, 2_000_000, 0.3 * 2**30, 3 * 2**30)] == [
-        "0.00 GiB", "0.05 KiB", "1.91 MiB", "0.30 GiB", "3.00 GiB"]
+    assert [memory_text(b) for b in (0, 1, 7, 50, 2_000_000, 0.3 * 2**30, 3 * 2**30)] == [
+        "0.00 GiB", "1 byte", "7 bytes", "0.05 KiB", "1.91 MiB", "0.30 GiB", "3.00 GiB"]
 
 
 def test_sweep_grid_types_are_strict():
@@ -763,7 +787,7 @@ def test_a_run_whose_weights_or_kv_cache_the_host_or_disk_cannot_hold_is_refused
                            "--set", "host.memory_bytes=1")
     assert rc == 2 and err == ("error: mixtral-8x7b keeps 5.41 GiB in host memory (attention=disk gate=disk "
                                "experts=disk kv=gpu resident_layers=0 disk_window=2), more than the profile's "
-                               "host.memory_bytes (0.00 KiB): nothing simulated\n"), err
+                               "host.memory_bytes (1 byte): nothing simulated\n"), err
     rc, out, err = run_cli("simulate", "--no-png", "--prompt-len", "64", "--gen-len", "4", "--experts", "cpu",
                            "--resident-layers", "0", "--set", "host.memory_bytes=50e9")
     assert rc == 2 and "keeps 86.50 GiB in host memory" in err and "host.memory_bytes (46.57 GiB)" in err, err

@@ -10,6 +10,8 @@ from klotski_sim.hardware import (
     with_overrides,
 )
 
+from .conftest import run_cli
+
 
 def test_builtin_profiles_load_with_sources():
     names = builtin_profile_names()
@@ -148,3 +150,27 @@ def test_every_profile_the_repository_ships_loads(path):
     from klotski_sim.hardware import load_profile_file
 
     assert len(SHIPPED_PROFILES) >= 8 and load_profile_file(path).name
+
+
+def test_a_profile_measured_on_one_models_ops_is_refused_for_another_models():
+    """A profile calibrated on tiny-mixtral timed small-mixtral's experts by tiny-mixtral's table
+    (0.26 ms for 0.91 by the roofline) without a word: its tables key on category and tokens alone."""
+    from klotski_sim.errors import UsageError
+    from klotski_sim.hardware import load_profile_file
+    from klotski_sim.model import get_model
+    from klotski_sim.runner import check_measured_for
+
+    profile = load_profile_file(REPOSITORY / "experiments/results/cpu/tiny-mixtral/profile.yaml")
+    assert profile.measured and profile.provenance["model_shapes"] == "tiny-mixtral"
+    for same in ("tiny-mixtral", "tiny-mixtral:1"):  # (fewer layers: the same ops)
+        check_measured_for(profile, get_model(same))
+    with pytest.raises(UsageError, match="calibrated on tiny-mixtral's ops, not small-mixtral's \\(num_experts 4 vs "
+                                         "8, hidden_size 64 vs 1024, ffn_size 128 vs 3584 ...\\); calibrate for this "
+                                         "model \\(klotski-runtime calibrate --model small-mixtral\\)"):
+        check_measured_for(profile, get_model("small-mixtral"))
+    with pytest.raises(UsageError, match="not tiny-mixtral@int4's \\(expert_bits 0 vs 4\\)"):
+        check_measured_for(profile, get_model("tiny-mixtral@int4"))
+    check_measured_for(profile.model_copy(update={"measured": {}}), get_model("small-mixtral"))  # (no table: roofline)
+    rc, out, err = run_cli("simulate", "--model", "small-mixtral", "--hardware",
+                           str(REPOSITORY / "experiments/results/cpu/tiny-mixtral/profile.yaml"))
+    assert rc == 2 and err.startswith("error: hardware profile 'calibrated-cpu': its measured op times were calibrated")

@@ -50,6 +50,23 @@ def test_execute_names_the_model_mismatch_and_a_missing_checkpoint_first(tmp_pat
     assert rc == 2 and "argument --gen-len: expected an integer >= 0, got -1" in err
 
 
+def test_execute_writes_into_a_folder_inside_the_simulations_and_again(tmp_path):
+    """`execute sim --out sim/measured` was refused once `sim/measured` existed ("is a file of sim,
+    which this command reads"), so its rerun was; `execute nowhere --out an_existing_folder` said the
+    same instead of that the schedule is missing. The simulation's own folder stays refused."""
+    sim = subprocess.run([sys.executable, "-m", "klotski_sim.cli", "simulate", "--model", "tiny-mixtral", "--policy",
+                          "klotski", "--num-batches", "2", "--batch-size", "2", "--prompt-len", "6", "--gen-len", "3",
+                          "--no-png", "--out", str(tmp_path / "sim")], capture_output=True, text=True, cwd=ROOT)
+    assert sim.returncode == 0, sim.stderr
+    for _ in range(2):
+        rc, out, err = run_runtime("execute", str(tmp_path / "sim"), "--out", str(tmp_path / "sim" / "measured"))
+        assert rc == 0 and (tmp_path / "sim" / "measured" / "summary.json").exists(), err
+    rc, out, err = run_runtime("execute", str(tmp_path / "sim"), "--out", str(tmp_path / "sim" / "."))
+    assert rc == 2 and "is what this command reads" in err and "the schedule's folder" in err, err
+    rc, out, err = run_runtime("execute", str(tmp_path / "nowhere"), "--out", str(tmp_path / "sim" / "measured"))
+    assert rc == 2 and err == f"error: {tmp_path / 'nowhere'}: cannot read schedule (No such file or directory)\n"
+
+
 @pytest.mark.parametrize("model", ["tiny-qwen3-moe", "tiny-olmoe"])
 def test_a_tiny_checkpoint_of_another_family_executes_what_simulate_wrote(tmp_path, model):
     rc, out, err = run_runtime("tiny-checkpoint", "--model", model, "--out", str(tmp_path / "ckpt"))

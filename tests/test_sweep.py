@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -56,6 +57,11 @@ def test_a_grids_routings_are_checked_against_its_models_and_for_repeats_before_
                 "seeds": [0, 1]})  # (the seeds draw the uniform routing)
     with pytest.raises(SweepError, match="routings: 'zipf:1.0' is the routing 'zipf:1' again"):
         parse_spec({**base, "routings": ["zipf:1", "zipf:1.0"]})
+    (tmp_path / "sub").mkdir()  # (one trace under two paths: one configuration of two, without a word)
+    again = f"trace:{tmp_path / 'sub' / '..' / 'o.npz'}"
+    with pytest.raises(SweepError, match=re.escape(f"routings: {again!r} is the trace 'trace:{tmp_path / 'o.npz'}' "
+                                                   f"again")):
+        parse_spec({**base, "models": ["tiny-olmoe"], "routings": [f"trace:{tmp_path / 'o.npz'}", again]})
 
 
 def test_grid_ids_are_stable_and_unique():
@@ -124,6 +130,29 @@ def test_a_configuration_host_memory_cannot_hold_is_refused_not_an_error(tmp_pat
     refused = df[df["status"] == "refused"].iloc[0]
     assert refused["error"].startswith("mixtral-8x7b keeps ") and "host.memory_bytes (46.57 GiB)" in refused["error"]
     assert "traceback" not in df.columns or pd.isna(refused["traceback"])
+
+
+def test_a_cpu_policy_on_a_profile_without_a_cpu_is_refused_before_anything_runs(tmp_path):
+    """klotski-hybrid on a profile without a `cpu:` section: `plan` printed its whole plan, `compare`
+    its placement, `optimize` ran every configuration (and wrote a results folder) before the error,
+    and a sweep recorded it as an `error` row, the simulator's failure."""
+    from .conftest import run_cli
+
+    tiny = ("--model", "tiny-mixtral", "--batch-size", "2", "--prompt-len", "8", "--gen-len", "3", "--hardware",
+            "a100-80g")
+    said = ("policy 'klotski-hybrid' computes on the CPU, but hardware profile 'a100-80g' has no `cpu:` section")
+    for args in (("plan", *tiny, "--policy", "klotski-hybrid"),
+                 ("compare", *tiny, "--policies", "klotski-hybrid", "--no-png", "--out", str(tmp_path / "c")),
+                 ("optimize", "--model", "tiny-mixtral", "--prompt-len", "8", "--gen-len", "3", "--hardware",
+                  "a100-80g", "--policies", "klotski-hybrid", "--no-progress", "--out", str(tmp_path / "o"))):
+        rc, out, err = run_cli(*args)
+        assert (rc, out) == (2, "") and err.count("\n") == 1 and said in err, (args[0], out, err)
+    assert not (tmp_path / "o").exists() and not (tmp_path / "c").exists()
+    spec = parse_spec({**SMALL, "policies": ["klotski-hybrid", "klotski"], "hardware": ["a100-80g"],
+                       "num_batches": [2], "routings": ["calibrated"]})
+    df = run_sweep(spec, tmp_path / "s", progress=False)
+    assert sorted(zip(df["policy"], df["status"])) == [("klotski", "ok"), ("klotski-hybrid", "refused")]
+    assert said in df.loc[df["policy"] == "klotski-hybrid", "error"].iloc[0]
 
 
 def test_local_and_dask_give_identical_results(tmp_path):

@@ -100,6 +100,20 @@ def test_an_npz_written_at_level_1_is_one_numpy_reads_and_a_failed_write_leaves_
         write_npz(tmp_path / "nowhere" / "x.npz", arrays)
 
 
+def test_a_trace_whose_meta_is_not_one_json_string_is_said_so(tmp_path):
+    """A meta of two strings, or stored as bytes, or not JSON, was "the file is truncated or corrupt"."""
+    path = tmp_path / "t.npz"
+    _tiny_trace().save(path)
+    arrays = dict(np.load(path))
+    for meta, said in ((np.array([str(arrays["meta"])] * 2), "meta must be one JSON string, got <U"),
+                       (np.frombuffer(str(arrays["meta"]).encode(), dtype=np.uint8), "meta must be one JSON string, "
+                                                                                     "got uint8 of shape"),
+                       (np.array("{not json"), "its meta is not valid JSON (Expecting property name")):
+        np.savez(path, **{**arrays, "meta": meta})
+        with pytest.raises(TraceError, match=re.escape(f"{path}: {said}")):
+            Trace.load(path)
+
+
 def test_truncated_and_corrupt_files(tmp_path):
     path = tmp_path / "t.npz"
     _tiny_trace().save(path)

@@ -39,6 +39,7 @@ from ..schedule import (
     transfer_op,
 )
 from ..trace import Trace
+from .cache import CACHE_POLICIES
 
 TIERS = ("gpu", "cpu", "disk")
 _TENSOR = {"attention": "attention", "gate": "gate", "experts": "expert"}  # placement field -> Op.tensor
@@ -274,8 +275,12 @@ def resolve_options(name: str, impl: str, options: Mapping[str, Any]) -> dict[st
     slots = resolved.get("expert_cache", 0)
     if not isinstance(slots, int) or slots < 0:  # (-1, NaN or 2.5 failed only inside the run)
         raise UsageError(f"policy {name!r}: expert_cache must be a whole number of experts >= 0, got {slots!r}")
-    if resolved.get("cache_policy", "lru") != "lru" and not resolved.get("expert_cache"):
-        raise UsageError(f"policy {name!r}: cache_policy={resolved['cache_policy']} needs expert_cache > 0")
+    cache_policy = resolved.get("cache_policy", "lru")
+    if cache_policy not in CACHE_POLICIES:  # (before its cache is asked for: `LRU` "needed expert_cache > 0")
+        raise UsageError(f"policy {name!r}: cache_policy must be one of {', '.join(CACHE_POLICIES)}, got "
+                         f"{cache_policy!r}")
+    if cache_policy != "lru" and not resolved.get("expert_cache"):
+        raise UsageError(f"policy {name!r}: cache_policy={cache_policy} needs expert_cache > 0")
     Impl.from_options(resolved)  # refuse a value outside an option's choices
     return resolved
 
