@@ -261,8 +261,9 @@ class HardwareProfile(_Strict):
     def require_cpu(self, who: str) -> CPUSpec:
         """The CPU section, or a one-line refusal naming what needs it."""
         if self.cpu is None:
-            raise MissingCapability(f"{who} computes on the CPU, but hardware profile {self.name!r} has no `cpu:` section "
-                             f"(cores, flops, compute_dtype, memory_bandwidth); add one or pick a profile that has it")
+            raise MissingCapability(f"{who} computes on the CPU, but hardware profile {self.name!r} has no `cpu:` "
+                                    f"section (cores, flops, compute_dtype, memory_bandwidth); add one or pick a "
+                                    f"profile that has it")
         return self.cpu
 
     def to_yaml(self) -> str:

@@ -181,7 +181,7 @@ class Trace:
                 if missing:
                     raise TraceError(f"{path}: not a routing trace (missing {', '.join(sorted(missing))})")
                 stored = z["meta"]
-                if stored.ndim != 0 or stored.dtype.kind != "U":  # (a 2-string array or bytes was "truncated or corrupt")
+                if stored.ndim != 0 or stored.dtype.kind != "U":  # (two strings, or bytes: "truncated or corrupt")
                     raise TraceError(f"{path}: meta must be one JSON string, got {stored.dtype} of shape "
                                      f"{stored.shape}")
                 meta = json.loads(str(stored), object_pairs_hook=unique_json_keys)  # (the last of two won)

@@ -99,7 +99,7 @@ def test_yaml_1_1_octal_and_base_60_numbers_are_refused_naming_the_line(tmp_path
     spec.write_text(f"name: t\nmodels: [tiny-mixtral]\nprompt_lens: [{written}]\n")
     rc, out, err = run_cli("sweep", str(spec), "--out", str(tmp_path / "o"))
     assert rc == 2 and err.startswith(f"error: {spec}:3: not valid YAML ('{written}' ") and len(err.splitlines()) == 1
-    path.write_text(text.replace("    copy_engines: 1\n", "    copy_engines: 0x2\n", 1))  # (what is not ambiguous stays)
+    path.write_text(text.replace("    copy_engines: 1\n", "    copy_engines: 0x2\n", 1))  # (the unambiguous stays)
     assert load_profile_file(path).links.pcie_h2d.copy_engines == 2
 
 
@@ -143,8 +143,8 @@ def test_an_integer_field_written_with_an_exponent_is_read_as_its_number(tmp_pat
     path.write_text(text.replace("  cores: 24\n", "  cores: 2.4e1\n", 1))
     assert load_profile_file(path).cpu.cores == 24
     path.write_text(text.replace("  cores: 24\n", "  cores: 2.45e1\n", 1))
-    with pytest.raises(ProfileError, match="cpu.cores: Input should be a valid integer, got a number with a "
-                                           "fractional part"):
+    with pytest.raises(ProfileError, match="cpu.cores: Input should be a valid integer, got a number with "
+                                           "a fractional part"):
         load_profile_file(path)
 
 
@@ -152,8 +152,8 @@ def test_a_whole_profile_check_is_said_without_an_empty_location():
     """A misspelt measured table was said as `invalid hardware profile: : Value error, measured.expret ...`."""
     with pytest.raises(ProfileError) as refused:
         with_overrides(load_profile("rtx3090"), {"measured": {"expret": [{"tokens": 1, "seconds": 1e-3}]}})
-    assert str(refused.value) == ("overrides: invalid hardware profile: Value error, measured.expret: 'expret' is no op "
-                                  "category (did you mean 'expert'?)")
+    assert str(refused.value) == ("overrides: invalid hardware profile: Value error, measured.expret: 'expret' is no "
+                                  "op category (did you mean 'expert'?)")
 
 
 def test_yaml_alias_bomb_is_refused(tmp_path):
