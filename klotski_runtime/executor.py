@@ -35,11 +35,11 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from klotski_sim.cost import variant_impl
+from klotski_sim.cost import op_variant, variant_impl
 from klotski_sim.errors import KlotskiError
 from klotski_sim.model import ModelSpec
 from klotski_sim.routing import RoutingTable, RunShape
-from klotski_sim.schedule import Op, Schedule, ScheduleError, topological_order
+from klotski_sim.schedule import TENSORS, Op, Schedule, ScheduleError, topological_order
 from klotski_sim.timeline import Timeline
 
 from . import kernels
@@ -165,9 +165,11 @@ def check_compatible(schedule: Schedule, spec: ModelSpec, weights: WeightStore |
         if meta.get("routing") not in (None, routing.source):  # (same shape, other tokens: another seed, say)
             raise ScheduleError(f"the routing does not belong to this schedule: it is {routing.source!r:.120}, the "
                                 f"schedule was built from {meta.get('routing')!r:.120}")
+        streams = schedule.streams
         for op in schedule.ops:  # (each named by the field that is wrong: a handler would index with it)
             problem = (_outside_the_run(op, sh, spec) or _weights_of_another_size(op, spec)
-                       or _kv_of_another_size(op, spec, sh) or _work_of_another_run(op, sh, routing))
+                       or _kv_of_another_size(op, spec, sh) or _work_of_another_run(op, sh, routing)
+                       or _unknown_to_the_runtime(op, spec, streams[op.stream]))
             if problem:
                 raise ScheduleError(f"op {op.id!r}: {problem}")
         _check_each_computed_once(schedule, sh, routing)
@@ -205,6 +207,27 @@ def _outside_the_run(op: Op, shape: RunShape, spec: ModelSpec) -> str:
     if len(set(op.batches)) < len(op.batches):
         return f"batches {list(op.batches)} name a batch twice"
     return ""
+
+
+def _unknown_to_the_runtime(op: Op, spec: ModelSpec, resource: str) -> str:
+    """What an op asks of the runtime that it has no kernel or tensor for (empty: nothing): a copy
+    that does not say what it carries, and a compute op's variant that is not the model's (a GPU
+    attention's fused or eager, with the model's kernel tags; the CPU's attention has none). Each
+    failed inside the run (`WeightError: no weights for ('', 0, 1)`, `attention impl must be ...`),
+    naming neither the file nor the field."""
+    if op.kind == "transfer" and not op.tensor:
+        return f"a copy must say what it carries (tensor: {', '.join(TENSORS[1:-1])} or {TENSORS[-1]})"
+    if op.kind != "compute":
+        return ""
+    if op.category == "attention" and resource == "cpu":
+        wanted: tuple[str, ...] = ("",)  # (the CPU's attention kernel has no variants)
+    else:
+        impls = ("fused", "eager") if op.category == "attention" else ("",)
+        wanted = tuple(op_variant(spec, op.category, impl) for impl in impls)
+    if op.variant in wanted:
+        return ""
+    return (f"variant {op.variant!r}: {spec.name}'s {op.category} on the {resource} runs as "
+            f"{' or '.join(map(repr, wanted))}")
 
 
 def _weights_of_another_size(op: Op, spec: ModelSpec) -> str:

@@ -46,7 +46,11 @@ def _input(placement=Placement(), n=2, bs=2, P=6, G=3, model=TINY, impl="as-publ
     ("attention", {"tokens": 5}, "tokens 5, but its batches' sequences pass 12 new tokens at step 0, layer 0"),
     ("attention", {"kv_len": 1}, "kv_len 1, but its sequences hold 6 tokens once step 0 has run"),
     ("lm_head", {"tokens": 7}, "tokens 7, but one per sequence of its batches: 2 at step 0"),
-    ("gate", {"phase": "decode"}, "phase 'decode' at step 0 (step 0 is the prefill, later steps decode)")])
+    ("gate", {"phase": "decode"}, "phase 'decode' at step 0 (step 0 is the prefill, later steps decode)"),
+    # (each failed inside the run, naming neither file nor field: `attention impl must be one of ...`)
+    ("attention", {"variant": "bogus"}, "variant 'bogus': tiny-mixtral's attention on the gpu runs as 'fused' or "
+                                        "'eager'"),
+    ("expert", {"variant": "fused"}, "variant 'fused': tiny-mixtral's expert on the gpu runs as ''")])
 def test_an_op_whose_tags_the_run_does_not_have_is_refused_before_it_runs(category, change, message):
     """A hand-edited schedule.json: each of these executed (or failed on an internal KeyError, or
     was simulated with other work than the runtime measured)."""
@@ -78,6 +82,20 @@ def test_a_copy_tagged_with_another_steps_phase_is_refused_before_it_runs():
         with pytest.raises(ScheduleError, match=re.escape(f"op '{ops[k].id}': phase '{other}' at step {step} (step 0 "
                                                           f"is the prefill, later steps decode)")):
             check_compatible(_edited(schedule, ops), TINY, None, inp.routing)
+
+
+def test_a_copy_that_does_not_say_what_it_carries_is_refused_before_it_runs():
+    """An expert copy edited to `tensor: ""` failed inside the run: `WeightError: no weights for ('', 0, 1)`."""
+    from klotski_runtime.executor import check_compatible
+
+    inp = _input()
+    schedule = build_schedule("klotski", inp)
+    k = next(k for k, op in enumerate(schedule.ops) if op.kind == "transfer" and op.tensor == "expert")
+    ops = list(schedule.ops)
+    ops[k] = ops[k]._replace(tensor="")
+    with pytest.raises(ScheduleError, match=re.escape(f"op '{ops[k].id}': a copy must say what it carries (tensor: "
+                                                      f"attention, gate, expert, kv or activation)")):
+        check_compatible(_edited(schedule, ops), TINY, None, inp.routing)
 
 
 def _edited(schedule, ops=None, **meta):

@@ -109,9 +109,13 @@ def test_execute_cli_runs_what_simulate_wrote(tmp_path):
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     rc, _, err = _runtime("validate", "--policy", "klotski", "--model", "tiny-mixtral", "--checkpoint",
-                          str(tmp_path / "nope"), "--profile", "experiments/results/cpu/small-mixtral-presets/profile.yaml",
-                          "--out", str(tmp_path / "v"))
+                          str(tmp_path / "nope"), "--profile", "experiments/results/cpu/tiny-mixtral/profile.yaml",
+                          "--emulate-pcie", "5e7", "--out", str(tmp_path / "v"))
     assert rc == 2 and "no such checkpoint directory" in err and "Traceback" not in err
+    # a profile measured on another model's ops is refused by validate as by simulate
+    rc, _, err = _runtime("validate", "--policy", "klotski", "--model", "tiny-mixtral", "--profile",
+                          "experiments/results/cpu/small-mixtral-presets/profile.yaml", "--out", str(tmp_path / "v"))
+    assert rc == 2 and "its measured op times were calibrated on small-mixtral's ops, not tiny-mixtral's" in err
 
 
 @pytest.mark.cuda
