@@ -321,11 +321,14 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
     """A built-in profile by name (`rtx3090`) or a YAML file by path."""
     text = str(name_or_path)
     if text in builtin_profile_names():
+        if Path(text).is_file():  # (`--hardware t4` beside a calibrated file named t4: the built-in, without a word)
+            raise ProfileError(f"{text!r} names a built-in profile and a file here: give ./{text} for the file, or "
+                               f"rename it")
         ref = resources.files("klotski_sim") / "profiles" / f"{text}.yaml"
         with resources.as_file(ref) as path:
             return load_profile_file(path)
-    if Path(text).exists() or text.endswith((".yaml", ".yml")):
-        return load_profile_file(text)
+    if Path(text).exists() or Path(text).is_symlink() or text.endswith((".yaml", ".yml")):
+        return load_profile_file(text)  # (a link to nowhere: its reading says so, not "unknown profile")
     raise ProfileError(f"unknown hardware profile {text!r}; built-in profiles: "
                        f"{', '.join(builtin_profile_names())} (or give a path to a YAML file)")
 

@@ -174,3 +174,19 @@ def test_a_profile_measured_on_one_models_ops_is_refused_for_another_models():
     rc, out, err = run_cli("simulate", "--model", "small-mixtral", "--hardware",
                            str(REPOSITORY / "experiments/results/cpu/tiny-mixtral/profile.yaml"))
     assert rc == 2 and err.startswith("error: hardware profile 'calibrated-cpu': its measured op times were calibrated")
+
+
+def test_a_built_in_name_that_is_also_a_file_here_is_refused_as_ambiguous(tmp_path, monkeypatch):
+    """A calibrated profile saved as `./t4`, then `--hardware t4`: the built-in T4 ran, without a word;
+    a link to nowhere was "unknown hardware profile"."""
+    from klotski_sim.hardware import load_profile_file
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t4").write_text(load_profile("h200").to_yaml())
+    with pytest.raises(ProfileError, match="'t4' names a built-in profile and a file here: give ./t4 for the file"):
+        load_profile("t4")
+    assert load_profile("./t4") == load_profile_file(tmp_path / "t4") and load_profile("./t4").name == "h200"
+    assert load_profile("h200").name == "h200"  # (no file of that name here)
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere.yaml")
+    with pytest.raises(ProfileError, match="dangling: cannot read profile \\(No such file or directory\\)"):
+        load_profile("dangling")
