@@ -17,6 +17,7 @@ of those three families (`CHECKPOINT_FAMILIES`).
 from __future__ import annotations
 
 import json
+import math
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -329,8 +330,8 @@ def _config_number(config: dict[str, Any], key: str, default: float, where: Path
     value = config.get(key, default)
     if value is None:
         value = default
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise WeightError(f"{where}: {key} must be a number, got {value!r}")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise WeightError(f"{where}: {key} must be a finite number, got {value!r}")  # (a NaN base: any routing)
     return float(value)
 
 
@@ -343,8 +344,12 @@ def rope_theta(config: dict[str, Any], where: Path) -> float:
     if scaling is not None and not isinstance(scaling, dict):
         raise WeightError(f"{where}: rope_scaling must be a JSON object, got {scaling!r}")
     if params and params.get("rope_theta") is not None:
-        return _config_number(params, "rope_theta", 1e6, where)
-    return _config_number(config, "rope_theta", 1e6, where)
+        theta = _config_number(params, "rope_theta", 1e6, where)
+    else:
+        theta = _config_number(config, "rope_theta", 1e6, where)
+    if theta <= 0:
+        raise WeightError(f"{where}: rope_theta must be > 0, got {theta!r}")
+    return theta
 
 
 def qk_norms(resident: dict[str, torch.Tensor], spec: ModelSpec,

@@ -224,6 +224,11 @@ def record(model_dir: str | Path, texts: Sequence[str], max_tokens: int = 512, g
         return Trace(np.concatenate(experts), np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
                      np.asarray(prompt_lens, dtype=np.int32), meta, np.concatenate(weights))
     except TraceError as err:
+        # (NaN weights in the checkpoint made NaN gate probabilities: said as the trace's problem, not the file's)
+        broken = next((name for name, tensor in model.named_parameters() if not torch.isfinite(tensor).all()), None)
+        if broken is not None:
+            raise RecordError(f"{model_dir}: the checkpoint's tensor {broken} holds NaN or infinite values: its "
+                              f"routing cannot be recorded") from None
         raise RecordError(f"recorded routing is inconsistent: {err}") from None
 
 

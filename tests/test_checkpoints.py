@@ -160,10 +160,15 @@ def test_an_olmoe_checkpoint_that_does_not_match_the_spec_is_refused_naming_the_
     ({"mlp_only_layers": "x"}, "mlp_only_layers must be a list of layer numbers"),
     ({"mlp_only_layers": [[0]]}, "mlp_only_layers must be a list of layer numbers"),
     ({"norm_topk_prob": "yes"}, "norm_topk_prob must be true or false"),
-    ({"rms_norm_eps": "x"}, "rms_norm_eps must be a number"),
+    ({"rms_norm_eps": "x"}, "rms_norm_eps must be a finite number"),
     ({"rms_norm_eps": -1}, "rms_norm_eps must be > 0"),
+    ({"rms_norm_eps": float("nan")}, "rms_norm_eps must be a finite number, got nan"),  # (passed `<= 0`)
     ({"rope_parameters": [1]}, "rope_parameters must be a JSON object"),
-    ({"rope_parameters": {"rope_theta": "x", "rope_type": "default"}}, "rope_theta must be a number"),
+    ({"rope_parameters": {"rope_theta": "x", "rope_type": "default"}}, "rope_theta must be a finite number"),
+    # (a NaN base was read: a recorded trace agreed with the checkpoint's routing on 53% of its choices)
+    ({"rope_parameters": {"rope_theta": float("nan"), "rope_type": "default"}},
+     "rope_theta must be a finite number, got nan"),
+    ({"rope_parameters": {"rope_theta": -1e6, "rope_type": "default"}}, "rope_theta must be > 0, got -1000000.0"),
     ({"rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"num_hidden_layers": 1}, "num_hidden_layers=1"),

@@ -55,6 +55,24 @@ def test_record_errors(tmp_path, checkpoint):
         read_texts(tmp_path / "empty.txt")
 
 
+def test_a_checkpoint_with_nan_weights_is_named_with_its_tensor(tmp_path, checkpoint):
+    """A router weight of NaN was said as `recorded routing is inconsistent: trace: weights must be
+    finite ...`, the trace's problem rather than the checkpoint's."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(checkpoint, broken)
+    tensors = load_file(broken / "model.safetensors")
+    gate = next(name for name in tensors if name.endswith("moe.gate.weight"))
+    tensors[gate] = torch.full_like(tensors[gate], float("nan"))
+    save_file(tensors, broken / "model.safetensors")
+    with pytest.raises(RecordError, match=f"{broken}: the checkpoint's tensor .*gate.weight holds NaN or infinite "
+                                          f"values"):
+        record(broken, [TEXT], max_tokens=8, gen_len=1)
+
+
 @pytest.mark.parametrize("kind", ["olmoe", "qwen2_moe"])
 def test_records_other_moe_families(kind, tmp_path):
     """OLMoE and Qwen-MoE routers sit at the same place (layers[i].mlp.gate) in transformers."""
