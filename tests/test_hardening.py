@@ -751,11 +751,18 @@ def test_a_measured_table_is_held_to_names_the_cost_model_reads_single_durations
             ({"expert": [point, {**point, "seconds": 2e-4}]}, "measured.expert: tokens 1, kv_len 0 measured twice"),
             ({"expert": [{**point, "tokens": 2**63}]}, "measured.expert.0.tokens: Input should be less than or equal"),
             ({"Expert Table": [point]}, "measured.Expert Table: not a table name the cost model reads"),
-            ({"attention.fused:later": [point]}, "not a table name")):
+            ({"attention.fused:later": [point]}, "not a table name"),
+            # (a kv_len on an expert row took it out of the rows expert ops are read from: utilisation 39.1 -> 33.2%)
+            ({"expert": [point, {**point, "tokens": 2, "kv_len": 5}]}, "measured.expert: row 2 gives kv_len 5, but "
+                                                                        "expert ops read no KV cache"),
+            ({"attention:decode": [point]}, "measured.attention:decode: row 1 has no kv_len: a decode step's "
+                                            "attention reads the KV cache")):
         with pytest.raises(ProfileError, match=message):
             profile_from_dict({**base, "measured": measured}, "p.yaml")
     for name in ("expert", "cpu:expert", "attention.fused+qk_norm:decode", "gate.topk_as_is", "my_plugin_op"):
-        assert profile_from_dict({**base, "measured": {name: [point, dict(point)]}}, "p.yaml").measured[name]
+        rows = [{**point, "kv_len": 8}] if name.startswith("attention") else [point, dict(point)]
+        assert profile_from_dict({**base, "measured": {name: rows}}, "p.yaml").measured[name]
+    assert profile_from_dict({**base, "measured": {"attention:prefill": [{**point, "kv_len": 0}]}}, "p.yaml")
 
 
 def test_a_routing_file_whose_shape_cannot_be_is_named(tmp_path):
