@@ -24,8 +24,8 @@ class StorageRefusal(UsageError):
 
 class MissingCapability(UsageError):
     """A configuration the simulated machine cannot run for what its profile lacks (a policy that
-    computes on the CPU, on a profile without a `cpu:` section): a sweep records it as status
-    `refused`, as a storage shortfall is, not as an `error`."""
+    computes on the CPU, on a profile without a `cpu:` section; measured op times of this model's
+    ops): a sweep records it as status `refused`, as a storage shortfall is, not as an `error`."""
 
 
 class MachineRefusal(UsageError):

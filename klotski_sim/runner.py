@@ -25,7 +25,7 @@ from .argtypes import MAX_COUNT, MAX_SEED
 from .cache import cache_dir, cached_trace
 from .cost import CostModel
 from .engine import simulate
-from .errors import KlotskiError, StorageRefusal, UsageError
+from .errors import KlotskiError, MissingCapability, StorageRefusal, UsageError
 from .exports import to_chrome_trace
 from .hardware import HardwareProfile, load_profile, with_overrides
 from .impl import Impl
@@ -305,10 +305,11 @@ def check_measured_for(profile: HardwareProfile, model: ModelSpec) -> None:
     ours, theirs = asdict(replace(model, name="", num_layers=1)), asdict(replace(shapes, name="", num_layers=1))
     differ = [f"{key} {theirs[key]} vs {ours[key]}" for key in ours if ours[key] != theirs[key]]
     if differ:
-        raise UsageError(f"hardware profile {profile.name!r}: its measured op times were calibrated on {calibrated}'s "
-                         f"ops, not {model.name}'s ({', '.join(differ[:3])}{' ...' if len(differ) > 3 else ''}); "
-                         f"calibrate for this model (klotski-runtime calibrate --model {model.name}), or drop the "
-                         f"profile's `measured:` tables to time its ops by the roofline")
+        raise MissingCapability(
+            f"hardware profile {profile.name!r}: its measured op times were calibrated on {calibrated}'s ops, not "
+            f"{model.name}'s ({', '.join(differ[:3])}{' ...' if len(differ) > 3 else ''}); calibrate for this model "
+            f"(klotski-runtime calibrate --model {model.name}), or drop the profile's `measured:` tables to time its "
+            f"ops by the roofline")
 
 
 def prepare(spec: RunSpec) -> Prepared:

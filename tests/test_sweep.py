@@ -153,6 +153,13 @@ def test_a_cpu_policy_on_a_profile_without_a_cpu_is_refused_before_anything_runs
     df = run_sweep(spec, tmp_path / "s", progress=False)
     assert sorted(zip(df["policy"], df["status"])) == [("klotski", "ok"), ("klotski-hybrid", "refused")]
     assert said in df.loc[df["policy"] == "klotski-hybrid", "error"].iloc[0]
+    # so is a profile measured on another model's ops (its tables key on category and tokens alone)
+    spec = parse_spec({**SMALL, "models": ["tiny-mixtral", "small-mixtral"], "policies": ["klotski"],
+                       "hardware": [os.path.join(os.path.dirname(__file__), "..", "experiments", "results", "cpu",
+                                                 "tiny-mixtral", "profile.yaml")],
+                       "num_batches": [2], "routings": ["calibrated"]})
+    df = run_sweep(spec, tmp_path / "m", progress=False)
+    assert sorted(zip(df["model"], df["status"])) == [("small-mixtral", "refused"), ("tiny-mixtral", "ok")]
 
 
 def test_local_and_dask_give_identical_results(tmp_path):
