@@ -227,8 +227,8 @@ def record(model_dir: str | Path, texts: Sequence[str], max_tokens: int = 512, g
         # (NaN weights in the checkpoint made NaN gate probabilities: said as the trace's problem, not the file's)
         broken = next((name for name, tensor in model.named_parameters() if not torch.isfinite(tensor).all()), None)
         if broken is not None:
-            raise RecordError(f"{model_dir}: the checkpoint's tensor {broken} holds NaN or infinite values: its "
-                              f"routing cannot be recorded") from None
+            raise RecordError(f"{model_dir}: the checkpoint's tensor {broken} (as transformers names it) holds NaN "
+                              f"or infinite values: its routing cannot be recorded") from None
         raise RecordError(f"recorded routing is inconsistent: {err}") from None
 
 

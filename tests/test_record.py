@@ -68,8 +68,8 @@ def test_a_checkpoint_with_nan_weights_is_named_with_its_tensor(tmp_path, checkp
     gate = next(name for name in tensors if name.endswith("moe.gate.weight"))
     tensors[gate] = torch.full_like(tensors[gate], float("nan"))
     save_file(tensors, broken / "model.safetensors")
-    with pytest.raises(RecordError, match=f"{broken}: the checkpoint's tensor .*gate.weight holds NaN or infinite "
-                                          f"values"):
+    with pytest.raises(RecordError, match=f"{broken}: the checkpoint's tensor .*gate.weight \\(as transformers names "
+                                          f"it\\) holds NaN or infinite values"):
         record(broken, [TEXT], max_tokens=8, gen_len=1)
 
 
