@@ -302,8 +302,9 @@ def check_measured_for(profile: HardwareProfile, model: ModelSpec) -> None:
         shapes = get_model(calibrated)
     except UsageError:
         return
-    ours, theirs = asdict(replace(model, name="", num_layers=1)), asdict(replace(shapes, name="", num_layers=1))
-    differ = [f"{key} {theirs[key]} vs {ours[key]}" for key in ours if ours[key] != theirs[key]]
+    ours, theirs = asdict(model), asdict(shapes)  # (a copy of fewer layers would be refused for DeepSeek's dense ones)
+    differ = [f"{key} {theirs[key]} vs {ours[key]}" for key in ours
+              if key not in ("name", "num_layers") and ours[key] != theirs[key]]
     if differ:
         raise MissingCapability(
             f"hardware profile {profile.name!r}: its measured op times were calibrated on {calibrated}'s ops, not "

@@ -208,7 +208,7 @@ class Trace:
             raise TraceError(f"{path}: its meta's {err} (JSON would keep the last)") from None
         except json.JSONDecodeError as err:  # (the meta alone: not the file "truncated or corrupt")
             raise TraceError(f"{path}: its meta is not valid JSON ({err})") from None
-        except (*NPZ_READ_ERRORS, KeyError) as err:  # (JSONDecodeError of the meta: a ValueError)
+        except (*NPZ_READ_ERRORS, KeyError) as err:
             raise TraceError(f"{path}: cannot read trace, the file is truncated or corrupt ({err})") from None
         if meta.get("format") != FORMAT:
             raise TraceError(f"{path}: not a klotski routing trace (format {meta.get('format')!r})")

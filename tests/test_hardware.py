@@ -171,6 +171,9 @@ def test_a_profile_measured_on_one_models_ops_is_refused_for_another_models():
     with pytest.raises(UsageError, match="not tiny-mixtral@int4's \\(expert_bits 0 vs 4\\)"):
         check_measured_for(profile, get_model("tiny-mixtral@int4"))
     check_measured_for(profile.model_copy(update={"measured": {}}), get_model("small-mixtral"))  # (no table: roofline)
+    deepseek = profile.model_copy(update={"provenance": {**profile.provenance, "model_shapes": "deepseek-v2-lite"}})
+    for same in ("deepseek-v2-lite", "deepseek-v2-lite:4"):  # (its dense first layer: a copy of one layer is refused)
+        check_measured_for(deepseek, get_model(same))
     rc, out, err = run_cli("simulate", "--model", "small-mixtral", "--hardware",
                            str(REPOSITORY / "experiments/results/cpu/tiny-mixtral/profile.yaml"))
     assert rc == 2 and err.startswith("error: hardware profile 'calibrated-cpu': its measured op times were calibrated")
