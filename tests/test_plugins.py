@@ -95,6 +95,10 @@ def test_policy_file_in_the_runtime(tmp_path):
     ("from klotski_sim.policies import register\n@register('klotski', 'mine')\ndef b(inp):\n    pass\n",
      "already registered"),
     ("import sys\nsys.exit(0)\n", "bad.py:2: exits (sys.exit(0)) while being imported"),  # (ended silently, status 0)
+    # ("registers no policy", the built-in replaced for the rest of the process)
+    ("from klotski_sim.policies import POLICIES, register\nPOLICIES.pop('klotski')\n"
+     "@register('klotski', 'mine')\ndef b(inp):\n    pass\n", "bad.py: replaces or removes the registered policy "
+                                                           "'klotski' (register yours under another name)"),
 ])
 def test_a_bad_policy_file_is_one_line(tmp_path, body, message):
     bad = tmp_path / "bad.py"
@@ -130,6 +134,19 @@ def test_entry_points_register_installed_policies(tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [exits])
     with pytest.raises(UsageError, match="entry point 'exits'.*does not load: SystemExit: 3"):
         load_entry_points()
+
+
+def test_a_policy_file_that_replaces_a_registered_policy_is_refused_and_the_registry_put_back(tmp_path):
+    from klotski_sim.policies.plugins import load_policy_file
+
+    built_in = POLICIES["klotski"]
+    bad = tmp_path / "replaces.py"
+    bad.write_text("from klotski_sim.policies import POLICIES, register\nPOLICIES.pop('klotski')\n"
+                   "@register('klotski', 'mine')\ndef b(inp):\n    pass\n@register('mine-too', 'x')\n"
+                   "def c(inp):\n    pass\n")
+    with pytest.raises(UsageError, match="replaces or removes the registered policy 'klotski'"):
+        load_policy_file(bad)
+    assert POLICIES["klotski"] is built_in and "mine-too" not in POLICIES
 
 
 def test_register_refuses_a_second_policy_of_the_same_name():

@@ -32,7 +32,7 @@ def load_policy_file(path: str | Path) -> list[str]:
     key = str(p.resolve())
     if key in _loaded:
         return _loaded[key]
-    before = set(POLICIES)
+    before = dict(POLICIES)
     module_name = "klotski_policy_file_" + hashlib.sha1(key.encode()).hexdigest()[:12]
     spec = importlib.util.spec_from_file_location(module_name, p)
     if spec is None or spec.loader is None:
@@ -56,7 +56,13 @@ def load_policy_file(path: str | Path) -> list[str]:
             raise UsageError(f"{path}{line}: exits (sys.exit({err.code!r})) while being imported; a policy file "
                              f"only registers policies") from None
         raise UsageError(f"{path}{line}: {type(err).__name__}: {err}") from err
-    added = sorted(set(POLICIES) - before)
+    touched = sorted(name for name, info in before.items() if POLICIES.get(name) is not info)
+    if touched:  # (one that replaced `klotski` was said to "register no policy"; the registry is put back)
+        POLICIES.clear()
+        POLICIES.update(before)
+        raise UsageError(f"{path}: replaces or removes the registered policy {touched[0]!r} (register yours under "
+                         f"another name)")
+    added = sorted(set(POLICIES) - set(before))
     if not added:
         raise UsageError(f"{path}: registers no policy (decorate a build function with "
                          f"klotski_sim.policies.register)")
