@@ -252,8 +252,9 @@ def _kv_of_another_size(op: Op, spec: ModelSpec, shape: RunShape) -> str:
         return ""
     sequences, new = shape.batch_size * len(op.batches), shape.new_tokens(op.step)
     store = op.dst == "cpu"
-    want = spec.kv_bytes(sequences, new if store else shape.kv_len(op.step) - new)
-    what = f"the {new} new" if store else f"the {shape.kv_len(op.step) - new} cached"
+    tokens = new if store else shape.kv_len(op.step) - new  # (a store's new entries, a load's cached ones)
+    want = spec.kv_bytes(sequences, tokens)
+    what = f"the {tokens} {'new' if store else 'cached'}"
     return "" if op.bytes == want else (f"moves {op.bytes:,} bytes of KV cache; {what} tokens of its batches' "
                                         f"{sequences} sequences at step {op.step} are {want:,} bytes")
 

@@ -409,9 +409,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     for name in policies:
         if name not in POLICIES:
             raise CliError(f"unknown policy {name!r}; known policies: {', '.join(POLICIES)}")
-    for name in policies:  # (said before the plan's placement line, not by each worker after it)
-        if POLICIES[name].needs_cpu:
-            resolve_profile(spec).require_cpu(f"policy {name!r}")
+    # (said before the plan's placement line, not by each worker after it; the profile read here only for them)
+    for info in [POLICIES[name] for name in policies if POLICIES[name].needs_cpu]:
+        info.require_machine(resolve_profile(spec))
     if args.flexgen_overlap and "flexgen" not in policies:  # (it would change nothing, silently)
         raise CliError(f"--flexgen-overlap {args.flexgen_overlap}: flexgen is not among the policies compared "
                        f"({', '.join(policies)})")

@@ -62,8 +62,8 @@ class Search:
         profile = load_profile(self.hardware)
         if self.policies:  # (one the profile cannot run was tried in every configuration, each failing)
             for name in self.policies:
-                if name in POLICIES and POLICIES[name].needs_cpu:
-                    profile.require_cpu(f"--policies {name}: policy {name!r}")
+                if name in POLICIES:
+                    POLICIES[name].require_machine(profile, f"--policies {name}: policy {name!r}")
             return self.policies
         return tuple(p for p, info in POLICIES.items() if profile.cpu is not None or not info.needs_cpu)
 

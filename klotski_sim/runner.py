@@ -320,8 +320,7 @@ def prepare(spec: RunSpec) -> Prepared:
     check_measured_for(profile, model)
     attention_on_cpu = spec.options.get("attention_device") == "cpu"  # decode attention reads the KV cache there
     # (before any plan is printed or routing drawn: `plan --policy klotski-hybrid` printed its plan, then this)
-    if get_policy(spec.policy).needs_cpu:
-        profile.require_cpu(f"policy {spec.policy!r}")
+    get_policy(spec.policy).require_machine(profile)
     if attention_on_cpu:
         profile.require_cpu("attention_device=cpu")
     placement = resolve_placement(spec, model, profile)

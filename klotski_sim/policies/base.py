@@ -151,6 +151,12 @@ class PolicyInfo:
         out.update(own)
         return out
 
+    def require_machine(self, profile: HardwareProfile, who: str = "") -> None:
+        """Refuse, before anything is built, a profile this policy cannot run on (one that computes on
+        the CPU, on a profile without a `cpu:` section); `who` names it in the message."""
+        if self.needs_cpu:
+            profile.require_cpu(who or f"policy {self.name!r}")
+
 
 POLICIES: dict[str, PolicyInfo] = {}
 
