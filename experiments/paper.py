@@ -14,6 +14,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from klotski_sim.hardware import load_profile  # noqa: E402
 from klotski_sim.sweep import load_spec, run_sweep  # noqa: E402
@@ -101,12 +102,15 @@ def batches(workers: int) -> None:
             on_cpu = sub["m.kv"] == "cpu"  # hollow: KV cache moved to host memory to fit
             ax.plot(sub.loc[~on_cpu, "n"], sub.loc[~on_cpu, col] * scale, "o", color=COLORS[p])
             ax.plot(sub.loc[on_cpu, "n"], sub.loc[on_cpu, col] * scale, "o", mfc="white", color=COLORS[p])
+    gpu = load_profile("rtx3090").gpu
+    usable_gib = (gpu.memory_bytes - gpu.reserved_bytes) / 2**30
     for ax, label in zip(axes, ("generated tokens / s", "per-token decode latency (ms)", "peak GPU memory (GiB)")):
-        ax.axvline(pick, color="k", ls="--", lw=0.8)
+        ax.axvline(pick, color="k", ls="--", lw=0.8, label=f"planner: n={pick}")
         ax.set(xlabel="batches n", ylabel=label)
-    axes[0].text(pick, axes[0].get_ylim()[1] * 0.95, f" planner: n={pick}", fontsize=8)
-    axes[2].axhline(23.07, color="r", lw=0.8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # n is a count: no 2.5 batches
+    axes[2].axhline(usable_gib, color="r", lw=0.8, label=f"usable GPU memory ({usable_gib:.2f} GiB)")
     axes[0].legend(fontsize=8)
+    axes[2].legend(handles=axes[2].get_lines()[-2:], fontsize=8, loc="upper left", bbox_to_anchor=(0.0, 0.94))
     fig.suptitle("Mixtral-8x7B on rtx3090, batch 16, as-published (hollow: KV cache in host memory, the only "
                  "way n fits)")
     save(df, "batches", fig)

@@ -44,7 +44,25 @@ def winners(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def figure(win: pd.DataFrame, out: Path) -> None:
+def cell_text(row: pd.Series) -> str:
+    """A cell's label: the winner's tok/s and its margin over the runner-up; a tie (policies within
+    TIE of each other, a grey cell) says `tie` and who tied, never a margin — the tied policies' lead
+    over the next one read as a margin between them (`+37%` on a grey cell)."""
+    if " = " in row["best"]:
+        return f"{row['tok_s']:.0f}\ntie\n" + " = ".join(SHORT.get(p, p) for p in row["best"].split(" = "))
+    margin = row["margin"]
+    return f"{row['tok_s']:.0f}" + ("" if pd.isna(margin) else f"\n+{margin:.0%}")  # (alone: no runner-up)
+
+
+def margin_text(row: pd.Series) -> str:
+    """The markdown table's margin: `tie` for a tie, `-` with no runner-up."""
+    if " = " in row["best"]:
+        return "tie"
+    return "-" if pd.isna(row["margin"]) else f"{row['margin']:+.0%}"
+
+
+def figure(win: pd.DataFrame, out: Path | None = None) -> plt.Figure:
+    """The grid of winners; saved to `out` (and closed) when given."""
     hws = sorted(win["hardware"].unique())
     cols = sorted({(m, b) for m, b in zip(win["model"], win["batch_size"])})
     fig, ax = plt.subplots(figsize=(1.15 * len(cols) + 2, 0.75 * len(hws) + 1.6))
@@ -56,23 +74,24 @@ def figure(win: pd.DataFrame, out: Path) -> None:
             r = cell.iloc[0]
             color = COLORS["tie"] if " = " in r["best"] else COLORS.get(r["best"], "#999999")
             ax.add_patch(plt.Rectangle((j, i), 1, 1, color=color, alpha=0.85))
-            tie = "\n" + " = ".join(SHORT.get(p, p) for p in r["best"].split(" = ")) if " = " in r["best"] else ""
-            ax.text(j + 0.5, i + 0.5, f"{r['tok_s']:.0f}\n+{r['margin']:.0%}{tie}", ha="center", va="center",
-                    fontsize=7)
+            ax.text(j + 0.5, i + 0.5, cell_text(r), ha="center", va="center", fontsize=7)
     ax.set_xlim(0, len(cols))
     ax.set_ylim(0, len(hws))
     ax.set_xticks([j + 0.5 for j in range(len(cols))])
     ax.set_xticklabels([f"{m}\nbs {b}" for m, b in cols], fontsize=6, rotation=45, ha="right")
     ax.set_yticks([i + 0.5 for i in range(len(hws))])
     ax.set_yticklabels(hws)
-    ax.set_title("best policy (tok/s end to end, margin over the runner-up; ties: K klotski, KH klotski-hybrid, "
-                 "F fiddler, L llamacpp-moe)", fontsize=8)
+    ax.set_title("best policy (tok/s end to end, margin over the runner-up; grey: a tie, no margin — K klotski, "
+                 "KH klotski-hybrid, F fiddler, L llamacpp-moe, FG flexgen)", fontsize=8)
     shown = {("tie" if " = " in b else b) for b in win["best"]}
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for p, c in COLORS.items() if p in shown]
     ax.legend(handles, [p if p != "tie" else f"tie (within {TIE:.1%})" for p in COLORS if p in shown], fontsize=7,
               loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    fig.savefig(out, dpi=130)
+    if out is not None:
+        fig.savefig(out, dpi=130)
+        plt.close(fig)
+    return fig
 
 
 def main() -> None:
@@ -84,9 +103,9 @@ def main() -> None:
     figure(win, args.out)
     print("| hardware | model | bs | best | n | tok/s | runner-up | margin | not ok |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for r in win.itertuples():
+    for _, r in win.iterrows():
         print(f"| {r.hardware} | {r.model} | {r.batch_size} | {r.best} | {r.n} | {r.tok_s:.1f} | {r.runner_up} | "
-              f"{r.margin:+.0%} | {r.failed or '-'} |")
+              f"{margin_text(r)} | {r.failed or '-'} |")
     print(f"\nwrote {args.out}")
 
 

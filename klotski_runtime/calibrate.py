@@ -18,6 +18,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
@@ -27,6 +28,7 @@ import torch
 
 from klotski_sim.cost import op_variant
 from klotski_sim.hardware import HardwareProfile, profile_from_dict
+from klotski_sim.machine import cpu_model, machine_load, steal_share
 from klotski_sim.model import ModelSpec
 
 from . import kernels
@@ -41,19 +43,50 @@ def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]
     """Median seconds of `fn` over `repeats` runs (after one warm-up), synchronising CUDA."""
 
     def measure(fn: Callable[[], object], repeats: int) -> float:
-        fn()
-        samples = []
-        for _ in range(repeats):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            samples.append(time.perf_counter() - t)
-        return statistics.median(samples)
+        bench = Bench(device, repeats)
+        row: dict = {}
+        bench.add(row, fn)
+        bench.run()
+        return row["seconds"]
 
     return measure
+
+
+class Bench:
+    """Probes timed in interleaved rounds: each round runs every probe once, and a probe's
+    `seconds` is the median over the rounds. On a shared machine a burst of other work then lands
+    on one sample of many probes, which the median drops, rather than on every sample of one probe
+    (taken back to back, a gate probe at 256 tokens was timed at five times its neighbours')."""
+
+    def __init__(self, device: torch.device, repeats: int) -> None:
+        self.device, self.repeats = device, max(1, repeats)
+        self.probes: list[tuple[dict, Callable[[], object]]] = []
+
+    def add(self, row: dict, fn: Callable[[], object]) -> dict:
+        """Time `fn` into `row["seconds"]` when `run` is called; returns `row`."""
+        self.probes.append((row, fn))
+        return row
+
+    def _once(self, fn: Callable[[], object]) -> float:
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    def run(self) -> None:
+        for _, fn in self.probes:  # warm-up: first-touch allocation, lazy kernel selection
+            self._once(fn)
+        samples: list[list[float]] = [[] for _ in self.probes]
+        for _ in range(self.repeats):
+            for i, (_, fn) in enumerate(self.probes):
+                samples[i].append(self._once(fn))
+        for (row, _), times in zip(self.probes, samples):
+            row["seconds"] = statistics.median(times)
+        self.probes = []
 
 
 def _fit_link(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
@@ -72,22 +105,36 @@ def calibrate(spec: ModelSpec, device: str = "cpu", batch_sizes: Iterable[int] =
               max_expert_tokens: int = 1024, repeats: int = 5, dtype: torch.dtype = torch.bfloat16,
               emulate_links: Mapping[str, float] | None = None, link_latency_s: float = 0.0,
               command: str = "", threads: int | None = None,
-              emulate_pageable: Mapping[str, float] | None = None) -> HardwareProfile:
+              emulate_pageable: Mapping[str, float] | None = None,
+              progress: Callable[[str], None] | None = None) -> HardwareProfile:
     """Measure `device` running `spec`'s ops and return a profile with a measured table.
-    `threads` sets torch's CPU threads for the measurement (use the executor's setting)."""
+    `threads` sets torch's CPU threads for the measurement (use the executor's setting);
+    `progress` is told each phase as it starts (the whole takes a minute or more on a CPU)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads or previous)
+    load_before = machine_load()
+    started = time.perf_counter()
+
+    def say(phase: str) -> None:
+        if progress is not None:
+            progress(f"calibrate: {phase} ({time.perf_counter() - started:.0f} s)")
+
     try:
-        return _calibrate(spec, device, batch_sizes, prompt_lens, kv_lens, max_expert_tokens, repeats, dtype,
-                          emulate_links, link_latency_s, command, emulate_pageable or {})
+        profile = _calibrate(spec, device, batch_sizes, prompt_lens, kv_lens, max_expert_tokens, repeats, dtype,
+                             emulate_links, link_latency_s, command, emulate_pageable or {}, say)
     finally:
         torch.set_num_threads(previous)
+    load_after = machine_load()
+    conditions = {"load_per_core": round(max(load_before["load_per_core"], load_after["load_per_core"]), 3),
+                  "steal_share": round(steal_share(load_before, load_after), 4),
+                  "seconds": round(time.perf_counter() - started, 1)}
+    return profile.model_copy(update={"provenance": {**profile.provenance, "machine_load": conditions}})
 
 
 def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_lens: Iterable[int],
                kv_lens: Iterable[int] | None, max_expert_tokens: int, repeats: int, dtype: torch.dtype,
                emulate_links: Mapping[str, float] | None, link_latency_s: float, command: str,
-               emulate_pageable: Mapping[str, float]) -> HardwareProfile:
+               emulate_pageable: Mapping[str, float], say: Callable[[str], None]) -> HardwareProfile:
     require_cuda(device)
     dev = torch.device(device)
     measure = _timer(dev)
@@ -119,57 +166,54 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device=dev, dtype=dtype)
 
+    say("attention")
+    bench = Bench(dev, repeats)
     for impl in kernels.ATTENTION_IMPLS:  # each implementation the schedules may ask for
         for bs in batch_sizes:
             x1 = rand(bs, 1, h)
             for kv in kv_lens:
                 past = [kernels.kv_chunk(spec, bs, kv - 1, dtype, dev)]
-                t = measure(lambda: kernels.attention(x1, attn, norm, past, kv - 1, spec, 1e6, 1e-5, impl, qk_norm),
-                            repeats)
-                measured[f"{attention_key[impl]}:decode"].append({"tokens": bs, "kv_len": kv, "seconds": t})
+                measured[f"{attention_key[impl]}:decode"].append(bench.add(
+                    {"tokens": bs, "kv_len": kv},
+                    partial(kernels.attention, x1, attn, norm, past, kv - 1, spec, 1e6, 1e-5, impl, qk_norm)))
             for p in prompt_lens:
                 xp = rand(bs, p, h)
-                t = measure(lambda: kernels.attention(xp, attn, norm, [], 0, spec, 1e6, 1e-5, impl, qk_norm), repeats)
-                measured[f"{attention_key[impl]}:prefill"].append({"tokens": bs * p, "kv_len": p, "seconds": t})
+                measured[f"{attention_key[impl]}:prefill"].append(bench.add(
+                    {"tokens": bs * p, "kv_len": p},
+                    partial(kernels.attention, xp, attn, norm, [], 0, spec, 1e6, 1e-5, impl, qk_norm)))
+    bench.run()
     token_grid = sorted({1 << i for i in range(int(np.log2(max_expert_tokens)) + 1)}
                         | set(batch_sizes) | {bs * p for bs in batch_sizes for p in prompt_lens})
     gnorm = w.resident[f"norm2/{moe}"].to(dev)
     if dense_mlp is not None:
         measured["dense_mlp"] = []
+    say("gate, embedding and lm_head")
     for tokens in token_grid:
         hs = rand(1, tokens, h)
         forced = np.stack([np.arange(tokens) % spec.num_experts,
                            (np.arange(tokens) + 1) % spec.num_experts], axis=1)[:, : spec.top_k].astype(np.int64)
-        measured[gate_key].append({"tokens": tokens, "seconds": measure(
-            lambda: kernels.gate_step(hs, gnorm, gate, spec.top_k, 1e-5, forced, tuple(shared), spec.norm_topk_prob),
-            repeats)})
+        measured[gate_key].append(bench.add({"tokens": tokens}, partial(
+            kernels.gate_step, hs, gnorm, gate, spec.top_k, 1e-5, forced, tuple(shared), spec.norm_topk_prob)))
         if dense_mlp is not None:
-            measured["dense_mlp"].append({"tokens": tokens, "seconds": measure(
-                lambda: kernels.expert(kernels.rms_norm(hs, gnorm, 1e-5).reshape(-1, h), dense_mlp), repeats)})
-        ids = torch.randint(0, spec.vocab_size, (tokens,))
-        measured["embed"].append({"tokens": tokens, "seconds": measure(
-            lambda: kernels.embed(ids.to(dev), embed_t), repeats)})
+            measured["dense_mlp"].append(bench.add({"tokens": tokens}, partial(
+                lambda hs: kernels.expert(kernels.rms_norm(hs, gnorm, 1e-5).reshape(-1, h), dense_mlp), hs)))
+        ids = torch.randint(0, spec.vocab_size, (tokens,)).to(dev)
+        measured["embed"].append(bench.add({"tokens": tokens}, partial(kernels.embed, ids, embed_t)))
         if tokens <= max(batch_sizes):
             z = rand(tokens, 1, h)
-            measured["lm_head"].append({"tokens": tokens, "seconds": measure(
-                lambda: kernels.lm_head(z + z, final, head_t, 1e-5).argmax(-1), repeats)})
+            measured["lm_head"].append(bench.add({"tokens": tokens}, partial(
+                lambda z: kernels.lm_head(z + z, final, head_t, 1e-5).argmax(-1), z)))
+    bench.run()
+    say("experts")
     for tokens in sorted({1 << i for i in range(int(np.log2(max_expert_tokens)) + 1)}):
-        # what the executor does for one expert op: host-side rows, gather, SwiGLU, scale, scatter-add
-        z = rand(tokens, h)
-        gate_w = torch.full((tokens, spec.top_k), 1.0 / spec.top_k, device=dev)
-        routed = np.zeros((tokens, spec.top_k), dtype=np.int64)
-        out = torch.zeros(tokens, h, device=dev, dtype=dtype)
-
-        def one_expert() -> None:
-            rows_np, slots_np = np.nonzero(routed == 0)
-            kernels.expert_step(z, gate_w, torch.from_numpy(rows_np).to(dev), torch.from_numpy(slots_np).to(dev),
-                                expert, out)
-
-        measured["expert"].append({"tokens": tokens, "seconds": measure(one_expert, repeats)})
+        measured["expert"].append(bench.add({"tokens": tokens}, _expert_probe(spec, dev, dtype, tokens, expert)))
+    bench.run()
     if packed is not None:
         measured["dequant"] = [{"tokens": 0, "seconds": measure(
             lambda: kernels.dequantise_expert(packed, spec, dtype), repeats)}]
+    say("the host CPU")
     cpu_section = _measure_host_cpu(spec, w, dtype, repeats, max_expert_tokens, measured)
+    say("roofline, links and hand-offs")
 
     # roofline fields: a big GEMM, a big copy, a tiny kernel
     n = 2048 if dev.type == "cuda" else 1024
@@ -188,7 +232,7 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
         gpu_name, gpu_mem = props.name, float(props.total_memory)
         reserved = float(torch.cuda.memory_reserved(dev)) + 512 * MB
     else:
-        gpu_name, gpu_mem, reserved = f"CPU ({platform.processor() or platform.machine()})", _host_memory() / 2, 0.0
+        gpu_name, gpu_mem, reserved = f"CPU ({cpu_model()})", _host_memory() / 2, 0.0
     import transformers
 
     data = {
@@ -199,7 +243,7 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
                 "kernel_overhead_s": overhead, "dependency_latency_s": dependency_latency,
                 "host_sync_latency_s": host_sync},
         "links": links,
-        "host": {"memory_bytes": _host_memory(), "cpu": platform.processor() or platform.machine()},
+        "host": {"memory_bytes": _host_memory(), "cpu": cpu_model()},
         "cpu": cpu_section,
         "disk": {"capacity_bytes": float(_disk_capacity())},
         "sources": {"measured": "klotski-runtime calibrate (this file's provenance)",
@@ -216,10 +260,12 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
             "python": sys.version.split()[0], "host": platform.node(),
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "command": command or " ".join(sys.argv), "threads": torch.get_num_threads(),
+            "cpu_model": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "emulated_links": dict(emulate_links or {}),
         },
     }
     draft = profile_from_dict(data, "calibration")
+    say("dispatch probes (small Klotski and FlexGen schedules, executed)")
     overall, by_category = _probe_dispatch(spec, draft, dev, dtype, emulate_links or {}, min(batch_sizes),
                                            min(prompt_lens))
     data["gpu"]["dispatch_overhead_s"] = overall
@@ -233,6 +279,26 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
     data["provenance"]["probe"] = {"layers": min(2, spec.num_layers), "batch_size": min(batch_sizes),
                                    "num_batches": PROBE_BATCHES, "prompt_len": min(prompt_lens), "gen_len": PROBE_GEN}
     return profile_from_dict(data, "calibration")
+
+
+def _expert_probe(spec: ModelSpec, dev: torch.device, dtype: torch.dtype, tokens: int,
+                  weights: tuple[torch.Tensor, ...]) -> Callable[[], None]:
+    """What the executor does for one expert op over `tokens` tokens: host-side rows, gather,
+    SwiGLU, scale, scatter-add. Each token is routed to this expert in one of its top-k slots
+    (slot j holds expert j), as a router does: routing every slot to it computed top_k rows a
+    token, and on a CPU whose bf16 matmul reuses no weights (AVX2) timed an expert at top_k times
+    its cost (small-mixtral's at 4.5 ms a token where runs took 2.4)."""
+    z = torch.randn(tokens, spec.hidden_size, device=dev, dtype=dtype)
+    gate_w = torch.full((tokens, spec.top_k), 1.0 / spec.top_k, device=dev)
+    routed = np.tile(np.arange(spec.top_k, dtype=np.int64), (tokens, 1))
+    out = torch.zeros(tokens, spec.hidden_size, device=dev, dtype=dtype)
+
+    def one_expert() -> None:
+        rows_np, slots_np = np.nonzero(routed == 0)
+        kernels.expert_step(z, gate_w, torch.from_numpy(rows_np).to(dev), torch.from_numpy(slots_np).to(dev),
+                            weights, out)
+
+    return one_expert
 
 
 def _check_fits(spec: ModelSpec, dev: torch.device, batch_sizes: list[int], prompt_lens: list[int],
@@ -284,7 +350,7 @@ def _measure_host_cpu(spec: ModelSpec, w: WeightStore, dtype: torch.dtype, repea
         if seconds > CPU_EXPERT_MAX_SECONDS:  # a slow CPU (no native bf16): the roofline answers above this
             break
     key = DTYPE_KEYS.get(dtype, str(dtype).replace("torch.", ""))
-    return {"name": platform.processor() or platform.machine(), "cores": os.cpu_count() or 1,
+    return {"name": cpu_model(), "cores": os.cpu_count() or 1,
             "flops": {key: flops}, "compute_dtype": key, "memory_bandwidth": bandwidth, "op_overhead_s": 0.0}
 
 

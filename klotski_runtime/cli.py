@@ -36,7 +36,9 @@ from klotski_sim.exports import TIMELINE_FILES
 from klotski_sim.hardware import RATE_FLOOR
 from klotski_sim.machine import available_cores
 from klotski_sim.outfiles import refuse_unwritable, write_file
+from klotski_sim.progress import say
 from klotski_sim.trace_synth import DEFAULT_ROUTING
+from klotski_sim.units import flop_rate_text
 
 # (torch, 0.8 s, is imported by the commands that use it: `--help` and a refused flag answer without it,
 # and a stop during its import is a stop of the command, said in one line)
@@ -175,9 +177,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                         prompt_lens=args.prompt_lens, max_expert_tokens=args.max_expert_tokens, repeats=args.repeats,
                         dtype=getattr(torch, args.dtype), emulate_links=_emulation(args),
                         emulate_pageable=_pageable(args), command="klotski-runtime " + " ".join(sys.argv[1:]),
-                        threads=_threads(args))
+                        threads=_threads(args), progress=say)
     write_file(args.out, lambda temporary: temporary.write_text(profile.to_yaml()), "--out")
-    print(f"wrote {args.out}: {profile.gpu.name}; peak {profile.gpu.peak_flops / 1e12:.2f} TFLOP/s, memory "
+    print(f"wrote {args.out}: {profile.gpu.name}; peak {flop_rate_text(profile.gpu.peak_flops)}, memory "
           f"{profile.gpu.memory_bandwidth / 1e9:.1f} GB/s, H2D {profile.links.pcie_h2d.bandwidth / 1e9:.2f} GB/s"
           f"{' (emulated)' if _emulation(args) else ''}; "
           f"{sum(len(v) for v in profile.measured.values())} measured op durations")
@@ -216,11 +218,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
                                                   .bit_length()),
                             dtype=getattr(torch, args.dtype), emulate_links=_emulation(args),
                             emulate_pageable=_pageable(args), threads=threads,
-                            command="klotski-runtime " + " ".join(sys.argv[1:]))
+                            command="klotski-runtime " + " ".join(sys.argv[1:]), progress=say)
         profile_path = str(out / "profile.yaml")
         write_file(profile_path, lambda temporary: temporary.write_text(profile.to_yaml()), "--out")
         print(f"wrote {profile_path}")
-    report = validate(setup, profile_path, out, policies)
+    report = validate(setup, profile_path, out, policies, progress=True)
     print(format_report(report))
     print(f"wrote validation.json and <policy>/{{simulated,measured}}.parquet, validation.png to {out}/")
     return 0

@@ -9,7 +9,6 @@ Gantt (simulated above, measured below, same time axis) and `validation.json`.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -22,8 +21,10 @@ from klotski_sim.engine import resource_capacities, simulate
 from klotski_sim.errors import UsageError
 from klotski_sim.exports import to_parquet
 from klotski_sim.hardware import HardwareProfile, ProfileError
+from klotski_sim.machine import machine_load, steal_share
 from klotski_sim.model import get_model
 from klotski_sim.policies import build_schedule
+from klotski_sim.progress import Progress
 from klotski_sim.runner import RunSpec, prepare
 from klotski_sim.timeline import OutOfMemory, Timeline, jsonable
 
@@ -134,21 +135,6 @@ def side_by_side(sim: Timeline, meas: Timeline, path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def machine_load() -> dict[str, float]:
-    """What distorts a measurement on a shared machine: the 1-minute load average per core, and
-    the CPU time stolen by the hypervisor (cumulative jiffies; compare two readings)."""
-    out = {"load_per_core": os.getloadavg()[0] / max(1, os.cpu_count() or 1), "steal_jiffies": 0.0,
-           "total_jiffies": 0.0}
-    try:
-        with open("/proc/stat") as f:
-            fields = [float(v) for v in f.readline().split()[1:]]
-        out["total_jiffies"] = sum(fields)
-        out["steal_jiffies"] = fields[7] if len(fields) > 7 else 0.0
-    except (OSError, ValueError):
-        pass
-    return out
-
-
 def refit_dispatch(profile: HardwareProfile, sim: Timeline, meas: Timeline) -> HardwareProfile:
     """The profile with its per-category dispatch cost refitted on this very measurement: what an
     in-sample calibration would have given (the reported in-sample error uses it)."""
@@ -171,10 +157,11 @@ def _spread(values: list[float | None]) -> dict[str, float | None]:
 
 
 def validate(setup: ValidationSetup, profile_path: str, out_dir: str | Path,
-             policies: tuple[str, ...] = ALL_POLICIES) -> dict[str, Any]:
+             policies: tuple[str, ...] = ALL_POLICIES, progress: bool = False) -> dict[str, Any]:
     """Run every policy `setup.repeats` times; returns (and writes) the report: for each schedule the
     errors of the median run, the median and spread of every error over the runs, and the same
-    errors with the dispatch costs refitted on the measurement itself (in-sample)."""
+    errors with the dispatch costs refitted on the measurement itself (in-sample). `progress`: a
+    line on stderr as each schedule is done."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     spec = RunSpec(model=setup.model, hardware=profile_path, policy=policies[0], batch_size=setup.batch_size,
@@ -199,6 +186,7 @@ def validate(setup: ValidationSetup, profile_path: str, out_dir: str | Path,
     impls = ("as-published", "ideal") if setup.impl == "both" else (setup.impl,)
     runs = [(name, impl) for name in policies for impl in impls]
     spreads: list[float] = []  # run-to-run spread of the measured makespan, per schedule
+    done = Progress("validate", len(runs), enabled=progress)
     for name, impl in runs:
         key = name if len(impls) == 1 else f"{name}/{impl}"
         p = prep.narrowed(1) if name == "single-batch" else prep
@@ -209,6 +197,7 @@ def validate(setup: ValidationSetup, profile_path: str, out_dir: str | Path,
             where = f" ({OutOfMemory.from_dict(oom).describe()})" if oom else ""
             report["policies"][key] = {"skipped": f"the simulated run ends with status {sim.status}{where}: give "
                                                   f"the profile more GPU memory, or run a smaller batch", "impl": impl}
+            done.done(f"({key}: skipped)")
             continue
         options = replace(options, capacities=resource_capacities(schedule, p.profile))  # one definition
         for _ in range(setup.warmup_runs):  # first-touch costs (allocator, lazy init) are not the schedule's
@@ -238,6 +227,7 @@ def validate(setup: ValidationSetup, profile_path: str, out_dir: str | Path,
                      f"P={setup.prompt_len} G={setup.gen_len}")
         (folder / "validation.json").write_text(json.dumps(jsonable(result), indent=2))
         report["policies"][key] = result
+        done.done(f"({key}: makespan error {result['makespan']['error']:+.1%})")
     report["emulated_links"] = dict(setup.emulate_links)
     report["machine"] = machine_conditions(load_before, machine_load(), spreads)
     (out / "validation.json").write_text(json.dumps(jsonable(report), indent=2))
@@ -251,8 +241,7 @@ def machine_conditions(before: dict[str, float], after: dict[str, float], spread
     """The measured load during validation, and warnings when it was high enough to distort it:
     load average, CPU time stolen by the hypervisor, and how much the executor's own runs of one
     schedule disagreed with each other (their makespans' spread)."""
-    total = after["total_jiffies"] - before["total_jiffies"]
-    steal = (after["steal_jiffies"] - before["steal_jiffies"]) / total if total > 0 else 0.0
+    steal = steal_share(before, after)
     load = max(before["load_per_core"], after["load_per_core"])
     spread = max(spreads) if spreads else 0.0
     warnings = []

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import io
 import json
-import math
 import os
 import re
 import sys
@@ -47,6 +47,7 @@ from .outfiles import OutputFiles, refuse_unwritable, write_file
 from .planner import format_plan
 from .policies import POLICIES
 from .policies.plugins import load_for_command_line
+from .progress import Progress
 from .runner import (
     LONG_DRAW_S,
     RunSpec,
@@ -64,7 +65,7 @@ from .timeline import FIGURE_COLUMNS, OutOfMemory, Summary, jsonable
 from .trace import MAX_IMPORT_INDEX, Trace, TraceError, import_jsonl
 from .trace_stats import format_stats, layer_stats, token_subset
 from .trace_synth import DEFAULT_ROUTING, check_routing_fits, synthesize
-from .units import GIB, counted
+from .units import GIB, counted, duration_text, duration_unit, memory_text, span_text
 
 
 class CliError(KlotskiError):
@@ -269,8 +270,15 @@ def format_summary(s: Summary) -> str:
     finished = s.status == "ok"
     # (a run of one generated token has no decode step, and one stopped before its first has none yet: their
     # "0.0 ms" decode step and "0.000 tok/s decode only" read as measurements)
-    decode = (f"decode step {s.decode_step_s * 1e3:.1f} ms, MoE block {s.moe_block_s * 1e3:.1f} ms" if s.decode_s > 0
-              else "no decode step")
+    decode = (f"decode step {duration_text(s.decode_step_s)}, MoE block {duration_text(s.moe_block_s)}"
+              if s.decode_s > 0 else "no decode step")
+    # the run's times in the makespan's unit, a tiny run's in ms (its 0.43 ms of bubbles printed `0.000 s`); a
+    # time that would show under two digits there in its own (a long run's 50 us of inter-layer bubbles)
+    unit = duration_unit(s.makespan_s)
+
+    def t(seconds: float) -> str:
+        return duration_text(seconds, unit)
+
     lines = [
         f"policy      {s.policy}   model {s.model}   hardware {s.hardware}   impl {s.impl}",
         f"workload    n={s.num_batches} x bs={s.batch_size}, prompt {s.prompt_len}, generate {s.gen_len} "
@@ -278,24 +286,23 @@ def format_summary(s: Summary) -> str:
         f"status      {s.status}" + (f"  ({_oom_text(s.oom)})" if s.oom else ""),
         # (the two parts add up to the makespan; a batch's own prefill latency is another figure: printed beside
         # the decode, it read as a part, and the two "parts" summed past the makespan in half of 60 runs)
-        f"makespan    {s.makespan_s:.3f} s   ({'' if finished else 'until it stopped: '}prefill "
-        f"{s.makespan_s - s.decode_s:.3f} s + decode {s.decode_s:.3f} s; a batch's prefill {s.prefill_s:.3f} s, "
-        f"{decode})",
+        f"makespan    {t(s.makespan_s)}   ({'' if finished else 'until it stopped: '}prefill "
+        f"{t(s.makespan_s - s.decode_s)} + decode {t(s.decode_s)}; a batch's prefill {t(s.prefill_s)}, {decode})",
         (f"throughput  {s.throughput_tok_s:.3f} generated tok/s end to end   "
          + (f"{s.decode_throughput_tok_s:.3f} tok/s decode only" if s.decode_s > 0 else "no decode throughput: "
             "no decode step")) if finished else "throughput  - (the run did not finish)",
-        f"{device} busy    {s.gpu_busy_s:.3f} s   bubbles {s.bubble_s:.3f} s "
-        f"(inter-layer {s.bubble_inter_s:.3f} s, intra-layer {s.bubble_intra_s:.3f} s)   "
-        f"host blocked {s.host_blocked_s:.3f} s",
-        f"bound       {s.lower_bound_s:.3f} s on {_device_name(s.lower_bound_resource, on_cpu)}   "
+        f"{device} busy    {t(s.gpu_busy_s)}   bubbles {t(s.bubble_s)} "
+        f"(inter-layer {t(s.bubble_inter_s)}, intra-layer {t(s.bubble_intra_s)})   "
+        f"host blocked {t(s.host_blocked_s)}",
+        f"bound       {t(s.lower_bound_s)} on {_device_name(s.lower_bound_resource, on_cpu)}   "
         f"efficiency {f'{s.efficiency:.1%}' if finished else '- (the run did not finish)'}",
-        f"peak {'host' if on_cpu else 'GPU'}    {s.peak_gpu_bytes / GIB:.2f} GiB"
+        f"peak {'host' if on_cpu else 'GPU'}    {memory_text(s.peak_gpu_bytes)}"
         f"{' (the CPU runtime device store, in host memory)' if on_cpu else ''}   ops {s.num_ops}"
         f"{'' if finished else ' in the schedule (the run stopped before them all)'}",
         "utilisation " + "  ".join(f"{_device_name(r, on_cpu)} {u:.1%}" for r, u in s.utilization.items()),
     ]
     if s.bubble_by_cause:
-        lines.append("bubbles by cause " + "  ".join(f"{c} {v:.3f} s" for c, v in
+        lines.append("bubbles by cause " + "  ".join(f"{c} {t(v)}" for c, v in
                                                       sorted(s.bubble_by_cause.items(), key=lambda kv: -kv[1])))
     cache = s.extra.get("expert_cache")
     if cache and s.status == "ok":
@@ -330,11 +337,6 @@ def _local_workers(args: argparse.Namespace) -> None:
         _note(f"--workers {args.workers}: this process may use {cores} core(s); running {counted(cores, 'worker')} "
               f"(the runs are CPU-bound: more would finish no sooner, each taking its own memory)")
         args.workers = cores
-
-
-def _duration(seconds: float) -> str:
-    """An estimate's length as the notes say it: seconds below a minute, minutes above."""
-    return f"{seconds:.0f} s" if seconds < 60 else f"{seconds / 60:.0f} min"
 
 
 def _say_long_work() -> None:
@@ -448,9 +450,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
     with OutputFiles(out, stale=compare_files) as files:  # (all or none, as simulate --out)
         traces = ([files.path(_trace_name(name, impl, impls)) for name, impl in runs]
                   if args.traces and simulated else None)  # (each written by the worker that ran it)
+        done = Progress("compare", len(runs))
         timelines = dict(zip(runs, run_each(list(runs.values()), prep, args.workers or available_cores(), traces,
                                             keep=FIGURE_COLUMNS if figure else (),
-                                            meanwhile=partial(_import_for_output, figure))))
+                                            meanwhile=partial(_import_for_output, figure),
+                                            on_done=lambda run: done.done(f"({_label(run.policy, run.impl, impls)})"))))
         summaries = {key: tl.summary() for key, tl in timelines.items()}
         print(format_comparison(summaries))
         if len(impls) > 1:
@@ -543,7 +547,6 @@ def _pct(value: float | None) -> str:
 
 
 SWEEP_CONFIRM = 10_000  # a grid larger than this runs only with --yes
-SECONDS_PER_CONFIG = 1.5  # a default-size as-published Klotski configuration on one worker: 78 a minute on 2
 # (`python experiments/bench_sweep.py --default-size 20`, every schedule distinct; README, Performance)
 
 
@@ -573,10 +576,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             return
         left = total - done
         workers = min(max(1, args.workers), left)
-        took = _duration(math.ceil(left / workers) * SECONDS_PER_CONFIG)
         resumed = f"; resumed: {done} already done, {left} left" if done else ""
-        print(f"{grid}{resumed}: about {took} on {counted(workers, 'worker')}, at {SECONDS_PER_CONFIG:.1f} s each as "
-              f"a default-size Mixtral-8x7B run (larger models, prompts and n take longer)", flush=True)
+        # (no time is guessed here: a constant measured on another machine was off 4-15x under load; the
+        # progress lines estimate from the rows this machine has finished)
+        print(f"{grid}{resumed}: running on {counted(workers, 'worker')}", flush=True)
 
     df = run_sweep(spec, args.out, workers=args.workers, dask=args.dask, progress=not args.no_progress,
                    on_start=starting)
@@ -726,7 +729,7 @@ def cmd_trace_synth(args: argparse.Namespace) -> int:
     seconds = draw_seconds(model, args.sequences, args.prompt_len + args.gen_len)
     if seconds >= LONG_DRAW_S:  # (100M sequences of a tiny model drew for 17 minutes without a word)
         _note(f"drawing {args.sequences:,} sequences x {args.prompt_len + args.gen_len:,} tokens of {model.name}'s "
-              f"routing: about {_duration(seconds)} on a 2-core machine")
+              f"routing: about {span_text(seconds)} on this machine as loaded now")
     trace = synthesize(model, args.sequences, args.prompt_len, args.gen_len, args.routing, args.seed,
                        with_weights=args.with_weights)
     trace.save(args.out)
@@ -919,6 +922,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+RUNTIME_MODULES = ("torch", "transformers", "safetensors")  # the `runtime` extra's
+RUNTIME_INSTALL = ("pip install 'klotski[runtime]' (from a checkout: pip install -e '.[runtime]'); on a machine "
+                   "without CUDA install the CPU build of torch first: pip install torch --index-url "
+                   "https://download.pytorch.org/whl/cpu")
+
+
 def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     """Parse, run the subcommand, and turn the user's errors (KlotskiError, and OSError for files)
     into one `error:` line (exit 2). Anything else is a bug and shows its traceback; `--debug`
@@ -927,6 +936,8 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     handler: Callable[[argparse.Namespace], int] = args.func
     _made_folders.clear()
     stops, replaced = take_stops()
+    if isinstance(sys.stdout, io.TextIOWrapper):  # (to a file or a pipe, lines as they are printed, not at the end)
+        sys.stdout.reconfigure(line_buffering=True)
     stdout, sys.stdout = sys.stdout, ReaderMayGo(sys.stdout)
     try:
         try:
@@ -944,6 +955,13 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     except KeyboardInterrupt as stop:
         _remove_empty_made_folders()
         return stopped(stop)
+    except ModuleNotFoundError as err:
+        if err.name not in RUNTIME_MODULES or getattr(args, "debug", False):
+            raise
+        _remove_empty_made_folders()
+        print(f"error: {err.name} is not installed, and this command runs models with it: {RUNTIME_INSTALL}",
+              file=sys.stderr)
+        return 2
     except (MemoryError, RuntimeError) as err:  # (torch's allocators raise RuntimeError: "... can't allocate ...")
         if str(err).startswith("Symlink loop from ") and not getattr(args, "debug", False):
             # (a path given through a link that points back at itself: pathlib's resolve() on Python < 3.13;

@@ -101,3 +101,77 @@ def _room(limit_path: Path, usage_path: Path) -> int | None:
     if limit >= 1 << 60:
         return None
     return max(0, limit - usage)
+
+
+def machine_load() -> dict[str, float]:
+    """What distorts a measurement on a shared machine: the 1-minute load average per core, and
+    the CPU time stolen by the hypervisor (cumulative jiffies; compare two readings)."""
+    out = {"load_per_core": os.getloadavg()[0] / max(1, os.cpu_count() or 1), "steal_jiffies": 0.0,
+           "total_jiffies": 0.0}
+    try:
+        with open("/proc/stat") as f:
+            fields = [float(v) for v in f.readline().split()[1:]]
+        out["total_jiffies"] = sum(fields)
+        out["steal_jiffies"] = fields[7] if len(fields) > 7 else 0.0
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def steal_share(before: dict[str, float], after: dict[str, float]) -> float:
+    """The share of CPU time the hypervisor took between two `machine_load` readings."""
+    total = after["total_jiffies"] - before["total_jiffies"]
+    return (after["steal_jiffies"] - before["steal_jiffies"]) / total if total > 0 else 0.0
+
+
+def cpu_model() -> str:
+    """The processor's marketing name (`platform.processor()` is empty on most Linux systems)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+# The time constants that estimates use (run_size's seconds an op, the synthetic draw's seconds an
+# element) were measured on one machine: a 2-core AMD EPYC (AVX2), quiet. SPEED_PROBE_REFERENCE_S is
+# what `_speed_probe` took there (median of 5, `python -c "from klotski_sim.machine import
+# _speed_probe; print(_speed_probe())"`); the ratio to what it takes here and now scales them, so an
+# estimate is of this machine, under its present load, not of that one.
+SPEED_PROBE_REFERENCE_S = 0.0051  # (4.7-6.3 ms over five processes, load 1.0 falling)
+
+
+def _speed_probe() -> float:
+    """Median seconds of a small mix of the interpreter and numpy work a simulation does."""
+    import time
+
+    import numpy as np
+
+    samples = []
+    for _ in range(5):
+        t = time.perf_counter()
+        total = 0
+        for i in range(20_000):  # (the engine's event loop: Python calls and small objects)
+            total += len((i, i + 1)) + (i & 7)
+        a = np.arange(20_000, dtype=np.float64)
+        for _ in range(20):  # (the generator's and the timeline's vector work)
+            a = np.sqrt(a * 1.0001 + 1.0)
+        samples.append(time.perf_counter() - t)
+    return sorted(samples)[len(samples) // 2]
+
+
+_slowdown: list[float] = []
+
+
+def slowdown() -> float:
+    """How many times longer work takes here, now, than on the machine the estimates' constants were
+    measured on (at least 0.25: a fast machine's estimate is still not promised below a quarter).
+    Measured once a process (about 0.1 s)."""
+    if not _slowdown:
+        _slowdown.append(max(0.25, _speed_probe() / SPEED_PROBE_REFERENCE_S))
+    return _slowdown[0]

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from .errors import MachineRefusal
-from .machine import available_memory_bytes, resident_bytes
+from .machine import available_memory_bytes, resident_bytes, slowdown
 from .units import counted, memory_text
 
 # Peak resident memory per op of `klotski-sim simulate` (schedule, graph, engine lists, timeline and
@@ -121,11 +121,11 @@ class RunSizeWatch:
                     f"{memory_text(resident)} it holds, but this machine has {memory_text(available)} available"
                     f"{shared}; {', '.join(fewer[:-1]) + ' or ' if len(fewer) > 1 else ''}{fewer[-1]} builds fewer "
                     f"ops")
-        seconds = ops * (SECONDS_PER_OP_WITH_FILES if with_files else SECONDS_PER_OP)
+        seconds = ops * (SECONDS_PER_OP_WITH_FILES if with_files else SECONDS_PER_OP) * slowdown()
         if seconds >= LONG_RUN_S:
             for listener in listeners:
                 listener(f"{self.policy} builds about {_count(ops)} ops ({projected}): about {seconds:.0f} s and "
-                         f"{memory_text(needed)} of memory on a 2-core machine")
+                         f"{memory_text(needed)} of memory on this machine as loaded now")
 
 
 def _count(ops: int) -> str:

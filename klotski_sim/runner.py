@@ -29,6 +29,7 @@ from .errors import KlotskiError, MissingCapability, StorageRefusal, UsageError
 from .exports import to_chrome_trace
 from .hardware import HardwareProfile, load_profile, with_overrides
 from .impl import Impl
+from .machine import slowdown
 from .model import ModelSpec, get_model
 from .planner import (
     Plan,
@@ -191,10 +192,11 @@ DRAW_S_PER_SEQUENCE_LAYER = 3.5e-6
 
 
 def draw_seconds(model: ModelSpec, sequences: int, tokens: int) -> float:
-    """About how long `synthesize` draws `sequences` x `tokens` of `model`'s routing (see above)."""
+    """About how long `synthesize` draws `sequences` x `tokens` of `model`'s routing on this machine
+    (the constants above, scaled by `machine.slowdown`)."""
     per_token = model.num_experts * DRAW_S_PER_ELEMENT + DRAW_S_PER_TOKEN_LAYER
     per_sequence = tokens * per_token + DRAW_S_PER_SEQUENCE_LAYER
-    return sequences * model.num_layers * per_sequence
+    return sequences * model.num_layers * per_sequence * slowdown()
 
 
 def _announce_draw(model: ModelSpec, routing: str, sequences: int, tokens: int) -> None:
@@ -205,7 +207,7 @@ def _announce_draw(model: ModelSpec, routing: str, sequences: int, tokens: int) 
         for listener in draw_listeners:
             listener(f"drawing the {routing} routing of {sequences} sequences x {tokens:,} tokens for {model.name} "
                      f"({model.num_layers} layers x {model.num_experts} experts; {cached}): about {seconds:.0f} s on "
-                     f"a 2-core machine")
+                     f"this machine as loaded now")
 
 
 @lru_cache(maxsize=4)
@@ -600,7 +602,8 @@ def _timeline_in_worker(spec: RunSpec, trace_path: Path | None, keep: Collection
 
 def run_each(specs: list[RunSpec], prep: Prepared, workers: int = 1,
              trace_paths: list[Path | None] | None = None, keep: Collection[str] | None = None,
-             meanwhile: Callable[[], object] | None = None) -> list[Timeline]:
+             meanwhile: Callable[[], object] | None = None,
+             on_done: Callable[[RunSpec], None] | None = None) -> list[Timeline]:
     """The timelines of several runs on one preparation (compare's policies and presets), in
     `workers` processes when more than one: each run is independent and single-threaded. Each
     run's Chrome trace is written where `trace_paths` says (by the process that ran it); each
@@ -608,11 +611,16 @@ def run_each(specs: list[RunSpec], prep: Prepared, workers: int = 1,
     `meanwhile` runs in a thread of this process once fewer runs are left than workers, on the core
     a worker no longer needs (what it raises is ignored: compare imports pandas and the plotting
     library there, and imports them again, raising, where it needs them; started with the workers, the import took
-    0.15-0.25 s of their time from the slowest of them)."""
+    0.15-0.25 s of their time from the slowest of them). `on_done` is told each run as it ends."""
     traces = trace_paths or [None] * len(specs)
     workers = min(workers, len(specs))
+    done_with = on_done or (lambda spec: None)
     if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
-        return [_timeline_of(spec, path, prep, keep) for spec, path in zip(specs, traces)]
+        ran = []
+        for spec, path in zip(specs, traces):
+            ran.append(_timeline_of(spec, path, prep, keep))
+            done_with(spec)
+        return ran
     # forked workers inherit the preparation (routing, plan, policies loaded from files) as it is
     helper = threading.Thread(target=_ignoring_errors, args=(meanwhile,), daemon=True) if meanwhile else None
     timelines: dict[int, Timeline] = {}
@@ -632,7 +640,9 @@ def run_each(specs: list[RunSpec], prep: Prepared, workers: int = 1,
         while in_flight:
             done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
             for future in done:
-                timelines[in_flight.pop(future)] = future.result()  # (an error: said now, nothing more handed out)
+                k = in_flight.pop(future)
+                timelines[k] = future.result()  # (an error: said now, nothing more handed out)
+                done_with(specs[k])
                 hand_out()
             if helper is not None and len(in_flight) < workers:
                 # (a worker idle: its core is the helper's; started after the forks, no worker holds its locks)

@@ -49,6 +49,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 import traceback
 from concurrent.futures import as_completed
@@ -81,6 +82,7 @@ from .outfiles import write_file
 from .policies import POLICIES
 from .policies.base import resolve_options
 from .policies.plugins import load_policy_files
+from .progress import Progress
 from .stopping import signals_deferred, terminal_signals_ignored
 from .textfile import read_text
 from .timeline import Summary, jsonable
@@ -797,30 +799,31 @@ def _check_dask_address(address: str) -> None:
 
 
 class _progress:
-    """A rich progress bar (or nothing), as a context manager yielding `advance()`."""
+    """A sweep's progress as a context manager yielding `advance()`: a live rich bar where stderr is
+    a terminal, plain lines (`progress.Progress`) where it is not — a log file, CI, a notebook, where
+    the bar printed nothing until the end — and nothing when not `enabled`."""
 
     def __init__(self, enabled: bool, total: int, done: int, name: str) -> None:
         self.enabled, self.total, self.done, self.name = enabled, total, done, name
+        self.bar: Any = None
 
     def __enter__(self) -> Callable[[], None]:
-        if not self.enabled:
+        if not self.enabled or self.done >= self.total:
             return lambda: None
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeRemainingColumn,
-        )
+        if not sys.stderr.isatty():
+            lines = Progress(f"sweep {self.name}", self.total, done=self.done)
+            return lambda: lines.done()
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+        from rich.progress import Progress as Bar
 
-        self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TimeRemainingColumn(), transient=False)
+        self.bar = Bar(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                       TimeRemainingColumn(), transient=False)
         self.bar.start()
         task = self.bar.add_task(self.name, total=self.total, completed=self.done)
         return lambda: self.bar.advance(task)
 
     def __exit__(self, *exc: object) -> None:
-        if self.enabled:
+        if self.bar is not None:
             self.bar.stop()
 
 

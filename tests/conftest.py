@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -39,12 +44,86 @@ def profile() -> HardwareProfile:
     return make_profile()
 
 
+# What a launcher may have left ignored (`nohup`: SIGHUP; a shell without job control starting a job in the
+# background: SIGINT) or blocked, and an ignored signal stays ignored across exec: a test's subprocess gets them
+# back at their defaults, so that what it does with a stop does not depend on how the suite was started. A test
+# of a run "under nohup" ignores SIGHUP itself, in the subprocess.
+RESET_SIGNALS = tuple(getattr(signal, name) for name in ("SIGHUP", "SIGINT", "SIGTERM") if hasattr(signal, name))
+
+
+def default_signals() -> None:
+    """A subprocess's first step (preexec_fn, before exec): `RESET_SIGNALS` at their defaults, none blocked.
+    (Only sigaction and sigprocmask: nothing that could wait on a lock of another thread of pytest.)"""
+    for signum in RESET_SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
+@pytest.fixture
+def stop_signals() -> Any:
+    """For a test that sets the handlers of `RESET_SIGNALS` in the pytest process itself (what its pool's
+    workers inherit): it sets each it depends on, whatever the launcher left, and they are put back after."""
+    before = {signum: signal.getsignal(signum) for signum in RESET_SIGNALS}
+    yield
+    for signum, handler in before.items():
+        signal.signal(signum, handler)
+
+
+_STARTED: list[subprocess.Popen] = []  # (by `start`, since the running test began: each leads a session of its own)
+
+
+def start(args: list[str], preexec: Callable[[], None] | None = None, **popen: Any) -> subprocess.Popen:
+    """Popen `args` (from the repository's root unless told) with the stop signals at their defaults, in a
+    session of its own: it and whatever it starts (pool workers, a Dask cluster) are ended together, by
+    `stop` or, at the latest, by `no_process_left` when the test ends, however it ends. `preexec` runs after
+    the signals are reset."""
+    def first() -> None:
+        default_signals()
+        if preexec is not None:
+            preexec()
+
+    popen.setdefault("cwd", ROOT)
+    proc = subprocess.Popen(args, start_new_session=True, preexec_fn=first, **popen)  # noqa: PLW1509 (as above)
+    _STARTED.append(proc)
+    return proc
+
+
+def stop(proc: subprocess.Popen) -> tuple[Any, Any]:
+    """SIGKILL to `proc` and every process of its session; its output so far (stdout, stderr) once reaped."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # (its group: the session's, unless one of them made another)
+    except OSError:  # (none left)
+        pass
+    _kill(_session(proc.pid))
+    try:
+        return proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired:  # (a pipe still held by something that left the session)
+        proc.kill()
+        proc.wait()
+        return None, None
+
+
+def run(args: list[str], timeout: float, preexec: Callable[[], None] | None = None,
+        **popen: Any) -> subprocess.CompletedProcess:
+    """`start` and wait for its end, its output captured as text (subprocess.run's); on a timeout (or a
+    Ctrl-C) its whole session is killed first, not the process alone (subprocess.run's kill), whose
+    workers held its pipes open and went on."""
+    popen.setdefault("stdout", subprocess.PIPE)
+    popen.setdefault("stderr", subprocess.PIPE)
+    popen.setdefault("text", True)
+    proc = start(args, preexec, **popen)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        stop(proc)
+        raise
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
 def run_cli(*args: str) -> tuple[int, str, str]:
     """Run `klotski-sim` in-process-free (a real subprocess), as a user would."""
-    import subprocess
-
-    proc = subprocess.run([sys.executable, "-m", "klotski_sim.cli", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=600)
+    proc = run([sys.executable, "-m", "klotski_sim.cli", *args], timeout=600)
     return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -53,16 +132,94 @@ def run_on_a_full_disk(module: str, *args: str, room: int = 64) -> tuple[int, st
     fails with EFBIG ("File too large"), as ENOSPC would on a full disk (SIGXFSZ ignored, so the write
     fails rather than killing the process; Python's own caches are written best-effort)."""
     import resource
-    import signal
-    import subprocess
 
     def limited() -> None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # (kept across exec: an ignored signal stays ignored)
         resource.setrlimit(resource.RLIMIT_FSIZE, (room, room))
 
-    proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=600, preexec_fn=limited)
+    proc = run([sys.executable, "-m", module, *args], timeout=600, preexec=limited)
     return proc.returncode, proc.stdout, proc.stderr
+
+
+# Test files whose tests must leave no process of theirs behind (sweeps: pool workers, Dask clusters, CLIs):
+# anything left when such a test ends is killed and the test fails (an error at its teardown) with its
+# command line. A failing sweep test left a 400-configuration Dask sweep running for 11 minutes.
+NO_PROCESS_LEFT = {"test_signals.py", "test_sweep.py"}
+LEFT_GRACE_S = 10  # (what is left that still ends on its own, meanwhile: a cluster's last workers)
+# Processes of the multiprocessing module that serve the pytest process as long as it runs, started for it
+# by the first pool or cluster that needs one: not a test's to end
+_SERVING_PYTEST = ("from multiprocessing.resource_tracker import main", "from multiprocessing.forkserver import main")
+
+
+def _processes() -> dict[int, tuple[str, int, int]]:
+    """Every process this one can see, by pid: its state, parent and session (/proc/<pid>/stat; none
+    without /proc)."""
+    found: dict[int, tuple[str, int, int]] = {}
+    for entry in Path("/proc").iterdir() if Path("/proc/self/stat").exists() else ():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):  # (gone meanwhile)
+                continue
+            found[int(entry.name)] = (fields[0], int(fields[1]), int(fields[3]))
+    return found
+
+
+def _session(sid: int) -> list[int]:
+    """The running processes of session `sid` (started by `start`): those that outlived it, reparented, too."""
+    return [pid for pid, (state, _, session) in _processes().items()
+            if session == sid and pid != os.getpid() and state not in "ZX"]
+
+
+def _command(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "(gone)"
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:  # (gone meanwhile)
+            pass
+
+
+@pytest.fixture(autouse=True)
+def no_process_left(request: pytest.FixtureRequest):
+    """After each test: whatever it started with `start` that still runs (the process or anything of its
+    session) is killed and reaped, so that no test leaves a sweep running; in the files of `NO_PROCESS_LEFT`,
+    a child of the pytest process the test started (a pool's worker, a Dask cluster's nanny) too, and the
+    test fails with their command lines."""
+    checked = request.node.path.name in NO_PROCESS_LEFT and Path("/proc/self/stat").exists()
+    before = {pid for pid, (_, parent, _) in _processes().items() if parent == os.getpid()} if checked else set()
+    del _STARTED[:]
+    yield
+    started = list(_STARTED)
+    del _STARTED[:]
+    if not started and not checked:
+        return
+
+    def left() -> list[int]:
+        everything = _processes()
+        return [pid for pid, (state, parent, session) in everything.items() if state not in "ZX" and pid != os.getpid()
+                and (any(session == proc.pid for proc in started)
+                     or checked and parent == os.getpid() and pid not in before
+                     and not any(what in _command(pid) for what in _SERVING_PYTEST))]
+
+    # (a process the test started and did not wait for is left for sure: no grace then)
+    deadline = time.monotonic() + (0 if any(proc.poll() is None for proc in started) else LEFT_GRACE_S)
+    while (found := left()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    commands = [f"{pid}: {_command(pid)}" for pid in found]
+    _kill(found)
+    for proc in started:
+        if proc.poll() is None:
+            stop(proc)
+    if commands and checked:
+        pytest.fail(f"{len(commands)} process(es) left running by the test (killed now):\n" + "\n".join(commands),
+                    pytrace=False)
 
 
 def folder_state(folder: Path) -> dict[str, bytes]:

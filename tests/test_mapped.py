@@ -533,7 +533,7 @@ def test_a_long_synthetic_draw_is_said_once_before_it_begins_and_never_when_cach
     sequences = 3 * 2 + spec.warmup_sequences
     cached = "not in the trace cache yet" if cache_setting == "folder" else "the trace cache is off"
     assert heard == [f"drawing the calibrated routing of {sequences} sequences x 12 tokens for tiny-mixtral "
-                     f"(2 layers x 4 experts; {cached}): about 0 s on a 2-core machine"]
+                     f"(2 layers x 4 experts; {cached}): about 0 s on this machine as loaded now"]
     runner._synthetic_trace.cache_clear()
     runner.make_replay(spec, get_model("tiny-mixtral"), 3)
     assert len(heard) == (1 if cache_setting == "folder" else 2)  # (drawn again only without a cache)

@@ -107,12 +107,13 @@ def test_the_cli_refuses_in_one_line_and_says_long_runs(projections, monkeypatch
     assert err.count("\n") == 1 and err.startswith("error: klotski would build about "), err
     monkeypatch.setattr(run_size, "available_memory_bytes", lambda: None)  # (unknown: nothing refused)
     monkeypatch.setattr(run_size, "LONG_RUN_S", 0.0)
+    monkeypatch.setattr("klotski_sim.machine._slowdown", [1.0])  # (the reference machine's speed: fixed figures)
     assert main([*args, "--out", str(tmp_path / "o")]) == 0
     out, err = capsys.readouterr()
     projected = projections[-1][0]
     assert f"note: klotski builds about {projected:,} ops (" in err
     seconds = projected * run_size.SECONDS_PER_OP_WITH_FILES  # (--out: the figures with files)
-    assert f"about {seconds:.0f} s and " in err and " of memory on a 2-core machine" in err, err
+    assert f"about {seconds:.0f} s and " in err and " of memory on this machine as loaded now" in err, err
 
 
 def test_a_sweep_records_too_large_and_tries_it_again_on_a_rerun(projections, monkeypatch, tmp_path):

@@ -270,8 +270,10 @@ def test_a_calibration_on_a_full_disk_is_one_line_and_leaves_the_earlier_profile
     out.write_text("the earlier profile\n")
     rc, _, err = run_on_a_full_disk("klotski_runtime.cli", "calibrate", "--model", "tiny-mixtral", "--repeats", "1",
                                     "--batch-sizes", "1", "--prompt-lens", "16", "--out", str(out), room=1024)
-    assert rc == 2 and err.startswith("error: cannot measure the disk: writing a 1,048,576-byte file in ") and \
-        err.endswith(" failed (File too large); free space there or point TMPDIR at another folder\n"), err
+    progress, refusal = err.splitlines()[:-1], err.splitlines()[-1]  # (calibrate says each phase as it starts)
+    assert all(line.startswith("calibrate: ") for line in progress), err
+    assert rc == 2 and refusal.startswith("error: cannot measure the disk: writing a 1,048,576-byte file in ") and \
+        refusal.endswith(" failed (File too large); free space there or point TMPDIR at another folder"), err
     assert out.read_text() == "the earlier profile\n" and [p.name for p in tmp_path.iterdir()] == ["p.yaml"]
     # (the profile itself is written as `trace stats --csv` writes its table: klotski_sim.outfiles.write_file,
     # test_hardening.py's full-disk test; a limit per file cannot fail it here and pass the 1 MB probes)
@@ -294,3 +296,18 @@ def test_record_refuses_a_checkpoint_that_lacks_weights_and_prints_only_its_own_
                                "--max-tokens", "20", "--gen-len", "2", "--out", str(tmp_path / "r.npz"))
     assert rc == 2 and err.count("\n") == 1 and not (tmp_path / "r.npz").exists(), err
     assert err.startswith(f"error: {tmp_path / 'ckpt'}: the checkpoint lacks ") and "model.layers.1." in err, err
+
+
+@pytest.mark.parametrize("argv", [["calibrate", "--device", "cpu", "--model", "tiny-mixtral"],
+                                  ["validate", "--device", "cpu", "--model", "tiny-mixtral"]])
+def test_the_runtime_without_torch_says_how_to_install_it_in_one_line(tmp_path, argv):
+    """`pip install -e .` then `klotski-runtime calibrate` ended in a ModuleNotFoundError traceback."""
+    script = ("import sys; sys.modules['torch'] = None\n"  # (import torch then raises ModuleNotFoundError)
+              "from klotski_sim.entry import runtime\n"
+              f"sys.argv = ['klotski-runtime', *{argv!r}, '--out', {str(tmp_path / 'out')!r}]\n"
+              "sys.exit(runtime())")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: torch is not installed"), proc.stderr
+    assert "pip install" in lines[0] and "CPU build" in lines[0]

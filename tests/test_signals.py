@@ -1,6 +1,10 @@
 """Stopping a run from outside: SIGTERM (`timeout`, a batch scheduler, `kill`), SIGHUP and Ctrl-C end it at
 once with one line, its worker processes with it, and leave no temporary file; a worker never
-outlives its parent, even one killed by SIGKILL. (Linux: /proc tells a process's children.)"""
+outlives its parent, even one killed by SIGKILL. (Linux: /proc tells a process's children.)
+
+Every subprocess here is started by `conftest.start`/`run`: with SIGHUP, SIGINT and SIGTERM at their defaults
+(`nohup`, or a shell starting the suite in the background, left them ignored, and an ignored signal stays
+ignored: the stops sent went unheard), in a session of its own that is killed whole when the test ends."""
 
 from __future__ import annotations
 
@@ -16,11 +20,15 @@ import pytest
 from klotski_sim.runner import worker_pool
 from klotski_sim.stopping import STOP_WORDS
 
-from .conftest import ROOT
+from .conftest import ROOT, run, start, stop
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc (Linux)")
 
 HANG_S = 60  # (a hang guard, not a timing: each of these ends within a second when it works)
+# Configurations in a sweep stopped while it runs: enough that a stop finds most not run yet, few enough
+# that one not stopped ends in seconds (400 of them, on a local Dask cluster, ran on for 11 minutes)
+SWEEP_SIZE = 24
+DASK_SWEEP_SIZE = 12  # (of default-size runs: a second or so each)
 
 
 def _children(pid: int) -> list[int]:
@@ -51,23 +59,25 @@ def _wait_for(found, what: str, proc: subprocess.Popen) -> None:
     deadline = time.monotonic() + HANG_S
     while not found():
         if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"{what} never happened (exit status {proc.poll()}): {proc.communicate()[1][-500:]}")
+            _, err = stop(proc)  # (the process and all it started: a sweep's workers held its stderr open)
+            pytest.fail(f"{what} never happened (exit status {proc.returncode}): {(err or '')[-500:]}")
         time.sleep(0.02)
 
 
 def _cli(*args: str, **env: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "klotski_sim.cli", *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, **env}, start_new_session=True)
+    return start([sys.executable, "-m", "klotski_sim.cli", *args], stdout=subprocess.DEVNULL,
+                 stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
 
 
 def test_sigterm_ends_a_sweep_at_once_and_its_workers_with_it(tmp_path):
     """A sweep on two workers: its rows so far kept, nothing more run (a process pool left by an
     exception ran its whole queue first), "terminated" and exit status 143, no worker left (they
     waited on their queue forever)."""
-    seeds = ", ".join(map(str, range(400)))
+    # (runs of a few tenths of a second: the grid's 24 take seconds on two workers, a stop in the first
+    # row's tenth of a second leaves most not run; 400 runs of hundredths ran on for minutes when it failed)
+    seeds = ", ".join(map(str, range(SWEEP_SIZE)))
     (tmp_path / "spec.yaml").write_text(f"name: long\nmodels: [tiny-mixtral]\nhardware: [rtx3090]\n"
-                                        f"policies: [klotski]\nseeds: [{seeds}]\nprompt_lens: [32]\ngen_lens: [4]\n")
+                                        f"policies: [klotski]\nseeds: [{seeds}]\nprompt_lens: [32]\ngen_lens: [512]\n")
     rows = tmp_path / "out" / "rows"
     proc = _cli("sweep", str(tmp_path / "spec.yaml"), "--out", str(tmp_path / "out"), "--workers", "2",
                 "--no-progress")
@@ -77,7 +87,7 @@ def test_sigterm_ends_a_sweep_at_once_and_its_workers_with_it(tmp_path):
     _, err = proc.communicate(timeout=HANG_S)
     assert proc.returncode == 143 and err.splitlines()[-1] == "terminated" and "Traceback" not in err
     assert len(workers) == 2 and _wait_gone(workers) == []
-    assert 1 <= len(list(rows.iterdir())) < 400
+    assert 1 <= len(list(rows.iterdir())) < SWEEP_SIZE
 
 
 def _descendants(pid: int) -> list[int]:
@@ -115,8 +125,8 @@ def test_a_stopped_local_dask_sweep_ends_in_one_line(tmp_path, name, to, when):
     and, stopped as the cluster started, a traceback of its exit hook failing to close it."""
     pytest.importorskip("dask.distributed")
     signum = getattr(signal, name)
-    seeds = ", ".join(map(str, range(400)))
-    # (default-size runs, a few tenths of a second each: the stop finds both workers' tasks in flight)
+    seeds = ", ".join(map(str, range(DASK_SWEEP_SIZE)))
+    # (default-size runs, a second or so each: the stop finds both workers' tasks in flight)
     (tmp_path / "spec.yaml").write_text(f"name: long\nmodels: [mixtral-8x7b]\nhardware: [rtx3090]\n"
                                         f"policies: [klotski]\nimpls: [ideal]\nseeds: [{seeds}]\n")
     rows = tmp_path / "out" / "rows"
@@ -134,7 +144,7 @@ def test_a_stopped_local_dask_sweep_ends_in_one_line(tmp_path, name, to, when):
     _, err = proc.communicate(timeout=HANG_S)
     assert proc.returncode == 128 + signum and err.splitlines() == [STOP_WORDS[signum]], err[-3000:]
     assert _wait_gone(family) == []
-    assert len(list(rows.iterdir())) < 400 if rows.is_dir() else when == "as the cluster starts"
+    assert len(list(rows.iterdir())) < DASK_SWEEP_SIZE if rows.is_dir() else when == "as the cluster starts"
 
 
 @pytest.mark.parametrize("name", ["SIGINT", "SIGTERM", "SIGHUP"])
@@ -145,9 +155,9 @@ def test_a_console_script_takes_a_stop_while_its_command_is_imported(tmp_path, n
     a minute to import stands in for the command's."""
     signum = getattr(signal, name)
     (tmp_path / "slow_to_import.py").write_text("import time\ntime.sleep(HANG := 60)\ndef main():\n    return 0\n")
-    proc = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(tmp_path)!r}); "
-                             "from klotski_sim.entry import run_main; sys.exit(run_main('slow_to_import'))"],
-                            stderr=subprocess.PIPE, text=True)
+    code = (f"import sys; sys.path.insert(0, {str(tmp_path)!r}); "
+            "from klotski_sim.entry import run_main; sys.exit(run_main('slow_to_import'))")
+    proc = start([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
     _wait_for(lambda: _caught(proc.pid, signal.SIGHUP), "the entry's handlers", proc)  # (Python catches SIGINT itself)
     proc.send_signal(signum)
     _, err = proc.communicate(timeout=HANG_S)
@@ -210,8 +220,7 @@ with worker_pool(2, _nothing) as pool:
 
 def test_a_worker_dies_with_its_parent_even_by_sigkill():
     """SIGKILL leaves no clean-up to run: the kernel ends the workers (prctl PR_SET_PDEATHSIG)."""
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.Popen([sys.executable, "-c", PARENT], cwd=root, stdout=subprocess.PIPE, text=True)
+    proc = start([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     workers = _children(proc.pid)
     assert workers and set(map(int, line.split())) <= set(workers)
@@ -240,8 +249,8 @@ def test_a_hang_up_stops_a_run_as_sigterm_does_unless_it_is_ignored(tmp_path, ho
     temporary output files; now it ends as SIGTERM does (`hung up`, 129), the folder it made
     removed. Under `nohup` (SIGHUP ignored) the run goes on."""
     out = tmp_path / "made" / "out"
-    proc = subprocess.run([sys.executable, "-c", STOPPED_WHILE_WRITING, how, "simulate", "--model", "tiny-mixtral",
-                           "--gen-len", "3", "--out", str(out)], capture_output=True, text=True, timeout=HANG_S)
+    proc = run([sys.executable, "-c", STOPPED_WHILE_WRITING, how, "simulate", "--model", "tiny-mixtral",
+                "--gen-len", "3", "--out", str(out)], timeout=HANG_S)
     if how == "nohup":
         assert proc.returncode == 0 and "wrote summary.json" in proc.stdout, proc.stderr
     else:
@@ -253,33 +262,26 @@ def _hang_up_handler() -> object:
     return signal.getsignal(signal.SIGHUP)
 
 
-def test_a_worker_ends_by_a_hang_up_unless_its_parent_ignores_it():
+def test_a_worker_ends_by_a_hang_up_unless_its_parent_ignores_it(stop_signals):
     """A worker takes SIGHUP as any process does (its parent's handler would raise in its work), but
     one that its parent ignores (`nohup`) stays ignored: the workers would end and not the run."""
-    before = signal.getsignal(signal.SIGHUP)
-    try:
-        for parent, worker in ((signal.SIG_IGN, signal.SIG_IGN), (lambda *_: None, signal.SIG_DFL)):
-            signal.signal(signal.SIGHUP, parent)
-            with worker_pool(1, _nothing, fork=True) as pool:
-                assert pool.submit(_hang_up_handler).result(timeout=HANG_S) == worker
-    finally:
-        signal.signal(signal.SIGHUP, before)
+    for parent, worker in ((signal.SIG_IGN, signal.SIG_IGN), (lambda *_: None, signal.SIG_DFL),
+                           (signal.SIG_DFL, signal.SIG_DFL)):
+        signal.signal(signal.SIGHUP, parent)
+        with worker_pool(1, _nothing, fork=True) as pool:
+            assert pool.submit(_hang_up_handler).result(timeout=HANG_S) == worker
 
 
 def _term_handler() -> object:
     return signal.getsignal(signal.SIGTERM)
 
 
-def test_a_worker_takes_sigterm_even_where_its_parent_ignores_it():
+def test_a_worker_takes_sigterm_even_where_its_parent_ignores_it(stop_signals):
     """The pool stops its workers with SIGTERM, and the kernel sends it when their parent dies: a
     worker that kept an ignored SIGTERM would outlive both."""
-    before = signal.getsignal(signal.SIGTERM)
-    try:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        with worker_pool(1, _nothing, fork=True) as pool:
-            assert pool.submit(_term_handler).result(timeout=HANG_S) == signal.SIG_DFL
-    finally:
-        signal.signal(signal.SIGTERM, before)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    with worker_pool(1, _nothing, fork=True) as pool:
+        assert pool.submit(_term_handler).result(timeout=HANG_S) == signal.SIG_DFL
 
 
 STOPPED_TWICE = """
@@ -318,17 +320,16 @@ def test_a_second_stop_during_the_clean_up_is_ignored(tmp_path):
 
     out = tmp_path / "out"
     small = ["simulate", "--model", "tiny-mixtral", "--gen-len", "3", "--out", str(out)]
-    assert subprocess.run([sys.executable, "-m", "klotski_sim.cli", *small], capture_output=True).returncode == 0
+    assert run([sys.executable, "-m", "klotski_sim.cli", *small], timeout=HANG_S).returncode == 0
     before = folder_state(out)
-    proc = subprocess.run([sys.executable, "-c", STOPPED_TWICE, *small], capture_output=True, text=True,
-                          timeout=HANG_S)
+    proc = run([sys.executable, "-c", STOPPED_TWICE, *small], timeout=HANG_S)
     assert proc.returncode == 143 and proc.stderr.splitlines() == ["terminated"], proc.stderr
     assert folder_state(out) == before
 
 
 def test_a_stop_once_the_work_is_done_ends_with_its_word_not_a_traceback(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", STOPPED_AT_THE_END, "simulate", "--model", "tiny-mixtral",
-                           "--gen-len", "3", "--out", str(tmp_path)], capture_output=True, text=True, timeout=HANG_S)
+    proc = run([sys.executable, "-c", STOPPED_AT_THE_END, "simulate", "--model", "tiny-mixtral", "--gen-len", "3",
+                "--out", str(tmp_path)], timeout=HANG_S)
     assert proc.returncode == 143 and proc.stderr.splitlines() == ["terminated"], proc.stderr
     assert "wrote summary.json" in proc.stdout and (tmp_path / "routing.npz").exists()
 
@@ -336,9 +337,8 @@ def test_a_stop_once_the_work_is_done_ends_with_its_word_not_a_traceback(tmp_pat
 def test_a_reader_that_goes_early_does_not_stop_the_command(tmp_path):
     """`klotski-sim simulate --out d | true`: the command goes on and writes its files, exit 0 (it
     stopped at its first line, the summary, before them: exit 0 with nothing written)."""
-    proc = subprocess.Popen([sys.executable, "-m", "klotski_sim.cli", "simulate", "--model", "tiny-mixtral",
-                             "--gen-len", "3", "--out", str(tmp_path / "out")], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = start([sys.executable, "-m", "klotski_sim.cli", "simulate", "--model", "tiny-mixtral", "--gen-len", "3",
+                  "--out", str(tmp_path / "out")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     proc.stdout.close()  # (the reader has gone before the first line)
     assert proc.wait(timeout=HANG_S) == 0, proc.stderr.read()
     assert proc.stderr.read() == ""
@@ -348,9 +348,8 @@ def test_a_reader_that_goes_early_does_not_stop_the_command(tmp_path):
 def test_a_stopped_command_removes_every_folder_it_made_for_its_output(tmp_path):
     """`--out made/x/../out` makes `made`, `made/x` and `made/out`; stopped, it removed `made/out`
     alone (the walk up went through `x/..`, not `x`)."""
-    proc = subprocess.run([sys.executable, "-c", STOPPED_WHILE_WRITING, "terminal", "simulate", "--model",
-                           "tiny-mixtral", "--gen-len", "3", "--out", str(tmp_path / "made" / "x" / ".." / "out")],
-                          capture_output=True, text=True, timeout=HANG_S)
+    proc = run([sys.executable, "-c", STOPPED_WHILE_WRITING, "terminal", "simulate", "--model", "tiny-mixtral",
+                "--gen-len", "3", "--out", str(tmp_path / "made" / "x" / ".." / "out")], timeout=HANG_S)
     assert proc.returncode == 128 + signal.SIGHUP, proc.stderr
     assert list(tmp_path.iterdir()) == []
 
@@ -359,5 +358,4 @@ def test_the_runtime_cli_answers_before_importing_torch():
     """`klotski-runtime --help` imported torch (0.8 s of 1.2 s) before anything; a stop in that time
     killed it with no word (a traceback for Ctrl-C). The commands import it themselves now."""
     code = "import sys, klotski_runtime.cli; print('torch' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=HANG_S).stdout.strip() == "False"
+    assert run([sys.executable, "-c", code], timeout=HANG_S).stdout.strip() == "False"

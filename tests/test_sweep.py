@@ -15,7 +15,7 @@ import yaml
 
 from klotski_sim.sweep import SweepError, collect, expand, parse_spec, run_sweep
 
-from .conftest import ROOT, run_cli
+from .conftest import ROOT, run, run_cli, start
 
 SMALL = {"name": "t", "models": ["tiny-mixtral"], "policies": ["klotski", "flexgen"], "batch_sizes": [2],
          "num_batches": [2, "auto"], "prompt_lens": [8], "gen_lens": [3], "routings": ["calibrated", "uniform"]}
@@ -191,10 +191,10 @@ def test_resume_after_a_killed_sweep_loses_and_duplicates_nothing(tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "klotski_sim.cli", "sweep", str(spec_file), "--out", str(out), "--workers", "2",
            "--no-progress"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    # (in a session of its own, with the stop signals at their defaults, killed whole if the test fails)
+    proc = start(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
-    while time.time() < deadline:
+    while time.time() < deadline and proc.poll() is None:
         if (out / "rows").exists() and len(list((out / "rows").glob("*.json"))) >= 3:
             break
         time.sleep(0.05)
@@ -204,7 +204,7 @@ def test_resume_after_a_killed_sweep_loses_and_duplicates_nothing(tmp_path):
     assert 0 < len(survived) < 24
     for text in survived.values():
         json.loads(text)  # every row on disk is whole
-    rerun = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    rerun = run(cmd, timeout=600)
     assert rerun.returncode == 0, rerun.stderr
     df = pd.read_parquet(out / "results.parquet")
     assert len(df) == 24 and df["id"].is_unique
@@ -249,8 +249,7 @@ def test_a_row_edited_into_what_no_run_writes_is_run_again(tmp_path, edit):
 def test_sweep_cli_validates_spec(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("policies: [klotski]\nhardwares: [rtx3090]\n")
-    proc = subprocess.run([sys.executable, "-m", "klotski_sim.cli", "sweep", str(bad), "--out", str(tmp_path / "o")],
-                          cwd=ROOT, capture_output=True, text=True)
+    proc = run([sys.executable, "-m", "klotski_sim.cli", "sweep", str(bad), "--out", str(tmp_path / "o")], timeout=600)
     assert proc.returncode == 2 and "hardwares: unknown key (did you mean 'hardware'?)" in proc.stderr
 
 
@@ -410,13 +409,12 @@ def test_the_cli_says_what_a_resumed_sweep_has_left_before_it_runs(tmp_path):
                                     "batch_sizes": [2], "num_batches": [2], "prompt_lens": [8], "gen_lens": [3]}))
     out = tmp_path / "o"
     code, first, _ = run_cli("sweep", str(spec), "--out", str(out), "--no-progress", "--workers", "4")
-    assert code == 0 and first.splitlines()[0].startswith("2 configurations in the grid: about 2 s on 2 workers, ")
+    assert code == 0 and first.splitlines()[0] == "2 configurations in the grid: running on 2 workers"
     code, again, _ = run_cli("sweep", str(spec), "--out", str(out), "--no-progress")
     assert again.splitlines()[0] == "2 configurations in the grid; resumed: all already done"
     min(out.glob("rows/*.json")).unlink()
     code, resumed, _ = run_cli("sweep", str(spec), "--out", str(out), "--no-progress")
-    assert resumed.splitlines()[0].startswith("2 configurations in the grid; resumed: 1 already done, 1 left: "
-                                              "about 2 s on 1 worker, at 1.5 s each")
+    assert resumed.splitlines()[0] == "2 configurations in the grid; resumed: 1 already done, 1 left: running on 1 worker"
     assert resumed.splitlines()[-1].startswith("2 configurations in ")
     spec.write_text(spec.read_text().replace("- flexgen\n", ""))
     code, one, _ = run_cli("sweep", str(spec), "--out", str(out), "--no-progress")
@@ -459,7 +457,7 @@ def test_more_local_workers_than_cores_run_as_many_as_there_are_cores(tmp_path, 
                                     "batch_sizes": [2], "num_batches": [2], "prompt_lens": [4], "gen_lens": [2]}))
     assert cli.main(["sweep", str(spec), "--out", str(tmp_path / "o"), "--no-progress", "--workers", "1024"]) == 0
     out, err = capsys.readouterr()
-    assert given == [1] and "about 3 s on 1 worker" in out.splitlines()[0]
+    assert given == [1] and out.splitlines()[0].endswith(": running on 1 worker")
     assert err.splitlines() == ["note: --workers 1024: this process may use 1 core(s); running 1 worker (the runs "
                                 "are CPU-bound: more would finish no sooner, each taking its own memory)"]
     args = cli.build_parser().parse_args(["sweep", str(spec), "--out", "o", "--workers", "8", "--dask", "tcp://h:8786"])

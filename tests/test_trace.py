@@ -871,12 +871,13 @@ def test_trace_synth_says_a_long_draw_before_it_begins(tmp_path, monkeypatch, ca
     from klotski_sim import cli
 
     drawn = []
+    monkeypatch.setattr("klotski_sim.machine._slowdown", [1.0])  # (the reference machine's speed: fixed figures)
     monkeypatch.setattr(cli, "synthesize", lambda m, *a, **k: drawn.append(a) or synthesize(m, 2, 4, 2, "uniform", 0))
     assert cli.main(["trace", "synth", "--model", "tiny-mixtral", "--sequences", "100000000", "--prompt-len", "8",
                      "--gen-len", "3", "--out", str(tmp_path / "t.npz")]) == 0
     err = capsys.readouterr().err
-    assert err == ("note: drawing 100,000,000 sequences x 11 tokens of tiny-mixtral's routing: about 14 min on a "
-                   "2-core machine\n") and drawn
+    assert err == ("note: drawing 100,000,000 sequences x 11 tokens of tiny-mixtral's routing: about 13.7 min on "
+                   "this machine as loaded now\n") and drawn
     assert cli.main(["trace", "synth", "--model", "tiny-mixtral", "--sequences", "100", "--prompt-len", "8",
                      "--gen-len", "3", "--out", str(tmp_path / "t.npz")]) == 0
     assert capsys.readouterr().err == ""  # (a short draw: nothing said)
