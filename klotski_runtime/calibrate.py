@@ -206,7 +206,7 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
     bench.run()
     say("experts")
     for tokens in sorted({1 << i for i in range(int(np.log2(max_expert_tokens)) + 1)}):
-        measured["expert"].append(bench.add({"tokens": tokens}, _expert_probe(spec, dev, dtype, tokens, expert)))
+        measured["expert"].append(bench.add({"tokens": tokens}, expert_probe(spec, dev, dtype, tokens, expert)))
     bench.run()
     if packed is not None:
         measured["dequant"] = [{"tokens": 0, "seconds": measure(
@@ -281,7 +281,7 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
     return profile_from_dict(data, "calibration")
 
 
-def _expert_probe(spec: ModelSpec, dev: torch.device, dtype: torch.dtype, tokens: int,
+def expert_probe(spec: ModelSpec, dev: torch.device, dtype: torch.dtype, tokens: int,
                   weights: tuple[torch.Tensor, ...]) -> Callable[[], None]:
     """What the executor does for one expert op over `tokens` tokens: host-side rows, gather,
     SwiGLU, scale, scatter-add. Each token is routed to this expert in one of its top-k slots

@@ -22,14 +22,15 @@ from klotski_sim.errors import UsageError
 from klotski_sim.exports import to_parquet
 from klotski_sim.hardware import HardwareProfile, ProfileError
 from klotski_sim.machine import machine_load, steal_share
-from klotski_sim.model import get_model
+from klotski_sim.model import ModelSpec, get_model
 from klotski_sim.policies import build_schedule
 from klotski_sim.progress import Progress
 from klotski_sim.runner import RunSpec, prepare
 from klotski_sim.timeline import OutOfMemory, Timeline, jsonable
 
+from .calibrate import Bench, expert_probe
 from .executor import ExecOptions, execute
-from .kernels import WeightStore
+from .kernels import WeightStore, dequantise_expert
 
 ALL_POLICIES = ("single-batch", "multi-batch", "hot-prefetch", "klotski", "klotski-oracle", "flexgen")
 
@@ -183,6 +184,7 @@ def validate(setup: ValidationSetup, profile_path: str, out_dir: str | Path,
     report: dict[str, Any] = {"setup": asdict(setup), "profile": profile_path, "policies": {},
                               "calibration_probe": prep.profile.provenance.get("probe")}
     load_before = machine_load()
+    drift = expert_drift(prep.profile, model, weights, setup)
     impls = ("as-published", "ideal") if setup.impl == "both" else (setup.impl,)
     runs = [(name, impl) for name in policies for impl in impls]
     spreads: list[float] = []  # run-to-run spread of the measured makespan, per schedule
@@ -229,18 +231,48 @@ def validate(setup: ValidationSetup, profile_path: str, out_dir: str | Path,
         report["policies"][key] = result
         done.done(f"({key}: makespan error {result['makespan']['error']:+.1%})")
     report["emulated_links"] = dict(setup.emulate_links)
-    report["machine"] = machine_conditions(load_before, machine_load(), spreads)
+    report["machine"] = machine_conditions(load_before, machine_load(), spreads, drift)
     (out / "validation.json").write_text(json.dumps(jsonable(report), indent=2))
     return report
 
 
-LOAD_WARNING, STEAL_WARNING, SPREAD_WARNING = 0.5, 0.02, 0.05
+LOAD_WARNING, STEAL_WARNING, SPREAD_WARNING, DRIFT_WARNING = 0.5, 0.02, 0.05, 0.10
+DRIFT_MAX_TOKENS = 64  # the expert rows re-timed before a validation: those a small run's ops use
 
 
-def machine_conditions(before: dict[str, float], after: dict[str, float], spreads: list[float]) -> dict[str, Any]:
+def expert_drift(profile: HardwareProfile, model: ModelSpec, weights: WeightStore,
+                 setup: ValidationSetup) -> float | None:
+    """The profile's expert probes timed again now, on the validation's own weights: the median
+    ratio of now to the profile's table (1.0: the machine runs experts as it did at calibration).
+    A profile made earlier, or another process's state of the same machine, can differ; this says
+    by how much before the runs are compared. None where the profile has no expert table of this
+    device's."""
+    table = [pt for pt in profile.measured.get("expert", []) if pt.tokens <= DRIFT_MAX_TOKENS]
+    if not table or profile.provenance.get("device_kind") != ("cuda" if setup.device.startswith("cuda") else "cpu"):
+        return None
+    dev = torch.device(setup.device)
+    expert = tuple(t.to(dev) for t in weights.get("expert", model.first_dense_layers, 0))
+    if model.quantised:
+        expert = dequantise_expert(expert, model, getattr(torch, setup.dtype))
+    previous = torch.get_num_threads()
+    if setup.device == "cpu" and setup.threads:
+        torch.set_num_threads(setup.threads)
+    try:
+        bench = Bench(dev, 3)
+        rows = [bench.add({"table": pt.seconds}, expert_probe(model, dev, getattr(torch, setup.dtype), pt.tokens,
+                                                                expert)) for pt in table]
+        bench.run()
+    finally:
+        torch.set_num_threads(previous)
+    return float(np.median([row["seconds"] / row["table"] for row in rows if row["table"] > 0]))
+
+
+def machine_conditions(before: dict[str, float], after: dict[str, float], spreads: list[float],
+                       drift: float | None = None) -> dict[str, Any]:
     """The measured load during validation, and warnings when it was high enough to distort it:
-    load average, CPU time stolen by the hypervisor, and how much the executor's own runs of one
-    schedule disagreed with each other (their makespans' spread)."""
+    load average, CPU time stolen by the hypervisor, how much the executor's own runs of one
+    schedule disagreed with each other (their makespans' spread), and how far the expert ops run
+    now from the profile's table (`expert_drift`)."""
     steal = steal_share(before, after)
     load = max(before["load_per_core"], after["load_per_core"])
     spread = max(spreads) if spreads else 0.0
@@ -253,7 +285,12 @@ def machine_conditions(before: dict[str, float], after: dict[str, float], spread
     if spread > SPREAD_WARNING:
         warnings.append(f"repeated runs of one schedule differ by up to {spread:.1%} in makespan (above "
                         f"{SPREAD_WARNING:.0%}): the machine was not quiet; trust the medians, not single runs")
-    return {"load_per_core": load, "steal_share": steal, "max_run_spread": spread, "warnings": warnings}
+    if drift is not None and abs(drift - 1.0) > DRIFT_WARNING:
+        warnings.append(f"expert ops take {drift:.2f}x their calibrated durations now (re-timed before the runs): "
+                        f"the machine is not as it was at calibration; expect errors of that size, or calibrate "
+                        f"again")
+    return {"load_per_core": load, "steal_share": steal, "max_run_spread": spread, "expert_drift": drift,
+            "warnings": warnings}
 
 
 def format_report(report: dict[str, Any]) -> str:

@@ -180,6 +180,7 @@ def test_small_mixtral_validation_error_is_bounded(tmp_path):
             assert r["repeats"]["makespan"]["min"] <= r["repeats"]["makespan"]["median"] \
                 <= r["repeats"]["makespan"]["max"]
             assert r["in_sample"]["makespan"]["error"] is not None
+        assert report["machine"]["expert_drift"] is not None  # (the profile's expert rows re-timed: same process)
         attempts.append(_bound_misses(report))
         if not attempts[-1]:
             return
@@ -196,9 +197,11 @@ def test_machine_conditions_warn_about_load_steal_and_spread():
     quiet = {"load_per_core": 0.1, "steal_jiffies": 0.0, "total_jiffies": 1000.0}
     busy = {"load_per_core": 1.5, "steal_jiffies": 100.0, "total_jiffies": 2000.0}
     assert machine_conditions(quiet, quiet, [0.01, 0.02])["warnings"] == []
-    warned = machine_conditions(quiet, busy, [0.01, 0.2])
+    warned = machine_conditions(quiet, busy, [0.01, 0.2], drift=1.25)
     text = " ".join(warned["warnings"])
     assert "load average 1.50" in text and "10.0% of CPU time stolen" in text and "differ by up to 20.0%" in text
+    assert "expert ops take 1.25x their calibrated durations now" in text and warned["expert_drift"] == 1.25
+    assert machine_conditions(quiet, quiet, [0.01], drift=1.05)["warnings"] == []  # (within 10%: said nowhere)
 
 
 def test_calibration_measures_the_host_cpu_and_cpu_expert_policies_validate(profile_file, tmp_path):
