@@ -738,9 +738,9 @@ def _dask_client(address: str, in_flight: int) -> Iterator[Any]:
                 raise SweepError(f"--dask {address}: no Dask scheduler answered within {DASK_TIMEOUT_S} s "
                                  f"({type(err).__name__}: {err})") from err
             if local:  # (its workers are this machine's processes: they share it as a local pool's do)
-                from .runner import pool_worker
+                from .dask_worker import SharesTheMachine
 
-                client.run(pool_worker, in_flight)
+                client.register_plugin(SharesTheMachine(in_flight))
         yield client
     except KeyboardInterrupt:
         stopped = True

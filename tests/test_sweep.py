@@ -463,3 +463,19 @@ def test_more_local_workers_than_cores_run_as_many_as_there_are_cores(tmp_path, 
     args = cli.build_parser().parse_args(["sweep", str(spec), "--out", "o", "--workers", "8", "--dask", "tcp://h:8786"])
     cli._local_workers(args)
     assert args.workers == 8  # (a remote cluster's)
+
+
+def test_a_local_dask_worker_restarted_by_its_nanny_shares_the_machine_as_the_first_ones_did():
+    """Set up by one `client.run`, a worker the nanny restarted after a run killed it skipped the setup:
+    it checked its runs' memory as if it had the machine alone (`run_size`'s runs in flight: 1)."""
+    pytest.importorskip("distributed")
+    from klotski_sim import run_size
+    from klotski_sim.sweep import _dask_client
+
+    def runs_in_flight() -> int:
+        return run_size._runs_in_flight[0]
+
+    with _dask_client("local", 2) as client:
+        assert set(client.run(runs_in_flight).values()) == {2}
+        client.restart()  # (every worker ended and started again by its nanny)
+        assert set(client.run(runs_in_flight).values()) == {2}
