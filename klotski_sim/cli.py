@@ -547,7 +547,7 @@ def _pct(value: float | None) -> str:
 
 
 SWEEP_CONFIRM = 10_000  # a grid larger than this runs only with --yes
-# (`python experiments/bench_sweep.py --default-size 20`, every schedule distinct; README, Performance)
+# (`python experiments/bench_sweep.py --default-size 20`, every schedule distinct; docs/performance.md)
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:

@@ -304,7 +304,7 @@ def _drawn_blocks(model: ModelSpec, params: SynthParams, sequences: int, T: int,
     Chunks are drawn by `threads` threads (by default `draw_threads`), each stream still read
     chunk after chunk (`_Turns`): numpy lets go of the interpreter inside its calls over a chunk's
     arrays, so two cores drew DeepSeek-V3's default routing in 16.4 s where one took 29.8, and the
-    same numbers (README, Performance)."""
+    same numbers (docs/performance.md)."""
     rng = np.random.default_rng(seed)
     L, E, k = model.num_layers, model.num_experts, model.top_k
     chunk = chunk or max(1, min(64, _ELEMENTS_PER_CHUNK // (T * E)))
