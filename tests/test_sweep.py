@@ -167,21 +167,21 @@ def test_local_and_dask_give_identical_results(tmp_path):
     this machine, share it as the pool's do (`runner.pool_worker`: the memory a run projects against,
     the threads of a draw)."""
     distributed = pytest.importorskip("dask.distributed")
-    from klotski_sim.runner import pool_worker
+    from klotski_sim.dask_worker import SharesTheMachine
 
     spec = parse_spec(SMALL)
     local = run_sweep(spec, tmp_path / "local", workers=2, progress=False)
-    real_run, calls = distributed.Client.run, []
+    real_register, plugins = distributed.Client.register_plugin, []
 
-    def recorded(client, function, *args, **kwargs):
-        calls.append((function, args))
-        return real_run(client, function, *args, **kwargs)
+    def recorded(client, plugin, *args, **kwargs):
+        plugins.append(plugin)
+        return real_register(client, plugin, *args, **kwargs)
 
-    with patch.object(distributed.Client, "run", recorded):
+    with patch.object(distributed.Client, "register_plugin", recorded):
         dask = run_sweep(spec, tmp_path / "dask", workers=2, dask="local", progress=False)
     assert len(local) == len(dask) == 8
     pd.testing.assert_frame_equal(local[["id"] + METRICS], dask[["id"] + METRICS])
-    assert calls == [(pool_worker, (2,))]
+    assert [(type(p), p.in_flight) for p in plugins] == [(SharesTheMachine, 2)]
 
 
 def test_resume_after_a_killed_sweep_loses_and_duplicates_nothing(tmp_path):
