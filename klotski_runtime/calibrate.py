@@ -281,6 +281,14 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
     return profile_from_dict(data, "calibration")
 
 
+def probed_expert(w: WeightStore, spec: ModelSpec, dev: torch.device,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """The expert an expert probe computes: expert 0 of the first layer with experts (DeepSeek's first
+    layers are dense) on `dev`, in the model dtype (a quantised one dequantised, as after its copy)."""
+    stored = tuple(t.to(dev) for t in w.get("expert", spec.first_dense_layers, 0))
+    return kernels.dequantise_expert(stored, spec, dtype) if spec.quantised else stored
+
+
 def expert_probe(spec: ModelSpec, dev: torch.device, dtype: torch.dtype, tokens: int,
                   weights: tuple[torch.Tensor, ...]) -> Callable[[], None]:
     """What the executor does for one expert op over `tokens` tokens: host-side rows, gather,
@@ -338,9 +346,7 @@ def _measure_host_cpu(spec: ModelSpec, w: WeightStore, dtype: torch.dtype, repea
     flops = 2 * n**3 / measure(lambda: a @ b, repeats)
     big = torch.randn(16 * MB // 2, dtype=dtype)
     bandwidth = 2 * big.numel() * big.element_size() / measure(lambda: big.clone(), repeats)
-    weights = w.get("expert", spec.first_dense_layers, 0)  # (the first layer with experts, as `_calibrate`'s)
-    if spec.quantised:
-        weights = kernels.dequantise_expert(weights, spec, dtype)
+    weights = probed_expert(w, spec, cpu, dtype)
     measured["cpu:expert"] = []
     for tokens in sorted({1 << i for i in range(int(np.log2(min(max_expert_tokens, CPU_EXPERT_MAX_TOKENS))) + 1)}):
         x = torch.randn(tokens, spec.hidden_size, dtype=dtype)

@@ -28,9 +28,9 @@ from klotski_sim.progress import Progress
 from klotski_sim.runner import RunSpec, prepare
 from klotski_sim.timeline import OutOfMemory, Timeline, jsonable
 
-from .calibrate import Bench, expert_probe
+from .calibrate import Bench, expert_probe, probed_expert
 from .executor import ExecOptions, execute
-from .kernels import WeightStore, dequantise_expert
+from .kernels import WeightStore
 
 ALL_POLICIES = ("single-batch", "multi-batch", "hot-prefetch", "klotski", "klotski-oracle", "flexgen")
 
@@ -251,9 +251,7 @@ def expert_drift(profile: HardwareProfile, model: ModelSpec, weights: WeightStor
     if not table or profile.provenance.get("device_kind") != ("cuda" if setup.device.startswith("cuda") else "cpu"):
         return None
     dev = torch.device(setup.device)
-    expert = tuple(t.to(dev) for t in weights.get("expert", model.first_dense_layers, 0))
-    if model.quantised:
-        expert = dequantise_expert(expert, model, getattr(torch, setup.dtype))
+    expert = probed_expert(weights, model, dev, getattr(torch, setup.dtype))
     previous = torch.get_num_threads()
     if setup.device == "cpu" and setup.threads:
         torch.set_num_threads(setup.threads)
