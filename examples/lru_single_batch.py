@@ -6,7 +6,7 @@ a complete klotski policy in one file (docs/own-schedule.md walks through it).
 
 from collections import OrderedDict
 
-from klotski_sim.errors import UsageError
+from klotski_sim.util.errors import UsageError
 from klotski_sim.policies import OpEmitter, PolicyInput, register
 
 

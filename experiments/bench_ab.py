@@ -42,8 +42,8 @@ print(time_default_size({count}, 2, "ideal", "distinct")[0])
 """
 SYNTH = """
 import resource, time
-from klotski_sim.model import get_model
-from klotski_sim.trace_synth import synthesize
+from klotski_sim.workload.model import get_model
+from klotski_sim.workload.trace_synth import synthesize
 t = time.perf_counter()
 synthesize(get_model({model!r}), {sequences}, {prompt}, {gen})
 print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
@@ -69,7 +69,7 @@ def command(code_dir: Path, *args: str) -> float:
     """Wall seconds of one klotski-sim command writing into a fresh folder."""
     with tempfile.TemporaryDirectory() as out:
         t = time.perf_counter()
-        python_in(code_dir, "-m", "klotski_sim.cli", *args, "--out", out)
+        python_in(code_dir, "-m", "klotski_sim.cli.main", *args, "--out", out)
         return time.perf_counter() - t
 
 

@@ -3,7 +3,7 @@
 The naive model is how a SimPy tutorial would do it: one process per op that waits for an
 AllOf of its dependencies' events, requests a `simpy.Resource`, holds it for a Timeout and
 signals completion. klotski's engine instead creates one event per op and keeps the streams
-and queues in plain lists (see klotski_sim/engine.py). Both must produce the same timeline;
+and queues in plain lists (see klotski_sim/core/engine.py). Both must produce the same timeline;
 the script checks that before it reports the ratio.
 
 It also measures SimPy's own floor — events/s of its loop doing no work, one event scheduled from
@@ -22,15 +22,15 @@ import time
 import numpy as np
 import simpy
 
-from klotski_sim.cost import CostModel
-from klotski_sim.engine import resource_capacities, simulate
-from klotski_sim.hardware import load_profile, with_overrides
-from klotski_sim.machine import resident_bytes
-from klotski_sim.model import get_model
+from klotski_sim.core.cost import CostModel
+from klotski_sim.core.engine import resource_capacities, simulate
+from klotski_sim.hardware.profile import load_profile, with_overrides
+from klotski_sim.util.machine import resident_bytes
+from klotski_sim.workload.model import get_model
 from klotski_sim.policies import PolicyInput, build_schedule
-from klotski_sim.routing import RunShape
-from klotski_sim.schedule import Schedule
-from klotski_sim.trace_synth import synthetic_routing
+from klotski_sim.workload.routing import RunShape
+from klotski_sim.core.schedule import Schedule
+from klotski_sim.workload.trace_synth import synthetic_routing
 
 
 def big_schedule(min_ops: int) -> Schedule:

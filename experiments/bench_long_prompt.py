@@ -27,7 +27,7 @@ def simulate(prompt_len: int, cache: str, code: str | None) -> tuple[float, floa
         env["PYTHONPATH"] = code
     with tempfile.TemporaryDirectory() as out:
         start = time.perf_counter()
-        result = subprocess.run([sys.executable, "-c", PEAK_OF, sys.executable, "-m", "klotski_sim.cli", "simulate",
+        result = subprocess.run([sys.executable, "-c", PEAK_OF, sys.executable, "-m", "klotski_sim.cli.main", "simulate",
                                  "--policy", "klotski", "--impl", "ideal", "--prompt-len", str(prompt_len),
                                  "--gen-len", "8", "--out", out], capture_output=True, text=True, env=env,
                                 check=True, cwd=code or None)

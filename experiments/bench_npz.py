@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from klotski_sim.npzfile import write_npz
-from klotski_sim.routing import expert_id_type
-from klotski_sim.runner import RunSpec, prepare
+from klotski_sim.files.npzfile import write_npz
+from klotski_sim.workload.routing import expert_id_type
+from klotski_sim.runs.runner import RunSpec, prepare
 
 
 def best_seconds(write, repeat: int) -> float:

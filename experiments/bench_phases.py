@@ -17,10 +17,10 @@ import sys
 PHASES = """
 import gc, time
 from dataclasses import replace
-from klotski_sim.engine import simulate
+from klotski_sim.core.engine import simulate
 from klotski_sim.policies import build_schedule
-from klotski_sim.runner import RunSpec, policy_prepared, prepare
-from klotski_sim.schedule import Schedule
+from klotski_sim.runs.runner import RunSpec, policy_prepared, prepare
+from klotski_sim.core.schedule import Schedule
 
 collecting = {{}}
 def on_gc(phase, info):

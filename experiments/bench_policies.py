@@ -19,9 +19,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from klotski_sim.engine import simulate
+from klotski_sim.core.engine import simulate
 from klotski_sim.policies import build_schedule
-from klotski_sim.runner import RunSpec, policy_batches, prepare
+from klotski_sim.runs.runner import RunSpec, policy_batches, prepare
 
 POLICIES = ("single-batch", "multi-batch", "hot-prefetch", "klotski", "klotski-oracle", "flexgen")
 
@@ -29,7 +29,7 @@ POLICIES = ("single-batch", "multi-batch", "hot-prefetch", "klotski", "klotski-o
 WHOLE_RUN = """
 import time
 t = time.perf_counter()
-from klotski_sim.runner import RunSpec, run
+from klotski_sim.runs.runner import RunSpec, run
 t1 = time.perf_counter()
 r = run(RunSpec(policy="klotski", num_batches=None, impl={impl!r}))
 r.timeline.summary()
@@ -60,7 +60,7 @@ def command_wall(command: str, impl: str, *extra: str) -> str:
     own, or a worker's: the largest waited-for descendant)."""
     with tempfile.TemporaryDirectory() as out:
         t = time.perf_counter()
-        result = subprocess.run([sys.executable, "-c", PEAK_OF, sys.executable, "-m", "klotski_sim.cli", command,
+        result = subprocess.run([sys.executable, "-c", PEAK_OF, sys.executable, "-m", "klotski_sim.cli.main", command,
                                  "--impl", impl, "--out", out, *extra], check=True, capture_output=True, text=True)
         took = time.perf_counter() - t
         peak_kb, code = result.stdout.split()

@@ -18,7 +18,7 @@ import time
 
 import pandas as pd
 
-from klotski_sim.sweep import expand, parse_spec, run_sweep
+from klotski_sim.runs.sweep import expand, parse_spec, run_sweep
 
 GRID = {
     "name": "bench",

@@ -1,6 +1,6 @@
 """Fit the calibrated generator's knobs: print trace statistics for a grid of settings next to
-the targets (klotski_sim/data/CALIBRATION-README.md), so the chosen constants in
-klotski_sim/trace_synth.py can be checked and re-fitted.
+the targets (klotski_sim/workload/data/CALIBRATION-README.md), so the chosen constants in
+klotski_sim/workload/trace_synth.py can be checked and re-fitted.
 
     python experiments/calibrate_synth.py [--model mixtral-8x7b] [--sequences 256]
 """
@@ -11,9 +11,9 @@ import argparse
 import itertools
 from dataclasses import replace
 
-import klotski_sim.trace_synth as ts
-from klotski_sim.model import get_model
-from klotski_sim.trace_stats import summary
+import klotski_sim.workload.trace_synth as ts
+from klotski_sim.workload.model import get_model
+from klotski_sim.workload.trace_stats import summary
 
 TARGETS = {
     "mixtral": "max_share ~0.16 (corpus), request_max_share 0.20-0.30, stick_top1 ~0.25, stick_any ~0.62, "

@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from klotski_sim.hardware import builtin_profile_names, load_profile
-from klotski_sim.runner import RunSpec, prepare, run
+from klotski_sim.hardware.profile import builtin_profile_names, load_profile
+from klotski_sim.runs.runner import RunSpec, prepare, run
 
 POLICIES = ("klotski", "klotski-hybrid", "fiddler", "llamacpp-moe")
 PRESETS = ("as-published", "ideal")

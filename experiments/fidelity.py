@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from klotski_sim.cost import CostModel
-from klotski_sim.hardware import load_profile
-from klotski_sim.model import get_model
+from klotski_sim.core.cost import CostModel
+from klotski_sim.hardware.profile import load_profile
+from klotski_sim.workload.model import get_model
 from klotski_sim.policies import get_policy
-from klotski_sim.runner import RunSpec, run
-from klotski_sim.timeline import Summary
+from klotski_sim.runs.runner import RunSpec, run
+from klotski_sim.core.timeline import Summary
 
 KLOTSKI = "Klotski paper (Fang et al., ASPLOS'25, arXiv 2502.06888)"
 LIGHTNING = "MoE-Lightning paper (Cao et al., ASPLOS'25, arXiv 2411.11217)"
@@ -201,7 +201,7 @@ def render(figs: list[Figure], impls: list[str], command: str) -> str:
         f"Produced by `{command}` (built-in profiles, nothing fitted to these numbers).",
         "error = (simulated - published) / published. Where the measured system is not one of our",
         "policies, the nearest policy is named in the note. Profiles cite a source for every number",
-        "(`klotski_sim/profiles/*.yaml`); the implementation presets are cited in",
+        "(`klotski_sim/hardware/profiles/*.yaml`); the implementation presets are cited in",
         "[implementations.md](implementations.md).",
         "",
         "| system | figure | setting | published | " + " | ".join(f"{i} | error" for i in impls) +

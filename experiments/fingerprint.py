@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from klotski_sim.runner import RunSpec, run
+from klotski_sim.runs.runner import RunSpec, run
 
 SMALL = {"prompt_len": 64, "gen_len": 6}
 POLICIES = ("single-batch", "multi-batch", "hot-prefetch", "klotski", "klotski-oracle", "flexgen", "fiddler",

@@ -16,8 +16,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from klotski_sim.hardware import load_profile  # noqa: E402
-from klotski_sim.sweep import load_spec, run_sweep  # noqa: E402
+from klotski_sim.hardware.profile import load_profile  # noqa: E402
+from klotski_sim.runs.sweep import load_spec, run_sweep  # noqa: E402
 
 PCIE_GBPS = load_profile("rtx3090").links.pcie_h2d.bandwidth / 1e9
 
@@ -90,7 +90,7 @@ def baselines(workers: int) -> None:
 def batches(workers: int) -> None:
     df = sweep("batches", workers)
     df["n"] = df["num_batches"].astype(int)
-    from klotski_sim.runner import RunSpec, prepare
+    from klotski_sim.runs.runner import RunSpec, prepare
 
     pick = prepare(RunSpec(num_batches=None, policy="klotski")).num_batches
     fig, axes = plt.subplots(1, 3, figsize=(16, 4))

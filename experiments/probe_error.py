@@ -1,4 +1,4 @@
-"""How far `klotski-hybrid`'s probes (klotski_sim/probe.py) predict from the whole runs they stand
+"""How far `klotski-hybrid`'s probes (klotski_sim/planning/probe.py) predict from the whole runs they stand
 for, and what the n they choose loses against the best n they probed: for every built-in profile
 with a `cpu:` section, three models and both presets at the default workload (bs 16, prompt 512,
 gen 32), each probed n is also run whole (at the placement the probe had). Prints every probe's
@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from klotski_sim.hardware import builtin_profile_names, load_profile
-from klotski_sim.probe import Probe
-from klotski_sim.runner import RunSpec, _probe_placement, policy_batches, prepare, probe_batches, run
+from klotski_sim.hardware.profile import builtin_profile_names, load_profile
+from klotski_sim.planning.probe import Probe
+from klotski_sim.runs.runner import RunSpec, _probe_placement, policy_batches, prepare, probe_batches, run
 
 MARGINS = (0.0, 0.005, 0.01, 0.015, 0.02, 0.03)
 

@@ -1,4 +1,4 @@
-"""How close the run-size projection (klotski_sim/run_size.py: made when a policy loop's third step
+"""How close the run-size projection (klotski_sim/util/run_size.py: made when a policy loop's third step
 begins) comes to the ops the schedule then has, per policy and model at default size.
 
     python experiments/run_size_accuracy.py [--quick]
@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from klotski_sim import run_size
+from klotski_sim.util import run_size
 from klotski_sim.policies import build_schedule
-from klotski_sim.runner import RunSpec, policy_prepared, prepare
+from klotski_sim.runs.runner import RunSpec, policy_prepared, prepare
 
 CASES = [("mixtral-8x7b", policy, impl) for policy in ("single-batch", "multi-batch", "hot-prefetch", "klotski",
                                                        "klotski-oracle", "flexgen", "fiddler", "llamacpp-moe",

@@ -26,10 +26,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-from klotski_sim.cost import op_variant
-from klotski_sim.hardware import HardwareProfile, profile_from_dict
-from klotski_sim.machine import cpu_model, machine_load, steal_share
-from klotski_sim.model import ModelSpec
+from klotski_sim.core.cost import op_variant
+from klotski_sim.hardware.profile import HardwareProfile, profile_from_dict
+from klotski_sim.util.machine import cpu_model, machine_load, steal_share
+from klotski_sim.workload.model import ModelSpec
 
 from . import kernels
 from .executor import ExecutionError, require_cuda
@@ -367,11 +367,11 @@ def _probe_dispatch(spec: ModelSpec, draft: HardwareProfile, dev: torch.device, 
     and FlexGen's per-batch ones), compare with their simulation; overall and per category."""
     from dataclasses import replace
 
-    from klotski_sim.engine import simulate
+    from klotski_sim.core.engine import simulate
     from klotski_sim.policies import Placement, PolicyInput, build_schedule
-    from klotski_sim.routing import RunShape
-    from klotski_sim.trace import replay
-    from klotski_sim.trace_synth import synthesize
+    from klotski_sim.workload.routing import RunShape
+    from klotski_sim.workload.trace import replay
+    from klotski_sim.workload.trace_synth import synthesize
 
     from .executor import ExecOptions, execute
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from klotski_sim.argtypes import (
+from klotski_sim.util.argtypes import (
     MAX_COUNT,
     MAX_COUNT_TEXT,
     OneLineParser,
@@ -23,7 +23,7 @@ from klotski_sim.argtypes import (
     positive_int,
     seed_int,
 )
-from klotski_sim.cli import (
+from klotski_sim.cli.main import (
     CliError,
     guarded,
     not_an_input,
@@ -32,13 +32,13 @@ from klotski_sim.cli import (
     parse_overrides,
     routing_kind,
 )
-from klotski_sim.exports import TIMELINE_FILES
-from klotski_sim.hardware import RATE_FLOOR
-from klotski_sim.machine import available_cores
-from klotski_sim.outfiles import refuse_unwritable, write_file
-from klotski_sim.progress import say
-from klotski_sim.trace_synth import DEFAULT_ROUTING
-from klotski_sim.units import flop_rate_text
+from klotski_sim.report.exports import TIMELINE_FILES
+from klotski_sim.hardware.profile import RATE_FLOOR
+from klotski_sim.util.machine import available_cores
+from klotski_sim.files.outfiles import refuse_unwritable, write_file
+from klotski_sim.util.progress import say
+from klotski_sim.workload.trace_synth import DEFAULT_ROUTING
+from klotski_sim.util.units import flop_rate_text
 
 # (torch, 0.8 s, is imported by the commands that use it: `--help` and a refused flag answer without it,
 # and a stop during its import is a stop of the command, said in one line)
@@ -88,7 +88,7 @@ def _csv_ints(text: str) -> list[int]:
 
 
 # pageable : pinned copy rate of the DGX A100 bandwidthTest (10.0 vs 25.7 GB/s H2D), the default
-# ratio when emulating pageable copies (klotski_sim/profiles/a100-80g.yaml cites the run)
+# ratio when emulating pageable copies (klotski_sim/hardware/profiles/a100-80g.yaml cites the run)
 PAGEABLE_RATIO = 10.0 / 25.7
 # torch compute threads: far more than any CPU has cores (100,000 failed to start, "can't start new thread")
 MAX_THREADS = 1024
@@ -168,7 +168,7 @@ def _threads(args: argparse.Namespace) -> int | None:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     import torch
 
-    from klotski_sim.model import get_model
+    from klotski_sim.workload.model import get_model
 
     from .calibrate import calibrate
 
@@ -207,7 +207,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if profile_path is None:
         import torch
 
-        from klotski_sim.model import get_model
+        from klotski_sim.workload.model import get_model
 
         print(f"no --profile: calibrating {args.device} for {args.model} first ...")
         # the dispatch probes run at batch 1 and half the prompt: out of sample for this validation
@@ -231,9 +231,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_execute(args: argparse.Namespace) -> int:
     import torch
 
-    from klotski_sim.model import get_model
-    from klotski_sim.routing import RoutingTable
-    from klotski_sim.schedule import Schedule
+    from klotski_sim.workload.model import get_model
+    from klotski_sim.workload.routing import RoutingTable
+    from klotski_sim.core.schedule import Schedule
 
     from .executor import ExecOptions, check_compatible, execute
     from .kernels import WeightStore
@@ -266,8 +266,8 @@ def cmd_execute(args: argparse.Namespace) -> int:
                           ExecOptions(device=args.device, emulate_links=_emulation(args),
                                       emulate_pageable=_pageable(args),
                                       threads=threads))
-    from klotski_sim.cli import format_summary
-    from klotski_sim.exports import save_all
+    from klotski_sim.cli.main import format_summary
+    from klotski_sim.report.exports import save_all
 
     print(format_summary(timeline.summary()))
     if timeline.meta.get("emulated_links"):

@@ -35,12 +35,12 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from klotski_sim.cost import op_variant, variant_impl
-from klotski_sim.errors import KlotskiError
-from klotski_sim.model import ModelSpec
-from klotski_sim.routing import RoutingTable, RunShape
-from klotski_sim.schedule import TENSORS, Op, Schedule, ScheduleError, topological_order
-from klotski_sim.timeline import Timeline
+from klotski_sim.core.cost import op_variant, variant_impl
+from klotski_sim.util.errors import KlotskiError
+from klotski_sim.workload.model import ModelSpec
+from klotski_sim.workload.routing import RoutingTable, RunShape
+from klotski_sim.core.schedule import TENSORS, Op, Schedule, ScheduleError, topological_order
+from klotski_sim.core.timeline import Timeline
 
 from . import kernels
 from .kernels import WeightStore
@@ -80,7 +80,7 @@ class PinnedPool:
 
 class ResourceGate:
     """The units of one resource, shared by the threads of the streams mapped to it, served as the
-    simulator serves them (klotski_sim.engine, rule 2): first ready first, ties by schedule order.
+    simulator serves them (klotski_sim.core.engine, rule 2): first ready first, ties by schedule order.
     Without it two copy streams on one link would copy at once, each at the full emulated rate."""
 
     def __init__(self, units: int) -> None:

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from klotski_sim.errors import KlotskiError
-from klotski_sim.model import ModelSpec
+from klotski_sim.util.errors import KlotskiError
+from klotski_sim.workload.model import ModelSpec
 
 
 class WeightError(KlotskiError):

@@ -20,10 +20,10 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from klotski_sim.errors import KlotskiError
-from klotski_sim.model import PRESETS
-from klotski_sim.textfile import read_text
-from klotski_sim.trace import Trace, TraceError
+from klotski_sim.util.errors import KlotskiError
+from klotski_sim.workload.model import PRESETS
+from klotski_sim.files.textfile import read_text
+from klotski_sim.workload.trace import Trace, TraceError
 
 
 class RecordError(KlotskiError):

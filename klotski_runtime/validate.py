@@ -17,16 +17,16 @@ import numpy as np
 import pandas as pd
 import torch
 
-from klotski_sim.engine import resource_capacities, simulate
-from klotski_sim.errors import UsageError
-from klotski_sim.exports import to_parquet
-from klotski_sim.hardware import HardwareProfile, ProfileError
-from klotski_sim.machine import machine_load, steal_share
-from klotski_sim.model import ModelSpec, get_model
+from klotski_sim.core.engine import resource_capacities, simulate
+from klotski_sim.util.errors import UsageError
+from klotski_sim.report.exports import to_parquet
+from klotski_sim.hardware.profile import HardwareProfile, ProfileError
+from klotski_sim.util.machine import machine_load, steal_share
+from klotski_sim.workload.model import ModelSpec, get_model
 from klotski_sim.policies import build_schedule
-from klotski_sim.progress import Progress
-from klotski_sim.runner import RunSpec, prepare
-from klotski_sim.timeline import OutOfMemory, Timeline, jsonable
+from klotski_sim.util.progress import Progress
+from klotski_sim.runs.runner import RunSpec, prepare
+from klotski_sim.core.timeline import OutOfMemory, Timeline, jsonable
 
 from .calibrate import Bench, expert_probe, probed_expert
 from .executor import ExecOptions, execute
@@ -117,7 +117,7 @@ def compare(sim: Timeline, meas: Timeline, worst: int = 10) -> dict[str, Any]:
 def side_by_side(sim: Timeline, meas: Timeline, path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
-    from klotski_sim.plot import draw_timeline, legend
+    from klotski_sim.report.plot import draw_timeline, legend
 
     horizon = max(sim.makespan, meas.makespan)
     lanes = sim.streams()

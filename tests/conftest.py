@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 
-from klotski_sim.hardware import HardwareProfile, profile_from_dict
+from klotski_sim.hardware.profile import HardwareProfile, profile_from_dict
 
 settings.register_profile("ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -123,7 +123,7 @@ def run(args: list[str], timeout: float, preexec: Callable[[], None] | None = No
 
 def run_cli(*args: str) -> tuple[int, str, str]:
     """Run `klotski-sim` in-process-free (a real subprocess), as a user would."""
-    proc = run([sys.executable, "-m", "klotski_sim.cli", *args], timeout=600)
+    proc = run([sys.executable, "-m", "klotski_sim.cli.main", *args], timeout=600)
     return proc.returncode, proc.stdout, proc.stderr
 
 

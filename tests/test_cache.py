@@ -4,8 +4,8 @@ from collections import OrderedDict
 
 import pytest
 
-from klotski_sim.engine import simulate
-from klotski_sim.errors import UsageError
+from klotski_sim.core.engine import simulate
+from klotski_sim.util.errors import UsageError
 from klotski_sim.policies import PolicyInput, build_schedule
 
 from .test_pipelines import make_input

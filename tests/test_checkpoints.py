@@ -21,10 +21,10 @@ pytest.importorskip("transformers")
 from klotski_runtime.executor import ExecOptions, execute  # noqa: E402
 from klotski_runtime.kernels import WeightError, WeightStore  # noqa: E402
 from klotski_runtime.record import save_tiny_olmoe, save_tiny_qwen3_moe  # noqa: E402
-from klotski_sim.hardware import load_profile  # noqa: E402
-from klotski_sim.model import ModelSpec, get_model  # noqa: E402
+from klotski_sim.hardware.profile import load_profile  # noqa: E402
+from klotski_sim.workload.model import ModelSpec, get_model  # noqa: E402
 from klotski_sim.policies import Placement, PolicyInput, build_schedule  # noqa: E402
-from klotski_sim.routing import RoutingTable, RunShape  # noqa: E402
+from klotski_sim.workload.routing import RoutingTable, RunShape  # noqa: E402
 
 from .test_cpu_experts import cpu_profile  # noqa: E402
 
@@ -242,7 +242,7 @@ def test_the_simulator_counts_the_kernels_these_models_add():
     eager RMSNorm); a router that keeps its top-k weights as they are skips Mixtral's sum and
     divide. The schedule's ops carry it in their variant, the cost model counts it, and a Mixtral
     schedule is as before."""
-    from klotski_sim.cost import CostModel, kernels_of, op_variant
+    from klotski_sim.core.cost import CostModel, kernels_of, op_variant
 
     assert kernels_of("attention", "fused+qk_norm") == kernels_of("attention", "fused") + 16 == 25 + 16
     assert kernels_of("attention", "eager+qk_norm") == 34 + 16

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from klotski_sim.trace import Trace
+from klotski_sim.workload.trace import Trace
 
 from .conftest import run_cli
 
@@ -193,7 +193,7 @@ def test_what_runs_meanwhile_runs_beside_the_workers_and_its_errors_are_ignored(
     the results."""
     import threading
 
-    from klotski_sim import runner
+    from klotski_sim.runs import runner
 
     spec = runner.RunSpec(policy="klotski", num_batches=2, batch_size=2, prompt_len=8, gen_len=2)
     prep = runner.prepare(spec)
@@ -223,7 +223,7 @@ def test_what_runs_meanwhile_waits_for_a_core_that_no_worker_needs(tmp_path, mon
     """Started with the workers, compare's import of the plotting library took 0.15-0.25 s from the
     slowest of them on 2 cores; it starts once fewer runs are left than workers (here 3 runs on 2
     workers: after 2 have finished), and the results keep their order."""
-    from klotski_sim import runner
+    from klotski_sim.runs import runner
 
     monkeypatch.setenv("KLOTSKI_TEST_MARKS", str(tmp_path))
     monkeypatch.setattr(runner, "_timeline_of", _finishes_and_leaves_a_mark)
@@ -239,8 +239,8 @@ def _worker_dies(*args, **kwargs):
 
 
 def test_a_worker_that_dies_is_one_clear_error(monkeypatch):
-    from klotski_sim import runner
-    from klotski_sim.errors import UsageError
+    from klotski_sim.runs import runner
+    from klotski_sim.util.errors import UsageError
 
     spec = runner.RunSpec(policy="klotski", num_batches=2, batch_size=2, prompt_len=8, gen_len=2)
     monkeypatch.setattr(runner, "_timeline_of", _worker_dies)
@@ -312,15 +312,15 @@ def test_resident_layers_takes_a_count_or_fill_and_nothing_else(tmp_path):
 
 def test_the_cli_starts_without_pandas_until_a_command_needs_it():
     """pandas is 0.23 s of the CLI's start: `--help`, `plan` and a refused argument never read it
-    (klotski_sim/lazy.py); a summary does, and gets the real module."""
+    (klotski_sim/util/lazy.py); a summary does, and gets the real module."""
     import subprocess
     import sys
 
-    probe = ("import sys, klotski_sim.cli as cli\n"
+    probe = ("import sys, klotski_sim.cli.main as cli\n"
              "assert 'pandas' not in sys.modules, 'imported at start'\n"
              "cli.main(['plan'])\n"
              "assert 'pandas' not in sys.modules, 'imported by plan'\n"
-             "from klotski_sim.lazy import pd\n"
+             "from klotski_sim.util.lazy import pd\n"
              "import pandas\n"
              "assert pd.DataFrame is pandas.DataFrame\n")
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)

@@ -2,10 +2,10 @@
 
 import pytest
 
-from klotski_sim.engine import simulate
-from klotski_sim.errors import UsageError
+from klotski_sim.core.engine import simulate
+from klotski_sim.util.errors import UsageError
 from klotski_sim.policies import Placement, PolicyInput, build_schedule
-from klotski_sim.runner import RunSpec, run
+from klotski_sim.runs.runner import RunSpec, run
 
 from .conftest import run_cli
 from .test_cpu_experts import cpu_profile

@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from klotski_sim.cost import CostModel
-from klotski_sim.engine import simulate
-from klotski_sim.errors import UsageError
-from klotski_sim.hardware import ProfileError, profile_from_dict
+from klotski_sim.core.cost import CostModel
+from klotski_sim.core.engine import simulate
+from klotski_sim.util.errors import UsageError
+from klotski_sim.hardware.profile import ProfileError, profile_from_dict
 from klotski_sim.policies import PolicyInput, build_schedule
 from klotski_sim.policies.fiddler import gpu_expert_slots, popular_experts
 
@@ -157,7 +157,7 @@ def test_bad_options_are_refused():
 
 
 def test_a_cpu_op_cannot_allocate_gpu_memory():
-    from klotski_sim.schedule import CPU_STREAMS, DEFAULT_STREAMS, ScheduleBuilder, ScheduleError
+    from klotski_sim.core.schedule import CPU_STREAMS, DEFAULT_STREAMS, ScheduleBuilder, ScheduleError
 
     b = ScheduleBuilder({**DEFAULT_STREAMS, **CPU_STREAMS})
     b.compute("x", "expert", stream="cpu_compute", alloc=(("buf", 10),))

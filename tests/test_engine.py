@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from klotski_sim.engine import EngineDeadlock, simulate
-from klotski_sim.schedule import DEFAULT_STREAMS, LINK_DIRECTIONS, Op, Schedule, ScheduleError, topological_order
+from klotski_sim.core.engine import EngineDeadlock, simulate
+from klotski_sim.core.schedule import DEFAULT_STREAMS, LINK_DIRECTIONS, Op, Schedule, ScheduleError, topological_order
 
 from .conftest import make_profile
 
@@ -210,10 +210,10 @@ def test_durations_costed_once_per_distinct_op_equal_costing_every_op(policy, im
     """CostModel.durations costs each distinct op once: the same numbers as costing every op."""
     from dataclasses import replace
 
-    from klotski_sim.cost import CostModel
+    from klotski_sim.core.cost import CostModel
     from klotski_sim.policies import build_schedule
 
-    from klotski_sim.hardware import load_profile
+    from klotski_sim.hardware.profile import load_profile
 
     from .test_pipelines import make_input
 
@@ -234,7 +234,7 @@ def test_the_graph_keeps_an_ops_latest_dep_per_stream_alone_and_nothing_changes(
     ready, memory — and the runtime's issue order are those of the whole graph."""
     from unittest.mock import patch
 
-    from klotski_sim import schedule as schedule_module
+    from klotski_sim.core import schedule as schedule_module
 
     built = []
     for i, (stream, deps, _) in enumerate(ops):

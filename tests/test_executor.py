@@ -11,14 +11,14 @@ pytest.importorskip("transformers")
 from klotski_runtime.executor import ExecOptions, ExecutionError, execute  # noqa: E402
 from klotski_runtime.kernels import WeightError, WeightStore  # noqa: E402
 from klotski_runtime.record import save_tiny_mixtral  # noqa: E402
-from klotski_sim.hardware import load_profile  # noqa: E402
-from klotski_sim.model import get_model  # noqa: E402
+from klotski_sim.hardware.profile import load_profile  # noqa: E402
+from klotski_sim.workload.model import get_model  # noqa: E402
 from klotski_sim.policies import Placement, PolicyInput, build_schedule  # noqa: E402
 from klotski_sim.policies import POLICIES as REGISTERED  # noqa: E402
-from klotski_sim.routing import RunShape  # noqa: E402
-from klotski_sim.schedule import Schedule, ScheduleError  # noqa: E402
-from klotski_sim.trace import replay  # noqa: E402
-from klotski_sim.trace_synth import synthesize  # noqa: E402
+from klotski_sim.workload.routing import RunShape  # noqa: E402
+from klotski_sim.core.schedule import Schedule, ScheduleError  # noqa: E402
+from klotski_sim.workload.trace import replay  # noqa: E402
+from klotski_sim.workload.trace_synth import synthesize  # noqa: E402
 
 TINY = get_model("tiny-mixtral")
 POLICIES = ("single-batch", "multi-batch", "hot-prefetch", "klotski", "klotski-oracle", "flexgen")
@@ -347,7 +347,7 @@ from hypothesis import strategies as st  # noqa: E402
 def test_measured_timelines_respect_every_resources_capacity(policy, impl, kv, n, seed):
     """Two copy streams on one link never copy at once: the CPU runtime serves a resource's units
     as the simulator does (here: one unit each)."""
-    from klotski_sim.engine import resource_capacities
+    from klotski_sim.core.engine import resource_capacities
 
     inp = _input(Placement(kv=kv), n=n, impl=impl)
     schedule = build_schedule(policy, inp)
@@ -438,7 +438,7 @@ def test_every_add_into_a_batchs_output_comes_before_the_op_that_reads_it(policy
     attention, or its lm_head) has every op that wrote into it (gate, GPU expert, CPU expert's copy
     back) among its ancestors, deps and stream order, in every policy's schedule (a missing dep
     would read a partial sum only when the threads happen to race)."""
-    from klotski_sim.schedule import topological_order
+    from klotski_sim.core.schedule import topological_order
 
     from .test_cpu_experts import cpu_profile
 

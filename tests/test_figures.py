@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 from matplotlib.colors import to_rgb
 
-from klotski_sim.runner import RunSpec, run
+from klotski_sim.runs.runner import RunSpec, run
 
 matplotlib.use("Agg")
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,14 +34,14 @@ def tiny(policy: str = "klotski", **changes):
     (0.0, None, "0.000 s"), (0.00043, "s", "0.430 ms"), (0.062, "s", "0.062 s"), (4.97e-5, "ms", "0.050 ms"),
     (4.97e-6, "ms", "4.970 us"), (120.11, "s", "120.110 s"), (0.0, "ms", "0.000 ms"), (12.3, "ms", "12300.000 ms")])
 def test_a_duration_prints_in_a_unit_that_shows_it(seconds, unit, text):
-    from klotski_sim.units import duration_text
+    from klotski_sim.util.units import duration_text
 
     assert duration_text(seconds, unit) == text
 
 
 def test_the_simulate_summary_of_a_tiny_run_prints_its_bubbles_in_ms_never_as_zero_seconds():
     """README's tiny `simulate`: 0.43 ms of bubbles (5% of its 8 ms) printed `bubbles 0.000 s`."""
-    from klotski_sim.cli import format_summary
+    from klotski_sim.cli.main import format_summary
 
     s = tiny().summary()
     assert 0 < s.bubble_s < 1e-3
@@ -63,7 +63,7 @@ def test_bubbles_are_a_colour_of_their_own():
     """Cold experts were pink (#DA8BC3) beside bubbles drawn in a translucent red that rendered
     pink: told apart by neither eye nor legend. The bubble colour is opaque and far (in RGB) from
     every category's, cold experts' above all, and hot and cold experts differ."""
-    from klotski_sim.plot import BUBBLE_COLOR, CATEGORY_COLORS
+    from klotski_sim.report.plot import BUBBLE_COLOR, CATEGORY_COLORS
 
     bubble = np.array(matplotlib.colors.to_rgba(BUBBLE_COLOR))
     assert bubble[3] == 1.0
@@ -87,8 +87,8 @@ def _phase_marks(ax):
 def test_the_gantt_marks_where_prefill_ends_and_decode_begins(kept):
     """A dashed line at the first decode op on the GPU (the ops' phase tag; in a timeline kept to
     the figure's columns, as compare keeps them, their step), labelled `prefill | decode`."""
-    from klotski_sim.plot import draw_timeline
-    from klotski_sim.timeline import FIGURE_COLUMNS
+    from klotski_sim.report.plot import draw_timeline
+    from klotski_sim.core.timeline import FIGURE_COLUMNS
 
     tl = tiny()
     c = tl.columns
@@ -107,7 +107,7 @@ def test_the_gantt_marks_where_prefill_ends_and_decode_begins(kept):
 
 
 def test_batches_run_one_after_another_have_a_mark_at_each_change_of_phase():
-    from klotski_sim.plot import draw_timeline
+    from klotski_sim.report.plot import draw_timeline
 
     tl = tiny("single-batch")
     fig, ax = plt.subplots(figsize=(10, 2))
@@ -121,7 +121,7 @@ def test_batches_run_one_after_another_have_a_mark_at_each_change_of_phase():
 def test_a_host_lane_that_only_syncs_is_not_drawn_and_its_share_is_said_once():
     """The host thread is blocked nearly all of every run: its lane was one solid grey bar in
     every panel. It is left out, and the title says the blocked share."""
-    from klotski_sim.plot import figure_lanes, gantt
+    from klotski_sim.report.plot import figure_lanes, gantt
 
     tl = tiny()
     assert "host" in tl.streams() and "host" not in figure_lanes(tl)
@@ -137,8 +137,8 @@ def test_a_host_lane_that_only_syncs_is_not_drawn_and_its_share_is_said_once():
 
 
 def test_a_host_lane_that_waits_on_pageable_copies_is_drawn():
-    from klotski_sim.plot import figure_lanes
-    from klotski_sim.timeline import Timeline
+    from klotski_sim.report.plot import figure_lanes
+    from klotski_sim.core.timeline import Timeline
 
     def timeline(host_category):
         columns = {"stream": np.array(["compute", "host"], dtype=object), "resource": np.array(["gpu", "host"],
@@ -156,7 +156,7 @@ def test_a_whole_run_is_drawn_in_bins_a_few_pixels_wide_whose_shares_fill_the_co
     """A whole run has many ops to a pixel: drawn a pixel's bin at a time, the sub-pixel bars of
     compute and bubbles mixed into one grey-green band. Every bar is now a few pixels wide, and on
     the compute lane busy and bubble shares fill each bin of the run (nothing is left out)."""
-    from klotski_sim.plot import BUBBLE_COLOR, SHARE_BIN_PX, draw_timeline
+    from klotski_sim.report.plot import BUBBLE_COLOR, SHARE_BIN_PX, draw_timeline
 
     tl = tiny(num_batches=4, prompt_len=32, gen_len=64)
     fig, ax = plt.subplots(figsize=(10, 2), dpi=100)
@@ -184,7 +184,7 @@ def test_a_whole_run_is_drawn_in_bins_a_few_pixels_wide_whose_shares_fill_the_co
 def test_the_zoom_panels_read_time_from_the_blocks_start():
     """The zoom column read `47375 ... 47550` ms under `(zoom, one scale)`: each block is drawn
     from its own start now, all on one span, and the title says which block and in what unit."""
-    from klotski_sim.plot import compare_gantt
+    from klotski_sim.report.plot import compare_gantt
 
     tls = {p: tiny(p) for p in ("klotski", "flexgen")}
     fig = compare_gantt(tls, zoom=(1, 1))

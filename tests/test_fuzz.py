@@ -16,8 +16,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from klotski_sim import cli
-from klotski_sim.hardware import load_profile
+from klotski_sim.cli import main as cli
+from klotski_sim.hardware.profile import load_profile
 
 FUZZ = settings(max_examples=int(os.environ.get("KLOTSKI_FUZZ_EXAMPLES", "25")), deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                       HealthCheck.function_scoped_fixture])
@@ -139,13 +139,13 @@ def test_fuzzed_trace_files(tmp_path_factory, data):
 @FUZZ
 @given(data=st.data(), deflated=st.booleans())
 def test_fuzzed_trace_files_unpacked_into_the_cache(tmp_path_factory, monkeypatch, data, deflated):
-    """The same files, their arrays unpacked into the trace cache and mapped (cache.unpacked_array,
+    """The same files, their arrays unpacked into the trace cache and mapped (disk_cache.unpacked_array,
     its size floor lowered to a byte): the same one-line answers."""
-    from klotski_sim import cache
+    from klotski_sim.files import disk_cache
 
     folder = tmp_path_factory.mktemp("t")
     monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(folder / "cache"))
-    monkeypatch.setattr(cache, "MAPPED_ABOVE", 1)
+    monkeypatch.setattr(disk_cache, "MAPPED_ABOVE", 1)
     (np.savez_compressed if deflated else np.savez)(folder / "trace.npz", **_trace_arrays(data.draw))
     check_answer(*run_cli("trace", "stats", str(folder / "trace.npz")))
     check_answer(*run_cli("simulate", "--trace", str(folder / "trace.npz"), "--wrap", "--warmup-sequences", "0",

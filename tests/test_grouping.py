@@ -1,4 +1,4 @@
-"""klotski_sim.grouping: codes and per-group sums without pandas, and a run's summary without pandas."""
+"""klotski_sim.util.grouping: codes and per-group sums without pandas, and a run's summary without pandas."""
 
 import math
 import subprocess
@@ -10,7 +10,7 @@ import pandas as pd
 from hypothesis import given
 from hypothesis import strategies as st
 
-from klotski_sim.grouping import factorize, group_sums
+from klotski_sim.util.grouping import factorize, group_sums
 
 
 @given(st.lists(st.one_of(st.sampled_from(["compute", "h2d_kv", "host", "", "0,1"]), st.none(),
@@ -57,7 +57,7 @@ def test_group_sums_are_the_exact_sums_correctly_rounded(rows, with_nan):
 def test_a_run_and_its_summary_import_no_pandas():
     """`klotski-sim simulate` prints a summary: with pandas imported for it, a tiny model's run took
     0.55 s, 0.2 s of it the import (`python -X importtime`); the run now never imports it."""
-    probe = ("import sys; from klotski_sim.cli import main; "
+    probe = ("import sys; from klotski_sim.cli.main import main; "
              "code = main(['simulate', '--model', 'tiny-mixtral', '--policy', 'klotski', '--gen-len', '3']); "
              "print(code, 'pandas' in sys.modules, file=sys.stderr)")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)

@@ -15,15 +15,15 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from klotski_sim.argtypes import first_repeat
-from klotski_sim.errors import KlotskiError
-from klotski_sim.hardware import (
+from klotski_sim.util.argtypes import first_repeat
+from klotski_sim.util.errors import KlotskiError
+from klotski_sim.hardware.profile import (
     ProfileError,
     load_profile,
     load_profile_file,
     with_overrides,
 )
-from klotski_sim.sweep import SweepError, _locked, grid_size, parse_spec, run_sweep
+from klotski_sim.runs.sweep import SweepError, _locked, grid_size, parse_spec, run_sweep
 
 from .conftest import run_cli
 
@@ -121,7 +121,7 @@ def test_a_control_character_in_a_path_or_a_profiles_name_keeps_the_error_one_li
 def test_a_byte_order_mark_is_read_past_in_json_as_in_yaml(tmp_path):
     """A schedule.json saved by a Windows editor (a UTF-8 byte-order mark first) was refused as
     "not valid JSON", where a profile with one was read."""
-    from klotski_sim.schedule import Schedule
+    from klotski_sim.core.schedule import Schedule
 
     assert run_cli("simulate", "--model", "tiny-mixtral", "--batch-size", "2", "--num-batches", "2", "--prompt-len",
                    "4", "--gen-len", "2", "--no-png", "--out", str(tmp_path / "run"))[0] == 0
@@ -244,8 +244,8 @@ def test_a_trace_whose_zip_cannot_be_inflated_is_refused_in_one_line(tmp_path, d
     import struct
     import zipfile
 
-    from klotski_sim.model import get_model
-    from klotski_sim.trace_synth import synthesize
+    from klotski_sim.workload.model import get_model
+    from klotski_sim.workload.trace_synth import synthesize
 
     synthesize(get_model("tiny-mixtral"), 4, 6, 2, "calibrated", seed=1).save(tmp_path / "t.npz")
     data = bytearray((tmp_path / "t.npz").read_bytes())
@@ -274,7 +274,7 @@ def test_an_npz_whose_header_declares_more_than_it_holds_is_refused_before_numpy
 
     import numpy as np
 
-    from klotski_sim.routing import RoutingTable
+    from klotski_sim.workload.routing import RoutingTable
 
     meta = {"format": "klotski-routing-trace", "version": 1, "model": "m", "num_experts": 4, "top_k": 2,
             "num_layers": 2}
@@ -296,8 +296,8 @@ def test_an_npz_whose_header_declares_more_than_it_holds_is_refused_before_numpy
 def test_a_routing_table_is_read_back_only_as_it_was_written(tmp_path, field, value, message):
     """routing.npz's arrays were coerced (float ids truncated, a shape of 1.5 batches, 4.9 experts)
     or not checked (dense layers beyond the model, a token choosing one expert twice)."""
-    from klotski_sim.npzfile import write_npz
-    from klotski_sim.routing import RoutingTable
+    from klotski_sim.files.npzfile import write_npz
+    from klotski_sim.workload.routing import RoutingTable
 
     ids = np.array([[0, 1], [2, 3], [1, 0]] * 4, dtype=np.uint8).reshape(2, 1, 3, 2, 2)
     arrays = {"ids": ids, "num_experts": np.array(4), "shape": np.array([1, 2, 2, 2]), "source": np.array("x"),
@@ -358,7 +358,7 @@ def test_bad_flags_end_in_one_line(args, flag):
 
 
 def test_memory_figures_never_print_as_nothing():
-    from klotski_sim.units import memory_text
+    from klotski_sim.util.units import memory_text
 
     assert [memory_text(b) for b in (0, 1, 7, 50, 2_000_000, 0.3 * 2**30, 3 * 2**30)] == [
         "0.00 GiB", "1 byte", "7 bytes", "0.05 KiB", "1.91 MiB", "0.30 GiB", "3.00 GiB"]
@@ -400,7 +400,7 @@ def test_a_huge_override_axis_is_refused_before_each_value_is_checked(tmp_path, 
     """An axis of 80,000 override values took 25 s to refuse: every value was looked for among those
     before it, then checked against every profile (a whole profile validated each time), before the
     grid's size was looked at."""
-    from klotski_sim import sweep as sweep_module
+    from klotski_sim.runs import sweep as sweep_module
 
     checked = []
     monkeypatch.setattr(sweep_module, "with_overrides", lambda *a, **k: checked.append(a))
@@ -519,7 +519,7 @@ def test_execute_refuses_routing_with_other_dense_layers_and_shortens_a_long_sou
     import subprocess
     import sys
 
-    from klotski_sim.routing import RoutingTable
+    from klotski_sim.workload.routing import RoutingTable
 
     from .conftest import ROOT
 
@@ -617,7 +617,7 @@ def test_a_sweep_refuses_one_profile_under_two_names(tmp_path):
     from importlib import resources
 
     copy = tmp_path / "mine.yaml"
-    copy.write_text((resources.files("klotski_sim") / "profiles" / "rtx3090.yaml").read_text())
+    copy.write_text((resources.files("klotski_sim.hardware") / "profiles" / "rtx3090.yaml").read_text())
     with pytest.raises(SweepError, match=f"hardware: '{copy}' is the profile 'rtx3090' again"):
         parse_spec({**TINY, "hardware": ["rtx3090", str(copy)]})
     copy.write_text(copy.read_text().replace("bandwidth: 25.7e9", "bandwidth: 25.8e9", 1))
@@ -660,7 +660,7 @@ def test_running_out_of_memory_is_one_line_and_other_errors_keep_their_traceback
     traceback) are one line; any other RuntimeError is a bug and keeps its traceback."""
     import argparse
 
-    from klotski_sim.cli import guarded
+    from klotski_sim.cli.main import guarded
 
     def parser_raising(error: BaseException) -> argparse.ArgumentParser:
         def fail(args: argparse.Namespace) -> int:
@@ -704,8 +704,8 @@ def test_sizes_beyond_what_a_run_can_compute_with_are_refused_on_the_command_lin
 
 
 def test_sizes_beyond_what_a_run_can_compute_with_are_refused_by_the_python_api_and_a_sweep_spec(tmp_path):
-    from klotski_sim.runner import RunSpec, prepare
-    from klotski_sim.trace import TraceError, import_jsonl
+    from klotski_sim.runs.runner import RunSpec, prepare
+    from klotski_sim.workload.trace import TraceError, import_jsonl
 
     with pytest.raises(KlotskiError, match="RunSpec.batch_size must be an integer from 1 to 2147483647"):
         prepare(RunSpec(model="tiny-mixtral", batch_size=2**70, num_batches=None, prompt_len=8, gen_len=2))
@@ -720,7 +720,7 @@ def test_sizes_beyond_what_a_run_can_compute_with_are_refused_by_the_python_api_
 @pytest.mark.parametrize("address", ["tcp://127.0.0.1:99999", "tcp://127.0.0.1:abc", "tcp://[::1", "tcp://", "http://x:1"])
 def test_a_malformed_dask_address_is_one_line(address):
     """A port out of range or not a number, a broken IPv6 bracket: urllib's ValueError was a traceback."""
-    from klotski_sim.sweep import _check_dask_address
+    from klotski_sim.runs.sweep import _check_dask_address
 
     with pytest.raises(SweepError, match="give a scheduler address like tcp://HOST:8786"):
         _check_dask_address(address)
@@ -729,7 +729,7 @@ def test_a_malformed_dask_address_is_one_line(address):
 @pytest.mark.parametrize("setting", ["1e308", "1e10", "nan", "-1", "inf"])
 def test_a_cache_cap_beyond_any_disk_is_refused(monkeypatch, setting):
     """1e308 GiB passed the check and overflowed converting to bytes (an OverflowError traceback)."""
-    from klotski_sim.cache import cache_max_bytes
+    from klotski_sim.files.disk_cache import cache_max_bytes
 
     monkeypatch.setenv("KLOTSKI_CACHE_MAX_GB", setting)
     with pytest.raises(KlotskiError, match="KLOTSKI_CACHE_MAX_GB=.*must be a number of GiB from 0 to 1e\\+09"):
@@ -741,7 +741,7 @@ def test_a_cache_cap_beyond_any_disk_is_refused(monkeypatch, setting):
 def test_a_measured_table_is_held_to_names_the_cost_model_reads_single_durations_and_an_hours_bound():
     """1e30 s in a calibrated table made a 2e30 s makespan; two durations for one shape, and a
     table named as no op reads it, were kept silently."""
-    from klotski_sim.hardware import profile_from_dict
+    from klotski_sim.hardware.profile import profile_from_dict
 
     base = load_profile("rtx3090").model_dump(mode="json", exclude_none=True)
     point = {"tokens": 1, "kv_len": 0, "seconds": 1e-4}
@@ -767,7 +767,7 @@ def test_a_measured_table_is_held_to_names_the_cost_model_reads_single_durations
 
 def test_a_routing_file_whose_shape_cannot_be_is_named(tmp_path):
     """A routing.npz with a batch size of -1 said "batch_size must be ..." without naming the file."""
-    from klotski_sim.routing import RoutingTable, RunShape
+    from klotski_sim.workload.routing import RoutingTable, RunShape
 
     ids = np.zeros((1, 1, 2, 2, 2), dtype=np.int16)
     ids[..., 1] = 1
@@ -782,8 +782,8 @@ def test_a_routing_file_whose_shape_cannot_be_is_named(tmp_path):
 def test_a_run_whose_weights_or_kv_cache_the_host_or_disk_cannot_hold_is_refused_with_the_numbers():
     """Mixtral-8x7B's every expert on a 1-byte disk (or its weights in 46 GiB of host memory) ran
     and reported status ok: the host and the disk were never checked."""
-    from klotski_sim.model import get_model
-    from klotski_sim.planner import storage_needed
+    from klotski_sim.workload.model import get_model
+    from klotski_sim.planning.planner import storage_needed
     from klotski_sim.policies import Placement
 
     rc, out, err = run_cli("simulate", "--no-png", "--prompt-len", "64", "--gen-len", "4", "--resident-layers", "0",
@@ -828,7 +828,7 @@ def test_a_run_whose_weights_or_kv_cache_the_host_or_disk_cannot_hold_is_refused
 def test_a_run_spec_of_the_wrong_types_is_refused_in_one_line(field, value, message):
     """From a notebook: `seed=None` drew random routing and cached it under `seed: null`; the others
     were TypeErrors and AttributeErrors deep in the run."""
-    from klotski_sim.runner import RunSpec
+    from klotski_sim.runs.runner import RunSpec
 
     with pytest.raises(KlotskiError, match=message):
         RunSpec(**{**dict(model="tiny-mixtral", prompt_len=8, gen_len=2, batch_size=2, num_batches=2), field: value})
@@ -838,10 +838,10 @@ def test_a_run_spec_takes_numpy_integers_and_a_path_as_what_they_are(tmp_path):
     """`batch_size=np.int64(2)` failed in the trace cache's JSON; a Path for a profile file is its path."""
     from pathlib import Path
 
-    from klotski_sim.runner import RunSpec, run
+    from klotski_sim.runs.runner import RunSpec, run
 
     spec = RunSpec(model="tiny-mixtral", prompt_len=8, gen_len=2, batch_size=np.int64(2), num_batches=np.uint8(2),
-                   seed=np.int64(3), hardware=Path("klotski_sim/profiles/rtx3090.yaml"))
+                   seed=np.int64(3), hardware=Path("klotski_sim/hardware/profiles/rtx3090.yaml"))
     assert type(spec.batch_size) is int and type(spec.seed) is int and spec.hardware.endswith("rtx3090.yaml")
     assert run(spec).timeline.status == "ok"
 
@@ -873,7 +873,7 @@ def test_a_file_the_disk_cannot_hold_leaves_the_earlier_one_whole(tmp_path, args
 
     out = tmp_path / name
     out.write_bytes(b"the earlier run's file\n")
-    rc, _, err = run_on_a_full_disk("klotski_sim.cli", *[a.format(out=out) for a in args])
+    rc, _, err = run_on_a_full_disk("klotski_sim.cli.main", *[a.format(out=out) for a in args])
     assert rc == 2 and err == f"error: {flag + ' ' if flag else ''}{out}: cannot write (File too large)\n", err
     assert out.read_bytes() == b"the earlier run's file\n" and sorted(p.name for p in tmp_path.iterdir()) == [name]
 
@@ -883,8 +883,8 @@ def test_write_file_puts_a_file_in_place_whole_or_not_at_all(tmp_path):
     that succeeds replaces a link's target and keeps the link."""
     import errno
 
-    from klotski_sim.errors import UsageError
-    from klotski_sim.outfiles import write_file
+    from klotski_sim.util.errors import UsageError
+    from klotski_sim.files.outfiles import write_file
 
     target = tmp_path / "f.txt"
     target.write_text("before")
@@ -923,7 +923,7 @@ def test_a_sweep_whose_folder_links_its_spec_yaml_to_the_spec_it_reads_is_refuse
 def test_every_built_in_compute_op_has_a_category_the_profile_check_knows(impl):
     """What a misspelt category is measured against: the built-in policies' compute categories."""
     from klotski_sim.policies import POLICIES, PolicyInput, build_schedule
-    from klotski_sim.schedule import COMPUTE_CATEGORIES
+    from klotski_sim.core.schedule import COMPUTE_CATEGORIES
 
     from .test_cpu_experts import cpu_profile
     from .test_pipelines import make_input

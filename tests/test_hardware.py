@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from klotski_sim.hardware import (
+from klotski_sim.hardware.profile import (
     ProfileError,
     builtin_profile_names,
     load_profile,
@@ -131,7 +131,7 @@ def test_every_number_of_a_builtin_profile_has_a_source():
                 yield path
 
     for name in builtin_profile_names():
-        ref = resources.files("klotski_sim") / "profiles" / f"{name}.yaml"
+        ref = resources.files("klotski_sim.hardware") / "profiles" / f"{name}.yaml"
         data = yaml.safe_load(ref.read_text())
         sources = data.get("sources", {})
         body = {k: v for k, v in data.items() if k not in ("sources", "measured", "provenance")}
@@ -147,7 +147,7 @@ SHIPPED_PROFILES = sorted(p for p in (REPOSITORY / "experiments").rglob("*.yaml"
 def test_every_profile_the_repository_ships_loads(path):
     """experiments/results/cpu/*/profile.yaml, the records a README cites, were refused ("links.
     pageable_h2d_bandwidth has moved ...") after the field moved, each a command no one could rerun."""
-    from klotski_sim.hardware import load_profile_file
+    from klotski_sim.hardware.profile import load_profile_file
 
     assert len(SHIPPED_PROFILES) >= 8 and load_profile_file(path).name
 
@@ -155,10 +155,10 @@ def test_every_profile_the_repository_ships_loads(path):
 def test_a_profile_measured_on_one_models_ops_is_refused_for_another_models():
     """A profile calibrated on tiny-mixtral timed small-mixtral's experts by tiny-mixtral's table
     (0.26 ms for 0.91 by the roofline) without a word: its tables key on category and tokens alone."""
-    from klotski_sim.errors import UsageError
-    from klotski_sim.hardware import load_profile_file
-    from klotski_sim.model import get_model
-    from klotski_sim.runner import check_measured_for
+    from klotski_sim.util.errors import UsageError
+    from klotski_sim.hardware.profile import load_profile_file
+    from klotski_sim.workload.model import get_model
+    from klotski_sim.runs.runner import check_measured_for
 
     profile = load_profile_file(REPOSITORY / "experiments/results/cpu/tiny-mixtral/profile.yaml")
     assert profile.measured and profile.provenance["model_shapes"] == "tiny-mixtral"
@@ -182,7 +182,7 @@ def test_a_profile_measured_on_one_models_ops_is_refused_for_another_models():
 def test_a_built_in_name_that_is_also_a_file_here_is_refused_as_ambiguous(tmp_path, monkeypatch):
     """A calibrated profile saved as `./t4`, then `--hardware t4`: the built-in T4 ran, without a word;
     a link to nowhere was "unknown hardware profile"."""
-    from klotski_sim.hardware import load_profile_file
+    from klotski_sim.hardware.profile import load_profile_file
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "t4").write_text(load_profile("h200").to_yaml())

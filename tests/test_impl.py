@@ -1,4 +1,4 @@
-"""Implementation options and presets (klotski_sim.impl): each changes the schedule as documented."""
+"""Implementation options and presets (klotski_sim.policies.impl): each changes the schedule as documented."""
 
 from collections import Counter
 from unittest.mock import patch
@@ -8,12 +8,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from klotski_sim import routing as routing_module
-from klotski_sim.cost import CostError, CostModel
-from klotski_sim.engine import simulate
-from klotski_sim.hardware import load_profile
-from klotski_sim.impl import IMPL_CHOICES
-from klotski_sim.model import get_model
+from klotski_sim.workload import routing as routing_module
+from klotski_sim.core.cost import CostError, CostModel
+from klotski_sim.core.engine import simulate
+from klotski_sim.hardware.profile import load_profile
+from klotski_sim.policies.impl import IMPL_CHOICES
+from klotski_sim.workload.model import get_model
 from klotski_sim.policies import (
     POLICIES,
     Placement,
@@ -21,9 +21,9 @@ from klotski_sim.policies import (
     build_schedule,
     get_policy,
 )
-from klotski_sim.routing import RoutingTable, RunShape
-from klotski_sim.runner import RunSpec, run
-from klotski_sim.schedule import Op, Schedule, ScheduleBuilder
+from klotski_sim.workload.routing import RoutingTable, RunShape
+from klotski_sim.runs.runner import RunSpec, run
+from klotski_sim.core.schedule import Op, Schedule, ScheduleBuilder
 
 from .conftest import make_profile
 from .test_cpu_experts import cpu_profile
@@ -297,7 +297,7 @@ def test_decode_throughput_and_moe_block_on_a_hand_checked_timeline():
 
 
 def test_profiles_carry_pinned_and_pageable_bandwidths():
-    from klotski_sim.hardware import builtin_profile_names
+    from klotski_sim.hardware.profile import builtin_profile_names
 
     for name in builtin_profile_names():
         p = load_profile(name)
@@ -306,12 +306,12 @@ def test_profiles_carry_pinned_and_pageable_bandwidths():
 
 
 def test_old_pageable_field_gets_a_pointer_to_the_new_one():
-    from klotski_sim.hardware import ProfileError
+    from klotski_sim.hardware.profile import ProfileError
 
     data = load_profile("rtx3090").model_dump(mode="json")
     data["links"]["pageable_h2d_bandwidth"] = 6.7e9
     with pytest.raises(ProfileError, match="moved to links.pcie_h2d.pageable_bandwidth"):
-        from klotski_sim.hardware import profile_from_dict
+        from klotski_sim.hardware.profile import profile_from_dict
         profile_from_dict(data, "old.yaml")
 
 

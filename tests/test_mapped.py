@@ -1,4 +1,4 @@
-"""Mapped arrays (klotski_sim/mapped.py): a cached trace's ids read from the file's pages, passes
+"""Mapped arrays (klotski_sim/files/mapped.py): a cached trace's ids read from the file's pages, passes
 that give the pages back, and routing files written from them byte for byte as numpy writes."""
 
 import os
@@ -14,9 +14,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from klotski_sim import cache, npzfile
-from klotski_sim.mapped import in_chunks, is_mapped, map_stored_array, release
-from klotski_sim.npzfile import write_npz
+from klotski_sim.files import disk_cache
+from klotski_sim.workload import trace_cache as cache
+
+from klotski_sim.files import npzfile
+from klotski_sim.files.mapped import in_chunks, is_mapped, map_stored_array, release
+from klotski_sim.files.npzfile import write_npz
 
 SMAPS = Path("/proc/self/smaps")
 needs_smaps = pytest.mark.skipif(not SMAPS.exists(), reason="resident pages are read from /proc/self/smaps (Linux)")
@@ -109,7 +112,7 @@ def test_a_long_prompt_run_from_the_cache_builds_the_same_schedule_without_holdi
     cache builds, writes the same routing.npz, and leaves at most a quarter of the trace's pages
     resident once Klotski's schedule (counts, first-use orders, online learning) is built."""
     from klotski_sim.policies import build_schedule
-    from klotski_sim.runner import RunSpec, prepare
+    from klotski_sim.runs.runner import RunSpec, prepare
 
     spec = RunSpec(model="mixtral-8x7b", policy="klotski", impl="ideal", batch_size=4, num_batches=4,
                    prompt_len=4096, gen_len=4, seed=11)
@@ -118,7 +121,7 @@ def test_a_long_prompt_run_from_the_cache_builds_the_same_schedule_without_holdi
     expected = build_schedule("klotski", plain.policy_input())
     plain.replay.routing.save(tmp_path / "plain.npz")
     monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(tmp_path / "cache"))
-    from klotski_sim.runner import _synthetic_trace
+    from klotski_sim.runs.runner import _synthetic_trace
     _synthetic_trace.cache_clear()
     prepare(spec)  # (writes the cache)
     _synthetic_trace.cache_clear()
@@ -135,7 +138,7 @@ def test_a_long_prompt_run_from_the_cache_builds_the_same_schedule_without_holdi
     assert _resident_kb(trace_file) <= trace_file.stat().st_size / 1024 / 4
     # the cache off, the trace drawn into a temporary file (the bar for that lowered to fit this trace)
     monkeypatch.setenv("KLOTSKI_CACHE_DIR", "off")
-    monkeypatch.setattr(cache, "MAPPED_ABOVE", 1 << 20)
+    monkeypatch.setattr(disk_cache, "MAPPED_ABOVE", 1 << 20)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     _synthetic_trace.cache_clear()
     unnamed = prepare(spec)
@@ -149,12 +152,12 @@ def test_a_long_prompt_run_from_the_cache_builds_the_same_schedule_without_holdi
 
 def test_a_large_trace_the_cache_does_not_keep_is_drawn_into_a_temporary_file_and_mapped(tmp_path, monkeypatch):
     """The cache off, not writable, or with a cap below the trace: a trace of at least
-    cache.MAPPED_ABOVE bytes (lowered here) is drawn into a temporary file, mapped, the file removed
+    disk_cache.MAPPED_ABOVE bytes (lowered here) is drawn into a temporary file, mapped, the file removed
     at once; the same ids as `synthesize`, `make` never called, nothing left in the temporary
     folder or the cache. A smaller trace, or no writable temporary folder: drawn into memory."""
     cached_trace = cache.cached_trace
-    from klotski_sim.model import get_model
-    from klotski_sim.trace_synth import synthesize, synthesized_blocks
+    from klotski_sim.workload.model import get_model
+    from klotski_sim.workload.trace_synth import synthesize, synthesized_blocks
 
     m = get_model("mixtral-8x7b")
     expected = synthesize(m, 70, 40, 3, routing="calibrated", seed=5)
@@ -171,7 +174,7 @@ def test_a_large_trace_the_cache_does_not_keep_is_drawn_into_a_temporary_file_an
     temporary = tmp_path / "tmp"
     temporary.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(temporary))
-    monkeypatch.setattr(cache, "MAPPED_ABOVE", expected.experts.nbytes)
+    monkeypatch.setattr(disk_cache, "MAPPED_ABOVE", expected.experts.nbytes)
     (tmp_path / "file").write_text("")
     for setting, cap in (("off", "2"), (str(tmp_path / "file"), "2"), (str(tmp_path / "cache"), "0.0001")):
         monkeypatch.setenv("KLOTSKI_CACHE_DIR", setting)  # off; a folder that cannot be made; a cap of ~100 kB
@@ -181,10 +184,10 @@ def test_a_large_trace_the_cache_does_not_keep_is_drawn_into_a_temporary_file_an
         assert np.array_equal(trace.seq_offsets, expected.seq_offsets) and trace.meta == json_round_trip(expected.meta)
         assert not list(temporary.iterdir()) and not list(tmp_path.glob("cache/traces/*.npz"))
     monkeypatch.setenv("KLOTSKI_CACHE_DIR", "off")
-    monkeypatch.setattr(cache, "MAPPED_ABOVE", expected.experts.nbytes + 1)  # smaller than the bar: in memory
+    monkeypatch.setattr(disk_cache, "MAPPED_ABOVE", expected.experts.nbytes + 1)  # smaller than the bar: in memory
     trace = drawn()
     assert made == [1] and not is_mapped(trace.experts) and np.array_equal(trace.experts, expected.experts)
-    monkeypatch.setattr(cache, "MAPPED_ABOVE", expected.experts.nbytes)
+    monkeypatch.setattr(disk_cache, "MAPPED_ABOVE", expected.experts.nbytes)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "file" / "below"))  # no temporary file can be made
     trace = drawn()
     assert made == [1, 1] and not is_mapped(trace.experts) and np.array_equal(trace.experts, expected.experts)
@@ -195,8 +198,8 @@ def test_a_trace_drawn_into_the_cache_is_the_one_drawn_in_memory_and_comes_back_
     reads it back mapped: the same ids as `synthesize`, `make` never called; a cache that cannot
     be written falls back to `make`."""
     cached_trace = cache.cached_trace
-    from klotski_sim.model import get_model
-    from klotski_sim.trace_synth import synthesize, synthesized_blocks
+    from klotski_sim.workload.model import get_model
+    from klotski_sim.workload.trace_synth import synthesize, synthesized_blocks
 
     m = get_model("mixtral-8x7b")
     args = (m, 70, 40, 3, "calibrated", 5)  # (70 sequences: two chunks of up to 64)
@@ -228,8 +231,8 @@ def test_a_cached_trace_serves_fewer_sequences_and_a_larger_one_replaces_it(tmp_
     sequences than a cached trace holds gets its first ones, exactly the trace drawn for that many
     (ids, offsets, prompt lengths and meta), nothing drawn; a request for more draws it, and it
     replaces the smaller file."""
-    from klotski_sim.model import get_model
-    from klotski_sim.trace_synth import synthesize, synthesized_blocks
+    from klotski_sim.workload.model import get_model
+    from klotski_sim.workload.trace_synth import synthesize, synthesized_blocks
 
     folder = tmp_path_factory.mktemp("cache")
     m = get_model("tiny-mixtral")
@@ -257,8 +260,8 @@ def test_models_of_one_shape_share_a_cached_trace_named_for_each(tmp_path, monke
     """The generator reads a model's layers, experts and top-k alone: Mixtral-8x7B with int4 experts
     is served the bf16 model's cached trace (its meta naming the int4 model, as a fresh draw for it
     does), a model of another shape is not."""
-    from klotski_sim.model import get_model
-    from klotski_sim.trace_synth import synthesize, synthesized_blocks
+    from klotski_sim.workload.model import get_model
+    from klotski_sim.workload.trace_synth import synthesize, synthesized_blocks
 
     monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(tmp_path / "cache"))
     drawn = []
@@ -283,8 +286,8 @@ def test_models_of_one_shape_share_a_cached_trace_named_for_each(tmp_path, monke
 def _tiny_workload():
     """`cached(sequences)`: the trace cache's tiny-mixtral trace of that many sequences (never made in
     memory: `make` fails); `expected(sequences)`: the one `synthesize` draws."""
-    from klotski_sim.model import get_model
-    from klotski_sim.trace_synth import synthesize, synthesized_blocks
+    from klotski_sim.workload.model import get_model
+    from klotski_sim.workload.trace_synth import synthesize, synthesized_blocks
 
     m = get_model("tiny-mixtral")
 
@@ -370,7 +373,7 @@ def test_a_cache_file_that_cannot_be_touched_is_used_all_the_same(tmp_path, monk
     for error in (PermissionError, FileNotFoundError):
         def refuse(*args, error=error, **kwargs):
             raise error("refused")
-        monkeypatch.setattr(cache.os, "utime", refuse)
+        monkeypatch.setattr(disk_cache.os, "utime", refuse)
         for wanted in (9, 4):
             assert np.array_equal(cached(wanted).experts, expected(wanted).experts)
 
@@ -395,7 +398,7 @@ def test_blocks_are_written_as_the_whole_array_and_must_add_up_to_it(tmp_path):
 
 def test_without_madvise_a_mapping_is_read_and_never_released(tmp_path, monkeypatch):
     """(Windows has no madvise: the pages stay, the values are the same.)"""
-    from klotski_sim import mapped
+    from klotski_sim.files import mapped
 
     monkeypatch.setattr(mapped, "_DONTNEED", None)
     array = np.arange(1 << 16, dtype=np.uint8)
@@ -407,20 +410,20 @@ def test_without_madvise_a_mapping_is_read_and_never_released(tmp_path, monkeypa
 
 
 def test_a_large_recorded_trace_is_unpacked_into_the_cache_once_and_mapped(tmp_path, monkeypatch):
-    """A trace file's large arrays (above cache.MAPPED_ABOVE, lowered here) are decompressed once
+    """A trace file's large arrays (above disk_cache.MAPPED_ABOVE, lowered here) are decompressed once
     into the cache and mapped: the same values as numpy reads, the copy reused while the file is
     unchanged and made again when it changes; the cache off, or a small array, read as before."""
-    from klotski_sim.model import get_model
-    from klotski_sim.trace import Trace
-    from klotski_sim.trace_synth import synthesize
+    from klotski_sim.workload.model import get_model
+    from klotski_sim.workload.trace import Trace
+    from klotski_sim.workload.trace_synth import synthesize
 
     m = get_model("tiny-mixtral")
     original = synthesize(m, 6, 30, 4, "calibrated", seed=2, with_weights=True)
     original.save(tmp_path / "t.npz")
     monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(tmp_path / "cache"))
     assert not is_mapped(Trace.load(tmp_path / "t.npz").experts)  # (small: read as it is)
-    monkeypatch.setattr(cache, "MAPPED_ABOVE", 64)
-    monkeypatch.setattr(cache, "_UNPACKED_BLOCK", 100)  # (several blocks, and rows cut at their bounds)
+    monkeypatch.setattr(disk_cache, "MAPPED_ABOVE", 64)
+    monkeypatch.setattr(disk_cache, "_UNPACKED_BLOCK", 100)  # (several blocks, and rows cut at their bounds)
     loaded = Trace.load(tmp_path / "t.npz")
     assert is_mapped(loaded.experts) and is_mapped(loaded.weights)
     assert np.array_equal(loaded.experts, original.experts) and np.array_equal(loaded.weights, original.weights)
@@ -438,9 +441,9 @@ def test_a_large_recorded_trace_is_unpacked_into_the_cache_once_and_mapped(tmp_p
 
 
 def test_a_damaged_recorded_trace_is_refused_alike_with_the_cache_on_and_off(tmp_path, monkeypatch):
-    from klotski_sim.model import get_model
-    from klotski_sim.trace import Trace, TraceError
-    from klotski_sim.trace_synth import synthesize
+    from klotski_sim.workload.model import get_model
+    from klotski_sim.workload.trace import Trace, TraceError
+    from klotski_sim.workload.trace_synth import synthesize
 
     synthesize(get_model("tiny-mixtral"), 40, 60, 4, "calibrated", seed=2).save(tmp_path / "t.npz")
     data = bytearray((tmp_path / "t.npz").read_bytes())
@@ -449,7 +452,7 @@ def test_a_damaged_recorded_trace_is_refused_alike_with_the_cache_on_and_off(tmp
     middle = info.header_offset + 100 + info.compress_size // 2
     data[middle:middle + 16] = bytes(16)  # (deflated ids overwritten: a CRC or inflate error)
     (tmp_path / "bad.npz").write_bytes(bytes(data))
-    monkeypatch.setattr(cache, "MAPPED_ABOVE", 64)
+    monkeypatch.setattr(disk_cache, "MAPPED_ABOVE", 64)
     messages = []
     for where in ("off", str(tmp_path / "cache")):
         monkeypatch.setenv("KLOTSKI_CACHE_DIR", where)
@@ -461,10 +464,10 @@ def test_a_damaged_recorded_trace_is_refused_alike_with_the_cache_on_and_off(tmp
 
 
 def test_a_bad_cache_cap_is_named_when_a_trace_file_is_read(tmp_path, monkeypatch):
-    from klotski_sim.errors import UsageError
-    from klotski_sim.model import get_model
-    from klotski_sim.trace import Trace
-    from klotski_sim.trace_synth import synthesize
+    from klotski_sim.util.errors import UsageError
+    from klotski_sim.workload.model import get_model
+    from klotski_sim.workload.trace import Trace
+    from klotski_sim.workload.trace_synth import synthesize
 
     synthesize(get_model("tiny-mixtral"), 2, 6, 2, "calibrated", seed=2).save(tmp_path / "t.npz")
     monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(tmp_path / "cache"))
@@ -479,7 +482,7 @@ def test_a_killed_writes_temporary_file_is_evicted_once_stale(tmp_path):
     import os
     import time
 
-    from klotski_sim.cache import STALE_TEMP_S, evict
+    from klotski_sim.files.disk_cache import STALE_TEMP_S, evict
 
     stale = tmp_path / ".0123456789abcdef0123.npz.4242.tmp"
     fresh = tmp_path / ".fedcba9876543210fedc.npz.4243.tmp"
@@ -496,8 +499,8 @@ def test_a_killed_writes_temporary_file_is_evicted_once_stale(tmp_path):
 def test_a_cached_trace_replaced_by_another_models_is_drawn_again(tmp_path, monkeypatch):
     """A cache file overwritten by a valid trace of another shape failed every later run of its
     configuration ("the trace (recorded for ...) has another shape"), naming no cache file."""
-    from klotski_sim.model import get_model
-    from klotski_sim.trace_synth import synthesize, synthesized_blocks
+    from klotski_sim.workload.model import get_model
+    from klotski_sim.workload.trace_synth import synthesize, synthesized_blocks
 
     m, tiny = get_model("mixtral-8x7b"), get_model("tiny-mixtral")
     monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(tmp_path / "cache"))
@@ -520,8 +523,8 @@ def test_a_long_synthetic_draw_is_said_once_before_it_begins_and_never_when_cach
     stderr) once, with its size — also when the cache asks for the stream and then draws with
     `make` after all (the cache off, a trace below the mapping's bar) — and a run that finds its
     trace in the cache says nothing."""
-    from klotski_sim import runner
-    from klotski_sim.model import get_model
+    from klotski_sim.runs import runner
+    from klotski_sim.workload.model import get_model
 
     monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(tmp_path / "cache") if cache_setting == "folder" else "off")
     monkeypatch.setattr(runner, "LONG_DRAW_S", 1e-6)

@@ -1,6 +1,6 @@
 import pytest
 
-from klotski_sim.model import PRESETS, ModelSpec, get_model
+from klotski_sim.workload.model import PRESETS, ModelSpec, get_model
 
 
 def test_mixtral_8x7b_numbers_match_klotski_table():
@@ -92,7 +92,7 @@ def test_mla_caches_the_latent_and_the_rope_key():
 
 @pytest.mark.parametrize("policy", ["single-batch", "klotski", "flexgen"])
 def test_dense_first_layers_route_nothing_and_run_their_mlp_in_the_gate_op(policy):
-    from klotski_sim.engine import simulate
+    from klotski_sim.core.engine import simulate
     from klotski_sim.policies import build_schedule
 
     from .test_pipelines import make_input

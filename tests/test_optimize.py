@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from klotski_sim.optimize import Search, pareto_front, winner
+from klotski_sim.runs.optimize import Search, pareto_front, winner
 
 from .conftest import run_cli
 
@@ -138,8 +138,8 @@ def test_resident_layers_fill_at_the_planners_n_is_the_planners_placement():
     exactly the planner's placement, and one more layer would not fit."""
     from dataclasses import replace
 
-    from klotski_sim.planner import memory_needed
-    from klotski_sim.runner import RunSpec, prepare
+    from klotski_sim.planning.planner import memory_needed
+    from klotski_sim.runs.runner import RunSpec, prepare
 
     kept = []
     for hardware, bs in (("rtx3090", 16), ("h800", 16), ("rtx3090", 64)):  # (the last: n is memory-bound, none kept)
@@ -204,7 +204,7 @@ def test_search_settings_that_leave_nothing_or_cannot_run_are_one_line_before_an
 
 
 def test_the_winner_command_is_shell_quoted():
-    from klotski_sim.optimize import simulate_command
+    from klotski_sim.runs.optimize import simulate_command
 
     row = {"model": "tiny-mixtral", "hardware": "/tmp/my prof/hw x.yaml", "policy": "klotski", "impl": "ideal",
            "batch_size": 2, "num_batches": "auto", "kv": "auto", "prompt_len": 8, "gen_len": 3}

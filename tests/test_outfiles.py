@@ -13,11 +13,11 @@ import time
 
 import pytest
 
-from klotski_sim import exports
-from klotski_sim.cli import SIMULATE_FILES
-from klotski_sim.errors import UsageError
-from klotski_sim.outfiles import OutputFiles
-from klotski_sim.runner import RunSpec, run
+from klotski_sim.report import exports
+from klotski_sim.cli.main import SIMULATE_FILES
+from klotski_sim.util.errors import UsageError
+from klotski_sim.files.outfiles import OutputFiles
+from klotski_sim.runs.runner import RunSpec, run
 
 from .conftest import folder_state, run_cli
 
@@ -76,7 +76,8 @@ def test_simulate_stopped_while_it_writes_leaves_the_earlier_run(tmp_path):
     assert rc == 0, err
     before = folder_state(out)
     stop_in_csv = ("import os, signal, sys\n"
-                   "from klotski_sim import exports, cli\n"
+                   "from klotski_sim.report import exports\n"
+                   "from klotski_sim.cli import main as cli\n"
                    "def stopped(*args, **kwargs):\n"
                    "    os.kill(os.getpid(), signal.SIGTERM)\n"
                    "exports.to_csv = stopped\n"
@@ -145,7 +146,7 @@ def test_a_linked_output_file_is_written_through_its_link(tmp_path, tiny_timelin
 
 STOPPED_IN_COMMIT = """
 import os, pathlib, signal, sys
-from klotski_sim import cli
+from klotski_sim.cli import main as cli
 replace = pathlib.Path.replace
 def first_rename_then_stopped(self, target):
     if pathlib.Path(target).name == "summary.json":  # (the first file renamed into place: no race)
@@ -172,7 +173,7 @@ def test_a_stop_among_the_renames_comes_after_them(tmp_path):
 
 COMMITTER = """
 import sys
-from klotski_sim.outfiles import OutputFiles
+from klotski_sim.files.outfiles import OutputFiles
 with OutputFiles(sys.argv[1]) as files:
     files.path("a.txt").write_text("new")
     print("written", flush=True)
@@ -183,7 +184,7 @@ with OutputFiles(sys.argv[1]) as files:
 def test_a_commit_waits_for_another_into_the_same_folder(tmp_path):
     """Two runs into one folder at once: each one's renames wait for the other's (a lock on the
     folder), so the folder ends with one run's files, not a mix of both."""
-    from klotski_sim.outfiles import _folder_locked
+    from klotski_sim.files.outfiles import _folder_locked
 
     with _folder_locked(tmp_path):
         proc = subprocess.Popen([sys.executable, "-c", COMMITTER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
@@ -196,7 +197,7 @@ def test_a_commit_waits_for_another_into_the_same_folder(tmp_path):
 def test_a_file_that_cannot_be_put_in_place_undoes_the_others(tmp_path, monkeypatch, tiny_timeline):
     """The third file of a commit cannot be moved (another user's file in a sticky folder, say):
     the two moved before it are put back as they were, and the error says so in one line."""
-    from klotski_sim import outfiles
+    from klotski_sim.files import outfiles
 
     exports.save_all(tiny_timeline, tmp_path)
     before = folder_state(tmp_path)

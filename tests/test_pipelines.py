@@ -9,18 +9,18 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from klotski_sim import prefetch
-from klotski_sim.engine import simulate
-from klotski_sim.hardware import load_profile, with_overrides
-from klotski_sim.model import get_model
-from klotski_sim.planner import largest_storable_n, memory_floor, memory_needed, plan, storage_refusal
+from klotski_sim.policies import prefetch
+from klotski_sim.core.engine import simulate
+from klotski_sim.hardware.profile import load_profile, with_overrides
+from klotski_sim.workload.model import get_model
+from klotski_sim.planning.planner import largest_storable_n, memory_floor, memory_needed, plan, storage_refusal
 from klotski_sim.policies import POLICIES, Placement, PolicyInput, build_schedule
 from klotski_sim.policies.base import OpEmitter
-from klotski_sim.prefetch import CorrelationTable, top_columns
-from klotski_sim.routing import RoutingTable, RunShape, expert_id_type
-from klotski_sim.schedule import Op, compute_op, transfer_op
-from klotski_sim.trace import replay
-from klotski_sim.trace_synth import synthesize
+from klotski_sim.policies.prefetch import CorrelationTable, top_columns
+from klotski_sim.workload.routing import RoutingTable, RunShape, expert_id_type
+from klotski_sim.core.schedule import Op, compute_op, transfer_op
+from klotski_sim.workload.trace import replay
+from klotski_sim.workload.trace_synth import synthesize
 
 from .conftest import make_profile
 
@@ -393,8 +393,8 @@ def test_the_planner_weighs_n_a_block_at_a_time_and_finds_what_all_at_once_found
     the bubbles: the same plan (n, terms, notes) as every n at once (one block of 256) or n by n,
     whether that n is in the first block (a run's plan, as `prepare` asks for it: as published, layers
     kept resident), a later one or none (the planner's defaults, which ask for more)."""
-    from klotski_sim import planner
-    from klotski_sim.runner import RunSpec, planner_impl, planning_popularity, resolve_placement
+    from klotski_sim.planning import planner
+    from klotski_sim.runs.runner import RunSpec, planner_impl, planning_popularity, resolve_placement
 
     spec = RunSpec(model=model, hardware=hardware, batch_size=batch_size)
     m, profile = get_model(model), load_profile(hardware)

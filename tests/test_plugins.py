@@ -8,10 +8,10 @@ from importlib.metadata import EntryPoint
 
 import pytest
 
-from klotski_sim.errors import UsageError
+from klotski_sim.util.errors import UsageError
 from klotski_sim.policies import POLICIES, register
 from klotski_sim.policies.plugins import load_entry_points, load_policy_file
-from klotski_sim.runner import RunSpec, run
+from klotski_sim.runs.runner import RunSpec, run
 
 from .conftest import ROOT, run_cli
 
@@ -191,7 +191,7 @@ def test_argparse_errors_are_one_line_too(argv):
 
 
 BROKEN = '''
-from klotski_sim.errors import UsageError
+from klotski_sim.util.errors import UsageError
 from klotski_sim.policies import register
 
 
@@ -241,7 +241,7 @@ def test_a_broken_policy_file_is_one_line_naming_where(tmp_path, policy, workers
 
 
 _HEAD = """from klotski_sim.policies import register
-from klotski_sim.schedule import Op, Schedule, ScheduleBuilder
+from klotski_sim.core.schedule import Op, Schedule, ScheduleBuilder
 
 
 @register("{name}", "a fault battery's case")

@@ -2,12 +2,12 @@
 
 import pytest
 
-from klotski_sim.engine import simulate
-from klotski_sim.hardware import load_profile
-from klotski_sim.model import get_model
+from klotski_sim.core.engine import simulate
+from klotski_sim.hardware.profile import load_profile
+from klotski_sim.workload.model import get_model
 from klotski_sim.policies import Placement, PolicyInput, build_schedule
-from klotski_sim.routing import RunShape
-from klotski_sim.trace_synth import synthetic_routing
+from klotski_sim.workload.routing import RunShape
+from klotski_sim.workload.trace_synth import synthetic_routing
 
 
 def _input(model="tiny-mixtral", bs=2, n=2, P=4, G=3, kv="gpu", resident=0, seed=0):
@@ -65,7 +65,7 @@ def test_kv_cache_grows_per_step():
 
 def test_oom_when_gpu_is_too_small():
     inp = _input(model="mixtral-8x7b", bs=4, n=1, P=8, G=2)
-    from klotski_sim.hardware import with_overrides
+    from klotski_sim.hardware.profile import with_overrides
     small = with_overrides(inp.profile, {"gpu.memory_bytes": 3e9})
     tl = simulate(build_schedule("single-batch", inp), small)
     assert tl.status == "oom" and tl.meta["oom"]["needed_bytes"] > tl.meta["oom"]["available_bytes"]

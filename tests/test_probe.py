@@ -1,4 +1,4 @@
-"""n by simulated probes (klotski_sim/probe.py): the search, and klotski-hybrid's auto n end to end."""
+"""n by simulated probes (klotski_sim/planning/probe.py): the search, and klotski-hybrid's auto n end to end."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from klotski_sim.cli import main
-from klotski_sim.probe import TIE, Probe, candidates, search
-from klotski_sim.runner import RunSpec, prepare, run
+from klotski_sim.cli.main import main
+from klotski_sim.planning.probe import TIE, Probe, candidates, search
+from klotski_sim.runs.runner import RunSpec, prepare, run
 
 
 def probe_of(curve):

@@ -3,9 +3,9 @@
 import subprocess
 import sys
 
-from klotski_sim import machine
-from klotski_sim.progress import Progress
-from klotski_sim.units import span_text
+from klotski_sim.util import machine
+from klotski_sim.util.progress import Progress
+from klotski_sim.util.units import span_text
 
 from .conftest import ROOT
 
@@ -55,7 +55,7 @@ def test_a_sweep_whose_stderr_is_a_file_prints_progress_lines(tmp_path):
     spec = tmp_path / "s.yaml"
     spec.write_text("name: lines\nmodels: [tiny-mixtral]\nhardware: [rtx3090]\npolicies: [klotski, flexgen]\n"
                     "batch_sizes: [2]\nnum_batches: [2]\nprompt_lens: [8]\ngen_lens: [2]\n")
-    proc = subprocess.run([sys.executable, "-m", "klotski_sim.cli", "sweep", str(spec), "--out", str(tmp_path / "o"),
+    proc = subprocess.run([sys.executable, "-m", "klotski_sim.cli.main", "sweep", str(spec), "--out", str(tmp_path / "o"),
                            "--workers", "1"], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr
     said = [line for line in proc.stderr.splitlines() if line.startswith("sweep lines: ")]

@@ -2,9 +2,9 @@
 
 import pytest
 
-from klotski_sim.engine import simulate
-from klotski_sim.errors import UsageError
-from klotski_sim.model import get_model
+from klotski_sim.core.engine import simulate
+from klotski_sim.util.errors import UsageError
+from klotski_sim.workload.model import get_model
 from klotski_sim.policies import build_schedule
 
 from .conftest import run_cli
@@ -77,8 +77,8 @@ def test_unquantised_schedules_have_no_dequant_ops():
 
 
 def test_quantised_experts_cost_less_to_move_and_the_planner_counts_the_dequantised_buffers():
-    from klotski_sim.hardware import load_profile
-    from klotski_sim.planner import Placement, memory_needed
+    from klotski_sim.hardware.profile import load_profile
+    from klotski_sim.planning.planner import Placement, memory_needed
 
     bf16, q4 = get_model("mixtral-8x7b"), get_model("mixtral-8x7b@int4")
     assert q4.expert_bytes() < 0.3 * bf16.expert_bytes()

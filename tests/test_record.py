@@ -13,7 +13,7 @@ from klotski_runtime.record import (  # noqa: E402
     record,
     save_tiny_mixtral,
 )
-from klotski_sim.model import get_model  # noqa: E402
+from klotski_sim.workload.model import get_model  # noqa: E402
 
 TEXT = "The quick brown fox jumps over the lazy dog.\n\nExperts stream over PCIe while the GPU waits.\n"
 

@@ -8,12 +8,14 @@ from dataclasses import replace
 
 import pytest
 
-from klotski_sim import machine, run_size
-from klotski_sim.cli import main
-from klotski_sim.errors import MachineRefusal
+from klotski_sim.util import machine
+
+from klotski_sim.util import run_size
+from klotski_sim.cli.main import main
+from klotski_sim.util.errors import MachineRefusal
 from klotski_sim.policies import build_schedule
-from klotski_sim.runner import RunSpec, policy_prepared, prepare
-from klotski_sim.sweep import parse_spec, run_sweep
+from klotski_sim.runs.runner import RunSpec, policy_prepared, prepare
+from klotski_sim.runs.sweep import parse_spec, run_sweep
 
 
 def built(spec: RunSpec):
@@ -107,7 +109,7 @@ def test_the_cli_refuses_in_one_line_and_says_long_runs(projections, monkeypatch
     assert err.count("\n") == 1 and err.startswith("error: klotski would build about "), err
     monkeypatch.setattr(run_size, "available_memory_bytes", lambda: None)  # (unknown: nothing refused)
     monkeypatch.setattr(run_size, "LONG_RUN_S", 0.0)
-    monkeypatch.setattr("klotski_sim.machine._slowdown", [1.0])  # (the reference machine's speed: fixed figures)
+    monkeypatch.setattr("klotski_sim.util.machine._slowdown", [1.0])  # (the reference machine's speed: fixed figures)
     assert main([*args, "--out", str(tmp_path / "o")]) == 0
     out, err = capsys.readouterr()
     projected = projections[-1][0]
@@ -215,7 +217,7 @@ def test_compares_workers_share_what_is_available_too(projections, monkeypatch, 
 def test_a_policys_probes_of_n_are_not_projected_the_run_is(projections, monkeypatch):
     """klotski-hybrid simulates a probe per candidate n (shorter, fewer batches): a refusal or a note
     of one would describe another run than the user's."""
-    from klotski_sim.runner import run
+    from klotski_sim.runs.runner import run
 
     monkeypatch.setattr(run_size, "available_memory_bytes", lambda: None)
     result = run(RunSpec(model="small-mixtral", policy="klotski-hybrid", num_batches=None, prompt_len=32, gen_len=12))
@@ -227,8 +229,8 @@ def test_a_policys_probes_of_n_are_not_projected_the_run_is(projections, monkeyp
 def test_a_compare_stops_starting_runs_once_one_is_refused(monkeypatch, capsys, tmp_path):
     """Its workers went on through every policy queued behind a refused one before the error (the
     first policy refused at once here; the others take a while each). Now none starts after it, and
-    the one the other worker had begun is stopped where it is (klotski_sim.runner.worker_pool)."""
-    from klotski_sim import runner
+    the one the other worker had begun is stopped where it is (klotski_sim.runs.runner.worker_pool)."""
+    from klotski_sim.runs import runner
 
     seen = tmp_path / "projected"
     project, run = run_size.RunSizeWatch._project, runner.run

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from klotski_sim.schedule import Schedule
+from klotski_sim.core.schedule import Schedule
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -38,7 +38,7 @@ def test_record_missing_checkpoint_is_one_line(tmp_path):
 
 
 def test_execute_names_the_model_mismatch_and_a_missing_checkpoint_first(tmp_path):
-    sim = subprocess.run([sys.executable, "-m", "klotski_sim.cli", "simulate", "--model", "tiny-mixtral", "--policy",
+    sim = subprocess.run([sys.executable, "-m", "klotski_sim.cli.main", "simulate", "--model", "tiny-mixtral", "--policy",
                           "klotski", "--num-batches", "2", "--batch-size", "2", "--prompt-len", "6", "--gen-len", "3",
                           "--no-png", "--out", str(tmp_path / "sim")], capture_output=True, text=True, cwd=ROOT)
     assert sim.returncode == 0, sim.stderr
@@ -54,7 +54,7 @@ def test_execute_writes_into_a_folder_inside_the_simulations_and_again(tmp_path)
     """`execute sim --out sim/measured` was refused once `sim/measured` existed ("is a file of sim,
     which this command reads"), so its rerun was; `execute nowhere --out an_existing_folder` said the
     same instead of that the schedule is missing. The simulation's own folder stays refused."""
-    sim = subprocess.run([sys.executable, "-m", "klotski_sim.cli", "simulate", "--model", "tiny-mixtral", "--policy",
+    sim = subprocess.run([sys.executable, "-m", "klotski_sim.cli.main", "simulate", "--model", "tiny-mixtral", "--policy",
                           "klotski", "--num-batches", "2", "--batch-size", "2", "--prompt-len", "6", "--gen-len", "3",
                           "--no-png", "--out", str(tmp_path / "sim")], capture_output=True, text=True, cwd=ROOT)
     assert sim.returncode == 0, sim.stderr
@@ -71,7 +71,7 @@ def test_execute_writes_into_a_folder_inside_the_simulations_and_again(tmp_path)
 def test_a_tiny_checkpoint_of_another_family_executes_what_simulate_wrote(tmp_path, model):
     rc, out, err = run_runtime("tiny-checkpoint", "--model", model, "--out", str(tmp_path / "ckpt"))
     assert rc == 0 and model in out, err
-    sim = subprocess.run([sys.executable, "-m", "klotski_sim.cli", "simulate", "--model", model, "--policy", "klotski",
+    sim = subprocess.run([sys.executable, "-m", "klotski_sim.cli.main", "simulate", "--model", model, "--policy", "klotski",
                           "--num-batches", "2", "--batch-size", "2", "--prompt-len", "6", "--gen-len", "3", "--no-png",
                           "--out", str(tmp_path / "sim")], capture_output=True, text=True, cwd=ROOT)
     assert sim.returncode == 0, sim.stderr
@@ -174,8 +174,8 @@ def test_an_execute_whose_emulated_links_would_take_hours_is_refused_with_the_nu
                                             "'1000' (a unit slip? 1 GB/s is 1e9)") and not out, err
     from klotski_runtime.executor import ExecOptions, ExecutionError, execute
     from klotski_runtime.kernels import WeightStore
-    from klotski_sim.model import get_model
-    from klotski_sim.routing import RoutingTable
+    from klotski_sim.workload.model import get_model
+    from klotski_sim.workload.routing import RoutingTable
 
     schedule = Schedule.load(tmp_path / "schedule.json")
     h2d = sum(op.bytes for op in schedule.ops if op.kind == "transfer" and schedule.streams[op.stream] == "pcie_h2d")
@@ -234,7 +234,7 @@ def test_calibration_of_a_model_whose_first_layers_are_dense_measures_its_cpu_ex
     from dataclasses import replace
 
     from klotski_runtime.calibrate import calibrate
-    from klotski_sim.model import get_model
+    from klotski_sim.workload.model import get_model
 
     small = replace(get_model("deepseek-v2-lite:2"), name="small-deepseek", num_experts=4, top_k=2, hidden_size=64,
                     ffn_size=32, num_heads=2, num_kv_heads=2, head_dim=24, vocab_size=128, shared_ffn_size=32,
@@ -275,7 +275,7 @@ def test_a_calibration_on_a_full_disk_is_one_line_and_leaves_the_earlier_profile
     assert rc == 2 and refusal.startswith("error: cannot measure the disk: writing a 1,048,576-byte file in ") and \
         refusal.endswith(" failed (File too large); free space there or point TMPDIR at another folder"), err
     assert out.read_text() == "the earlier profile\n" and [p.name for p in tmp_path.iterdir()] == ["p.yaml"]
-    # (the profile itself is written as `trace stats --csv` writes its table: klotski_sim.outfiles.write_file,
+    # (the profile itself is written as `trace stats --csv` writes its table: klotski_sim.files.outfiles.write_file,
     # test_hardening.py's full-disk test; a limit per file cannot fail it here and pass the 1 MB probes)
 
 
@@ -303,7 +303,7 @@ def test_record_refuses_a_checkpoint_that_lacks_weights_and_prints_only_its_own_
 def test_the_runtime_without_torch_says_how_to_install_it_in_one_line(tmp_path, argv):
     """`pip install -e .` then `klotski-runtime calibrate` ended in a ModuleNotFoundError traceback."""
     script = ("import sys; sys.modules['torch'] = None\n"  # (import torch then raises ModuleNotFoundError)
-              "from klotski_sim.entry import runtime\n"
+              "from klotski_sim.cli.entry import runtime\n"
               f"sys.argv = ['klotski-runtime', *{argv!r}, '--out', {str(tmp_path / 'out')!r}]\n"
               "sys.exit(runtime())")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)

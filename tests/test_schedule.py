@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from klotski_sim.schedule import Op, Schedule, ScheduleBuilder, ScheduleError, compute_op, dep_positions, transfer_op
+from klotski_sim.core.schedule import Op, Schedule, ScheduleBuilder, ScheduleError, compute_op, dep_positions, transfer_op
 
 
 def c(op_id, deps=(), stream="compute", **kw):
@@ -233,7 +233,7 @@ def test_what_a_gc_pause_leaves_alive_is_old_and_its_cycles_still_collected():
     import gc
     import weakref
 
-    from klotski_sim.schedule import gc_paused
+    from klotski_sim.core.schedule import gc_paused
 
     class Node:
         pass

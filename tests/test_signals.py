@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from klotski_sim.runner import worker_pool
-from klotski_sim.stopping import STOP_WORDS
+from klotski_sim.runs.runner import worker_pool
+from klotski_sim.util.stopping import STOP_WORDS
 
 from .conftest import ROOT, run, start, stop
 
@@ -65,7 +65,7 @@ def _wait_for(found, what: str, proc: subprocess.Popen) -> None:
 
 
 def _cli(*args: str, **env: str) -> subprocess.Popen:
-    return start([sys.executable, "-m", "klotski_sim.cli", *args], stdout=subprocess.DEVNULL,
+    return start([sys.executable, "-m", "klotski_sim.cli.main", *args], stdout=subprocess.DEVNULL,
                  stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
 
 
@@ -150,13 +150,13 @@ def test_a_stopped_local_dask_sweep_ends_in_one_line(tmp_path, name, to, when):
 @pytest.mark.parametrize("name", ["SIGINT", "SIGTERM", "SIGHUP"])
 def test_a_console_script_takes_a_stop_while_its_command_is_imported(tmp_path, name):
     """`klotski-sim` and `klotski-runtime` import their command half a second before it sets its own
-    handler; the console scripts (klotski_sim.entry) take the stops first: a Ctrl-C then ended in a
+    handler; the console scripts (klotski_sim.cli.entry) take the stops first: a Ctrl-C then ended in a
     KeyboardInterrupt traceback, SIGTERM and SIGHUP silently (status -15 / -1). A module that takes
     a minute to import stands in for the command's."""
     signum = getattr(signal, name)
     (tmp_path / "slow_to_import.py").write_text("import time\ntime.sleep(HANG := 60)\ndef main():\n    return 0\n")
     code = (f"import sys; sys.path.insert(0, {str(tmp_path)!r}); "
-            "from klotski_sim.entry import run_main; sys.exit(run_main('slow_to_import'))")
+            "from klotski_sim.cli.entry import run_main; sys.exit(run_main('slow_to_import'))")
     proc = start([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
     _wait_for(lambda: _caught(proc.pid, signal.SIGHUP), "the entry's handlers", proc)  # (Python catches SIGINT itself)
     proc.send_signal(signum)
@@ -167,12 +167,12 @@ def test_a_console_script_takes_a_stop_while_its_command_is_imported(tmp_path, n
 def test_the_console_scripts_are_the_entry_that_takes_the_stops_first(monkeypatch):
     import tomllib
 
-    from klotski_sim import entry
+    from klotski_sim.cli import entry
 
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts == {"klotski-sim": "klotski_sim.entry:simulator", "klotski-runtime": "klotski_sim.entry:runtime"}
+    assert scripts == {"klotski-sim": "klotski_sim.cli.entry:simulator", "klotski-runtime": "klotski_sim.cli.entry:runtime"}
     monkeypatch.setattr(entry, "run_main", lambda module: module)
-    assert (entry.simulator(), entry.runtime()) == ("klotski_sim.cli", "klotski_runtime.cli")
+    assert (entry.simulator(), entry.runtime()) == ("klotski_sim.cli.main", "klotski_runtime.cli")
 
 
 def test_sigterm_while_routing_is_drawn_into_the_cache_leaves_no_temporary_file(tmp_path):
@@ -210,7 +210,7 @@ def test_a_pool_left_by_an_exception_cancels_its_queue_and_stops_its_workers():
 
 PARENT = """
 import sys, time
-from klotski_sim.runner import worker_pool
+from klotski_sim.runs.runner import worker_pool
 from tests.test_signals import _nothing
 with worker_pool(2, _nothing) as pool:
     print(*(pool.submit(__import__("os").getpid).result() for _ in range(4)), flush=True)
@@ -231,7 +231,8 @@ def test_a_worker_dies_with_its_parent_even_by_sigkill():
 
 STOPPED_WHILE_WRITING = """
 import os, signal, sys
-from klotski_sim import cli, exports
+from klotski_sim.cli import main as cli
+from klotski_sim.report import exports
 if sys.argv[1] == "nohup":
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
 to_csv = exports.to_csv
@@ -286,7 +287,9 @@ def test_a_worker_takes_sigterm_even_where_its_parent_ignores_it(stop_signals):
 
 STOPPED_TWICE = """
 import os, signal, sys
-from klotski_sim import cli, exports, outfiles
+from klotski_sim.cli import main as cli
+from klotski_sim.report import exports
+from klotski_sim.files import outfiles
 to_csv, discard = exports.to_csv, outfiles.OutputFiles.discard
 def stopped(*args, **kwargs):  # (the first SIGTERM as the CSV is written)
     os.kill(os.getpid(), signal.SIGTERM)
@@ -300,7 +303,7 @@ sys.exit(cli.main(sys.argv[1:]))
 
 STOPPED_AT_THE_END = """
 import os, signal, sys
-from klotski_sim import cli
+from klotski_sim.cli import main as cli
 set_handler, fired = signal.signal, []
 def restored(signum, handler):  # (SIGTERM as the command puts its handlers back: its work is done)
     if signum == signal.SIGTERM and handler == signal.SIG_DFL and not fired:
@@ -320,7 +323,7 @@ def test_a_second_stop_during_the_clean_up_is_ignored(tmp_path):
 
     out = tmp_path / "out"
     small = ["simulate", "--model", "tiny-mixtral", "--gen-len", "3", "--out", str(out)]
-    assert run([sys.executable, "-m", "klotski_sim.cli", *small], timeout=HANG_S).returncode == 0
+    assert run([sys.executable, "-m", "klotski_sim.cli.main", *small], timeout=HANG_S).returncode == 0
     before = folder_state(out)
     proc = run([sys.executable, "-c", STOPPED_TWICE, *small], timeout=HANG_S)
     assert proc.returncode == 143 and proc.stderr.splitlines() == ["terminated"], proc.stderr
@@ -337,7 +340,7 @@ def test_a_stop_once_the_work_is_done_ends_with_its_word_not_a_traceback(tmp_pat
 def test_a_reader_that_goes_early_does_not_stop_the_command(tmp_path):
     """`klotski-sim simulate --out d | true`: the command goes on and writes its files, exit 0 (it
     stopped at its first line, the summary, before them: exit 0 with nothing written)."""
-    proc = start([sys.executable, "-m", "klotski_sim.cli", "simulate", "--model", "tiny-mixtral", "--gen-len", "3",
+    proc = start([sys.executable, "-m", "klotski_sim.cli.main", "simulate", "--model", "tiny-mixtral", "--gen-len", "3",
                   "--out", str(tmp_path / "out")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     proc.stdout.close()  # (the reader has gone before the first line)
     assert proc.wait(timeout=HANG_S) == 0, proc.stderr.read()

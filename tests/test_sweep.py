@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from klotski_sim.sweep import SweepError, collect, expand, parse_spec, run_sweep
+from klotski_sim.runs.sweep import SweepError, collect, expand, parse_spec, run_sweep
 
 from .conftest import ROOT, run, run_cli, start
 
@@ -43,8 +43,8 @@ def test_a_grids_routings_are_checked_against_its_models_and_for_repeats_before_
     """Each ran a whole grid: a trace of another shape (or an unreadable meta) made an error row of
     every configuration, the sweep exit 0; `seeds: [0, 1]` beside traces alone, or `zipf:1` beside
     `zipf:1.0`, ran every configuration twice."""
-    from klotski_sim.model import get_model
-    from klotski_sim.trace_synth import synthesize
+    from klotski_sim.workload.model import get_model
+    from klotski_sim.workload.trace_synth import synthesize
 
     synthesize(get_model("tiny-olmoe"), 4, 4, 2, "calibrated", 0).save(tmp_path / "o.npz")
     base = {"policies": ["klotski"], "models": ["tiny-mixtral"]}
@@ -167,7 +167,7 @@ def test_local_and_dask_give_identical_results(tmp_path):
     this machine, share it as the pool's do (`runner.pool_worker`: the memory a run projects against,
     the threads of a draw)."""
     distributed = pytest.importorskip("dask.distributed")
-    from klotski_sim.dask_worker import SharesTheMachine
+    from klotski_sim.runs.dask_worker import SharesTheMachine
 
     spec = parse_spec(SMALL)
     local = run_sweep(spec, tmp_path / "local", workers=2, progress=False)
@@ -189,7 +189,7 @@ def test_resume_after_a_killed_sweep_loses_and_duplicates_nothing(tmp_path):
     spec = {**SMALL, "seeds": [0, 1, 2]}
     spec_file.write_text(yaml.safe_dump(spec))
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "klotski_sim.cli", "sweep", str(spec_file), "--out", str(out), "--workers", "2",
+    cmd = [sys.executable, "-m", "klotski_sim.cli.main", "sweep", str(spec_file), "--out", str(out), "--workers", "2",
            "--no-progress"]
     # (in a session of its own, with the stop signals at their defaults, killed whole if the test fails)
     proc = start(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -249,12 +249,12 @@ def test_a_row_edited_into_what_no_run_writes_is_run_again(tmp_path, edit):
 def test_sweep_cli_validates_spec(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("policies: [klotski]\nhardwares: [rtx3090]\n")
-    proc = run([sys.executable, "-m", "klotski_sim.cli", "sweep", str(bad), "--out", str(tmp_path / "o")], timeout=600)
+    proc = run([sys.executable, "-m", "klotski_sim.cli.main", "sweep", str(bad), "--out", str(tmp_path / "o")], timeout=600)
     assert proc.returncode == 2 and "hardwares: unknown key (did you mean 'hardware'?)" in proc.stderr
 
 
 def test_rows_of_other_code_are_not_reused(tmp_path, monkeypatch):
-    import klotski_sim.sweep as sweep
+    import klotski_sim.runs.sweep as sweep
 
     spec = parse_spec({**SMALL, "policies": ["klotski"], "num_batches": [2], "routings": ["calibrated"]})
     first = run_sweep(spec, tmp_path, progress=False)
@@ -281,9 +281,9 @@ def test_policy_options_and_resident_layers_are_grid_axes(tmp_path):
 def test_speed_independent_policies_build_the_same_schedule_whatever_the_speeds():
     """What `speed_independent` promises (and a sweep over hardware numbers relies on): the schedule
     is the same under any link, GPU or CPU speed, given the same n and placement."""
-    from klotski_sim.hardware import load_profile, with_overrides
+    from klotski_sim.hardware.profile import load_profile, with_overrides
     from klotski_sim.policies import POLICIES, PolicyInput, build_schedule
-    from klotski_sim.runner import RunSpec, prepare
+    from klotski_sim.runs.runner import RunSpec, prepare
 
     base = load_profile("rtx3090")
     faster = with_overrides(base, {"links.pcie_h2d.bandwidth": 3.1e9, "links.pcie_d2h.bandwidth": 77e9,
@@ -302,8 +302,8 @@ def test_speed_independent_policies_build_the_same_schedule_whatever_the_speeds(
 
 
 def test_a_what_if_over_hardware_numbers_reuses_the_schedule_and_gives_the_same_results():
-    from klotski_sim import runner
-    from klotski_sim.runner import RunSpec, run
+    from klotski_sim.runs import runner
+    from klotski_sim.runs.runner import RunSpec, run
 
     small = dict(model="mixtral-8x7b:4", num_batches=3, batch_size=4, prompt_len=16, gen_len=3)
     for policy, reused in (("klotski", True), ("fiddler", False)):
@@ -328,8 +328,8 @@ def test_a_what_if_over_hardware_numbers_reuses_the_schedule_and_gives_the_same_
     ("name: t\npolicies: [klotski]\nseeds: [99999999999999999999999]\n", "got 99999999999999999999999"),
 ])
 def test_a_spec_key_given_twice_or_a_value_of_the_wrong_type_is_one_line_with_the_value(tmp_path, text, words):
-    from klotski_sim.errors import KlotskiError
-    from klotski_sim.sweep import load_spec
+    from klotski_sim.util.errors import KlotskiError
+    from klotski_sim.runs.sweep import load_spec
 
     path = tmp_path / "spec.yaml"
     path.write_text(text)
@@ -343,17 +343,17 @@ def test_every_file_a_spec_names_is_relative_to_the_spec(tmp_path):
     sweep was started: a spec that ran from its own folder failed from any other."""
     import shutil
 
-    from klotski_sim.hardware import builtin_profile_names
-    from klotski_sim.sweep import load_spec
+    from klotski_sim.hardware.profile import builtin_profile_names
+    from klotski_sim.runs.sweep import load_spec
 
     from .conftest import run_cli
 
     folder = tmp_path / "specs"
     folder.mkdir()
     # a what-if of the rtx3090 (an unchanged copy next to "rtx3090" is refused: the same profile twice)
-    mine = (ROOT / "klotski_sim" / "profiles" / "rtx3090.yaml").read_text()
+    mine = (ROOT / "klotski_sim" / "hardware" / "profiles" / "rtx3090.yaml").read_text()
     (folder / "mine.yaml").write_text(mine.replace("bandwidth: 25.7e9", "bandwidth: 16e9", 1))
-    shutil.copy(ROOT / "klotski_sim" / "profiles" / "h800.yaml", tmp_path / "other.yaml")
+    shutil.copy(ROOT / "klotski_sim" / "hardware" / "profiles" / "h800.yaml", tmp_path / "other.yaml")
     shutil.copy(ROOT / "traces" / "tiny-mixtral-recorded.npz", folder / "tr.npz")
     absolute = str(tmp_path / "other.yaml")
     (folder / "spec.yaml").write_text(yaml.safe_dump({
@@ -372,15 +372,15 @@ def test_a_configuration_s_files_are_part_of_its_id_by_contents_not_by_path(tmp_
     numbers, status ok), and the same spec started from another folder reran everything."""
     import shutil
 
-    from klotski_sim.model import get_model
-    from klotski_sim.sweep import load_spec
-    from klotski_sim.trace_synth import synthesize
+    from klotski_sim.workload.model import get_model
+    from klotski_sim.runs.sweep import load_spec
+    from klotski_sim.workload.trace_synth import synthesize
 
     from .conftest import ROOT
 
     folder = tmp_path / "specs"
     folder.mkdir()
-    shutil.copy(ROOT / "klotski_sim" / "profiles" / "rtx3090.yaml", folder / "hw.yaml")
+    shutil.copy(ROOT / "klotski_sim" / "hardware" / "profiles" / "rtx3090.yaml", folder / "hw.yaml")
     shutil.copy(ROOT / "traces" / "tiny-mixtral-recorded.npz", folder / "tr.npz")
     (folder / "spec.yaml").write_text(yaml.safe_dump({
         "name": "ids", "models": ["tiny-mixtral"], "hardware": ["hw.yaml"], "policies": ["klotski"],
@@ -430,7 +430,7 @@ def test_a_sweep_on_a_full_disk_is_one_line_leaves_no_temporaries_and_a_rerun_co
 
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(SMALL))
     out = tmp_path / "out"
-    rc, _, err = run_on_a_full_disk("klotski_sim.cli", "sweep", str(tmp_path / "spec.yaml"), "--out", str(out),
+    rc, _, err = run_on_a_full_disk("klotski_sim.cli.main", "sweep", str(tmp_path / "spec.yaml"), "--out", str(out),
                                     "--no-progress", room=6000)  # (a row's JSON fits, the Parquet table not)
     assert rc == 2 and err == f"error: {out}/results.parquet: cannot write (File too large)\n", err
     rows = sorted(p.name for p in (out / "rows").iterdir())
@@ -445,8 +445,8 @@ def test_more_local_workers_than_cores_run_as_many_as_there_are_cores(tmp_path, 
     """`--workers 1024` started a thousand worker processes (~100 MB each) on a 2-core machine, for
     CPU-bound runs that finish no sooner: held to the cores, and said so (a remote Dask cluster's
     workers are not this machine's)."""
-    from klotski_sim import cli
-    from klotski_sim import sweep as sweep_module
+    from klotski_sim.cli import main as cli
+    from klotski_sim.runs import sweep as sweep_module
 
     monkeypatch.setattr(cli, "available_cores", lambda: 1)
     given = []
@@ -469,8 +469,8 @@ def test_a_local_dask_worker_restarted_by_its_nanny_shares_the_machine_as_the_fi
     """Set up by one `client.run`, a worker the nanny restarted after a run killed it skipped the setup:
     it checked its runs' memory as if it had the machine alone (`run_size`'s runs in flight: 1)."""
     pytest.importorskip("distributed")
-    from klotski_sim import run_size
-    from klotski_sim.sweep import _dask_client
+    from klotski_sim.util import run_size
+    from klotski_sim.runs.sweep import _dask_client
 
     def runs_in_flight() -> int:
         return run_size._runs_in_flight[0]

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from klotski_sim.engine import simulate
-from klotski_sim.exports import chrome_trace_json, read_parquet, save_all
-from klotski_sim.schedule import Op, Schedule
+from klotski_sim.core.engine import simulate
+from klotski_sim.report.exports import chrome_trace_json, read_parquet, save_all
+from klotski_sim.core.schedule import Op, Schedule
 
 from .conftest import make_profile
 
@@ -49,8 +49,8 @@ def test_step_latency_and_throughput():
 def test_a_timeline_read_back_from_its_csv_summarises_as_it_did(tmp_path):
     """pandas reads an op of no batch back as NaN, and a lone batch's "1" as the number 1.0: the
     per-step latencies (grouped by batches) still find each batch."""
-    from klotski_sim.exports import to_csv
-    from klotski_sim.timeline import Timeline
+    from klotski_sim.report.exports import to_csv
+    from klotski_sim.core.timeline import Timeline
 
     ops = (Op("a0", "compute", "compute", "attention", step=0, layer=0, batches=(0,)),
            Op("a1", "compute", "compute", "attention", step=0, layer=0, batches=(1,)),
@@ -93,7 +93,7 @@ def test_the_csv_reads_back_as_the_frame_pandas_writes(tmp_path_factory, ids):
     the very values it reads back from its own writer's CSV — op ids with commas, quotes,
     backslashes, newlines and non-ASCII letters included. (Arrow writes a whole float without its
     `.0`: a float column whose every value is whole reads back as integers — as `flops` does here.)"""
-    from klotski_sim.exports import to_csv
+    from klotski_sim.report.exports import to_csv
 
     renamed = dict(zip([op.id for op in _timeline_schedule().ops], ids))
     ops = tuple(op._replace(id=renamed[op.id], deps=tuple(renamed[d] for d in op.deps))
@@ -112,7 +112,7 @@ def test_the_csv_reads_back_as_the_frame_pandas_writes(tmp_path_factory, ids):
 def test_a_trace_compressed_beside_its_making_is_what_gzip_open_writes(tmp_path_factory, texts):
     """The trace's text is gzip-compressed by a thread of its own while the next pieces are made
     (zlib lets go of the GIL): the same text as `gzip.open`'s, non-ASCII included."""
-    from klotski_sim.exports import gzip_beside
+    from klotski_sim.report.exports import gzip_beside
 
     folder = tmp_path_factory.mktemp("gz")
     gzip_beside(folder / "t.json.gz", iter(texts), 5)
@@ -126,7 +126,7 @@ def test_what_fails_while_a_trace_is_compressed_is_raised_and_nothing_waits_fore
     caller, with the queue between them never left full: every case ends within seconds."""
     import threading
 
-    from klotski_sim import exports
+    from klotski_sim.report import exports
 
     def run(*args):
         outcome = []
@@ -224,8 +224,8 @@ def test_gantt_bins_keep_exactly_the_busy_time(intervals, t0, span, bins):
     the ops' intervals inside the window, and no bin is fuller than its width."""
     import numpy as np
 
-    from klotski_sim.plot import busy_per_bin
-    from klotski_sim.timeline import merge_intervals
+    from klotski_sim.report.plot import busy_per_bin
+    from klotski_sim.core.timeline import merge_intervals
 
     starts = np.array([a for a, _ in intervals])
     ends = starts + np.array([d for _, d in intervals])
@@ -241,7 +241,7 @@ def test_gantt_bins_keep_exactly_the_busy_time(intervals, t0, span, bins):
 def test_merged_intervals_are_the_union_a_loop_finds(intervals, tolerance):
     """merge_intervals (a sort, then one reduction per run of overlapping intervals) gives what a
     plain loop over the intervals in start order gives, nested and touching ones included."""
-    from klotski_sim.timeline import merge_intervals
+    from klotski_sim.core.timeline import merge_intervals
 
     starts = np.array([float(a) for a, _ in intervals])
     ends = starts + np.array([float(d) for _, d in intervals])
@@ -256,7 +256,7 @@ def test_merged_intervals_are_the_union_a_loop_finds(intervals, tolerance):
 
 
 def test_long_axes_are_in_seconds():
-    from klotski_sim.plot import time_unit
+    from klotski_sim.report.plot import time_unit
 
     assert time_unit(30.0) == (1.0, "s") and time_unit(0.5) == (1e3, "ms")
 
@@ -270,7 +270,7 @@ def test_bars_drawn_as_one_path_look_exactly_like_broken_barh(seed):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from klotski_sim.plot import draw_bars
+    from klotski_sim.report.plot import draw_bars
 
     rng = np.random.default_rng(seed)
     x = np.sort(rng.uniform(0, 100, 400))
@@ -301,7 +301,7 @@ def _columns_equal(a, b):
 def test_columns_made_one_at_a_time_equal_the_whole_transpose_and_pickle_whole(never_ran):
     import pickle
 
-    from klotski_sim.timeline import ScheduleColumns, Timeline
+    from klotski_sim.core.timeline import ScheduleColumns, Timeline
 
     sched = _timeline_schedule()
     start, end = [0.0, 1.0, 1.0, 3.0, 4.0], [1.0, 2.0, 3.0, 4.0, 5.0]
@@ -337,9 +337,9 @@ def test_a_timeline_kept_to_the_figure_columns_draws_the_same_figure():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from klotski_sim.plot import compare_gantt
-    from klotski_sim.runner import RunSpec, run
-    from klotski_sim.timeline import FIGURE_COLUMNS, CompactColumns
+    from klotski_sim.report.plot import compare_gantt
+    from klotski_sim.runs.runner import RunSpec, run
+    from klotski_sim.core.timeline import FIGURE_COLUMNS, CompactColumns
 
     def timelines(keep):
         out = {}
@@ -379,8 +379,8 @@ def test_a_timeline_sent_back_by_a_worker_unpickles_without_pandas(tmp_path):
     import subprocess
     import sys
 
-    from klotski_sim.runner import RunSpec, run
-    from klotski_sim.timeline import FIGURE_COLUMNS
+    from klotski_sim.runs.runner import RunSpec, run
+    from klotski_sim.core.timeline import FIGURE_COLUMNS
 
     for keep in (None, FIGURE_COLUMNS):
         tl = run(RunSpec(policy="klotski", num_batches=3, prompt_len=16, gen_len=3)).timeline
@@ -409,7 +409,7 @@ def test_bubbles_by_cause_are_summed_per_cause_in_name_order(ops):
     """The GPU's idle seconds per cause (the category of the op whose end made the op after a gap
     ready; "unknown" without one): each cause's gaps summed, the causes in name order (a missing
     category, in a timeline made by hand, named "None" as str() names it)."""
-    from klotski_sim.timeline import Timeline
+    from klotski_sim.core.timeline import Timeline
 
     start, end, t = [], [], 0.0
     for duration, gap, _ in ops:  # GPU ops one after another, `gap` seconds of idle before each
@@ -438,7 +438,7 @@ def test_bubbles_by_cause_are_summed_per_cause_in_name_order(ops):
 def test_compact_columns_give_integers_back_exactly(values):
     """A detached timeline's integer columns are held in the smallest integer type that holds them,
     never a float (which would round past 2^53), and read back exactly, in their own type."""
-    from klotski_sim.timeline import CompactColumns
+    from klotski_sim.core.timeline import CompactColumns
 
     column = np.array(values, dtype=np.int64)
     back = CompactColumns({"step": column}, {})["step"]
@@ -449,7 +449,7 @@ def test_compact_columns_give_integers_back_exactly(values):
 def test_codes_of_a_text_column_are_its_values_in_order_of_first_appearance(values):
     """Timeline.codes/rows_where (what summaries and figures compare instead of strings) give the
     column back, its values as dict.fromkeys orders them, and the rows == would select."""
-    from klotski_sim.timeline import Timeline
+    from klotski_sim.core.timeline import Timeline
 
     column = np.array(values, dtype=object)
     tl = Timeline({"stream": column, "end": np.zeros(len(values))}, meta={})
@@ -477,7 +477,7 @@ def test_a_timeline_does_not_keep_its_schedule_alive():
 
 @pytest.mark.parametrize("events_per_chunk", [1, 3, 1_000_000])
 def test_the_chrome_trace_written_in_pieces_is_the_whole_trace(events_per_chunk):
-    from klotski_sim.exports import chrome_trace_chunks
+    from klotski_sim.report.exports import chrome_trace_chunks
 
     tl = _timeline()
     text = "".join(chrome_trace_chunks(tl, events_per_chunk))

@@ -10,12 +10,12 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from klotski_sim import routing as routing_module
-from klotski_sim.model import get_model
-from klotski_sim.routing import RoutingTable, RunShape
-from klotski_sim.trace import Trace, TraceError, import_jsonl, replay
-from klotski_sim.trace_stats import layer_stats, summary
-from klotski_sim.trace_synth import synthesize, synthesized_blocks
+from klotski_sim.workload import routing as routing_module
+from klotski_sim.workload.model import get_model
+from klotski_sim.workload.routing import RoutingTable, RunShape
+from klotski_sim.workload.trace import Trace, TraceError, import_jsonl, replay
+from klotski_sim.workload.trace_stats import layer_stats, summary
+from klotski_sim.workload.trace_synth import synthesize, synthesized_blocks
 
 from .conftest import run_cli
 
@@ -85,7 +85,7 @@ def test_a_routing_file_gives_back_the_ids_it_was_saved_from(tmp_path, num_exper
 
 
 def test_an_npz_written_at_level_1_is_one_numpy_reads_and_a_failed_write_leaves_nothing(tmp_path):
-    from klotski_sim.npzfile import write_npz
+    from klotski_sim.files.npzfile import write_npz
 
     arrays = {"a": np.arange(1000, dtype=np.int64).reshape(10, 100), "text": np.array("héllo"), "n": np.array(3)}
     write_npz(tmp_path / "x.npz", arrays)
@@ -94,7 +94,7 @@ def test_an_npz_written_at_level_1_is_one_numpy_reads_and_a_failed_write_leaves_
     with pytest.raises(ValueError):  # an object array would need pickling: refused, and no file is left
         write_npz(tmp_path / "y.npz", {"bad": np.array([{}, 1], dtype=object)})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.npz"]
-    from klotski_sim.errors import UsageError
+    from klotski_sim.util.errors import UsageError
 
     with pytest.raises(UsageError, match=r"nowhere/x\.npz: cannot write \(No such file"):  # (the path asked for)
         write_npz(tmp_path / "nowhere" / "x.npz", arrays)
@@ -161,7 +161,7 @@ def test_invalid_contents_are_named():
 def test_mutual_information_over_used_cells_is_the_dense_tables(experts, tokens, seed):
     """Past 2048 experts trace stats reads MI and the best-map accuracy from the joint table's used
     cells (a dense one for 65,536 experts took 32 GiB): the same numbers as the dense table."""
-    from klotski_sim.trace_stats import _mutual_information_bits, _mutual_information_bits_sparse
+    from klotski_sim.workload.trace_stats import _mutual_information_bits, _mutual_information_bits_sparse
 
     rng = np.random.default_rng(seed)
     a, b = rng.integers(0, experts, tokens), rng.integers(0, experts, tokens)
@@ -202,7 +202,7 @@ def test_replay_shapes_warmup_and_wrap():
 def test_the_chosen_sequences_ids_are_a_view_where_they_follow_one_another_and_a_copy_elsewhere(lengths, data):
     """replay's cut of a trace: the first `tokens` ids of each chosen sequence, without a copy of a
     long prompt's routing where the sequences are consecutive and equally long."""
-    from klotski_sim.trace import _sequences_ids
+    from klotski_sim.workload.trace import _sequences_ids
 
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     first = np.random.default_rng(len(lengths)).integers(0, 8, (offsets[-1], 3))
@@ -302,7 +302,7 @@ def test_the_generator_draws_as_many_sequences_at_a_time_as_its_element_budget_a
     `_ELEMENTS_PER_CHUNK` of their elements (or one sequence, when one alone is more) and at most 64
     sequences — a fine-grained model's 128 experts drawn 64 sequences at a time took four times the
     memory, and longer."""
-    from klotski_sim import trace_synth
+    from klotski_sim.workload import trace_synth
 
     spec = get_model(model)
     blocks = list(synthesized_blocks(spec, sequences, tokens - 1, 1, "calibrated", seed=2).blocks)
@@ -316,7 +316,7 @@ def test_the_generator_draws_as_many_sequences_at_a_time_as_its_element_budget_a
 def test_the_first_batch_a_policy_replays_does_not_depend_on_its_number_of_batches():
     """A single-batch run (1 batch) and a Klotski run (17 batches) of one configuration replay the
     same first batch, so a comparison of policies compares schedules, not routing draws."""
-    from klotski_sim.runner import RunSpec, make_replay
+    from klotski_sim.runs.runner import RunSpec, make_replay
 
     spec = RunSpec(model="tiny-mixtral", batch_size=3, prompt_len=9, gen_len=3, num_batches=None)
     one = make_replay(spec, TINY, 1)[1].routing.counts
@@ -395,9 +395,9 @@ def test_the_trace_cache_key_covers_every_source_of_a_draw(tmp_path, monkeypatch
     import shutil
     from importlib import resources
 
-    from klotski_sim import cache
+    from klotski_sim.workload import trace_cache as cache
 
-    package = Path(resources.files("klotski_sim"))
+    package = Path(resources.files("klotski_sim.workload"))
     copy = tmp_path / "klotski_sim"
     (copy / "data").mkdir(parents=True)
     for name in cache.GENERATOR_SOURCES:
@@ -433,7 +433,7 @@ def test_the_trace_cache_key_covers_every_source_of_a_draw(tmp_path, monkeypatch
 
 
 def test_trace_cache_serves_the_same_trace_and_survives_a_bad_file(tmp_path, monkeypatch):
-    from klotski_sim.cache import cached_trace
+    from klotski_sim.workload.trace_cache import cached_trace
 
     monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(tmp_path))
     m = get_model("tiny-mixtral")
@@ -478,8 +478,8 @@ def test_trace_cache_keeps_the_recently_used_within_its_cap_and_refuses_a_bad_ca
     import os
     import time
 
-    from klotski_sim.cache import cached_trace
-    from klotski_sim.errors import UsageError
+    from klotski_sim.workload.trace_cache import cached_trace
+    from klotski_sim.util.errors import UsageError
 
     monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(tmp_path))
     m = get_model("tiny-mixtral")
@@ -520,9 +520,9 @@ def test_trace_cache_keeps_the_recently_used_within_its_cap_and_refuses_a_bad_ca
 
 
 def test_mutual_information_is_reported_against_a_shuffled_baseline():
-    from klotski_sim.model import get_model
-    from klotski_sim.trace_stats import layer_stats
-    from klotski_sim.trace_synth import synthesize
+    from klotski_sim.workload.model import get_model
+    from klotski_sim.workload.trace_stats import layer_stats
+    from klotski_sim.workload.trace_synth import synthesize
 
     uniform = layer_stats(synthesize(get_model("mixtral-8x7b"), 40, 32, 8, "uniform", 0))
     assert uniform["mi_next_bits"].mean() > 0.01  # the plug-in estimate reads information that is not there
@@ -532,8 +532,8 @@ def test_mutual_information_is_reported_against_a_shuffled_baseline():
 def test_one_short_sequence_does_not_truncate_the_groups():
     import numpy as np
 
-    from klotski_sim.trace import Trace
-    from klotski_sim.trace_stats import layer_stats
+    from klotski_sim.workload.trace import Trace
+    from klotski_sim.workload.trace_stats import layer_stats
 
     rng = np.random.default_rng(0)
     lengths = [20] * 16 + [2]
@@ -548,9 +548,9 @@ def test_one_short_sequence_does_not_truncate_the_groups():
 
 
 def test_prompt_and_generated_tokens_are_measured_apart(tmp_path):
-    from klotski_sim.model import get_model
-    from klotski_sim.trace_stats import token_subset
-    from klotski_sim.trace_synth import synthesize
+    from klotski_sim.workload.model import get_model
+    from klotski_sim.workload.trace_stats import token_subset
+    from klotski_sim.workload.trace_synth import synthesize
 
     trace = synthesize(get_model("tiny-mixtral"), 6, 10, 5, "calibrated", 0)
     prompt, generated = token_subset(trace, "prompt"), token_subset(trace, "generated")
@@ -645,7 +645,7 @@ def test_an_imported_log_is_taken_as_written_or_refused_by_line(tmp_path, record
 @pytest.mark.parametrize("top_k", [3, 4, 8, 9])
 def test_a_single_repeat_in_any_pair_of_slots_of_any_token_is_found(top_k):
     """Every pair of slots, in the first, a middle and the last token, in passes of 3 rows."""
-    from klotski_sim import routing
+    from klotski_sim.workload import routing
 
     distinct = np.tile(np.arange(top_k), (7, 2, 1))  # [tokens, layers, k]: no repeat
     with patch.object(routing, "_REPEAT_ROWS", 3):
@@ -662,7 +662,7 @@ def test_a_single_repeat_in_any_pair_of_slots_of_any_token_is_found(top_k):
 def test_a_repeated_expert_is_found_as_token_by_token_would_find_it(top_k, tokens, experts, rows_per_pass, seed):
     """`routing.repeats_an_expert` (traces and routing tables share it) answers as a set per token would:
     slots compared pair by pair up to top-8 (in passes of any number of rows), sorted above."""
-    from klotski_sim import routing
+    from klotski_sim.workload import routing
 
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, experts, (tokens, 2, top_k))
@@ -678,7 +678,7 @@ def test_a_repeated_expert_is_found_as_token_by_token_would_find_it(top_k, token
 
 @pytest.mark.parametrize("setting", ["off", " off", "OFF\n"])
 def test_the_trace_cache_is_off_however_it_is_spelt(monkeypatch, setting):
-    from klotski_sim.cache import cache_dir
+    from klotski_sim.files.disk_cache import cache_dir
 
     monkeypatch.setenv("KLOTSKI_CACHE_DIR", setting)
     assert cache_dir() is None  # (" off" was a folder named " off")
@@ -705,7 +705,7 @@ def test_the_generators_top_k_by_argmax_passes_is_its_partition_and_sort_ties_an
     over fewer experts; here the passes are asked of every width): the same indices in the same
     order for every row, whether its values are all distinct (`spread` 0: random floats), few
     (`spread` 2: nearly every row tied) or some of each, so every draw is as it was."""
-    from klotski_sim import trace_synth
+    from klotski_sim.workload import trace_synth
 
     rng = np.random.default_rng(seed)
     values = (rng.integers(0, spread, (rows, 2, experts)).astype(np.float32) if spread
@@ -764,7 +764,7 @@ def test_a_draw_that_fails_in_a_thread_says_its_error_and_leaves_no_thread_waiti
     first block leaves no thread behind either."""
     import threading
 
-    from klotski_sim import trace_synth
+    from klotski_sim.workload import trace_synth
 
     spec = get_model("olmoe-1b-7b")
     real, calls = trace_synth._top_sorted, []
@@ -793,8 +793,9 @@ def test_a_draw_uses_the_cores_its_pool_leaves_it_and_the_memory_its_chunks_allo
     two workers on two cores draw with one thread each), at most MAX_DRAW_THREADS, and no more
     chunks' working arrays at once than _ELEMENTS_IN_FLIGHT (a long prompt's chunk is one sequence
     of tokens x experts: DeepSeek-V3 at 16k tokens in two threads, at 32k in one)."""
-    from klotski_sim import run_size, trace_synth
+    from klotski_sim.util import run_size
 
+    from klotski_sim.workload import trace_synth
     budget = trace_synth._ELEMENTS_IN_FLIGHT
     default_chunk = trace_synth._ELEMENTS_PER_CHUNK
     for cores, workers, elements, expected in [
@@ -846,7 +847,7 @@ def test_a_trace_recorded_for_another_model_of_the_same_shape_is_said_so(tmp_pat
     """A tiny-olmoe trace replayed on tiny-qwen3-moe (same experts, top-k and layers) ran without a
     word; now the routing's source says so and the CLI warns. A version of the model itself (`:L`
     layers, `@int4` experts) routes as it does: nothing said."""
-    from klotski_sim.routing import RunShape
+    from klotski_sim.workload.routing import RunShape
 
     from .conftest import run_cli
 
@@ -868,10 +869,10 @@ def test_a_trace_recorded_for_another_model_of_the_same_shape_is_said_so(tmp_pat
 def test_trace_synth_says_a_long_draw_before_it_begins(tmp_path, monkeypatch, capsys):
     """100M sequences of a tiny model drew for some 15 minutes without a word (the estimate left out
     the cost a sequence: many short ones)."""
-    from klotski_sim import cli
+    from klotski_sim.cli import main as cli
 
     drawn = []
-    monkeypatch.setattr("klotski_sim.machine._slowdown", [1.0])  # (the reference machine's speed: fixed figures)
+    monkeypatch.setattr("klotski_sim.util.machine._slowdown", [1.0])  # (the reference machine's speed: fixed figures)
     monkeypatch.setattr(cli, "synthesize", lambda m, *a, **k: drawn.append(a) or synthesize(m, 2, 4, 2, "uniform", 0))
     assert cli.main(["trace", "synth", "--model", "tiny-mixtral", "--sequences", "100000000", "--prompt-len", "8",
                      "--gen-len", "3", "--out", str(tmp_path / "t.npz")]) == 0

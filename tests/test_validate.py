@@ -15,9 +15,9 @@ from klotski_runtime.validate import (  # noqa: E402
     format_report,
     validate,
 )
-from klotski_sim.cost import CostModel  # noqa: E402
-from klotski_sim.hardware import ProfileError, load_profile  # noqa: E402
-from klotski_sim.model import get_model  # noqa: E402
+from klotski_sim.core.cost import CostModel  # noqa: E402
+from klotski_sim.hardware.profile import ProfileError, load_profile  # noqa: E402
+from klotski_sim.workload.model import get_model  # noqa: E402
 
 from .conftest import ROOT  # noqa: E402
 
@@ -95,7 +95,7 @@ def test_validate_cli_end_to_end(tmp_path):
 
 
 def test_execute_cli_runs_what_simulate_wrote(tmp_path):
-    sim = subprocess.run([sys.executable, "-m", "klotski_sim.cli", "simulate", "--model", "tiny-mixtral", "--policy",
+    sim = subprocess.run([sys.executable, "-m", "klotski_sim.cli.main", "simulate", "--model", "tiny-mixtral", "--policy",
                           "klotski", "--num-batches", "2", "--batch-size", "2", "--prompt-len", "6", "--gen-len", "3",
                           "--no-png", "--out", str(tmp_path / "sim")], capture_output=True, text=True, cwd=ROOT)
     assert sim.returncode == 0, sim.stderr
@@ -156,7 +156,7 @@ def test_small_mixtral_validation_error_is_bounded(tmp_path):
     there in every attempt, quiet or not, and fails the test; where every attempt missed and every
     one was measured as loaded (validate's own load, steal and run-spread warnings), the bound could
     not be checked on this machine, and the test says so with the numbers instead of failing."""
-    from klotski_sim.model import get_model
+    from klotski_sim.workload.model import get_model
 
     links = {"pcie_h2d": 1e9, "pcie_d2h": 1e9}
     pageable = {k: v * 10.0 / 25.7 for k, v in links.items()}

@@ -18,14 +18,14 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .. import run_size
-from ..cost import op_variant
-from ..errors import KlotskiError, UsageError
-from ..hardware import HardwareProfile
-from ..impl import IMPL_CHOICES, PRESET_NAMES, Impl, preset_options
-from ..model import ModelSpec
-from ..routing import RoutingTable, RunShape
-from ..schedule import (
+from klotski_sim.util import run_size
+from klotski_sim.core.cost import op_variant
+from klotski_sim.util.errors import KlotskiError, UsageError
+from klotski_sim.hardware.profile import HardwareProfile
+from klotski_sim.policies.impl import IMPL_CHOICES, PRESET_NAMES, Impl, preset_options
+from klotski_sim.workload.model import ModelSpec
+from klotski_sim.workload.routing import RoutingTable, RunShape
+from klotski_sim.core.schedule import (
     CPU_STREAMS,
     Op,
     Schedule,
@@ -38,8 +38,8 @@ from ..schedule import (
     host_op,
     transfer_op,
 )
-from ..trace import Trace
-from .cache import CACHE_POLICIES
+from klotski_sim.workload.trace import Trace
+from klotski_sim.policies.cache import CACHE_POLICIES
 
 TIERS = ("gpu", "cpu", "disk")
 _TENSOR = {"attention": "attention", "gate": "gate", "experts": "expert"}  # placement field -> Op.tensor
@@ -100,7 +100,7 @@ class PolicyInput:
     placement: Placement = field(default_factory=Placement)
     options: Mapping[str, Any] = field(default_factory=dict)
     warmup: "Trace | None" = None  # disjoint sequences for a prefetcher's pre-run
-    impl: str = "as-published"  # implementation preset (klotski_sim.impl); `options` override it
+    impl: str = "as-published"  # implementation preset (klotski_sim.policies.impl); `options` override it
 
     @property
     def shape(self) -> RunShape:
@@ -118,7 +118,7 @@ class PolicyInfo:
     """A registered policy. `buffering` says what GPU weight buffers it needs: `whole-layer`
     (two whole layers, double-buffered) or `expert-aware` (two attention buffers, the gate and
     at most one MoE layer of experts) — the planner sizes n with it. `impl_options` are the
-    implementation choices (klotski_sim.impl) it honours; `presets` gives, per preset, the values
+    implementation choices (klotski_sim.policies.impl) it honours; `presets` gives, per preset, the values
     that differ from the generic ones — for `as-published`, every choice of that system's code."""
 
     name: str
@@ -135,7 +135,7 @@ class PolicyInfo:
     # speed (no cost model in its decisions): a sweep over hardware numbers may build it once
     speed_independent: bool = False
     # its best n is not what Klotski's inequalities give (its work moves between devices with n):
-    # with auto n, the planner chooses n by simulated probes (klotski_sim/probe.py)
+    # with auto n, the planner chooses n by simulated probes (klotski_sim/planning/probe.py)
     probe_n: bool = False
     # every expert buffer of a streamed MoE layer is allocated at once (its last expert op waits for
     # them all, then frees them together): the memory check counts the whole layer, not one tensor
@@ -213,7 +213,7 @@ GENERIC_OPTIONS: dict[str, Any] = {"expert_cache": 0, "cache_policy": "lru", "at
 
 
 def _make_cache(inp: "PolicyInput") -> Any:
-    from .cache import ExpertCache
+    from klotski_sim.policies.cache import ExpertCache
 
     slots, policy = inp.options.get("expert_cache", 0), inp.options.get("cache_policy", "lru")
     if not slots:
@@ -524,7 +524,7 @@ class OpEmitter:
     # ---- compute ------------------------------------------------------------------------------
     def embed(self, op_id: str, step: int, batch: int, deps: Iterable[str | None] = ()) -> str:
         """A batch's embedding at `step`: the first op of its step in every policy loop, where the
-        run's size is projected (klotski_sim.run_size)."""
+        run's size is projected (klotski_sim.util.run_size)."""
         if self._size_watch is not None:
             self._size_watch.step_begins(step, batch, len(self.b.ops))
         tokens = self.new_tokens(step) * self.shape.batch_size

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import UsageError
+from klotski_sim.util.errors import UsageError
 
 CACHE_POLICIES = ("lru", "lfu", "hot-pinned")
 Key = tuple[int, int]  # (layer, expert)

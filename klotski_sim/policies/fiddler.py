@@ -30,11 +30,11 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..cost import CostModel
-from ..errors import UsageError
-from ..schedule import CPU_STREAMS, DEFAULT_STREAMS, Schedule, ScheduleBuilder
-from .base import OpEmitter, PolicyInput, cpu_expert_seconds, register
-from .cache import ExpertCache
+from klotski_sim.core.cost import CostModel
+from klotski_sim.util.errors import UsageError
+from klotski_sim.core.schedule import CPU_STREAMS, DEFAULT_STREAMS, Schedule, ScheduleBuilder
+from klotski_sim.policies.base import OpEmitter, PolicyInput, cpu_expert_seconds, register
+from klotski_sim.policies.cache import ExpertCache
 
 RULES = ("cost", "expert-tokens", "layer-tokens")
 LLAMA_CPP_MIN_BATCH = 32  # ggml-cuda.cu: ops with fewer tokens stay with CPU-resident weights

@@ -18,9 +18,9 @@ comes from the host model itself.
 
 from __future__ import annotations
 
-from ..errors import UsageError
-from ..schedule import Schedule
-from .base import OpEmitter, PolicyInput, register
+from klotski_sim.util.errors import UsageError
+from klotski_sim.core.schedule import Schedule
+from klotski_sim.policies.base import OpEmitter, PolicyInput, register
 
 OVERLAPS = ("code", "model")
 

@@ -30,11 +30,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..cost import CostModel
-from ..model import ModelSpec
-from ..prefetch import CorrelationTable, PrefetchStats
-from ..schedule import CPU_STREAMS, DEFAULT_STREAMS, Schedule, ScheduleBuilder
-from .base import OpEmitter, PolicyInput, cpu_expert_seconds, register
+from klotski_sim.core.cost import CostModel
+from klotski_sim.workload.model import ModelSpec
+from klotski_sim.policies.prefetch import CorrelationTable, PrefetchStats
+from klotski_sim.core.schedule import CPU_STREAMS, DEFAULT_STREAMS, Schedule, ScheduleBuilder
+from klotski_sim.policies.base import OpEmitter, PolicyInput, cpu_expert_seconds, register
 
 
 @dataclass(frozen=True)

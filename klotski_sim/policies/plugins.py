@@ -14,8 +14,8 @@ import traceback
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from ..errors import KlotskiError, UsageError
-from .base import POLICIES
+from klotski_sim.util.errors import KlotskiError, UsageError
+from klotski_sim.policies.base import POLICIES
 
 ENTRY_POINT_GROUP = "klotski.policies"
 _loaded: dict[str, list[str]] = {}  # resolved path -> the policies it registered

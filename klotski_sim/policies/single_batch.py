@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..schedule import Schedule
-from .base import OpEmitter, PolicyInput, register
+from klotski_sim.core.schedule import Schedule
+from klotski_sim.policies.base import OpEmitter, PolicyInput, register
 
 # Klotski's port, `generation_loop_overlap_single_batch` and `MoE_computation` (docs/implementations.md)
 AS_PUBLISHED = {"sync": "per-expert", "copy_memory_weights": "pinned", "copy_memory_kv": "pageable",

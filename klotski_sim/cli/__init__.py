@@ -1,0 +1,1 @@
+"""The `klotski-sim` command line."""

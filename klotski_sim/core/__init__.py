@@ -1,0 +1,1 @@
+"""The contracts and the simulator: Schedule (what to run), cost model, SimPy engine, Timeline (what happened)."""

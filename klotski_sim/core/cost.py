@@ -1,0 +1,218 @@
+"""Cost model: how long one op takes on one hardware profile.
+
+Compute ops follow a roofline with efficiencies plus a per-kernel overhead (eager PyTorch pays a
+launch and a dispatch per kernel, which dominates small decode ops) plus the runtime's fixed cost
+of issuing an op (`dispatch_overhead_s`, fitted by calibration); transfers cost
+`latency + bytes / bandwidth` at the link's pinned or pageable bandwidth; a host op (the host
+thread blocked on a sync or a pageable copy) costs the profile's host-sync latency on top of its
+wait. A profile may carry measured durations (from `klotski-runtime calibrate`); inside the range
+they cover they override the analytic value.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import namedtuple
+from operator import itemgetter
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+
+from klotski_sim.util.errors import KlotskiError
+from klotski_sim.hardware.profile import HardwareProfile, MeasuredPoint
+from klotski_sim.core.schedule import DEFAULT_STREAMS, Op
+
+if TYPE_CHECKING:
+    from klotski_sim.workload.model import ModelSpec
+
+# Kernels one op launches in an eager PyTorch implementation of a Mixtral layer (HF-style):
+# attention = input RMSNorm, q/k/v/o, RoPE, KV append, SDPA, residual; gate = post-attention
+# RMSNorm, router GEMM, softmax, top-k, renormalise; expert = gather, w1, w3, SiLU*mul, w2,
+# scale, scatter-add. The overhead per kernel comes from the profile. `category.variant` keys
+# count an implementation's own kernels: eager attention adds repeat_kv's two expand+copy
+# kernels, QK^T, the scale, the mask add, the fp32 up-cast, softmax, the down-cast, AV and the
+# transpose back (transformers' `eager_attention_forward`) in place of the one SDPA kernel.
+KERNELS_PER_OP: dict[str, int] = {
+    "attention": 25,
+    "attention.fused": 25,
+    "attention.eager": 34,
+    "gate": 12,
+    "expert": 8,
+    "embed": 2,
+    "lm_head": 4,
+    "dequant": 4,  # HQQ dequantize: unpack the codes, subtract the zeros, multiply by the scales, reshape + cast
+    "attn_qkv": 7,  # attention on the CPU, GPU side: input RMSNorm, q/k/v, RoPE on q and k, the copy out
+    "attn_out": 3,  # ... the copy in, o, residual
+    "dense_mlp": 6,  # a dense layer's MLP: post-attention RMSNorm, w1, w3, SiLU*mul, w2, residual
+}
+
+
+# What a model adds to an op's kernels, by the tags its ops' `variant` carries after the
+# implementation (`attention.fused+qk_norm`; see `op_variant`). An RMSNorm is 8 kernels in
+# transformers' eager code (Qwen3MoeRMSNorm / OlmoeRMSNorm.forward: cast up, pow, mean, add eps,
+# rsqrt, multiply, cast back, scale); Mixtral's router renormalises its top-k weights with a sum
+# and a divide that OLMoE's and Qwen1.5-MoE's (norm_topk_prob false) do not launch.
+RMSNORM_KERNELS = 8
+KERNEL_TAGS: dict[str, int] = {
+    "qk_norm": 2 * RMSNORM_KERNELS,  # q_norm and k_norm before RoPE (Qwen3-MoE, OLMoE)
+    "topk_as_is": -2,  # the top-k weights are not renormalised
+}
+
+
+def op_variant(model: "ModelSpec", category: str, impl: str = "") -> str:
+    """The `variant` of one of `model`'s ops: its implementation (`impl`, e.g. fused | eager
+    attention), then, joined by `+`, the KERNEL_TAGS this model's version of the op carries — so
+    that ops which launch different kernels are costed (and calibrated) apart."""
+    tags = [impl] if impl else []
+    if model.qk_norm and category in ("attention", "attn_qkv"):
+        tags.append("qk_norm")
+    if not model.norm_topk_prob and category == "gate":
+        tags.append("topk_as_is")
+    return "+".join(tags)
+
+
+def variant_impl(variant: str) -> str:
+    """The implementation a `variant` names, without the model's tags (`fused+qk_norm` -> `fused`)."""
+    return next((p for p in variant.split("+") if p not in KERNEL_TAGS), "") if variant else ""
+
+
+def kernels_of(category: str, variant: str = "") -> int:
+    """Kernels one op launches: its implementation's count (`category.impl`, else the category's),
+    plus what its KERNEL_TAGS add."""
+    impl = variant_impl(variant)
+    base = KERNELS_PER_OP.get(f"{category}.{impl}") if impl else None
+    return (base or KERNELS_PER_OP.get(category, 1)) + sum(KERNEL_TAGS.get(p, 0) for p in variant.split("+"))
+
+
+class CostError(KlotskiError):
+    """An op the profile cannot cost (a pageable copy on a link without a pageable bandwidth)."""
+
+
+class MeasuredTable:
+    """Measured durations of one op category, interpolated linearly in tokens and, for
+    attention, between the two nearest measured KV lengths. Outside the measured range it
+    answers None, so the analytic model takes over instead of a wild extrapolation."""
+
+    def __init__(self, points: Sequence[MeasuredPoint]) -> None:
+        by_kv: dict[int, list[tuple[int, float]]] = {}
+        for p in points:
+            by_kv.setdefault(p.kv_len, []).append((p.tokens, p.seconds))
+        self.kv_levels = sorted(by_kv)
+        self.rows = {kv: sorted(rows) for kv, rows in by_kv.items()}
+
+    @staticmethod
+    def _interp(rows: list[tuple[int, float]], tokens: int) -> float | None:
+        xs = [r[0] for r in rows]
+        if tokens < xs[0] or tokens > xs[-1]:
+            return None
+        i = bisect.bisect_left(xs, tokens)
+        if xs[i] == tokens:
+            return rows[i][1]
+        (x0, y0), (x1, y1) = rows[i - 1], rows[i]
+        return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+
+    def lookup(self, tokens: int, kv_len: int = 0) -> float | None:
+        levels = self.kv_levels
+        if kv_len < levels[0] or kv_len > levels[-1]:
+            return None
+        i = bisect.bisect_left(levels, kv_len)
+        if levels[i] == kv_len:
+            return self._interp(self.rows[kv_len], tokens)
+        lo, hi = levels[i - 1], levels[i]
+        y0, y1 = self._interp(self.rows[lo], tokens), self._interp(self.rows[hi], tokens)
+        if y0 is None or y1 is None:
+            return None
+        return y0 + (y1 - y0) * (kv_len - lo) / (hi - lo)
+
+
+class CostModel:
+    """Turns ops into seconds on one profile. `override` (op -> seconds or None) lets a caller
+    plug in any other source of truth ahead of the measured table and the roofline."""
+
+    def __init__(self, profile: HardwareProfile,
+                 override: Callable[[Op], float | None] | None = None) -> None:
+        self.profile = profile
+        self.override = override
+        self.tables = {cat: MeasuredTable(points) for cat, points in profile.measured.items() if points}
+        gpu = profile.gpu
+        self._flop_rate = gpu.peak_flops * gpu.compute_efficiency
+        self._byte_rate = gpu.memory_bandwidth * gpu.memory_efficiency
+
+    def compute_seconds(self, category: str, flops: float, io_bytes: float, tokens: int = 0,
+                        kv_len: int = 0, phase: str = "", variant: str = "") -> float:
+        """Measured when the profile's table covers the shape (`category:phase` first, e.g.
+        `attention:decode`, then `category`; with a variant `attention.eager:decode`, then
+        `attention.eager` — never another variant's table), else the roofline plus kernel overheads."""
+        gpu = self.profile.gpu
+        dispatch = gpu.dispatch_overhead_by_category.get(category, gpu.dispatch_overhead_s)
+        name = f"{category}.{variant}" if variant else category
+        for key in (f"{name}:{phase}", name) if phase else (name,):
+            table = self.tables.get(key)
+            if table is not None:
+                measured = table.lookup(tokens, kv_len)
+                if measured is not None:
+                    return measured + dispatch
+        roofline = max(flops / self._flop_rate, io_bytes / self._byte_rate)
+        return roofline + kernels_of(category, variant) * gpu.kernel_overhead_s + dispatch
+
+    def transfer_seconds(self, resource: str, nbytes: float, pageable: bool = False) -> float:
+        link = self.profile.link(resource)
+        if not pageable:
+            return link.latency_s + nbytes / link.bandwidth
+        if link.pageable_bandwidth is None:
+            raise CostError(f"hardware profile {self.profile.name!r}: links.{resource}.pageable_bandwidth is not "
+                            f"set, but the schedule copies from pageable host memory (set it, or use pinned copies)")
+        return link.latency_s + nbytes / link.pageable_bandwidth
+
+    def cpu_seconds(self, flops: float, io_bytes: float, category: str = "expert", tokens: int = 0) -> float:
+        """A compute op on the host CPU: measured when the profile's `cpu:<category>` table covers
+        the token count, else a roofline on its sustained FLOP/s (in its compute dtype) and DRAM
+        bandwidth; plus a fixed cost per op. The profile must have a `cpu:` section."""
+        cpu = self.profile.require_cpu("this schedule")
+        table = self.tables.get(f"cpu:{category}")
+        measured = table.lookup(tokens) if table is not None else None
+        if measured is not None:
+            return measured + cpu.op_overhead_s
+        return max(flops / cpu.flop_rate, io_bytes / cpu.memory_bandwidth) + cpu.op_overhead_s
+
+    def host_seconds(self) -> float:
+        """What a host op costs beyond its wait: the host-sync round trip."""
+        return self.profile.gpu.host_sync_latency_s
+
+    def duration(self, op: Op, resource: str) -> float:
+        if self.override is not None:
+            value = self.override(op)
+            if value is not None:
+                return value
+        if op.kind == "transfer":
+            return self.transfer_seconds(resource, op.bytes, op.pageable)
+        if op.kind == "host":
+            return self.host_seconds()
+        if resource == "cpu":
+            return self.cpu_seconds(op.flops, op.bytes, op.category, op.tokens)
+        return self.compute_seconds(op.category, op.flops, op.bytes, op.tokens, op.kv_len, op.phase, op.variant)
+
+    def durations(self, ops: Sequence[Op], streams: Mapping[str, str] = DEFAULT_STREAMS) -> list[float]:
+        """Every op's duration. Ops that differ only in id, tags and deps last equally long, and a
+        schedule has few distinct ones: each is costed once (unless an override sees every op)."""
+        if self.override is not None:
+            return [self.duration(op, streams[op.stream]) for op in ops]
+        return list(map(_CostedOnce(self, streams).__getitem__, map(_COSTED_FIELDS, ops)))
+
+
+class _CostedOnce(dict):
+    """Duration by an op's costed fields, each distinct key costed when first asked (a C-level
+    look-up for the rest: a schedule has hundreds of thousands of ops and a few hundred keys)."""
+
+    def __init__(self, cost: CostModel, streams: Mapping[str, str]) -> None:
+        super().__init__()
+        self.cost, self.streams = cost, streams
+
+    def __missing__(self, key: tuple) -> float:
+        costed = _Costed(*key)
+        value = self[key] = self.cost.duration(costed, self.streams[costed.stream])  # type: ignore[arg-type]
+        return value
+
+
+# what an op's duration depends on (see `CostModel.duration`), and those fields alone as an op
+_COSTED_NAMES = ("kind", "stream", "category", "flops", "bytes", "tokens", "kv_len", "phase", "variant", "pageable")
+_COSTED_FIELDS = itemgetter(*map(Op._fields.index, _COSTED_NAMES))  # (by position: an op is a tuple; 10-40% faster)
+_Costed = namedtuple("_Costed", _COSTED_NAMES)

@@ -1,0 +1,253 @@
+"""SimPy engine: Schedule x HardwareProfile -> Timeline.
+
+The whole model is three rules, applied by callbacks on SimPy's event queue:
+
+1. An op becomes *ready* when its deps and its stream predecessor have ended (in-order streams),
+   plus the profile's `dependency_latency_s` for a dependency on another stream (not to or from
+   a host op: its `host_sync_latency_s` is the whole round trip).
+2. A ready op waits in its resource's queue (first ready, first served; ties by schedule order)
+   until one of the resource's units is free (1 for the GPU and the host thread, `copy_engines`
+   for a link).
+3. A started op allocates its GPU buffers, holds its unit for its duration, then frees its
+   buffers and wakes its successors.
+
+A host op (the host thread blocked on a sync or a pageable copy) is timed from the moment the
+host reaches it — its predecessor on the host stream ended — to the end of its wait plus its
+own latency: the host is occupied for all of it.
+
+Only one SimPy event is created per op (its completion), not a process and a resource request
+per op: that is what makes the engine fast (see experiments/bench_engine.py). Nothing here waits
+on wall-clock time, so a run is deterministic.
+"""
+
+from __future__ import annotations
+
+import heapq
+from itertools import compress
+from operator import not_
+from typing import Sequence
+
+import numpy as np
+import simpy
+from simpy.events import NORMAL
+
+from klotski_sim.core.cost import CostModel
+from klotski_sim.util.errors import UsageError
+from klotski_sim.hardware.profile import HardwareProfile
+from klotski_sim.core.schedule import Schedule, ScheduleError, gc_paused
+from klotski_sim.core.timeline import OutOfMemory, Timeline
+
+
+class EngineDeadlock(ScheduleError):
+    """Some ops can never start (a schedule built without validation had a cycle)."""
+
+
+class _Wake:
+    """An event on SimPy's queue for one op: its completion, or a dependency being signalled.
+    The lightest object SimPy's loop processes (`Environment.step` reads `callbacks` and `_ok`);
+    pushed straight onto the queue as `Environment.schedule` would, without Timeout's bookkeeping.
+    Once processed it is free, and the engine reuses it for a later op (`callbacks` is a list the
+    engine's events share: SimPy only reads it)."""
+
+    __slots__ = ("callbacks", "op")
+    _ok = True  # (never failed: SimPy reads `_value` only of a failed event)
+    _value = None
+
+    def __init__(self, callbacks: list[object], op: int) -> None:
+        self.callbacks = callbacks
+        self.op = op
+
+
+def resource_capacities(schedule: Schedule, profile: HardwareProfile) -> dict[str, int]:
+    """Units per resource: one GPU compute unit, one host thread, one CPU compute stream (an op
+    there uses every core); each link as many as its copy engines."""
+    caps = {}
+    for resource in set(schedule.streams.values()):
+        caps[resource] = 1 if resource in ("gpu", "host", "cpu") else profile.link(resource).copy_engines
+    return dict(sorted(caps.items()))
+
+
+def simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | None = None,
+             durations: Sequence[float] | None = None) -> Timeline:
+    """Run `schedule` on `profile`. Out-of-memory ends the run with status `oom` (never raises);
+    ops that can never start raise EngineDeadlock naming them."""
+    with gc_paused():
+        return _simulate(schedule, profile, cost, durations)
+
+
+def _simulate(schedule: Schedule, profile: HardwareProfile, cost: CostModel | None,
+              durations: Sequence[float] | None) -> Timeline:
+    ops = schedule.ops
+    n = len(ops)
+    if durations is None:
+        durations = (cost or CostModel(profile)).durations(ops, schedule.streams)
+    if len(durations) != n:
+        raise UsageError(f"{len(durations)} durations for {n} ops")
+    checked = np.asarray(durations, dtype=float)
+    bad = np.flatnonzero(~np.isfinite(checked) | (checked < 0)) if n else []
+    if len(bad):
+        raise ScheduleError(f"op {ops[bad[0]].id!r} would last {checked[bad[0]]} s: durations must be finite and "
+                            f">= 0 (check the profile's numbers)")
+    durations = checked.tolist()
+    caps = resource_capacities(schedule, profile)
+    resources = sorted(caps)
+    res_number = {r: k for k, r in enumerate(resources)}
+    stream_res = {s: res_number[r] for s, r in schedule.streams.items()}
+    stream_names = schedule.column("stream")
+    resource_of = list(map(stream_res.__getitem__, stream_names))
+    capacity = int(profile.gpu.usable_bytes)
+
+    # Graph: successors of each op (its dependents and its stream successor), and how many
+    # predecessors each op still waits for.
+    succ_ptr, succ_flat, indegree, _ = schedule.graph
+    pending = list(indegree)  # (the graph is the schedule's: counted down on a copy)
+    alloc_of, free_of = schedule.column("alloc"), schedule.column("free")
+
+    nan = float("nan")
+    ready_at, start, end, blocker = [nan] * n, [nan] * n, [nan] * n, [-1] * n
+    # host ops: when the host thread reached them (their host-stream predecessor ended)
+    # (a host op is an op of a host stream: the schedule's check allows no other kind there, nor a host op elsewhere)
+    is_host = list(map({s: r == "host" for s, r in schedule.streams.items()}.__getitem__, stream_names))
+    arrival = [0.0] * n  # (read of host ops alone)
+    # a dependency on another stream is seen `latency` after it ends (event signalling)
+    latency = profile.gpu.dependency_latency_s
+    stream_number = {s: k for k, s in enumerate(schedule.streams)}
+    stream_of = list(map(stream_number.__getitem__, stream_names)) if latency else []
+    ready_floor = [0.0] * n if latency else []
+    free_units = [caps[r] for r in resources]
+    queues: list[list[tuple[float, int]]] = [[] for _ in resources]
+    preloaded = sum(size for _, size in schedule.preloaded)
+    buffers: dict[str, int] = dict(schedule.preloaded)
+    memory_trace: list[tuple[float, int]] = [(0.0, preloaded)]
+    mem = [preloaded, preloaded]  # in use, peak
+    oom: list[OutOfMemory] = []
+    env = simpy.Environment()
+    heappush, heappop = heapq.heappush, heapq.heappop
+    event_queue, event_ids = env._queue, env._eid  # SimPy's own queue, as Environment.schedule uses it
+    # a one-unit resource's current op ends at busy_until: an op signalled before then can wait in
+    # the queue without an event of its own (the end of the running op dispatches it)
+    single = [caps[r] == 1 for r in resources]
+    busy_until = [0.0] * len(resources)
+
+    def dispatch(r: int, now: float) -> None:
+        """Start queued ops on resource r while it has free units."""
+        queue = queues[r]
+        while queue and free_units[r] and not oom:
+            i = heappop(queue)[1]
+            alloc = alloc_of[i]
+            if alloc:
+                need = alloc[0][1] if len(alloc) == 1 else sum(size for _, size in alloc)  # (mostly one buffer)
+                if mem[0] + need > capacity:
+                    oom.append(OutOfMemory(op_id=ops[i].id, time=now, needed_bytes=mem[0] + need,
+                                           available_bytes=capacity, in_use_bytes=mem[0]))
+                    return
+                for name, size in alloc:
+                    buffers[name] = size
+                mem[0] += need
+                if mem[0] > mem[1]:
+                    mem[1] = mem[0]
+                memory_trace.append((now, mem[0]))
+            free_units[r] -= 1
+            start[i] = arrival[i] if is_host[i] else now
+            done = now + durations[i]
+            busy_until[r] = done
+            if spare:  # (a processed event, reused: cheaper than a new one)
+                wake = spare.pop()
+                wake.callbacks, wake.op = on_finish, i
+            else:
+                wake = _Wake(on_finish, i)
+            heappush(event_queue, (done, NORMAL, next(event_ids), wake))
+
+    def finish(event: _Wake) -> None:
+        i = event.op
+        spare.append(event)
+        now = env._now
+        end[i] = now
+        freed = free_of[i]
+        if freed:
+            for name in freed:
+                if name not in buffers:
+                    raise ScheduleError(f"op {ops[i].id!r} frees buffer {name!r}, which is not allocated when "
+                                        f"the op ends (freed twice, or a dependency on its allocator is missing)")
+                mem[0] -= buffers.pop(name)
+            memory_trace.append((now, mem[0]))
+        r = resource_of[i]
+        free_units[r] += 1
+        woken, more_woken = -1, None  # other resources with newly ready ops (mostly one: no set for it)
+        host_i = is_host[i]
+        signal = latency and not host_i
+        if signal:
+            own_stream, seen_at = stream_of[i], now + latency
+        for s in succ_flat[succ_ptr[i]:succ_ptr[i + 1]]:
+            if host_i and is_host[s]:
+                arrival[s] = now  # the host thread moves on to its next wait
+            if signal and stream_of[s] != own_stream and not is_host[s]:
+                # (a host op's own latency is the whole round trip: GPU done -> host -> next launch)
+                if ready_floor[s] < seen_at:
+                    ready_floor[s] = seen_at
+            left = pending[s] - 1
+            pending[s] = left
+            if not left:
+                blocker[s] = i
+                if latency and ready_floor[s] > now:
+                    floor = ready_floor[s]
+                    rs = resource_of[s]
+                    if single[rs] and not free_units[rs] and busy_until[rs] > floor:
+                        ready_at[s] = floor  # seen while its resource is still busy
+                        heappush(queues[rs], (floor, s))
+                    else:
+                        heappush(event_queue, (floor, NORMAL, next(event_ids), _Wake(on_seen, s)))
+                    continue
+                ready_at[s] = now
+                rs = resource_of[s]
+                heappush(queues[rs], (now, s))
+                if rs != r and rs != woken:
+                    if woken < 0:
+                        woken = rs
+                    else:
+                        more_woken = more_woken or {woken}
+                        more_woken.add(rs)
+        if queues[r]:
+            dispatch(r, now)
+        if more_woken:
+            for rs in sorted(more_woken):
+                dispatch(rs, now)
+        elif woken >= 0:
+            dispatch(woken, now)
+
+    def seen(event: _Wake) -> None:
+        """A cross-stream dependency has been signalled: the op joins its resource's queue."""
+        s = event.op
+        spare.append(event)
+        now = env._now
+        ready_at[s] = now
+        heappush(queues[resource_of[s]], (now, s))
+        dispatch(resource_of[s], now)
+
+    on_finish, on_seen, spare = [finish], [seen], []  # (the callbacks lists every event shares; events to reuse)
+    if preloaded > capacity:
+        oom.append(OutOfMemory(op_id="<preloaded>", time=0.0, needed_bytes=preloaded,
+                               available_bytes=capacity, in_use_bytes=0))
+    else:
+        for i in compress(range(n), map(not_, pending)):  # (the ops waiting for none: a C-level filter)
+            ready_at[i] = 0.0
+            heappush(queues[resource_of[i]], (0.0, i))
+        for r in range(len(resources)):
+            dispatch(r, 0.0)
+        env.run()
+    # The callbacks refer to one another (and to themselves, through the events they schedule): a
+    # reference cycle that would keep every list they hold alive until the cyclic GC found it.
+    event_queue.clear()
+    del dispatch, finish, seen, on_finish, on_seen, spare
+
+    never_ended = np.flatnonzero(np.isnan(np.asarray(end, dtype=float))) if n else []
+    if not oom and len(never_ended):
+        stuck = [ops[i].id for i in range(n) if start[i] != start[i]]
+        shown = ", ".join(stuck[:10]) + (f" ... ({len(stuck)} in all)" if len(stuck) > 10 else "")
+        raise EngineDeadlock(f"deadlock: {len(stuck)} op(s) can never start: {shown}")
+
+    return Timeline.from_schedule(
+        schedule, start=start, end=end, ready=ready_at, blocked_by=blocker,
+        status="oom" if oom else "ok", oom=oom[0] if oom else None, peak_gpu_bytes=mem[1],
+        memory_trace=memory_trace, capacities=caps, source="simulated",
+        extra_meta={"hardware": profile.name, "gpu_capacity_bytes": capacity})

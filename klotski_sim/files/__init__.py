@@ -1,0 +1,1 @@
+"""Reading and writing users' files safely: text, YAML, npz, memory-mapped arrays, output folders."""

@@ -1,0 +1,213 @@
+"""A command's output files, written all or none: each under a temporary name in the output folder,
+renamed into place together once every one is whole.
+
+A run stopped while it wrote (Ctrl-C, SIGTERM, a full disk, an error in the figure) left a half
+written CSV or trace beside complete files of the earlier run into that folder: a mix that reads
+as one run and is none (a CSV cut at a line's end reads back as a shorter run). Now the folder
+holds, after a stop, exactly what it held before, and two runs into one folder at once leave one
+run's files, the later one's. Only SIGKILL can leave a hidden temporary (`.tmp-<pid>-<name>`, or
+`.old-<pid>-<name>` during the renames), or a mix when it comes in the instant between them.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from types import TracebackType
+from typing import Callable, Iterable, Iterator
+
+from klotski_sim.util.errors import UsageError
+from klotski_sim.util.stopping import signals_deferred
+
+
+def refuse_unwritable(folder: str | os.PathLike, names: Iterable[str], flag: str = "--out") -> None:
+    """Refuse, before any work, an output folder where one of the files a command writes is a
+    folder or another non-file (found at the end, after the whole run: pyarrow's `Expected file
+    path, but ... is a directory`, with the files written before it left in place)."""
+    for name in names:
+        target = Path(folder) / name
+        if target.exists() and not target.is_file():
+            what = "a folder" if target.is_dir() else "not a regular file"
+            raise UsageError(f"{flag} {folder}: {target} is {what}; cannot write {name} there")
+
+
+def failure_reason(error: OSError) -> str:
+    """What went wrong, in the system's words ("No space left on device"), also where the writer
+    named no errno (pyarrow: "Error writing bytes to file. Detail: [errno 28] No space left ...")."""
+    if error.errno:
+        return os.strerror(error.errno)
+    found = re.search(r"\[errno (\d+)\]", str(error), re.IGNORECASE)
+    return os.strerror(int(found.group(1))) if found else str(error) or type(error).__name__
+
+
+def write_file(path: str | os.PathLike, write: Callable[[Path], object], flag: str = "") -> None:
+    """One file written whole or not at all: `write(temporary)` writes a hidden temporary beside
+    `path` (this process's own), renamed onto it once whole (a link: its target replaced, the link
+    kept). Written in place, a full disk or a stop left a cut file that read back as a shorter one
+    (a calibrated profile without its last rows); now `path` holds what it held before, no
+    temporary is left, and the failure is one line naming `flag` and the file."""
+    target = Path(os.path.realpath(path))
+    named = f"{flag} {path}" if flag else str(path)
+    if target.exists() and not target.is_file():  # (the rename would put a file where a pipe or a device was)
+        raise UsageError(f"{named}: cannot write, it is not a regular file")
+    temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")  # (".tmp" last: a writer that picks
+    # its format by the name's suffix, as pandas' to_csv does its compression, is told the format)
+    try:
+        write(temporary)
+        temporary.replace(target)
+    except OSError as err:  # (the file the user named, not our temporary one)
+        raise UsageError(f"{named}: cannot write ({failure_reason(err)})") from None
+    finally:
+        try:
+            temporary.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
+def _move(temporary: Path, target: Path) -> None:
+    """A file into its place: renamed, or copied where the target is on another file system (a link
+    to elsewhere)."""
+    try:
+        temporary.replace(target)
+    except OSError as err:
+        if err.errno != errno.EXDEV:
+            raise
+        shutil.copyfile(temporary, target)
+        temporary.unlink()
+
+
+def _kept(target: Path) -> Path:
+    """What `target` holds, kept under another name until the commit is done: a hard link (no copy),
+    or a copy where the file system has none."""
+    earlier = target.with_name(f".old-{os.getpid()}-{target.name}")
+    earlier.unlink(missing_ok=True)  # (one a killed run of this pid left)
+    try:
+        os.link(target, earlier)
+    except OSError:
+        try:
+            shutil.copy2(target, earlier)
+        except OSError:  # (a full disk: no half copy left behind; the commit is undone by its caller)
+            earlier.unlink(missing_ok=True)
+            raise
+    return earlier
+
+
+def _put_back(target: Path, earlier: Path | None) -> None:
+    """Undo a commit's move into `target`: what it held before back (`earlier`), or nothing."""
+    try:
+        if earlier is not None:
+            earlier.replace(target)
+            earlier.unlink(missing_ok=True)  # (still there when the target was never replaced: renaming a
+            # hard link onto another link of the same file does nothing)
+        else:
+            target.unlink(missing_ok=True)
+    except OSError:  # (as much as can be undone is)
+        pass
+
+
+@contextmanager
+def _folder_locked(folder: Path) -> Iterator[None]:
+    """An exclusive lock on the folder itself (flock on its descriptor: no lock file left behind),
+    where the platform has one; other processes committing into it wait their turn."""
+    try:
+        import fcntl
+    except ImportError:  # (Windows: commits unserialised)
+        yield
+        return
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)  # (the lock goes with it)
+
+
+class OutputFiles:
+    """Files of one command's output folder, written under temporary names (`path(name)`) and put
+    in place by `commit`; left without a commit (an exception), the temporaries are removed.
+    `stale` names earlier outputs of the same command that this run does not write (a figure
+    skipped, a policy not compared): `commit` removes them, so the folder describes one run."""
+
+    def __init__(self, folder: str | os.PathLike, stale: Iterable[str] = ()) -> None:
+        self.folder = Path(folder)
+        self._pending: dict[str, Path] = {}  # name -> its temporary file
+        self._stale = list(stale)
+        self.removed: list[str] = []  # (after commit) the stale names that were there and are gone
+
+    def path(self, name: str) -> Path:
+        """Where to write `name` now: a hidden temporary of the same suffix (a writer that picks its
+        format by the suffix, as matplotlib and the gzip trace do, picks the same one)."""
+        temporary = self.folder / f".tmp-{os.getpid()}-{name}"
+        self._pending[name] = temporary
+        return temporary
+
+    def commit(self) -> list[str]:
+        """Every written file into place (a rename each: atomic on one file system; a link's target
+        replaced, the link kept, as the files were written before), then the stale ones removed;
+        returns the names written, in the order they were asked for. A target that is not a file
+        is refused before the first rename; one that cannot be replaced (a link into a missing
+        folder, a file another user owns in a sticky folder) undoes the renames before it, each
+        earlier file put back from a hard link made just before its rename, and is said in one line."""
+        names = list(self._pending)
+        refuse_unwritable(self.folder, names)
+        # (two runs into one folder: one's set after the other's, never mixed; a stop meanwhile, after them)
+        with signals_deferred(), _folder_locked(self.folder):
+            done: list[tuple[Path, Path | None]] = []  # (target, a link to what it held before, if anything)
+            try:
+                for name, temporary in self._pending.items():
+                    target = Path(os.path.realpath(self.folder / name))
+                    earlier = None
+                    if target.exists():
+                        earlier = _kept(target)
+                        shutil.copymode(target, temporary)  # (its permissions kept, as a write in place kept them)
+                    done.append((target, earlier))
+                    _move(temporary, target)
+            except OSError as err:
+                for target, earlier in reversed(done):
+                    _put_back(target, earlier)
+                raise self._not_written(name, err) from None
+            for _, earlier in done:
+                if earlier is not None:
+                    earlier.unlink(missing_ok=True)
+            self._pending.clear()
+            for name in self._stale:
+                stale = self.folder / name
+                if name not in names and (stale.is_file() or stale.is_symlink()):  # (a link: itself, dangling too)
+                    stale.unlink()
+                    self.removed.append(name)
+        return names
+
+    def discard(self) -> None:
+        """Remove the temporaries not yet committed (what a stopped run had written)."""
+        for temporary in self._pending.values():
+            try:
+                temporary.unlink(missing_ok=True)
+            except OSError:
+                pass
+        self._pending.clear()
+
+    def __enter__(self) -> "OutputFiles":
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        written = {str(temporary): name for name, temporary in self._pending.items()}
+        self.discard()  # (after a commit: nothing left to discard)
+        if not isinstance(error, OSError):
+            return
+        # a failed write said of the file the user will look for, not of our temporary, also where the
+        # writer names no file (pyarrow's "[Errno 28] Error writing bytes to file. Detail: ...")
+        name = written.get(str(error.filename)) or (  # (a writer names no file: the one asked for last,
+            # being written: a command asks for its files one after another)
+            list(written.values())[-1] if written and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+            else None)
+        if name is not None:  # (any other OSError is not ours to word)
+            raise self._not_written(name, error) from None
+
+    def _not_written(self, name: str, error: OSError) -> UsageError:
+        """One line for a file this folder did not take (its earlier files all in place)."""
+        return UsageError(f"{self.folder}: cannot write {name} ({failure_reason(error)}); the folder is as it was")

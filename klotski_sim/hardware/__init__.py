@@ -1,0 +1,1 @@
+"""Hardware profiles: what a machine's GPU, links, CPU and memory can do, every number sourced."""

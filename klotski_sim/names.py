@@ -1,0 +1,36 @@
+"""The names the layers and the runtime share: op kinds, tiers, tensors, compute categories, resources
+and the conventional streams. They are the Schedule contract's vocabulary; this module imports
+nothing so that hardware profiles, the schedule, the policies and the runtime all read one list."""
+
+KINDS = ("compute", "transfer", "host")
+TIERS = ("gpu", "cpu", "disk")
+TENSORS = ("", "attention", "gate", "expert", "kv", "activation")
+# The categories of the compute ops the built-in policies make (the runtime has a kernel for each;
+# a policy file may add its own)
+COMPUTE_CATEGORIES = ("embed", "attention", "gate", "dense_mlp", "expert", "lm_head", "combine", "dequant", "attn_qkv",
+                      "attn_out")
+RESOURCES = ("gpu", "pcie_h2d", "pcie_d2h", "nvme", "host", "cpu")
+HOST_STREAM = "host"
+# What each link carries (the runtime copies so, and the simulator times a copy on its link: an
+# expert copy remapped to nvme ran unemulated and was labelled a disk read)
+LINK_DIRECTIONS = {"pcie_h2d": ("cpu", "gpu"), "pcie_d2h": ("gpu", "cpu"), "nvme": ("disk", "cpu")}
+
+# The conventional streams and the physical resource each one runs on. Weight prefetch and
+# expert loads share the one H2D copy engine (KLOTSKI.md: inferred single serial copy engine).
+DEFAULT_STREAMS: dict[str, str] = {
+    "compute": "gpu",
+    "h2d_weights": "pcie_h2d",
+    "h2d_experts": "pcie_h2d",
+    "h2d_kv": "pcie_h2d",
+    "d2h_kv": "pcie_d2h",
+    "disk_read": "nvme",
+    HOST_STREAM: "host",
+}
+
+# Streams of schedules that also compute on the host CPU: its compute stream, and the activations
+# that cross PCIe to and from it (on the same one copy engine per direction as everything else).
+CPU_STREAMS: dict[str, str] = {
+    "cpu_compute": "cpu",
+    "d2h_act": "pcie_d2h",
+    "h2d_act": "pcie_h2d",
+}

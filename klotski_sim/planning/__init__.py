@@ -1,0 +1,1 @@
+"""Choosing a run's shape before it runs: the planner's n and placement, probes."""

@@ -1,0 +1,1 @@
+"""Outputs a user reads: Chrome/Perfetto traces, tables, Gantt charts and figures."""

@@ -1,0 +1,1 @@
+"""Running configurations: one run, sweeps over many (pool or Dask), the optimizer."""

@@ -1,0 +1,1 @@
+"""What is run: model shapes, routing, traces (recorded, synthesised, cached) and their statistics."""

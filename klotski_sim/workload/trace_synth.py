@@ -1,0 +1,457 @@
+"""Synthetic routing traces, calibrated to what real MoE models show.
+
+`calibrated` draws, for every sequence, token and layer, top-k experts from a generative model
+with four knobs, each matched to a published or shipped measurement (klotski_sim/workload/data/):
+
+1. *Per-layer popularity*: the layer's real expert shares (Mixtral: Fiddler's MMLU counts, 32
+   layers x 8 experts; fine-grained models: OLMoE's counts at layers 0/7/15, other layers reuse
+   the nearest measured shape under a seeded permutation).
+2. *Request-level skew*: each sequence draws its own shares from a Dirichlet around the layer's
+   (`concentration`), so one request is more skewed (max share 0.20-0.30) than a corpus (~0.16).
+3. *Token-to-token stickiness*: a token keeps its predecessor's whole expert set
+   (`stick_all`) or only its first choice (`stick_one`); otherwise it draws afresh.
+4. *Layer-to-layer correlation*: a fresh draw in layer l adds `coupling` x a seeded random
+   affinity between the token's first choice in layer l-1 and each expert, and
+   `type_coupling` x an affinity between the token's latent type (one of `token_types`, fixed
+   across layers) and each expert — the latter keeps layers 7 apart correlated, as measured
+   (weak for Mixtral, strong for fine-grained models).
+
+`uniform` is the worst case Klotski admits; `zipf:<a>` is popularity ~ 1/rank^a only.
+The same seed gives the identical file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from functools import lru_cache, partial
+from importlib import resources
+from typing import Callable, Iterator
+
+import numpy as np
+
+from klotski_sim.util import run_size
+from klotski_sim.util.errors import UsageError
+from klotski_sim.util.machine import available_cores
+from klotski_sim.workload.model import ModelSpec
+from klotski_sim.workload.routing import RoutingTable, RunShape, expert_id_type, top_by_argmax
+from klotski_sim.workload.trace import Trace, replay
+
+ROUTINGS = ("calibrated", "uniform", "zipf:<a>", "skewed")
+DEFAULT_ROUTING = "calibrated"  # what every command draws when it is not told
+
+
+@dataclass(frozen=True)
+class SynthParams:
+    """Knobs of the generator (see the module docstring)."""
+
+    concentration: float | None  # Dirichlet concentration of per-request shares; None = no request skew
+    stick_all: float
+    stick_one: float
+    coupling: float  # previous layer's first choice -> this layer (adjacent-layer correlation)
+    base: str  # "calibrated" | "uniform" | "zipf"
+    zipf_a: float = 0.0
+    type_coupling: float = 0.0  # a token's latent type -> every layer (long-range correlation)
+    token_types: int = 16
+
+
+# Fitted by experiments/calibrate_synth.py against the targets in the module docstring.
+MIXTRAL_LIKE = SynthParams(concentration=3.0, stick_all=0.12, stick_one=0.07, coupling=0.3, base="calibrated",
+                           type_coupling=1.8)
+FINE_GRAINED = SynthParams(concentration=3.0, stick_all=0.12, stick_one=0.07, coupling=1.0, base="calibrated",
+                           type_coupling=3.0)
+
+
+def params_for(routing: str, model: ModelSpec) -> SynthParams:
+    """Parse a routing name (`calibrated`, `uniform`, `zipf:1.2`, `skewed`) for a model."""
+    if routing == "calibrated":
+        return FINE_GRAINED if model.num_experts > 16 else MIXTRAL_LIKE
+    if routing == "uniform":
+        return SynthParams(None, 0.0, 0.0, 0.0, "uniform")
+    if routing == "skewed":  # a strongly skewed what-if: zipf 1.5 plus calibrated stickiness
+        return SynthParams(None, MIXTRAL_LIKE.stick_all, MIXTRAL_LIKE.stick_one, 0.0, "zipf", 1.5)
+    if routing.startswith("zipf:"):
+        exponent = routing.split(":", 1)[1]
+        try:
+            if not exponent.isascii():  # (as every number on a command line: float() reads other scripts' digits)
+                raise ValueError(exponent)
+            a = float(exponent)
+        except ValueError:
+            raise UsageError(f"zipf routing needs an exponent, e.g. zipf:1.2, got {routing!r}") from None
+        if not 0 <= a <= 100:  # (NaN fails too)
+            raise UsageError(f"--routing {routing}: the zipf exponent must be a number from 0 to 100")
+        return SynthParams(None, 0.0, 0.0, 0.0, "zipf", a)
+    raise UsageError(f"unknown routing {routing!r}; choose from {', '.join(ROUTINGS)}")
+
+
+@lru_cache(maxsize=None)
+def _calibration(name: str) -> dict:
+    ref = resources.files("klotski_sim.workload") / "data" / name
+    return json.loads(ref.read_text())["data"]
+
+
+def mixtral_popularity() -> np.ndarray:
+    """`[32, 8]` shares from Fiddler's Mixtral-8x7B (base) MMLU prefill counts, summed over subjects."""
+    subjects = _calibration("fiddler_mixtral_expert_popularity.json")["mixtral_8x7b_original"]
+    counts = np.sum([np.asarray(s["expert_popularity"], dtype=float) for s in subjects.values()], axis=0)
+    return counts / counts.sum(axis=1, keepdims=True)
+
+
+def olmoe_popularity() -> dict[int, np.ndarray]:
+    """Layer -> 64 shares from OLMoE-1B-7B routing counts (layers 0, 7, 15), summed over domains."""
+    data = _calibration("olmoe_repo_routing_counts.json")["olmoe"]["expert_counts"]
+    layers = (0, 7, 15)
+    out = {}
+    for pos, layer in enumerate(layers):
+        counts = np.zeros(64)
+        for domain in data.values():
+            for e, c in domain[pos].items():
+                counts[int(e)] += c
+        out[layer] = counts / counts.sum()
+    return out
+
+
+def base_popularity(model: ModelSpec, params: SynthParams, rng: np.random.Generator) -> np.ndarray:
+    """`[layers, experts]` corpus-level shares for the model."""
+    L, E = model.num_layers, model.num_experts
+    if params.base == "uniform":
+        return np.full((L, E), 1.0 / E)
+    if params.base == "zipf":
+        ranks = np.arange(1, E + 1, dtype=float) ** -params.zipf_a
+        shares = ranks / ranks.sum()
+        return np.stack([shares[rng.permutation(E)] for _ in range(L)])
+    if E == 8:
+        real = mixtral_popularity()
+        src = np.rint(np.arange(L) * (len(real) - 1) / max(1, L - 1)).astype(int)
+        return real[src]
+    measured = olmoe_popularity()
+    out = np.empty((L, E))
+    src_layers = np.array(sorted(measured))
+    for layer in range(L):
+        scaled = layer * 15 / max(1, L - 1)  # position in OLMoE's 16-layer stack
+        nearest = int(src_layers[np.argmin(np.abs(src_layers - scaled))])
+        shape = np.sort(measured[nearest])[::-1]
+        # resample the sorted shape to E experts, then give this layer its own hot experts
+        shape = np.interp(np.linspace(0, 63, E), np.arange(64), shape)
+        shape /= shape.sum()
+        if E == 64 and L == 16 and layer in measured:
+            out[layer] = measured[layer]
+        else:
+            out[layer] = shape[rng.permutation(E)]
+    return out
+
+
+# The most experts over which the generator's top-5 and more is a partition and a sort: numpy's
+# partition took 0.23-0.41 us a token's row of 64-128 float32 values, then 1.02-1.08 us over 160-256,
+# where nine argmax passes take 0.51-0.69 us (top-7/top-9, /tmp microbenchmark, numpy 2 on this
+# project's 2-core machine): 18 s of a 32 s DeepSeek-V3 draw were the partition, the sort and their gathers.
+_PARTITION_UP_TO = 128
+
+
+def _top_sorted(values: np.ndarray, count: int) -> np.ndarray:
+    """Indices of the `count` largest values along the last axis, largest first. `values`, the
+    caller's own, is overwritten: it is the scratch space (struck out or negated in place, not
+    copied: a copy of the generator's largest array, [sequences, tokens, experts], for every layer).
+
+    Argmax passes (`routing.top_by_argmax`), ties to the lower index, up to top-4. Above, a
+    partition and a sort (`_partition_sorted`) over up to `_PARTITION_UP_TO` experts; over more,
+    the passes again, with the rows that hold a tie handed to the partition and sort, which break
+    ties their own way: every draw is as it was."""
+    if count >= values.shape[-1]:
+        return np.argsort(np.negative(values, out=values), axis=-1)
+    if count <= 4:
+        return top_by_argmax(values, count)
+    if values.shape[-1] <= _PARTITION_UP_TO:
+        return _partition_sorted(values, count)
+    picked: list[np.ndarray] = []
+    top = top_by_argmax(values, count, picked)
+    # Only a row with two equal values among its `count` largest (or one equal to the next: which
+    # is in is then a tie too) has more than one answer; one more pass finds the next largest.
+    picked.append(np.max(values, axis=-1))
+    tops = np.stack(picked, axis=-1)
+    tied = np.nonzero(np.any(tops[..., 1:] == tops[..., :-1], axis=-1))
+    if len(tied[0]):
+        rows = values[tied]  # (a copy of those rows alone: their struck values put back)
+        np.put_along_axis(rows, top[tied], tops[tied][..., :count], axis=-1)
+        top[tied] = _partition_sorted(rows, count)
+    return top
+
+
+def _partition_sorted(values: np.ndarray, count: int) -> np.ndarray:
+    """The `count` largest along the last axis, largest first, by a partition and a sort of the
+    negated values (how the generator drew top-5 and more until argmax passes: its ties, kept);
+    `values` is overwritten."""
+    negated = np.negative(values, out=values)  # (the very numbers -values would give: negation is exact)
+    part = np.argpartition(negated, count - 1, axis=-1)[..., :count]
+    order = np.argsort(np.take_along_axis(negated, part, axis=-1), axis=-1)
+    return np.take_along_axis(part, order, axis=-1)
+
+
+def _plus(base: np.ndarray, term: np.ndarray) -> np.ndarray:
+    """`base + term` computed in the memory of `term`, a gather of the caller's own (of an
+    affinity matrix scaled once: `(a * scale)[rows]` holds the numbers `a[rows] * scale` would),
+    instead of another temporary."""
+    np.add(term, base, out=term)
+    return term
+
+
+def _forward_fill_index(fresh: np.ndarray) -> np.ndarray:
+    """For each position, the index of the latest position <= it where `fresh` is True (along
+    the last axis; position 0 must be fresh)."""
+    idx = np.where(fresh, np.arange(fresh.shape[-1]), 0)
+    return np.maximum.accumulate(idx, axis=-1)
+
+
+def check_routing_fits(model: ModelSpec, sequences: int, tokens: int, described: str) -> None:
+    """The synthetic routing of `sequences` x `tokens` (the expert ids of every token, layer and
+    slot, and the generator's working copies) must fit in host memory: refused with the numbers
+    before anything is drawn, not a failed allocation. `described` names the sequences."""
+    id_bytes = np.dtype(expert_id_type(model.num_experts)).itemsize
+    need = 4 * sequences * tokens * model.num_layers * model.top_k * id_bytes
+    try:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if need > have:
+        raise UsageError(f"the routing of {described} x {tokens} tokens would need about {need / 2**30:.1f} GiB of "
+                         f"host memory; this machine has {have / 2**30:.1f} GiB")
+
+
+# Sequences are drawn as many at a time as keep a chunk's [sequences, tokens, experts] working
+# arrays (several of them, float64 and float32) near this many elements, at most 64 sequences and
+# at least one. The chunk changes no draw (`_drawn_blocks`), only memory and speed. A bound in
+# elements, not tokens: fine-grained models' arrays are 8-16 times Mixtral's per token (64 sequences
+# at a time, and 2^17 tokens a chunk above 8192 tokens, drew 16 x 8193 tokens of Qwen3-30B-A3B in
+# 13.7 s and 546 MB, its default run's 80 x 544 in 3.8 s and 210 MB; 2^18 elements: 9.5 s and 134 MB,
+# 2.9 s and 75 MB; Mixtral's own within 3% either way; `synthesize` in fresh processes, README).
+_ELEMENTS_PER_CHUNK = 1 << 18
+
+
+def synthesize(model: ModelSpec, sequences: int, prompt_len: int, gen_len: int, routing: str = DEFAULT_ROUTING,
+               seed: int = 0, with_weights: bool = False, chunk: int | None = None) -> Trace:
+    """A trace of `sequences` sequences of prompt_len + gen_len tokens each. Gate weights (the
+    softmax of the drawn logits over the chosen experts) only on request: they triple the file.
+    Sequences are drawn `chunk` at a time (`synthesized_blocks`), each chunk into its place.
+    Sequence i is the same in every trace of the same model, routing, seed and lengths, however
+    many sequences it holds and whatever the chunk (`_drawn_blocks`)."""
+    stream = synthesized_blocks(model, sequences, prompt_len, gen_len, routing, seed, with_weights, chunk)
+    experts = np.empty(stream.shape, dtype=stream.dtype)
+    weights = np.empty(stream.shape, dtype=np.float16) if with_weights else None
+    for _ in stream.drawn(into=(experts, weights)):
+        pass
+    return Trace(experts, stream.seq_offsets, stream.prompt_lens, stream.meta, weights)
+
+
+@dataclass(frozen=True)
+class TraceStream:
+    """A synthetic trace as it is drawn: everything but its ids (and gate weights), which `drawn()`
+    yields a chunk of sequences at a time, `[tokens, layers, top_k]` each, in order. Written to a
+    file as they come (the trace cache), a long prompt's trace is never held whole."""
+
+    shape: tuple[int, int, int]  # [tokens, layers, top_k] of the whole trace
+    dtype: np.dtype
+    seq_offsets: np.ndarray
+    prompt_lens: np.ndarray
+    meta: dict
+    drawn: Callable[..., Iterator[tuple[np.ndarray, np.ndarray | None]]]  # `_drawn_blocks`, bound
+
+    @property
+    def blocks(self) -> Iterator[np.ndarray]:
+        """The ids, a chunk of sequences at a time (each block its own array)."""
+        return (ids for ids, _ in self.drawn())
+
+
+def synthesized_blocks(model: ModelSpec, sequences: int, prompt_len: int, gen_len: int,
+                       routing: str = DEFAULT_ROUTING, seed: int = 0, with_weights: bool = False,
+                       chunk: int | None = None) -> TraceStream:
+    """The trace `synthesize` returns, as a stream of blocks: sequences are drawn `chunk` at a
+    time (by default as many as `_ELEMENTS_PER_CHUNK` allows: 1 to 64).
+    Nothing is drawn until `drawn()` is read."""
+    if sequences < 1 or prompt_len < 1 or gen_len < 0:
+        raise UsageError("sequences and prompt_len must be >= 1, gen_len >= 0")
+    params = params_for(routing, model)
+    L, E, k = model.num_layers, model.num_experts, model.top_k
+    T = prompt_len + gen_len
+    meta = {"model": model.name, "num_experts": E, "top_k": k, "num_layers": L,
+            "dataset": "synthetic", "recorder": "klotski_sim.workload.trace_synth",
+            "license": "Apache-2.0 (generated; calibration data Apache-2.0, see klotski_sim/workload/data/NOTICE)",
+            "source": f"synth:{routing}(seed={seed})",
+            "generator": {"routing": routing, "seed": seed, "sequences": sequences, "prompt_len": prompt_len,
+                          "gen_len": gen_len, "params": asdict(params)}}
+    return TraceStream((sequences * T, L, k), np.dtype(expert_id_type(E)),
+                       np.arange(sequences + 1, dtype=np.int64) * T, np.full(sequences, prompt_len, dtype=np.int32),
+                       meta, partial(_drawn_blocks, model, params, sequences, T, seed, with_weights, chunk))
+
+
+def _drawn_blocks(model: ModelSpec, params: SynthParams, sequences: int, T: int, seed: int, with_weights: bool,
+                  chunk: int | None, into: tuple[np.ndarray, np.ndarray | None] | None = None,
+                  threads: int | None = None) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
+    """The generator's draws, a chunk of sequences at a time: `([S * T, L, k] ids, weights or None)`,
+    drawn into their rows of `into` (the whole trace's ids and weights) when given.
+
+    Each kind of draw has a random stream of its own (a sequence's shares; its tokens' types; each
+    layer's Gumbel noise; each layer's stickiness), read sequence after sequence in order: a
+    sequence's numbers then depend on the sequences before it alone, not on how many follow or how
+    many are drawn at once. (With one stream for every draw, a policy run for 1 batch and one for
+    17 replayed different routing for the same first batch, and a hardware number that changed the
+    planner's n changed every sequence's routing with it.)
+
+    Chunks are drawn by `threads` threads (by default `draw_threads`), each stream still read
+    chunk after chunk (`_Turns`): numpy lets go of the interpreter inside its calls over a chunk's
+    arrays, so two cores drew DeepSeek-V3's default routing in 16.4 s where one took 29.8, and the
+    same numbers (docs/performance.md)."""
+    rng = np.random.default_rng(seed)
+    L, E, k = model.num_layers, model.num_experts, model.top_k
+    chunk = chunk or max(1, min(64, _ELEMENTS_PER_CHUNK // (T * E)))
+    base = base_popularity(model, params, rng)
+    # the affinities times their coupling, once (the same numbers as scaling each gather of them)
+    affinity = rng.standard_normal((L, E, E)) * params.coupling
+    type_affinity = rng.standard_normal((L, params.token_types, E)) * params.type_coupling
+    streams = [np.random.default_rng(child) for child in np.random.SeedSequence(seed).spawn(2 + 2 * L)]
+    shares_rng, types_rng, gumbel_rngs, stick_rngs = streams[0], streams[1], streams[2:2 + L], streams[2 + L:]
+    turns = _Turns(1 + L)  # (0: the shares' and types' streams; 1 + layer: that layer's two)
+
+    def drawn(number: int, lo: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Chunk `number`, whose first sequence is `lo`."""
+        S = min(chunk, sequences - lo)
+        if into is None:
+            experts = np.empty((S, T, L, k), dtype=expert_id_type(E))
+            weights = np.empty((S, T, L, k), dtype=np.float16) if with_weights else None
+        else:
+            experts = into[0][lo * T:(lo + S) * T].reshape(S, T, L, k)
+            weights = None if into[1] is None else into[1][lo * T:(lo + S) * T].reshape(S, T, L, k)
+        with turns.of(0, number):
+            g = shares_rng.standard_gamma(np.broadcast_to(np.maximum(params.concentration * E * base, 1e-3),
+                                                          (S, L, E))) if params.concentration else None
+            # (from uniform doubles: `integers` draws two values from each 64-bit number and drops an
+            # odd call's last half, so a chunk's size would move the next chunk's types)
+            token_type = (types_rng.random((S, T)) * params.token_types).astype(np.intp)
+        seq_shares = g / g.sum(axis=-1, keepdims=True) if g is not None else np.broadcast_to(base, (S, L, E))
+        log_shares = np.log(np.maximum(seq_shares, 1e-12))
+        prev_first = None
+        for layer in range(L):
+            # [S, T, E] arrays, computed in place where the values are the same (each of them 1-2 MB,
+            # or one sequence's when that is more: `_ELEMENTS_PER_CHUNK`)
+            logits = np.broadcast_to(log_shares[:, None, layer, :], (S, T, E)).astype(np.float32)
+            if prev_first is not None and params.coupling:
+                logits = _plus(logits, affinity[layer][prev_first])
+            if params.type_coupling:
+                logits = _plus(logits, type_affinity[layer][token_type])
+            with turns.of(1 + layer, number):
+                gumbel = gumbel_rngs[layer].random((S, T, E), dtype=np.float32)
+                u = stick_rngs[layer].random((S, T))
+            np.maximum(gumbel, 1e-30, out=gumbel)
+            np.log(gumbel, out=gumbel)
+            np.negative(gumbel, out=gumbel)
+            np.log(gumbel, out=gumbel)  # log(-log(u)): minus Gumbel noise
+            noisy = np.subtract(logits, gumbel, out=None if weights is not None else logits)  # (weights read logits)
+            del gumbel
+            ranking = _top_sorted(noisy, k + 1)  # Gumbel-top-k = sampling without replacement
+            mode_all = u < params.stick_all
+            mode_one = (u >= params.stick_all) & (u < params.stick_all + params.stick_one)
+            mode_all[:, 0] = mode_one[:, 0] = False
+            # first choice: drawn, or (stick_all) the predecessor's
+            source = _forward_fill_index(~mode_all)  # each token's latest own draw (itself, unless it sticks)
+            first = np.take_along_axis(ranking[..., 0], source, axis=1)
+            # other slots: drawn (the ranking after its first); with stick_one the predecessor's
+            # first choice comes first among them
+            prev_first = np.concatenate([first[:, :1], first[:, :-1]], axis=1)
+            cand = np.concatenate([prev_first[..., None], ranking[..., 1:]], axis=-1)  # [S, T, k+1]
+            valid = cand != first[..., None]
+            ones = np.nonzero(mode_one)  # (a few tokens: only theirs can exclude the predecessor's choice)
+            valid[ones + (slice(1, None),)] &= cand[ones + (slice(1, None),)] != prev_first[ones][:, None]
+            valid[..., 0] &= mode_one
+            if k == 2:  # the first valid candidate
+                order = np.argmax(valid, axis=-1)[..., None]
+            else:
+                order = np.argsort(~valid, axis=-1, kind="stable")[..., : k - 1]
+            rest_own = np.take_along_axis(cand, order, axis=-1)
+            rest = np.take_along_axis(rest_own, source[..., None], axis=1)
+            chosen = np.concatenate([first[..., None], rest], axis=-1)
+            experts[:, :, layer, :] = chosen
+            if weights is not None:  # softmax of the logits over the chosen experts, renormalised
+                sel = np.take_along_axis(logits, chosen.astype(np.int64), axis=-1)
+                w = np.exp(sel - sel.max(axis=-1, keepdims=True))
+                weights[:, :, layer, :] = w / w.sum(axis=-1, keepdims=True)
+            prev_first = first
+        return experts.reshape(S * T, L, k), None if weights is None else weights.reshape(S * T, L, k)
+
+    starts = range(0, sequences, chunk)
+    threads = min(len(starts), threads or draw_threads(chunk * T * E))
+    if threads <= 1:
+        for number, lo in enumerate(starts):
+            yield drawn(number, lo)
+        return
+    with ThreadPoolExecutor(threads, thread_name_prefix="klotski-draw") as pool:
+        pending: deque[Future[tuple[np.ndarray, np.ndarray | None]]] = deque()
+        try:
+            for number, lo in enumerate(starts):
+                if len(pending) == threads:  # (as many chunks drawn at once as threads: bounded memory)
+                    yield pending.popleft().result()
+                pending.append(pool.submit(drawn, number, lo))
+            while pending:
+                yield pending.popleft().result()
+        finally:  # (stopped early, or a chunk's error said: the chunks after it stop at their next turn)
+            turns.give_up()
+
+
+# The most threads a draw uses (`draw_threads`): the streams are read in chunk order, so a thread
+# more waits more.
+MAX_DRAW_THREADS = 4
+# The most elements of [sequences, tokens, experts] working arrays that a draw's threads hold at
+# once. A chunk holds _ELEMENTS_PER_CHUNK, or one sequence's tokens x experts when that is more:
+# a long prompt's. Each thread more held about 26 bytes an element more: DeepSeek-V3 at a 16k-token
+# prompt (4.2M elements a chunk), 333 -> 444 MB in two threads (`simulate --model deepseek-v3
+# --hardware h800 --prompt-len 16384 --gen-len 2 --impl ideal --batch-size 8`, cold, /usr/bin/time).
+# 9 x 2^20 elements, about 245 MB, keep that prompt to two threads and a 32k-token one to one.
+_ELEMENTS_IN_FLIGHT = 9 << 20
+
+
+def draw_threads(chunk_elements: int = 0) -> int:
+    """Threads for a synthetic draw of chunks of `chunk_elements` working elements each: this
+    process's cores, shared with the other worker processes of its pool (a sweep's workers draw one
+    routing each at a time), at most MAX_DRAW_THREADS and as many as _ELEMENTS_IN_FLIGHT hold."""
+    return max(1, min(MAX_DRAW_THREADS, available_cores() // run_size.sharing(),
+                      _ELEMENTS_IN_FLIGHT // max(1, chunk_elements)))
+
+
+class _DrawAbandoned(Exception):
+    """The draw was stopped (by its reader, or an earlier chunk's error): this chunk's turn will never come."""
+
+
+class _Turns:
+    """Each group of random streams read chunk after chunk, whichever thread draws the chunk: the
+    draw of `of(group, number)` waits until chunk `number - 1` has drawn from that group."""
+
+    def __init__(self, groups: int) -> None:
+        self._next = [0] * groups
+        self._changed = threading.Condition()
+        self._abandoned = False
+
+    @contextmanager
+    def of(self, group: int, number: int) -> Iterator[None]:
+        with self._changed:
+            self._changed.wait_for(lambda: self._next[group] == number or self._abandoned)
+            if self._abandoned:
+                raise _DrawAbandoned
+        yield  # (the streams are this chunk's alone until it moves them on)
+        with self._changed:
+            self._next[group] = number + 1
+            self._changed.notify_all()
+
+    def give_up(self) -> None:
+        """No chunk waits for a turn any more (the draw was stopped, or failed)."""
+        with self._changed:
+            self._abandoned = True
+            self._changed.notify_all()
+
+
+def synthetic_routing(model: ModelSpec, shape: RunShape, routing: str = DEFAULT_ROUTING, seed: int = 0) -> RoutingTable:
+    """The routing of one run straight from the generator (tests, benchmarks, notebooks)."""
+    trace = synthesize(model, shape.num_sequences, shape.prompt_len, shape.gen_len, routing, seed)
+    return replay(trace, model, shape, where=f"synthetic {routing}").routing
