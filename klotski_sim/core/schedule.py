@@ -25,10 +25,19 @@ from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-from klotski_sim.util.errors import KlotskiError
 from klotski_sim.files.textfile import DuplicateKeyError, read_text, unique_json_keys
-from klotski_sim.names import (COMPUTE_CATEGORIES, CPU_STREAMS, DEFAULT_STREAMS, HOST_STREAM, KINDS,  # noqa: F401
-                               LINK_DIRECTIONS, RESOURCES, TENSORS, TIERS)
+from klotski_sim.names import (  # noqa: F401
+    COMPUTE_CATEGORIES,
+    CPU_STREAMS,
+    DEFAULT_STREAMS,
+    HOST_STREAM,
+    KINDS,
+    LINK_DIRECTIONS,
+    RESOURCES,
+    TENSORS,
+    TIERS,
+)
+from klotski_sim.util.errors import KlotskiError
 
 FORMAT = "klotski-schedule"
 VERSION = 1
@@ -140,8 +149,13 @@ class Op(NamedTuple):
                 value = tuple(value) if ok else value
             else:  # alloc: [[name, bytes], ...]
                 ok = isinstance(value, list) and all(
-                    isinstance(a, list) and len(a) == 2 and isinstance(a[0], str) and isinstance(a[1], int)
-                    and not isinstance(a[1], bool) for a in value)
+                    isinstance(a, list)
+                    and len(a) == 2
+                    and isinstance(a[0], str)
+                    and isinstance(a[1], int)
+                    and not isinstance(a[1], bool)
+                    for a in value
+                )
                 value = tuple((a[0], a[1]) for a in value) if ok else value
             if not ok:
                 raise ScheduleError(f"op {op_id!r}: field {name!r} must be {_TYPE_TEXT[kind]}, got {value!r:.60}")
@@ -169,12 +183,37 @@ def _json_lists(name: str, value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
-_FIELD_TYPES = {"id": "str", "kind": "str", "stream": "str", "category": "str", "deps": "strs", "flops": "int",
-                "bytes": "int", "src": "str", "dst": "str", "step": "int", "phase": "str", "layer": "int",
-                "batches": "ints", "expert": "int", "tokens": "int", "kv_len": "int", "alloc": "alloc",
-                "free": "strs", "tensor": "str", "pageable": "bool", "variant": "str"}
-_TYPE_TEXT = {"str": "a string", "int": "an integer", "bool": "true or false", "strs": "a list of strings",
-              "ints": "a list of integers", "alloc": "a list of [name, bytes] pairs"}
+_FIELD_TYPES = {
+    "id": "str",
+    "kind": "str",
+    "stream": "str",
+    "category": "str",
+    "deps": "strs",
+    "flops": "int",
+    "bytes": "int",
+    "src": "str",
+    "dst": "str",
+    "step": "int",
+    "phase": "str",
+    "layer": "int",
+    "batches": "ints",
+    "expert": "int",
+    "tokens": "int",
+    "kv_len": "int",
+    "alloc": "alloc",
+    "free": "strs",
+    "tensor": "str",
+    "pageable": "bool",
+    "variant": "str",
+}
+_TYPE_TEXT = {
+    "str": "a string",
+    "int": "an integer",
+    "bool": "true or false",
+    "strs": "a list of strings",
+    "ints": "a list of integers",
+    "alloc": "a list of [name, bytes] pairs",
+}
 
 
 @dataclass(frozen=True)
@@ -237,8 +276,9 @@ class Schedule:
         built on the way is kept: the engine and the runtime use it.)"""
         for stream, resource in self.streams.items():
             if resource not in RESOURCES:
-                raise ScheduleError(f"stream {stream!r} maps to unknown resource {resource!r}; "
-                                    f"resources: {', '.join(RESOURCES)}")
+                raise ScheduleError(
+                    f"stream {stream!r} maps to unknown resource {resource!r}; resources: {', '.join(RESOURCES)}"
+                )
         ops = self.ops
         # every op's fields checked, and the few that the rest of the check reads taken on the way
         # (while the op is at hand: at 300k ops a pass over them costs a cache miss per op), with
@@ -249,18 +289,20 @@ class Schedule:
             self._columns[name] = list(map(itemgetter(k), taken))
         deps = list(map(itemgetter(1), taken))
         del taken
-        if not _surely_unique(ids):  # a duplicate id (or two ids of one hash): find the first, for the message
+        hashed = _hashed(ids)
+        if not _surely_unique(hashed[0]):  # a duplicate id (or two ids of one hash): find the first, for the message
             seen: dict[str, int] = {}
             for i, op_id in enumerate(ids):
                 if op_id in seen:
                     raise ScheduleError(f"duplicate op id {op_id!r} (positions {seen[op_id]} and {i})")
                 seen[op_id] = i
-        graph = dependency_arrays(ops, deps, ids, self.column("stream"), checked=False)  # (an unknown
+        graph = dependency_arrays(ops, deps, ids, self.column("stream"), checked=False, hashed=hashed)  # (an unknown
         # dep: a ScheduleError naming the op)
         for name, size in self.preloaded:  # (10**30 preloaded bytes overflowed the timeline's memory trace)
             if not 0 <= size < MAX_BYTES:  # (an int: __post_init__ made it one)
-                raise ScheduleError(f"preloaded buffer {name!r} has size {size}: give a number of bytes from 0 to "
-                                    f"2**62 - 1")
+                raise ScheduleError(
+                    f"preloaded buffer {name!r} has size {size}: give a number of bytes from 0 to 2**62 - 1"
+                )
         preloaded = [name for name, _ in self.preloaded]
         allocs = list(filter(None, self.column("alloc")))
         allocated = set(preloaded).union(map(itemgetter(0), chain.from_iterable(allocs)))
@@ -286,8 +328,10 @@ class Schedule:
             for op in ops:
                 for name in op.free:
                     if name in freed_by:
-                        raise ScheduleError(f"op {op.id!r} frees buffer {name!r}, which op {freed_by[name]!r} "
-                                            f"frees too (a buffer is freed once)")
+                        raise ScheduleError(
+                            f"op {op.id!r} frees buffer {name!r}, which op {freed_by[name]!r} "
+                            f"frees too (a buffer is freed once)"
+                        )
                     freed_by[name] = op.id
         self.__dict__["graph"] = graph  # (`index` is not kept: few users need it, and it costs ~50 bytes an op)
         if not graph.forward:
@@ -299,7 +343,8 @@ class Schedule:
             if dep.stream == op.stream:
                 raise ScheduleError(
                     f"op {op.id!r} depends on {dep.id!r}, which comes later on the same in-order "
-                    f"stream {op.stream!r}: the dependency contradicts stream order")
+                    f"stream {op.stream!r}: the dependency contradicts stream order"
+                )
         cycle = find_cycle(ops, graph)
         if cycle:
             raise ScheduleError("schedule has a cycle (deps + stream order): " + " -> ".join(cycle))
@@ -311,8 +356,13 @@ class Schedule:
 
     # ---- serialisation ---------------------------------------------------------------------
     def _json_header(self) -> dict[str, Any]:
-        return {"format": FORMAT, "version": VERSION, "meta": dict(self.meta), "streams": dict(self.streams),
-                "preloaded": [list(b) for b in self.preloaded]}
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "meta": dict(self.meta),
+            "streams": dict(self.streams),
+            "preloaded": [list(b) for b in self.preloaded],
+        }
 
     def to_json_dict(self) -> dict[str, Any]:
         return {**self._json_header(), "ops": [op.to_dict() for op in self.ops]}
@@ -324,7 +374,7 @@ class Schedule:
         compact = (",", ":")
         yield json.dumps(self._json_header(), separators=compact)[:-1] + ',"ops":['
         for lo in range(0, len(self.ops), ops_per_piece):
-            text = json.dumps(list(map(_written_fields, self.ops[lo:lo + ops_per_piece])), separators=compact)
+            text = json.dumps(list(map(_written_fields, self.ops[lo : lo + ops_per_piece])), separators=compact)
             yield text[1:-1] if lo == 0 else "," + text[1:-1]
         yield "]}"
 
@@ -335,8 +385,13 @@ class Schedule:
     @staticmethod
     def from_json_dict(data: Any, where: str = "schedule") -> "Schedule":
         if not isinstance(data, dict) or data.get("format") != FORMAT:
-            found = (f"format {data['format']!r}" if isinstance(data, dict) and "format" in data else
-                     "no format key" if isinstance(data, dict) else f"a JSON {type(data).__name__}")
+            found = (
+                f"format {data['format']!r}"
+                if isinstance(data, dict) and "format" in data
+                else "no format key"
+                if isinstance(data, dict)
+                else f"a JSON {type(data).__name__}"
+            )
             raise ScheduleError(f"{where}: not a klotski schedule ({found}; expected format {FORMAT!r})")
         if data.get("version") != VERSION or isinstance(data.get("version"), bool):  # (true == 1)
             raise ScheduleError(f"{where}: schedule format version {data.get('version')!r}, expected {VERSION}")
@@ -351,8 +406,15 @@ class Schedule:
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in data["streams"].items()):
             raise ScheduleError(f"{where}: streams must map stream names to resource names")
         preloaded = data.get("preloaded", [])
-        if not all(isinstance(b, list) and len(b) == 2 and isinstance(b[0], str) and isinstance(b[1], int)
-                   and not isinstance(b[1], bool) and b[1] >= 0 for b in preloaded):
+        if not all(
+            isinstance(b, list)
+            and len(b) == 2
+            and isinstance(b[0], str)
+            and isinstance(b[1], int)
+            and not isinstance(b[1], bool)
+            and b[1] >= 0
+            for b in preloaded
+        ):
             raise ScheduleError(f"{where}: preloaded must be a list of [name, bytes] pairs")
         _check_meta(data.get("meta", {}), where)
         try:
@@ -360,8 +422,12 @@ class Schedule:
         except ScheduleError as err:
             raise ScheduleError(f"{where}: {err}") from None
         try:  # (the check's errors named the op, not the file)
-            return Schedule(ops=tuple(ops), streams=dict(data["streams"]),
-                            preloaded=tuple(tuple(b) for b in preloaded), meta=dict(data.get("meta", {})))
+            return Schedule(
+                ops=tuple(ops),
+                streams=dict(data["streams"]),
+                preloaded=tuple(tuple(b) for b in preloaded),
+                meta=dict(data.get("meta", {})),
+            )
         except ScheduleError as err:
             raise ScheduleError(f"{where}: {err}") from None
 
@@ -392,12 +458,14 @@ def _check_meta(meta: Mapping[str, Any], where: str) -> None:
     """The meta fields the tools read, where a schedule file gives them, of the types they are
     read as (meta is otherwise free: a hand-made schedule may say anything else there): a
     hand-edited `placement: null` or `generated_tokens: "x"` failed deep in the runtime."""
+
     def refuse(key: str, expected: str) -> None:
         raise ScheduleError(f"{where}: meta.{key} must be {expected}, got {meta[key]!r:.60}")
 
     for key in _META_TEXT:
         if key in meta and not isinstance(meta[key], str) and not (key == "routing" and meta[key] is None):
             refuse(key, "a model preset's name" if key == "model" else "a string")
+
     def count(value: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
@@ -412,8 +480,12 @@ def _check_meta(meta: Mapping[str, Any], where: str) -> None:
         raise ScheduleError(f"{where}: meta.placement.resident_layers must be an integer >= 0, got {layers!r:.60}")
     pinned = meta.get("resident_weights", [])
     if not isinstance(pinned, list) or not all(
-            isinstance(k, list) and len(k) == 3 and isinstance(k[0], str)
-            and all(isinstance(i, int) and not isinstance(i, bool) for i in k[1:]) for k in pinned):
+        isinstance(k, list)
+        and len(k) == 3
+        and isinstance(k[0], str)
+        and all(isinstance(i, int) and not isinstance(i, bool) for i in k[1:])
+        for k in pinned
+    ):
         refuse("resident_weights", "a list of [tensor, layer, expert] triples")
 
 
@@ -431,8 +503,9 @@ def check_foreign(schedule: "Schedule", where: str) -> None:
         for name in ("flops", "bytes", "tokens", "kv_len"):
             value = getattr(op, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < MAX_BYTES:
-                raise ScheduleError(f"{where}: op {op.id!r}: {name} must be an integer from 0 to 2**62 - 1, got "
-                                    f"{value!r:.60}")
+                raise ScheduleError(
+                    f"{where}: op {op.id!r}: {name} must be an integer from 0 to 2**62 - 1, got {value!r:.60}"
+                )
 
 
 _TAKEN_COLUMNS = ("stream", "alloc", "free", "category", "step", "layer", "batches")  # after id and deps
@@ -442,16 +515,36 @@ def _check_op_fields(op: Op, streams: Mapping[str, str]) -> tuple[Any, ...]:
     """Reject an op whose fields cannot run; return its id, deps and `_TAKEN_COLUMNS` (what the rest
     of the schedule's check reads, and a timeline's summary)."""
     # (the fields unpacked once: a schedule's every op passes here, and attribute access costs more)
-    (op_id, kind, stream, category, deps, flops, nbytes, src, dst, step, _, layer, batches, expert, tokens, kv_len,
-     alloc, free, tensor, pageable, _) = op
+    (
+        op_id,
+        kind,
+        stream,
+        category,
+        deps,
+        flops,
+        nbytes,
+        src,
+        dst,
+        step,
+        _,
+        layer,
+        batches,
+        expert,
+        tokens,
+        kv_len,
+        alloc,
+        free,
+        tensor,
+        pageable,
+        _,
+    ) = op
     if not isinstance(op_id, str) or not op_id:
         raise ScheduleError(f"op id must be a non-empty string, got {op_id!r}")
     if kind not in KINDS:
         raise ScheduleError(f"op {op_id!r}: kind {kind!r} is not one of {KINDS}")
     resource = streams.get(stream)
     if resource is None:
-        raise ScheduleError(f"op {op_id!r}: stream {stream!r} is not declared "
-                            f"(streams: {', '.join(streams)})")
+        raise ScheduleError(f"op {op_id!r}: stream {stream!r} is not declared (streams: {', '.join(streams)})")
     if flops < 0 or nbytes < 0 or tokens < 0 or kv_len < 0:  # (one test on the common path)
         for name in ("flops", "bytes", "tokens", "kv_len"):
             if getattr(op, name) < 0:
@@ -468,14 +561,17 @@ def _check_op_fields(op: Op, streams: Mapping[str, str]) -> tuple[Any, ...]:
         if nbytes <= 0:
             raise ScheduleError(f"op {op_id!r}: a transfer must move a positive number of bytes, got {nbytes}")
         if src not in TIERS or dst not in TIERS or src == dst:
-            raise ScheduleError(f"op {op_id!r}: transfer needs distinct src/dst tiers from {TIERS}, "
-                                f"got {src!r} -> {dst!r}")
+            raise ScheduleError(
+                f"op {op_id!r}: transfer needs distinct src/dst tiers from {TIERS}, got {src!r} -> {dst!r}"
+            )
         if resource in ("gpu", "host", "cpu"):
             raise ScheduleError(f"op {op_id!r}: transfer placed on {resource} stream {stream!r}")
         if LINK_DIRECTIONS[resource] != (src, dst):
             there = LINK_DIRECTIONS[resource]
-            raise ScheduleError(f"op {op_id!r}: a {src} -> {dst} copy placed on stream {stream!r}, which maps to "
-                                f"{resource}: that link carries {there[0]} -> {there[1]} copies")
+            raise ScheduleError(
+                f"op {op_id!r}: a {src} -> {dst} copy placed on stream {stream!r}, which maps to "
+                f"{resource}: that link carries {there[0]} -> {there[1]} copies"
+            )
     elif kind == "host":
         if resource != "host":
             raise ScheduleError(f"op {op_id!r}: host op placed on {resource} stream {stream!r}")
@@ -489,8 +585,9 @@ def _check_op_fields(op: Op, streams: Mapping[str, str]) -> tuple[Any, ...]:
         raise ScheduleError(f"op {op_id!r}: only a transfer can be pageable")
     for name, size in alloc:
         if type(size) is not int or not 0 <= size < MAX_BYTES:  # (a policy's NaN size: a traceback at the timeline)
-            raise ScheduleError(f"op {op_id!r}: buffer {name!r} has size {size!r}: give a number of bytes from 0 "
-                                f"to 2**62 - 1")
+            raise ScheduleError(
+                f"op {op_id!r}: buffer {name!r} has size {size!r}: give a number of bytes from 0 to 2**62 - 1"
+            )
     return op_id, deps, stream, alloc, free, category, step, layer, batches
 
 
@@ -505,18 +602,24 @@ class Graph(NamedTuple):
     forward: list[tuple[int, int]]
 
 
-def dependency_arrays(ops: Sequence[Op], deps: Sequence[tuple[str, ...]], ids: Sequence[str],
-                      streams: Sequence[str], checked: bool = True) -> Graph:
+def dependency_arrays(
+    ops: Sequence[Op],
+    deps: Sequence[tuple[str, ...]],
+    ids: Sequence[str],
+    streams: Sequence[str],
+    checked: bool = True,
+    hashed: tuple[np.ndarray, np.ndarray] | None = None,
+) -> Graph:
     """The graph of `ops` (`deps`, `ids` and `streams`: the deps, the id and the stream of each, ids
-    unique), built with numpy (the one graph the checker, the engine and the runtime use). With
-    `checked=False` (the schedule's own check, which has not yet looked at the deps) a dep on an
-    unknown op is a ScheduleError naming both."""
+    unique; `hashed`: the ids' `_hashed`, if made), built with numpy (the one graph the checker, the
+    engine and the runtime use). With `checked=False` (the schedule's own check, which has not yet
+    looked at the deps) a dep on an unknown op is a ScheduleError naming both."""
     n = len(ops)
     if n == 0:
         return Graph([0], [], [], [])
     dep_counts = np.fromiter(map(len, deps), dtype=np.int64, count=n)
     try:
-        dep_src = dep_positions(ids, deps, int(dep_counts.sum()))
+        dep_src = dep_positions(ids, deps, int(dep_counts.sum()), hashed)
     except (KeyError, TypeError):
         if checked:
             raise
@@ -545,33 +648,45 @@ def dependency_arrays(ops: Sequence[Op], deps: Sequence[tuple[str, ...]], ids: S
     return Graph(ptr.tolist(), dst[by_src].tolist(), indegree.tolist(), forward)
 
 
-def _surely_unique(ids: Sequence[str]) -> bool:
-    """True when no two ids are equal: their hashes all differ (False may also be two ids of one
-    hash; the caller then compares them). A dict of the ids took three times as long."""
+def _hashed(ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """The ids' hashes sorted, and the order that sorts them (what `_surely_unique` and
+    `dep_positions` both read: the check makes them once)."""
     hashes = np.fromiter(map(hash, ids), dtype=np.int64, count=len(ids))
-    hashes.sort()
-    return not np.any(hashes[1:] == hashes[:-1])
+    order = np.argsort(hashes)
+    return hashes[order], order
 
 
-def dep_positions(ids: Sequence[str], deps: Sequence[tuple[str, ...]], count: int) -> np.ndarray:
+def _surely_unique(by_hash: np.ndarray) -> bool:
+    """True when no two ids are equal: their hashes (`_hashed`) all differ (False may also be two
+    ids of one hash; the caller then compares them). A dict of the ids takes three times as long."""
+    return not np.any(by_hash[1:] == by_hash[:-1])
+
+
+def dep_positions(
+    ids: Sequence[str], deps: Sequence[tuple[str, ...]], count: int, hashed: tuple[np.ndarray, np.ndarray] | None = None
+) -> np.ndarray:
     """The position in `ids` (unique) of every dep, in order (`count` deps in all); KeyError for a
-    dep that names no op. A dep that is the very string object of an op's id (what a builder's
-    ops hold: the id it handed back) is found by that object's identity, among the ids sorted by
-    it with numpy; the others (a schedule read from JSON: equal strings, other objects) through a
-    dict. At 338k ops and 500k deps the dict's look-ups took 0.18 s, the identities 0.08 s."""
+    dep that names no op. Each dep's hash is looked up among the ids' (`hashed`, made here if not
+    given) with numpy, and the id found there checked equal to the dep; a dep without an equal id
+    there (no such op, or two ids of one hash) goes through a dict. (At 338k ops and 500k deps a
+    dict of the ids takes 1.3x as long.)"""
     n = len(ids)
-    identities = np.fromiter(map(id, ids), dtype=np.uint64, count=n)  # (addresses)
-    order = np.argsort(identities)
-    by_identity = identities[order]
-    wanted = np.fromiter(map(id, chain.from_iterable(deps)), dtype=np.uint64, count=count)
-    at = np.minimum(np.searchsorted(by_identity, wanted), n - 1)
-    positions = order[at]
-    others = np.flatnonzero(by_identity[at] != wanted)
-    if len(others):
+    by_hash, order = hashed if hashed is not None else _hashed(ids)
+    flat = list(chain.from_iterable(deps))
+    wanted = np.fromiter(map(hash, flat), dtype=np.int64, count=count)
+    # looked up in hash order, the deps walk the ids' hashes once (in dep order they miss the cache:
+    # 1.5-2x the time)
+    by_wanted = np.argsort(wanted)
+    at = np.empty(count, dtype=np.int64)
+    at[by_wanted] = np.searchsorted(by_hash, wanted[by_wanted])
+    positions = order[np.minimum(at, n - 1)]
+    found = np.fromiter(ids, dtype=object, count=n)[positions].tolist()
+    if found != flat:
+        others = [k for k, (op_id, dep) in enumerate(zip(found, flat)) if op_id != dep]
         position = dict(zip(ids, range(n)))
-        flat = list(chain.from_iterable(deps))
-        positions[others] = np.fromiter(map(position.__getitem__, map(flat.__getitem__, others.tolist())),
-                                        dtype=np.int64, count=len(others))
+        positions[others] = np.fromiter(
+            map(position.__getitem__, map(flat.__getitem__, others)), dtype=np.int64, count=len(others)
+        )
     return positions
 
 
@@ -582,8 +697,9 @@ def dep_positions(ids: Sequence[str], deps: Sequence[tuple[str, ...]], count: in
 _PRUNED_ABOVE = 4
 
 
-def _latest_per_stream(dep_src: np.ndarray, dep_dst: np.ndarray, stream_hashes: np.ndarray,
-                       n: int) -> tuple[np.ndarray, np.ndarray]:
+def _latest_per_stream(
+    dep_src: np.ndarray, dep_dst: np.ndarray, stream_hashes: np.ndarray, n: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Of an op's deps on one stream, the latest in list order alone: streams are in order, so it
     ends last and its end implies the others' (its end is the latest, so ready time, signalling
     latency and the dep that made the op ready are the same), and Kahn's order is the same. The
@@ -609,7 +725,7 @@ def topological_order(schedule: "Schedule") -> list[int]:
     while ready:
         i = heapq.heappop(ready)
         order.append(i)
-        for s in flat[ptr[i]:ptr[i + 1]]:
+        for s in flat[ptr[i] : ptr[i + 1]]:
             pending[s] -= 1
             if pending[s] == 0:
                 heapq.heappush(ready, s)
@@ -620,7 +736,7 @@ def find_cycle(ops: Sequence[Op], graph: Graph) -> list[str]:
     """An op-id cycle in `graph` (deps plus stream order), or [] when there is none (Kahn's
     algorithm on integer indices)."""
     n = len(ops)
-    succs = [graph.flat[graph.ptr[i]:graph.ptr[i + 1]] for i in range(n)]
+    succs = [graph.flat[graph.ptr[i] : graph.ptr[i + 1]] for i in range(n)]
     indegree = list(graph.indegree)
     queue = [i for i in range(n) if indegree[i] == 0]
     seen = 0
@@ -646,7 +762,7 @@ def find_cycle(ops: Sequence[Op], graph: Graph) -> list[str]:
         on_path[node] = len(path)
         path.append(node)
         node = next(p for p in preds[node] if p in stuck)
-    cycle = path[on_path[node]:] + [node]
+    cycle = path[on_path[node] :] + [node]
     return [ops[i].id for i in reversed(cycle)]
 
 
@@ -656,7 +772,7 @@ def clean_deps(deps: Iterable[str | None]) -> tuple[str, ...]:
         return ()
     if type(deps) is list and len(deps) == 1:  # the common case, without building a dict
         return () if deps[0] is None else (deps[0],)
-    unique = dict.fromkeys(deps)
+    unique: dict[Any, None] = dict.fromkeys(deps)
     unique.pop(None, None)
     return tuple(unique)
 
@@ -665,22 +781,98 @@ _new_tuple = tuple.__new__
 _AFTER_DEPS = tuple(Op._field_defaults[name] for name in Op._fields[5:])  # Op's defaults after id..deps
 
 
-def compute_op(op_id: str, category: str, deps: tuple[str, ...], flops: int, nbytes: int, step: int, phase: str,
-               layer: int, batches: tuple[int, ...], expert: int, tokens: int, kv_len: int,
-               alloc: tuple[tuple[str, int], ...], free: tuple[str, ...], variant: str, stream: str = "compute") -> Op:
+def compute_op(
+    op_id: str,
+    category: str,
+    deps: tuple[str, ...],
+    flops: int,
+    nbytes: int,
+    step: int,
+    phase: str,
+    layer: int,
+    batches: tuple[int, ...],
+    expert: int,
+    tokens: int,
+    kv_len: int,
+    alloc: tuple[tuple[str, int], ...],
+    free: tuple[str, ...],
+    variant: str,
+    stream: str = "compute",
+) -> Op:
     """A compute op built positionally, in Op's field order (no src/dst/tensor/pageable): a
     policy loop makes tens of thousands, and keywords cost twice as much."""
-    return _new_tuple(Op, (op_id, "compute", stream, category, deps, flops, nbytes, "", "", step, phase, layer, batches,
-                           expert, tokens, kv_len, alloc, free, "", False, variant))
+    return _new_tuple(
+        Op,
+        (
+            op_id,
+            "compute",
+            stream,
+            category,
+            deps,
+            flops,
+            nbytes,
+            "",
+            "",
+            step,
+            phase,
+            layer,
+            batches,
+            expert,
+            tokens,
+            kv_len,
+            alloc,
+            free,
+            "",
+            False,
+            variant,
+        ),
+    )
 
 
-def transfer_op(op_id: str, category: str, stream: str, nbytes: int, src: str, dst: str, deps: tuple[str, ...],
-                step: int, layer: int, expert: int, tensor: str, pageable: bool, alloc: tuple[tuple[str, int], ...],
-                free: tuple[str, ...]) -> Op:
+def transfer_op(
+    op_id: str,
+    category: str,
+    stream: str,
+    nbytes: int,
+    src: str,
+    dst: str,
+    deps: tuple[str, ...],
+    step: int,
+    layer: int,
+    expert: int,
+    tensor: str,
+    pageable: bool,
+    alloc: tuple[tuple[str, int], ...],
+    free: tuple[str, ...],
+) -> Op:
     """A transfer op built positionally, in Op's field order (no phase, batches or tokens): the
     weight loads of a policy loop, as `compute_op` builds its compute ops."""
-    return _new_tuple(Op, (op_id, "transfer", stream, category, deps, 0, nbytes, src, dst, step, "", layer, (), expert,
-                           0, 0, alloc, free, tensor, pageable, ""))
+    return _new_tuple(
+        Op,
+        (
+            op_id,
+            "transfer",
+            stream,
+            category,
+            deps,
+            0,
+            nbytes,
+            src,
+            dst,
+            step,
+            "",
+            layer,
+            (),
+            expert,
+            0,
+            0,
+            alloc,
+            free,
+            tensor,
+            pageable,
+            "",
+        ),
+    )
 
 
 def host_op(op_id: str, category: str, deps: tuple[str, ...]) -> Op:
@@ -700,8 +892,9 @@ class ScheduleBuilder:
         self._past_barrier: set[str] = set()  # streams whose next op already waits for it
         self._last_on_stream: dict[str, str] = {}
 
-    def add(self, op_id: str, kind: str, stream: str, category: str, deps: Iterable[str | None] = (),
-            **tags: Any) -> str:
+    def add(
+        self, op_id: str, kind: str, stream: str, category: str, deps: Iterable[str | None] = (), **tags: Any
+    ) -> str:
         """Append an op (a duplicate id is reported by `build`, which validates the whole schedule)."""
         if not tags:  # (most host waits: every field after the deps at its default, without keywords)
             return self.append(_new_tuple(Op, (op_id, kind, stream, category, clean_deps(deps)) + _AFTER_DEPS))
@@ -749,12 +942,22 @@ class ScheduleBuilder:
         self._past_barrier = {HOST_STREAM}
         return op
 
-    def compute(self, op_id: str, category: str, deps: Iterable[str | None] = (), stream: str = "compute",
-                **tags: Any) -> str:
+    def compute(
+        self, op_id: str, category: str, deps: Iterable[str | None] = (), stream: str = "compute", **tags: Any
+    ) -> str:
         return self.add(op_id, "compute", stream, category, deps, **tags)
 
-    def transfer(self, op_id: str, category: str, stream: str, nbytes: int, src: str, dst: str,
-                 deps: Iterable[str | None] = (), **tags: Any) -> str:
+    def transfer(
+        self,
+        op_id: str,
+        category: str,
+        stream: str,
+        nbytes: int,
+        src: str,
+        dst: str,
+        deps: Iterable[str | None] = (),
+        **tags: Any,
+    ) -> str:
         return self.add(op_id, "transfer", stream, category, deps, bytes=int(nbytes), src=src, dst=dst, **tags)
 
     def preload(self, name: str, nbytes: int) -> None:
