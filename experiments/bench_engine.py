@@ -10,7 +10,9 @@ It also measures SimPy's own floor — events/s of its loop doing no work, one e
 the callback of the previous one (what one op per event costs at the least) — and how the engine
 scales: ops/s and memory per op at 10k, 100k and 1M ops.
 
-    python experiments/bench_engine.py [--ops 200000] [--repeat 3] [--sizes 10000,100000,1000000]
+    python experiments/bench_engine.py [--ops 200000] [--repeat 3] [--sizes 10000,100000,1000000] [--quick]
+
+`--quick` (for tests): every measure once on the smallest schedule, one batch (about 20k ops).
 """
 
 from __future__ import annotations
@@ -24,12 +26,12 @@ import simpy
 
 from klotski_sim.core.cost import CostModel
 from klotski_sim.core.engine import resource_capacities, simulate
+from klotski_sim.core.schedule import Schedule
 from klotski_sim.hardware.profile import load_profile, with_overrides
+from klotski_sim.policies import PolicyInput, build_schedule
 from klotski_sim.util.machine import resident_bytes
 from klotski_sim.workload.model import get_model
-from klotski_sim.policies import PolicyInput, build_schedule
 from klotski_sim.workload.routing import RunShape
-from klotski_sim.core.schedule import Schedule
 from klotski_sim.workload.trace_synth import synthetic_routing
 
 
@@ -124,7 +126,10 @@ def main() -> None:
     parser.add_argument("--ops", type=int, default=200_000)
     parser.add_argument("--repeat", type=int, default=3, help="best of N for each model")
     parser.add_argument("--sizes", default="10000,100000,1000000", help="schedule sizes for the scaling table")
+    parser.add_argument("--quick", action="store_true", help="one batch's schedule, each measure once (seconds)")
     args = parser.parse_args()
+    if args.quick:  # (any size up to one batch's ops builds a one-batch schedule)
+        args.ops, args.repeat, args.sizes = 1, 1, "1"
 
     t = time.perf_counter()
     schedule = big_schedule(args.ops)
@@ -149,18 +154,24 @@ def main() -> None:
     ends = dict(zip(tl.columns["op_id"], tl.columns["end"]))
     same = np.allclose([ends[op.id] for op in schedule.ops], naive_ends, rtol=0, atol=1e-9)
     e, nv = min(engine_s), min(naive_s)
-    print(f"schedule: {n} ops (single-batch Mixtral-8x7B, {schedule.meta['num_batches']} batches), "
-          f"built in {build_s:.2f} s; cost model {n / cost_s:,.0f} ops/s")
+    print(
+        f"schedule: {n} ops (single-batch Mixtral-8x7B, {schedule.meta['num_batches']} batches), "
+        f"built in {build_s:.2f} s; cost model {n / cost_s:,.0f} ops/s"
+    )
     t = time.perf_counter()
     tl.summary()
     summary_s = time.perf_counter() - t
-    print(f"klotski engine : {e:.3f} s  -> {n / e:,.0f} ops/s (best of {args.repeat}); "
-          f"metrics (summary) afterwards {summary_s:.2f} s")
+    print(
+        f"klotski engine : {e:.3f} s  -> {n / e:,.0f} ops/s (best of {args.repeat}); "
+        f"metrics (summary) afterwards {summary_s:.2f} s"
+    )
     print(f"naive SimPy    : {nv:.3f} s  -> {n / nv:,.0f} ops/s (best of {args.repeat})")
     print(f"ratio          : {nv / e:.1f}x faster   identical timelines: {same}")
     floor = simpy_floor(n)
-    print(f"SimPy floor    : {floor:,.0f} events/s (its loop alone, one Timeout per event): the engine runs at "
-          f"{n / e / floor:.0%} of it, the textbook model at {n / nv / floor:.0%}")
+    print(
+        f"SimPy floor    : {floor:,.0f} events/s (its loop alone, one Timeout per event): the engine runs at "
+        f"{n / e / floor:.0%} of it, the textbook model at {n / nv / floor:.0%}"
+    )
     del schedule, tl
     scaling([int(x) for x in args.sizes.split(",") if x], profile)
 

@@ -2,7 +2,10 @@
 the targets (klotski_sim/workload/data/CALIBRATION-README.md), so the chosen constants in
 klotski_sim/workload/trace_synth.py can be checked and re-fitted.
 
-    python experiments/calibrate_synth.py [--model mixtral-8x7b] [--sequences 256]
+    python experiments/calibrate_synth.py [--model mixtral-8x7b] [--sequences 256] [--grid] [--quick]
+
+`--quick` (for tests): 16 sequences of 64 prompt and 4 generated tokens per setting (seconds, with
+`--grid` too); the statistics are then noisy.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from klotski_sim.workload.trace_stats import summary
 
 TARGETS = {
     "mixtral": "max_share ~0.16 (corpus), request_max_share 0.20-0.30, stick_top1 ~0.25, stick_any ~0.62, "
-               "mi (top1->top1, layers 0-7/7-15) 0.05-0.25 bits",
+    "mi (top1->top1, layers 0-7/7-15) 0.05-0.25 bits",
     "fine-grained": "top-8 of 64 take 0.20-0.51, mi 0.4-1.3 bits",
 }
 
@@ -27,24 +30,45 @@ def main() -> None:
     ap.add_argument("--model", default="mixtral-8x7b")
     ap.add_argument("--sequences", type=int, default=256)
     ap.add_argument("--grid", action="store_true", help="scan a small grid around the current constants")
+    ap.add_argument("--quick", action="store_true", help="16 short sequences per setting (seconds)")
     args = ap.parse_args()
+    prompt_len, gen_len = (64, 4) if args.quick else (512, 32)
+    if args.quick:
+        args.sequences = 16
     model = get_model(args.model)
     base = ts.params_for("calibrated", model)
     print("targets:", TARGETS["fine-grained" if model.num_experts > 16 else "mixtral"])
     settings = [base]
     if args.grid:
-        settings = [replace(base, concentration=c, coupling=g, type_coupling=t)
-                    for c, g, t in itertools.product((base.concentration / 2, base.concentration),
-                                                     (base.coupling * 0.7, base.coupling),
-                                                     (base.type_coupling * 0.7, base.type_coupling))]
+        settings = [
+            replace(base, concentration=c, coupling=g, type_coupling=t)
+            for c, g, t in itertools.product(
+                (base.concentration / 2, base.concentration),
+                (base.coupling * 0.7, base.coupling),
+                (base.type_coupling * 0.7, base.type_coupling),
+            )
+        ]
     original = ts.params_for
     for p in settings:
         ts.params_for = lambda routing, m, p=p: p  # evaluate this setting
-        s = summary(ts.synthesize(model, args.sequences, 512, 32, "calibrated", seed=1))
-        print(f"conc={p.concentration} stick_all={p.stick_all} stick_one={p.stick_one} coupling={p.coupling} "
-              f"type_coupling={p.type_coupling}: "
-              + " ".join(f"{k}={s[k]:.3f}" for k in ("max_share", "max_share_max", "topk_share", "request_max_share",
-                                                     "stick_top1", "stick_any", "mi_next_bits", "mi_skip7_bits")))
+        s = summary(ts.synthesize(model, args.sequences, prompt_len, gen_len, "calibrated", seed=1))
+        print(
+            f"conc={p.concentration} stick_all={p.stick_all} stick_one={p.stick_one} coupling={p.coupling} "
+            f"type_coupling={p.type_coupling}: "
+            + " ".join(
+                f"{k}={s[k]:.3f}"
+                for k in (
+                    "max_share",
+                    "max_share_max",
+                    "topk_share",
+                    "request_max_share",
+                    "stick_top1",
+                    "stick_any",
+                    "mi_next_bits",
+                    "mi_skip7_bits",
+                )
+            )
+        )
     ts.params_for = original
 
 

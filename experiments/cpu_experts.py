@@ -5,7 +5,10 @@ as-published preset, shared by both presets as `compare --impl both` shares it â
 from its simulated probes up to that n; fiddler and llamacpp-moe keep one batch in flight). Prints
 a markdown table (docs/cpu-experts.md holds its output).
 
-    python experiments/cpu_experts.py [--model mixtral-8x7b] [--batch-size 16]
+    python experiments/cpu_experts.py [--model mixtral-8x7b] [--batch-size 16] [--quick]
+
+`--quick` (for tests): the first such profile only, prompt 32, 2 generated tokens (the whole model:
+with fewer layers every expert fits the GPU and none is computed on the CPU).
 """
 
 from __future__ import annotations
@@ -24,16 +27,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="mixtral-8x7b")
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--quick", action="store_true", help="one profile, prompt 32, gen 2 (seconds)")
     args = parser.parse_args()
-    print(f"{args.model}, bs {args.batch_size}, prompt 512, gen 32; tok/s end to end (decode only); "
-          f"n = batches in flight; CPU share = expert ops on the CPU / all expert ops\n")
-    print("| profile | policy | n (as-published / ideal) | as-published tok/s | ideal tok/s | CPU share (ideal) "
-          "| bound (ideal) |")
+    model, prompt_len, gen_len = args.model, *((32, 2) if args.quick else (512, 32))
+    profiles = [hw for hw in builtin_profile_names() if load_profile(hw).cpu is not None]
+    print(
+        f"{model}, bs {args.batch_size}, prompt {prompt_len}, gen {gen_len}; tok/s end to end (decode only); "
+        f"n = batches in flight; CPU share = expert ops on the CPU / all expert ops\n"
+    )
+    print(
+        "| profile | policy | n (as-published / ideal) | as-published tok/s | ideal tok/s | CPU share (ideal) "
+        "| bound (ideal) |"
+    )
     print("|---|---|---|---|---|---|---|")
-    for hw in builtin_profile_names():
-        if load_profile(hw).cpu is None:
-            continue
-        base = RunSpec(model=args.model, hardware=hw, batch_size=args.batch_size, num_batches=None)
+    for hw in profiles[:1] if args.quick else profiles:
+        base = RunSpec(
+            model=model,
+            hardware=hw,
+            batch_size=args.batch_size,
+            num_batches=None,
+            prompt_len=prompt_len,
+            gen_len=gen_len,
+        )
         prep = prepare(base)
         for policy in POLICIES:
             cells, ns, share, bound = [], [], "", ""

@@ -7,6 +7,9 @@ and H800 profiles, the KV cache in host memory, uniform routing and experts read
     python experiments/fingerprint.py OUT.json --against OLD.json  # and compare (exit 1 if any differ)
 
 Run it at two revisions (`git worktree add`, then `PYTHONPATH=<worktree> python ...`) to compare them.
+
+`--quick` (for tests): the same configurations at prompt 16, 2 generated tokens and at most 2
+batches (n given, not planned), in seconds; compare its file with another `--quick` one only.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import argparse
 import hashlib
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -22,10 +26,22 @@ import numpy as np
 from klotski_sim.runs.runner import RunSpec, run
 
 SMALL = {"prompt_len": 64, "gen_len": 6}
-POLICIES = ("single-batch", "multi-batch", "hot-prefetch", "klotski", "klotski-oracle", "flexgen", "fiddler",
-            "llamacpp-moe", "klotski-hybrid")
-CONFIGURATIONS = [RunSpec(policy=policy, impl=impl, num_batches=None, **SMALL)
-                  for impl in ("as-published", "ideal") for policy in POLICIES] + [
+POLICIES = (
+    "single-batch",
+    "multi-batch",
+    "hot-prefetch",
+    "klotski",
+    "klotski-oracle",
+    "flexgen",
+    "fiddler",
+    "llamacpp-moe",
+    "klotski-hybrid",
+)
+CONFIGURATIONS = [
+    RunSpec(policy=policy, impl=impl, num_batches=None, **SMALL)
+    for impl in ("as-published", "ideal")
+    for policy in POLICIES
+] + [
     RunSpec(policy="klotski", impl="as-published", num_batches=None),
     RunSpec(policy="klotski", impl="ideal", num_batches=None),
     RunSpec(policy="klotski", num_batches=None, options={"attention_device": "cpu"}, **SMALL),
@@ -45,6 +61,11 @@ CONFIGURATIONS = [RunSpec(policy=policy, impl=impl, num_batches=None, **SMALL)
 ]
 
 
+def quick(spec: RunSpec) -> RunSpec:
+    """`spec` at the smallest size: the planner would pick a hundred batches for so short a prompt."""
+    return replace(spec, prompt_len=16, gen_len=2, num_batches=min(spec.num_batches or 2, 2))
+
+
 def _digest(data: bytes) -> str:
     return hashlib.sha1(data).hexdigest()
 
@@ -55,18 +76,23 @@ def fingerprint(spec: RunSpec) -> dict[str, object]:
     timeline = result.timeline
     times = np.stack([np.asarray(timeline.columns[name], dtype=float) for name in ("start", "end", "ready")])
     summary = timeline.summary().to_dict()
-    return {"schedule": _digest(json.dumps(result.schedule.to_json_dict(), sort_keys=True, default=str).encode()),
-            "timeline": _digest(times.tobytes()),
-            "summary": _digest(json.dumps(summary, sort_keys=True, default=str).encode()),
-            "ops": len(result.schedule), "makespan_s": summary["makespan_s"]}
+    return {
+        "schedule": _digest(json.dumps(result.schedule.to_json_dict(), sort_keys=True, default=str).encode()),
+        "timeline": _digest(times.tobytes()),
+        "summary": _digest(json.dumps(summary, sort_keys=True, default=str).encode()),
+        "ops": len(result.schedule),
+        "makespan_s": summary["makespan_s"],
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="where to write the fingerprints (JSON)")
     parser.add_argument("--against", type=Path, metavar="OLD.json", help="fingerprints to compare with")
+    parser.add_argument("--quick", action="store_true", help="every configuration at the smallest size (seconds)")
     args = parser.parse_args()
-    prints = {json.dumps(spec.to_dict(), sort_keys=True, default=str): fingerprint(spec) for spec in CONFIGURATIONS}
+    specs = [quick(spec) for spec in CONFIGURATIONS] if args.quick else CONFIGURATIONS
+    prints = {json.dumps(spec.to_dict(), sort_keys=True, default=str): fingerprint(spec) for spec in specs}
     args.out.write_text(json.dumps(prints, indent=1))
     print(f"{len(prints)} configurations fingerprinted -> {args.out}")
     if args.against is None:
@@ -77,11 +103,13 @@ def main() -> None:
         sys.exit(f"--against {args.against}: cannot read fingerprints ({err})")
     differ = [key for key in prints if old.get(key) != prints[key]]
     for key in differ:
-        parts = [part for part in ("schedule", "timeline", "summary")
-                 if key not in old or old[key].get(part) != prints[key][part]]
+        parts = [
+            part
+            for part in ("schedule", "timeline", "summary")
+            if key not in old or old[key].get(part) != prints[key][part]
+        ]
         print(f"differs ({', '.join(parts) or 'ops or makespan'}): {key}\n  old {old.get(key)}\n  new {prints[key]}")
-    print(f"{len(prints)} configurations against {args.against}: {len(differ)} differ "
-          f"(schedule, timeline or summary)")
+    print(f"{len(prints)} configurations against {args.against}: {len(differ)} differ (schedule, timeline or summary)")
     if differ:
         sys.exit(1)
 

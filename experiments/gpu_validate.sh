@@ -17,9 +17,22 @@
 # `cpu-experts` checks the schedules that compute cold experts on the host CPU (fiddler,
 # llamacpp-moe, klotski-hybrid, next to klotski) against the CUDA executor, with the GPU's memory
 # capped in the profile so that some experts must stay in host memory.
+#
+# DEVICE=cpu runs it without a GPU (a dry run: the numbers are the CPU's). QUICK=1 runs every step
+# on tiny-mixtral at the smallest sizes with one repeat, each model calibrated once, into a fresh
+# temporary folder unless OUT_DIR is given: a check that the script works, not a measurement
+# (`DEVICE=cpu QUICK=1 bash experiments/gpu_validate.sh cpu-experts` is the test's; on a CPU the
+# calibration's dispatch probes alone take ten seconds or more, so it is not a few seconds' run).
 set -uo pipefail
 PART=${1:-all}
 DEVICE=${DEVICE:-cuda}  # DEVICE=cpu: a dry run of this script on a machine without a GPU
+QUICK=${QUICK:-}
+# q FULL QUICK: the arguments of a step, as measured or under QUICK=1 (left unquoted: they are words)
+q() { if [ -n "$QUICK" ]; then echo "$2"; else echo "$1"; fi; }
+QCAL="--batch-sizes 1,2 --prompt-lens 6 --max-expert-tokens 32 --repeats 1"
+QRUN="--batch-size 2 --num-batches 2 --prompt-len 6 --gen-len 2"
+SMALL=$(q small-mixtral tiny-mixtral)
+MIXTRAL=$(q mixtral-8x7b:4 tiny-mixtral)
 SUF=$([ "$PART" = cpu-experts ] && echo "-cpu-experts" || true)
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -40,6 +53,9 @@ PY
 else
   GPU=dry-run-cpu
 fi
+if [ -n "$QUICK" ] && [ -z "${OUT_DIR:-}" ]; then  # (a dry run's files are no results to commit)
+  OUT_DIR=$(mktemp -d -t klotski-gpu-validate-XXXXXX)
+fi
 OUT_DIR="${OUT_DIR:-experiments/results/$GPU}"
 mkdir -p "$OUT_DIR"
 LOG="$OUT_DIR/log$SUF.txt"
@@ -50,6 +66,7 @@ start=$(date +%s)
   echo "# GPU validation on $GPU"
   echo
   echo "Produced by \`bash experiments/gpu_validate.sh\` on $(date -u +%Y-%m-%dT%H:%MZ)."
+  [ -z "$QUICK" ] || echo "QUICK=1: tiny-mixtral at the smallest sizes, one repeat (a check of the script, no measurement)."
   echo
   python3 -c "import torch, transformers; print(f'torch {torch.__version__}, CUDA {torch.version.cuda}, transformers {transformers.__version__}')"
   nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.max,pcie.link.width.max --format=csv 2>/dev/null || true
@@ -71,9 +88,10 @@ copy_out() {  # the device machine brings back what is under $OUT (8 files at mo
 trap copy_out EXIT
 
 # step LIMIT_S ARGS...: one klotski-runtime command, time-limited, logged; a failure is recorded
-# in the README and the script goes on.
+# in the README and the script goes on. The limits are sized for a GPU; a quick dry run on a shared
+# CPU gets five times as long.
 step() {
-  local limit=$1; shift
+  local limit=$(( $1 * $(q 1 5) )); shift
   local t=$(date +%s)
   echo "+ klotski-runtime $*" | tee -a "$LOG"
   timeout --kill-after=10 "$limit" python3 -m klotski_runtime.cli --debug "$@" 2>&1 | tee -a "$LOG"
@@ -82,8 +100,26 @@ step() {
   [ "$rc" = 0 ] || echo "- FAILED (rc $rc; 124 = over its ${limit} s limit): \`klotski-runtime $*\`" >> "$README"
 }
 
-SM="--model small-mixtral --profile $OUT_DIR/profile-small-mixtral.yaml --batch-size 16 --num-batches 4 --prompt-len 128 --gen-len 8"
-MX="--model mixtral-8x7b:4 --profile $OUT_DIR/profile-mixtral-8x7b.yaml --batch-size 16 --num-batches 4 --prompt-len 128 --gen-len 8"
+RUN=$(q "--batch-size 16 --num-batches 4 --prompt-len 128 --gen-len 8" "$QRUN")
+SM="--model $SMALL --profile $OUT_DIR/profile-small-mixtral.yaml $RUN"
+MX="--model $MIXTRAL --profile $OUT_DIR/profile-mixtral-8x7b.yaml $RUN"
+
+# calibrate LIMIT_S MODEL OUT ARGS...: a `step` calibrating MODEL into OUT; under QUICK=1 a model
+# already calibrated in this run (both parts' models are tiny-mixtral) is copied, not measured again
+calibrate() {
+  local limit=$1 model=$2 out=$3; shift 3
+  local done
+  if [ -n "$QUICK" ]; then  # (a calibrated profile names its model in provenance.model_shapes)
+    done=$(grep -l "^  model_shapes: $model\$" "$OUT_DIR"/profile-*.yaml 2>/dev/null \
+           | grep -v -e -capped -e "$out" | head -1)
+    if [ -n "$done" ]; then
+      echo "+ cp $done $out (QUICK=1: $model is calibrated already)" | tee -a "$LOG"
+      cp "$done" "$out"
+      return
+    fi
+  fi
+  step "$limit" calibrate --device "$DEVICE" --model "$model" "$@" --out "$out"
+}
 
 capped() {  # capped SRC DST BYTES: a copy of a calibrated profile with less GPU memory
   python3 - "$@" <<'PY'
@@ -99,33 +135,32 @@ PY
 
 if [ "$PART" = cpu-experts ]; then
   CPUX="fiddler,llamacpp-moe,klotski-hybrid,klotski"
-  step 60 calibrate --device $DEVICE --model small-mixtral --batch-sizes 1,16 --prompt-lens 128 \
-      --max-expert-tokens 2048 --out "$OUT_DIR/profile-small-mixtral.yaml"
-  capped "$OUT_DIR/profile-small-mixtral.yaml" "$OUT_DIR/profile-small-mixtral-capped.yaml" 0.65e9
-  step 60 validate --policy $CPUX --impl both --repeats 2 --device $DEVICE --model small-mixtral \
-      --profile "$OUT_DIR/profile-small-mixtral-capped.yaml" --batch-size 16 --num-batches 4 --prompt-len 128 \
-      --gen-len 8 --out "$OUT_DIR/small-mixtral-cpu-experts"
-  step 90 calibrate --device $DEVICE --model mixtral-8x7b:4 --batch-sizes 1,16 --prompt-lens 128 \
-      --max-expert-tokens 2048 --out "$OUT_DIR/profile-mixtral-8x7b.yaml"
-  capped "$OUT_DIR/profile-mixtral-8x7b.yaml" "$OUT_DIR/profile-mixtral-8x7b-capped.yaml" 10e9
-  step 150 validate --policy $CPUX --impl both --repeats 1 --device $DEVICE --model mixtral-8x7b:4 \
-      --profile "$OUT_DIR/profile-mixtral-8x7b-capped.yaml" --batch-size 16 --num-batches 4 --prompt-len 128 \
-      --gen-len 8 --out "$OUT_DIR/mixtral-8x7b-4layers-cpu-experts"
+  # tiny-mixtral's 0.4 MB cap: every policy still fits, and fiddler and llamacpp-moe keep experts on the CPU
+  calibrate 60 "$SMALL" "$OUT_DIR/profile-small-mixtral.yaml" \
+      $(q "--batch-sizes 1,16 --prompt-lens 128 --max-expert-tokens 2048" "$QCAL")
+  capped "$OUT_DIR/profile-small-mixtral.yaml" "$OUT_DIR/profile-small-mixtral-capped.yaml" $(q 0.65e9 0.4e6)
+  step 60 validate --policy $CPUX --impl both --repeats $(q 2 1) --device $DEVICE --model $SMALL \
+      --profile "$OUT_DIR/profile-small-mixtral-capped.yaml" $RUN --out "$OUT_DIR/small-mixtral-cpu-experts"
+  calibrate 90 "$MIXTRAL" "$OUT_DIR/profile-mixtral-8x7b.yaml" \
+      $(q "--batch-sizes 1,16 --prompt-lens 128 --max-expert-tokens 2048" "$QCAL")
+  capped "$OUT_DIR/profile-mixtral-8x7b.yaml" "$OUT_DIR/profile-mixtral-8x7b-capped.yaml" $(q 10e9 0.4e6)
+  step 150 validate --policy $CPUX --impl both --repeats 1 --device $DEVICE --model $MIXTRAL \
+      --profile "$OUT_DIR/profile-mixtral-8x7b-capped.yaml" $RUN --out "$OUT_DIR/mixtral-8x7b-4layers-cpu-experts"
 fi
 
 if [ "$PART" = all ] || [ "$PART" = ladder ]; then
 # 1. small-mixtral (whole model): calibrate, then all policies, both presets; then the KV cache in
 #    host memory (pinned async stores and loads) for the two multi-batch systems that offload it
-step 90 calibrate --device $DEVICE --model small-mixtral --batch-sizes 1,4,8,16 --prompt-lens 64,128 \
-    --max-expert-tokens 2048 --out "$OUT_DIR/profile-small-mixtral.yaml"
-step 100 validate --policy all --impl both --repeats 3 --device $DEVICE $SM --out "$OUT_DIR/small-mixtral"
-step 40 validate --policy klotski,flexgen --impl both --repeats 3 --device $DEVICE --kv cpu $SM \
+calibrate 90 "$SMALL" "$OUT_DIR/profile-small-mixtral.yaml" \
+    $(q "--batch-sizes 1,4,8,16 --prompt-lens 64,128 --max-expert-tokens 2048" "$QCAL")
+step 100 validate --policy all --impl both --repeats $(q 3 1) --device $DEVICE $SM --out "$OUT_DIR/small-mixtral"
+step 40 validate --policy klotski,flexgen --impl both --repeats $(q 3 1) --device $DEVICE --kv cpu $SM \
     --out "$OUT_DIR/small-mixtral-kv-cpu"
 
 # 2. Mixtral-8x7B shapes, first 4 of 32 layers (random weights of the true shapes)
-step 90 calibrate --device $DEVICE --model mixtral-8x7b:4 --batch-sizes 1,4,16 --prompt-lens 64,128 \
-    --max-expert-tokens 2048 --out "$OUT_DIR/profile-mixtral-8x7b.yaml"
-step 300 validate --policy all --impl both --repeats 3 --device $DEVICE $MX --out "$OUT_DIR/mixtral-8x7b-4layers"
+calibrate 90 "$MIXTRAL" "$OUT_DIR/profile-mixtral-8x7b.yaml" \
+    $(q "--batch-sizes 1,4,16 --prompt-lens 64,128 --max-expert-tokens 2048" "$QCAL")
+step 300 validate --policy all --impl both --repeats $(q 3 1) --device $DEVICE $MX --out "$OUT_DIR/mixtral-8x7b-4layers"
 fi
 
 {

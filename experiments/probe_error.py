@@ -5,7 +5,10 @@ gen 32), each probed n is also run whole (at the placement the probe had). Print
 prediction error, then, for a few tie margins, what choosing by the predictions would lose against
 the best whole run among the probed n ("regret") — the data behind `probe.TIE`.
 
-    python experiments/probe_error.py [--models mixtral-8x7b,olmoe-1b-7b,qwen1.5-moe-a2.7b] [--batch-size 16]
+    python experiments/probe_error.py [--models mixtral-8x7b,olmoe-1b-7b,qwen1.5-moe-a2.7b] [--batch-size 16] [--quick]
+
+`--quick` (for tests): the first profile with a `cpu:` section and the first model only, at prompt
+32 and 2 generated tokens.
 """
 
 from __future__ import annotations
@@ -30,16 +33,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="mixtral-8x7b,olmoe-1b-7b,qwen1.5-moe-a2.7b")
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--quick", action="store_true", help="one profile, one model, prompt 32, gen 2 (seconds)")
     args = parser.parse_args()
     profiles = [name for name in builtin_profile_names() if load_profile(name).cpu is not None]
+    models = args.models.split(",")
+    size = {"prompt_len": 32, "gen_len": 2} if args.quick else {}
+    if args.quick:
+        profiles, models = profiles[:1], models[:1]
     errors: list[float] = []
     regrets: dict[float, list[float]] = {m: [] for m in MARGINS}
     print(f"{'profile':<9}{'model':<19}{'preset':<14}{'n':>4}{'predicted':>11}{'whole run':>11}{'error':>8}")
     for profile in profiles:
-        for model in args.models.split(","):
+        for model in models:
             for impl in ("as-published", "ideal"):
-                spec = RunSpec(model=model, hardware=profile, policy="klotski-hybrid", batch_size=args.batch_size,
-                               num_batches=None, impl=impl)
+                spec = RunSpec(
+                    model=model,
+                    hardware=profile,
+                    policy="klotski-hybrid",
+                    batch_size=args.batch_size,
+                    num_batches=None,
+                    impl=impl,
+                    **size,
+                )
                 prep = prepare(spec)
                 if prep.refused is not None:
                     print(f"{profile:<9}{model:<19}{impl:<14} refused: {prep.refused}")
@@ -55,19 +70,24 @@ def main() -> None:
                     error = p.predicted_tok_s / actual[p.n] - 1 if actual[p.n] else float("nan")
                     errors.append(error)
                     mark = "   <= chosen" if p.n == search.chosen.n else ""
-                    print(f"{profile:<9}{model:<19}{impl:<14}{p.n:>4}{p.predicted_tok_s:>11.1f}{actual[p.n]:>11.1f}"
-                          f"{error:>+8.1%}{mark}")
+                    print(
+                        f"{profile:<9}{model:<19}{impl:<14}{p.n:>4}{p.predicted_tok_s:>11.1f}{actual[p.n]:>11.1f}"
+                        f"{error:>+8.1%}{mark}"
+                    )
                 best = max(actual.values())
                 for margin in MARGINS:
                     regrets[margin].append(best / actual[chosen(probes, margin).n] - 1)
     finite = sorted(abs(e) for e in errors if e == e)
-    print(f"\n{len(finite)} probes: |prediction error| median {finite[len(finite) // 2]:.2%}, "
-          f"90th percentile {finite[int(0.9 * (len(finite) - 1))]:.2%}, max {finite[-1]:.2%}")
+    print(
+        f"\n{len(finite)} probes: |prediction error| median {finite[len(finite) // 2]:.2%}, "
+        f"90th percentile {finite[int(0.9 * (len(finite) - 1))]:.2%}, max {finite[-1]:.2%}"
+    )
     print("tie margin   configurations that lose   mean loss   worst loss   (against the best whole run probed)")
     for margin in MARGINS:
         r = regrets[margin]
-        print(f"{margin:>10.1%}   {sum(x > 1e-9 for x in r):>10d} of {len(r):<13d}{sum(r) / len(r):>9.2%}"
-              f"{max(r):>12.2%}")
+        print(
+            f"{margin:>10.1%}   {sum(x > 1e-9 for x in r):>10d} of {len(r):<13d}{sum(r) / len(r):>9.2%}{max(r):>12.2%}"
+        )
 
 
 if __name__ == "__main__":
