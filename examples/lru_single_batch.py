@@ -6,17 +6,23 @@ a complete klotski policy in one file (docs/own-schedule.md walks through it).
 
 from collections import OrderedDict
 
+from klotski_sim.policies import OpEmitter, PolicyInput, PolicyTraits, register
 from klotski_sim.util.errors import UsageError
-from klotski_sim.policies import OpEmitter, PolicyInput, register
 
 
-@register("lru-single-batch", "single-batch with an LRU cache of `slots` experts kept across steps",
-          defaults={"slots": 8}, one_batch=True, manages_experts=True)
+@register(
+    "lru-single-batch",
+    "single-batch with an LRU cache of `slots` experts kept across steps",
+    defaults={"slots": 8},
+    traits=PolicyTraits(one_batch=True, manages_experts=True),
+)
 def build(inp: PolicyInput):
     em, m, counts, slots = OpEmitter(inp), inp.model, inp.routing.counts, inp.options["slots"]
     if not 1 <= slots <= m.num_layers * m.num_experts:  # (more slots than experts: 2**70 was taken)
-        raise UsageError(f"lru-single-batch: slots must be from 1 to {m.num_layers * m.num_experts} "
-                         f"(every expert of {m.name}), got {slots}")
+        raise UsageError(
+            f"lru-single-batch: slots must be from 1 to {m.num_layers * m.num_experts} "
+            f"(every expert of {m.name}), got {slots}"
+        )
     cache: OrderedDict = OrderedDict()  # (layer, expert) -> (its load op, the last op that used it)
     hits = misses = 0
     op = None  # the latest compute op: the next layer's weights load once it has started (double buffering)
@@ -40,13 +46,26 @@ def build(inp: PolicyInput):
                         if len(cache) >= slots:
                             _, (old, last_use) = cache.popitem(last=False)
                             after, frees = [last_use], (old,)
-                        load = em.fetch(f"{at}/load_E{e}", "experts", m.expert_bytes(), "moe_weights",
-                                        "h2d_experts", after, step=step, layer=layer, expert=e, free=frees)
-                    op = em.expert(f"{at}/E{e}", step, layer, e, (batch,), int(counts[step, layer, batch, e]),
-                                   [load, op])
+                        load = em.fetch(
+                            f"{at}/load_E{e}",
+                            "experts",
+                            m.expert_bytes(),
+                            "moe_weights",
+                            "h2d_experts",
+                            after,
+                            step=step,
+                            layer=layer,
+                            expert=e,
+                            free=frees,
+                        )
+                    op = em.expert(
+                        f"{at}/E{e}", step, layer, e, (batch,), int(counts[step, layer, batch, e]), [load, op]
+                    )
                     if load:
                         cache[(layer, e)] = (load, op)
             last = em.lm_head(f"b{batch}/s{step}/lm_head", step, batch)
     em.b.compute("release_cache", "combine", [last], free=tuple(load for load, _ in cache.values()))
-    return em.build("lru-single-batch", cache={"slots": slots, "hits": hits, "misses": misses,
-                                               "hit_rate": hits / max(1, hits + misses)})
+    return em.build(
+        "lru-single-batch",
+        cache={"slots": slots, "hits": hits, "misses": misses, "hit_rate": hits / max(1, hits + misses)},
+    )

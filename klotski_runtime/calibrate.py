@@ -34,6 +34,7 @@ from klotski_sim.workload.model import ModelSpec
 from . import kernels
 from .executor import ExecutionError, require_cuda
 from .kernels import WeightStore
+from .threads import QUICK_SWITCH_S, cpu_threads
 
 MB = 1 << 20
 PROBE_BATCHES, PROBE_GEN = 3, 3  # the dispatch probes' batch count and generation length
@@ -100,18 +101,25 @@ def _host_memory() -> float:
     return float(kernels.host_memory("MemTotal") or 16e9)
 
 
-def calibrate(spec: ModelSpec, device: str = "cpu", batch_sizes: Iterable[int] = (1, 2, 4, 8, 16),
-              prompt_lens: Iterable[int] = (16, 64, 256), kv_lens: Iterable[int] | None = None,
-              max_expert_tokens: int = 1024, repeats: int = 5, dtype: torch.dtype = torch.bfloat16,
-              emulate_links: Mapping[str, float] | None = None, link_latency_s: float = 0.0,
-              command: str = "", threads: int | None = None,
-              emulate_pageable: Mapping[str, float] | None = None,
-              progress: Callable[[str], None] | None = None) -> HardwareProfile:
+def calibrate(
+    spec: ModelSpec,
+    device: str = "cpu",
+    batch_sizes: Iterable[int] = (1, 2, 4, 8, 16),
+    prompt_lens: Iterable[int] = (16, 64, 256),
+    kv_lens: Iterable[int] | None = None,
+    max_expert_tokens: int = 1024,
+    repeats: int = 5,
+    dtype: torch.dtype = torch.bfloat16,
+    emulate_links: Mapping[str, float] | None = None,
+    link_latency_s: float = 0.0,
+    command: str = "",
+    threads: int | None = None,
+    emulate_pageable: Mapping[str, float] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> HardwareProfile:
     """Measure `device` running `spec`'s ops and return a profile with a measured table.
     `threads` sets torch's CPU threads for the measurement (use the executor's setting);
     `progress` is told each phase as it starts (the whole takes a minute or more on a CPU)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads or previous)
     load_before = machine_load()
     started = time.perf_counter()
 
@@ -119,22 +127,46 @@ def calibrate(spec: ModelSpec, device: str = "cpu", batch_sizes: Iterable[int] =
         if progress is not None:
             progress(f"calibrate: {phase} ({time.perf_counter() - started:.0f} s)")
 
-    try:
-        profile = _calibrate(spec, device, batch_sizes, prompt_lens, kv_lens, max_expert_tokens, repeats, dtype,
-                             emulate_links, link_latency_s, command, emulate_pageable or {}, say)
-    finally:
-        torch.set_num_threads(previous)
+    with cpu_threads(threads):
+        profile = _calibrate(
+            spec,
+            device,
+            batch_sizes,
+            prompt_lens,
+            kv_lens,
+            max_expert_tokens,
+            repeats,
+            dtype,
+            emulate_links,
+            link_latency_s,
+            command,
+            emulate_pageable or {},
+            say,
+        )
     load_after = machine_load()
-    conditions = {"load_per_core": round(max(load_before["load_per_core"], load_after["load_per_core"]), 3),
-                  "steal_share": round(steal_share(load_before, load_after), 4),
-                  "seconds": round(time.perf_counter() - started, 1)}
+    conditions = {
+        "load_per_core": round(max(load_before["load_per_core"], load_after["load_per_core"]), 3),
+        "steal_share": round(steal_share(load_before, load_after), 4),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
     return profile.model_copy(update={"provenance": {**profile.provenance, "machine_load": conditions}})
 
 
-def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_lens: Iterable[int],
-               kv_lens: Iterable[int] | None, max_expert_tokens: int, repeats: int, dtype: torch.dtype,
-               emulate_links: Mapping[str, float] | None, link_latency_s: float, command: str,
-               emulate_pageable: Mapping[str, float], say: Callable[[str], None]) -> HardwareProfile:
+def _calibrate(
+    spec: ModelSpec,
+    device: str,
+    batch_sizes: Iterable[int],
+    prompt_lens: Iterable[int],
+    kv_lens: Iterable[int] | None,
+    max_expert_tokens: int,
+    repeats: int,
+    dtype: torch.dtype,
+    emulate_links: Mapping[str, float] | None,
+    link_latency_s: float,
+    command: str,
+    emulate_pageable: Mapping[str, float],
+    say: Callable[[str], None],
+) -> HardwareProfile:
     require_cuda(device)
     dev = torch.device(device)
     measure = _timer(dev)
@@ -173,44 +205,68 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
             x1 = rand(bs, 1, h)
             for kv in kv_lens:
                 past = [kernels.kv_chunk(spec, bs, kv - 1, dtype, dev)]
-                measured[f"{attention_key[impl]}:decode"].append(bench.add(
-                    {"tokens": bs, "kv_len": kv},
-                    partial(kernels.attention, x1, attn, norm, past, kv - 1, spec, 1e6, 1e-5, impl, qk_norm)))
+                measured[f"{attention_key[impl]}:decode"].append(
+                    bench.add(
+                        {"tokens": bs, "kv_len": kv},
+                        partial(kernels.attention, x1, attn, norm, past, kv - 1, spec, 1e6, 1e-5, impl, qk_norm),
+                    )
+                )
             for p in prompt_lens:
                 xp = rand(bs, p, h)
-                measured[f"{attention_key[impl]}:prefill"].append(bench.add(
-                    {"tokens": bs * p, "kv_len": p},
-                    partial(kernels.attention, xp, attn, norm, [], 0, spec, 1e6, 1e-5, impl, qk_norm)))
+                measured[f"{attention_key[impl]}:prefill"].append(
+                    bench.add(
+                        {"tokens": bs * p, "kv_len": p},
+                        partial(kernels.attention, xp, attn, norm, [], 0, spec, 1e6, 1e-5, impl, qk_norm),
+                    )
+                )
     bench.run()
-    token_grid = sorted({1 << i for i in range(int(np.log2(max_expert_tokens)) + 1)}
-                        | set(batch_sizes) | {bs * p for bs in batch_sizes for p in prompt_lens})
+    token_grid = sorted(
+        {1 << i for i in range(int(np.log2(max_expert_tokens)) + 1)}
+        | set(batch_sizes)
+        | {bs * p for bs in batch_sizes for p in prompt_lens}
+    )
     gnorm = w.resident[f"norm2/{moe}"].to(dev)
     if dense_mlp is not None:
         measured["dense_mlp"] = []
     say("gate, embedding and lm_head")
     for tokens in token_grid:
         hs = rand(1, tokens, h)
-        forced = np.stack([np.arange(tokens) % spec.num_experts,
-                           (np.arange(tokens) + 1) % spec.num_experts], axis=1)[:, : spec.top_k].astype(np.int64)
-        measured[gate_key].append(bench.add({"tokens": tokens}, partial(
-            kernels.gate_step, hs, gnorm, gate, spec.top_k, 1e-5, forced, tuple(shared), spec.norm_topk_prob)))
+        forced = np.stack([np.arange(tokens) % spec.num_experts, (np.arange(tokens) + 1) % spec.num_experts], axis=1)[
+            :, : spec.top_k
+        ].astype(np.int64)
+        measured[gate_key].append(
+            bench.add(
+                {"tokens": tokens},
+                partial(
+                    kernels.gate_step, hs, gnorm, gate, spec.top_k, 1e-5, forced, tuple(shared), spec.norm_topk_prob
+                ),
+            )
+        )
         if dense_mlp is not None:
-            measured["dense_mlp"].append(bench.add({"tokens": tokens}, partial(
-                lambda hs: kernels.expert(kernels.rms_norm(hs, gnorm, 1e-5).reshape(-1, h), dense_mlp), hs)))
+            measured["dense_mlp"].append(
+                bench.add(
+                    {"tokens": tokens},
+                    partial(lambda hs: kernels.expert(kernels.rms_norm(hs, gnorm, 1e-5).reshape(-1, h), dense_mlp), hs),
+                )
+            )
         ids = torch.randint(0, spec.vocab_size, (tokens,)).to(dev)
         measured["embed"].append(bench.add({"tokens": tokens}, partial(kernels.embed, ids, embed_t)))
         if tokens <= max(batch_sizes):
             z = rand(tokens, 1, h)
-            measured["lm_head"].append(bench.add({"tokens": tokens}, partial(
-                lambda z: kernels.lm_head(z + z, final, head_t, 1e-5).argmax(-1), z)))
+            measured["lm_head"].append(
+                bench.add(
+                    {"tokens": tokens}, partial(lambda z: kernels.lm_head(z + z, final, head_t, 1e-5).argmax(-1), z)
+                )
+            )
     bench.run()
     say("experts")
     for tokens in sorted({1 << i for i in range(int(np.log2(max_expert_tokens)) + 1)}):
         measured["expert"].append(bench.add({"tokens": tokens}, expert_probe(spec, dev, dtype, tokens, expert)))
     bench.run()
     if packed is not None:
-        measured["dequant"] = [{"tokens": 0, "seconds": measure(
-            lambda: kernels.dequantise_expert(packed, spec, dtype), repeats)}]
+        measured["dequant"] = [
+            {"tokens": 0, "seconds": measure(lambda: kernels.dequantise_expert(packed, spec, dtype), repeats)}
+        ]
     say("the host CPU")
     cpu_section = _measure_host_cpu(spec, w, dtype, repeats, max_expert_tokens, measured)
     say("roofline, links and hand-offs")
@@ -235,62 +291,89 @@ def _calibrate(spec: ModelSpec, device: str, batch_sizes: Iterable[int], prompt_
         gpu_name, gpu_mem, reserved = f"CPU ({cpu_model()})", _host_memory() / 2, 0.0
     import transformers
 
-    data = {
+    data: dict[str, Any] = {
         "name": f"calibrated-{device}",
         "description": f"measured by klotski-runtime calibrate on {gpu_name} for {spec.name} shapes",
-        "gpu": {"name": gpu_name, "memory_bytes": gpu_mem, "reserved_bytes": reserved, "peak_flops": peak,
-                "memory_bandwidth": membw, "compute_efficiency": 1.0, "memory_efficiency": 1.0,
-                "kernel_overhead_s": overhead, "dependency_latency_s": dependency_latency,
-                "host_sync_latency_s": host_sync},
+        "gpu": {
+            "name": gpu_name,
+            "memory_bytes": gpu_mem,
+            "reserved_bytes": reserved,
+            "peak_flops": peak,
+            "memory_bandwidth": membw,
+            "compute_efficiency": 1.0,
+            "memory_efficiency": 1.0,
+            "kernel_overhead_s": overhead,
+            "dependency_latency_s": dependency_latency,
+            "host_sync_latency_s": host_sync,
+        },
         "links": links,
         "host": {"memory_bytes": _host_memory(), "cpu": cpu_model()},
         "cpu": cpu_section,
         "disk": {"capacity_bytes": float(_disk_capacity())},
-        "sources": {"measured": "klotski-runtime calibrate (this file's provenance)",
-                    "gpu.host_sync_latency_s": "CUDA: a small kernel, synchronize, the next kernel (gap between "
-                    "them); CPU: the host stream thread's wake-up after an event, as gpu.dependency_latency_s",
-                    "gpu.memory_bytes": "CUDA device properties" if dev.type == "cuda" else
-                    "half of host memory (the CPU 'device' shares it with the host store)",
-                    "cpu": "measured on the host CPU with torch: a GEMM, a large copy, the executor's CPU expert "
-                           "(measured['cpu:expert']); op_overhead_s = the probe's expert dispatch cost"},
+        "sources": {
+            "measured": "klotski-runtime calibrate (this file's provenance)",
+            "gpu.host_sync_latency_s": "CUDA: a small kernel, synchronize, the next kernel (gap between "
+            "them); CPU: the host stream thread's wake-up after an event, as gpu.dependency_latency_s",
+            "gpu.memory_bytes": "CUDA device properties"
+            if dev.type == "cuda"
+            else "half of host memory (the CPU 'device' shares it with the host store)",
+            "cpu": "measured on the host CPU with torch: a GEMM, a large copy, the executor's CPU expert "
+            "(measured['cpu:expert']); op_overhead_s = the probe's expert dispatch cost",
+        },
         "measured": measured,
         "provenance": {
-            "device": gpu_name, "device_kind": dev.type, "model_shapes": spec.name, "dtype": str(dtype),
-            "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
-            "python": sys.version.split()[0], "host": platform.node(),
+            "device": gpu_name,
+            "device_kind": dev.type,
+            "model_shapes": spec.name,
+            "dtype": str(dtype),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "transformers": transformers.__version__,
+            "python": sys.version.split()[0],
+            "host": platform.node(),
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "command": command or " ".join(sys.argv), "threads": torch.get_num_threads(),
-            "cpu_model": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "command": command or " ".join(sys.argv),
+            "threads": torch.get_num_threads(),
+            "cpu_model": cpu_model(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "emulated_links": dict(emulate_links or {}),
         },
     }
     draft = profile_from_dict(data, "calibration")
     say("dispatch probes (small Klotski and FlexGen schedules, executed)")
-    overall, by_category = _probe_dispatch(spec, draft, dev, dtype, emulate_links or {}, min(batch_sizes),
-                                           min(prompt_lens))
+    overall, by_category = _probe_dispatch(
+        spec, draft, dev, dtype, emulate_links or {}, min(batch_sizes), min(prompt_lens)
+    )
     data["gpu"]["dispatch_overhead_s"] = overall
     data["gpu"]["dispatch_overhead_by_category"] = by_category
     data["cpu"]["op_overhead_s"] = by_category.get("expert", overall)
-    data["sources"]["gpu.dispatch_overhead_s"] = ("median (measured - simulated) duration of the compute ops of "
-                                                  "small Klotski and FlexGen probe schedules run through the executor "
-                                                  f"(2 layers, batch {min(batch_sizes)}, {PROBE_BATCHES} batches, "
-                                                  f"prompt {min(prompt_lens)}, {PROBE_GEN} generated; per category "
-                                                  "in dispatch_overhead_by_category)")
-    data["provenance"]["probe"] = {"layers": min(2, spec.num_layers), "batch_size": min(batch_sizes),
-                                   "num_batches": PROBE_BATCHES, "prompt_len": min(prompt_lens), "gen_len": PROBE_GEN}
+    data["sources"]["gpu.dispatch_overhead_s"] = (
+        "median (measured - simulated) duration of the compute ops of "
+        "small Klotski and FlexGen probe schedules run through the executor "
+        f"(2 layers, batch {min(batch_sizes)}, {PROBE_BATCHES} batches, "
+        f"prompt {min(prompt_lens)}, {PROBE_GEN} generated; per category "
+        "in dispatch_overhead_by_category)"
+    )
+    data["provenance"]["probe"] = {
+        "layers": min(2, spec.num_layers),
+        "batch_size": min(batch_sizes),
+        "num_batches": PROBE_BATCHES,
+        "prompt_len": min(prompt_lens),
+        "gen_len": PROBE_GEN,
+    }
     return profile_from_dict(data, "calibration")
 
 
-def probed_expert(w: WeightStore, spec: ModelSpec, dev: torch.device,
-                  dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+def probed_expert(w: WeightStore, spec: ModelSpec, dev: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """The expert an expert probe computes: expert 0 of the first layer with experts (DeepSeek's first
     layers are dense) on `dev`, in the model dtype (a quantised one dequantised, as after its copy)."""
     stored = tuple(t.to(dev) for t in w.get("expert", spec.first_dense_layers, 0))
     return kernels.dequantise_expert(stored, spec, dtype) if spec.quantised else stored
 
 
-def expert_probe(spec: ModelSpec, dev: torch.device, dtype: torch.dtype, tokens: int,
-                  weights: tuple[torch.Tensor, ...]) -> Callable[[], None]:
+def expert_probe(
+    spec: ModelSpec, dev: torch.device, dtype: torch.dtype, tokens: int, weights: tuple[torch.Tensor, ...]
+) -> Callable[[], None]:
     """What the executor does for one expert op over `tokens` tokens: host-side rows, gather,
     SwiGLU, scale, scatter-add. Each token is routed to this expert in one of its top-k slots
     (slot j holds expert j), as a router does: routing every slot to it computed top_k rows a
@@ -303,14 +386,22 @@ def expert_probe(spec: ModelSpec, dev: torch.device, dtype: torch.dtype, tokens:
 
     def one_expert() -> None:
         rows_np, slots_np = np.nonzero(routed == 0)
-        kernels.expert_step(z, gate_w, torch.from_numpy(rows_np).to(dev), torch.from_numpy(slots_np).to(dev),
-                            weights, out)
+        kernels.expert_step(
+            z, gate_w, torch.from_numpy(rows_np).to(dev), torch.from_numpy(slots_np).to(dev), weights, out
+        )
 
     return one_expert
 
 
-def _check_fits(spec: ModelSpec, dev: torch.device, batch_sizes: list[int], prompt_lens: list[int],
-                kv_lens: list[int], max_expert_tokens: int, dtype: torch.dtype) -> None:
+def _check_fits(
+    spec: ModelSpec,
+    dev: torch.device,
+    batch_sizes: list[int],
+    prompt_lens: list[int],
+    kv_lens: list[int],
+    max_expert_tokens: int,
+    dtype: torch.dtype,
+) -> None:
     """Refuse, before any measurement, sizes whose largest tensors the device's memory cannot hold
     (a --max-expert-tokens of 2**31 ran for minutes before failing; a --prompt-lens of 2**31 failed
     only when its first tensor was allocated). Counted: an expert's intermediate activations at the
@@ -322,11 +413,16 @@ def _check_fits(spec: ModelSpec, dev: torch.device, batch_sizes: list[int], prom
     need = max(expert, scores)
     have = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else _host_memory()
     if need > have:
-        what = ("--max-expert-tokens" if expert >= scores and max_expert_tokens >= batch_sizes[-1] * prompt_lens[-1]
-                else "--batch-sizes x --prompt-lens")
-        raise ExecutionError(f"calibration sizes too large for {dev.type} memory: {what} ({tokens:,} tokens at most, "
-                             f"prompts up to {prompt_lens[-1]:,}) needs {need / 2**30:,.1f} GiB for one op's tensors, "
-                             f"the {dev.type} has {have / 2**30:,.1f} GiB")
+        what = (
+            "--max-expert-tokens"
+            if expert >= scores and max_expert_tokens >= batch_sizes[-1] * prompt_lens[-1]
+            else "--batch-sizes x --prompt-lens"
+        )
+        raise ExecutionError(
+            f"calibration sizes too large for {dev.type} memory: {what} ({tokens:,} tokens at most, "
+            f"prompts up to {prompt_lens[-1]:,}) needs {need / 2**30:,.1f} GiB for one op's tensors, "
+            f"the {dev.type} has {have / 2**30:,.1f} GiB"
+        )
 
 
 DTYPE_KEYS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -334,8 +430,14 @@ CPU_EXPERT_MAX_TOKENS = 256  # CPU experts serve few tokens; above this the roof
 CPU_EXPERT_MAX_SECONDS = 0.25  # ... and above the first token count whose expert takes this long
 
 
-def _measure_host_cpu(spec: ModelSpec, w: WeightStore, dtype: torch.dtype, repeats: int, max_expert_tokens: int,
-                      measured: dict[str, list[dict]]) -> dict[str, Any]:
+def _measure_host_cpu(
+    spec: ModelSpec,
+    w: WeightStore,
+    dtype: torch.dtype,
+    repeats: int,
+    max_expert_tokens: int,
+    measured: dict[str, list[dict]],
+) -> dict[str, Any]:
     """The host CPU as a compute device (a profile's `cpu:` section): its GEMM rate and copy
     bandwidth in the run's dtype, and the executor's CPU expert (host weights, CPU hidden
     states) over a grid of token counts into `measured['cpu:expert']`."""
@@ -356,12 +458,25 @@ def _measure_host_cpu(spec: ModelSpec, w: WeightStore, dtype: torch.dtype, repea
         if seconds > CPU_EXPERT_MAX_SECONDS:  # a slow CPU (no native bf16): the roofline answers above this
             break
     key = DTYPE_KEYS.get(dtype, str(dtype).replace("torch.", ""))
-    return {"name": cpu_model(), "cores": os.cpu_count() or 1,
-            "flops": {key: flops}, "compute_dtype": key, "memory_bandwidth": bandwidth, "op_overhead_s": 0.0}
+    return {
+        "name": cpu_model(),
+        "cores": os.cpu_count() or 1,
+        "flops": {key: flops},
+        "compute_dtype": key,
+        "memory_bandwidth": bandwidth,
+        "op_overhead_s": 0.0,
+    }
 
 
-def _probe_dispatch(spec: ModelSpec, draft: HardwareProfile, dev: torch.device, dtype: torch.dtype,
-                    emulate: Mapping[str, float], batch_size: int, prompt_len: int) -> tuple[float, dict[str, float]]:
+def _probe_dispatch(
+    spec: ModelSpec,
+    draft: HardwareProfile,
+    dev: torch.device,
+    dtype: torch.dtype,
+    emulate: Mapping[str, float],
+    batch_size: int,
+    prompt_len: int,
+) -> tuple[float, dict[str, float]]:
     """The executor's fixed cost per compute op beyond the kernels the table timed (looking up
     buffers, bookkeeping, thread hand-offs): run small real schedules (Klotski's batched experts
     and FlexGen's per-batch ones), compare with their simulation; overall and per category."""
@@ -383,13 +498,19 @@ def _probe_dispatch(spec: ModelSpec, draft: HardwareProfile, dev: torch.device, 
     plain, at, dtype_text = spec.name.partition("@")
     probe = replace(spec, name=f"{plain.split(':')[0]}:{layers}" + (f"@{dtype_text}" if at else ""), num_layers=layers)
     shape = RunShape(batch_size, PROBE_BATCHES, prompt_len, PROBE_GEN)
-    rep = replay(synthesize(probe, shape.num_sequences + 2, prompt_len, PROBE_GEN, "calibrated", 0), probe, shape,
-                 warmup_sequences=2)
+    rep = replay(
+        synthesize(probe, shape.num_sequences + 2, prompt_len, PROBE_GEN, "calibrated", 0),
+        probe,
+        shape,
+        warmup_sequences=2,
+    )
     weights = WeightStore.random(probe, dtype=dtype)
-    options = ExecOptions(device=dev.type, emulate_links=dict(emulate) if dev.type == "cpu" else {},
-                          emulate_pageable={r: draft.link(r).pageable_bandwidth for r in emulate}
-                          if dev.type == "cpu" else {},
-                          threads=torch.get_num_threads() if dev.type == "cpu" else None)
+    options = ExecOptions(
+        device=dev.type,
+        emulate_links=dict(emulate) if dev.type == "cpu" else {},
+        emulate_pageable={r: draft.link(r).pageable_bandwidth for r in emulate} if dev.type == "cpu" else {},
+        threads=torch.get_num_threads() if dev.type == "cpu" else None,
+    )
     residuals = []
     for policy in ("klotski", "flexgen"):
         schedule = build_schedule(policy, PolicyInput(probe, draft, rep.routing, Placement(), {}, rep.warmup))
@@ -397,16 +518,27 @@ def _probe_dispatch(spec: ModelSpec, draft: HardwareProfile, dev: torch.device, 
         execute(schedule, probe, weights, rep.routing, options)  # warm-up
         meas = execute(schedule, probe, weights, rep.routing, options)[0].df.set_index("op_id")
         compute = sim["resource"] == "gpu"
-        residuals.append(pd.DataFrame({
-            "category": sim.loc[compute, "category"],
-            "residual": ((meas["end"] - meas["start"]) - (sim["end"] - sim["start"]))[compute]}))
+        residuals.append(
+            pd.DataFrame(
+                {
+                    "category": sim.loc[compute, "category"],
+                    "residual": ((meas["end"] - meas["start"]) - (sim["end"] - sim["start"]))[compute],
+                }
+            )
+        )
     both = pd.concat(residuals)
     by_category = {str(c): max(0.0, float(g.median())) for c, g in both.groupby("category")["residual"]}
     return max(0.0, float(both["residual"].median())), by_category
 
 
-def _measure_links(dev: torch.device, measure: Callable, repeats: int, emulate: Mapping[str, float],
-                   latency: float, emulate_pageable: Mapping[str, float]) -> dict:
+def _measure_links(
+    dev: torch.device,
+    measure: Callable,
+    repeats: int,
+    emulate: Mapping[str, float],
+    latency: float,
+    emulate_pageable: Mapping[str, float],
+) -> dict:
     sizes = [1 * MB, 4 * MB, 16 * MB, 64 * MB]
     out: dict = {}
 
@@ -432,14 +564,23 @@ def _measure_links(dev: torch.device, measure: Callable, repeats: int, emulate: 
     # a pageable copy is staged through a pinned buffer: a measurement above the pinned rate is noise
     h2d_pageable, d2h_pageable = min(h2d_pageable, h2d_bw), min(d2h_pageable, d2h_bw)
     disk_bw, disk_lat = _measure_disk(sizes, repeats)
-    out["pcie_h2d"] = {"bandwidth": emulate.get("pcie_h2d", h2d_bw),
-                       "pageable_bandwidth": emulate_pageable.get("pcie_h2d", h2d_pageable),
-                       "latency_s": latency if "pcie_h2d" in emulate else h2d_lat, "copy_engines": 1}
-    out["pcie_d2h"] = {"bandwidth": emulate.get("pcie_d2h", d2h_bw),
-                       "pageable_bandwidth": emulate_pageable.get("pcie_d2h", d2h_pageable),
-                       "latency_s": latency if "pcie_d2h" in emulate else d2h_lat, "copy_engines": 1}
-    out["nvme"] = {"bandwidth": emulate.get("nvme", disk_bw), "latency_s": latency if "nvme" in emulate else disk_lat,
-                   "copy_engines": 1}
+    out["pcie_h2d"] = {
+        "bandwidth": emulate.get("pcie_h2d", h2d_bw),
+        "pageable_bandwidth": emulate_pageable.get("pcie_h2d", h2d_pageable),
+        "latency_s": latency if "pcie_h2d" in emulate else h2d_lat,
+        "copy_engines": 1,
+    }
+    out["pcie_d2h"] = {
+        "bandwidth": emulate.get("pcie_d2h", d2h_bw),
+        "pageable_bandwidth": emulate_pageable.get("pcie_d2h", d2h_pageable),
+        "latency_s": latency if "pcie_d2h" in emulate else d2h_lat,
+        "copy_engines": 1,
+    }
+    out["nvme"] = {
+        "bandwidth": emulate.get("nvme", disk_bw),
+        "latency_s": latency if "nvme" in emulate else disk_lat,
+        "copy_engines": 1,
+    }
     return out
 
 
@@ -485,7 +626,7 @@ def _measure_dependency_latency(dev: torch.device, rounds: int) -> float:
     import threading
 
     switch = sys.getswitchinterval()
-    sys.setswitchinterval(1e-4)
+    sys.setswitchinterval(QUICK_SWITCH_S)  # as the executor runs its stream threads
     ping, pong = threading.Event(), threading.Event()
     stamps: list[float] = []
 
@@ -534,9 +675,11 @@ def _measure_disk(sizes: list[int], repeats: int) -> tuple[float, float]:
             try:
                 path.write_bytes(os.urandom(size))
             except OSError as err:  # (a full disk: a bare "[Errno 28]" after the compute had been measured)
-                raise ExecutionError(f"cannot measure the disk: writing a {size:,}-byte file in {tmp} failed "
-                                     f"({err.strerror or err}); free space there or point TMPDIR at another "
-                                     f"folder") from None
+                raise ExecutionError(
+                    f"cannot measure the disk: writing a {size:,}-byte file in {tmp} failed "
+                    f"({err.strerror or err}); free space there or point TMPDIR at another "
+                    f"folder"
+                ) from None
             samples = []
             for _ in range(repeats):
                 t = time.perf_counter()

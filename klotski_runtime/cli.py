@@ -10,6 +10,18 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from klotski_sim.cli.main import (
+    CliError,
+    guarded,
+    not_an_input,
+    output_file,
+    output_folder,
+    parse_overrides,
+    routing_kind,
+)
+from klotski_sim.files.outfiles import refuse_unwritable, write_file
+from klotski_sim.hardware.profile import RATE_FLOOR
+from klotski_sim.report.exports import TIMELINE_FILES
 from klotski_sim.util.argtypes import (
     MAX_COUNT,
     MAX_COUNT_TEXT,
@@ -23,22 +35,10 @@ from klotski_sim.util.argtypes import (
     positive_int,
     seed_int,
 )
-from klotski_sim.cli.main import (
-    CliError,
-    guarded,
-    not_an_input,
-    output_file,
-    output_folder,
-    parse_overrides,
-    routing_kind,
-)
-from klotski_sim.report.exports import TIMELINE_FILES
-from klotski_sim.hardware.profile import RATE_FLOOR
 from klotski_sim.util.machine import available_cores
-from klotski_sim.files.outfiles import refuse_unwritable, write_file
 from klotski_sim.util.progress import say
-from klotski_sim.workload.trace_synth import DEFAULT_ROUTING
 from klotski_sim.util.units import flop_rate_text
+from klotski_sim.workload.trace_synth import DEFAULT_ROUTING
 
 # (torch, 0.8 s, is imported by the commands that use it: `--help` and a refused flag answer without it,
 # and a stop during its import is a stop of the command, said in one line)
@@ -49,17 +49,28 @@ def cmd_record(args: argparse.Namespace) -> int:
 
     output_file(args.out, reads=[args.text, args.model_dir])
     texts = read_texts(args.text)
-    trace = record(args.model_dir, texts, max_tokens=args.max_tokens, gen_len=args.gen_len, device=args.device,
-                   dataset=args.dataset or Path(args.text).name, model_name=args.model_name)
+    trace = record(
+        args.model_dir,
+        texts,
+        max_tokens=args.max_tokens,
+        gen_len=args.gen_len,
+        device=args.device,
+        dataset=args.dataset or Path(args.text).name,
+        model_name=args.model_name,
+    )
     trace.save(args.out)
-    print(f"wrote {args.out}: {trace.num_sequences} sequences, {len(trace.experts)} tokens, "
-          f"{trace.num_layers} layers, top-{trace.top_k} of {trace.num_experts} experts ({trace.meta['recorder']})")
+    print(
+        f"wrote {args.out}: {trace.num_sequences} sequences, {len(trace.experts)} tokens, "
+        f"{trace.num_layers} layers, top-{trace.top_k} of {trace.num_experts} experts ({trace.meta['recorder']})"
+    )
     return 0
 
 
-TINY_CHECKPOINTS = {"tiny-mixtral": ("save_tiny_mixtral", "Mixtral"),  # (record.py's functions)
-                    "tiny-qwen3-moe": ("save_tiny_qwen3_moe", "Qwen3-MoE"),
-                    "tiny-olmoe": ("save_tiny_olmoe", "OLMoE")}
+TINY_CHECKPOINTS = {
+    "tiny-mixtral": ("save_tiny_mixtral", "Mixtral"),  # (record.py's functions)
+    "tiny-qwen3-moe": ("save_tiny_qwen3_moe", "Qwen3-MoE"),
+    "tiny-olmoe": ("save_tiny_olmoe", "OLMoE"),
+}
 
 
 def cmd_tiny_checkpoint(args: argparse.Namespace) -> int:
@@ -130,25 +141,43 @@ def _pageable(args: argparse.Namespace) -> dict[str, float]:
     links = _emulation(args)
     rate = args.emulate_pageable
     if rate is not None and not links:
-        raise CliError(f"--emulate-pageable {rate:g}: applies only to emulated links (--device cpu with "
-                       f"--emulate-pcie RATE), which this run does not emulate")
+        raise CliError(
+            f"--emulate-pageable {rate:g}: applies only to emulated links (--device cpu with "
+            f"--emulate-pcie RATE), which this run does not emulate"
+        )
     if rate is not None and rate > args.emulate_pcie:
-        raise CliError(f"--emulate-pageable {rate:g} B/s is faster than the pinned rate --emulate-pcie "
-                       f"{args.emulate_pcie:g} B/s; a pageable copy goes through a pinned buffer, so it cannot be")
+        raise CliError(
+            f"--emulate-pageable {rate:g} B/s is faster than the pinned rate --emulate-pcie "
+            f"{args.emulate_pcie:g} B/s; a pageable copy goes through a pinned buffer, so it cannot be"
+        )
     return {r: (rate if rate else bw * PAGEABLE_RATIO) for r, bw in links.items()}
 
 
 def _add_device(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run (default: %(default)s)")
-    p.add_argument("--emulate-pcie", type=_rate_or_off, default=1e9, metavar="BYTES_PER_S|off",
-                   help="CPU only: emulate PCIe H2D/D2H at this rate, labelled as emulation in every output "
-                        "(off = real memcpy speed; default: %(default)s)")
-    p.add_argument("--emulate-pageable", type=_emulated_rate, default=None, metavar="BYTES_PER_S",
-                   help="CPU only: emulated rate of copies from pageable memory (default: --emulate-pcie x "
-                        f"{PAGEABLE_RATIO:.3f}, the pageable:pinned ratio of a DGX A100 bandwidthTest)")
-    p.add_argument("--threads", type=bounded_int(1, MAX_THREADS), default=1,
-                   help="CPU only: torch compute threads, at most the cores this process may use; the other cores "
-                        "run the copy threads (default: %(default)s)")
+    p.add_argument(
+        "--emulate-pcie",
+        type=_rate_or_off,
+        default=1e9,
+        metavar="BYTES_PER_S|off",
+        help="CPU only: emulate PCIe H2D/D2H at this rate, labelled as emulation in every output "
+        "(off = real memcpy speed; default: %(default)s)",
+    )
+    p.add_argument(
+        "--emulate-pageable",
+        type=_emulated_rate,
+        default=None,
+        metavar="BYTES_PER_S",
+        help="CPU only: emulated rate of copies from pageable memory (default: --emulate-pcie x "
+        f"{PAGEABLE_RATIO:.3f}, the pageable:pinned ratio of a DGX A100 bandwidthTest)",
+    )
+    p.add_argument(
+        "--threads",
+        type=bounded_int(1, MAX_THREADS),
+        default=1,
+        help="CPU only: torch compute threads, at most the cores this process may use; the other cores "
+        "run the copy threads (default: %(default)s)",
+    )
 
 
 def _threads(args: argparse.Namespace) -> int | None:
@@ -159,9 +188,11 @@ def _threads(args: argparse.Namespace) -> int | None:
         return None
     cores = available_cores()
     if args.threads > cores:
-        raise CliError(f"--threads {args.threads}: this process may use {cores} core(s); more torch threads than "
-                       f"cores would time-share them and every measured op would include the wait (give at most "
-                       f"{cores})")
+        raise CliError(
+            f"--threads {args.threads}: this process may use {cores} core(s); more torch threads than "
+            f"cores would time-share them and every measured op would include the wait (give at most "
+            f"{cores})"
+        )
     return args.threads
 
 
@@ -173,16 +204,27 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from .calibrate import calibrate
 
     output_file(args.out)
-    profile = calibrate(get_model(args.model), args.device, batch_sizes=args.batch_sizes,
-                        prompt_lens=args.prompt_lens, max_expert_tokens=args.max_expert_tokens, repeats=args.repeats,
-                        dtype=getattr(torch, args.dtype), emulate_links=_emulation(args),
-                        emulate_pageable=_pageable(args), command="klotski-runtime " + " ".join(sys.argv[1:]),
-                        threads=_threads(args), progress=say)
+    profile = calibrate(
+        get_model(args.model),
+        args.device,
+        batch_sizes=args.batch_sizes,
+        prompt_lens=args.prompt_lens,
+        max_expert_tokens=args.max_expert_tokens,
+        repeats=args.repeats,
+        dtype=getattr(torch, args.dtype),
+        emulate_links=_emulation(args),
+        emulate_pageable=_pageable(args),
+        command="klotski-runtime " + " ".join(sys.argv[1:]),
+        threads=_threads(args),
+        progress=say,
+    )
     write_file(args.out, lambda temporary: temporary.write_text(profile.to_yaml()), "--out")
-    print(f"wrote {args.out}: {profile.gpu.name}; peak {flop_rate_text(profile.gpu.peak_flops)}, memory "
-          f"{profile.gpu.memory_bandwidth / 1e9:.1f} GB/s, H2D {profile.links.pcie_h2d.bandwidth / 1e9:.2f} GB/s"
-          f"{' (emulated)' if _emulation(args) else ''}; "
-          f"{sum(len(v) for v in profile.measured.values())} measured op durations")
+    print(
+        f"wrote {args.out}: {profile.gpu.name}; peak {flop_rate_text(profile.gpu.peak_flops)}, memory "
+        f"{profile.gpu.memory_bandwidth / 1e9:.1f} GB/s, H2D {profile.links.pcie_h2d.bandwidth / 1e9:.2f} GB/s"
+        f"{' (emulated)' if _emulation(args) else ''}; "
+        f"{sum(len(v) for v in profile.measured.values())} measured op durations"
+    )
     return 0
 
 
@@ -195,13 +237,26 @@ def cmd_validate(args: argparse.Namespace) -> int:
     repeated = first_repeat(policies)
     if repeated is not None:
         raise CliError(f"--policy {args.policy}: {repeated!r} is given twice")
-    setup = ValidationSetup(model=args.model, device=args.device, batch_size=args.batch_size,
-                            num_batches=args.num_batches, prompt_len=args.prompt_len, gen_len=args.gen_len,
-                            routing=routing_kind(args.routing, args.trace), trace=args.trace, seed=args.seed,
-                            kv=args.kv,
-                            emulate_links=_emulation(args), emulate_pageable=_pageable(args),
-                            checkpoint=args.checkpoint, dtype=args.dtype, threads=threads or 1, impl=args.impl,
-                            repeats=args.repeats, options=parse_overrides(args.options, "--option"))
+    setup = ValidationSetup(
+        model=args.model,
+        device=args.device,
+        batch_size=args.batch_size,
+        num_batches=args.num_batches,
+        prompt_len=args.prompt_len,
+        gen_len=args.gen_len,
+        routing=routing_kind(args.routing, args.trace),
+        trace=args.trace,
+        seed=args.seed,
+        kv=args.kv,
+        emulate_links=_emulation(args),
+        emulate_pageable=_pageable(args),
+        checkpoint=args.checkpoint,
+        dtype=args.dtype,
+        threads=threads or 1,
+        impl=args.impl,
+        repeats=args.repeats,
+        options=parse_overrides(args.options, "--option"),
+    )
     out = output_folder(args.out)
     profile_path = args.profile
     if profile_path is None:
@@ -211,14 +266,20 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
         print(f"no --profile: calibrating {args.device} for {args.model} first ...")
         # the dispatch probes run at batch 1 and half the prompt: out of sample for this validation
-        profile = calibrate(get_model(args.model), args.device, batch_sizes=sorted({1, args.batch_size}),
-                            prompt_lens=sorted({max(1, args.prompt_len // 2), args.prompt_len}),
-                            kv_lens=range(args.prompt_len + 1, args.prompt_len + max(2, args.gen_len)),
-                            max_expert_tokens=max(64, 2 ** (args.batch_size * args.num_batches * args.prompt_len)
-                                                  .bit_length()),
-                            dtype=getattr(torch, args.dtype), emulate_links=_emulation(args),
-                            emulate_pageable=_pageable(args), threads=threads,
-                            command="klotski-runtime " + " ".join(sys.argv[1:]), progress=say)
+        profile = calibrate(
+            get_model(args.model),
+            args.device,
+            batch_sizes=sorted({1, args.batch_size}),
+            prompt_lens=sorted({max(1, args.prompt_len // 2), args.prompt_len}),
+            kv_lens=range(args.prompt_len + 1, args.prompt_len + max(2, args.gen_len)),
+            max_expert_tokens=max(64, 2 ** (args.batch_size * args.num_batches * args.prompt_len).bit_length()),
+            dtype=getattr(torch, args.dtype),
+            emulate_links=_emulation(args),
+            emulate_pageable=_pageable(args),
+            threads=threads,
+            command="klotski-runtime " + " ".join(sys.argv[1:]),
+            progress=say,
+        )
         profile_path = str(out / "profile.yaml")
         write_file(profile_path, lambda temporary: temporary.write_text(profile.to_yaml()), "--out")
         print(f"wrote {profile_path}")
@@ -231,9 +292,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_execute(args: argparse.Namespace) -> int:
     import torch
 
+    from klotski_sim.core.schedule import Schedule
     from klotski_sim.workload.model import get_model
     from klotski_sim.workload.routing import RoutingTable
-    from klotski_sim.core.schedule import Schedule
 
     from .executor import ExecOptions, check_compatible, execute
     from .kernels import WeightStore
@@ -247,35 +308,52 @@ def cmd_execute(args: argparse.Namespace) -> int:
         # none of the files read: `execute sim --out sim/measured` was refused once that folder existed, so its rerun)
         not_an_input(Path(args.out), "--out", [schedule_path, routing_path])
         if Path(args.out).resolve() == schedule_path.parent.resolve():
-            raise CliError(f"--out {args.out}: is what this command reads ({schedule_path.parent}, the schedule's "
-                           f"folder); writing there would replace the simulation's files")
+            raise CliError(
+                f"--out {args.out}: is what this command reads ({schedule_path.parent}, the schedule's "
+                f"folder); writing there would replace the simulation's files"
+            )
         refuse_unwritable(output_folder(args.out), TIMELINE_FILES)
     schedule = Schedule.load(schedule_path)
     if not len(schedule):
-        raise CliError(f"{schedule_path}: the schedule has no ops (a configuration the memory check refused?): "
-                       f"nothing to execute")
+        raise CliError(
+            f"{schedule_path}: the schedule has no ops (a configuration the memory check refused?): nothing to execute"
+        )
     routing = RoutingTable.load(routing_path)
     if not (args.model or schedule.meta.get("model")):
         raise CliError(f"{schedule_path}: meta.model is missing (which model the schedule is of); give --model")
     model = get_model(args.model or schedule.meta["model"])
     check_compatible(schedule, model, None, routing)  # before any weights are made or read
     dtype = getattr(torch, args.dtype)
-    weights = (WeightStore.from_checkpoint(args.checkpoint, model, dtype=dtype) if args.checkpoint
-               else WeightStore.random(model, dtype=dtype))
-    timeline, _ = execute(schedule, model, weights, routing,
-                          ExecOptions(device=args.device, emulate_links=_emulation(args),
-                                      emulate_pageable=_pageable(args),
-                                      threads=threads))
+    weights = (
+        WeightStore.from_checkpoint(args.checkpoint, model, dtype=dtype)
+        if args.checkpoint
+        else WeightStore.random(model, dtype=dtype)
+    )
+    timeline, _ = execute(
+        schedule,
+        model,
+        weights,
+        routing,
+        ExecOptions(
+            device=args.device, emulate_links=_emulation(args), emulate_pageable=_pageable(args), threads=threads
+        ),
+    )
     from klotski_sim.cli.main import format_summary
     from klotski_sim.report.exports import save_all
 
     print(format_summary(timeline.summary()))
     if timeline.meta.get("emulated_links"):
-        print("links EMULATED: " + ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in
-                                             timeline.meta["emulated_links"]["bandwidth_bytes_per_s"].items()))
+        print(
+            "links EMULATED: "
+            + ", ".join(
+                f"{k} {v / 1e9:.2f} GB/s" for k, v in timeline.meta["emulated_links"]["bandwidth_bytes_per_s"].items()
+            )
+        )
     if args.out:
         save_all(timeline, args.out)
-        print(f"wrote the measured timeline (summary.json, timeline.parquet/.csv, trace.json.gz, timeline.png) to {args.out}/")
+        print(
+            f"wrote the measured timeline (summary.json, timeline.parquet/.csv, trace.json.gz, timeline.png) to {args.out}/"
+        )
     return 0
 
 
@@ -285,18 +363,31 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("record", help="record a routing trace from a local Hugging Face MoE checkpoint")
-    p.add_argument("--model-dir", required=True, type=path_arg, metavar="DIR",
-                   help="checkpoint directory (config.json + weights)")
-    p.add_argument("--text", required=True, type=path_arg, metavar="FILE",
-                   help="UTF-8 text; blank-line separated paragraphs "
-                                                                 "are sequences")
-    p.add_argument("--max-tokens", type=positive_int, default=512, help="prompt tokens per sequence (default: %(default)s)")
-    p.add_argument("--gen-len", type=nonnegative_int, default=32,
-                   help="greedy tokens generated per sequence (default: %(default)s)")
+    p.add_argument(
+        "--model-dir", required=True, type=path_arg, metavar="DIR", help="checkpoint directory (config.json + weights)"
+    )
+    p.add_argument(
+        "--text",
+        required=True,
+        type=path_arg,
+        metavar="FILE",
+        help="UTF-8 text; blank-line separated paragraphs are sequences",
+    )
+    p.add_argument(
+        "--max-tokens", type=positive_int, default=512, help="prompt tokens per sequence (default: %(default)s)"
+    )
+    p.add_argument(
+        "--gen-len",
+        type=nonnegative_int,
+        default=32,
+        help="greedy tokens generated per sequence (default: %(default)s)",
+    )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run (default: %(default)s)")
     p.add_argument("--dataset", help="dataset name for the provenance (default: the text file's name)")
-    p.add_argument("--model-name", help="model name recorded in the trace, e.g. a klotski-sim preset "
-                                        "(default: the checkpoint directory's name)")
+    p.add_argument(
+        "--model-name",
+        help="model name recorded in the trace, e.g. a klotski-sim preset (default: the checkpoint directory's name)",
+    )
     p.add_argument("--out", required=True, metavar="FILE", help="trace file to write (.npz)")
     p.set_defaults(func=cmd_record)
 
@@ -304,9 +395,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("schedule", type=path_arg, metavar="DIR|schedule.json")
     p.add_argument("--routing", type=path_arg, metavar="FILE", help="routing.npz (default: next to the schedule)")
     p.add_argument("--model", help="model preset (default: the schedule's)")
-    p.add_argument("--checkpoint", type=path_arg, metavar="DIR",
-                   help="load weights from a local safetensors checkpoint "
-                                                       "(default: random weights of the true shapes)")
+    p.add_argument(
+        "--checkpoint",
+        type=path_arg,
+        metavar="DIR",
+        help="load weights from a local safetensors checkpoint (default: random weights of the true shapes)",
+    )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--out", metavar="DIR", help="write the measured timeline files here")
     _add_device(p)
@@ -315,53 +409,110 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="microbenchmark ops and links into a hardware profile with a measured table")
     p.add_argument("--model", default="small-mixtral", help="model whose op shapes to measure (default: %(default)s)")
     p.add_argument("--out", required=True, metavar="FILE", help="profile YAML to write")
-    p.add_argument("--batch-sizes", type=_csv_ints, default=[1, 2, 4, 8, 16], metavar="A,B,...",
-                   help="batch sizes to time attention at (default: 1,2,4,8,16)")
-    p.add_argument("--prompt-lens", type=_csv_ints, default=[16, 64, 256], metavar="A,B,...",
-                   help="prompt lengths to time prefill at (default: 16,64,256)")
-    p.add_argument("--max-expert-tokens", type=positive_int, default=1024,
-                   help="largest token count timed for one expert op (default: %(default)s)")
-    p.add_argument("--repeats", type=bounded_int(1, MAX_REPEATS), default=5,
-                   help=f"median of this many runs per shape, at most {MAX_REPEATS} (default: %(default)s)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                   help="weight and activation dtype (default: %(default)s)")
+    p.add_argument(
+        "--batch-sizes",
+        type=_csv_ints,
+        default=[1, 2, 4, 8, 16],
+        metavar="A,B,...",
+        help="batch sizes to time attention at (default: 1,2,4,8,16)",
+    )
+    p.add_argument(
+        "--prompt-lens",
+        type=_csv_ints,
+        default=[16, 64, 256],
+        metavar="A,B,...",
+        help="prompt lengths to time prefill at (default: 16,64,256)",
+    )
+    p.add_argument(
+        "--max-expert-tokens",
+        type=positive_int,
+        default=1024,
+        help="largest token count timed for one expert op (default: %(default)s)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=bounded_int(1, MAX_REPEATS),
+        default=5,
+        help=f"median of this many runs per shape, at most {MAX_REPEATS} (default: %(default)s)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float16", "float32"],
+        help="weight and activation dtype (default: %(default)s)",
+    )
     _add_device(p)
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("validate", help="simulate and execute the same schedules; report the errors")
     p.add_argument("--policy", default="all", help="a policy, a comma-separated list, or all (default: %(default)s)")
-    p.add_argument("--policy-file", action="append", default=[], metavar="FILE.py",
-                   help="a Python file that registers your own policy (docs/own-schedule.md); repeatable")
-    p.add_argument("--option", dest="options", action="append", default=[], metavar="KEY=VALUE",
-                   help="a policy option for every schedule validated, e.g. expert_cache=8 or attention_device=cpu "
-                        "(repeatable)")
+    p.add_argument(
+        "--policy-file",
+        action="append",
+        default=[],
+        metavar="FILE.py",
+        help="a Python file that registers your own policy (docs/own-schedule.md); repeatable",
+    )
+    p.add_argument(
+        "--option",
+        dest="options",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a policy option for every schedule validated, e.g. expert_cache=8 or attention_device=cpu (repeatable)",
+    )
     p.add_argument("--model", default="small-mixtral", help="model preset (default: %(default)s)")
-    p.add_argument("--profile", metavar="FILE", help="calibrated profile (default: calibrate now, into DIR/profile.yaml)")
+    p.add_argument(
+        "--profile", metavar="FILE", help="calibrated profile (default: calibrate now, into DIR/profile.yaml)"
+    )
     p.add_argument("--out", default="klotski-validate", metavar="DIR", help="where to write (default: %(default)s)")
     p.add_argument("--batch-size", type=positive_int, default=4, help="sequences per batch (default: %(default)s)")
     p.add_argument("--num-batches", type=positive_int, default=2, help="batches n (default: %(default)s)")
     p.add_argument("--prompt-len", type=positive_int, default=32, help="prompt tokens (default: %(default)s)")
     p.add_argument("--gen-len", type=positive_int, default=4, help="generated tokens (default: %(default)s)")
-    p.add_argument("--routing", default=None, metavar="KIND",
-                   help=f"synthetic routing kind when no --trace is given (default: {DEFAULT_ROUTING})")
+    p.add_argument(
+        "--routing",
+        default=None,
+        metavar="KIND",
+        help=f"synthetic routing kind when no --trace is given (default: {DEFAULT_ROUTING})",
+    )
     p.add_argument("--trace", type=path_arg, metavar="FILE", help="replay a routing trace instead of synthetic routing")
     p.add_argument("--seed", type=seed_int, default=0, help="routing and weight seed (default: %(default)s)")
-    p.add_argument("--kv", default="gpu", choices=["gpu", "cpu"], help="where the KV cache lives (default: %(default)s)")
-    p.add_argument("--checkpoint", type=path_arg, metavar="DIR",
-                   help="weights from a local checkpoint (default: random)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                   help="weight and activation dtype (default: %(default)s)")
-    p.add_argument("--impl", default="as-published", choices=["as-published", "ideal", "v0.1", "both"],
-                   help="implementation preset of the schedules validated (default: %(default)s)")
-    p.add_argument("--repeats", type=bounded_int(1, MAX_REPEATS), default=3,
-                   help=f"measured runs per schedule, at most {MAX_REPEATS}; errors are reported as median and "
-                        f"spread (default: %(default)s)")
+    p.add_argument(
+        "--kv", default="gpu", choices=["gpu", "cpu"], help="where the KV cache lives (default: %(default)s)"
+    )
+    p.add_argument(
+        "--checkpoint", type=path_arg, metavar="DIR", help="weights from a local checkpoint (default: random)"
+    )
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float16", "float32"],
+        help="weight and activation dtype (default: %(default)s)",
+    )
+    p.add_argument(
+        "--impl",
+        default="as-published",
+        choices=["as-published", "ideal", "v0.1", "both"],
+        help="implementation preset of the schedules validated (default: %(default)s)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=bounded_int(1, MAX_REPEATS),
+        default=3,
+        help=f"measured runs per schedule, at most {MAX_REPEATS}; errors are reported as median and "
+        f"spread (default: %(default)s)",
+    )
     _add_device(p)
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("tiny-checkpoint", help="save a tiny random checkpoint (for trying record/execute/validate)")
-    p.add_argument("--model", default="tiny-mixtral", choices=list(TINY_CHECKPOINTS),
-                   help="whose shapes and layout (default: %(default)s)")
+    p.add_argument(
+        "--model",
+        default="tiny-mixtral",
+        choices=list(TINY_CHECKPOINTS),
+        help="whose shapes and layout (default: %(default)s)",
+    )
     p.add_argument("--out", required=True, metavar="DIR")
     p.add_argument("--seed", type=seed_int, default=0)
     p.set_defaults(func=cmd_tiny_checkpoint)

@@ -23,7 +23,6 @@ frees it drops it; the measured peak is reported next to the simulated one.
 from __future__ import annotations
 
 import heapq
-import sys
 import tempfile
 import threading
 import time
@@ -36,14 +35,16 @@ import numpy as np
 import torch
 
 from klotski_sim.core.cost import op_variant, variant_impl
+from klotski_sim.core.schedule import TENSORS, Op, Schedule, ScheduleError, topological_order
+from klotski_sim.core.timeline import Timeline
+from klotski_sim.names import is_disk_read, kv_buffer
 from klotski_sim.util.errors import KlotskiError
 from klotski_sim.workload.model import ModelSpec
 from klotski_sim.workload.routing import RoutingTable, RunShape
-from klotski_sim.core.schedule import TENSORS, Op, Schedule, ScheduleError, topological_order
-from klotski_sim.core.timeline import Timeline
 
 from . import kernels
 from .kernels import WeightStore
+from .threads import cpu_threads
 
 RESOURCE_CAPACITY = {"gpu": 1, "pcie_h2d": 1, "pcie_d2h": 1, "nvme": 1, "host": 1}
 
@@ -118,7 +119,8 @@ class ExecOptions:
     device: str = "cpu"
     force_routing: bool = True
     emulate_links: Mapping[str, float] = field(default_factory=dict)
-    emulate_pageable: Mapping[str, float] = field(default_factory=dict)  # rate of pageable copies per link
+    # rate of pageable copies per link (None: a link that has none, as a profile's `nvme`)
+    emulate_pageable: Mapping[str, float | None] = field(default_factory=dict)
     link_latency_s: float = 0.0
     seed: int = 0
     record_logits: bool = False
@@ -139,8 +141,9 @@ def tensor_bytes(tensors: Any) -> int:
 MAX_EMULATED_S = 3600.0
 
 
-def check_compatible(schedule: Schedule, spec: ModelSpec, weights: WeightStore | None,
-                     routing: RoutingTable | None = None) -> None:
+def check_compatible(
+    schedule: Schedule, spec: ModelSpec, weights: WeightStore | None, routing: RoutingTable | None = None
+) -> None:
     """A schedule runs only on the model it was built for, with weights for every layer it uses
     and the routing it was built from (same shape and experts), checked before anything runs
     (without `weights`: all but them, before they are made or read)."""
@@ -149,27 +152,43 @@ def check_compatible(schedule: Schedule, spec: ModelSpec, weights: WeightStore |
         raise ScheduleError(f"schedule was built for model {model!r}, not {spec.name!r}")
     if routing is not None:
         sh, meta = routing.shape, schedule.meta
-        wanted = {"batch_size": sh.batch_size, "num_batches": sh.num_batches, "prompt_len": sh.prompt_len,
-                  "gen_len": sh.gen_len}
+        wanted = {
+            "batch_size": sh.batch_size,
+            "num_batches": sh.num_batches,
+            "prompt_len": sh.prompt_len,
+            "gen_len": sh.gen_len,
+        }
         wrong = [f"{k} {meta.get(k)!r} vs {v}" for k, v in wanted.items() if meta.get(k) != v]
         if wrong:
-            raise ScheduleError(f"the routing does not belong to this schedule (schedule vs routing: {'; '.join(wrong)})")
+            raise ScheduleError(
+                f"the routing does not belong to this schedule (schedule vs routing: {'; '.join(wrong)})"
+            )
         if routing.num_experts != spec.num_experts or routing.num_layers != spec.num_layers:
-            raise ScheduleError(f"the routing has {routing.num_experts} experts x {routing.num_layers} layers, the "
-                                f"model {spec.num_experts} x {spec.num_layers}")
+            raise ScheduleError(
+                f"the routing has {routing.num_experts} experts x {routing.num_layers} layers, the "
+                f"model {spec.num_experts} x {spec.num_layers}"
+            )
         if routing.top_k != spec.top_k:
             raise ScheduleError(f"the routing chooses {routing.top_k} experts a token, model {spec.name} {spec.top_k}")
         if routing.dense_layers != spec.first_dense_layers:
-            raise ScheduleError(f"the routing routes no tokens in its first {routing.dense_layers} layer(s), model "
-                                f"{spec.name} in its first {spec.first_dense_layers}")
+            raise ScheduleError(
+                f"the routing routes no tokens in its first {routing.dense_layers} layer(s), model "
+                f"{spec.name} in its first {spec.first_dense_layers}"
+            )
         if meta.get("routing") not in (None, routing.source):  # (same shape, other tokens: another seed, say)
-            raise ScheduleError(f"the routing does not belong to this schedule: it is {routing.source!r:.120}, the "
-                                f"schedule was built from {meta.get('routing')!r:.120}")
+            raise ScheduleError(
+                f"the routing does not belong to this schedule: it is {routing.source!r:.120}, the "
+                f"schedule was built from {meta.get('routing')!r:.120}"
+            )
         streams = schedule.streams
         for op in schedule.ops:  # (each named by the field that is wrong: a handler would index with it)
-            problem = (_outside_the_run(op, sh, spec) or _weights_of_another_size(op, spec)
-                       or _kv_of_another_size(op, spec, sh) or _work_of_another_run(op, sh, routing)
-                       or _unknown_to_the_runtime(op, spec, streams[op.stream]))
+            problem = (
+                _outside_the_run(op, sh, spec)
+                or _weights_of_another_size(op, spec)
+                or _kv_of_another_size(op, spec, sh)
+                or _work_of_another_run(op, sh, routing)
+                or _unknown_to_the_runtime(op, spec, streams[op.stream])
+            )
             if problem:
                 raise ScheduleError(f"op {op.id!r}: {problem}")
         _check_each_computed_once(schedule, sh, routing)
@@ -178,8 +197,10 @@ def check_compatible(schedule: Schedule, spec: ModelSpec, weights: WeightStore |
         return
     layers = max((op.layer for op in schedule.ops), default=-1) + 1
     if layers > weights.num_layers:
-        raise ScheduleError(f"schedule uses {layers} layers but the weights hold {weights.num_layers} "
-                            f"({weights.source}); build the schedule for fewer layers or load more")
+        raise ScheduleError(
+            f"schedule uses {layers} layers but the weights hold {weights.num_layers} "
+            f"({weights.source}); build the schedule for fewer layers or load more"
+        )
 
 
 # compute ops that work on the tokens of given batches at a given step: without them a handler
@@ -226,8 +247,10 @@ def _unknown_to_the_runtime(op: Op, spec: ModelSpec, resource: str) -> str:
         wanted = tuple(op_variant(spec, op.category, impl) for impl in impls)
     if op.variant in wanted:
         return ""
-    return (f"variant {op.variant!r}: {spec.name}'s {op.category} on the {resource} runs as "
-            f"{' or '.join(map(repr, wanted))}")
+    return (
+        f"variant {op.variant!r}: {spec.name}'s {op.category} on the {resource} runs as "
+        f"{' or '.join(map(repr, wanted))}"
+    )
 
 
 def _weights_of_another_size(op: Op, spec: ModelSpec) -> str:
@@ -237,11 +260,22 @@ def _weights_of_another_size(op: Op, spec: ModelSpec) -> str:
     if op.kind != "transfer" or op.tensor not in ("attention", "gate", "expert"):
         return ""
     layer = max(op.layer, 0)
-    want = (spec.attention_bytes() if op.tensor == "attention" else spec.gate_bytes(layer) if op.tensor == "gate"
-            else spec.expert_bytes())
-    return "" if op.bytes == want else (f"moves {op.bytes:,} bytes of {op.tensor} weights; {spec.name}'s "
-                                        f"{op.tensor} {'of layer ' + str(layer) + ' ' if op.tensor == 'gate' else ''}"
-                                        f"is {want:,} bytes")
+    want = (
+        spec.attention_bytes()
+        if op.tensor == "attention"
+        else spec.gate_bytes(layer)
+        if op.tensor == "gate"
+        else spec.expert_bytes()
+    )
+    return (
+        ""
+        if op.bytes == want
+        else (
+            f"moves {op.bytes:,} bytes of {op.tensor} weights; {spec.name}'s "
+            f"{op.tensor} {'of layer ' + str(layer) + ' ' if op.tensor == 'gate' else ''}"
+            f"is {want:,} bytes"
+        )
+    )
 
 
 def _kv_of_another_size(op: Op, spec: ModelSpec, shape: RunShape) -> str:
@@ -255,8 +289,14 @@ def _kv_of_another_size(op: Op, spec: ModelSpec, shape: RunShape) -> str:
     tokens = new if store else shape.kv_len(op.step) - new  # (a store's new entries, a load's cached ones)
     want = spec.kv_bytes(sequences, tokens)
     what = f"the {tokens} {'new' if store else 'cached'}"
-    return "" if op.bytes == want else (f"moves {op.bytes:,} bytes of KV cache; {what} tokens of its batches' "
-                                        f"{sequences} sequences at step {op.step} are {want:,} bytes")
+    return (
+        ""
+        if op.bytes == want
+        else (
+            f"moves {op.bytes:,} bytes of KV cache; {what} tokens of its batches' "
+            f"{sequences} sequences at step {op.step} are {want:,} bytes"
+        )
+    )
 
 
 # compute ops over every new token of their batches (lm_head: over each sequence's last one)
@@ -277,8 +317,9 @@ def _work_of_another_run(op: Op, shape: RunShape, routing: RoutingTable) -> str:
     step, sequences = op.step, shape.batch_size * len(op.batches)
     if op.category == "expert":
         counts = routing.counts[step, op.layer]  # (a batch's count read alone: 135k expert ops at the default size)
-        want = int(counts[op.batches[0], op.expert] if len(op.batches) == 1 else
-                   counts[list(op.batches), op.expert].sum())
+        want = int(
+            counts[op.batches[0], op.expert] if len(op.batches) == 1 else counts[list(op.batches), op.expert].sum()
+        )
         what = f"the routing sends {want} of batches {list(op.batches)}'s tokens to expert {op.expert} there"
     elif op.category in _OVER_NEW_TOKENS:
         want = sequences * shape.new_tokens(step)
@@ -299,8 +340,10 @@ def _check_tokens_claimed(schedule: Schedule, shape: RunShape) -> None:
     tokens was measured as a whole run: its throughput a fiction)."""
     claimed = schedule.meta.get("generated_tokens")
     if claimed != shape.generated_tokens:
-        raise ScheduleError(f"meta.generated_tokens {claimed!r}: the run makes {shape.generated_tokens} (batch_size "
-                            f"{shape.batch_size} x num_batches {shape.num_batches} x gen_len {shape.gen_len})")
+        raise ScheduleError(
+            f"meta.generated_tokens {claimed!r}: the run makes {shape.generated_tokens} (batch_size "
+            f"{shape.batch_size} x num_batches {shape.num_batches} x gen_len {shape.gen_len})"
+        )
 
 
 def _check_each_computed_once(schedule: Schedule, shape: RunShape, routing: RoutingTable) -> None:
@@ -322,12 +365,18 @@ def _check_each_computed_once(schedule: Schedule, shape: RunShape, routing: Rout
         if what:
             for b in op.batches:
                 computed[(what, op.step, op.layer if what in _PER_LAYER else -1, b)] += 1
-    missing = [(b, step) for step in range(shape.num_steps) for b in range(shape.num_batches)
-               if not computed[("lm_head", step, -1, b)]]
+    missing = [
+        (b, step)
+        for step in range(shape.num_steps)
+        for b in range(shape.num_batches)
+        if not computed[("lm_head", step, -1, b)]
+    ]
     if missing:  # (said first, and of them all: the run's tokens are what it measures)
         b, step = missing[0]
-        raise ScheduleError(f"no lm_head op makes batch {b}'s tokens at step {step} ({len(missing)} of the run's "
-                            f"{shape.num_batches * shape.num_steps} batch-steps have none): not a whole run")
+        raise ScheduleError(
+            f"no lm_head op makes batch {b}'s tokens at step {step} ({len(missing)} of the run's "
+            f"{shape.num_batches * shape.num_steps} batch-steps have none): not a whole run"
+        )
     for what in _ONCE_ORDER:
         for step in range(shape.num_steps):
             for layer in range(routing.num_layers) if what in _PER_LAYER else (-1,):
@@ -339,19 +388,28 @@ def _check_each_computed_once(schedule: Schedule, shape: RunShape, routing: Rout
     twice = np.argwhere(experts > 1)
     if len(twice):
         step, layer, b, e = twice[0].tolist()
-        raise ScheduleError(f"expert {e} of layer {layer} is computed for batch {b} at step {step} by "
-                            f"{experts[step, layer, b, e]} ops (each token once){_NOT_A_RUN}")
-    missing = np.argwhere((experts == 0) & (routing.counts > 0))
-    if len(missing):
-        step, layer, b, e = missing[0].tolist()
-        raise ScheduleError(f"no expert op computes expert {e} of layer {layer} for batch {b} at step {step} (the "
-                            f"routing sends it {routing.counts[step, layer, b, e]} token(s); {len(missing)} such "
-                            f"in all){_NOT_A_RUN}")
+        raise ScheduleError(
+            f"expert {e} of layer {layer} is computed for batch {b} at step {step} by "
+            f"{experts[step, layer, b, e]} ops (each token once){_NOT_A_RUN}"
+        )
+    uncomputed = np.argwhere((experts == 0) & (routing.counts > 0))
+    if len(uncomputed):
+        step, layer, b, e = uncomputed[0].tolist()
+        raise ScheduleError(
+            f"no expert op computes expert {e} of layer {layer} for batch {b} at step {step} (the "
+            f"routing sends it {routing.counts[step, layer, b, e]} token(s); {len(uncomputed)} such "
+            f"in all){_NOT_A_RUN}"
+        )
 
 
 # what of each batch one op computes, by category: per step, or per step and layer
-_ONCE = {"embed": "embed", "attention": "attention", "gate": "gate or dense MLP", "dense_mlp": "gate or dense MLP",
-         "lm_head": "lm_head"}
+_ONCE = {
+    "embed": "embed",
+    "attention": "attention",
+    "gate": "gate or dense MLP",
+    "dense_mlp": "gate or dense MLP",
+    "lm_head": "lm_head",
+}
 _ONCE_ORDER = ("embed", "attention", "gate or dense MLP", "lm_head")
 _PER_LAYER = frozenset({"attention", "gate or dense MLP"})
 _NOT_A_RUN = ": not the run the routing and shape describe"
@@ -360,8 +418,15 @@ _NOT_A_RUN = ": not the run the routing and shape describe"
 class OpRunner:
     """The effect of each op on real tensors; the CPU and CUDA drivers share it."""
 
-    def __init__(self, schedule: Schedule, spec: ModelSpec, weights: WeightStore, routing: RoutingTable,
-                 options: ExecOptions, disk_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        schedule: Schedule,
+        spec: ModelSpec,
+        weights: WeightStore,
+        routing: RoutingTable,
+        options: ExecOptions,
+        disk_dir: Path | None = None,
+    ) -> None:
         check_compatible(schedule, spec, weights, routing)
         self.schedule, self.spec, self.weights, self.routing, self.opt = schedule, spec, weights, routing, options
         self.shape: RunShape = routing.shape
@@ -372,8 +437,11 @@ class OpRunner:
         self.resident_layers = int(placement.get("resident_layers", 0))
         gen = torch.Generator().manual_seed(options.seed)
         sh = self.shape
-        self.prompt = (torch.as_tensor(options.prompt) if options.prompt is not None else
-                       torch.randint(0, spec.vocab_size, (sh.num_batches, sh.batch_size, sh.prompt_len), generator=gen))
+        self.prompt = (
+            torch.as_tensor(options.prompt)
+            if options.prompt is not None
+            else torch.randint(0, spec.vocab_size, (sh.num_batches, sh.batch_size, sh.prompt_len), generator=gen)
+        )
         self.buffers: dict[str, Any] = {}  # the device store: buffer name -> tensors
         self.buffer_bytes: dict[str, int] = {}
         self.lock = threading.Lock()
@@ -398,7 +466,7 @@ class OpRunner:
         self.x: dict[int, torch.Tensor] = {}
         self.h: dict[int, torch.Tensor] = {}
         self.z: dict[int, torch.Tensor] = {}
-        self.route: dict[int, tuple[torch.Tensor, torch.Tensor, np.ndarray]] = {}
+        self.route: dict[int, tuple[torch.Tensor, torch.Tensor, np.ndarray | None]] = {}  # ids, weights, forced ids
         self.moe_out: dict[int, torch.Tensor | None] = {}
         self.next_token: dict[int, torch.Tensor] = {}
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
@@ -408,14 +476,21 @@ class OpRunner:
         # keeps there (meta `resident_weights`: [tensor, layer, expert] — Fiddler's attention, gates
         # and popular experts)
         pinned_there = {tuple(k[:2]) if k[2] < 0 else tuple(k) for k in schedule.meta.get("resident_weights", ())}
+
         def on_device(key: tuple, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
             moved = tuple(t.to(self.device) for t in tensors)  # resident experts are dequantised once
-            return kernels.dequantise_expert(moved, spec, self.dtype) if spec.quantised and \
-                key[0] == "expert" else moved
+            return (
+                kernels.dequantise_expert(moved, spec, self.dtype) if spec.quantised and key[0] == "expert" else moved
+            )
 
-        self.resident_layer_tensors = {key: on_device(key, v) for key, v in weights.tensors.items()
-                                       if key[1] < self.resident_layers or key in pinned_there}
-        self.host_activations: dict[str, dict[int, torch.Tensor]] = {}  # d2h_act op -> batch -> hidden states
+        self.resident_layer_tensors = {
+            key: on_device(key, v)
+            for key, v in weights.tensors.items()
+            if key[1] < self.resident_layers or key in pinned_there
+        }
+        # d2h_act op -> batch -> (hidden states, routing weights, routed ids unless forced), or a CPU
+        # attention's (q, k, v)
+        self.host_activations: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {}
         self.cpu_results: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}  # CPU expert -> outputs
         self.activation_readers: dict[str, int] = {}  # d2h_act op -> CPU experts still to read it
         for o in schedule.ops:
@@ -424,15 +499,26 @@ class OpRunner:
                     if self.ops_by_id[d].tensor == "activation":
                         self.activation_readers[d] = self.activation_readers.get(d, 0) + 1
         # what each compute op does, by category (a table, not a name lookup)
-        self.compute_ops = {"embed": self._embed, "attention": self._attention, "gate": self._gate,
-                            "expert": self._expert, "lm_head": self._lm_head, "combine": lambda op: None,
-                            "dequant": self._dequant, "attn_qkv": self._attn_qkv, "attn_out": self._attn_out,
-                            "dense_mlp": self._dense_mlp}
+        self.compute_ops = {
+            "embed": self._embed,
+            "attention": self._attention,
+            "gate": self._gate,
+            "expert": self._expert,
+            "lm_head": self._lm_head,
+            "combine": lambda op: None,
+            "dequant": self._dequant,
+            "attn_qkv": self._attn_qkv,
+            "attn_out": self._attn_out,
+            "dense_mlp": self._dense_mlp,
+        }
         self.pending_qkv: dict[str, tuple[torch.Tensor, ...]] = {}  # attn_qkv op -> this step's q, k, v
         self.attention_out: dict[str, torch.Tensor] = {}  # CPU attention / its h2d copy -> the heads' output
         self.on_cpu = {s for s, r in schedule.streams.items() if r == "cpu"}
-        self._alloc("resident", tensor_bytes(list(self.resident.values()))
-                    + tensor_bytes([t for v in self.resident_layer_tensors.values() for t in v]))
+        self._alloc(
+            "resident",
+            tensor_bytes(list(self.resident.values()))
+            + tensor_bytes([t for v in self.resident_layer_tensors.values() for t in v]),
+        )
 
     # ---- memory accounting ----------------------------------------------------------------------
     def _alloc(self, name: str, nbytes: int) -> None:
@@ -456,7 +542,7 @@ class OpRunner:
     def run(self, op: Op) -> None:
         """Carry out one op (a host op's waiting is the driver's business: nothing to do here)."""
         if op.kind == "transfer":
-            if op.stream == "disk_read":
+            if is_disk_read(op):
                 self._disk_read(op)
             elif op.tensor == "kv":
                 self._kv_transfer(op)
@@ -485,8 +571,11 @@ class OpRunner:
         for dep in op.deps:
             d = self.ops_by_id[dep]
             dequantised = d.category == "dequant" and tensor == "expert"
-            if (dequantised or d.kind == "transfer" and d.tensor == tensor and d.dst == "gpu") and \
-                    d.layer == op.layer and (expert < 0 or d.expert == expert):
+            if (
+                (dequantised or d.kind == "transfer" and d.tensor == tensor and d.dst == "gpu")
+                and d.layer == op.layer
+                and (expert < 0 or d.expert == expert)
+            ):
                 try:
                     return self.buffers[dep]
                 except KeyError:
@@ -494,19 +583,23 @@ class OpRunner:
         key = (tensor, op.layer) if expert < 0 else (tensor, op.layer, expert)
         if key in self.resident_layer_tensors:
             return self.resident_layer_tensors[key]
-        raise ExecutionError(f"op {op.id!r}: no loaded {tensor} weights for layer {op.layer}"
-                             + (f" expert {expert}" if expert >= 0 else ""))
+        raise ExecutionError(
+            f"op {op.id!r}: no loaded {tensor} weights for layer {op.layer}"
+            + (f" expert {expert}" if expert >= 0 else "")
+        )
 
     # ---- transfers --------------------------------------------------------------------------------
     def _load_weights(self, op: Op) -> None:
-        staged = [d for d in op.deps if self.ops_by_id[d].stream == "disk_read"]
+        staged = [d for d in op.deps if is_disk_read(self.ops_by_id[d])]
         cuda = self.device.type == "cuda"
-        host = (self.staging.pop(staged[0]) if staged else
-                self.weights.host(op.tensor, op.layer, op.expert, pinned=cuda and not op.pageable))
+        host = (
+            self.staging.pop(staged[0])
+            if staged
+            else self.weights.host(op.tensor, op.layer, op.expert, pinned=cuda and not op.pageable)
+        )
         if staged and cuda:
             self.staged_from_pool[op.id] = host  # back to the pool once this copy has finished
-        self._store(op.id, tuple(t.to(self.device, non_blocking=not op.pageable) if cuda else t.clone()
-                                 for t in host))
+        self._store(op.id, tuple(t.to(self.device, non_blocking=not op.pageable) if cuda else t.clone() for t in host))
 
     def _disk_read(self, op: Op) -> None:
         """A real file read into host memory (on CUDA: into reused pinned buffers), timed around the
@@ -531,8 +624,10 @@ class OpRunner:
         if op.stream == "d2h_kv":  # store the new entries the attention produced
             attention = next((d for d in op.deps if self.ops_by_id[d].category == "attention"), None)
             if attention not in self.pending_store:  # (an edited schedule's: it was an empty StopIteration)
-                raise ExecutionError(f"op {op.id!r}: a KV store needs among its deps the attention op whose new "
-                                     f"entries it stores, one that keeps them off the GPU (deps {list(op.deps)})")
+                raise ExecutionError(
+                    f"op {op.id!r}: a KV store needs among its deps the attention op whose new "
+                    f"entries it stores, one that keeps them off the GPU (deps {list(op.deps)})"
+                )
             k, v = self.pending_store.pop(attention)
             if cuda and not op.pageable:
                 hk = torch.empty(k.shape, dtype=k.dtype, pin_memory=True).copy_(k, non_blocking=True)
@@ -546,15 +641,17 @@ class OpRunner:
             raise ExecutionError(f"op {op.id!r}: no KV cache stored for layer {op.layer} batch {op.batch}")
         if cuda:
             tokens = sum(c[0].shape[2] for c in chunks)  # K and V (MLA: latent and RoPE key) may differ in width
-            k = torch.empty([*chunks[0][0].shape[:2], tokens, chunks[0][0].shape[3]], dtype=chunks[0][0].dtype,
-                            device=self.device)
-            v = torch.empty([*chunks[0][1].shape[:2], tokens, chunks[0][1].shape[3]], dtype=chunks[0][1].dtype,
-                            device=self.device)
+            k = torch.empty(
+                [*chunks[0][0].shape[:2], tokens, chunks[0][0].shape[3]], dtype=chunks[0][0].dtype, device=self.device
+            )
+            v = torch.empty(
+                [*chunks[0][1].shape[:2], tokens, chunks[0][1].shape[3]], dtype=chunks[0][1].dtype, device=self.device
+            )
             at = 0
             for ck, cv in chunks:
                 width = ck.shape[2]
-                k[:, :, at:at + width].copy_(ck, non_blocking=not op.pageable)
-                v[:, :, at:at + width].copy_(cv, non_blocking=not op.pageable)
+                k[:, :, at : at + width].copy_(ck, non_blocking=not op.pageable)
+                v[:, :, at : at + width].copy_(cv, non_blocking=not op.pageable)
                 at += width
         else:
             k = torch.cat([c[0] for c in chunks], dim=2)
@@ -576,12 +673,18 @@ class OpRunner:
 
         qkv = next((d for d in op.deps if d in self.pending_qkv), None)
         if op.dst == "cpu" and qkv is not None:  # attention on the CPU: this step's q, k, v go down
-            self.host_activations[op.id] = {op.batch: tuple(down(t) for t in self.pending_qkv.pop(qkv))}
+            q, k, v = self.pending_qkv.pop(qkv)
+            self.host_activations[op.id] = {op.batch: (down(q), down(k), down(v))}
             return
         if op.dst == "cpu":
             self.host_activations[op.id] = {
-                b: (down(self.z[b]), down(self.route[b][1]),
-                    down(self.route[b][0]) if self.route[b][2] is None else None) for b in op.batches}
+                b: (
+                    down(self.z[b]),
+                    down(self.route[b][1]),
+                    down(self.route[b][0]) if self.route[b][2] is None else None,
+                )
+                for b in op.batches
+            }
             return
         attention = next((d for d in op.deps if d in self.attention_out), None)
         if attention is not None:  # the CPU attention's output comes back
@@ -595,12 +698,13 @@ class OpRunner:
             raise ExecutionError(f"op {op.id!r}: no CPU expert output to bring back (deps {list(op.deps)})")
         results = self.cpu_results.pop(source)
         for b, rows, y in results:
-            out = self.moe_out[b]
+            moe_out = self.moe_out[b]
+            assert moe_out is not None  # (the batch's gate op set its MoE output, which its experts add into)
             if cuda:  # used on this copy stream as well as the compute stream (atomic adds on both)
-                out.record_stream(torch.cuda.current_stream())
+                moe_out.record_stream(torch.cuda.current_stream())
             rows, y = rows.to(self.device), y.to(self.device, non_blocking=cuda)
             with self.output_lock:
-                out.index_add_(0, rows, y)
+                moe_out.index_add_(0, rows, y)
         if cuda:
             self.staged_from_pool[op.id] = tuple(y for _, _, y in results)
 
@@ -617,8 +721,11 @@ class OpRunner:
         results, tokens = [], 0
         for b in op.batches:
             hidden, scales, ids = host[b]
-            forced = self.route[b][2]
-            rows_np, slots_np = np.nonzero((forced if forced is not None else ids.numpy()) == op.expert)
+            routed = self.route[b][2]  # the forced ids, else the routed ones copied down
+            if routed is None:
+                assert ids is not None  # (`_activation_transfer` copies the routed ids down unless forced)
+                routed = ids.numpy()
+            rows_np, slots_np = np.nonzero(routed == op.expert)
             if not len(rows_np):
                 continue
             rows, slots = torch.from_numpy(rows_np), torch.from_numpy(slots_np)
@@ -649,6 +756,7 @@ class OpRunner:
         if down is None:
             raise ExecutionError(f"op {op.id!r}: a CPU attention needs its q, k, v copied down first")
         q, k, v = self.host_activations.pop(down)[op.batch]
+        assert v is not None  # (the copy before a CPU attention holds its q, k and v: `_activation_transfer`)
         key = (op.layer, op.batch)
         past = self.host_kv.get(key, [])
         out = kernels.attention_core(q, k, v, [tuple(t.to("cpu") for t in c) for c in past], self.spec)
@@ -662,9 +770,16 @@ class OpRunner:
         self._combine(b)
         pos0 = self.shape.prompt_len + op.step - 1
         w = self.weights_for(op, "attention")
-        self.pending_qkv[op.id] = kernels.attention_qkv(self.x[b], w, self.resident[f"norm1/{op.layer}"], pos0,
-                                                        self.spec, self.weights.rope_theta, self.weights.rms_eps,
-                                                        kernels.qk_norms(self.resident, self.spec, op.layer))
+        self.pending_qkv[op.id] = kernels.attention_qkv(
+            self.x[b],
+            w,
+            self.resident[f"norm1/{op.layer}"],
+            pos0,
+            self.spec,
+            self.weights.rope_theta,
+            self.weights.rms_eps,
+            kernels.qk_norms(self.resident, self.spec, op.layer),
+        )
 
     def _attn_out(self, op: Op) -> None:
         """The GPU half after: o over the heads' output the CPU sent back, plus the residual."""
@@ -684,15 +799,18 @@ class OpRunner:
 
     def _combine(self, b: int) -> None:
         """Apply the previous MoE layer's output to the residual stream of batch b."""
-        if self.moe_out.get(b) is not None:
-            self.x[b] = self.h[b] + self.moe_out[b].view_as(self.h[b])
+        moe_out = self.moe_out.get(b)
+        if moe_out is not None:
+            self.x[b] = self.h[b] + moe_out.view_as(self.h[b])
             self.moe_out[b] = None
 
     def _embed(self, op: Op) -> None:
         b = op.batch
         if op.step > 0 and b not in self.next_token:  # (a schedule edited by hand, or one wired wrongly)
-            raise ExecutionError(f"batch {b} has no token generated at step {op.step - 1} to embed: the schedule "
-                                 f"must run that step's lm_head op of batch {b} before this op")
+            raise ExecutionError(
+                f"batch {b} has no token generated at step {op.step - 1} to embed: the schedule "
+                f"must run that step's lm_head op of batch {b} before this op"
+            )
         tokens = self.prompt[b] if op.step == 0 else self.next_token[b]
         self.x[b] = kernels.embed(tokens.to(self.device), self.resident["embed"])
         self.moe_out[b] = None
@@ -705,13 +823,22 @@ class OpRunner:
         if loaded:
             past = [self.buffers[loaded[0]]]
         else:
-            past = [self.buffers[f"kv/L{layer}/b{b}/s{s}"] for s in range(op.step)
-                    if f"kv/L{layer}/b{b}/s{s}" in self.buffers]
+            names = [kv_buffer(layer, b, s) for s in range(op.step)]
+            past = [self.buffers[name] for name in names if name in self.buffers]
         w = self.weights_for(op, "attention")
         impl = variant_impl(op.variant) or "fused"  # (without the model's tags: `fused+qk_norm`)
-        out, chunk = kernels.attention(self.x[b], w, self.resident[f"norm1/{layer}"], past, pos0, self.spec,
-                                       self.weights.rope_theta, self.weights.rms_eps, impl,
-                                       kernels.qk_norms(self.resident, self.spec, layer))
+        out, chunk = kernels.attention(
+            self.x[b],
+            w,
+            self.resident[f"norm1/{layer}"],
+            past,
+            pos0,
+            self.spec,
+            self.weights.rope_theta,
+            self.weights.rms_eps,
+            impl,
+            kernels.qk_norms(self.resident, self.spec, layer),
+        )
         self.h[b] = out
         for name, _ in op.alloc:  # this step's KV entries stay on the GPU
             self._store(name, chunk)
@@ -727,11 +854,21 @@ class OpRunner:
     def _gate(self, op: Op) -> None:
         b, layer = op.batch, op.layer
         router_w, *shared = self.weights_for(op, "gate")
-        forced = (self.routing.step_ids(op.step, layer, b).reshape(-1, self.spec.top_k).astype(np.int64)
-                  if self.opt.force_routing else None)
-        z, weights, ids, out = kernels.gate_step(self.h[b], self.resident[f"norm2/{layer}"], router_w,
-                                                 self.spec.top_k, self.weights.rms_eps, forced, tuple(shared),
-                                                 self.spec.norm_topk_prob)
+        forced = (
+            self.routing.step_ids(op.step, layer, b).reshape(-1, self.spec.top_k).astype(np.int64)
+            if self.opt.force_routing
+            else None
+        )
+        z, weights, ids, out = kernels.gate_step(
+            self.h[b],
+            self.resident[f"norm2/{layer}"],
+            router_w,
+            self.spec.top_k,
+            self.weights.rms_eps,
+            forced,
+            tuple(shared),
+            self.spec.norm_topk_prob,
+        )
         self.z[b] = z
         self.route[b] = (ids, weights, forced)
         self.moe_out[b] = out
@@ -756,7 +893,9 @@ class OpRunner:
             return
         if len(parts) == 1:
             b, rows, slots = parts[0]
-            kernels.expert_step(self.z[b], self.route[b][1], rows, slots, w, self.moe_out[b], self.output_lock)
+            out = self.moe_out[b]
+            assert out is not None  # (the batch's gate op set its MoE output, which its experts add into)
+            kernels.expert_step(self.z[b], self.route[b][1], rows, slots, w, out, self.output_lock)
             return
         x = torch.cat([self.z[b][rows] for b, rows, _ in parts])
         scale = torch.cat([self.route[b][1][rows, slots] for b, rows, slots in parts])
@@ -764,7 +903,9 @@ class OpRunner:
         offset = 0
         with self.output_lock:
             for b, rows, _ in parts:
-                self.moe_out[b].index_add_(0, rows, y[offset:offset + len(rows)])
+                out = self.moe_out[b]
+                assert out is not None  # (the batch's gate op set its MoE output, which its experts add into)
+                out.index_add_(0, rows, y[offset : offset + len(rows)])
                 offset += len(rows)
 
     def _lm_head(self, op: Op) -> None:
@@ -785,7 +926,7 @@ def prepare_disk(schedule: Schedule, weights: WeightStore, directory: Path) -> P
     """Write every disk-tier tensor the schedule reads to its own file (real files, real reads)."""
     directory.mkdir(parents=True, exist_ok=True)
     for op in schedule.ops:
-        if op.stream == "disk_read":
+        if is_disk_read(op):
             path = directory / _disk_name(op.tensor, op.layer, op.expert)
             if not path.exists():
                 torch.save(tuple(t.contiguous() for t in weights.get(op.tensor, op.layer, op.expert)), path)
@@ -798,8 +939,13 @@ def require_cuda(device: str) -> None:
         raise ExecutionError("CUDA was requested but torch sees no GPU (use --device cpu)")
 
 
-def execute(schedule: Schedule, spec: ModelSpec, weights: WeightStore, routing: RoutingTable,
-            options: ExecOptions = ExecOptions()) -> tuple[Timeline, OpRunner]:
+def execute(
+    schedule: Schedule,
+    spec: ModelSpec,
+    weights: WeightStore,
+    routing: RoutingTable,
+    options: ExecOptions = ExecOptions(),
+) -> tuple[Timeline, OpRunner]:
     """Run every op of `schedule` and return the measured Timeline (and the runner, whose state
     holds logits and per-expert token counts for checks)."""
     require_cuda(options.device)
@@ -816,44 +962,60 @@ def execute(schedule: Schedule, spec: ModelSpec, weights: WeightStore, routing: 
     for resource, (seconds, moved) in sorted(copying.items()):
         if seconds > MAX_EMULATED_S:  # (a lower bound of the run's time: ops of one link run one after another)
             rate = options.emulate_links.get(resource, options.emulate_pageable.get(resource))  # (pageable alone)
-            raise ExecutionError(f"emulated {resource} at {rate:.3g} B/s: the schedule's "
-                                 f"copies over it ({moved:,} bytes) would take {seconds / 3600:.1f} h, more than "
-                                 f"{MAX_EMULATED_S / 3600:g} h: refused (check the emulated rate)")
+            raise ExecutionError(
+                f"emulated {resource} at {rate:.3g} B/s: the schedule's "
+                f"copies over it ({moved:,} bytes) would take {seconds / 3600:.1f} h, more than "
+                f"{MAX_EMULATED_S / 3600:g} h: refused (check the emulated rate)"
+            )
     pageable = {schedule.streams[op.stream] for op in schedule.ops if op.pageable}
     missing = sorted(r for r in pageable if r in options.emulate_links and r not in options.emulate_pageable)
     if missing:
-        raise ExecutionError(f"the schedule copies from pageable memory over emulated {', '.join(missing)}: "
-                             f"give the emulated pageable rate too (emulate_pageable)")
+        raise ExecutionError(
+            f"the schedule copies from pageable memory over emulated {', '.join(missing)}: "
+            f"give the emulated pageable rate too (emulate_pageable)"
+        )
     with tempfile.TemporaryDirectory(prefix="klotski-disk-") as tmp:
-        disk = prepare_disk(schedule, weights, Path(tmp)) if any(o.stream == "disk_read" for o in schedule.ops) else None
+        disk = prepare_disk(schedule, weights, Path(tmp)) if any(map(is_disk_read, schedule.ops)) else None
         runner = OpRunner(schedule, spec, weights, routing, options, disk)
         if options.device.startswith("cuda"):
             start, end = _run_cuda(schedule, runner)
             peak = max(runner.peak, torch.cuda.max_memory_allocated())
         else:
-            previous = torch.get_num_threads()
-            switch = sys.getswitchinterval()
-            torch.set_num_threads(options.threads or previous)
-            sys.setswitchinterval(1e-4)  # hand the GIL over quickly: stream threads wait on each other
-            try:
+            with cpu_threads(options.threads, quick_switch=True):  # stream threads wait on each other
                 start, end = _run_cpu(schedule, runner, options)
-            finally:
-                torch.set_num_threads(previous)
-                sys.setswitchinterval(switch)
             peak = runner.peak
     emulated = {r: bw for r, bw in options.emulate_links.items()}
     device_name = torch.cuda.get_device_name() if options.device.startswith("cuda") else "cpu"
     timeline = Timeline.from_schedule(
-        schedule, start, end, status="ok", peak_gpu_bytes=peak, memory_trace=runner.memory_trace,
-        capacities=resource_units(schedule, options), source="measured",
-        extra_meta={"device": device_name, "hardware": device_name if device_name == "cpu" else
-                    f"{device_name} (schedule for {schedule.meta.get('hardware')})",
-                    "weights": weights.source, "weight_notes": weights.notes,
-                    "routing_forced": options.force_routing, "dtype": str(runner.dtype),
-                    "emulated_links": ({"bandwidth_bytes_per_s": emulated, "latency_s": options.link_latency_s,
-                                        "pageable_bytes_per_s": dict(options.emulate_pageable),
-                                        "note": "EMULATED links: transfers sleep to the target rate"}
-                                       if emulated else {})})
+        schedule,
+        start,
+        end,
+        status="ok",
+        peak_gpu_bytes=peak,
+        memory_trace=runner.memory_trace,
+        capacities=resource_units(schedule, options),
+        source="measured",
+        extra_meta={
+            "device": device_name,
+            "hardware": device_name
+            if device_name == "cpu"
+            else f"{device_name} (schedule for {schedule.meta.get('hardware')})",
+            "weights": weights.source,
+            "weight_notes": weights.notes,
+            "routing_forced": options.force_routing,
+            "dtype": str(runner.dtype),
+            "emulated_links": (
+                {
+                    "bandwidth_bytes_per_s": emulated,
+                    "latency_s": options.link_latency_s,
+                    "pageable_bytes_per_s": dict(options.emulate_pageable),
+                    "note": "EMULATED links: transfers sleep to the target rate",
+                }
+                if emulated
+                else {}
+            ),
+        },
+    )
     return timeline, runner
 
 
@@ -888,8 +1050,8 @@ def _run_cpu(schedule: Schedule, runner: OpRunner, options: ExecOptions) -> tupl
                 op = ops[i]
                 if op.kind == "host":  # the host thread is held from the moment it gets here
                     start[i] = time.perf_counter() - t0
-                    for d in op.deps:
-                        while not done[index[d]].wait(0.05):
+                    for dep in op.deps:
+                        while not done[index[dep]].wait(0.05):
                             if abort.is_set():
                                 return
                     end[i] = time.perf_counter() - t0
@@ -914,12 +1076,17 @@ def _run_cpu(schedule: Schedule, runner: OpRunner, options: ExecOptions) -> tupl
                     gate.release()
                 done[i].set()
         except BaseException as err:  # noqa: BLE001 - re-raised in the caller with the op named
-            errors.append(err if isinstance(err, ExecutionError) else  # (ours name the op already)
-                          ExecutionError(f"op {ops[i].id!r} failed: {type(err).__name__}: {err}"))
+            errors.append(
+                err
+                if isinstance(err, ExecutionError)
+                # (ours name the op already)
+                else ExecutionError(f"op {ops[i].id!r} failed: {type(err).__name__}: {err}")
+            )
             abort.set()
 
-    threads = [threading.Thread(target=worker, args=(idx,), name=f"stream-{s}", daemon=True)
-               for s, idx in per_stream.items()]
+    threads = [
+        threading.Thread(target=worker, args=(idx,), name=f"stream-{s}", daemon=True) for s, idx in per_stream.items()
+    ]
     runner.t0 = t0 = time.perf_counter()
     runner.memory_trace = [(0.0, runner.in_use)]
     for t in threads:
@@ -971,6 +1138,12 @@ def _run_cuda(schedule: Schedule, runner: OpRunner) -> tuple[list[float], list[f
         host_start[index[op.id]] = time.perf_counter() - runner.t0
         runner.run(op)
         host_end[index[op.id]] = time.perf_counter() - runner.t0
+
+    def read_from_disk(op: Op, waits: list[Any]) -> None:
+        for w in waits:
+            w.result()
+        runner.run(op)
+
     t0 = torch.cuda.Event(enable_timing=True)
     t0.record()
     runner.t0 = time.perf_counter()
@@ -989,9 +1162,9 @@ def _run_cuda(schedule: Schedule, runner: OpRunner) -> tuple[list[float], list[f
             waits = [reads[d] if d in reads else finish[index[d]] for d in op.deps]
             reads[op.id] = cpu_worker.submit(on_host_cpu, op, waits)
             continue
-        if op.stream == "disk_read":
+        if is_disk_read(op):
             waits = [reads[d] for d in op.deps if d in reads]
-            reads[op.id] = reader.submit(lambda o=op, w=waits: ([f.result() for f in w], runner.run(o)))
+            reads[op.id] = reader.submit(read_from_disk, op, waits)
             continue
         for d in op.deps:  # a copy of staged weights needs the read done (a host wait, as in the systems)
             if d in reads:

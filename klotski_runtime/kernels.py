@@ -60,8 +60,9 @@ class WeightStore:
     def to(self, dtype: torch.dtype) -> "WeightStore":
         conv = {k: tuple(t.to(dtype) for t in v) for k, v in self.tensors.items()}
         res = {k: v.to(dtype) for k, v in self.resident.items()}
-        return WeightStore(self.spec, conv, res, self.rope_theta, self.rms_eps, self.source, self.num_layers,
-                           list(self.notes))
+        return WeightStore(
+            self.spec, conv, res, self.rope_theta, self.rms_eps, self.source, self.num_layers, list(self.notes)
+        )
 
     def pin(self) -> None:
         """A pinned copy of every host tensor, made once, so pinned H2D copies run at full speed and
@@ -83,13 +84,16 @@ class WeightStore:
         need = params * torch.finfo(dtype).bits // 8
         available = host_memory()
         if available and need > 0.8 * available:
-            raise WeightError(f"{where}: {spec.name} needs {need / 2**30:.1f} GiB of host memory for its weights "
-                              f"({layers} layers, {dtype}), {available / 2**30:.1f} GiB are available: use fewer "
-                              f"layers (NAME:L) or a smaller model")
+            raise WeightError(
+                f"{where}: {spec.name} needs {need / 2**30:.1f} GiB of host memory for its weights "
+                f"({layers} layers, {dtype}), {available / 2**30:.1f} GiB are available: use fewer "
+                f"layers (NAME:L) or a smaller model"
+            )
 
     @staticmethod
-    def random(spec: ModelSpec, layers: int | None = None, dtype: torch.dtype = torch.bfloat16,
-               seed: int = 0) -> "WeightStore":
+    def random(
+        spec: ModelSpec, layers: int | None = None, dtype: torch.dtype = torch.bfloat16, seed: int = 0
+    ) -> "WeightStore":
         """Random weights of the true shapes. `layers` < spec.num_layers keeps only the first
         layers (a big model's schedule must then be built for that many layers)."""
         L = spec.num_layers if layers is None else min(layers, spec.num_layers)
@@ -98,18 +102,28 @@ class WeightStore:
         h, f, qd, kvd = spec.hidden_size, spec.ffn_size, spec.q_dim, spec.kv_dim
 
         def w(out: int, inp: int) -> torch.Tensor:
-            return (torch.randn(out, inp, generator=g) / inp ** 0.5).to(dtype)
+            return (torch.randn(out, inp, generator=g) / inp**0.5).to(dtype)
 
         tensors: dict[tuple, tuple[torch.Tensor, ...]] = {}
-        resident = {"embed": (torch.randn(spec.vocab_size, h, generator=g) * 0.02).to(dtype),
-                    "lm_head": w(spec.vocab_size, h), "final_norm": torch.ones(h, dtype=dtype)}
+        resident = {
+            "embed": (torch.randn(spec.vocab_size, h, generator=g) * 0.02).to(dtype),
+            "lm_head": w(spec.vocab_size, h),
+            "final_norm": torch.ones(h, dtype=dtype),
+        }
         for layer in range(L):
             if spec.mla:
                 heads, qk = spec.num_heads, spec.qk_nope_dim + spec.qk_rope_dim
-                q = (w(spec.q_lora_rank, h), w(heads * qk, spec.q_lora_rank)) if spec.q_lora_rank else (w(heads * qk, h),)
-                tensors[("attention", layer)] = (*q, w(spec.kv_lora_rank + spec.qk_rope_dim, h),
-                                                 w(heads * (spec.qk_nope_dim + spec.v_head_dim), spec.kv_lora_rank),
-                                                 w(h, heads * spec.v_head_dim))
+                q = (
+                    (w(spec.q_lora_rank, h), w(heads * qk, spec.q_lora_rank))
+                    if spec.q_lora_rank
+                    else (w(heads * qk, h),)
+                )
+                tensors[("attention", layer)] = (
+                    *q,
+                    w(spec.kv_lora_rank + spec.qk_rope_dim, h),
+                    w(heads * (spec.qk_nope_dim + spec.v_head_dim), spec.kv_lora_rank),
+                    w(h, heads * spec.v_head_dim),
+                )
             else:
                 tensors[("attention", layer)] = (w(qd, h), w(kvd, h), w(kvd, h), w(h, qd))
             resident[f"norm1/{layer}"] = torch.ones(h, dtype=dtype)
@@ -134,16 +148,21 @@ class WeightStore:
         return WeightStore(spec, tensors, resident, source=f"random(seed={seed})", num_layers=L, notes=notes)
 
     @staticmethod
-    def from_checkpoint(path: str | Path, spec: ModelSpec, dtype: torch.dtype = torch.bfloat16,
-                        layers: int | None = None) -> "WeightStore":
+    def from_checkpoint(
+        path: str | Path, spec: ModelSpec, dtype: torch.dtype = torch.bfloat16, layers: int | None = None
+    ) -> "WeightStore":
         """Read a local checkpoint (config.json + *.safetensors) of a Mixtral, Qwen3-MoE or OLMoE
         model tensor by tensor, after checking that its config is the spec's shape and math."""
         if spec.mla or spec.first_dense_layers or spec.num_shared_experts:
-            raise WeightError(f"model {spec.name!r}: checkpoints are read in the Mixtral, Qwen3-MoE and OLMoE "
-                              f"layouts; this model's MLA, dense or shared-expert weights run with random weights only")
+            raise WeightError(
+                f"model {spec.name!r}: checkpoints are read in the Mixtral, Qwen3-MoE and OLMoE "
+                f"layouts; this model's MLA, dense or shared-expert weights run with random weights only"
+            )
         if spec.hf_model_type not in CHECKPOINT_FAMILIES:
-            raise WeightError(f"model {spec.name!r}: checkpoints of model_type {spec.hf_model_type!r} are not read "
-                              f"(only {', '.join(CHECKPOINT_FAMILIES)}); it runs with random weights only")
+            raise WeightError(
+                f"model {spec.name!r}: checkpoints of model_type {spec.hf_model_type!r} are not read "
+                f"(only {', '.join(CHECKPOINT_FAMILIES)}); it runs with random weights only"
+            )
         from safetensors import safe_open
 
         path = Path(path)
@@ -178,35 +197,51 @@ class WeightStore:
             with safe_open(index[key], "pt") as st:
                 tensor = st.get_tensor(key)
             if shape and tuple(tensor.shape) != shape:
-                raise WeightError(f"{index[key]}: tensor {key!r} has shape {list(tensor.shape)}, "
-                                  f"model {spec.name!r} needs {list(shape)}")
+                raise WeightError(
+                    f"{index[key]}: tensor {key!r} has shape {list(tensor.shape)}, "
+                    f"model {spec.name!r} needs {list(shape)}"
+                )
             if not tensor.is_floating_point():  # packed codes (GPTQ, AWQ, bitsandbytes): casting would compute garbage
-                raise WeightError(f"{index[key]}: tensor {key!r} is {str(tensor.dtype).removeprefix('torch.')}, "
-                                  f"not floating point: quantised checkpoints are not read (give the bf16/fp16/fp32 "
-                                  f"one; the simulator's @intN presets model quantised experts)")
+                raise WeightError(
+                    f"{index[key]}: tensor {key!r} is {str(tensor.dtype).removeprefix('torch.')}, "
+                    f"not floating point: quantised checkpoints are not read (give the bf16/fp16/fp32 "
+                    f"one; the simulator's @intN presets model quantised experts)"
+                )
             return tensor.to(dtype)
 
         h, f_, E, V = spec.hidden_size, spec.ffn_size, spec.num_experts, spec.vocab_size
         qd, kvd = spec.q_dim, spec.kv_dim
         L = spec.num_layers if layers is None else min(layers, spec.num_layers)
         tensors: dict[tuple, tuple[torch.Tensor, ...]] = {}
-        resident = {"embed": load("model.embed_tokens.weight", V, h), "final_norm": load("model.norm.weight", h),
-                    "lm_head": load("model.embed_tokens.weight", V, h) if config.get("tie_word_embeddings")
-                    else load("lm_head.weight", V, h)}
+        resident = {
+            "embed": load("model.embed_tokens.weight", V, h),
+            "final_norm": load("model.norm.weight", h),
+            "lm_head": load("model.embed_tokens.weight", V, h)
+            if config.get("tie_word_embeddings")
+            else load("lm_head.weight", V, h),
+        }
         q_width, k_width = spec.qk_norm_widths()
         for layer in range(L):
             p = f"model.layers.{layer}"
             attn = f"{p}.self_attn"
-            tensors[("attention", layer)] = (load(f"{attn}.q_proj.weight", qd, h),
-                                             load(f"{attn}.k_proj.weight", kvd, h),
-                                             load(f"{attn}.v_proj.weight", kvd, h),
-                                             load(f"{attn}.o_proj.weight", h, qd))
+            tensors[("attention", layer)] = (
+                load(f"{attn}.q_proj.weight", qd, h),
+                load(f"{attn}.k_proj.weight", kvd, h),
+                load(f"{attn}.v_proj.weight", kvd, h),
+                load(f"{attn}.o_proj.weight", h, qd),
+            )
             moe = f"{p}.block_sparse_moe" if f"{p}.block_sparse_moe.gate.weight" in index else f"{p}.mlp"
             tensors[("gate", layer)] = (load(f"{moe}.gate.weight", E, h),)
             # per expert: Mixtral's w1/w3/w2, or Qwen3-MoE's and OLMoE's gate_proj/up_proj/down_proj (the
             # names transformers 5 saves); else the fused [E, 2f, h] (gate rows, then up) and [E, h, f]
-            names = next((n for n in (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
-                          if f"{moe}.experts.0.{n[0]}.weight" in index), None)
+            names = next(
+                (
+                    n
+                    for n in (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
+                    if f"{moe}.experts.0.{n[0]}.weight" in index
+                ),
+                None,
+            )
             if names:
                 for e in range(E):
                     w1, w3, w2 = (f"{moe}.experts.{e}.{n}.weight" for n in names)
@@ -215,11 +250,16 @@ class WeightStore:
                 gate_up = load(f"{moe}.experts.gate_up_proj", E, 2 * f_, h)
                 down = load(f"{moe}.experts.down_proj", E, h, f_)
                 for e in range(E):
-                    tensors[("expert", layer, e)] = (gate_up[e, :f_].contiguous(), gate_up[e, f_:].contiguous(),
-                                                     down[e].contiguous())
+                    tensors[("expert", layer, e)] = (
+                        gate_up[e, :f_].contiguous(),
+                        gate_up[e, f_:].contiguous(),
+                        down[e].contiguous(),
+                    )
             else:
-                raise WeightError(f"{path}: no expert weights found for layer {layer} (looked for "
-                                  f"{moe}.experts.0.w1, {moe}.experts.0.gate_proj and {moe}.experts.gate_up_proj)")
+                raise WeightError(
+                    f"{path}: no expert weights found for layer {layer} (looked for "
+                    f"{moe}.experts.0.w1, {moe}.experts.0.gate_proj and {moe}.experts.gate_up_proj)"
+                )
             resident[f"norm1/{layer}"] = load(f"{p}.input_layernorm.weight", h)
             resident[f"norm2/{layer}"] = load(f"{p}.post_attention_layernorm.weight", h)
             if spec.qk_norm:
@@ -227,8 +267,9 @@ class WeightStore:
                 resident[f"k_norm/{layer}"] = load(f"{attn}.k_norm.weight", k_width)
         if spec.quantised:
             tensors = {k: quantise_expert(v, spec) if k[0] == "expert" else v for k, v in tensors.items()}
-        return WeightStore(spec, tensors, resident, rope_theta=theta, rms_eps=eps,
-                           source=f"checkpoint:{path}", num_layers=L)
+        return WeightStore(
+            spec, tensors, resident, rope_theta=theta, rms_eps=eps, source=f"checkpoint:{path}", num_layers=L
+        )
 
 
 # ---- checkpoints of the model families the kernels compute exactly as transformers does ---------------
@@ -237,14 +278,21 @@ class WeightStore:
 # when it has one; transformers' default for the family when the key is absent).
 CHECKPOINT_FAMILIES: dict[str, dict[str, Any]] = {
     # MixtralSparseMoeBlock: always renormalises; no q/k norm
-    "mixtral": {"ffn": "intermediate_size", "experts": ("num_local_experts",), "qk_norm": "",
-                "norm_topk_prob": None},
+    "mixtral": {"ffn": "intermediate_size", "experts": ("num_local_experts",), "qk_norm": "", "norm_topk_prob": None},
     # Qwen3MoeAttention: q_norm/k_norm over head_dim; Qwen3MoeTopKRouter: renormalises when norm_topk_prob
-    "qwen3_moe": {"ffn": "moe_intermediate_size", "experts": ("num_experts", "num_local_experts"), "qk_norm": "head",
-                  "norm_topk_prob": False},
+    "qwen3_moe": {
+        "ffn": "moe_intermediate_size",
+        "experts": ("num_experts", "num_local_experts"),
+        "qk_norm": "head",
+        "norm_topk_prob": False,
+    },
     # OlmoeAttention: q_norm/k_norm over the whole q and k projections; OlmoeTopKRouter as Qwen3's
-    "olmoe": {"ffn": "intermediate_size", "experts": ("num_experts", "num_local_experts"), "qk_norm": "full",
-              "norm_topk_prob": False},
+    "olmoe": {
+        "ffn": "intermediate_size",
+        "experts": ("num_experts", "num_local_experts"),
+        "qk_norm": "full",
+        "norm_topk_prob": False,
+    },
 }
 
 
@@ -253,9 +301,20 @@ def check_config(config: dict[str, Any], spec: ModelSpec, where: Path) -> tuple[
     spec's, or that uses a feature the kernels do not compute (dense layers, clipped q/k/v, biases,
     sliding windows); returns the RoPE base and the RMSNorm epsilon it read."""
     family = CHECKPOINT_FAMILIES[spec.hf_model_type]
-    for key in ("hidden_size", "intermediate_size", "moe_intermediate_size", "num_local_experts", "num_experts",
-                "num_experts_per_tok", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
-                "num_hidden_layers", "decoder_sparse_step"):
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "moe_intermediate_size",
+        "num_local_experts",
+        "num_experts",
+        "num_experts_per_tok",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "num_hidden_layers",
+        "decoder_sparse_step",
+    ):
         value = config.get(key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
             raise WeightError(f"{where}: {key} must be an integer, got {value!r}")
@@ -271,8 +330,10 @@ def check_config(config: dict[str, Any], spec: ModelSpec, where: Path) -> tuple[
         raise WeightError(f"{where}: rms_norm_eps must be > 0, got {config['rms_norm_eps']!r}")
     model_type = config.get("model_type", spec.hf_model_type)
     if model_type != spec.hf_model_type:
-        raise WeightError(f"{where}: checkpoint does not match model {spec.name!r}: model_type={model_type!r} "
-                          f"(model {spec.name!r} has {spec.hf_model_type!r})")
+        raise WeightError(
+            f"{where}: checkpoint does not match model {spec.name!r}: model_type={model_type!r} "
+            f"(model {spec.name!r} has {spec.hf_model_type!r})"
+        )
     heads = config.get("num_attention_heads")
     # transformers' attention: the config's head_dim, else hidden_size // num_attention_heads
     derived = config.get("hidden_size", 0) // heads if isinstance(heads, int) and heads > 0 else None
@@ -281,14 +342,17 @@ def check_config(config: dict[str, Any], spec: ModelSpec, where: Path) -> tuple[
     if spec.hf_model_type == "olmoe" and kv_heads is None:  # OlmoeConfig: None means one per query head
         kv_heads = heads
     experts_key = next((k for k in family["experts"] if k in config), family["experts"][0])
-    checks = {"hidden_size": (config.get("hidden_size"), spec.hidden_size),
-              family["ffn"]: (config.get(family["ffn"]), spec.ffn_size),
-              experts_key: (config.get(experts_key), spec.num_experts),
-              "num_experts_per_tok": (config.get("num_experts_per_tok"), spec.top_k),
-              "num_attention_heads": (heads, spec.num_heads),
-              "num_key_value_heads": (kv_heads, spec.num_kv_heads),
-              "head_dim": (head_dim, spec.head_dim),
-              "vocab_size": (config.get("vocab_size"), spec.vocab_size)}
+    checks: dict[str, tuple[object, object]]  # a key -> (the config's value, the model's)
+    checks = {
+        "hidden_size": (config.get("hidden_size"), spec.hidden_size),
+        family["ffn"]: (config.get(family["ffn"]), spec.ffn_size),
+        experts_key: (config.get(experts_key), spec.num_experts),
+        "num_experts_per_tok": (config.get("num_experts_per_tok"), spec.top_k),
+        "num_attention_heads": (heads, spec.num_heads),
+        "num_key_value_heads": (kv_heads, spec.num_kv_heads),
+        "head_dim": (head_dim, spec.head_dim),
+        "vocab_size": (config.get("vocab_size"), spec.vocab_size),
+    }
     if config.get("num_hidden_layers", spec.num_layers) < spec.num_layers:  # (a `model:L` spec reads the first L)
         checks["num_hidden_layers"] = (config["num_hidden_layers"], spec.num_layers)
     renorm = config.get("norm_topk_prob", family["norm_topk_prob"])
@@ -319,8 +383,10 @@ def check_config(config: dict[str, Any], spec: ModelSpec, where: Path) -> tuple[
         layers = config.get("num_hidden_layers", spec.num_layers)
         dense = [j for j in range(layers) if j in mlp_only or not step or (j + 1) % step]
         if dense:
-            unsupported.append(f"decoder_sparse_step={step}, mlp_only_layers={mlp_only} make layers {dense} dense "
-                               f"(every layer must be MoE)")
+            unsupported.append(
+                f"decoder_sparse_step={step}, mlp_only_layers={mlp_only} make layers {dense} dense "
+                f"(every layer must be MoE)"
+            )
     if unsupported:
         raise WeightError(f"{where}: checkpoint uses what the runtime does not compute: {'; '.join(unsupported)}")
     return theta, eps
@@ -352,8 +418,9 @@ def rope_theta(config: dict[str, Any], where: Path) -> float:
     return theta
 
 
-def qk_norms(resident: dict[str, torch.Tensor], spec: ModelSpec,
-             layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+def qk_norms(
+    resident: dict[str, torch.Tensor], spec: ModelSpec, layer: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The resident (q_norm, k_norm) of `layer` that attention applies, None when the model has none."""
     if not spec.qk_norm:
         return None
@@ -387,7 +454,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
@@ -406,9 +473,18 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 ATTENTION_IMPLS = ("fused", "eager")
 
 
-def attention(x: torch.Tensor, weights: tuple[torch.Tensor, ...], norm: torch.Tensor, past: list[tuple],
-              pos0: int, spec: ModelSpec, theta: float, eps: float, impl: str = "fused",
-              qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, tuple]:
+def attention(
+    x: torch.Tensor,
+    weights: tuple[torch.Tensor, ...],
+    norm: torch.Tensor,
+    past: list[tuple],
+    pos0: int,
+    spec: ModelSpec,
+    theta: float,
+    eps: float,
+    impl: str = "fused",
+    qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, tuple]:
     """x: [B, T, h] -> x + attn(norm(x)), and this step's (k, v) chunk `[B, kv_heads, T, hd]`.
     `past` lists earlier chunks of this batch's KV cache, oldest first. `impl`: `fused` is one
     scaled_dot_product_attention reading the KV heads as they are (GQA); `eager` is transformers'
@@ -428,7 +504,7 @@ def attention(x: torch.Tensor, weights: tuple[torch.Tensor, ...], norm: torch.Te
         out = F.scaled_dot_product_attention(q, keys, values, is_causal=causal, enable_gqa=H != KVH)
     elif impl == "eager":
         keys, values = repeat_kv(keys, H // KVH), repeat_kv(values, H // KVH)
-        scores = torch.matmul(q, keys.transpose(2, 3)) * hd ** -0.5
+        scores = torch.matmul(q, keys.transpose(2, 3)) * hd**-0.5
         if causal:
             mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
             scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
@@ -444,14 +520,24 @@ def kv_chunk(spec: ModelSpec, batch: int, tokens: int, dtype: torch.dtype, devic
     """A random KV-cache chunk of `tokens` tokens in the layout attention stores: (k, v) per KV head,
     or MLA's (latent, shared RoPE key) — `spec.kv_bytes_per_token()` bytes a token either way."""
     if spec.mla:
-        return (torch.randn(batch, 1, tokens, spec.kv_lora_rank, dtype=dtype, device=device),
-                torch.randn(batch, 1, tokens, spec.qk_rope_dim, dtype=dtype, device=device))
+        return (
+            torch.randn(batch, 1, tokens, spec.kv_lora_rank, dtype=dtype, device=device),
+            torch.randn(batch, 1, tokens, spec.qk_rope_dim, dtype=dtype, device=device),
+        )
     shape = (batch, spec.num_kv_heads, tokens, spec.head_dim)
     return torch.randn(*shape, dtype=dtype, device=device), torch.randn(*shape, dtype=dtype, device=device)
 
 
-def mla_attention(x: torch.Tensor, weights: tuple[torch.Tensor, ...], norm: torch.Tensor, past: list[tuple],
-                  pos0: int, spec: ModelSpec, theta: float, eps: float) -> tuple[torch.Tensor, tuple]:
+def mla_attention(
+    x: torch.Tensor,
+    weights: tuple[torch.Tensor, ...],
+    norm: torch.Tensor,
+    past: list[tuple],
+    pos0: int,
+    spec: ModelSpec,
+    theta: float,
+    eps: float,
+) -> tuple[torch.Tensor, tuple]:
     """DeepSeek's multi-head latent attention, the cache holding the normalised latent and the
     shared RoPE key (what `spec.kv_bytes_per_token` counts); keys and values are re-expanded from
     the latent each step (the non-absorbed form). Weights: (wq) or (wq_a, wq_b), wkv_a, wkv_b, wo;
@@ -460,8 +546,13 @@ def mla_attention(x: torch.Tensor, weights: tuple[torch.Tensor, ...], norm: torc
     H, nope, rope_d, vd, r = spec.num_heads, spec.qk_nope_dim, spec.qk_rope_dim, spec.v_head_dim, spec.kv_lora_rank
     *wq, wkv_a, wkv_b, wo = weights
     hs = rms_norm(x, norm, eps)
-    q = F.linear(rms_norm(F.linear(hs, wq[0]), torch.ones(wq[0].shape[0], dtype=hs.dtype, device=hs.device), eps),
-                 wq[1]) if len(wq) == 2 else F.linear(hs, wq[0])
+    q = (
+        F.linear(
+            rms_norm(F.linear(hs, wq[0]), torch.ones(wq[0].shape[0], dtype=hs.dtype, device=hs.device), eps), wq[1]
+        )
+        if len(wq) == 2
+        else F.linear(hs, wq[0])
+    )
     q = q.view(B, T, H, nope + rope_d).transpose(1, 2)
     kv = F.linear(hs, wkv_a)
     latent = rms_norm(kv[..., :r], torch.ones(r, dtype=hs.dtype, device=hs.device), eps).unsqueeze(1)  # [B,1,T,r]
@@ -478,9 +569,16 @@ def mla_attention(x: torch.Tensor, weights: tuple[torch.Tensor, ...], norm: torc
 
 
 # ---- attention split between GPU and CPU (option attention_device=cpu) -----------------------------
-def attention_qkv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], norm: torch.Tensor, pos0: int,
-                  spec: ModelSpec, theta: float, eps: float, qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def attention_qkv(
+    x: torch.Tensor,
+    weights: tuple[torch.Tensor, ...],
+    norm: torch.Tensor,
+    pos0: int,
+    spec: ModelSpec,
+    theta: float,
+    eps: float,
+    qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The GPU half before: input RMSNorm, q/k/v, the q/k RMSNorm, RoPE — `attention` up to its
     scores. The q/k norm goes between the projections and RoPE, in the model's dtype like every
     RMSNorm here: over each head's head_dim (`spec.qk_norm == "head"`, transformers
@@ -493,8 +591,11 @@ def attention_qkv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], norm: torc
     hs = rms_norm(x, norm, eps)
     q, k = F.linear(hs, wq), F.linear(hs, wk)
     if spec.qk_norm:
-        q_norm, k_norm = qk_norm if qk_norm is not None else (
-            torch.ones(w, dtype=hs.dtype, device=hs.device) for w in spec.qk_norm_widths())
+        q_norm, k_norm = (
+            qk_norm
+            if qk_norm is not None
+            else (torch.ones(w, dtype=hs.dtype, device=hs.device) for w in spec.qk_norm_widths())
+        )
         if spec.qk_norm == "full":
             q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
     q = q.view(B, T, spec.num_heads, spec.head_dim)
@@ -506,7 +607,9 @@ def attention_qkv(x: torch.Tensor, weights: tuple[torch.Tensor, ...], norm: torc
     return rope(q.transpose(1, 2), positions, theta), rope(k.transpose(1, 2), positions, theta), v
 
 
-def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: list[tuple], spec: ModelSpec) -> torch.Tensor:
+def attention_core(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: list[tuple], spec: ModelSpec
+) -> torch.Tensor:
     """The CPU half: a decode step's attention over the cache (`past` chunks, then this step's k, v)."""
     keys = torch.cat([c[0] for c in past] + [k], dim=2)
     values = torch.cat([c[1] for c in past] + [v], dim=2)
@@ -515,8 +618,9 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: list
     return out.transpose(1, 2).reshape(B, T, spec.num_heads * spec.head_dim)
 
 
-def router(z: torch.Tensor, weight: torch.Tensor, top_k: int,
-           renormalise: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def router(
+    z: torch.Tensor, weight: torch.Tensor, top_k: int, renormalise: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The router on `[tokens, h]`: fp32 softmax over experts, top-k, then the k weights
     renormalised to sum to 1 (Mixtral; Qwen3-MoE's `norm_topk_prob`) or left as the softmax's
     probabilities (`renormalise=False`: OLMoE, Qwen1.5-MoE)."""
@@ -526,8 +630,7 @@ def router(z: torch.Tensor, weight: torch.Tensor, top_k: int,
     return (w / w.sum(dim=-1, keepdim=True) if renormalise else w), ids
 
 
-def forced_weights(z: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor,
-                   renormalise: bool = True) -> torch.Tensor:
+def forced_weights(z: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, renormalise: bool = True) -> torch.Tensor:
     """Gate weights for experts chosen elsewhere (a trace), as the router would weight them: the
     softmax restricted to them (renormalised), or the full softmax's probabilities of them
     (`renormalise=False`), so the combine stays realistic."""
@@ -589,7 +692,9 @@ def quantise_expert(weights: tuple[torch.Tensor, ...], spec: ModelSpec) -> tuple
     return tuple(out)
 
 
-def dequantise_expert(packed: tuple[torch.Tensor, ...], spec: ModelSpec, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+def dequantise_expert(
+    packed: tuple[torch.Tensor, ...], spec: ModelSpec, dtype: torch.dtype
+) -> tuple[torch.Tensor, ...]:
     """HQQ's dequantize on whatever device the packed tensors are: unpack, codes * scale + zero
     (the group's minimum), reshape, cast — (w1, w3, w2) in the model dtype."""
     h, f, group = spec.hidden_size, spec.ffn_size, spec.quant_group
@@ -615,9 +720,16 @@ def lm_head(x: torch.Tensor, norm: torch.Tensor, weight: torch.Tensor, eps: floa
 
 
 # ---- whole ops, exactly as the executor runs them (calibration times these same functions) -----
-def gate_step(h: torch.Tensor, norm: torch.Tensor, router_weight: torch.Tensor, top_k: int, eps: float,
-              forced_ids: "np.ndarray | None" = None, shared: tuple[torch.Tensor, ...] = (),
-              renormalise: bool = True):
+def gate_step(
+    h: torch.Tensor,
+    norm: torch.Tensor,
+    router_weight: torch.Tensor,
+    top_k: int,
+    eps: float,
+    forced_ids: "np.ndarray | None" = None,
+    shared: tuple[torch.Tensor, ...] = (),
+    renormalise: bool = True,
+):
     """Post-attention RMSNorm + routing of `h` ([B, T, h]): returns the expert input `[tokens, h]`,
     the gate weights and expert ids `[tokens, k]`, and the MoE output to accumulate into — zeros,
     or the always-active shared experts' output (`shared`: their gate vector, then (w1, w3, w2) per
@@ -633,13 +745,19 @@ def gate_step(h: torch.Tensor, norm: torch.Tensor, router_weight: torch.Tensor, 
     if shared:
         scale = torch.sigmoid(F.linear(z, shared[0]))
         for k in range(1, len(shared), 3):
-            out = out + expert(z, shared[k:k + 3]) * scale
+            out = out + expert(z, shared[k : k + 3]) * scale
     return z, weights, ids, out
 
 
-def expert_step(z: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
-                expert_weights: tuple[torch.Tensor, ...], out: torch.Tensor,
-                guard: AbstractContextManager[Any] = nullcontext()) -> None:
+def expert_step(
+    z: torch.Tensor,
+    weights: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    expert_weights: tuple[torch.Tensor, ...],
+    out: torch.Tensor,
+    guard: AbstractContextManager[Any] = nullcontext(),
+) -> None:
     """One expert over the rows routed to it, scaled by their gate weights, added into `out` while
     holding `guard` (the executor's lock: other threads add into the same output)."""
     y = expert(z[rows], expert_weights) * weights[rows, slots, None].to(z.dtype)

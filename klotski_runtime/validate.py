@@ -18,19 +18,20 @@ import pandas as pd
 import torch
 
 from klotski_sim.core.engine import resource_capacities, simulate
-from klotski_sim.util.errors import UsageError
-from klotski_sim.report.exports import to_parquet
-from klotski_sim.hardware.profile import HardwareProfile, ProfileError
-from klotski_sim.util.machine import machine_load, steal_share
-from klotski_sim.workload.model import ModelSpec, get_model
-from klotski_sim.policies import build_schedule
-from klotski_sim.util.progress import Progress
-from klotski_sim.runs.runner import RunSpec, prepare
 from klotski_sim.core.timeline import OutOfMemory, Timeline, jsonable
+from klotski_sim.hardware.profile import HardwareProfile, ProfileError
+from klotski_sim.policies import build_schedule
+from klotski_sim.report.exports import to_parquet
+from klotski_sim.runs.runner import RunSpec, prepare
+from klotski_sim.util.errors import UsageError
+from klotski_sim.util.machine import machine_load, steal_share
+from klotski_sim.util.progress import Progress
+from klotski_sim.workload.model import ModelSpec, get_model
 
 from .calibrate import Bench, expert_probe, probed_expert
 from .executor import ExecOptions, execute
 from .kernels import WeightStore
+from .threads import cpu_threads
 
 ALL_POLICIES = ("single-batch", "multi-batch", "hot-prefetch", "klotski", "klotski-oracle", "flexgen")
 
@@ -68,18 +69,27 @@ def check_profile_device(profile: HardwareProfile, device: str, emulated: Mappin
     kind = profile.provenance.get("device_kind")
     want = "cuda" if device.startswith("cuda") else "cpu"
     if kind and kind != want or want == "cpu" and kind != "cpu":
-        what = f"was calibrated on a {kind} device ({profile.provenance.get('device')})" if kind else \
-            "is a spec-sheet profile, not a calibration"
-        raise ProfileError(f"profile {profile.name!r} {what}, not {want}: calibrate this device first (or leave "
-                           f"out --profile: validate calibrates it)")
+        what = (
+            f"was calibrated on a {kind} device ({profile.provenance.get('device')})"
+            if kind
+            else "is a spec-sheet profile, not a calibration"
+        )
+        raise ProfileError(
+            f"profile {profile.name!r} {what}, not {want}: calibrate this device first (or leave "
+            f"out --profile: validate calibrates it)"
+        )
     if emulated is not None and kind == "cpu":
         calibrated = dict(profile.provenance.get("emulated_links") or {})
         if calibrated != dict(emulated):
+
             def rates(links: Mapping[str, float]) -> str:
                 return ", ".join(f"{k} {v:g} B/s" for k, v in sorted(links.items())) or "none (real copies)"
-            raise ProfileError(f"profile {profile.name!r} was calibrated with emulated links {rates(calibrated)}, "
-                               f"this run emulates {rates(emulated)}: give the same --emulate-pcie, or calibrate "
-                               f"again")
+
+            raise ProfileError(
+                f"profile {profile.name!r} was calibrated with emulated links {rates(calibrated)}, "
+                f"this run emulates {rates(emulated)}: give the same --emulate-pcie, or calibrate "
+                f"again"
+            )
 
 
 def compare(sim: Timeline, meas: Timeline, worst: int = 10) -> dict[str, Any]:
@@ -90,27 +100,45 @@ def compare(sim: Timeline, meas: Timeline, worst: int = 10) -> dict[str, Any]:
         return (a - b) / b if b > 0 else None
 
     ds, dm = sim.df.set_index("op_id"), meas.df.set_index("op_id")
-    dur = pd.DataFrame({"category": ds["category"], "stream": ds["stream"],
-                        "simulated_s": ds["end"] - ds["start"], "measured_s": dm["end"] - dm["start"]})
+    dur = pd.DataFrame(
+        {
+            "category": ds["category"],
+            "stream": ds["stream"],
+            "simulated_s": ds["end"] - ds["start"],
+            "measured_s": dm["end"] - dm["start"],
+        }
+    )
     dur["diff_s"] = dur["simulated_s"] - dur["measured_s"]
     per_category = {}
     for cat, g in dur.groupby("category"):
         total_s, total_m = float(g["simulated_s"].sum()), float(g["measured_s"].sum())
-        per_category[str(cat)] = {"ops": int(len(g)), "simulated_s": total_s, "measured_s": total_m,
-                                  "error": rel(total_s, total_m),
-                                  "median_op_error": float(np.median((g["simulated_s"] - g["measured_s"])
-                                                                     / g["measured_s"].clip(lower=1e-9)))}
+        per_category[str(cat)] = {
+            "ops": int(len(g)),
+            "simulated_s": total_s,
+            "measured_s": total_m,
+            "error": rel(total_s, total_m),
+            "median_op_error": float(
+                np.median((g["simulated_s"] - g["measured_s"]) / g["measured_s"].clip(lower=1e-9))
+            ),
+        }
     worst_ops = dur.reindex(dur["diff_s"].abs().sort_values(ascending=False).index).head(worst)
     return {
         "makespan": {"simulated_s": s.makespan_s, "measured_s": m.makespan_s, "error": rel(s.makespan_s, m.makespan_s)},
-        "bubbles": {kind: {"simulated_s": getattr(s, key), "measured_s": getattr(m, key),
-                           "error": rel(getattr(s, key), getattr(m, key))}
-                    for kind, key in (("all", "bubble_s"), ("inter", "bubble_inter_s"), ("intra", "bubble_intra_s"))},
+        "bubbles": {
+            kind: {
+                "simulated_s": getattr(s, key),
+                "measured_s": getattr(m, key),
+                "error": rel(getattr(s, key), getattr(m, key)),
+            }
+            for kind, key in (("all", "bubble_s"), ("inter", "bubble_inter_s"), ("intra", "bubble_intra_s"))
+        },
         "throughput_tok_s": {"simulated": s.throughput_tok_s, "measured": m.throughput_tok_s},
         "peak_gpu_bytes": {"simulated": s.peak_gpu_bytes, "measured": m.peak_gpu_bytes},
         "per_category": per_category,
-        "worst_ops": [{"op": idx, **{k: (float(v) if isinstance(v, (float, np.floating)) else v)
-                                     for k, v in row.items()}} for idx, row in worst_ops.iterrows()],
+        "worst_ops": [
+            {"op": idx, **{k: (float(v) if isinstance(v, (float, np.floating)) else v) for k, v in row.items()}}
+            for idx, row in worst_ops.iterrows()
+        ],
     }
 
 
@@ -128,8 +156,11 @@ def side_by_side(sim: Timeline, meas: Timeline, path: Path, title: str) -> None:
             cats.append(cat)
     axes[0].set_title(f"{title}\nsimulated: makespan {sim.makespan * 1e3:.1f} ms", fontsize=9, loc="left")
     emulated = " (links EMULATED)" if meas.meta.get("emulated_links") else ""
-    axes[1].set_title(f"measured on {meas.meta.get('device')}{emulated}: makespan {meas.makespan * 1e3:.1f} ms",
-                      fontsize=9, loc="left")
+    axes[1].set_title(
+        f"measured on {meas.meta.get('device')}{emulated}: makespan {meas.makespan * 1e3:.1f} ms",
+        fontsize=9,
+        loc="left",
+    )
     legend(fig, cats)
     fig.tight_layout(rect=(0, 0, 1, 0.93))
     fig.savefig(path, dpi=100)
@@ -144,10 +175,17 @@ def refit_dispatch(profile: HardwareProfile, sim: Timeline, meas: Timeline) -> H
     residual = (dm["end"] - dm["start"]).reindex(ds.index) - (ds["end"] - ds["start"])
     frame = pd.DataFrame({"category": ds.loc[compute, "category"], "residual": residual.loc[compute]})
     gpu = profile.gpu
-    fitted = {str(c): max(0.0, gpu.dispatch_overhead_by_category.get(str(c), gpu.dispatch_overhead_s) + float(v))
-              for c, v in frame.groupby("category")["residual"].median().items()}
-    return profile.model_copy(update={"gpu": gpu.model_copy(update={
-        "dispatch_overhead_by_category": {**gpu.dispatch_overhead_by_category, **fitted}})})
+    fitted = {
+        str(c): max(0.0, gpu.dispatch_overhead_by_category.get(str(c), gpu.dispatch_overhead_s) + float(v))
+        for c, v in frame.groupby("category")["residual"].median().items()
+    }
+    return profile.model_copy(
+        update={
+            "gpu": gpu.model_copy(
+                update={"dispatch_overhead_by_category": {**gpu.dispatch_overhead_by_category, **fitted}}
+            )
+        }
+    )
 
 
 def _spread(values: list[float | None]) -> dict[str, float | None]:
@@ -157,32 +195,62 @@ def _spread(values: list[float | None]) -> dict[str, float | None]:
     return {"median": float(np.median(vals)), "min": float(min(vals)), "max": float(max(vals))}
 
 
-def validate(setup: ValidationSetup, profile_path: str, out_dir: str | Path,
-             policies: tuple[str, ...] = ALL_POLICIES, progress: bool = False) -> dict[str, Any]:
+def validate(
+    setup: ValidationSetup,
+    profile_path: str,
+    out_dir: str | Path,
+    policies: tuple[str, ...] = ALL_POLICIES,
+    progress: bool = False,
+) -> dict[str, Any]:
     """Run every policy `setup.repeats` times; returns (and writes) the report: for each schedule the
     errors of the median run, the median and spread of every error over the runs, and the same
     errors with the dispatch costs refitted on the measurement itself (in-sample). `progress`: a
     line on stderr as each schedule is done."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    spec = RunSpec(model=setup.model, hardware=profile_path, policy=policies[0], batch_size=setup.batch_size,
-                   num_batches=setup.num_batches, prompt_len=setup.prompt_len, gen_len=setup.gen_len,
-                   seed=setup.seed, routing=setup.routing, trace=setup.trace, kv=setup.kv, experts="cpu",
-                   resident_layers=0, warmup_sequences=2, options=dict(setup.options))
+    spec = RunSpec(
+        model=setup.model,
+        hardware=profile_path,
+        policy=policies[0],
+        batch_size=setup.batch_size,
+        num_batches=setup.num_batches,
+        prompt_len=setup.prompt_len,
+        gen_len=setup.gen_len,
+        seed=setup.seed,
+        routing=setup.routing,
+        trace=setup.trace,
+        kv=setup.kv,
+        experts="cpu",
+        resident_layers=0,
+        warmup_sequences=2,
+        options=dict(setup.options),
+    )
     prep = prepare(spec)
     if prep.refused is not None:  # (nothing to build, run or measure: it crashed on the routing it never made)
-        raise UsageError(f"{setup.num_batches} batches of {setup.batch_size} cannot run on this profile: "
-                         f"{prep.refused.describe()}")
+        raise UsageError(
+            f"{setup.num_batches} batches of {setup.batch_size} cannot run on this profile: {prep.refused.describe()}"
+        )
     check_profile_device(prep.profile, setup.device, setup.emulate_links)
     model = get_model(setup.model)
     dtype = getattr(torch, setup.dtype)
-    weights = (WeightStore.from_checkpoint(setup.checkpoint, model, dtype=dtype) if setup.checkpoint
-               else WeightStore.random(model, dtype=dtype, seed=setup.seed))
-    options = ExecOptions(device=setup.device, emulate_links=dict(setup.emulate_links),
-                          emulate_pageable=dict(setup.emulate_pageable), seed=setup.seed,
-                          threads=setup.threads if setup.device == "cpu" else None)
-    report: dict[str, Any] = {"setup": asdict(setup), "profile": profile_path, "policies": {},
-                              "calibration_probe": prep.profile.provenance.get("probe")}
+    weights = (
+        WeightStore.from_checkpoint(setup.checkpoint, model, dtype=dtype)
+        if setup.checkpoint
+        else WeightStore.random(model, dtype=dtype, seed=setup.seed)
+    )
+    options = ExecOptions(
+        device=setup.device,
+        emulate_links=dict(setup.emulate_links),
+        emulate_pageable=dict(setup.emulate_pageable),
+        seed=setup.seed,
+        threads=setup.threads if setup.device == "cpu" else None,
+    )
+    report: dict[str, Any] = {
+        "setup": asdict(setup),
+        "profile": profile_path,
+        "policies": {},
+        "calibration_probe": prep.profile.provenance.get("probe"),
+    }
     load_before = machine_load()
     drift = expert_drift(prep.profile, model, weights, setup)
     impls = ("as-published", "ideal") if setup.impl == "both" else (setup.impl,)
@@ -192,20 +260,25 @@ def validate(setup: ValidationSetup, profile_path: str, out_dir: str | Path,
     for name, impl in runs:
         key = name if len(impls) == 1 else f"{name}/{impl}"
         p = prep.narrowed(1) if name == "single-batch" else prep
+        assert p.replay is not None  # (prepare makes the routing of every run it does not refuse)
         schedule = build_schedule(name, replace(p.policy_input(dict(setup.options)), impl=impl))
         sim = simulate(schedule, p.profile)
         if sim.status != "ok":  # a measurement of a run the simulator says cannot happen compares nothing
             oom = sim.meta.get("oom") or {}
             where = f" ({OutOfMemory.from_dict(oom).describe()})" if oom else ""
-            report["policies"][key] = {"skipped": f"the simulated run ends with status {sim.status}{where}: give "
-                                                  f"the profile more GPU memory, or run a smaller batch", "impl": impl}
+            report["policies"][key] = {
+                "skipped": f"the simulated run ends with status {sim.status}{where}: give "
+                f"the profile more GPU memory, or run a smaller batch",
+                "impl": impl,
+            }
             done.done(f"({key}: skipped)")
             continue
         options = replace(options, capacities=resource_capacities(schedule, p.profile))  # one definition
         for _ in range(setup.warmup_runs):  # first-touch costs (allocator, lazy init) are not the schedule's
             execute(schedule, model, weights, p.replay.routing, options)
-        measured = [execute(schedule, model, weights, p.replay.routing, options)[0]
-                    for _ in range(max(1, setup.repeats))]
+        measured = [
+            execute(schedule, model, weights, p.replay.routing, options)[0] for _ in range(max(1, setup.repeats))
+        ]
         results = [compare(sim, m) for m in measured]
         median_run = int(np.argsort([m.makespan for m in measured])[len(measured) // 2])
         meas = measured[median_run]
@@ -214,7 +287,8 @@ def validate(setup: ValidationSetup, profile_path: str, out_dir: str | Path,
         result["repeats"] = {
             "makespan": _spread([r["makespan"]["error"] for r in results]),
             **{f"bubbles_{k}": _spread([r["bubbles"][k]["error"] for r in results]) for k in ("all", "inter", "intra")},
-            "measured_makespan_s": [m.makespan for m in measured]}
+            "measured_makespan_s": [m.makespan for m in measured],
+        }
         in_sample = refit_dispatch(p.profile, sim, meas)
         result["in_sample"] = compare(simulate(schedule, in_sample), meas)
         spans = [m.makespan for m in measured]
@@ -224,9 +298,13 @@ def validate(setup: ValidationSetup, profile_path: str, out_dir: str | Path,
         to_parquet(sim, folder / "simulated.parquet")
         to_parquet(meas, folder / "measured.parquet")
         schedule.save(folder / "schedule.json")
-        side_by_side(sim, meas, folder / "validation.png",
-                     f"{key} · {model.name} · {setup.device} · n={p.num_batches} bs={setup.batch_size} "
-                     f"P={setup.prompt_len} G={setup.gen_len}")
+        side_by_side(
+            sim,
+            meas,
+            folder / "validation.png",
+            f"{key} · {model.name} · {setup.device} · n={p.num_batches} bs={setup.batch_size} "
+            f"P={setup.prompt_len} G={setup.gen_len}",
+        )
         (folder / "validation.json").write_text(json.dumps(jsonable(result), indent=2))
         report["policies"][key] = result
         done.done(f"({key}: makespan error {result['makespan']['error']:+.1%})")
@@ -240,8 +318,9 @@ LOAD_WARNING, STEAL_WARNING, SPREAD_WARNING, DRIFT_WARNING = 0.5, 0.02, 0.05, 0.
 DRIFT_MAX_TOKENS = 64  # the expert rows re-timed before a validation: those a small run's ops use
 
 
-def expert_drift(profile: HardwareProfile, model: ModelSpec, weights: WeightStore,
-                 setup: ValidationSetup) -> float | None:
+def expert_drift(
+    profile: HardwareProfile, model: ModelSpec, weights: WeightStore, setup: ValidationSetup
+) -> float | None:
     """The profile's expert probes timed again now, on the validation's own weights: the median
     ratio of now to the profile's table (1.0: the machine runs experts as it did at calibration).
     A profile made earlier, or another process's state of the same machine, can differ; this says
@@ -252,21 +331,19 @@ def expert_drift(profile: HardwareProfile, model: ModelSpec, weights: WeightStor
         return None
     dev = torch.device(setup.device)
     expert = probed_expert(weights, model, dev, getattr(torch, setup.dtype))
-    previous = torch.get_num_threads()
-    if setup.device == "cpu" and setup.threads:
-        torch.set_num_threads(setup.threads)
-    try:
+    with cpu_threads(setup.threads if setup.device == "cpu" else None):
         bench = Bench(dev, 3)
-        rows = [bench.add({"table": pt.seconds}, expert_probe(model, dev, getattr(torch, setup.dtype), pt.tokens,
-                                                                expert)) for pt in table]
+        rows = [
+            bench.add({"table": pt.seconds}, expert_probe(model, dev, getattr(torch, setup.dtype), pt.tokens, expert))
+            for pt in table
+        ]
         bench.run()
-    finally:
-        torch.set_num_threads(previous)
     return float(np.median([row["seconds"] / row["table"] for row in rows if row["table"] > 0]))
 
 
-def machine_conditions(before: dict[str, float], after: dict[str, float], spreads: list[float],
-                       drift: float | None = None) -> dict[str, Any]:
+def machine_conditions(
+    before: dict[str, float], after: dict[str, float], spreads: list[float], drift: float | None = None
+) -> dict[str, Any]:
     """The measured load during validation, and warnings when it was high enough to distort it:
     load average, CPU time stolen by the hypervisor, how much the executor's own runs of one
     schedule disagreed with each other (their makespans' spread), and how far the expert ops run
@@ -276,19 +353,30 @@ def machine_conditions(before: dict[str, float], after: dict[str, float], spread
     spread = max(spreads) if spreads else 0.0
     warnings = []
     if load > LOAD_WARNING:
-        warnings.append(f"load average {load:.2f} per core during validation (above {LOAD_WARNING}): other work "
-                        f"shares the cores, measured durations are inflated")
+        warnings.append(
+            f"load average {load:.2f} per core during validation (above {LOAD_WARNING}): other work "
+            f"shares the cores, measured durations are inflated"
+        )
     if steal > STEAL_WARNING:
         warnings.append(f"{steal:.1%} of CPU time stolen by the hypervisor during validation")
     if spread > SPREAD_WARNING:
-        warnings.append(f"repeated runs of one schedule differ by up to {spread:.1%} in makespan (above "
-                        f"{SPREAD_WARNING:.0%}): the machine was not quiet; trust the medians, not single runs")
+        warnings.append(
+            f"repeated runs of one schedule differ by up to {spread:.1%} in makespan (above "
+            f"{SPREAD_WARNING:.0%}): the machine was not quiet; trust the medians, not single runs"
+        )
     if drift is not None and abs(drift - 1.0) > DRIFT_WARNING:
-        warnings.append(f"expert ops take {drift:.2f}x their calibrated durations now (re-timed before the runs): "
-                        f"the machine is not as it was at calibration; expect errors of that size, or calibrate "
-                        f"again")
-    return {"load_per_core": load, "steal_share": steal, "max_run_spread": spread, "expert_drift": drift,
-            "warnings": warnings}
+        warnings.append(
+            f"expert ops take {drift:.2f}x their calibrated durations now (re-timed before the runs): "
+            f"the machine is not as it was at calibration; expect errors of that size, or calibrate "
+            f"again"
+        )
+    return {
+        "load_per_core": load,
+        "steal_share": steal,
+        "max_run_spread": spread,
+        "expert_drift": drift,
+        "warnings": warnings,
+    }
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -300,26 +388,34 @@ def format_report(report: dict[str, Any]) -> str:
             return "n/a"
         return f"{s['median']:+.1%} [{s['min']:+.1%}, {s['max']:+.1%}]"
 
-    lines = [f"{'policy':28} {'sim ms':>8} {'meas ms':>8} {'makespan':>26} {'bubbles':>26} {'inter':>7} {'intra':>7} "
-             f"{'in-sample':>9}  worst category",
-             f"{'':28} {'':>8} {'(median)':>8} {'median [min, max] of runs':>26} {'median [min, max]':>26}"]
+    lines = [
+        f"{'policy':28} {'sim ms':>8} {'meas ms':>8} {'makespan':>26} {'bubbles':>26} {'inter':>7} {'intra':>7} "
+        f"{'in-sample':>9}  worst category",
+        f"{'':28} {'':>8} {'(median)':>8} {'median [min, max] of runs':>26} {'median [min, max]':>26}",
+    ]
     for name, r in report["policies"].items():
         if "skipped" in r:
             lines.append(f"{name:28} not compared: {r['skipped']}")
             continue
         cats = {c: v for c, v in r["per_category"].items() if v["error"] is not None}
-        worst = max(cats.items(), key=lambda kv: abs(kv[1]["error"]), default=(None, None))
-        wtext = f"{worst[0]} {pct(worst[1]['error'])}" if worst[0] else "-"
+        worst = max(cats.items(), key=lambda kv: abs(kv[1]["error"]), default=None)
+        wtext = f"{worst[0]} {pct(worst[1]['error'])}" if worst is not None and worst[0] else "-"
         b = r["bubbles"]
         rep = r.get("repeats", {})
-        lines.append(f"{name:28} {r['makespan']['simulated_s'] * 1e3:8.1f} {r['makespan']['measured_s'] * 1e3:8.1f} "
-                     f"{spread(rep.get('makespan', {})):>26} {spread(rep.get('bubbles_all', {})):>26} "
-                     f"{pct(b['inter']['error'])} {pct(b['intra']['error'])} "
-                     f"{pct(r.get('in_sample', {}).get('makespan', {}).get('error'))}  {wtext}")
-    lines.append("errors: (simulated - measured) / measured, out of sample (dispatch costs calibrated on other "
-                 "shapes); in-sample: makespan error with them refitted on this measurement")
+        lines.append(
+            f"{name:28} {r['makespan']['simulated_s'] * 1e3:8.1f} {r['makespan']['measured_s'] * 1e3:8.1f} "
+            f"{spread(rep.get('makespan', {})):>26} {spread(rep.get('bubbles_all', {})):>26} "
+            f"{pct(b['inter']['error'])} {pct(b['intra']['error'])} "
+            f"{pct(r.get('in_sample', {}).get('makespan', {}).get('error'))}  {wtext}"
+        )
+    lines.append(
+        "errors: (simulated - measured) / measured, out of sample (dispatch costs calibrated on other "
+        "shapes); in-sample: makespan error with them refitted on this measurement"
+    )
     if report.get("emulated_links"):
-        lines.append("links EMULATED: " + ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in report["emulated_links"].items()))
+        lines.append(
+            "links EMULATED: " + ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in report["emulated_links"].items())
+        )
     for w in report.get("machine", {}).get("warnings", []):
         lines.append(f"WARNING: {w}")
     return "\n".join(lines)

@@ -7,8 +7,18 @@ TIERS = ("gpu", "cpu", "disk")
 TENSORS = ("", "attention", "gate", "expert", "kv", "activation")
 # The categories of the compute ops the built-in policies make (the runtime has a kernel for each;
 # a policy file may add its own)
-COMPUTE_CATEGORIES = ("embed", "attention", "gate", "dense_mlp", "expert", "lm_head", "combine", "dequant", "attn_qkv",
-                      "attn_out")
+COMPUTE_CATEGORIES = (
+    "embed",
+    "attention",
+    "gate",
+    "dense_mlp",
+    "expert",
+    "lm_head",
+    "combine",
+    "dequant",
+    "attn_qkv",
+    "attn_out",
+)
 RESOURCES = ("gpu", "pcie_h2d", "pcie_d2h", "nvme", "host", "cpu")
 HOST_STREAM = "host"
 # What each link carries (the runtime copies so, and the simulator times a copy on its link: an
@@ -34,3 +44,15 @@ CPU_STREAMS: dict[str, str] = {
     "d2h_act": "pcie_d2h",
     "h2d_act": "pcie_h2d",
 }
+
+
+def kv_buffer(layer: int, batch: int, step: int) -> str:
+    """The GPU buffer of the KV entries one attention op adds (layer, batch, decode step): the
+    policies allocate it under this name, the runtime reads the past steps' entries by it."""
+    return f"kv/L{layer}/b{batch}/s{step}"
+
+
+def is_disk_read(op: object) -> bool:
+    """An op that reads from disk (into host memory): a transfer whose source tier is the disk.
+    Its role is in the op itself, so a schedule may put such reads on any stream it names."""
+    return getattr(op, "kind", "") == "transfer" and getattr(op, "src", "") == "disk"

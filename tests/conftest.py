@@ -27,12 +27,22 @@ def make_profile(memory_bytes: float = 1e12, copy_engines: int = 1, **gpu: float
     """A profile with round numbers: 1 TFLOP/s, 1 TB/s, 1 GB/s links, no overheads."""
     data = {
         "name": "test",
-        "gpu": {"name": "test-gpu", "memory_bytes": memory_bytes, "reserved_bytes": 0, "peak_flops": 1e12,
-                "memory_bandwidth": 1e12, "compute_efficiency": 1.0, "memory_efficiency": 1.0,
-                "kernel_overhead_s": 0.0, **gpu},
-        "links": {"pcie_h2d": {"bandwidth": 1e9, "latency_s": 0.0, "copy_engines": copy_engines},
-                  "pcie_d2h": {"bandwidth": 1e9, "latency_s": 0.0, "copy_engines": copy_engines},
-                  "nvme": {"bandwidth": 1e9, "latency_s": 0.0, "copy_engines": 1}},
+        "gpu": {
+            "name": "test-gpu",
+            "memory_bytes": memory_bytes,
+            "reserved_bytes": 0,
+            "peak_flops": 1e12,
+            "memory_bandwidth": 1e12,
+            "compute_efficiency": 1.0,
+            "memory_efficiency": 1.0,
+            "kernel_overhead_s": 0.0,
+            **gpu,
+        },
+        "links": {
+            "pcie_h2d": {"bandwidth": 1e9, "latency_s": 0.0, "copy_engines": copy_engines},
+            "pcie_d2h": {"bandwidth": 1e9, "latency_s": 0.0, "copy_engines": copy_engines},
+            "nvme": {"bandwidth": 1e9, "latency_s": 0.0, "copy_engines": 1},
+        },
         "host": {"memory_bytes": 1e12},
         "disk": {"capacity_bytes": 1e13},
     }
@@ -78,6 +88,7 @@ def start(args: list[str], preexec: Callable[[], None] | None = None, **popen: A
     session of its own: it and whatever it starts (pool workers, a Dask cluster) are ended together, by
     `stop` or, at the latest, by `no_process_left` when the test ends, however it ends. `preexec` runs after
     the signals are reset."""
+
     def first() -> None:
         default_signals()
         if preexec is not None:
@@ -104,8 +115,9 @@ def stop(proc: subprocess.Popen) -> tuple[Any, Any]:
         return None, None
 
 
-def run(args: list[str], timeout: float, preexec: Callable[[], None] | None = None,
-        **popen: Any) -> subprocess.CompletedProcess:
+def run(
+    args: list[str], timeout: float, preexec: Callable[[], None] | None = None, **popen: Any
+) -> subprocess.CompletedProcess:
     """`start` and wait for its end, its output captured as text (subprocess.run's); on a timeout (or a
     Ctrl-C) its whole session is killed first, not the process alone (subprocess.run's kill), whose
     workers held its pipes open and went on."""
@@ -167,8 +179,11 @@ def _processes() -> dict[int, tuple[str, int, int]]:
 
 def _session(sid: int) -> list[int]:
     """The running processes of session `sid` (started by `start`): those that outlived it, reparented, too."""
-    return [pid for pid, (state, _, session) in _processes().items()
-            if session == sid and pid != os.getpid() and state not in "ZX"]
+    return [
+        pid
+        for pid, (state, _, session) in _processes().items()
+        if session == sid and pid != os.getpid() and state not in "ZX"
+    ]
 
 
 def _command(pid: int) -> str:
@@ -203,10 +218,19 @@ def no_process_left(request: pytest.FixtureRequest):
 
     def left() -> list[int]:
         everything = _processes()
-        return [pid for pid, (state, parent, session) in everything.items() if state not in "ZX" and pid != os.getpid()
-                and (any(session == proc.pid for proc in started)
-                     or checked and parent == os.getpid() and pid not in before
-                     and not any(what in _command(pid) for what in _SERVING_PYTEST))]
+        return [
+            pid
+            for pid, (state, parent, session) in everything.items()
+            if state not in "ZX"
+            and pid != os.getpid()
+            and (
+                any(session == proc.pid for proc in started)
+                or checked
+                and parent == os.getpid()
+                and pid not in before
+                and not any(what in _command(pid) for what in _SERVING_PYTEST)
+            )
+        ]
 
     # (a process the test started and did not wait for is left for sure: no grace then)
     deadline = time.monotonic() + (0 if any(proc.poll() is None for proc in started) else LEFT_GRACE_S)
@@ -218,8 +242,9 @@ def no_process_left(request: pytest.FixtureRequest):
         if proc.poll() is None:
             stop(proc)
     if commands and checked:
-        pytest.fail(f"{len(commands)} process(es) left running by the test (killed now):\n" + "\n".join(commands),
-                    pytrace=False)
+        pytest.fail(
+            f"{len(commands)} process(es) left running by the test (killed now):\n" + "\n".join(commands), pytrace=False
+        )
 
 
 def folder_state(folder: Path) -> dict[str, bytes]:

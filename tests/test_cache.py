@@ -5,8 +5,8 @@ from collections import OrderedDict
 import pytest
 
 from klotski_sim.core.engine import simulate
-from klotski_sim.util.errors import UsageError
 from klotski_sim.policies import PolicyInput, build_schedule
+from klotski_sim.util.errors import UsageError
 
 from .test_pipelines import make_input
 
@@ -36,8 +36,13 @@ def test_lru_hits_equal_a_brute_force_replay(slots, impl):
     inp, s = build("single-batch", impl, n=1, expert_cache=slots, cache_policy="lru")
     m, sh = inp.model, inp.shape
     # single-batch copies every expert of each layer before computing it: batch, step, layer, expert order
-    accesses = [(layer, e) for _ in range(sh.num_batches) for _ in range(sh.num_steps)
-                for layer in range(m.num_layers) for e in range(m.num_experts)]
+    accesses = [
+        (layer, e)
+        for _ in range(sh.num_batches)
+        for _ in range(sh.num_steps)
+        for layer in range(m.num_layers)
+        for e in range(m.num_experts)
+    ]
     stats = s.meta["expert_cache"]
     assert (stats["hits"], stats["misses"]) == lru_replay(accesses, slots)
     loads = [o for o in s.ops if o.kind == "transfer" and o.tensor == "expert"]

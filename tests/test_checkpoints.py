@@ -22,15 +22,17 @@ from klotski_runtime.executor import ExecOptions, execute  # noqa: E402
 from klotski_runtime.kernels import WeightError, WeightStore  # noqa: E402
 from klotski_runtime.record import save_tiny_olmoe, save_tiny_qwen3_moe  # noqa: E402
 from klotski_sim.hardware.profile import load_profile  # noqa: E402
-from klotski_sim.workload.model import ModelSpec, get_model  # noqa: E402
 from klotski_sim.policies import Placement, PolicyInput, build_schedule  # noqa: E402
+from klotski_sim.workload.model import ModelSpec, get_model  # noqa: E402
 from klotski_sim.workload.routing import RoutingTable, RunShape  # noqa: E402
 
 from .test_cpu_experts import cpu_profile  # noqa: E402
 
 QWEN3, OLMOE = get_model("tiny-qwen3-moe"), get_model("tiny-olmoe")
-FAMILIES = {"qwen3_moe": (QWEN3, save_tiny_qwen3_moe, "Qwen3MoeForCausalLM"),
-            "olmoe": (OLMOE, save_tiny_olmoe, "OlmoeForCausalLM")}
+FAMILIES = {
+    "qwen3_moe": (QWEN3, save_tiny_qwen3_moe, "Qwen3MoeForCausalLM"),
+    "olmoe": (OLMOE, save_tiny_olmoe, "OlmoeForCausalLM"),
+}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -54,10 +56,19 @@ def hf_reference(checkpoint: Path, hf_class: str, spec: ModelSpec, n: int, bs: i
             hf_logits.append(out.logits[:, -1].reshape(n, bs, -1))
             if step < G - 1:
                 ids = torch.cat([ids, out.logits[:, -1:].argmax(-1)], dim=1)
-        routing = torch.stack([torch.topk(torch.softmax(r.float(), -1), spec.top_k, -1).indices
-                               .reshape(n * bs, -1, spec.top_k) for r in out.router_logits], dim=2)
-    table = RoutingTable(routing.reshape(n, bs, P + G - 1, spec.num_layers, spec.top_k).numpy().astype(np.int16),
-                         RunShape(bs, n, P, G), spec.num_experts, "transformers")
+        routing = torch.stack(
+            [
+                torch.topk(torch.softmax(r.float(), -1), spec.top_k, -1).indices.reshape(n * bs, -1, spec.top_k)
+                for r in out.router_logits
+            ],
+            dim=2,
+        )
+    table = RoutingTable(
+        routing.reshape(n, bs, P + G - 1, spec.num_layers, spec.top_k).numpy().astype(np.int16),
+        RunShape(bs, n, P, G),
+        spec.num_experts,
+        "transformers",
+    )
     return hf_logits, prompt, table
 
 
@@ -71,20 +82,28 @@ def test_matches_transformers_logits_with_unforced_routing(family):
     weights = WeightStore.from_checkpoint(checkpoint, spec, dtype=torch.float32)
     assert weights.rms_eps == (1e-6 if spec.hf_model_type == "qwen3_moe" else 1e-5)
     rtx = load_profile("rtx3090")
-    runs = [("klotski", PolicyInput(spec, rtx, table), False), ("flexgen", PolicyInput(spec, rtx, table), False),
-            ("klotski", PolicyInput(spec, rtx, table), True),
-            ("klotski", PolicyInput(spec, rtx, table, options={"attention_impl": "eager"}), False),
-            ("klotski", PolicyInput(spec, cpu_profile(), table, Placement(kv="cpu"), {"attention_device": "cpu"}),
-             False)]
+    runs = [
+        ("klotski", PolicyInput(spec, rtx, table), False),
+        ("flexgen", PolicyInput(spec, rtx, table), False),
+        ("klotski", PolicyInput(spec, rtx, table), True),
+        ("klotski", PolicyInput(spec, rtx, table, options={"attention_impl": "eager"}), False),
+        ("klotski", PolicyInput(spec, cpu_profile(), table, Placement(kv="cpu"), {"attention_device": "cpu"}), False),
+    ]
     for policy, inp, forced in runs:
         schedule = build_schedule(policy, inp)
-        _, runner = execute(schedule, spec, weights, table, ExecOptions(force_routing=forced, record_logits=True,
-                                                                        prompt=prompt.numpy()))
+        _, runner = execute(
+            schedule, spec, weights, table, ExecOptions(force_routing=forced, record_logits=True, prompt=prompt.numpy())
+        )
         for step in range(G):
             label = f"{policy} {dict(inp.options)} forced={forced} step {step}"
             for b in range(n):
-                torch.testing.assert_close(runner.logits[(step, b)], hf_logits[step][b], atol=1e-4, rtol=1e-4,
-                                           msg=lambda m, label=label: f"{label}: {m}")
+                torch.testing.assert_close(
+                    runner.logits[(step, b)],
+                    hf_logits[step][b],
+                    atol=1e-4,
+                    rtol=1e-4,
+                    msg=lambda m, label=label: f"{label}: {m}",
+                )
 
 
 def test_random_weights_hold_the_q_k_norms_the_simulator_counts(family):
@@ -115,8 +134,11 @@ def _one_line_error(path: Path, spec: ModelSpec) -> str:
     return message
 
 
-@pytest.mark.parametrize("config, dense", [({"mlp_only_layers": [1]}, [1]), ({"decoder_sparse_step": 2}, [0])],
-                         ids=["mlp_only_layers", "decoder_sparse_step"])
+@pytest.mark.parametrize(
+    "config, dense",
+    [({"mlp_only_layers": [1]}, [1]), ({"decoder_sparse_step": 2}, [0])],
+    ids=["mlp_only_layers", "decoder_sparse_step"],
+)
 def test_a_qwen3_checkpoint_with_dense_layers_is_refused(tmp_path, config, dense):
     """Qwen3MoeDecoderLayer makes a layer a dense MLP when it is in mlp_only_layers or off the sparse
     step ((layer + 1) % decoder_sparse_step): refused, naming the keys and the layers."""
@@ -131,49 +153,66 @@ def test_an_olmoe_checkpoint_that_clips_qkv_is_refused(tmp_path):
     assert "clip_qkv=8.0" in message, message
 
 
-@pytest.mark.parametrize("change, key", [
-    ({"ffn_size": 48}, "moe_intermediate_size=32"), ({"num_experts": 4}, "num_local_experts=8"),
-    ({"head_dim": 16}, "head_dim=32"), ({"num_kv_heads": 4}, "num_key_value_heads=2"),
-    ({"norm_topk_prob": False}, "norm_topk_prob=True"), ({"qk_norm": "full"}, "q/k norm=head"),
-    ({"hf_model_type": "olmoe", "qk_norm": "full", "norm_topk_prob": False}, "model_type='qwen3_moe'"),
-])
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        ({"ffn_size": 48}, "moe_intermediate_size=32"),
+        ({"num_experts": 4}, "num_local_experts=8"),
+        ({"head_dim": 16}, "head_dim=32"),
+        ({"num_kv_heads": 4}, "num_key_value_heads=2"),
+        ({"norm_topk_prob": False}, "norm_topk_prob=True"),
+        ({"qk_norm": "full"}, "q/k norm=head"),
+        ({"hf_model_type": "olmoe", "qk_norm": "full", "norm_topk_prob": False}, "model_type='qwen3_moe'"),
+    ],
+)
 def test_a_qwen3_checkpoint_that_does_not_match_the_spec_is_refused_naming_the_key(saved, change, key):
     from dataclasses import replace
 
     assert key in _one_line_error(saved["qwen3_moe"], replace(QWEN3, name="other", **change))
 
 
-@pytest.mark.parametrize("change, key", [
-    ({"ffn_size": 48}, "intermediate_size=32"), ({"num_experts": 4}, "num_experts=8"),
-    ({"norm_topk_prob": True}, "norm_topk_prob=False"), ({"qk_norm": "head"}, "q/k norm=full"),
-    ({"qk_norm": ""}, "q/k norm=full"), ({"vocab_size": 512}, "vocab_size=256"),
-])
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        ({"ffn_size": 48}, "intermediate_size=32"),
+        ({"num_experts": 4}, "num_experts=8"),
+        ({"norm_topk_prob": True}, "norm_topk_prob=False"),
+        ({"qk_norm": "head"}, "q/k norm=full"),
+        ({"qk_norm": ""}, "q/k norm=full"),
+        ({"vocab_size": 512}, "vocab_size=256"),
+    ],
+)
 def test_an_olmoe_checkpoint_that_does_not_match_the_spec_is_refused_naming_the_key(saved, change, key):
     from dataclasses import replace
 
     assert key in _one_line_error(saved["olmoe"], replace(OLMOE, name="other", **change))
 
 
-@pytest.mark.parametrize("edit, words", [
-    ({"num_hidden_layers": "x"}, "num_hidden_layers must be an integer, got 'x'"),
-    ({"head_dim": "32"}, "head_dim must be an integer, got '32'"),
-    ({"mlp_only_layers": "x"}, "mlp_only_layers must be a list of layer numbers"),
-    ({"mlp_only_layers": [[0]]}, "mlp_only_layers must be a list of layer numbers"),
-    ({"norm_topk_prob": "yes"}, "norm_topk_prob must be true or false"),
-    ({"rms_norm_eps": "x"}, "rms_norm_eps must be a finite number"),
-    ({"rms_norm_eps": -1}, "rms_norm_eps must be > 0"),
-    ({"rms_norm_eps": float("nan")}, "rms_norm_eps must be a finite number, got nan"),  # (passed `<= 0`)
-    ({"rope_parameters": [1]}, "rope_parameters must be a JSON object"),
-    ({"rope_parameters": {"rope_theta": "x", "rope_type": "default"}}, "rope_theta must be a finite number"),
-    # (a NaN base was read: a recorded trace agreed with the checkpoint's routing on 53% of its choices)
-    ({"rope_parameters": {"rope_theta": float("nan"), "rope_type": "default"}},
-     "rope_theta must be a finite number, got nan"),
-    ({"rope_parameters": {"rope_theta": -1e6, "rope_type": "default"}}, "rope_theta must be > 0, got -1000000.0"),
-    ({"rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),
-    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ({"num_hidden_layers": 1}, "num_hidden_layers=1"),
-    ({"tie_word_embeddings": False, "drop": "lm_head.weight"}, "'lm_head.weight' is missing"),
-])
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        ({"num_hidden_layers": "x"}, "num_hidden_layers must be an integer, got 'x'"),
+        ({"head_dim": "32"}, "head_dim must be an integer, got '32'"),
+        ({"mlp_only_layers": "x"}, "mlp_only_layers must be a list of layer numbers"),
+        ({"mlp_only_layers": [[0]]}, "mlp_only_layers must be a list of layer numbers"),
+        ({"norm_topk_prob": "yes"}, "norm_topk_prob must be true or false"),
+        ({"rms_norm_eps": "x"}, "rms_norm_eps must be a finite number"),
+        ({"rms_norm_eps": -1}, "rms_norm_eps must be > 0"),
+        ({"rms_norm_eps": float("nan")}, "rms_norm_eps must be a finite number, got nan"),  # (passed `<= 0`)
+        ({"rope_parameters": [1]}, "rope_parameters must be a JSON object"),
+        ({"rope_parameters": {"rope_theta": "x", "rope_type": "default"}}, "rope_theta must be a finite number"),
+        # (a NaN base was read: a recorded trace agreed with the checkpoint's routing on 53% of its choices)
+        (
+            {"rope_parameters": {"rope_theta": float("nan"), "rope_type": "default"}},
+            "rope_theta must be a finite number, got nan",
+        ),
+        ({"rope_parameters": {"rope_theta": -1e6, "rope_type": "default"}}, "rope_theta must be > 0, got -1000000.0"),
+        ({"rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"num_hidden_layers": 1}, "num_hidden_layers=1"),
+        ({"tie_word_embeddings": False, "drop": "lm_head.weight"}, "'lm_head.weight' is missing"),
+    ],
+)
 def test_a_config_value_of_the_wrong_type_or_an_uncomputed_feature_is_one_line(saved, tmp_path, edit, words):
     """Values read from config.json are checked before use (a traceback before), and what the
     kernels do not compute is refused, never silently computed otherwise."""
@@ -260,8 +299,9 @@ def test_the_simulator_counts_the_kernels_these_models_add():
         plain = replace(spec, qk_norm="", norm_topk_prob=True)
         for op in ops.values():
             as_mixtral = op_variant(plain, op.category, "fused" if op.category == "attention" else "")
-            extra = cost.duration(op, "gpu") - cost.compute_seconds(op.category, op.flops, op.bytes, op.tokens,
-                                                                     op.kv_len, op.phase, as_mixtral)
+            extra = cost.duration(op, "gpu") - cost.compute_seconds(
+                op.category, op.flops, op.bytes, op.tokens, op.kv_len, op.phase, as_mixtral
+            )
             assert extra == pytest.approx((16 if op.category == "attention" else -2 if gate else 0) * overhead)
 
 
@@ -270,17 +310,20 @@ def test_calibration_tables_are_named_as_the_ops_that_read_them():
     schedule's ops carry, so the simulator costs them from the measurement, not the roofline."""
     from klotski_runtime.calibrate import calibrate
 
-    profile = calibrate(OLMOE, "cpu", batch_sizes=(2,), prompt_lens=(5,), max_expert_tokens=8, repeats=1,
-                        dtype=torch.float32)
+    profile = calibrate(
+        OLMOE, "cpu", batch_sizes=(2,), prompt_lens=(5,), max_expert_tokens=8, repeats=1, dtype=torch.float32
+    )
     schedule = build_schedule("klotski", PolicyInput(OLMOE, profile, _routing(OLMOE), impl="ideal"))
     for op in schedule.ops:
         if op.category in ("attention", "gate"):
-            assert f"{op.category}.{op.variant}:{op.phase}" in profile.measured or \
-                f"{op.category}.{op.variant}" in profile.measured, (op.category, op.variant)
+            assert (
+                f"{op.category}.{op.variant}:{op.phase}" in profile.measured
+                or f"{op.category}.{op.variant}" in profile.measured
+            ), (op.category, op.variant)
 
 
 def _routing(spec: ModelSpec) -> RoutingTable:
     rng = np.random.default_rng(0)
     n, bs, P, G = 2, 2, 5, 3
-    ids = np.argsort(rng.random((n, bs, P + G - 1, spec.num_layers, spec.num_experts)), axis=-1)[..., :spec.top_k]
+    ids = np.argsort(rng.random((n, bs, P + G - 1, spec.num_layers, spec.num_experts)), axis=-1)[..., : spec.top_k]
     return RoutingTable(ids.astype(np.int16), RunShape(bs, n, P, G), spec.num_experts, "random")

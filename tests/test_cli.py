@@ -56,14 +56,32 @@ def test_trace_stats_names_the_file_of_a_token_set_it_does_not_hold(tmp_path):
     """`--tokens generated` of a trace of prompts alone said `error: the trace holds no generated tokens`,
     naming neither the file nor the flag."""
     path = tmp_path / "t.npz"
-    assert run_cli("trace", "synth", "--model", "tiny-mixtral", "--sequences", "2", "--prompt-len", "4",
-                   "--gen-len", "2", "--out", str(path))[0] == 0
+    assert (
+        run_cli(
+            "trace",
+            "synth",
+            "--model",
+            "tiny-mixtral",
+            "--sequences",
+            "2",
+            "--prompt-len",
+            "4",
+            "--gen-len",
+            "2",
+            "--out",
+            str(path),
+        )[0]
+        == 0
+    )
     trace = Trace.load(path)
     prompts_only = tmp_path / "prompts.npz"
     Trace(trace.experts, trace.seq_offsets, np.diff(trace.seq_offsets).astype(np.int32), trace.meta).save(prompts_only)
     rc, out, err = run_cli("trace", "stats", str(prompts_only), "--tokens", "generated")
-    assert (rc, out, err) == (2, "", f"error: {prompts_only}: --tokens generated: the trace holds no generated "
-                                     f"tokens\n")
+    assert (rc, out, err) == (
+        2,
+        "",
+        f"error: {prompts_only}: --tokens generated: the trace holds no generated tokens\n",
+    )
     assert run_cli("trace", "stats", str(prompts_only), "--tokens", "prompt")[0] == 0
 
 
@@ -71,8 +89,22 @@ def test_a_run_stopped_in_its_prefill_or_of_one_token_has_no_decode_phase_and_no
     """A Klotski run out of GPU memory at its first layer printed `prefill 0.004 s + decode 0.013 s`
     (the tail of a copy of the prefill), `efficiency 100.0%` and, in compare, `100.0%`; a run of one
     generated token `0.000 tok/s decode only` and a `0.0 ms` decode step."""
-    oom = ("--model", "mixtral-8x7b:1", "--batch-size", "2", "--num-batches", "2", "--prompt-len", "8", "--gen-len",
-           "3", "--set", "gpu.memory_bytes=2e9", "--set", "gpu.reserved_bytes=1e9")
+    oom = (
+        "--model",
+        "mixtral-8x7b:1",
+        "--batch-size",
+        "2",
+        "--num-batches",
+        "2",
+        "--prompt-len",
+        "8",
+        "--gen-len",
+        "3",
+        "--set",
+        "gpu.memory_bytes=2e9",
+        "--set",
+        "gpu.reserved_bytes=1e9",
+    )
     rc, out, err = run_cli("simulate", *oom, "--policy", "klotski", "--out", str(tmp_path / "o"))
     summary = json.loads((tmp_path / "o" / "summary.json").read_text())
     assert rc == 3 and summary["status"] == "oom" and summary["decode_s"] == 0.0, out
@@ -97,8 +129,9 @@ def test_oom_is_reported_with_exit_3():
 
 def test_trace_synth_stats_and_simulate_replay(tmp_path):
     path = tmp_path / "t.npz"
-    rc, out, err = run_cli("trace", "synth", "--sequences", "24", "--prompt-len", "16", "--gen-len", "4",
-                           "--out", str(path))
+    rc, out, err = run_cli(
+        "trace", "synth", "--sequences", "24", "--prompt-len", "16", "--gen-len", "4", "--out", str(path)
+    )
     assert rc == 0, err
     rc, out, err = run_cli("trace", "stats", str(path), "--csv", str(tmp_path / "s.csv"))
     assert rc == 0 and "stick_top1" in out and "mi_next_bits" in out and (tmp_path / "s.csv").exists()
@@ -112,8 +145,21 @@ def test_trace_synth_stats_and_simulate_replay(tmp_path):
 
 
 def test_shipped_recorded_trace_replays():
-    rc, out, err = run_cli("simulate", "--model", "tiny-mixtral", "--trace", "traces/tiny-mixtral-recorded.npz",
-                           "--prompt-len", "64", "--gen-len", "16", "--batch-size", "2", "--num-batches", "2")
+    rc, out, err = run_cli(
+        "simulate",
+        "--model",
+        "tiny-mixtral",
+        "--trace",
+        "traces/tiny-mixtral-recorded.npz",
+        "--prompt-len",
+        "64",
+        "--gen-len",
+        "16",
+        "--batch-size",
+        "2",
+        "--num-batches",
+        "2",
+    )
     assert rc == 0, err
 
 
@@ -129,8 +175,12 @@ def test_trace_errors_are_one_line(tmp_path):
 
 
 def test_trace_import_cli(tmp_path):
-    lines = [json.dumps({"seq_id": 0, "token_idx": t, "layer": layer, "experts": [t % 4, (t + 1) % 4]})
-             for t in range(6) for layer in range(2) if (t, layer) != (4, 1)]
+    lines = [
+        json.dumps({"seq_id": 0, "token_idx": t, "layer": layer, "experts": [t % 4, (t + 1) % 4]})
+        for t in range(6)
+        for layer in range(2)
+        if (t, layer) != (4, 1)
+    ]
     (tmp_path / "log.jsonl").write_text("\n".join(lines))
     rc, out, err = run_cli("trace", "import", str(tmp_path / "log.jsonl"), "--model", "tiny-mixtral")
     assert rc == 0, err
@@ -138,8 +188,13 @@ def test_trace_import_cli(tmp_path):
     rc, out, err = run_cli("trace", "import", str(tmp_path / "log.jsonl"), "--model", "olmoe-1b-7b")
     assert rc == 2 and "the trace has another shape than model 'olmoe-1b-7b' (trace vs model: top-2 vs top-8; " in err
     # 50 sequences with a hole each and ids of 4000 characters: at most 40 warnings and a count, ids cut short
-    many = [json.dumps({"seq_id": f"{k:02d}" + "x" * 4000, "token_idx": t, "layer": layer, "experts": [0, 1]})
-            for k in range(50) for t in range(3) for layer in range(2) if (t, layer) != (2, 1)]
+    many = [
+        json.dumps({"seq_id": f"{k:02d}" + "x" * 4000, "token_idx": t, "layer": layer, "experts": [0, 1]})
+        for k in range(50)
+        for t in range(3)
+        for layer in range(2)
+        if (t, layer) != (2, 1)
+    ]
     (tmp_path / "many.jsonl").write_text("\n".join(many))
     rc, out, err = run_cli("trace", "import", str(tmp_path / "many.jsonl"), "--out", str(tmp_path / "many.npz"))
     warnings = err.splitlines()
@@ -148,24 +203,67 @@ def test_trace_import_cli(tmp_path):
 
 
 def test_compare_both_presets_and_the_memory_check(tmp_path):
-    rc, out, err = run_cli("compare", "--prompt-len", "32", "--gen-len", "3", "--batch-size", "4",
-                           "--policies", "klotski,flexgen", "--impl", "both", "--no-png", "--out", str(tmp_path))
+    rc, out, err = run_cli(
+        "compare",
+        "--prompt-len",
+        "32",
+        "--gen-len",
+        "3",
+        "--batch-size",
+        "4",
+        "--policies",
+        "klotski,flexgen",
+        "--impl",
+        "both",
+        "--no-png",
+        "--out",
+        str(tmp_path),
+    )
     assert rc == 0, err
     assert "as-published" in out and "ideal" in out and "left on the table" in out
     assert not list(tmp_path.glob("trace_*"))  # traces are opt-in
     rows = json.loads((tmp_path / "compare.json").read_text())
-    assert {(r["policy"], r["impl"]) for r in rows} == {(p, i) for p in ("klotski", "flexgen")
-                                                        for i in ("as-published", "ideal")}
+    assert {(r["policy"], r["impl"]) for r in rows} == {
+        (p, i) for p in ("klotski", "flexgen") for i in ("as-published", "ideal")
+    }
     for r in rows:
         assert r["decode_throughput_tok_s"] > r["throughput_tok_s"] > 0  # prefill excluded from decode
     # an impossible configuration is refused by the memory check, with the numbers, before anything is built
-    rc, out, err = run_cli("simulate", "--model", "mixtral-8x22b", "--batch-size", "64", "--num-batches", "16",
-                           "--prompt-len", "4096", "--gen-len", "8", "--policy", "klotski")
+    rc, out, err = run_cli(
+        "simulate",
+        "--model",
+        "mixtral-8x22b",
+        "--batch-size",
+        "64",
+        "--num-batches",
+        "16",
+        "--prompt-len",
+        "4096",
+        "--gen-len",
+        "8",
+        "--policy",
+        "klotski",
+    )
     assert rc == 3 and "memory check (nothing built)" in out and "activations" in out and "Traceback" not in err
     # ... and with --out it writes what there is (it once crashed on the routing it never built)
-    rc, out, err = run_cli("simulate", "--model", "mixtral-8x22b", "--batch-size", "64", "--num-batches", "16",
-                           "--prompt-len", "4096", "--gen-len", "8", "--policy", "klotski", "--no-png",
-                           "--out", str(tmp_path / "refused"))
+    rc, out, err = run_cli(
+        "simulate",
+        "--model",
+        "mixtral-8x22b",
+        "--batch-size",
+        "64",
+        "--num-batches",
+        "16",
+        "--prompt-len",
+        "4096",
+        "--gen-len",
+        "8",
+        "--policy",
+        "klotski",
+        "--no-png",
+        "--out",
+        str(tmp_path / "refused"),
+    )
     assert rc == 3 and "Traceback" not in err and "routing.npz" not in out, err
     summary = json.loads((tmp_path / "refused" / "summary.json").read_text())
     assert summary["status"] == "oom" and summary["num_ops"] == 0
@@ -173,8 +271,21 @@ def test_compare_both_presets_and_the_memory_check(tmp_path):
 
 def test_compare_in_worker_processes_gives_the_serial_results(tmp_path):
     """compare runs its policies in parallel processes: the rows, traces and table are the serial run's."""
-    args = ("compare", "--prompt-len", "32", "--gen-len", "3", "--batch-size", "4", "--policies",
-            "single-batch,klotski,flexgen", "--impl", "both", "--no-png", "--traces")
+    args = (
+        "compare",
+        "--prompt-len",
+        "32",
+        "--gen-len",
+        "3",
+        "--batch-size",
+        "4",
+        "--policies",
+        "single-batch,klotski,flexgen",
+        "--impl",
+        "both",
+        "--no-png",
+        "--traces",
+    )
     outputs = {}
     for workers in (1, 3):
         out_dir = tmp_path / str(workers)
@@ -209,7 +320,7 @@ def test_what_runs_meanwhile_runs_beside_the_workers_and_its_errors_are_ignored(
     assert [tl.summary() for tl in beside] == [tl.summary() for tl in alone]
 
 
-def _finishes_and_leaves_a_mark(spec, trace_path=None, prep=None, keep=None):
+def _finishes_and_leaves_a_mark(spec, trace_path=None, prep=None, keep=None, plan=None):
     """A stand-in for a run: it takes a moment, then leaves a file saying it finished."""
     import time
 
@@ -229,8 +340,12 @@ def test_what_runs_meanwhile_waits_for_a_core_that_no_worker_needs(tmp_path, mon
     monkeypatch.setattr(runner, "_timeline_of", _finishes_and_leaves_a_mark)
     spec = runner.RunSpec(policy="klotski", num_batches=2, batch_size=2, prompt_len=8, gen_len=2)
     finished_before = []
-    results = runner.run_each([replace(spec, seed=k) for k in range(3)], None, workers=2,
-                              meanwhile=lambda: finished_before.append(len(list(tmp_path.iterdir()))))
+    results = runner.run_each(
+        [replace(spec, seed=k) for k in range(3)],
+        None,
+        workers=2,
+        meanwhile=lambda: finished_before.append(len(list(tmp_path.iterdir()))),
+    )
     assert results == [0, 1, 2] and finished_before and finished_before[0] >= 2
 
 
@@ -249,8 +364,9 @@ def test_a_worker_that_dies_is_one_clear_error(monkeypatch):
 
 
 def test_compare_prints_the_table_and_writes_figures(tmp_path):
-    rc, out, err = run_cli("compare", "--prompt-len", "32", "--gen-len", "3", "--batch-size", "4",
-                           "--traces", "--out", str(tmp_path))
+    rc, out, err = run_cli(
+        "compare", "--prompt-len", "32", "--gen-len", "3", "--batch-size", "4", "--traces", "--out", str(tmp_path)
+    )
     assert rc == 0, err
     for policy in ("single-batch", "multi-batch", "hot-prefetch", "klotski", "klotski-oracle", "flexgen"):
         assert policy in out
@@ -280,16 +396,38 @@ def test_flags_are_never_abbreviated():
 
 
 def test_simulate_with_planner_batches(tmp_path):
-    rc, out, err = run_cli("simulate", "--policy", "klotski", "--num-batches", "auto", "--prompt-len", "16",
-                           "--gen-len", "3", "--out", str(tmp_path))
+    rc, out, err = run_cli(
+        "simulate",
+        "--policy",
+        "klotski",
+        "--num-batches",
+        "auto",
+        "--prompt-len",
+        "16",
+        "--gen-len",
+        "3",
+        "--out",
+        str(tmp_path),
+    )
     assert rc == 0, err
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["num_batches"] > 1 and "prefetch" in summary["extra"]
 
 
 def test_policy_options_from_the_cli(tmp_path):
-    rc, out, err = run_cli("simulate", "--policy", "flexgen", "--num-batches", "2", *SMALL, "--option", "overlap=model",
-                           "--out", str(tmp_path), "--no-png")
+    rc, out, err = run_cli(
+        "simulate",
+        "--policy",
+        "flexgen",
+        "--num-batches",
+        "2",
+        *SMALL,
+        "--option",
+        "overlap=model",
+        "--out",
+        str(tmp_path),
+        "--no-png",
+    )
     assert rc == 0, err
     assert json.loads((tmp_path / "schedule.json").read_text())["meta"]["overlap"] == "model"
     rc, _, err = run_cli("simulate", "--policy", "klotski", *SMALL, "--option", "overlap=model")
@@ -299,12 +437,30 @@ def test_policy_options_from_the_cli(tmp_path):
 def test_resident_layers_takes_a_count_or_fill_and_nothing_else(tmp_path):
     code, out, err = run_cli("simulate", "--resident-layers", "most", "--out", str(tmp_path / "a"))
     assert code == 2 and err.count("\n") == 1 and "--resident-layers" in err and "fill" in err, err
-    code, out, err = run_cli("simulate", "--model", "tiny-mixtral", "--resident-layers", "3", "--out",
-                             str(tmp_path / "b"))
+    code, out, err = run_cli(
+        "simulate", "--model", "tiny-mixtral", "--resident-layers", "3", "--out", str(tmp_path / "b")
+    )
     assert code == 2 and err.count("\n") == 1 and "give 0..2" in err, err
-    code, out, err = run_cli("simulate", "--model", "mixtral-8x7b:12", "--policy", "klotski", "--batch-size", "2",
-                             "--num-batches", "2", "--prompt-len", "16", "--gen-len", "3", "--resident-layers", "fill",
-                             "--no-png", "--out", str(tmp_path / "c"))
+    code, out, err = run_cli(
+        "simulate",
+        "--model",
+        "mixtral-8x7b:12",
+        "--policy",
+        "klotski",
+        "--batch-size",
+        "2",
+        "--num-batches",
+        "2",
+        "--prompt-len",
+        "16",
+        "--gen-len",
+        "3",
+        "--resident-layers",
+        "fill",
+        "--no-png",
+        "--out",
+        str(tmp_path / "c"),
+    )
     assert code == 0, err
     placement = json.loads((tmp_path / "c" / "summary.json").read_text())["extra"]["placement"]
     assert 0 < placement["resident_layers"] < 12
@@ -316,13 +472,15 @@ def test_the_cli_starts_without_pandas_until_a_command_needs_it():
     import subprocess
     import sys
 
-    probe = ("import sys, klotski_sim.cli.main as cli\n"
-             "assert 'pandas' not in sys.modules, 'imported at start'\n"
-             "cli.main(['plan'])\n"
-             "assert 'pandas' not in sys.modules, 'imported by plan'\n"
-             "from klotski_sim.util.lazy import pd\n"
-             "import pandas\n"
-             "assert pd.DataFrame is pandas.DataFrame\n")
+    probe = (
+        "import sys, klotski_sim.cli.main as cli\n"
+        "assert 'pandas' not in sys.modules, 'imported at start'\n"
+        "cli.main(['plan'])\n"
+        "assert 'pandas' not in sys.modules, 'imported by plan'\n"
+        "from klotski_sim.util.lazy import pd\n"
+        "import pandas\n"
+        "assert pd.DataFrame is pandas.DataFrame\n"
+    )
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
@@ -332,12 +490,29 @@ def test_the_makespans_parts_printed_add_up_to_it():
     makespan's parentheses: the two "parts" summed past the makespan (0.092 + 0.184 > 0.245 s here)."""
     import re
 
-    rc, out, err = run_cli("simulate", "--model", "small-mixtral", "--hardware", "a5000", "--policy", "single-batch",
-                           "--impl", "ideal", "--batch-size", "1", "--prompt-len", "4", "--gen-len", "4",
-                           "--num-batches", "2")
+    rc, out, err = run_cli(
+        "simulate",
+        "--model",
+        "small-mixtral",
+        "--hardware",
+        "a5000",
+        "--policy",
+        "single-batch",
+        "--impl",
+        "ideal",
+        "--batch-size",
+        "1",
+        "--prompt-len",
+        "4",
+        "--gen-len",
+        "4",
+        "--num-batches",
+        "2",
+    )
     assert rc == 0, err
-    found = re.search(r"makespan +([0-9.]+) s +\(prefill ([0-9.]+) s \+ decode ([0-9.]+) s; a batch's prefill ([0-9.]+)",
-                      out)
+    found = re.search(
+        r"makespan +([0-9.]+) s +\(prefill ([0-9.]+) s \+ decode ([0-9.]+) s; a batch's prefill ([0-9.]+)", out
+    )
     assert found, out
     makespan, prefill, decode, latency = map(float, found.groups())
     assert abs(prefill + decode - makespan) <= 0.0015 and latency > prefill  # (not a part: here larger than it)

@@ -3,9 +3,9 @@
 import pytest
 
 from klotski_sim.core.engine import simulate
-from klotski_sim.util.errors import UsageError
 from klotski_sim.policies import Placement, PolicyInput, build_schedule
 from klotski_sim.runs.runner import RunSpec, run
+from klotski_sim.util.errors import UsageError
 
 from .conftest import run_cli
 from .test_cpu_experts import cpu_profile
@@ -14,10 +14,12 @@ from .test_pipelines import make_input
 
 @pytest.mark.parametrize("policy", ["klotski", "flexgen", "single-batch", "fiddler"])
 def test_decode_attention_runs_on_the_cpu_and_the_kv_cache_never_crosses_pcie_in_decode(policy):
-    inp = make_input(model="small-mixtral", bs=2, n=2, P=6, G=4, placement=Placement(kv="cpu"),
-                     profile=cpu_profile(memory_bytes=4e9))
-    inp = PolicyInput(inp.model, inp.profile, inp.routing, inp.placement, {"attention_device": "cpu"}, inp.warmup,
-                      "ideal")
+    inp = make_input(
+        model="small-mixtral", bs=2, n=2, P=6, G=4, placement=Placement(kv="cpu"), profile=cpu_profile(memory_bytes=4e9)
+    )
+    inp = PolicyInput(
+        inp.model, inp.profile, inp.routing, inp.placement, {"attention_device": "cpu"}, inp.warmup, "ideal"
+    )
     s = build_schedule(policy, inp)
     m = inp.model
     decode_core = [o for o in s.ops if o.category == "attention" and o.step > 0]
@@ -41,12 +43,15 @@ def test_the_planner_uses_the_gpu_memory_the_kv_cache_leaves():
     assert on_cpu.schedule.meta["num_batches"] > on_gpu.schedule.meta["num_batches"]
 
 
-@pytest.mark.parametrize("args, message", [
-    (("--option", "attention_device=cpu", "--hardware", "a100-80g"), "`cpu:` section"),
-    (("--option", "attention_device=cpu", "--kv", "gpu"), "--kv gpu contradicts"),
-    (("--option", "attention_device=cpu", "--model", "deepseek-v2-lite:2"), "MLA"),
-    (("--option", "attention_device=tpu"), "gpu or cpu"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--option", "attention_device=cpu", "--hardware", "a100-80g"), "`cpu:` section"),
+        (("--option", "attention_device=cpu", "--kv", "gpu"), "--kv gpu contradicts"),
+        (("--option", "attention_device=cpu", "--model", "deepseek-v2-lite:2"), "MLA"),
+        (("--option", "attention_device=tpu"), "gpu or cpu"),
+    ],
+)
 def test_impossible_cpu_attention_is_one_line(args, message):
     code, out, err = run_cli("simulate", "--policy", "klotski", "--no-png", "--gen-len", "4", *args)
     assert code == 2 and err.count("\n") == 1 and message in err, err
@@ -57,14 +62,14 @@ def test_the_runtime_executes_the_split_attention_with_the_same_logits():
     from klotski_runtime.executor import ExecOptions, execute
     from klotski_runtime.kernels import WeightStore
 
-    inp = make_input(model="tiny-mixtral", bs=2, n=2, P=4, G=4, placement=Placement(kv="cpu"),
-                     profile=cpu_profile())
+    inp = make_input(model="tiny-mixtral", bs=2, n=2, P=4, G=4, placement=Placement(kv="cpu"), profile=cpu_profile())
     weights = WeightStore.random(inp.model, dtype=torch.float32)
     for policy in ("klotski", "single-batch", "flexgen"):
-        split = build_schedule(policy, PolicyInput(inp.model, inp.profile, inp.routing, inp.placement,
-                                                   {"attention_device": "cpu"}, inp.warmup))
-        plain = build_schedule(policy, PolicyInput(inp.model, inp.profile, inp.routing, inp.placement, {},
-                                                   inp.warmup))
+        split = build_schedule(
+            policy,
+            PolicyInput(inp.model, inp.profile, inp.routing, inp.placement, {"attention_device": "cpu"}, inp.warmup),
+        )
+        plain = build_schedule(policy, PolicyInput(inp.model, inp.profile, inp.routing, inp.placement, {}, inp.warmup))
         tl, run_split = execute(split, inp.model, weights, inp.routing, ExecOptions(record_logits=True))
         _, run_plain = execute(plain, inp.model, weights, inp.routing, ExecOptions(record_logits=True))
         for key, logits in run_plain.logits.items():
@@ -72,8 +77,12 @@ def test_the_runtime_executes_the_split_attention_with_the_same_logits():
         assert "cpu" in set(tl.columns["resource"])
         assert run_split.in_use == run_split.buffer_bytes.get("resident", 0)
     with pytest.raises(UsageError):
-        build_schedule("klotski", PolicyInput(inp.model, inp.profile, inp.routing, Placement(kv="gpu"),
-                                              {"attention_device": "cpu"}, inp.warmup))
+        build_schedule(
+            "klotski",
+            PolicyInput(
+                inp.model, inp.profile, inp.routing, Placement(kv="gpu"), {"attention_device": "cpu"}, inp.warmup
+            ),
+        )
 
 
 def test_validate_takes_policy_options(tmp_path):
@@ -84,10 +93,30 @@ def test_validate_takes_policy_options(tmp_path):
     from .conftest import ROOT
 
     pytest.importorskip("torch")
-    proc = subprocess.run([sys.executable, "-m", "klotski_runtime.cli", "validate", "--model", "tiny-mixtral",
-                           "--policy", "klotski", "--option", "attention_device=cpu", "--kv", "cpu",
-                           "--repeats", "1", "--out", str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
-                          timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "klotski_runtime.cli",
+            "validate",
+            "--model",
+            "tiny-mixtral",
+            "--policy",
+            "klotski",
+            "--option",
+            "attention_device=cpu",
+            "--kv",
+            "cpu",
+            "--repeats",
+            "1",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads((tmp_path / "validation.json").read_text())
     assert report["setup"]["options"] == {"attention_device": "cpu"}

@@ -9,16 +9,22 @@ from hypothesis import strategies as st
 
 from klotski_sim.core.cost import CostModel
 from klotski_sim.core.engine import simulate
-from klotski_sim.util.errors import UsageError
 from klotski_sim.hardware.profile import ProfileError, profile_from_dict
 from klotski_sim.policies import PolicyInput, build_schedule
 from klotski_sim.policies.fiddler import gpu_expert_slots, popular_experts
+from klotski_sim.util.errors import UsageError
 
 from .conftest import make_profile, run_cli
 from .test_pipelines import make_input
 
-CPU = {"name": "test-cpu", "cores": 8, "flops": {"bf16": 1e11, "fp32": 2e11}, "compute_dtype": "bf16",
-       "memory_bandwidth": 5e9, "op_overhead_s": 0.0}
+CPU = {
+    "name": "test-cpu",
+    "cores": 8,
+    "flops": {"bf16": 1e11, "fp32": 2e11},
+    "compute_dtype": "bf16",
+    "memory_bandwidth": 5e9,
+    "op_overhead_s": 0.0,
+}
 
 
 def cpu_profile(memory_bytes=1e12, link=1e9, **cpu):
@@ -53,19 +59,27 @@ def test_every_routed_token_is_computed_once_on_one_side(policy, impl):
     inp, s = built(policy, impl, cpu_profile(memory_bytes=4e9), model="mixtral-8x7b:2")  # a few experts fit
     where, tokens = experts_by_place(s)
     counts = inp.routing.counts
-    expected = {(st_, l, b, e): int(counts[st_, l, b, e]) for st_ in range(4) for l in range(2) for b in range(2)
-                for e in range(8) if counts[st_, l, b, e]}
+    expected = {
+        (st_, layer_, b, e): int(counts[st_, layer_, b, e])
+        for st_ in range(4)
+        for layer_ in range(2)
+        for b in range(2)
+        for e in range(8)
+        if counts[st_, layer_, b, e]
+    }
     assert dict(tokens) == expected and "cpu" in set(where.values())
     tl = simulate(s, inp.profile)
     assert tl.status == "ok"
     assert "cpu" in set(tl.columns["resource"])
 
 
-@given(cpu_bw=st.floats(1e8, 1e11), cpu_flops=st.floats(1e9, 1e13), link=st.floats(1e8, 5e10),
-       overhead=st.floats(0, 1e-3))
+@given(
+    cpu_bw=st.floats(1e8, 1e11), cpu_flops=st.floats(1e9, 1e13), link=st.floats(1e8, 5e10), overhead=st.floats(0, 1e-3)
+)
 def test_the_cost_rule_never_picks_the_side_its_cost_model_says_is_slower(cpu_bw, cpu_flops, link, overhead):
-    profile = cpu_profile(memory_bytes=2e9, link=link, memory_bandwidth=cpu_bw, flops={"bf16": cpu_flops},
-                          op_overhead_s=overhead)
+    profile = cpu_profile(
+        memory_bytes=2e9, link=link, memory_bandwidth=cpu_bw, flops={"bf16": cpu_flops}, op_overhead_s=overhead
+    )
     inp, s = built("fiddler", "ideal", profile, model="mixtral-8x7b:2")  # room for 1 of its 16 experts
     m, cost = inp.model, CostModel(profile)
     on_gpu = popular_experts(inp, gpu_expert_slots(inp, 2))
@@ -78,11 +92,14 @@ def test_the_cost_rule_never_picks_the_side_its_cost_model_says_is_slower(cpu_bw
             continue
         decided += 1
         n = tokens[(step, layer, batch, expert)]
-        cpu_path = (cost.cpu_seconds(m.expert_flops(n), m.expert_io_bytes(n, stored=True), "expert", n)
-                    + cost.transfer_seconds("pcie_d2h", m.hidden_bytes(n))
-                    + cost.transfer_seconds("pcie_h2d", m.hidden_bytes(n)))
-        gpu_path = (cost.transfer_seconds("pcie_h2d", m.expert_bytes())
-                    + cost.compute_seconds("expert", m.expert_flops(n), m.expert_io_bytes(n), n))
+        cpu_path = (
+            cost.cpu_seconds(m.expert_flops(n), m.expert_io_bytes(n, stored=True), "expert", n)
+            + cost.transfer_seconds("pcie_d2h", m.hidden_bytes(n))
+            + cost.transfer_seconds("pcie_h2d", m.hidden_bytes(n))
+        )
+        gpu_path = cost.transfer_seconds("pcie_h2d", m.expert_bytes()) + cost.compute_seconds(
+            "expert", m.expert_flops(n), m.expert_io_bytes(n), n
+        )
         if side == "cpu":
             assert cpu_path < gpu_path and (step, layer, batch) in downs
         else:
@@ -93,8 +110,9 @@ def test_the_cost_rule_never_picks_the_side_its_cost_model_says_is_slower(cpu_bw
 def test_fiddler_as_published_computes_on_the_cpu_iff_fewer_than_ten_tokens():
     # mixtral-8x7b:2 so that the experts are too big for the GPU: every expert is cold
     inp = make_input(model="mixtral-8x7b:2", bs=3, n=1, P=12, G=3, profile=cpu_profile(memory_bytes=1.2e9))
-    s = build_schedule("fiddler", PolicyInput(inp.model, inp.profile, inp.routing, inp.placement, {}, inp.warmup,
-                                              "as-published"))
+    s = build_schedule(
+        "fiddler", PolicyInput(inp.model, inp.profile, inp.routing, inp.placement, {}, inp.warmup, "as-published")
+    )
     assert s.meta["gpu_expert_slots"] == 0
     where, tokens = experts_by_place(s)
     assert where and all((side == "cpu") == (tokens[key] < 10) for key, side in where.items())
@@ -109,8 +127,9 @@ def test_fiddler_as_published_computes_on_the_cpu_iff_fewer_than_ten_tokens():
 def test_llamacpp_moves_whole_layers_for_32_tokens_and_keeps_smaller_ops_on_the_cpu():
     profile = cpu_profile(memory_bytes=6e9)
     inp = make_input(model="mixtral-8x7b:2", bs=6, n=1, P=6, G=3, profile=profile)  # prefill 36 tokens, decode 6
-    s = build_schedule("llamacpp-moe", PolicyInput(inp.model, inp.profile, inp.routing, inp.placement, {},
-                                                   inp.warmup, "as-published"))
+    s = build_schedule(
+        "llamacpp-moe", PolicyInput(inp.model, inp.profile, inp.routing, inp.placement, {}, inp.warmup, "as-published")
+    )
     where, _ = experts_by_place(s)
     assert all((side == "gpu") == (step == 0) for (step, *_), side in where.items())
     loads = Counter((o.step, o.layer) for o in s.ops if o.kind == "transfer" and o.tensor == "expert")
@@ -135,8 +154,9 @@ def test_resident_experts_fill_memory_and_the_run_fits():
 
 def test_a_profile_without_a_cpu_section_is_refused_in_one_line():
     for policy in ("fiddler", "llamacpp-moe", "klotski-hybrid"):
-        code, out, err = run_cli("simulate", "--policy", policy, "--model", "tiny-mixtral", "--hardware", "a100-80g",
-                                 "--no-png")
+        code, out, err = run_cli(
+            "simulate", "--policy", policy, "--model", "tiny-mixtral", "--hardware", "a100-80g", "--no-png"
+        )
         assert code == 2 and err.count("\n") == 1 and "`cpu:` section" in err and "a100-80g" in err
 
 
@@ -184,8 +204,13 @@ def test_hybrid_moves_only_cold_experts_and_computes_every_token_once():
     for op in s.ops:
         if op.category == "expert":
             done[(op.step, op.layer, op.expert)] += op.tokens
-    assert dict(done) == {(st_, l, e): int(counts[st_, l, :, e].sum()) for st_ in range(4) for l in range(2)
-                          for e in range(8) if counts[st_, l, :, e].sum()}
+    assert dict(done) == {
+        (st_, layer_, e): int(counts[st_, layer_, :, e].sum())
+        for st_ in range(4)
+        for layer_ in range(2)
+        for e in range(8)
+        if counts[st_, layer_, :, e].sum()
+    }
     hot = {(o.step, o.layer, o.expert) for o in s.ops if "load_hot_E" in o.id}
     on_cpu = {(o.step, o.layer, o.expert) for o in s.ops if o.stream == "cpu_compute"}
     assert on_cpu and not (hot & on_cpu)
@@ -200,4 +225,3 @@ def test_hybrid_moves_only_cold_experts_and_computes_every_token_once():
             nxt = f"s{op.step}/L{op.layer + 1}/b0/attn"
             if nxt in start:
                 assert start[nxt] >= end[op.id]
-

@@ -11,12 +11,12 @@ pytest.importorskip("transformers")
 from klotski_runtime.executor import ExecOptions, ExecutionError, execute  # noqa: E402
 from klotski_runtime.kernels import WeightError, WeightStore  # noqa: E402
 from klotski_runtime.record import save_tiny_mixtral  # noqa: E402
-from klotski_sim.hardware.profile import load_profile  # noqa: E402
-from klotski_sim.workload.model import get_model  # noqa: E402
-from klotski_sim.policies import Placement, PolicyInput, build_schedule  # noqa: E402
-from klotski_sim.policies import POLICIES as REGISTERED  # noqa: E402
-from klotski_sim.workload.routing import RunShape  # noqa: E402
 from klotski_sim.core.schedule import Schedule, ScheduleError  # noqa: E402
+from klotski_sim.hardware.profile import load_profile  # noqa: E402
+from klotski_sim.policies import POLICIES as REGISTERED  # noqa: E402
+from klotski_sim.policies import Placement, PolicyInput, build_schedule  # noqa: E402
+from klotski_sim.workload.model import get_model  # noqa: E402
+from klotski_sim.workload.routing import RunShape  # noqa: E402
 from klotski_sim.workload.trace import replay  # noqa: E402
 from klotski_sim.workload.trace_synth import synthesize  # noqa: E402
 
@@ -28,29 +28,41 @@ def _input(placement=Placement(), n=2, bs=2, P=6, G=3, model=TINY, impl="as-publ
     shape = RunShape(bs, n, P, G)
     trace = synthesize(model, shape.num_sequences + 2, P, G, "calibrated", 0)
     rep = replay(trace, model, shape, warmup_sequences=2)
-    return PolicyInput(model, load_profile("rtx3090"), rep.routing, placement, options or {}, warmup=rep.warmup,
-                       impl=impl)
+    return PolicyInput(
+        model, load_profile("rtx3090"), rep.routing, placement, options or {}, warmup=rep.warmup, impl=impl
+    )
 
 
-@pytest.mark.parametrize("category,change,message", [
-    ("expert", {"expert": -1}, "expert -1 outside the model's 4 experts"),  # (ran as the last expert, silently)
-    ("expert", {"expert": 99}, "expert 99 outside the model's 4 experts"),
-    ("attention", {"batches": ()}, "attention ops need their batches and step (got batches [], step"),  # (KeyError: -1)
-    ("embed", {"step": 99}, "step 99 outside the run's 3 steps"),
-    ("gate", {"batches": (5,)}, "batches [5] outside the run's 2 batches"),
-    ("gate", {"layer": 7}, "layer 7 outside the model's 2 layers"),
-    ("expert", {"layer": -1}, "expert ops need their layer (got layer -1)"),  # (ran as the last layer's)
-    ("gate", {"batches": (0, 0)}, "batches [0, 0] name a batch twice"),
-    # (simulated as the op says, measured as the run computes it: a cross-check of two runs)
-    ("expert", {"tokens": 999}, "tokens 999, but the routing sends "),
-    ("attention", {"tokens": 5}, "tokens 5, but its batches' sequences pass 12 new tokens at step 0, layer 0"),
-    ("attention", {"kv_len": 1}, "kv_len 1, but its sequences hold 6 tokens once step 0 has run"),
-    ("lm_head", {"tokens": 7}, "tokens 7, but one per sequence of its batches: 2 at step 0"),
-    ("gate", {"phase": "decode"}, "phase 'decode' at step 0 (step 0 is the prefill, later steps decode)"),
-    # (each failed inside the run, naming neither file nor field: `attention impl must be one of ...`)
-    ("attention", {"variant": "bogus"}, "variant 'bogus': tiny-mixtral's attention on the gpu runs as 'fused' or "
-                                        "'eager'"),
-    ("expert", {"variant": "fused"}, "variant 'fused': tiny-mixtral's expert on the gpu runs as ''")])
+@pytest.mark.parametrize(
+    "category,change,message",
+    [
+        ("expert", {"expert": -1}, "expert -1 outside the model's 4 experts"),  # (ran as the last expert, silently)
+        ("expert", {"expert": 99}, "expert 99 outside the model's 4 experts"),
+        (
+            "attention",
+            {"batches": ()},
+            "attention ops need their batches and step (got batches [], step",
+        ),  # (KeyError: -1)
+        ("embed", {"step": 99}, "step 99 outside the run's 3 steps"),
+        ("gate", {"batches": (5,)}, "batches [5] outside the run's 2 batches"),
+        ("gate", {"layer": 7}, "layer 7 outside the model's 2 layers"),
+        ("expert", {"layer": -1}, "expert ops need their layer (got layer -1)"),  # (ran as the last layer's)
+        ("gate", {"batches": (0, 0)}, "batches [0, 0] name a batch twice"),
+        # (simulated as the op says, measured as the run computes it: a cross-check of two runs)
+        ("expert", {"tokens": 999}, "tokens 999, but the routing sends "),
+        ("attention", {"tokens": 5}, "tokens 5, but its batches' sequences pass 12 new tokens at step 0, layer 0"),
+        ("attention", {"kv_len": 1}, "kv_len 1, but its sequences hold 6 tokens once step 0 has run"),
+        ("lm_head", {"tokens": 7}, "tokens 7, but one per sequence of its batches: 2 at step 0"),
+        ("gate", {"phase": "decode"}, "phase 'decode' at step 0 (step 0 is the prefill, later steps decode)"),
+        # (each failed inside the run, naming neither file nor field: `attention impl must be one of ...`)
+        (
+            "attention",
+            {"variant": "bogus"},
+            "variant 'bogus': tiny-mixtral's attention on the gpu runs as 'fused' or 'eager'",
+        ),
+        ("expert", {"variant": "fused"}, "variant 'fused': tiny-mixtral's expert on the gpu runs as ''"),
+    ],
+)
 def test_an_op_whose_tags_the_run_does_not_have_is_refused_before_it_runs(category, change, message):
     """A hand-edited schedule.json: each of these executed (or failed on an internal KeyError, or
     was simulated with other work than the runtime measured)."""
@@ -79,8 +91,12 @@ def test_a_copy_tagged_with_another_steps_phase_is_refused_before_it_runs():
         k = next(k for k, op in enumerate(schedule.ops) if op.tensor == "kv" and op.step == step)
         ops = list(schedule.ops)
         ops[k] = ops[k]._replace(phase=other)
-        with pytest.raises(ScheduleError, match=re.escape(f"op '{ops[k].id}': phase '{other}' at step {step} (step 0 "
-                                                          f"is the prefill, later steps decode)")):
+        with pytest.raises(
+            ScheduleError,
+            match=re.escape(
+                f"op '{ops[k].id}': phase '{other}' at step {step} (step 0 is the prefill, later steps decode)"
+            ),
+        ):
             check_compatible(_edited(schedule, ops), TINY, None, inp.routing)
 
 
@@ -93,14 +109,19 @@ def test_a_copy_that_does_not_say_what_it_carries_is_refused_before_it_runs():
     k = next(k for k, op in enumerate(schedule.ops) if op.kind == "transfer" and op.tensor == "expert")
     ops = list(schedule.ops)
     ops[k] = ops[k]._replace(tensor="")
-    with pytest.raises(ScheduleError, match=re.escape(f"op '{ops[k].id}': a copy must say what it carries (tensor: "
-                                                      f"attention, gate, expert, kv or activation)")):
+    with pytest.raises(
+        ScheduleError,
+        match=re.escape(
+            f"op '{ops[k].id}': a copy must say what it carries (tensor: attention, gate, expert, kv or activation)"
+        ),
+    ):
         check_compatible(_edited(schedule, ops), TINY, None, inp.routing)
 
 
 def _edited(schedule, ops=None, **meta):
-    return Schedule(tuple(schedule.ops if ops is None else ops), schedule.streams, schedule.preloaded,
-                    {**schedule.meta, **meta})
+    return Schedule(
+        tuple(schedule.ops if ops is None else ops), schedule.streams, schedule.preloaded, {**schedule.meta, **meta}
+    )
 
 
 def test_a_schedule_edited_into_another_run_is_refused_before_it_runs():
@@ -115,8 +136,11 @@ def test_a_schedule_edited_into_another_run_is_refused_before_it_runs():
     ops = list(schedule.ops)
     k = next(k for k, op in enumerate(ops) if op.kind == "transfer" and op.tensor == "expert")
     ops[k] = ops[k]._replace(bytes=ops[k].bytes * 1000)
-    with pytest.raises(ScheduleError, match=rf"op '{ops[k].id}': moves 49,152,000 bytes of expert weights; "
-                                            rf"tiny-mixtral's expert is 49,152 bytes"):
+    with pytest.raises(
+        ScheduleError,
+        match=rf"op '{ops[k].id}': moves 49,152,000 bytes of expert weights; "
+        rf"tiny-mixtral's expert is 49,152 bytes",
+    ):
         check_compatible(_edited(schedule, ops), TINY, None, inp.routing)
     last = max(k for k, op in enumerate(schedule.ops) if op.category == "lm_head")
     without = [op for k, op in enumerate(schedule.ops) if k != last]
@@ -131,36 +155,69 @@ def _without(schedule, k):
     allocated out of their frees): what a hand edit that deletes an op leaves."""
     gone = schedule.ops[k]
     mine = {name for name, _ in gone.alloc}
-    return [op._replace(deps=tuple(d for d in op.deps if d != gone.id),
-                        free=tuple(f for f in op.free if f not in mine)) for i, op in enumerate(schedule.ops) if i != k]
+    return [
+        op._replace(deps=tuple(d for d in op.deps if d != gone.id), free=tuple(f for f in op.free if f not in mine))
+        for i, op in enumerate(schedule.ops)
+        if i != k
+    ]
 
 
 def _twice(schedule, k):
     """The schedule with its op k issued a second time, right after it (under another id)."""
     again = schedule.ops[k]._replace(id=schedule.ops[k].id + "/again", alloc=(), free=())
-    return [*schedule.ops[:k + 1], again, *schedule.ops[k + 1:]]
+    return [*schedule.ops[: k + 1], again, *schedule.ops[k + 1 :]]
 
 
-@pytest.mark.parametrize("edit,message", [
-    (lambda s: _without(s, next(k for k, op in enumerate(s.ops) if op.category == "expert" and op.tokens)),
-     r"no expert op computes expert \d+ of layer 0 for batch \d+ at step 0 \(the routing sends it \d+ token\(s\); 1 "),
-    (lambda s: _twice(s, next(k for k, op in enumerate(s.ops) if op.category == "expert" and op.tokens)),
-     r"expert \d+ of layer 0 is computed for batch \d+ at step 0 by 2 ops \(each token once\)"),
-    (lambda s: _without(s, next(k for k, op in enumerate(s.ops) if op.category == "gate")),
-     r"batch 0 at step 0, layer 0: 0 gate or dense MLP ops \(one computes it\): not the run"),
-    (lambda s: _without(s, next(k for k, op in enumerate(s.ops) if op.category == "attention")),
-     r"batch 0 at step 0, layer 0: 0 attention ops"),
-    (lambda s: _twice(s, next(k for k, op in enumerate(s.ops) if op.category == "lm_head")),
-     r"batch 0 at step 0: 2 lm_head ops"),
-    (lambda s: _twice(s, next(k for k, op in enumerate(s.ops) if op.category == "embed")),
-     r"batch 0 at step 0: 2 embed ops"),
-    (lambda s: [op._replace(bytes=op.bytes * 10**6) if op.id == "s0/L0/b0/attn/kv_store" else op for op in s.ops],
-     r"op 's0/L0/b0/attn/kv_store': moves 1,536,000,000 bytes of KV cache; the 6 new tokens of its batches' 2 "
-     r"sequences at step 0 are 1,536 bytes"),
-    (lambda s: [op._replace(bytes=1) if op.id == "s1/L1/b1/attn/kv_load" else op for op in s.ops],
-     r"moves 1 bytes of KV cache; the 6 cached tokens of its batches' 2 sequences at step 1 are 1,536 bytes")],
-    ids=["expert-dropped", "expert-twice", "gate-dropped", "attention-dropped", "lm_head-twice", "embed-twice",
-         "kv-store-bigger", "kv-load-smaller"])
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (
+            lambda s: _without(s, next(k for k, op in enumerate(s.ops) if op.category == "expert" and op.tokens)),
+            r"no expert op computes expert \d+ of layer 0 for batch \d+ at step 0 \(the routing sends it \d+ token\(s\); 1 ",
+        ),
+        (
+            lambda s: _twice(s, next(k for k, op in enumerate(s.ops) if op.category == "expert" and op.tokens)),
+            r"expert \d+ of layer 0 is computed for batch \d+ at step 0 by 2 ops \(each token once\)",
+        ),
+        (
+            lambda s: _without(s, next(k for k, op in enumerate(s.ops) if op.category == "gate")),
+            r"batch 0 at step 0, layer 0: 0 gate or dense MLP ops \(one computes it\): not the run",
+        ),
+        (
+            lambda s: _without(s, next(k for k, op in enumerate(s.ops) if op.category == "attention")),
+            r"batch 0 at step 0, layer 0: 0 attention ops",
+        ),
+        (
+            lambda s: _twice(s, next(k for k, op in enumerate(s.ops) if op.category == "lm_head")),
+            r"batch 0 at step 0: 2 lm_head ops",
+        ),
+        (
+            lambda s: _twice(s, next(k for k, op in enumerate(s.ops) if op.category == "embed")),
+            r"batch 0 at step 0: 2 embed ops",
+        ),
+        (
+            lambda s: [
+                op._replace(bytes=op.bytes * 10**6) if op.id == "s0/L0/b0/attn/kv_store" else op for op in s.ops
+            ],
+            r"op 's0/L0/b0/attn/kv_store': moves 1,536,000,000 bytes of KV cache; the 6 new tokens of its batches' 2 "
+            r"sequences at step 0 are 1,536 bytes",
+        ),
+        (
+            lambda s: [op._replace(bytes=1) if op.id == "s1/L1/b1/attn/kv_load" else op for op in s.ops],
+            r"moves 1 bytes of KV cache; the 6 cached tokens of its batches' 2 sequences at step 1 are 1,536 bytes",
+        ),
+    ],
+    ids=[
+        "expert-dropped",
+        "expert-twice",
+        "gate-dropped",
+        "attention-dropped",
+        "lm_head-twice",
+        "embed-twice",
+        "kv-store-bigger",
+        "kv-load-smaller",
+    ],
+)
 def test_a_schedule_that_computes_less_or_more_than_its_run_is_refused_before_it_runs(edit, message):
     """Found by a fault battery: with an expert op removed (or all of them) a schedule was measured as
     a whole run, its logits a model's with experts skipped; without a gate or an attention it failed
@@ -180,15 +237,19 @@ def test_a_kv_store_without_its_attention_among_its_deps_names_what_it_lacks():
     inp = _input(Placement(kv="cpu"))
     s = build_schedule("klotski", inp)
     ops = [op._replace(deps=()) if op.id == "s0/L0/b0/attn/kv_store" else op for op in s.ops]
-    with pytest.raises(ExecutionError, match=r"^op 's0/L0/b0/attn/kv_store': a KV store needs among its deps the "
-                                             r"attention op whose new entries it stores"):
+    with pytest.raises(
+        ExecutionError,
+        match=r"^op 's0/L0/b0/attn/kv_store': a KV store needs among its deps the "
+        r"attention op whose new entries it stores",
+    ):
         execute(_edited(s, ops), TINY, WeightStore.random(TINY), inp.routing)
 
 
 @pytest.mark.parametrize("impl", ["as-published", "ideal"])
 @pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("placement", [Placement(), Placement(kv="cpu"), Placement(experts="disk")],
-                         ids=["kv-gpu", "kv-cpu", "experts-disk"])
+@pytest.mark.parametrize(
+    "placement", [Placement(), Placement(kv="cpu"), Placement(experts="disk")], ids=["kv-gpu", "kv-cpu", "experts-disk"]
+)
 def test_every_policy_executes_on_cpu(policy, placement, impl):
     inp = _input(placement, impl=impl)
     schedule = build_schedule(policy, inp)
@@ -197,7 +258,7 @@ def test_every_policy_executes_on_cpu(policy, placement, impl):
     df = tl.df.set_index("op_id")
     assert len(tl) == len(schedule) and tl.meta["source"] == "measured"
     for op in schedule.ops:  # every op ran once, after its deps (a host op: it waits for them) and its
-        for d in op.deps:    # stream predecessor
+        for d in op.deps:  # stream predecessor
             if op.kind == "host":
                 assert df.at[d, "end"] <= df.at[op.id, "end"] + 1e-9
             else:
@@ -214,16 +275,24 @@ def test_every_policy_executes_on_cpu(policy, placement, impl):
     assert tl.meta["peak_gpu_bytes"] > 0
 
 
-@pytest.mark.parametrize("options", [{"copy_memory_weights": "pageable", "copy_memory_kv": "pageable"},
-                                     {"attention_impl": "eager"}, {"sync": "per-expert", "expert_ops": "per-batch"},
-                                     {"cold_order": "most-tokens-first"}], ids=["pageable", "eager", "syncs", "order"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"copy_memory_weights": "pageable", "copy_memory_kv": "pageable"},
+        {"attention_impl": "eager"},
+        {"sync": "per-expert", "expert_ops": "per-batch"},
+        {"cold_order": "most-tokens-first"},
+    ],
+    ids=["pageable", "eager", "syncs", "order"],
+)
 def test_each_option_executes_and_pageable_copies_run_at_their_rate(options):
     inp = _input(Placement(kv="cpu"), impl="ideal", options=options)
     schedule = build_schedule("klotski", inp)
     rates = {"pcie_h2d": 200e6, "pcie_d2h": 200e6}
     slow = {"pcie_h2d": 50e6, "pcie_d2h": 50e6}
-    tl, runner = execute(schedule, TINY, WeightStore.random(TINY), inp.routing,
-                         ExecOptions(emulate_links=rates, emulate_pageable=slow))
+    tl, runner = execute(
+        schedule, TINY, WeightStore.random(TINY), inp.routing, ExecOptions(emulate_links=rates, emulate_pageable=slow)
+    )
     df = tl.df
     assert len(tl) == len(schedule)
     copies = df[df["resource"].isin(["pcie_h2d", "pcie_d2h"])]
@@ -264,8 +333,9 @@ def test_schedule_json_roundtrip_executes(tmp_path):
 def test_link_emulation_is_labelled_and_slows_transfers():
     inp = _input()
     schedule = build_schedule("single-batch", inp)
-    tl, _ = execute(schedule, TINY, WeightStore.random(TINY), inp.routing,
-                    ExecOptions(emulate_links={"pcie_h2d": 50e6}))
+    tl, _ = execute(
+        schedule, TINY, WeightStore.random(TINY), inp.routing, ExecOptions(emulate_links={"pcie_h2d": 50e6})
+    )
     assert "EMULATED" in tl.meta["emulated_links"]["note"]
     df = tl.df
     transfers = df[df["resource"] == "pcie_h2d"]
@@ -287,8 +357,9 @@ def test_matches_transformers_logits_with_unforced_routing(checkpoint):
     weights = WeightStore.from_checkpoint(checkpoint, TINY, dtype=torch.float32)
     for policy in ("klotski", "flexgen"):
         schedule = build_schedule(policy, PolicyInput(TINY, load_profile("rtx3090"), table))
-        tl, runner = execute(schedule, TINY, weights, table, ExecOptions(force_routing=False, record_logits=True,
-                                                                         prompt=prompt.numpy()))
+        tl, runner = execute(
+            schedule, TINY, weights, table, ExecOptions(force_routing=False, record_logits=True, prompt=prompt.numpy())
+        )
         for step in range(G):
             for b in range(n):
                 torch.testing.assert_close(runner.logits[(step, b)], hf_logits[step][b], atol=1e-4, rtol=1e-4)
@@ -342,8 +413,13 @@ from hypothesis import strategies as st  # noqa: E402
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(policy=st.sampled_from(POLICIES), impl=st.sampled_from(["as-published", "ideal"]),
-       kv=st.sampled_from(["gpu", "cpu"]), n=st.integers(1, 3), seed=st.integers(0, 5))
+@given(
+    policy=st.sampled_from(POLICIES),
+    impl=st.sampled_from(["as-published", "ideal"]),
+    kv=st.sampled_from(["gpu", "cpu"]),
+    n=st.integers(1, 3),
+    seed=st.integers(0, 5),
+)
 def test_measured_timelines_respect_every_resources_capacity(policy, impl, kv, n, seed):
     """Two copy streams on one link never copy at once: the CPU runtime serves a resource's units
     as the simulator does (here: one unit each)."""
@@ -352,9 +428,17 @@ def test_measured_timelines_respect_every_resources_capacity(policy, impl, kv, n
     inp = _input(Placement(kv=kv), n=n, impl=impl)
     schedule = build_schedule(policy, inp)
     caps = resource_capacities(schedule, inp.profile)
-    tl, _ = execute(schedule, TINY, WeightStore.random(TINY, seed=seed), inp.routing,
-                    ExecOptions(emulate_links={"pcie_h2d": 2e8, "pcie_d2h": 2e8},
-                                emulate_pageable={"pcie_h2d": 1e8, "pcie_d2h": 1e8}, capacities=caps))
+    tl, _ = execute(
+        schedule,
+        TINY,
+        WeightStore.random(TINY, seed=seed),
+        inp.routing,
+        ExecOptions(
+            emulate_links={"pcie_h2d": 2e8, "pcie_d2h": 2e8},
+            emulate_pageable={"pcie_h2d": 1e8, "pcie_d2h": 1e8},
+            capacities=caps,
+        ),
+    )
     df = tl.df
     for resource, group in df.groupby("resource"):
         if resource == "host":  # the host thread's waits: one thread, trivially one at a time
@@ -430,8 +514,9 @@ def test_adds_into_one_output_from_two_threads_never_lose_one(policy, impl, monk
         torch.testing.assert_close(runner.logits[key], logits, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("policy", sorted(name for name, info in REGISTERED.items()
-                                           if info.build.__module__.startswith("klotski_sim.")))
+@pytest.mark.parametrize(
+    "policy", sorted(name for name, info in REGISTERED.items() if info.build.__module__.startswith("klotski_sim."))
+)
 @pytest.mark.parametrize("impl", ["as-published", "ideal"])
 def test_every_add_into_a_batchs_output_comes_before_the_op_that_reads_it(policy, impl):
     """What makes those unordered adds safe: the op that next applies a batch's MoE output (its next
@@ -449,16 +534,27 @@ def test_every_add_into_a_batchs_output_comes_before_the_op_that_reads_it(policy
     ptr, succ, _, _ = schedule.graph
     ancestors = [0] * len(ops)  # (a bit per op)
     for i in topological_order(schedule):
-        for s in succ[ptr[i]:ptr[i + 1]]:
+        for s in succ[ptr[i] : ptr[i + 1]]:
             ancestors[s] |= ancestors[i] | (1 << i)
+
     def place(op):  # (step, layer) order within a batch; lm_head after the last layer
         return (op.step, 1 << 30 if op.category == "lm_head" else op.layer)
 
-    writers = [i for i, op in enumerate(ops) if op.category in ("gate", "dense_mlp")
-               or op.category == "expert" and resource[op.stream] == "gpu"
-               or op.tensor == "activation" and op.dst == "gpu" and op.expert >= 0]  # (a CPU expert's output)
-    readers = [i for i, op in enumerate(ops) if op.category in ("attention", "attn_qkv", "lm_head")
-               and resource[op.stream] == "gpu"]
+    writers = [
+        i
+        for i, op in enumerate(ops)
+        if op.category in ("gate", "dense_mlp")
+        or op.category == "expert"
+        and resource[op.stream] == "gpu"
+        or op.tensor == "activation"
+        and op.dst == "gpu"
+        and op.expert >= 0
+    ]  # (a CPU expert's output)
+    readers = [
+        i
+        for i, op in enumerate(ops)
+        if op.category in ("attention", "attn_qkv", "lm_head") and resource[op.stream] == "gpu"
+    ]
     checked = 0
     for w in writers:
         for b in ops[w].batches:
@@ -470,9 +566,15 @@ def test_every_add_into_a_batchs_output_comes_before_the_op_that_reads_it(policy
     assert checked >= len(writers)  # (each writer has a reader: none skipped unseen)
 
 
-@pytest.mark.parametrize("policy,placement,options", [
-    ("klotski", Placement(kv="cpu"), {"attention_device": "cpu"}), ("fiddler", Placement(), {}),
-    ("flexgen", Placement(experts="disk"), {}), ("klotski-hybrid", Placement(), {"expert_cache": 2})])
+@pytest.mark.parametrize(
+    "policy,placement,options",
+    [
+        ("klotski", Placement(kv="cpu"), {"attention_device": "cpu"}),
+        ("fiddler", Placement(), {}),
+        ("flexgen", Placement(experts="disk"), {}),
+        ("klotski-hybrid", Placement(), {"expert_cache": 2}),
+    ],
+)
 def test_logits_do_not_depend_on_how_the_stream_threads_interleave(policy, placement, options, monkeypatch):
     """Every op held back and let go by a random 0-2 ms (seeded), on every stream thread: an op that
     reads what another stream writes without a dependency on it would see it now and then
@@ -489,10 +591,12 @@ def test_logits_do_not_depend_on_how_the_stream_threads_interleave(policy, place
     weights = WeightStore.random(TINY, dtype=torch.float32)
     reference = build_schedule("klotski", PolicyInput(TINY, load_profile("rtx3090"), base.routing, warmup=base.warmup))
     _, ref = execute(reference, TINY, weights, base.routing, ExecOptions(record_logits=True))
-    profile = cpu_profile(memory_bytes=1e6 if placement.experts == "disk" else 3.2e5, memory_bandwidth=1e12,
-                          flops={"bf16": 1e13})
-    schedule = build_schedule(policy, PolicyInput(TINY, profile, base.routing, placement, options, base.warmup,
-                                                  "ideal"))
+    profile = cpu_profile(
+        memory_bytes=1e6 if placement.experts == "disk" else 3.2e5, memory_bandwidth=1e12, flops={"bf16": 1e13}
+    )
+    schedule = build_schedule(
+        policy, PolicyInput(TINY, profile, base.routing, placement, options, base.warmup, "ideal")
+    )
     draws, drawing, run = random.Random(0), threading.Lock(), OpRunner.run
 
     def jittered(self, op):
@@ -536,9 +640,23 @@ def test_a_deepseek_shaped_model_runs_mla_dense_and_shared_experts_with_the_simu
     memory, computes the same logits (the schedules move latent KV chunks, not per-head K and V)."""
     from dataclasses import replace
 
-    spec = replace(get_model("deepseek-v2-lite"), name="mini-deepseek", num_layers=3, hidden_size=256, ffn_size=64,
-                   dense_ffn_size=512, num_heads=4, num_kv_heads=4, head_dim=48, vocab_size=512, kv_lora_rank=64,
-                   qk_rope_dim=16, qk_nope_dim=32, v_head_dim=32, shared_ffn_size=64)
+    spec = replace(
+        get_model("deepseek-v2-lite"),
+        name="mini-deepseek",
+        num_layers=3,
+        hidden_size=256,
+        ffn_size=64,
+        dense_ffn_size=512,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=48,
+        vocab_size=512,
+        kv_lora_rank=64,
+        qk_rope_dim=16,
+        qk_nope_dim=32,
+        v_head_dim=32,
+        shared_ffn_size=64,
+    )
     weights = WeightStore.random(spec, dtype=torch.float32)
     assert sum(t.numel() for t in weights.get("attention", 0)) == spec.attention_params()
     for layer in (0, 1):
@@ -576,8 +694,7 @@ def test_a_stop_while_the_ops_run_leaves_no_stream_thread_running():
         stop = threading.Timer(0.3, _thread.interrupt_main)  # (as Ctrl-C: KeyboardInterrupt in the main thread)
         stop.start()
         with pytest.raises(KeyboardInterrupt):  # (links emulated slowly: the run takes seconds)
-            execute(schedule, TINY, WeightStore.random(TINY), inp.routing,
-                    ExecOptions(emulate_links={"pcie_h2d": 2e6}))
+            execute(schedule, TINY, WeightStore.random(TINY), inp.routing, ExecOptions(emulate_links={"pcie_h2d": 2e6}))
         stop.join()
     finally:
         signal.signal(signal.SIGINT, inherited)

@@ -28,11 +28,26 @@ def tiny(policy: str = "klotski", **changes):
 
 
 # ---- printouts ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("seconds, unit, text", [
-    (0.00043, None, "0.430 ms"), (12.3, None, "12.300 s"), (85e-6, None, "0.085 ms"), (8.5e-6, None, "8.500 us"),
-    (0.245, None, "0.245 s"), (0.017, None, "0.017 s"), (0.0083, None, "8.300 ms"),
-    (0.0, None, "0.000 s"), (0.00043, "s", "0.430 ms"), (0.062, "s", "0.062 s"), (4.97e-5, "ms", "0.050 ms"),
-    (4.97e-6, "ms", "4.970 us"), (120.11, "s", "120.110 s"), (0.0, "ms", "0.000 ms"), (12.3, "ms", "12300.000 ms")])
+@pytest.mark.parametrize(
+    "seconds, unit, text",
+    [
+        (0.00043, None, "0.430 ms"),
+        (12.3, None, "12.300 s"),
+        (85e-6, None, "0.085 ms"),
+        (8.5e-6, None, "8.500 us"),
+        (0.245, None, "0.245 s"),
+        (0.017, None, "0.017 s"),
+        (0.0083, None, "8.300 ms"),
+        (0.0, None, "0.000 s"),
+        (0.00043, "s", "0.430 ms"),
+        (0.062, "s", "0.062 s"),
+        (4.97e-5, "ms", "0.050 ms"),
+        (4.97e-6, "ms", "4.970 us"),
+        (120.11, "s", "120.110 s"),
+        (0.0, "ms", "0.000 ms"),
+        (12.3, "ms", "12300.000 ms"),
+    ],
+)
 def test_a_duration_prints_in_a_unit_that_shows_it(seconds, unit, text):
     from klotski_sim.util.units import duration_text
 
@@ -87,8 +102,8 @@ def _phase_marks(ax):
 def test_the_gantt_marks_where_prefill_ends_and_decode_begins(kept):
     """A dashed line at the first decode op on the GPU (the ops' phase tag; in a timeline kept to
     the figure's columns, as compare keeps them, their step), labelled `prefill | decode`."""
-    from klotski_sim.report.plot import draw_timeline
     from klotski_sim.core.timeline import FIGURE_COLUMNS
+    from klotski_sim.report.plot import draw_timeline
 
     tl = tiny()
     c = tl.columns
@@ -137,15 +152,19 @@ def test_a_host_lane_that_only_syncs_is_not_drawn_and_its_share_is_said_once():
 
 
 def test_a_host_lane_that_waits_on_pageable_copies_is_drawn():
-    from klotski_sim.report.plot import figure_lanes
     from klotski_sim.core.timeline import Timeline
+    from klotski_sim.report.plot import figure_lanes
 
     def timeline(host_category):
-        columns = {"stream": np.array(["compute", "host"], dtype=object), "resource": np.array(["gpu", "host"],
-                                                                                                dtype=object),
-                   "start": np.array([0.0, 0.0]), "end": np.array([1.0, 1.0]),
-                   "category": np.array(["attention", host_category], dtype=object), "step": np.array([0, -1]),
-                   "layer": np.array([0, -1])}
+        columns = {
+            "stream": np.array(["compute", "host"], dtype=object),
+            "resource": np.array(["gpu", "host"], dtype=object),
+            "start": np.array([0.0, 0.0]),
+            "end": np.array([1.0, 1.0]),
+            "category": np.array(["attention", host_category], dtype=object),
+            "step": np.array([0, -1]),
+            "layer": np.array([0, -1]),
+        }
         return Timeline(columns, {})
 
     assert figure_lanes(timeline("sync")) == ["compute"]
@@ -209,10 +228,22 @@ def test_where_wins_tie_cells_show_no_margin():
     between the tied: it says `tie` and who tied; only a decisive cell shows its margin."""
     ww = _where_wins()
     rows = []
-    for bs, tok_s in ((1, {"klotski": 100.0, "fiddler": 100.2, "flexgen": 73.0}),
-                      (2, {"klotski": 137.0, "fiddler": 100.0, "flexgen": 50.0})):
-        rows += [{"hardware": "rtx3090", "model": "tiny", "batch_size": bs, "policy": p, "m.status": "ok",
-                  "m.throughput_tok_s": v, "m.n": 4} for p, v in tok_s.items()]
+    for bs, tok_s in (
+        (1, {"klotski": 100.0, "fiddler": 100.2, "flexgen": 73.0}),
+        (2, {"klotski": 137.0, "fiddler": 100.0, "flexgen": 50.0}),
+    ):
+        rows += [
+            {
+                "hardware": "rtx3090",
+                "model": "tiny",
+                "batch_size": bs,
+                "policy": p,
+                "m.status": "ok",
+                "m.throughput_tok_s": v,
+                "m.n": 4,
+            }
+            for p, v in tok_s.items()
+        ]
     win = ww.winners(pd.DataFrame(rows))
     fig = ww.figure(win)
     texts = sorted(t.get_text() for t in fig.axes[0].texts)

@@ -19,15 +19,30 @@ from hypothesis import strategies as st
 from klotski_sim.cli import main as cli
 from klotski_sim.hardware.profile import load_profile
 
-FUZZ = settings(max_examples=int(os.environ.get("KLOTSKI_FUZZ_EXAMPLES", "25")), deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                      HealthCheck.function_scoped_fixture])
-SMALL_RUN = ["--model", "tiny-mixtral", "--batch-size", "2", "--num-batches", "2", "--prompt-len", "4",
-             "--gen-len", "2", "--no-png"]
+FUZZ = settings(
+    max_examples=int(os.environ.get("KLOTSKI_FUZZ_EXAMPLES", "25")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+SMALL_RUN = [
+    "--model",
+    "tiny-mixtral",
+    "--batch-size",
+    "2",
+    "--num-batches",
+    "2",
+    "--prompt-len",
+    "4",
+    "--gen-len",
+    "2",
+    "--no-png",
+]
 
 
 def run_cli(*argv: str, seconds: int = 60) -> tuple[int, str]:
     """klotski-sim in this process: its exit status and stderr. A traceback fails the test (the
     exception propagates); a hang is cut by an alarm and fails it too."""
+
     def hang(*_: object) -> None:
         raise TimeoutError(f"klotski-sim {' '.join(argv)} did not answer within {seconds} s")
 
@@ -54,9 +69,10 @@ def check_answer(code: int, err: str) -> None:
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.floats(allow_nan=True) | st.text(max_size=12),
+    st.none() | st.booleans() | st.integers(-(10**12), 10**12) | st.floats(allow_nan=True) | st.text(max_size=12),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-    max_leaves=12)
+    max_leaves=12,
+)
 
 
 def mutated_profile(draw_path: list[str], value: object) -> dict:
@@ -69,10 +85,23 @@ def mutated_profile(draw_path: list[str], value: object) -> dict:
     return data
 
 
-PROFILE_PATHS = [["gpu", "memory_bytes"], ["gpu", "reserved_bytes"], ["gpu", "peak_flops"], ["gpu", "kernel_overhead_s"],
-                 ["gpu", "compute_efficiency"], ["links", "pcie_h2d", "bandwidth"], ["links", "pcie_h2d", "copy_engines"],
-                 ["links", "pcie_d2h", "pageable_bandwidth"], ["links", "nvme"], ["host", "memory_bytes"], ["gpu"],
-                 ["name"], ["measured", "expert"], ["sources"], ["extra"]]
+PROFILE_PATHS = [
+    ["gpu", "memory_bytes"],
+    ["gpu", "reserved_bytes"],
+    ["gpu", "peak_flops"],
+    ["gpu", "kernel_overhead_s"],
+    ["gpu", "compute_efficiency"],
+    ["links", "pcie_h2d", "bandwidth"],
+    ["links", "pcie_h2d", "copy_engines"],
+    ["links", "pcie_d2h", "pageable_bandwidth"],
+    ["links", "nvme"],
+    ["host", "memory_bytes"],
+    ["gpu"],
+    ["name"],
+    ["measured", "expert"],
+    ["sources"],
+    ["extra"],
+]
 
 
 @FUZZ
@@ -91,15 +120,37 @@ def test_fuzzed_profile_text(tmp_path_factory, text):
     check_answer(*run_cli("simulate", "--hardware", str(f), *SMALL_RUN))
 
 
-SPEC_KEYS = ["name", "models", "hardware", "overrides", "policies", "batch_sizes", "num_batches", "prompt_lens",
-             "gen_lens", "routings", "seeds", "kv", "experts", "impls", "bogus"]
+SPEC_KEYS = [
+    "name",
+    "models",
+    "hardware",
+    "overrides",
+    "policies",
+    "batch_sizes",
+    "num_batches",
+    "prompt_lens",
+    "gen_lens",
+    "routings",
+    "seeds",
+    "kv",
+    "experts",
+    "impls",
+    "bogus",
+]
 
 
 @FUZZ
 @given(changes=st.dictionaries(st.sampled_from(SPEC_KEYS), json_values, max_size=3))
 def test_fuzzed_sweep_specs(tmp_path_factory, changes):
-    base = {"name": "f", "models": ["tiny-mixtral"], "policies": ["klotski"], "batch_sizes": [2], "num_batches": [2],
-            "prompt_lens": [4], "gen_lens": [2]}
+    base = {
+        "name": "f",
+        "models": ["tiny-mixtral"],
+        "policies": ["klotski"],
+        "batch_sizes": [2],
+        "num_batches": [2],
+        "prompt_lens": [4],
+        "gen_lens": [2],
+    }
     folder = tmp_path_factory.mktemp("s")
     (folder / "spec.yaml").write_text(yaml.safe_dump({**base, **changes}))
     check_answer(*run_cli("sweep", str(folder / "spec.yaml"), "--out", str(folder / "out"), "--no-progress"))
@@ -108,19 +159,48 @@ def test_fuzzed_sweep_specs(tmp_path_factory, changes):
 def _trace_arrays(draw: st.DrawFn) -> dict[str, np.ndarray]:
     tokens = draw(st.integers(0, 12))
     arrays = {
-        "experts": np.array(draw(st.lists(st.integers(-3, 9), min_size=tokens * 4, max_size=tokens * 4)),
-                            dtype=np.int64).astype(draw(st.sampled_from([np.int16, np.uint8, np.float32, np.int64]))
-                            ).reshape(tokens, 2, 2) if tokens else np.zeros((0, 2, 2), np.int16),
-        "seq_offsets": np.array(draw(st.lists(st.integers(-2, 14), min_size=1, max_size=4)),
-                                dtype=draw(st.sampled_from([np.int64, np.float64]))),
+        "experts": np.array(
+            draw(st.lists(st.integers(-3, 9), min_size=tokens * 4, max_size=tokens * 4)), dtype=np.int64
+        )
+        .astype(draw(st.sampled_from([np.int16, np.uint8, np.float32, np.int64])))
+        .reshape(tokens, 2, 2)
+        if tokens
+        else np.zeros((0, 2, 2), np.int16),
+        "seq_offsets": np.array(
+            draw(st.lists(st.integers(-2, 14), min_size=1, max_size=4)),
+            dtype=draw(st.sampled_from([np.int64, np.float64])),
+        ),
         "prompt_lens": np.array(draw(st.lists(st.integers(-2, 14), max_size=3)), dtype=np.int32),
-        "meta": np.array(json.dumps(draw(st.sampled_from([
-            {"format": "klotski-routing-trace", "version": 1, "model": "tiny-mixtral", "num_experts": 4,
-             "top_k": 2, "num_layers": 2},
-            {"format": "klotski-routing-trace", "version": 1, "model": "x", "num_experts": 10**9, "top_k": 2,
-             "num_layers": 2},
-            {"format": "klotski-routing-trace", "version": 1, "num_experts": "4"},
-            [1, 2], "text", None])))),
+        "meta": np.array(
+            json.dumps(
+                draw(
+                    st.sampled_from(
+                        [
+                            {
+                                "format": "klotski-routing-trace",
+                                "version": 1,
+                                "model": "tiny-mixtral",
+                                "num_experts": 4,
+                                "top_k": 2,
+                                "num_layers": 2,
+                            },
+                            {
+                                "format": "klotski-routing-trace",
+                                "version": 1,
+                                "model": "x",
+                                "num_experts": 10**9,
+                                "top_k": 2,
+                                "num_layers": 2,
+                            },
+                            {"format": "klotski-routing-trace", "version": 1, "num_experts": "4"},
+                            [1, 2],
+                            "text",
+                            None,
+                        ]
+                    )
+                )
+            )
+        ),
     }
     for name in draw(st.lists(st.sampled_from(list(arrays)), max_size=2)):
         arrays.pop(name, None)
@@ -148,8 +228,9 @@ def test_fuzzed_trace_files_unpacked_into_the_cache(tmp_path_factory, monkeypatc
     monkeypatch.setattr(disk_cache, "MAPPED_ABOVE", 1)
     (np.savez_compressed if deflated else np.savez)(folder / "trace.npz", **_trace_arrays(data.draw))
     check_answer(*run_cli("trace", "stats", str(folder / "trace.npz")))
-    check_answer(*run_cli("simulate", "--trace", str(folder / "trace.npz"), "--wrap", "--warmup-sequences", "0",
-                          *SMALL_RUN))
+    check_answer(
+        *run_cli("simulate", "--trace", str(folder / "trace.npz"), "--wrap", "--warmup-sequences", "0", *SMALL_RUN)
+    )
 
 
 @FUZZ
@@ -160,10 +241,17 @@ def test_fuzzed_trace_bytes(tmp_path_factory, blob):
     check_answer(*run_cli("trace", "stats", str(f)))
 
 
-record = st.fixed_dictionaries({}, optional={
-    "seq_id": json_values, "token_idx": json_values | st.integers(0, 6), "layer": json_values | st.integers(0, 1),
-    "experts": json_values | st.lists(st.integers(0, 3), min_size=2, max_size=2), "gating_probs": json_values,
-    "prompt_len": json_values})
+record = st.fixed_dictionaries(
+    {},
+    optional={
+        "seq_id": json_values,
+        "token_idx": json_values | st.integers(0, 6),
+        "layer": json_values | st.integers(0, 1),
+        "experts": json_values | st.lists(st.integers(0, 3), min_size=2, max_size=2),
+        "gating_probs": json_values,
+        "prompt_len": json_values,
+    },
+)
 
 
 @FUZZ
@@ -183,9 +271,28 @@ def simulated(tmp_path_factory):
 
 
 @FUZZ
-@given(field=st.sampled_from(["id", "kind", "stream", "category", "deps", "bytes", "batches", "alloc", "free",
-                              "layer", "expert", "pageable", "tokens", "bogus"]),
-       value=json_values, which=st.integers(0, 50))
+@given(
+    field=st.sampled_from(
+        [
+            "id",
+            "kind",
+            "stream",
+            "category",
+            "deps",
+            "bytes",
+            "batches",
+            "alloc",
+            "free",
+            "layer",
+            "expert",
+            "pageable",
+            "tokens",
+            "bogus",
+        ]
+    ),
+    value=json_values,
+    which=st.integers(0, 50),
+)
 def test_fuzzed_schedules_for_execute(tmp_path_factory, simulated, field, value, which):
     """A mutated schedule.json is refused with one line by the same loader `execute` uses."""
     from klotski_runtime import cli as runtime_cli
@@ -197,6 +304,5 @@ def test_fuzzed_schedules_for_execute(tmp_path_factory, simulated, field, value,
     (folder / "schedule.json").write_text(json.dumps(data))
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        code = runtime_cli.main(["execute", str(folder / "schedule.json"), "--routing",
-                                 str(folder / "missing.npz")])
+        code = runtime_cli.main(["execute", str(folder / "schedule.json"), "--routing", str(folder / "missing.npz")])
     check_answer(code, err.getvalue())

@@ -13,13 +13,17 @@ from hypothesis import strategies as st
 from klotski_sim.util.grouping import factorize, group_sums
 
 
-@given(st.lists(st.one_of(st.sampled_from(["compute", "h2d_kv", "host", "", "0,1"]), st.none(),
-                          st.integers(-3, 3)), max_size=40))
+@given(
+    st.lists(
+        st.one_of(st.sampled_from(["compute", "h2d_kv", "host", "", "0,1"]), st.none(), st.integers(-3, 3)), max_size=40
+    )
+)
 def test_codes_are_pandas_factorize_in_order_of_first_appearance(values):
     column = np.empty(len(values), dtype=object)
     column[:] = values
     codes, distinct = factorize(column)
     expected_codes, expected = pd.factorize(column, sort=False, use_na_sentinel=False)
+
     def nan_named(found):  # (NaN is not equal to itself)
         return ["NaN" if isinstance(v, float) and v != v else v for v in found]
 
@@ -57,8 +61,10 @@ def test_group_sums_are_the_exact_sums_correctly_rounded(rows, with_nan):
 def test_a_run_and_its_summary_import_no_pandas():
     """`klotski-sim simulate` prints a summary: with pandas imported for it, a tiny model's run took
     0.55 s, 0.2 s of it the import (`python -X importtime`); the run now never imports it."""
-    probe = ("import sys; from klotski_sim.cli.main import main; "
-             "code = main(['simulate', '--model', 'tiny-mixtral', '--policy', 'klotski', '--gen-len', '3']); "
-             "print(code, 'pandas' in sys.modules, file=sys.stderr)")
+    probe = (
+        "import sys; from klotski_sim.cli.main import main; "
+        "code = main(['simulate', '--model', 'tiny-mixtral', '--policy', 'klotski', '--gen-len', '3']); "
+        "print(code, 'pandas' in sys.modules, file=sys.stderr)"
+    )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert "makespan" in done.stdout and done.stderr.split()[-2:] == ["0", "False"]

@@ -71,8 +71,11 @@ def test_many_problems_are_one_line_with_their_count(tmp_path):
 def test_not_yaml_and_not_a_mapping(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("gpu:\n  name: [unclosed\n  cores: 2\n")
-    with pytest.raises(ProfileError, match=r"bad.yaml:3: not valid YAML \(did not find expected ',' or ']', while "
-                                           r"parsing a flow sequence\)"):
+    with pytest.raises(
+        ProfileError,
+        match=r"bad.yaml:3: not valid YAML \(did not find expected ',' or ']', while "
+        r"parsing a flow sequence\)",
+    ):
         load_profile(bad)
     bad.write_text("- a list\n")
     with pytest.raises(ProfileError, match="must be a mapping"):
@@ -103,8 +106,12 @@ def test_an_override_may_add_a_key_to_a_map_and_to_nothing_else():
     assert with_overrides(load_profile("h800"), {"cpu.flops.fp8": 1e12}).cpu.flops["fp8"] == 1e12
     with pytest.raises(ProfileError, match="'expret' is no op category \\(did you mean 'expert'\\?\\)"):
         with_overrides(p, {"gpu.dispatch_overhead_by_category.expret": 1e-5})  # (the map's own checks still apply)
-    for dotted in ("gpu.new_field", "gpu.dispatch_overhead_by_category.expert.deeper", "links.nvme.new_field",
-                   "new_section.x"):
+    for dotted in (
+        "gpu.new_field",
+        "gpu.dispatch_overhead_by_category.expert.deeper",
+        "links.nvme.new_field",
+        "new_section.x",
+    ):
         with pytest.raises(ProfileError, match=f"'{dotted}' is not a profile field"):
             with_overrides(p, {dotted: 1})
 
@@ -155,18 +162,21 @@ def test_every_profile_the_repository_ships_loads(path):
 def test_a_profile_measured_on_one_models_ops_is_refused_for_another_models():
     """A profile calibrated on tiny-mixtral timed small-mixtral's experts by tiny-mixtral's table
     (0.26 ms for 0.91 by the roofline) without a word: its tables key on category and tokens alone."""
-    from klotski_sim.util.errors import UsageError
     from klotski_sim.hardware.profile import load_profile_file
-    from klotski_sim.workload.model import get_model
     from klotski_sim.runs.runner import check_measured_for
+    from klotski_sim.util.errors import UsageError
+    from klotski_sim.workload.model import get_model
 
     profile = load_profile_file(REPOSITORY / "experiments/results/cpu/tiny-mixtral/profile.yaml")
     assert profile.measured and profile.provenance["model_shapes"] == "tiny-mixtral"
     for same in ("tiny-mixtral", "tiny-mixtral:1"):  # (fewer layers: the same ops)
         check_measured_for(profile, get_model(same))
-    with pytest.raises(UsageError, match="calibrated on tiny-mixtral's ops, not small-mixtral's \\(num_experts 4 vs "
-                                         "8, hidden_size 64 vs 1024, ffn_size 128 vs 3584 ...\\); calibrate for this "
-                                         "model \\(klotski-runtime calibrate --model small-mixtral\\)"):
+    with pytest.raises(
+        UsageError,
+        match="calibrated on tiny-mixtral's ops, not small-mixtral's \\(num_experts 4 vs "
+        "8, hidden_size 64 vs 1024, ffn_size 128 vs 3584 ...\\); calibrate for this "
+        "model \\(klotski-runtime calibrate --model small-mixtral\\)",
+    ):
         check_measured_for(profile, get_model("small-mixtral"))
     with pytest.raises(UsageError, match="not tiny-mixtral@int4's \\(expert_bits 0 vs 4\\)"):
         check_measured_for(profile, get_model("tiny-mixtral@int4"))
@@ -174,8 +184,13 @@ def test_a_profile_measured_on_one_models_ops_is_refused_for_another_models():
     deepseek = profile.model_copy(update={"provenance": {**profile.provenance, "model_shapes": "deepseek-v2-lite"}})
     for same in ("deepseek-v2-lite", "deepseek-v2-lite:4"):  # (its dense first layer: a copy of one layer is refused)
         check_measured_for(deepseek, get_model(same))
-    rc, out, err = run_cli("simulate", "--model", "small-mixtral", "--hardware",
-                           str(REPOSITORY / "experiments/results/cpu/tiny-mixtral/profile.yaml"))
+    rc, out, err = run_cli(
+        "simulate",
+        "--model",
+        "small-mixtral",
+        "--hardware",
+        str(REPOSITORY / "experiments/results/cpu/tiny-mixtral/profile.yaml"),
+    )
     assert rc == 2 and err.startswith("error: hardware profile 'calibrated-cpu': its measured op times were calibrated")
 
 

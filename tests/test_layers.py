@@ -11,8 +11,18 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "klotski_sim"
 
 # Bottom to top; a layer may import its own and any lower one. `names` is the shared vocabulary.
-LAYERS = (("util",), ("files",), ("names",), ("hardware", "workload"), ("core",), ("policies",), ("planning",),
-          ("report",), ("runs",), ("cli",))
+LAYERS = (
+    ("util",),
+    ("files",),
+    ("names",),
+    ("hardware", "workload"),
+    ("core",),
+    ("policies",),
+    ("planning",),
+    ("report",),
+    ("runs",),
+    ("cli",),
+)
 RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
 
 
@@ -45,8 +55,12 @@ def _layer(module: str) -> str:
 
 def test_every_subpackage_has_a_layer_and_imports_only_lower_ones():
     modules = _modules()
-    assert not any(node.level for path in modules.values() for node in ast.walk(ast.parse(path.read_text()))
-                   if isinstance(node, ast.ImportFrom)), "imports are absolute: a module's layer is in its name"
+    assert not any(
+        node.level
+        for path in modules.values()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom)
+    ), "imports are absolute: a module's layer is in its name"
     upward = []
     for module, path in modules.items():
         layer = _layer(module)
@@ -74,7 +88,7 @@ def test_no_import_circles():
         state[module] = 1
         for target in sorted(graph[module]):
             if state.get(target) == 1:
-                circles.append(path[path.index(target):] + [target])
+                circles.append(path[path.index(target) :] + [target])
             elif target not in state:
                 visit(target, [*path, target])
         state[module] = 2
@@ -88,6 +102,11 @@ def test_no_import_circles():
 def test_the_simulator_never_imports_torch():
     for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [alias.name for alias in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             assert not any(name.split(".")[0] == "torch" for name in names), path

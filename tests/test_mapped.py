@@ -14,12 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from klotski_sim.files import disk_cache
-from klotski_sim.workload import trace_cache as cache
-
-from klotski_sim.files import npzfile
+from klotski_sim.files import disk_cache, npzfile
 from klotski_sim.files.mapped import in_chunks, is_mapped, map_stored_array, release
 from klotski_sim.files.npzfile import write_npz
+from klotski_sim.workload import trace_cache as cache
 
 SMAPS = Path("/proc/self/smaps")
 needs_smaps = pytest.mark.skipif(not SMAPS.exists(), reason="resident pages are read from /proc/self/smaps (Linux)")
@@ -39,8 +37,11 @@ def _resident_kb(path: Path | re.Pattern, field: str = "Rss") -> int:
 
 
 @settings(max_examples=40, deadline=None)
-@given(shape=st.lists(st.integers(0, 6), min_size=1, max_size=4),
-       dtype=st.sampled_from([np.uint8, np.int16, np.int32, np.float16]), seed=st.integers(0, 2**32 - 1))
+@given(
+    shape=st.lists(st.integers(0, 6), min_size=1, max_size=4),
+    dtype=st.sampled_from([np.uint8, np.int16, np.int32, np.float16]),
+    seed=st.integers(0, 2**32 - 1),
+)
 def test_a_stored_array_maps_to_what_numpy_reads(tmp_path_factory, shape, dtype, seed):
     folder = tmp_path_factory.mktemp("npz")
     array = np.random.default_rng(seed).integers(0, 100, size=shape).astype(dtype)
@@ -83,8 +84,11 @@ def test_release_gives_the_pages_back_and_keeps_the_values(tmp_path):
 
 
 @settings(max_examples=60, deadline=None)
-@given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=4), data=st.data(),
-       limit=st.sampled_from([1, 3, 16, 100, 4096]))
+@given(
+    shape=st.lists(st.integers(1, 5), min_size=1, max_size=4),
+    data=st.data(),
+    limit=st.sampled_from([1, 3, 16, 100, 4096]),
+)
 def test_a_mapped_view_is_written_as_numpy_writes_it(tmp_path_factory, shape, data, limit):
     """Routing files are written from a mapped trace in blocks of at most `_WRITTEN_BYTES`: the
     bytes are numpy's for any view (cut, strided) and any block size."""
@@ -106,22 +110,30 @@ def test_a_mapped_view_is_written_as_numpy_writes_it(tmp_path_factory, shape, da
 
 
 @needs_smaps
-def test_a_long_prompt_run_from_the_cache_builds_the_same_schedule_without_holding_its_routing(
-        tmp_path, monkeypatch):
+def test_a_long_prompt_run_from_the_cache_builds_the_same_schedule_without_holding_its_routing(tmp_path, monkeypatch):
     """A run whose trace comes from the cache (mapped) builds the schedule a run without the
     cache builds, writes the same routing.npz, and leaves at most a quarter of the trace's pages
     resident once Klotski's schedule (counts, first-use orders, online learning) is built."""
     from klotski_sim.policies import build_schedule
     from klotski_sim.runs.runner import RunSpec, prepare
 
-    spec = RunSpec(model="mixtral-8x7b", policy="klotski", impl="ideal", batch_size=4, num_batches=4,
-                   prompt_len=4096, gen_len=4, seed=11)
+    spec = RunSpec(
+        model="mixtral-8x7b",
+        policy="klotski",
+        impl="ideal",
+        batch_size=4,
+        num_batches=4,
+        prompt_len=4096,
+        gen_len=4,
+        seed=11,
+    )
     monkeypatch.setenv("KLOTSKI_CACHE_DIR", "off")
     plain = prepare(spec)
     expected = build_schedule("klotski", plain.policy_input())
     plain.replay.routing.save(tmp_path / "plain.npz")
     monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(tmp_path / "cache"))
     from klotski_sim.runs.runner import _synthetic_trace
+
     _synthetic_trace.cache_clear()
     prepare(spec)  # (writes the cache)
     _synthetic_trace.cache_clear()
@@ -168,8 +180,9 @@ def test_a_large_trace_the_cache_does_not_keep_is_drawn_into_a_temporary_file_an
         return synthesize(m, 70, 40, 3, routing="calibrated", seed=5)
 
     def drawn():
-        return cached_trace(m, "calibrated", 5, 70, 40, 3, make,
-                            lambda: synthesized_blocks(m, 70, 40, 3, routing="calibrated", seed=5))
+        return cached_trace(
+            m, "calibrated", 5, 70, 40, 3, make, lambda: synthesized_blocks(m, 70, 40, 3, routing="calibrated", seed=5)
+        )
 
     temporary = tmp_path / "tmp"
     temporary.mkdir()
@@ -211,16 +224,18 @@ def test_a_trace_drawn_into_the_cache_is_the_one_drawn_in_memory_and_comes_back_
         return synthesize(*args[:4], routing="calibrated", seed=5)
 
     monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(tmp_path / "cache"))
-    streamed = cached_trace(m, "calibrated", 5, 70, 40, 3, make,
-                            lambda: synthesized_blocks(*args[:4], routing="calibrated", seed=5))
+    streamed = cached_trace(
+        m, "calibrated", 5, 70, 40, 3, make, lambda: synthesized_blocks(*args[:4], routing="calibrated", seed=5)
+    )
     assert not made and is_mapped(streamed.experts) and np.array_equal(streamed.experts, expected.experts)
     assert streamed.meta == json_round_trip(expected.meta)
     assert np.array_equal(streamed.seq_offsets, expected.seq_offsets)
     assert np.array_equal(streamed.prompt_lens, expected.prompt_lens)
     (tmp_path / "file").write_text("")
     monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(tmp_path / "file"))  # (a folder that cannot be made)
-    fallback = cached_trace(m, "calibrated", 5, 70, 40, 3, make,
-                            lambda: synthesized_blocks(*args[:4], routing="calibrated", seed=5))
+    fallback = cached_trace(
+        m, "calibrated", 5, 70, 40, 3, make, lambda: synthesized_blocks(*args[:4], routing="calibrated", seed=5)
+    )
     assert made == [1] and np.array_equal(fallback.experts, expected.experts)
 
 
@@ -242,6 +257,7 @@ def test_a_cached_trace_serves_fewer_sequences_and_a_larger_one_replaces_it(tmp_
         def stream():
             drawn.append(sequences)
             return synthesized_blocks(m, sequences, 20, 3, routing="calibrated", seed=5)
+
         return cache.cached_trace(m, "calibrated", 5, sequences, 20, 3, lambda: 1 / 0, stream)
 
     with patch.dict(os.environ, {"KLOTSKI_CACHE_DIR": str(folder), "KLOTSKI_CACHE_MAX_GB": "1"}):
@@ -272,6 +288,7 @@ def test_models_of_one_shape_share_a_cached_trace_named_for_each(tmp_path, monke
         def stream():
             drawn.append(name)
             return synthesized_blocks(m, sequences, 20, 3, routing="calibrated", seed=5)
+
         return cache.cached_trace(m, "calibrated", 5, sequences, 20, 3, lambda: 1 / 0, stream)
 
     cached("mixtral-8x7b", 9)
@@ -292,8 +309,16 @@ def _tiny_workload():
     m = get_model("tiny-mixtral")
 
     def cached(sequences):
-        return cache.cached_trace(m, "calibrated", 5, sequences, 20, 3, lambda: 1 / 0,
-                                  lambda: synthesized_blocks(m, sequences, 20, 3, routing="calibrated", seed=5))
+        return cache.cached_trace(
+            m,
+            "calibrated",
+            5,
+            sequences,
+            20,
+            3,
+            lambda: 1 / 0,
+            lambda: synthesized_blocks(m, sequences, 20, 3, routing="calibrated", seed=5),
+        )
 
     return cached, lambda sequences: synthesize(m, sequences, 20, 3, "calibrated", seed=5)
 
@@ -314,8 +339,9 @@ def _damage(kind, path, good):
     elif kind == "a header asking for terabytes":
         with zipfile.ZipFile(path, "w") as z:
             head = io.BytesIO()
-            np.lib.format.write_array_header_1_0(head, {"descr": "|u1", "fortran_order": False,
-                                                        "shape": (10**13, 2, 2)})
+            np.lib.format.write_array_header_1_0(
+                head, {"descr": "|u1", "fortran_order": False, "shape": (10**13, 2, 2)}
+            )
             z.writestr("experts.npy", head.getvalue() + bytes(1000))
             for name in ("seq_offsets", "prompt_lens", "meta"):
                 body = io.BytesIO()
@@ -331,12 +357,21 @@ def _damage(kind, path, good):
     np.savez(path, **arrays)
 
 
-@pytest.mark.parametrize("kind", ["meta of another type", "generator settings not a mapping",
-                                  "another prompt/generated split", "a header asking for terabytes", "a FIFO",
-                                  "a link to nowhere"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "meta of another type",
+        "generator settings not a mapping",
+        "another prompt/generated split",
+        "a header asking for terabytes",
+        "a FIFO",
+        "a link to nowhere",
+    ],
+)
 @pytest.mark.parametrize("wanted", [5, 20])
 def test_a_damaged_cache_file_is_drawn_again_never_a_traceback_a_hang_or_a_write_elsewhere(
-        tmp_path, monkeypatch, kind, wanted):
+    tmp_path, monkeypatch, kind, wanted
+):
     """The cache fuzzed (a helper's battery): each of these cache files, under the name of a 20-sequence
     trace of the workload, raised out of `cached_trace` (TypeError, MemoryError), blocked it for
     ever (a FIFO), served another prompt/generated split, or made it write outside the cache (a
@@ -371,8 +406,10 @@ def test_a_cache_file_that_cannot_be_touched_is_used_all_the_same(tmp_path, monk
     cached, expected = _tiny_workload()
     cached(9)
     for error in (PermissionError, FileNotFoundError):
+
         def refuse(*args, error=error, **kwargs):
             raise error("refused")
+
         monkeypatch.setattr(disk_cache.os, "utime", refuse)
         for wanted in (9, 4):
             assert np.array_equal(cached(wanted).experts, expected(wanted).experts)
@@ -450,7 +487,7 @@ def test_a_damaged_recorded_trace_is_refused_alike_with_the_cache_on_and_off(tmp
     with zipfile.ZipFile(tmp_path / "t.npz") as archive:
         info = archive.getinfo("experts.npy")
     middle = info.header_offset + 100 + info.compress_size // 2
-    data[middle:middle + 16] = bytes(16)  # (deflated ids overwritten: a CRC or inflate error)
+    data[middle : middle + 16] = bytes(16)  # (deflated ids overwritten: a CRC or inflate error)
     (tmp_path / "bad.npz").write_bytes(bytes(data))
     monkeypatch.setattr(disk_cache, "MAPPED_ABOVE", 64)
     messages = []
@@ -506,8 +543,16 @@ def test_a_cached_trace_replaced_by_another_models_is_drawn_again(tmp_path, monk
     monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(tmp_path / "cache"))
 
     def drawn():
-        return cache.cached_trace(m, "calibrated", 5, 6, 40, 3, lambda: synthesize(m, 6, 40, 3, "calibrated", 5),
-                                  lambda: synthesized_blocks(m, 6, 40, 3, routing="calibrated", seed=5))
+        return cache.cached_trace(
+            m,
+            "calibrated",
+            5,
+            6,
+            40,
+            3,
+            lambda: synthesize(m, 6, 40, 3, "calibrated", 5),
+            lambda: synthesized_blocks(m, 6, 40, 3, routing="calibrated", seed=5),
+        )
 
     expected = drawn().experts.copy()
     (path,) = (tmp_path / "cache" / "traces").glob("*.npz")
@@ -517,8 +562,9 @@ def test_a_cached_trace_replaced_by_another_models_is_drawn_again(tmp_path, monk
 
 
 @pytest.mark.parametrize("cache_setting", ["folder", "off"])
-def test_a_long_synthetic_draw_is_said_once_before_it_begins_and_never_when_cached(tmp_path, monkeypatch,
-                                                                                    cache_setting):
+def test_a_long_synthetic_draw_is_said_once_before_it_begins_and_never_when_cached(
+    tmp_path, monkeypatch, cache_setting
+):
     """A draw estimated at `LONG_DRAW_S` or more is told to `draw_listeners` (the CLI: a note on
     stderr) once, with its size — also when the cache asks for the stream and then draws with
     `make` after all (the cache off, a trace below the mapping's bar) — and a run that finds its
@@ -535,8 +581,10 @@ def test_a_long_synthetic_draw_is_said_once_before_it_begins_and_never_when_cach
     runner.make_replay(spec, get_model("tiny-mixtral"), 3)
     sequences = 3 * 2 + spec.warmup_sequences
     cached = "not in the trace cache yet" if cache_setting == "folder" else "the trace cache is off"
-    assert heard == [f"drawing the calibrated routing of {sequences} sequences x 12 tokens for tiny-mixtral "
-                     f"(2 layers x 4 experts; {cached}): about 0 s on this machine as loaded now"]
+    assert heard == [
+        f"drawing the calibrated routing of {sequences} sequences x 12 tokens for tiny-mixtral "
+        f"(2 layers x 4 experts; {cached}): about 0 s on this machine as loaded now"
+    ]
     runner._synthetic_trace.cache_clear()
     runner.make_replay(spec, get_model("tiny-mixtral"), 3)
     assert len(heard) == (1 if cache_setting == "folder" else 2)  # (drawn again only without a cache)

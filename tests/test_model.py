@@ -47,8 +47,18 @@ def test_unknown_model_lists_presets():
 
 @pytest.mark.parametrize("field,value", [("num_layers", 0), ("hidden_size", -1), ("top_k", 9)])
 def test_invalid_specs_are_rejected(field, value):
-    kwargs = dict(name="x", num_layers=2, num_experts=8, top_k=2, hidden_size=8, ffn_size=8, num_heads=2,
-                  num_kv_heads=1, head_dim=4, vocab_size=10)
+    kwargs = dict(
+        name="x",
+        num_layers=2,
+        num_experts=8,
+        top_k=2,
+        hidden_size=8,
+        ffn_size=8,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        vocab_size=10,
+    )
     kwargs[field] = value
     with pytest.raises(ValueError):
         ModelSpec(**kwargs)
@@ -66,17 +76,21 @@ def _active_params(m):
     dense MLP or the router, shared experts and top-k routed experts."""
     total = 2 * m.embedding_bytes()
     for j in range(m.num_layers):
-        total += m.attention_bytes() + (m.gate_bytes(j) + m.top_k * m.expert_bytes() if m.is_moe(j)
-                                        else m.dense_mlp_bytes())
+        total += m.attention_bytes() + (
+            m.gate_bytes(j) + m.top_k * m.expert_bytes() if m.is_moe(j) else m.dense_mlp_bytes()
+        )
     return total / m.dtype_bytes
 
 
-@pytest.mark.parametrize("name, total_b, active_b", [
-    ("deepseek-v3", 671, 37),  # DeepSeek-V3 technical report: 671B total, 37B activated (MTP module not counted)
-    ("qwen3-30b-a3b", 30.5, 3.3),  # Qwen3-30B-A3B model card: 30.5B total, 3.3B activated
-    ("deepseek-v2-lite", 15.7, None),  # DeepSeek-V2-Lite model card: 15.7B total
-    ("mixtral-8x7b", 46.7, 12.9),  # Mixtral of Experts paper: 47B total, 13B active
-])
+@pytest.mark.parametrize(
+    "name, total_b, active_b",
+    [
+        ("deepseek-v3", 671, 37),  # DeepSeek-V3 technical report: 671B total, 37B activated (MTP module not counted)
+        ("qwen3-30b-a3b", 30.5, 3.3),  # Qwen3-30B-A3B model card: 30.5B total, 3.3B activated
+        ("deepseek-v2-lite", 15.7, None),  # DeepSeek-V2-Lite model card: 15.7B total
+        ("mixtral-8x7b", 46.7, 12.9),  # Mixtral of Experts paper: 47B total, 13B active
+    ],
+)
 def test_new_presets_have_their_published_parameter_counts(name, total_b, active_b):
     m = get_model(name)
     assert m.total_bytes() / m.dtype_bytes / 1e9 == pytest.approx(total_b, rel=0.01)
@@ -129,8 +143,13 @@ def test_checkpoints_are_read_in_the_mixtral_qwen3_moe_and_olmoe_layouts_only(tm
 def test_qk_norm_and_top_k_renormalisation_follow_the_published_configs():
     """Qwen3-30B-A3B: q/k norm per head, norm_topk_prob true; OLMoE-1B-7B: q/k norm over the whole
     projections, false; Qwen1.5-MoE-A2.7B: no q/k norm, false; Mixtral: none, renormalised."""
-    expected = {"qwen3-30b-a3b": ("head", True), "olmoe-1b-7b": ("full", False),
-                "qwen1.5-moe-a2.7b": ("", False), "mixtral-8x7b": ("", True), "deepseek-v3": ("", True)}
+    expected = {
+        "qwen3-30b-a3b": ("head", True),
+        "olmoe-1b-7b": ("full", False),
+        "qwen1.5-moe-a2.7b": ("", False),
+        "mixtral-8x7b": ("", True),
+        "deepseek-v3": ("", True),
+    }
     for name, (qk_norm, renorm) in expected.items():
         m = get_model(name)
         assert (m.qk_norm, m.norm_topk_prob) == (qk_norm, renorm), name
@@ -145,11 +164,23 @@ def test_qk_norm_and_top_k_renormalisation_follow_the_published_configs():
     assert get_model("mixtral-8x7b").resident_bytes() == base(get_model("mixtral-8x7b"))
 
 
-@pytest.mark.parametrize("field,value,match", [("qk_norm", "per-head", "qk_norm must be one of"),
-                                               ("norm_topk_prob", 1, "norm_topk_prob must be true or false")])
+@pytest.mark.parametrize(
+    "field,value,match",
+    [("qk_norm", "per-head", "qk_norm must be one of"), ("norm_topk_prob", 1, "norm_topk_prob must be true or false")],
+)
 def test_qk_norm_and_norm_topk_prob_are_validated(field, value, match):
-    kwargs = dict(name="x", num_layers=2, num_experts=8, top_k=2, hidden_size=8, ffn_size=8, num_heads=2,
-                  num_kv_heads=1, head_dim=4, vocab_size=10)
+    kwargs = dict(
+        name="x",
+        num_layers=2,
+        num_experts=8,
+        top_k=2,
+        hidden_size=8,
+        ffn_size=8,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        vocab_size=10,
+    )
     with pytest.raises(ValueError, match=match):
         ModelSpec(**kwargs, **{field: value})
 

@@ -13,11 +13,11 @@ import time
 
 import pytest
 
-from klotski_sim.report import exports
 from klotski_sim.cli.main import SIMULATE_FILES
-from klotski_sim.util.errors import UsageError
 from klotski_sim.files.outfiles import OutputFiles
+from klotski_sim.report import exports
 from klotski_sim.runs.runner import RunSpec, run
+from klotski_sim.util.errors import UsageError
 
 from .conftest import folder_state, run_cli
 
@@ -61,8 +61,11 @@ def test_save_all_failing_half_way_keeps_the_earlier_timeline(tmp_path, monkeypa
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(exports, "to_chrome_trace", full_disk)  # (after the summary, Parquet and CSV)
-    with pytest.raises(UsageError, match=r": cannot write trace.json.gz \(No space left on device\); the folder is "
-                                         r"as it was$"):
+    with pytest.raises(
+        UsageError,
+        match=r": cannot write trace.json.gz \(No space left on device\); the folder is "
+        r"as it was$",
+    ):
         exports.save_all(tiny_timeline, tmp_path)
     assert folder_state(tmp_path) == before
 
@@ -75,15 +78,22 @@ def test_simulate_stopped_while_it_writes_leaves_the_earlier_run(tmp_path):
     rc, _, err = run_cli("simulate", *SMALL, "--out", str(out))
     assert rc == 0, err
     before = folder_state(out)
-    stop_in_csv = ("import os, signal, sys\n"
-                   "from klotski_sim.report import exports\n"
-                   "from klotski_sim.cli import main as cli\n"
-                   "def stopped(*args, **kwargs):\n"
-                   "    os.kill(os.getpid(), signal.SIGTERM)\n"
-                   "exports.to_csv = stopped\n"
-                   "sys.exit(cli.main(sys.argv[1:]))\n")
-    proc = subprocess.run([sys.executable, "-c", stop_in_csv, "simulate", *SMALL, "--gen-len", "4", "--out", str(out)],
-                          capture_output=True, text=True, timeout=120, env={**os.environ})
+    stop_in_csv = (
+        "import os, signal, sys\n"
+        "from klotski_sim.report import exports\n"
+        "from klotski_sim.cli import main as cli\n"
+        "def stopped(*args, **kwargs):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "exports.to_csv = stopped\n"
+        "sys.exit(cli.main(sys.argv[1:]))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", stop_in_csv, "simulate", *SMALL, "--gen-len", "4", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ},
+    )
     assert proc.returncode == 128 + signal.SIGTERM and proc.stderr.splitlines()[-1] == "terminated", proc.stderr
     assert folder_state(out) == before
 
@@ -95,7 +105,8 @@ def test_simulate_into_an_earlier_run_replaces_it_and_says_what_it_removed(tmp_p
     assert rc == 0, err
     assert "(removed an earlier run's timeline.png)" in out.splitlines()[-1]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        ["summary.json", "timeline.parquet", "timeline.csv", "trace.json.gz", "schedule.json", "routing.npz"])
+        ["summary.json", "timeline.parquet", "timeline.csv", "trace.json.gz", "schedule.json", "routing.npz"]
+    )
     assert json.loads((tmp_path / "summary.json").read_text())["gen_len"] == 4
 
 
@@ -113,8 +124,9 @@ def test_a_folder_where_a_file_goes_is_refused_before_the_run(tmp_path):
     (tmp_path / "timeline.csv").mkdir()
     (tmp_path / "summary.json").write_text("an earlier summary")
     rc, out, err = run_cli("simulate", *SMALL, "--out", str(tmp_path))
-    assert rc == 2 and err.strip() == (f"error: --out {tmp_path}: {tmp_path / 'timeline.csv'} is a folder; "
-                                       f"cannot write timeline.csv there")
+    assert rc == 2 and err.strip() == (
+        f"error: --out {tmp_path}: {tmp_path / 'timeline.csv'} is a folder; cannot write timeline.csv there"
+    )
     assert out == "" and (tmp_path / "summary.json").read_text() == "an earlier summary"
     with pytest.raises(UsageError, match="timeline.csv is a folder"), OutputFiles(tmp_path) as files:
         files.path("summary.json").write_text("new")
@@ -128,8 +140,9 @@ def test_a_write_that_fails_is_said_of_the_file_not_of_its_temporary(tmp_path):
     with pytest.raises(UsageError) as refused, OutputFiles(tmp_path) as files:
         temporary = files.path("timeline.parquet")
         raise OSError(28, "No space left on device", str(temporary))
-    assert str(refused.value) == (f"{tmp_path}: cannot write timeline.parquet (No space left on device); the "
-                                  f"folder is as it was")
+    assert str(refused.value) == (
+        f"{tmp_path}: cannot write timeline.parquet (No space left on device); the folder is as it was"
+    )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -162,8 +175,12 @@ def test_a_stop_among_the_renames_comes_after_them(tmp_path):
     not one new file beside the earlier run's), then the command stops as it would have."""
     rc, _, err = run_cli("simulate", *SMALL, "--out", str(tmp_path))
     assert rc == 0, err
-    proc = subprocess.run([sys.executable, "-c", STOPPED_IN_COMMIT, "simulate", *SMALL, "--gen-len", "4", "--out",
-                           str(tmp_path)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", STOPPED_IN_COMMIT, "simulate", *SMALL, "--gen-len", "4", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 128 + signal.SIGTERM and proc.stderr.splitlines()[-1] == "terminated", proc.stderr
     assert json.loads((tmp_path / "summary.json").read_text())["gen_len"] == 4
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(SIMULATE_FILES)
@@ -210,8 +227,11 @@ def test_a_file_that_cannot_be_put_in_place_undoes_the_others(tmp_path, monkeypa
         move(temporary, target)
 
     monkeypatch.setattr(outfiles, "_move", third_refused)
-    with pytest.raises(UsageError, match=r"cannot write timeline.csv \(Operation not permitted\); the folder is as "
-                                         r"it was"):
+    with pytest.raises(
+        UsageError,
+        match=r"cannot write timeline.csv \(Operation not permitted\); the folder is as "
+        r"it was",
+    ):
         exports.save_all(tiny_timeline, tmp_path, png=False)
     assert moved == ["summary.json", "timeline.parquet"] and folder_state(tmp_path) == before
 

@@ -9,16 +9,15 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from klotski_sim.policies import prefetch
 from klotski_sim.core.engine import simulate
+from klotski_sim.core.schedule import Op, compute_op, transfer_op
 from klotski_sim.hardware.profile import load_profile, with_overrides
-from klotski_sim.workload.model import get_model
 from klotski_sim.planning.planner import largest_storable_n, memory_floor, memory_needed, plan, storage_refusal
-from klotski_sim.policies import POLICIES, Placement, PolicyInput, build_schedule
+from klotski_sim.policies import POLICIES, Placement, PolicyInput, build_schedule, prefetch
 from klotski_sim.policies.base import OpEmitter
 from klotski_sim.policies.prefetch import CorrelationTable, top_columns
+from klotski_sim.workload.model import get_model
 from klotski_sim.workload.routing import RoutingTable, RunShape, expert_id_type
-from klotski_sim.core.schedule import Op, compute_op, transfer_op
 from klotski_sim.workload.trace import replay
 from klotski_sim.workload.trace_synth import synthesize
 
@@ -28,19 +27,39 @@ MULTI = ("multi-batch", "hot-prefetch", "klotski", "klotski-oracle", "flexgen")
 EXPERT_LOADS = ("moe_weights", "hot_expert", "cold_expert")
 
 
-def make_input(model="tiny-mixtral", bs=2, n=3, P=6, G=3, routing="calibrated", seed=0, placement=None,
-               profile=None, warmup=4, options=None):
+def make_input(
+    model="tiny-mixtral",
+    bs=2,
+    n=3,
+    P=6,
+    G=3,
+    routing="calibrated",
+    seed=0,
+    placement=None,
+    profile=None,
+    warmup=4,
+    options=None,
+):
     m = get_model(model)
     shape = RunShape(bs, n, P, G)
     trace = synthesize(m, shape.num_sequences + warmup, P, G, routing, seed)
     rep = replay(trace, m, shape, warmup_sequences=warmup)
-    return PolicyInput(m, profile or load_profile("rtx3090"), rep.routing, placement or Placement(),
-                       options or {}, warmup=rep.warmup)
+    return PolicyInput(
+        m, profile or load_profile("rtx3090"), rep.routing, placement or Placement(), options or {}, warmup=rep.warmup
+    )
 
 
 @pytest.mark.parametrize("policy", MULTI + ("single-batch",))
-@pytest.mark.parametrize("placement", [Placement(), Placement(kv="cpu"), Placement(experts="disk"),
-                                       Placement(resident_layers=1), Placement(disk_layers=1)])
+@pytest.mark.parametrize(
+    "placement",
+    [
+        Placement(),
+        Placement(kv="cpu"),
+        Placement(experts="disk"),
+        Placement(resident_layers=1),
+        Placement(disk_layers=1),
+    ],
+)
 def test_every_policy_validates_and_runs(policy, placement):
     inp = make_input(placement=placement)
     s = build_schedule(policy, inp)
@@ -52,8 +71,13 @@ def test_every_policy_validates_and_runs(policy, placement):
     for o in s.ops:
         if o.category == "expert":
             done[(o.step, o.layer, o.expert)] += o.tokens
-    expected = {(st_, l, e): int(counts[st_, l, :, e].sum()) for st_ in range(3) for l in range(2) for e in range(4)
-                if counts[st_, l, :, e].sum()}
+    expected = {
+        (st_, layer_, e): int(counts[st_, layer_, :, e].sum())
+        for st_ in range(3)
+        for layer_ in range(2)
+        for e in range(4)
+        if counts[st_, layer_, :, e].sum()
+    }
     assert dict(done) == expected
 
 
@@ -92,8 +116,11 @@ def test_klotski_computes_hot_experts_first_then_cold_in_arrival_order():
             loads[(o.step, o.layer, o.expert)] = (0 if o.category == "hot_expert" else 1, i)
     for step in range(4):
         for layer in range(inp.model.num_layers):
-            order = [loads[(o.step, o.layer, o.expert)] for o in s.ops
-                     if o.category == "expert" and (o.step, o.layer) == (step, layer)]
+            order = [
+                loads[(o.step, o.layer, o.expert)]
+                for o in s.ops
+                if o.category == "expert" and (o.step, o.layer) == (step, layer)
+            ]
             assert order == sorted(order)  # hot (0) before cold (1), cold by issue position
 
 
@@ -147,13 +174,23 @@ def test_correlation_table_follows_the_paper():
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 4), st.sampled_from([2, 3, 4, 5, 6, 200]), st.integers(1, 3), st.integers(0, 30),
-       st.integers(1, 64), st.integers(0, 2**31 - 1), st.booleans(), st.booleans(), st.booleans())
+@given(
+    st.integers(1, 4),
+    st.sampled_from([2, 3, 4, 5, 6, 200]),
+    st.integers(1, 3),
+    st.integers(0, 30),
+    st.integers(1, 64),
+    st.integers(0, 2**31 - 1),
+    st.booleans(),
+    st.booleans(),
+    st.booleans(),
+)
 @example(3, 200, 1, 5, 7, 0, True, False, 0)  # (a choice's code that does not fit the ids' byte: always tried)
 @example(3, 200, 2, 5, 7, 0, False, True, 0)  # (a pair's code, likewise)
 @example(3, 200, 2, 30, 7, 0, False, True, 1)  # (layer by layer, a byte's ids)
-def test_correlation_table_counts_every_pair_once_whatever_the_chunking(L, E, K, tokens, chunk, seed, by_choice,
-                                                                        step_of_routing, layer_by_layer):
+def test_correlation_table_counts_every_pair_once_whatever_the_chunking(
+    L, E, K, tokens, chunk, seed, by_choice, step_of_routing, layer_by_layer
+):
     """The one-pass learner (counting pairs, or pairs of whole top-k choices; in chunks of any size)
     counts what a token-by-token, layer-by-layer loop counts, for top-k choices of distinct experts
     (as every trace is: trace validation refuses an expert chosen twice) — given a trace's
@@ -162,15 +199,18 @@ def test_correlation_table_counts_every_pair_once_whatever_the_chunking(L, E, K,
     K = min(K, E)
     rng = np.random.default_rng(seed)
     if step_of_routing:
-        ids = np.argsort(rng.random((2, 3, tokens + 2, L, E)), axis=-1)[..., :K][:, :, 1:tokens + 1]
+        ids = np.argsort(rng.random((2, 3, tokens + 2, L, E)), axis=-1)[..., :K][:, :, 1 : tokens + 1]
     else:
         ids = np.argsort(rng.random((tokens, L, E)), axis=-1)[..., :K]
     ids = ids.astype(expert_id_type(E))
     t = CorrelationTable(num_layers=L, num_experts=E, top_k=K)
-    with patch.object(prefetch, "_CHUNK_PAIRS", chunk), patch.object(prefetch, "_CODE_TOKENS", chunk), \
-            patch.object(prefetch, "_WHOLE_TABLE_COUNTS", 0 if layer_by_layer else 1 << 62), \
-            patch.object(prefetch, "CHOICE_CODES", 6**3 if by_choice else 0), \
-            patch.object(prefetch, "_CHOICE_PAIRS_PER_CELL", 0):
+    with (
+        patch.object(prefetch, "_CHUNK_PAIRS", chunk),
+        patch.object(prefetch, "_CODE_TOKENS", chunk),
+        patch.object(prefetch, "_WHOLE_TABLE_COUNTS", 0 if layer_by_layer else 1 << 62),
+        patch.object(prefetch, "CHOICE_CODES", 6**3 if by_choice else 0),
+        patch.object(prefetch, "_CHOICE_PAIRS_PER_CELL", 0),
+    ):
         t.observe_tokens(ids)
     t0, pairs = np.zeros(E, dtype=np.int64), np.zeros((L, E, E), dtype=np.int64)
     for token in ids.reshape(-1, L, K):
@@ -184,8 +224,13 @@ def test_correlation_table_counts_every_pair_once_whatever_the_chunking(L, E, K,
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(1, 7), st.sampled_from([1, 2, 5, 33, 40, 70]), st.integers(1, 6), st.integers(1, 4),
-       st.integers(0, 2**31 - 1))
+@given(
+    st.integers(1, 7),
+    st.sampled_from([1, 2, 5, 33, 40, 70]),
+    st.integers(1, 6),
+    st.integers(1, 4),
+    st.integers(0, 2**31 - 1),
+)
 def test_top_columns_are_a_stable_argsorts_first_columns(rows, cols, r, spread, seed):
     """Largest first, ties to the lower column (counts drawn from few values: many ties), r above
     the columns too; the argmax passes above 32 columns and up to r = 4, the sort otherwise."""
@@ -223,7 +268,9 @@ def test_reorder_shrinks_intra_layer_bubbles_with_skewed_routing():
 def test_klotski_advantage_over_multi_batch_shrinks_with_uniform_routing():
     gain = {}
     for routing in ("zipf:1.5", "uniform"):
-        gain[routing] = _tput("klotski", routing, n=1).throughput_tok_s / _tput("multi-batch", routing, n=1).throughput_tok_s
+        gain[routing] = (
+            _tput("klotski", routing, n=1).throughput_tok_s / _tput("multi-batch", routing, n=1).throughput_tok_s
+        )
     assert gain["uniform"] < gain["zipf:1.5"]
 
 
@@ -382,13 +429,22 @@ def test_a_16k_prompt_on_the_rtx3090_runs_as_many_batches_as_host_memory_holds()
     assert len(by_host) == 1 and " to 4: with the KV cache in host memory" in by_host[0]
 
 
-@pytest.mark.parametrize("model,hardware,batch_size,as_prepared,expected_n_io", [
-    ("mixtral-8x7b", "rtx3090", 16, True, 29), ("qwen3-30b-a3b", "rtx3090", 16, True, 5),
-    ("deepseek-v3", "h800", 16, True, 26), ("olmoe-1b-7b", "t4", 64, True, 6),
-    ("mixtral-8x7b", "rtx3090", 16, False, 182), ("qwen3-30b-a3b", "rtx3090", 16, False, 76),
-    ("mixtral-8x7b", "h800", 4, False, 147), ("deepseek-v3", "h800", 16, False, None)])
-def test_the_planner_weighs_n_a_block_at_a_time_and_finds_what_all_at_once_found(model, hardware, batch_size,
-                                                                                  as_prepared, expected_n_io):
+@pytest.mark.parametrize(
+    "model,hardware,batch_size,as_prepared,expected_n_io",
+    [
+        ("mixtral-8x7b", "rtx3090", 16, True, 29),
+        ("qwen3-30b-a3b", "rtx3090", 16, True, 5),
+        ("deepseek-v3", "h800", 16, True, 26),
+        ("olmoe-1b-7b", "t4", 64, True, 6),
+        ("mixtral-8x7b", "rtx3090", 16, False, 182),
+        ("qwen3-30b-a3b", "rtx3090", 16, False, 76),
+        ("mixtral-8x7b", "h800", 4, False, 147),
+        ("deepseek-v3", "h800", 16, False, None),
+    ],
+)
+def test_the_planner_weighs_n_a_block_at_a_time_and_finds_what_all_at_once_found(
+    model, hardware, batch_size, as_prepared, expected_n_io
+):
     """The planner weighs candidate n a block at a time and stops at the first block where one closes
     the bubbles: the same plan (n, terms, notes) as every n at once (one block of 256) or n by n,
     whether that n is in the first block (a run's plan, as `prepare` asks for it: as published, layers
@@ -436,27 +492,34 @@ def test_fetch_keeps_what_a_policy_of_its_own_adds():
     em.fetch("b", "experts", 10, "moe_weights", "h2d_weights", [a], step=0, layer=0, expert=2, free=(a,))
     em.fetch("c", "experts", 10, "moe_weights", "h2d_weights", step=0, layer=0, expert=3, batches=(0,))
     ops = {o.id: o for o in em.b.ops}
-    assert ops["a"] == transfer_op("a", "moe_weights", "h2d_weights", 10, "cpu", "gpu", (), 0, 0, 1, "expert", False,
-                                   (("a", 10),), ())
+    assert ops["a"] == transfer_op(
+        "a", "moe_weights", "h2d_weights", 10, "cpu", "gpu", (), 0, 0, 1, "expert", False, (("a", 10),), ()
+    )
     assert ops["b"].free == ("a",) and ops["b"].deps == ("a",)
     assert ops["c"].batches == (0,) and ops["c"].alloc == (("c", 10),) and ops["c"].expert == 3
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 50), st.booleans(), st.booleans()), min_size=0,
-                max_size=6),
-       st.sampled_from([None, "gate", ""]), st.booleans(), st.sampled_from(["per-expert", "none"]))
+@given(
+    st.lists(st.tuples(st.integers(0, 3), st.integers(1, 50), st.booleans(), st.booleans()), min_size=0, max_size=6),
+    st.sampled_from([None, "gate", ""]),
+    st.booleans(),
+    st.sampled_from(["per-expert", "none"]),
+)
 def test_an_expert_chain_in_one_pass_issues_what_the_builder_does_op_by_op(parts, after, barrier_first, sync):
     """expert_chain builds an expert loop's sync/op pairs in one pass: the same ops, and the builder
     left in the same state (what is issued next waits for the same host op), as a host wait and an
     append per op (what `expert` did before it)."""
+
     def emit(one_pass: bool) -> list[Op]:
         em = OpEmitter(make_input(options={"sync": sync, "expert_ops": "per-batch"}))
         if barrier_first:
             em.sync("before", ["x"])
         em.b.append(compute_op("x", "gate", (), 0, 0, 0, "decode", 0, (0,), -1, 1, 0, (), (), ""))
-        ops = [(f"E{i}", e, (i % 2,), tokens, ("w",) if own else (), ("w",) if free else ())
-               for i, (e, tokens, own, free) in enumerate(parts)]
+        ops = [
+            (f"E{i}", e, (i % 2,), tokens, ("w",) if own else (), ("w",) if free else ())
+            for i, (e, tokens, own, free) in enumerate(parts)
+        ]
         if one_pass:
             last = em.expert_chain(0, 0, after, ops)
         else:
@@ -465,9 +528,25 @@ def test_an_expert_chain_in_one_pass_issues_what_the_builder_does_op_by_op(parts
                 deps = list(deps)
                 if sync == "per-expert" and last is not None:
                     deps.append(em.b.host_wait(f"{op_id}/rows/sync", "sync", [last]))
-                last = em.b.append(compute_op(op_id, "expert", tuple(deps), em.model.expert_flops(tokens),
-                                              em.model.expert_io_bytes(tokens), 0, "prefill", 0, batches, e, tokens, 0,
-                                              (), free, ""))
+                last = em.b.append(
+                    compute_op(
+                        op_id,
+                        "expert",
+                        tuple(deps),
+                        em.model.expert_flops(tokens),
+                        em.model.expert_io_bytes(tokens),
+                        0,
+                        "prefill",
+                        0,
+                        batches,
+                        e,
+                        tokens,
+                        0,
+                        (),
+                        free,
+                        "",
+                    )
+                )
         em.b.transfer("next", "weights", "h2d_weights", 1, "cpu", "gpu")  # (waits for the latest host op)
         em.b.append(compute_op("y", "gate", (), 0, 0, 0, "decode", 0, (0,), -1, 1, 0, (), (), ""))
         return [*em.b.ops, last, em.b.last_issued()]
@@ -484,16 +563,21 @@ def test_no_schedule_holds_less_than_the_memory_floor(model, policy):
     from .test_cpu_experts import cpu_profile
 
     info = POLICIES[policy]
-    for placement, options, impl in [(Placement(), {}, "as-published"), (Placement(kv="cpu"), {}, "ideal"),
-                                     (Placement(resident_layers=1), {}, "as-published"),
-                                     (Placement(experts="disk"), {}, "ideal"),
-                                     (Placement(), {} if info.manages_experts else {"expert_cache": 2}, "ideal")]:
-        inp = make_input(model=model, placement=placement, options=options,
-                         profile=cpu_profile() if info.needs_cpu else None)
+    for placement, options, impl in [
+        (Placement(), {}, "as-published"),
+        (Placement(kv="cpu"), {}, "ideal"),
+        (Placement(resident_layers=1), {}, "as-published"),
+        (Placement(experts="disk"), {}, "ideal"),
+        (Placement(), {} if info.traits.manages_experts else {"expert_cache": 2}, "ideal"),
+    ]:
+        inp = make_input(
+            model=model, placement=placement, options=options, profile=cpu_profile() if info.traits.needs_cpu else None
+        )
         timeline = simulate(build_schedule(policy, replace(inp, impl=impl)), inp.profile)
         sh = inp.shape
-        holds = info.holds_moe_layer and not options
-        floor = memory_floor(inp.model, sh.batch_size, sh.num_batches, sh.prompt_len, sh.gen_len, placement,
-                             holds_moe_layer=holds)
+        holds = info.traits.holds_moe_layer and not options
+        floor = memory_floor(
+            inp.model, sh.batch_size, sh.num_batches, sh.prompt_len, sh.gen_len, placement, holds_moe_layer=holds
+        )
         assert timeline.status == "ok" and timeline.meta["peak_gpu_bytes"] >= floor["total"], (placement, impl)
         assert ("one_moe_layer" in floor) == (holds and placement.resident_layers < inp.model.num_layers)

@@ -8,10 +8,10 @@ from importlib.metadata import EntryPoint
 
 import pytest
 
-from klotski_sim.util.errors import UsageError
 from klotski_sim.policies import POLICIES, register
 from klotski_sim.policies.plugins import load_entry_points, load_policy_file
 from klotski_sim.runs.runner import RunSpec, run
+from klotski_sim.util.errors import UsageError
 
 from .conftest import ROOT, run_cli
 
@@ -42,8 +42,17 @@ def lru_hits(routing, slots):
 @pytest.mark.parametrize("slots", [1, 3, 8])
 def test_the_example_cache_hits_equal_a_brute_force_replay(slots):
     load_policy_file(EXAMPLE)
-    r = run(RunSpec(model="tiny-mixtral", policy="lru-single-batch", batch_size=2, num_batches=2, prompt_len=5,
-                    gen_len=4, options={"slots": slots}))
+    r = run(
+        RunSpec(
+            model="tiny-mixtral",
+            policy="lru-single-batch",
+            batch_size=2,
+            num_batches=2,
+            prompt_len=5,
+            gen_len=4,
+            options={"slots": slots},
+        )
+    )
     assert r.timeline.status == "ok"
     cache = r.schedule.meta["cache"]
     assert (cache["hits"], cache["misses"]) == lru_hits(r.routing, slots)
@@ -53,24 +62,47 @@ def test_the_example_cache_hits_equal_a_brute_force_replay(slots):
 
 
 def test_policy_file_in_simulate_and_compare(tmp_path):
-    code, out, err = run_cli("simulate", "--policy-file", str(EXAMPLE), "--policy", "lru-single-batch", "--model",
-                             "tiny-mixtral", "--no-png", "--out", str(tmp_path / "sim"))
+    code, out, err = run_cli(
+        "simulate",
+        "--policy-file",
+        str(EXAMPLE),
+        "--policy",
+        "lru-single-batch",
+        "--model",
+        "tiny-mixtral",
+        "--no-png",
+        "--out",
+        str(tmp_path / "sim"),
+    )
     assert code == 0, err
     assert "lru-single-batch" in out
     assert json.loads((tmp_path / "sim" / "summary.json").read_text())["policy"] == "lru-single-batch"
-    code, out, err = run_cli("compare", "--policy-file", str(EXAMPLE), "--policies", "single-batch,lru-single-batch",
-                             "--model", "tiny-mixtral", "--no-png", "--out", str(tmp_path / "cmp"))
+    code, out, err = run_cli(
+        "compare",
+        "--policy-file",
+        str(EXAMPLE),
+        "--policies",
+        "single-batch,lru-single-batch",
+        "--model",
+        "tiny-mixtral",
+        "--no-png",
+        "--out",
+        str(tmp_path / "cmp"),
+    )
     assert code == 0, err
     assert "lru-single-batch" in out and "single-batch" in out
 
 
 def test_policy_file_in_a_sweep(tmp_path):
     (tmp_path / "my_policy.py").write_text(EXAMPLE.read_text())
-    (tmp_path / "spec.yaml").write_text("policies: [lru-single-batch, single-batch]\nmodels: [tiny-mixtral]\n"
-                                        "batch_sizes: [2]\nprompt_lens: [8]\ngen_lens: [3]\n"
-                                        "policy_files: [my_policy.py]\n")
-    code, out, err = run_cli("sweep", str(tmp_path / "spec.yaml"), "--out", str(tmp_path / "out"), "--no-progress",
-                             "--workers", "2")
+    (tmp_path / "spec.yaml").write_text(
+        "policies: [lru-single-batch, single-batch]\nmodels: [tiny-mixtral]\n"
+        "batch_sizes: [2]\nprompt_lens: [8]\ngen_lens: [3]\n"
+        "policy_files: [my_policy.py]\n"
+    )
+    code, out, err = run_cli(
+        "sweep", str(tmp_path / "spec.yaml"), "--out", str(tmp_path / "out"), "--no-progress", "--workers", "2"
+    )
     assert code == 0, err
     import pandas as pd
 
@@ -80,26 +112,55 @@ def test_policy_file_in_a_sweep(tmp_path):
 
 def test_policy_file_in_the_runtime(tmp_path):
     pytest.importorskip("torch")
-    proc = subprocess.run([sys.executable, "-m", "klotski_runtime.cli", "validate", "--policy-file", str(EXAMPLE),
-                           "--policy", "lru-single-batch", "--model", "tiny-mixtral", "--repeats", "1",
-                           "--out", str(tmp_path / "v")], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "klotski_runtime.cli",
+            "validate",
+            "--policy-file",
+            str(EXAMPLE),
+            "--policy",
+            "lru-single-batch",
+            "--model",
+            "tiny-mixtral",
+            "--repeats",
+            "1",
+            "--out",
+            str(tmp_path / "v"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads((tmp_path / "v" / "validation.json").read_text())
     assert "lru-single-batch" in report["policies"]
 
 
-@pytest.mark.parametrize("body, message", [
-    ("def f(:\n", "bad.py:1: syntax error"),
-    ("x = 1\nundefined_name\n", "bad.py:2: NameError"),
-    ("x = 1\n", "registers no policy"),
-    ("from klotski_sim.policies import register\n@register('klotski', 'mine')\ndef b(inp):\n    pass\n",
-     "already registered"),
-    ("import sys\nsys.exit(0)\n", "bad.py:2: exits (sys.exit(0)) while being imported"),  # (ended silently, status 0)
-    # ("registers no policy", the built-in replaced for the rest of the process)
-    ("from klotski_sim.policies import POLICIES, register\nPOLICIES.pop('klotski')\n"
-     "@register('klotski', 'mine')\ndef b(inp):\n    pass\n", "bad.py: replaces or removes the registered policy "
-                                                           "'klotski' (register yours under another name)"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("def f(:\n", "bad.py:1: syntax error"),
+        ("x = 1\nundefined_name\n", "bad.py:2: NameError"),
+        ("x = 1\n", "registers no policy"),
+        (
+            "from klotski_sim.policies import register\n@register('klotski', 'mine')\ndef b(inp):\n    pass\n",
+            "already registered",
+        ),
+        (
+            "import sys\nsys.exit(0)\n",
+            "bad.py:2: exits (sys.exit(0)) while being imported",
+        ),  # (ended silently, status 0)
+        # ("registers no policy", the built-in replaced for the rest of the process)
+        (
+            "from klotski_sim.policies import POLICIES, register\nPOLICIES.pop('klotski')\n"
+            "@register('klotski', 'mine')\ndef b(inp):\n    pass\n",
+            "bad.py: replaces or removes the registered policy 'klotski' (register yours under another name)",
+        ),
+    ],
+)
 def test_a_bad_policy_file_is_one_line(tmp_path, body, message):
     bad = tmp_path / "bad.py"
     bad.write_text(body)
@@ -113,13 +174,15 @@ def test_entry_points_register_installed_policies(tmp_path, monkeypatch):
     (tmp_path / "klotski_plugin_demo.py").write_text(
         "from klotski_sim.policies import register\n"
         "from klotski_sim.policies.single_batch import build\n"
-        "register('demo-plugin', 'an installed policy')(lambda inp: build(inp))\n")
+        "register('demo-plugin', 'an installed policy')(lambda inp: build(inp))\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     ep = EntryPoint("demo", "klotski_plugin_demo", "klotski.policies")
     import importlib.metadata
 
-    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [ep] if group == "klotski.policies"
-                        else [])
+    monkeypatch.setattr(
+        importlib.metadata, "entry_points", lambda group=None: [ep] if group == "klotski.policies" else []
+    )
     try:
         assert load_entry_points() == ["demo-plugin"]
         assert "demo-plugin" in POLICIES
@@ -141,9 +204,11 @@ def test_a_policy_file_that_replaces_a_registered_policy_is_refused_and_the_regi
 
     built_in = POLICIES["klotski"]
     bad = tmp_path / "replaces.py"
-    bad.write_text("from klotski_sim.policies import POLICIES, register\nPOLICIES.pop('klotski')\n"
-                   "@register('klotski', 'mine')\ndef b(inp):\n    pass\n@register('mine-too', 'x')\n"
-                   "def c(inp):\n    pass\n")
+    bad.write_text(
+        "from klotski_sim.policies import POLICIES, register\nPOLICIES.pop('klotski')\n"
+        "@register('klotski', 'mine')\ndef b(inp):\n    pass\n@register('mine-too', 'x')\n"
+        "def c(inp):\n    pass\n"
+    )
     with pytest.raises(UsageError, match="replaces or removes the registered policy 'klotski'"):
         load_policy_file(bad)
     assert POLICIES["klotski"] is built_in and "mine-too" not in POLICIES
@@ -170,27 +235,41 @@ def test_register_refuses_a_name_that_cannot_name_a_file(name):
         register(name, "a policy")
 
 
-@pytest.mark.parametrize("args, message", [
-    (("--option", "slots=abc"), "must be of type int"),
-    (("--option", "slots=-1"), "slots must be from 1 to 8"),
-    (("--option", "slots=NaN"), "must be of type int"),
-    (("--option", "slots=2.5"), "must be of type int"),
-    (("--option", "expert_cache=4"), "has no option(s) ['expert_cache']"),  # it keeps its own cache
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--option", "slots=abc"), "must be of type int"),
+        (("--option", "slots=-1"), "slots must be from 1 to 8"),
+        (("--option", "slots=NaN"), "must be of type int"),
+        (("--option", "slots=2.5"), "must be of type int"),
+        (("--option", "expert_cache=4"), "has no option(s) ['expert_cache']"),  # it keeps its own cache
+    ],
+)
 def test_the_example_s_options_are_checked_in_one_line(args, message):
-    code, out, err = run_cli("simulate", "--policy-file", str(EXAMPLE), "--policy", "lru-single-batch",
-                             "--model", "tiny-mixtral", "--no-png", *args)
+    code, out, err = run_cli(
+        "simulate",
+        "--policy-file",
+        str(EXAMPLE),
+        "--policy",
+        "lru-single-batch",
+        "--model",
+        "tiny-mixtral",
+        "--no-png",
+        *args,
+    )
     assert code == 2 and err.count("\n") == 1 and message in err, err
 
 
-@pytest.mark.parametrize("argv", [("simulate", "--batch-size", "0"), ("optimize", "--budget", "0"),
-                                  ("simulate", "--policy", "nope"), ("bogus",)])
+@pytest.mark.parametrize(
+    "argv",
+    [("simulate", "--batch-size", "0"), ("optimize", "--budget", "0"), ("simulate", "--policy", "nope"), ("bogus",)],
+)
 def test_argparse_errors_are_one_line_too(argv):
     code, out, err = run_cli(*argv)
     assert code == 2 and err.count("\n") == 1 and err.startswith("error: klotski-sim"), err
 
 
-BROKEN = '''
+BROKEN = """
 from klotski_sim.util.errors import UsageError
 from klotski_sim.policies import register
 
@@ -219,24 +298,44 @@ def build_none(inp):
 def build_exit(inp):
     import sys
     sys.exit(0)
-'''
+"""
 
 
-@pytest.mark.parametrize("policy,workers,message", [
-    ("broken-div", "1", "policy 'broken-div' failed at {file}:13: ZeroDivisionError: division by zero"),
-    ("broken-div", "2", "policy 'broken-div' failed at {file}:13: ZeroDivisionError: division by zero"),
-    ("broken-pickle", "2", "bad thing 1 2"),
-    ("broken-none", "1", "policy 'broken-none' returned NoneType, not a Schedule"),
-    # (compare, simulate and sweeps ended with status 0 and wrote nothing)
-    ("broken-exit", "1", "policy 'broken-exit' failed at {file}:29: SystemExit: 0"),
-    ("broken-exit", "2", "policy 'broken-exit' failed at {file}:29: SystemExit: 0"),
-])
+@pytest.mark.parametrize(
+    "policy,workers,message",
+    [
+        ("broken-div", "1", "policy 'broken-div' failed at {file}:13: ZeroDivisionError: division by zero"),
+        ("broken-div", "2", "policy 'broken-div' failed at {file}:13: ZeroDivisionError: division by zero"),
+        ("broken-pickle", "2", "bad thing 1 2"),
+        ("broken-none", "1", "policy 'broken-none' returned NoneType, not a Schedule"),
+        # (compare, simulate and sweeps ended with status 0 and wrote nothing)
+        ("broken-exit", "1", "policy 'broken-exit' failed at {file}:29: SystemExit: 0"),
+        ("broken-exit", "2", "policy 'broken-exit' failed at {file}:29: SystemExit: 0"),
+    ],
+)
 def test_a_broken_policy_file_is_one_line_naming_where(tmp_path, policy, workers, message):
     path = tmp_path / "broken.py"
     path.write_text(BROKEN)
-    rc, out, err = run_cli("compare", "--model", "tiny-mixtral", "--prompt-len", "8", "--gen-len", "2",
-                           "--batch-size", "2", "--no-png", "--policy-file", str(path), "--policies",
-                           f"klotski,{policy}", "--workers", workers, "--out", str(tmp_path / "o"))
+    rc, out, err = run_cli(
+        "compare",
+        "--model",
+        "tiny-mixtral",
+        "--prompt-len",
+        "8",
+        "--gen-len",
+        "2",
+        "--batch-size",
+        "2",
+        "--no-png",
+        "--policy-file",
+        str(path),
+        "--policies",
+        f"klotski,{policy}",
+        "--workers",
+        workers,
+        "--out",
+        str(tmp_path / "o"),
+    )
     assert rc == 2 and message.format(file=path) in err and "Traceback" not in err, err
 
 
@@ -250,37 +349,75 @@ def build(inp):
 """
 
 
-@pytest.mark.parametrize("body, message", [
-    # each of these was a traceback
-    ("    b = ScheduleBuilder()\n    b.compute('a', 'attention', [], alloc=(('buf', float('nan')),))\n"
-     "    return b.build({'generated_tokens': made})", "op 'a': buffer 'buf' has size nan: give a number of bytes"),
-    ("    b = ScheduleBuilder()\n    b.preload('w', 10**30)\n    b.compute('a', 'attention', [], flops=1)\n"
-     "    return b.build({'generated_tokens': made})", "preloaded buffer 'w' has size 10000"),
-    ("    b = ScheduleBuilder()\n    b.compute('a', 'attention', [], flops=10**400)\n"
-     "    return b.build({'generated_tokens': made})", "op 'a': flops must be an integer from 0 to 2**62 - 1"),
-    ("    b = ScheduleBuilder()\n    b.compute('a', 'attention', [], flops=1)\n"
-     "    return b.build({'generated_tokens': 'many'})", "meta.generated_tokens must be an integer >= 0, got 'many'"),
-    ("    return Schedule([Op('a', 'compute', 'compute', 'attention', ('zzz',))], meta={'generated_tokens': made},\n"
-     "                    validate=False)", "op 'a' depends on unknown op 'zzz'"),
-    ("    raise GeneratorExit()", "failed at "),
-    # (a string's characters were taken for its deps: "depends on unknown op 'b'")
-    ("    b = ScheduleBuilder()\n    b.compute('abc', 'attention', [], flops=1)\n"
-     "    return Schedule([Op('a', 'compute', 'compute', 'attention', 'abc')], meta={'generated_tokens': made})",
-     "op 'a': deps must be a tuple of op ids, got the string 'abc'"),
-    # and each of these a figure: -23,256 tok/s, 4.6e15 tok/s, a run of no ops
-    ("    b = ScheduleBuilder()\n    b.compute('a', 'attention', [], flops=1)\n"
-     "    return b.build({'generated_tokens': -5})", "meta.generated_tokens must be an integer >= 0, got -5"),
-    ("    b = ScheduleBuilder()\n    b.compute('a', 'attention', [], flops=1)\n"
-     "    return b.build({'generated_tokens': 10**12})", "meta.generated_tokens 1000000000000 is not the run's 4 "
-                                                       "(batch size 2 x 1 batches x 2 generated)"),
-    ("    return ScheduleBuilder().build({'generated_tokens': made})", "has no ops: nothing to simulate"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        # each of these was a traceback
+        (
+            "    b = ScheduleBuilder()\n    b.compute('a', 'attention', [], alloc=(('buf', float('nan')),))\n"
+            "    return b.build({'generated_tokens': made})",
+            "op 'a': buffer 'buf' has size nan: give a number of bytes",
+        ),
+        (
+            "    b = ScheduleBuilder()\n    b.preload('w', 10**30)\n    b.compute('a', 'attention', [], flops=1)\n"
+            "    return b.build({'generated_tokens': made})",
+            "preloaded buffer 'w' has size 10000",
+        ),
+        (
+            "    b = ScheduleBuilder()\n    b.compute('a', 'attention', [], flops=10**400)\n"
+            "    return b.build({'generated_tokens': made})",
+            "op 'a': flops must be an integer from 0 to 2**62 - 1",
+        ),
+        (
+            "    b = ScheduleBuilder()\n    b.compute('a', 'attention', [], flops=1)\n"
+            "    return b.build({'generated_tokens': 'many'})",
+            "meta.generated_tokens must be an integer >= 0, got 'many'",
+        ),
+        (
+            "    return Schedule([Op('a', 'compute', 'compute', 'attention', ('zzz',))], meta={'generated_tokens': made},\n"
+            "                    validate=False)",
+            "op 'a' depends on unknown op 'zzz'",
+        ),
+        ("    raise GeneratorExit()", "failed at "),
+        # (a string's characters were taken for its deps: "depends on unknown op 'b'")
+        (
+            "    b = ScheduleBuilder()\n    b.compute('abc', 'attention', [], flops=1)\n"
+            "    return Schedule([Op('a', 'compute', 'compute', 'attention', 'abc')], meta={'generated_tokens': made})",
+            "op 'a': deps must be a tuple of op ids, got the string 'abc'",
+        ),
+        # and each of these a figure: -23,256 tok/s, 4.6e15 tok/s, a run of no ops
+        (
+            "    b = ScheduleBuilder()\n    b.compute('a', 'attention', [], flops=1)\n"
+            "    return b.build({'generated_tokens': -5})",
+            "meta.generated_tokens must be an integer >= 0, got -5",
+        ),
+        (
+            "    b = ScheduleBuilder()\n    b.compute('a', 'attention', [], flops=1)\n"
+            "    return b.build({'generated_tokens': 10**12})",
+            "meta.generated_tokens 1000000000000 is not the run's 4 (batch size 2 x 1 batches x 2 generated)",
+        ),
+        ("    return ScheduleBuilder().build({'generated_tokens': made})", "has no ops: nothing to simulate"),
+    ],
+)
 def test_a_policy_files_schedule_is_checked_as_a_schedule_file_is(tmp_path, body, message):
     """Found by a fault battery: a policy file's schedule was trusted as the package's own builders'
     are, so sizes out of range ended in tracebacks (the timeline, the cost model) and a wrong meta
     in absurd throughputs. Each is one line naming the policy's schedule."""
     path = tmp_path / "faulty.py"
     path.write_text(_HEAD.format(name="faulty") + body + "\n")
-    rc, out, err = run_cli("simulate", "--model", "tiny-mixtral", "--prompt-len", "8", "--gen-len", "2",
-                           "--batch-size", "2", "--policy-file", str(path), "--policy", "faulty")
+    rc, out, err = run_cli(
+        "simulate",
+        "--model",
+        "tiny-mixtral",
+        "--prompt-len",
+        "8",
+        "--gen-len",
+        "2",
+        "--batch-size",
+        "2",
+        "--policy-file",
+        str(path),
+        "--policy",
+        "faulty",
+    )
     assert rc == 2 and err.count("\n") == 1 and err.startswith("error: ") and message in err, err

@@ -4,8 +4,8 @@ import pytest
 
 from klotski_sim.core.engine import simulate
 from klotski_sim.hardware.profile import load_profile
-from klotski_sim.workload.model import get_model
 from klotski_sim.policies import Placement, PolicyInput, build_schedule
+from klotski_sim.workload.model import get_model
 from klotski_sim.workload.routing import RunShape
 from klotski_sim.workload.trace_synth import synthetic_routing
 
@@ -32,8 +32,14 @@ def test_single_batch_loads_whole_layers_and_runs(kv):
     # the experts computed are exactly the routed ones, with their token counts
     counts = inp.routing.counts
     computed = {(o.step, o.layer, o.batch, o.expert): o.tokens for o in s.ops if o.category == "expert"}
-    expected = {(st, l, b, e): int(counts[st, l, b, e]) for st in range(sh.num_steps) for l in range(m.num_layers)
-                for b in range(sh.num_batches) for e in range(m.num_experts) if counts[st, l, b, e]}
+    expected = {
+        (st, layer_, b, e): int(counts[st, layer_, b, e])
+        for st in range(sh.num_steps)
+        for layer_ in range(m.num_layers)
+        for b in range(sh.num_batches)
+        for e in range(m.num_experts)
+        if counts[st, layer_, b, e]
+    }
     assert computed == expected
     if kv == "cpu":
         assert any(o.category == "kv" and o.stream == "h2d_kv" for o in s.ops)
@@ -66,6 +72,7 @@ def test_kv_cache_grows_per_step():
 def test_oom_when_gpu_is_too_small():
     inp = _input(model="mixtral-8x7b", bs=4, n=1, P=8, G=2)
     from klotski_sim.hardware.profile import with_overrides
+
     small = with_overrides(inp.profile, {"gpu.memory_bytes": 3e9})
     tl = simulate(build_schedule("single-batch", inp), small)
     assert tl.status == "oom" and tl.meta["oom"]["needed_bytes"] > tl.meta["oom"]["available_bytes"]

@@ -55,8 +55,17 @@ def test_the_chosen_probe_is_the_smallest_within_the_tie_of_the_best(n_max, valu
 
 
 # a 4-layer Mixtral streamed from host memory on the L4: small enough to probe in a second or two
-HYBRID = RunSpec(model="mixtral-8x7b:4", hardware="l4", policy="klotski-hybrid", impl="ideal", batch_size=32,
-                 prompt_len=256, gen_len=8, num_batches=None, resident_layers=0)
+HYBRID = RunSpec(
+    model="mixtral-8x7b:4",
+    hardware="l4",
+    policy="klotski-hybrid",
+    impl="ideal",
+    batch_size=32,
+    prompt_len=256,
+    gen_len=8,
+    num_batches=None,
+    resident_layers=0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +97,22 @@ def test_a_given_n_is_not_probed():
 
 
 def test_plan_prints_the_probes_and_simulate_runs_the_chosen_n(capsys, hybrid_run):
-    args = ["--model", "mixtral-8x7b:4", "--hardware", "l4", "--impl", "ideal", "--batch-size", "32",
-            "--prompt-len", "256", "--gen-len", "8", "--resident-layers", "0"]
+    args = [
+        "--model",
+        "mixtral-8x7b:4",
+        "--hardware",
+        "l4",
+        "--impl",
+        "ideal",
+        "--batch-size",
+        "32",
+        "--prompt-len",
+        "256",
+        "--gen-len",
+        "8",
+        "--resident-layers",
+        "0",
+    ]
     assert main(["plan", "--policy", "klotski-hybrid", *args]) == 0
     out = capsys.readouterr().out
     chosen = hybrid_run.probes.chosen.n

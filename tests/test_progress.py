@@ -19,8 +19,12 @@ def test_progress_lines_say_the_first_and_last_item_and_estimate_only_from_items
         p.done(f"(#{step})")
     assert lines[0] == "sweep x: 1/10 (#0), 2 s, about 18 s left"
     assert lines[-1] == "sweep x: 10/10 (#9), 20 s"  # (the last: no time left said)
-    assert [line.split(",")[0] for line in lines] == ["sweep x: 1/10 (#0)", "sweep x: 4/10 (#3)",  # (5 s apart)
-                                                     "sweep x: 7/10 (#6)", "sweep x: 10/10 (#9)"]
+    assert [line.split(",")[0] for line in lines] == [
+        "sweep x: 1/10 (#0)",
+        "sweep x: 4/10 (#3)",  # (5 s apart)
+        "sweep x: 7/10 (#6)",
+        "sweep x: 10/10 (#9)",
+    ]
     assert all("left" in line for line in lines[:-1])
 
 
@@ -53,10 +57,27 @@ def test_the_machine_slowdown_is_measured_once_and_bounded(monkeypatch):
 def test_a_sweep_whose_stderr_is_a_file_prints_progress_lines(tmp_path):
     """The rich bar printed nothing until the end where stderr was not a terminal (a log, CI)."""
     spec = tmp_path / "s.yaml"
-    spec.write_text("name: lines\nmodels: [tiny-mixtral]\nhardware: [rtx3090]\npolicies: [klotski, flexgen]\n"
-                    "batch_sizes: [2]\nnum_batches: [2]\nprompt_lens: [8]\ngen_lens: [2]\n")
-    proc = subprocess.run([sys.executable, "-m", "klotski_sim.cli.main", "sweep", str(spec), "--out", str(tmp_path / "o"),
-                           "--workers", "1"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    spec.write_text(
+        "name: lines\nmodels: [tiny-mixtral]\nhardware: [rtx3090]\npolicies: [klotski, flexgen]\n"
+        "batch_sizes: [2]\nnum_batches: [2]\nprompt_lens: [8]\ngen_lens: [2]\n"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "klotski_sim.cli.main",
+            "sweep",
+            str(spec),
+            "--out",
+            str(tmp_path / "o"),
+            "--workers",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     said = [line for line in proc.stderr.splitlines() if line.startswith("sweep lines: ")]
     assert said and said[0].startswith("sweep lines: 1/2,") and said[-1].startswith("sweep lines: 2/2,"), proc.stderr

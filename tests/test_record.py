@@ -68,8 +68,11 @@ def test_a_checkpoint_with_nan_weights_is_named_with_its_tensor(tmp_path, checkp
     gate = next(name for name in tensors if name.endswith("moe.gate.weight"))
     tensors[gate] = torch.full_like(tensors[gate], float("nan"))
     save_file(tensors, broken / "model.safetensors")
-    with pytest.raises(RecordError, match=f"{broken}: the checkpoint's tensor .*gate.weight \\(as transformers names "
-                                          f"it\\) holds NaN or infinite values"):
+    with pytest.raises(
+        RecordError,
+        match=f"{broken}: the checkpoint's tensor .*gate.weight \\(as transformers names "
+        f"it\\) holds NaN or infinite values",
+    ):
         record(broken, [TEXT], max_tokens=8, gen_len=1)
 
 
@@ -78,14 +81,23 @@ def test_records_other_moe_families(kind, tmp_path):
     """OLMoE and Qwen-MoE routers sit at the same place (layers[i].mlp.gate) in transformers."""
     import transformers
 
-    common = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                  num_experts=8, num_experts_per_tok=2, max_position_embeddings=256)
+    common = dict(
+        vocab_size=128,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+    )
     if kind == "olmoe":
         config = transformers.OlmoeConfig(intermediate_size=16, **common)
         model = transformers.OlmoeForCausalLM(config)
     else:
-        config = transformers.Qwen2MoeConfig(intermediate_size=64, moe_intermediate_size=16,
-                                             shared_expert_intermediate_size=32, **common)
+        config = transformers.Qwen2MoeConfig(
+            intermediate_size=64, moe_intermediate_size=16, shared_expert_intermediate_size=32, **common
+        )
         model = transformers.Qwen2MoeForCausalLM(config)
     model.save_pretrained(tmp_path / kind)
     trace = record(tmp_path / kind, ["mixture of experts"], max_tokens=12, gen_len=2)

@@ -8,18 +8,16 @@ from dataclasses import replace
 
 import pytest
 
-from klotski_sim.util import machine
-
-from klotski_sim.util import run_size
 from klotski_sim.cli.main import main
-from klotski_sim.util.errors import MachineRefusal
 from klotski_sim.policies import build_schedule
-from klotski_sim.runs.runner import RunSpec, policy_prepared, prepare
+from klotski_sim.runs.runner import RunSpec, plan_run, prepare
 from klotski_sim.runs.sweep import parse_spec, run_sweep
+from klotski_sim.util import machine, run_size
+from klotski_sim.util.errors import MachineRefusal
 
 
 def built(spec: RunSpec):
-    prep, _ = policy_prepared(spec, prepare(spec))
+    prep = plan_run(spec, prepare(spec)).prepared
     return build_schedule(spec.policy, replace(prep.policy_input(spec.options), impl=spec.impl))
 
 
@@ -38,17 +36,26 @@ def projections(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("model, policy, impl", [
-    ("small-mixtral", "klotski", "as-published"), ("small-mixtral", "klotski", "ideal"),
-    ("small-mixtral", "flexgen", "as-published"), ("small-mixtral", "single-batch", "as-published"),
-    ("small-mixtral", "multi-batch", "as-published"), ("small-mixtral", "fiddler", "as-published"),
-    ("small-mixtral", "llamacpp-moe", "as-published"), ("tiny-olmoe", "klotski", "as-published"),
-    ("tiny-qwen3-moe", "flexgen", "as-published")])
+@pytest.mark.parametrize(
+    "model, policy, impl",
+    [
+        ("small-mixtral", "klotski", "as-published"),
+        ("small-mixtral", "klotski", "ideal"),
+        ("small-mixtral", "flexgen", "as-published"),
+        ("small-mixtral", "single-batch", "as-published"),
+        ("small-mixtral", "multi-batch", "as-published"),
+        ("small-mixtral", "fiddler", "as-published"),
+        ("small-mixtral", "llamacpp-moe", "as-published"),
+        ("tiny-olmoe", "klotski", "as-published"),
+        ("tiny-qwen3-moe", "flexgen", "as-published"),
+    ],
+)
 def test_the_projection_is_within_a_few_percent_of_the_ops_built(projections, model, policy, impl):
     """Made once, at the third step, from prefill and the first decode step (wrong step counts in
     the projection miss by a fifth or more at 10 steps)."""
-    schedule = built(RunSpec(model=model, policy=policy, impl=impl, num_batches=None, prompt_len=32, gen_len=10,
-                             batch_size=4))
+    schedule = built(
+        RunSpec(model=model, policy=policy, impl=impl, num_batches=None, prompt_len=32, gen_len=10, batch_size=4)
+    )
     assert len(projections) == 1
     projected, at = projections[0]
     assert at < len(schedule) / 3  # made early: before a third of the ops are built
@@ -80,7 +87,7 @@ def test_a_run_this_machine_cannot_hold_is_refused_after_its_first_steps(project
     monkeypatch.setattr(run_size, "available_memory_bytes", lambda: 10_000_000)  # 10 MB to spare
     with pytest.raises(MachineRefusal) as refusal:
         built(RunSpec(model="small-mixtral", policy="klotski", num_batches=None, prompt_len=32, gen_len=40))
-    (projected, at), = projections
+    ((projected, at),) = projections
     assert at < projected / 10  # refused before a tenth of it was built
     message = str(refusal.value)
     assert message.startswith(f"klotski would build about {projected:,} ops (") and "0.80 kB an op" in message
@@ -121,8 +128,18 @@ def test_the_cli_refuses_in_one_line_and_says_long_runs(projections, monkeypatch
 def test_a_sweep_records_too_large_and_tries_it_again_on_a_rerun(projections, monkeypatch, tmp_path):
     """Status `too-large` (this machine, not the simulated one: not `refused`, not `error`), the
     other configuration run; a rerun with room runs it."""
-    spec = parse_spec({"name": "t", "models": ["tiny-mixtral"], "policies": ["klotski"], "batch_sizes": [2],
-                       "num_batches": [2], "prompt_lens": [8], "gen_lens": [3, 60], "routings": ["calibrated"]})
+    spec = parse_spec(
+        {
+            "name": "t",
+            "models": ["tiny-mixtral"],
+            "policies": ["klotski"],
+            "batch_sizes": [2],
+            "num_batches": [2],
+            "prompt_lens": [8],
+            "gen_lens": [3, 60],
+            "routings": ["calibrated"],
+        }
+    )
     monkeypatch.setattr(run_size, "resident_bytes", lambda: 0)
     monkeypatch.setattr(run_size, "BYTES_PER_OP", 10**9)  # 1 GB an op: 3 steps fit in 900 GB, 60 do not
     monkeypatch.setattr(run_size, "available_memory_bytes", lambda: 900 * 10**9)
@@ -170,20 +187,53 @@ def test_available_memory_is_the_least_of_meminfo_and_every_cgroup_levels_room(m
 def test_optimize_counts_the_configurations_too_large_to_simulate_here(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(run_size, "_files_written", [False])
     monkeypatch.setattr(run_size, "available_memory_bytes", lambda: 1_000_000)
-    code = main(["optimize", "--model", "small-mixtral", "--batch-sizes", "2", "--prompt-len", "16", "--gen-len", "6",
-                 "--policies", "klotski", "--impl", "as-published", "--expert-dtypes", "bf16", "--no-progress",
-                 "--workers", "1", "--out", str(tmp_path / "o")])
+    code = main(
+        [
+            "optimize",
+            "--model",
+            "small-mixtral",
+            "--batch-sizes",
+            "2",
+            "--prompt-len",
+            "16",
+            "--gen-len",
+            "6",
+            "--policies",
+            "klotski",
+            "--impl",
+            "as-published",
+            "--expert-dtypes",
+            "bf16",
+            "--no-progress",
+            "--workers",
+            "1",
+            "--out",
+            str(tmp_path / "o"),
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 2 and "0 of 1 ran to the end (1 is too large for this machine's memory to simulate)" in out, out
-    assert err.count("\n") == 1 and err.startswith("error: no configuration could run (1 tried: 1 too large to "
-                                                   "simulate here); the first refused: klotski would build about "), err
+    assert err.count("\n") == 1 and err.startswith(
+        "error: no configuration could run (1 tried: 1 too large to "
+        "simulate here); the first refused: klotski would build about "
+    ), err
 
 
 def test_worker_processes_share_what_is_available(projections, monkeypatch, tmp_path):
     """Two workers' runs each projected with the whole machine in view could both fit alone and be
     killed together: a sweep's (and compare's) workers each count on a share."""
-    spec = parse_spec({"name": "t", "models": ["tiny-mixtral"], "policies": ["klotski"], "batch_sizes": [2],
-                       "num_batches": [2], "prompt_lens": [8], "gen_lens": [3], "seeds": [0, 1]})
+    spec = parse_spec(
+        {
+            "name": "t",
+            "models": ["tiny-mixtral"],
+            "policies": ["klotski"],
+            "batch_sizes": [2],
+            "num_batches": [2],
+            "prompt_lens": [8],
+            "gen_lens": [3],
+            "seeds": [0, 1],
+        }
+    )
     monkeypatch.setattr(run_size, "resident_bytes", lambda: 0)
     monkeypatch.setattr(run_size, "BYTES_PER_OP", 10**9)
     monkeypatch.setattr(run_size, "available_memory_bytes", lambda: None)
@@ -202,8 +252,20 @@ def test_compares_workers_share_what_is_available_too(projections, monkeypatch, 
     monkeypatch.setattr(run_size, "resident_bytes", lambda: 0)
     monkeypatch.setattr(run_size, "BYTES_PER_OP", 10**9)
     monkeypatch.setattr(run_size, "available_memory_bytes", lambda: None)
-    args = ["compare", "--model", "tiny-mixtral", "--batch-size", "2", "--prompt-len", "8", "--gen-len", "3",
-            "--no-png", "--out", str(tmp_path / "o")]
+    args = [
+        "compare",
+        "--model",
+        "tiny-mixtral",
+        "--batch-size",
+        "2",
+        "--prompt-len",
+        "8",
+        "--gen-len",
+        "3",
+        "--no-png",
+        "--out",
+        str(tmp_path / "o"),
+    ]
     assert main([*args, "--workers", "1"]) == 0
     largest = max(ops for ops, _ in projections)
     monkeypatch.setattr(run_size, "available_memory_bytes", lambda: int(1.5 * largest * 10**9))  # each fits alone
@@ -222,7 +284,7 @@ def test_a_policys_probes_of_n_are_not_projected_the_run_is(projections, monkeyp
     monkeypatch.setattr(run_size, "available_memory_bytes", lambda: None)
     result = run(RunSpec(model="small-mixtral", policy="klotski-hybrid", num_batches=None, prompt_len=32, gen_len=12))
     assert result.probes is not None and len(result.probes.probes) > 1
-    (projected, _), = projections  # the run's alone
+    ((projected, _),) = projections  # the run's alone
     assert abs(projected / len(result.schedule) - 1) < 0.05
 
 
@@ -233,23 +295,35 @@ def test_a_compare_stops_starting_runs_once_one_is_refused(monkeypatch, capsys, 
     from klotski_sim.runs import runner
 
     seen = tmp_path / "projected"
-    project, run = run_size.RunSizeWatch._project, runner.run
+    project, run_planned = run_size.RunSizeWatch._project, runner.run_planned
 
     def spy(self, ops_built):
         with seen.open("a") as f:  # (from the worker processes)
             f.write(f"{self.policy}\n")
         project(self, ops_built)
 
-    def refusing_the_first(spec, **kwargs):
-        if spec.policy == "single-batch":
+    def refusing_the_first(plan, *args, **kwargs):
+        if plan.spec.policy == "single-batch":
             raise MachineRefusal("single-batch would build about ... ops")
-        return run(spec, **kwargs)
+        return run_planned(plan, *args, **kwargs)
 
     monkeypatch.setattr(run_size.RunSizeWatch, "_project", spy)
-    monkeypatch.setattr(runner, "run", refusing_the_first)
+    monkeypatch.setattr(runner, "run_planned", refusing_the_first)
     monkeypatch.setattr(run_size, "available_memory_bytes", lambda: None)
-    code = main(["compare", "--model", "small-mixtral", "--gen-len", "160", "--no-png", "--workers", "2",
-                 "--out", str(tmp_path / "o")])
+    code = main(
+        [
+            "compare",
+            "--model",
+            "small-mixtral",
+            "--gen-len",
+            "160",
+            "--no-png",
+            "--workers",
+            "2",
+            "--out",
+            str(tmp_path / "o"),
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 2 and err == "error: single-batch would build about ... ops\n", err
     ran = seen.read_text().split() if seen.exists() else []
@@ -264,15 +338,39 @@ def test_a_refused_run_leaves_no_output_folder_it_made(projections, monkeypatch,
     (tmp_path / "mine").mkdir()
     assert main([*args, "--out", str(tmp_path / "mine" / "deeper")]) == 2
     assert (tmp_path / "mine").is_dir() and not (tmp_path / "mine" / "deeper").exists()  # (not made by it: kept)
-    assert main(["compare", "--model", "small-mixtral", "--gen-len", "6", "--no-png", "--workers", "1",
-                 "--out", str(tmp_path / "c")]) == 2
+    assert (
+        main(
+            [
+                "compare",
+                "--model",
+                "small-mixtral",
+                "--gen-len",
+                "6",
+                "--no-png",
+                "--workers",
+                "1",
+                "--out",
+                str(tmp_path / "c"),
+            ]
+        )
+        == 2
+    )
     assert not (tmp_path / "c").exists()
 
 
 def test_a_sweeps_workers_share_only_among_the_runs_left(projections, monkeypatch, tmp_path):
     """One configuration left on 4 workers is one run in flight, not four."""
-    spec = parse_spec({"name": "t", "models": ["tiny-mixtral"], "policies": ["klotski"], "batch_sizes": [2],
-                       "num_batches": [2], "prompt_lens": [8], "gen_lens": [3]})
+    spec = parse_spec(
+        {
+            "name": "t",
+            "models": ["tiny-mixtral"],
+            "policies": ["klotski"],
+            "batch_sizes": [2],
+            "num_batches": [2],
+            "prompt_lens": [8],
+            "gen_lens": [3],
+        }
+    )
     monkeypatch.setattr(run_size, "resident_bytes", lambda: 0)
     monkeypatch.setattr(run_size, "BYTES_PER_OP", 10**9)
     monkeypatch.setattr(run_size, "available_memory_bytes", lambda: None)

@@ -65,8 +65,13 @@ def _wait_for(found, what: str, proc: subprocess.Popen) -> None:
 
 
 def _cli(*args: str, **env: str) -> subprocess.Popen:
-    return start([sys.executable, "-m", "klotski_sim.cli.main", *args], stdout=subprocess.DEVNULL,
-                 stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
+    return start(
+        [sys.executable, "-m", "klotski_sim.cli.main", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **env},
+    )
 
 
 def test_sigterm_ends_a_sweep_at_once_and_its_workers_with_it(tmp_path):
@@ -76,11 +81,12 @@ def test_sigterm_ends_a_sweep_at_once_and_its_workers_with_it(tmp_path):
     # (runs of a few tenths of a second: the grid's 24 take seconds on two workers, a stop in the first
     # row's tenth of a second leaves most not run; 400 runs of hundredths ran on for minutes when it failed)
     seeds = ", ".join(map(str, range(SWEEP_SIZE)))
-    (tmp_path / "spec.yaml").write_text(f"name: long\nmodels: [tiny-mixtral]\nhardware: [rtx3090]\n"
-                                        f"policies: [klotski]\nseeds: [{seeds}]\nprompt_lens: [32]\ngen_lens: [512]\n")
+    (tmp_path / "spec.yaml").write_text(
+        f"name: long\nmodels: [tiny-mixtral]\nhardware: [rtx3090]\n"
+        f"policies: [klotski]\nseeds: [{seeds}]\nprompt_lens: [32]\ngen_lens: [512]\n"
+    )
     rows = tmp_path / "out" / "rows"
-    proc = _cli("sweep", str(tmp_path / "spec.yaml"), "--out", str(tmp_path / "out"), "--workers", "2",
-                "--no-progress")
+    proc = _cli("sweep", str(tmp_path / "spec.yaml"), "--out", str(tmp_path / "out"), "--workers", "2", "--no-progress")
     _wait_for(lambda: rows.is_dir() and any(rows.iterdir()), "a first row", proc)
     workers = _children(proc.pid)
     proc.send_signal(signal.SIGTERM)
@@ -111,9 +117,13 @@ def _caught(pid: int, signum: int) -> bool:
     return False
 
 
-DASK_STOPS = [("SIGTERM", "process", "after two rows"), ("SIGINT", "group", "after two rows"),
-              ("SIGHUP", "group", "after two rows"), ("SIGTERM", "group", "after two rows"),
-              ("SIGTERM", "process", "as the cluster starts")]
+DASK_STOPS = [
+    ("SIGTERM", "process", "after two rows"),
+    ("SIGINT", "group", "after two rows"),
+    ("SIGHUP", "group", "after two rows"),
+    ("SIGTERM", "group", "after two rows"),
+    ("SIGTERM", "process", "as the cluster starts"),
+]
 
 
 @pytest.mark.parametrize("name, to, when", DASK_STOPS, ids=[" ".join(c) for c in DASK_STOPS])
@@ -127,11 +137,22 @@ def test_a_stopped_local_dask_sweep_ends_in_one_line(tmp_path, name, to, when):
     signum = getattr(signal, name)
     seeds = ", ".join(map(str, range(DASK_SWEEP_SIZE)))
     # (default-size runs, a second or so each: the stop finds both workers' tasks in flight)
-    (tmp_path / "spec.yaml").write_text(f"name: long\nmodels: [mixtral-8x7b]\nhardware: [rtx3090]\n"
-                                        f"policies: [klotski]\nimpls: [ideal]\nseeds: [{seeds}]\n")
+    (tmp_path / "spec.yaml").write_text(
+        f"name: long\nmodels: [mixtral-8x7b]\nhardware: [rtx3090]\n"
+        f"policies: [klotski]\nimpls: [ideal]\nseeds: [{seeds}]\n"
+    )
     rows = tmp_path / "out" / "rows"
-    proc = _cli("sweep", str(tmp_path / "spec.yaml"), "--out", str(tmp_path / "out"), "--workers", "2",
-                "--dask", "local", "--no-progress")
+    proc = _cli(
+        "sweep",
+        str(tmp_path / "spec.yaml"),
+        "--out",
+        str(tmp_path / "out"),
+        "--workers",
+        "2",
+        "--dask",
+        "local",
+        "--no-progress",
+    )
     if when == "after two rows":
         _wait_for(lambda: rows.is_dir() and len(list(rows.iterdir())) >= 2, "two rows", proc)
     else:
@@ -155,8 +176,10 @@ def test_a_console_script_takes_a_stop_while_its_command_is_imported(tmp_path, n
     a minute to import stands in for the command's."""
     signum = getattr(signal, name)
     (tmp_path / "slow_to_import.py").write_text("import time\ntime.sleep(HANG := 60)\ndef main():\n    return 0\n")
-    code = (f"import sys; sys.path.insert(0, {str(tmp_path)!r}); "
-            "from klotski_sim.cli.entry import run_main; sys.exit(run_main('slow_to_import'))")
+    code = (
+        f"import sys; sys.path.insert(0, {str(tmp_path)!r}); "
+        "from klotski_sim.cli.entry import run_main; sys.exit(run_main('slow_to_import'))"
+    )
     proc = start([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
     _wait_for(lambda: _caught(proc.pid, signal.SIGHUP), "the entry's handlers", proc)  # (Python catches SIGINT itself)
     proc.send_signal(signum)
@@ -170,7 +193,10 @@ def test_the_console_scripts_are_the_entry_that_takes_the_stops_first(monkeypatc
     from klotski_sim.cli import entry
 
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts == {"klotski-sim": "klotski_sim.cli.entry:simulator", "klotski-runtime": "klotski_sim.cli.entry:runtime"}
+    assert scripts == {
+        "klotski-sim": "klotski_sim.cli.entry:simulator",
+        "klotski-runtime": "klotski_sim.cli.entry:runtime",
+    }
     monkeypatch.setattr(entry, "run_main", lambda module: module)
     assert (entry.simulator(), entry.runtime()) == ("klotski_sim.cli.main", "klotski_runtime.cli")
 
@@ -179,8 +205,9 @@ def test_sigterm_while_routing_is_drawn_into_the_cache_leaves_no_temporary_file(
     """DeepSeek-V3's routing is drawn into the trace cache block by block (20 s): SIGTERM on the way
     left its temporary file (38 MB) until the cache's hour-old clean-up, and said nothing."""
     cache = tmp_path / "cache"
-    proc = _cli("simulate", "--model", "deepseek-v3", "--hardware", "h800", "--gen-len", "2",
-                KLOTSKI_CACHE_DIR=str(cache))
+    proc = _cli(
+        "simulate", "--model", "deepseek-v3", "--hardware", "h800", "--gen-len", "2", KLOTSKI_CACHE_DIR=str(cache)
+    )
     _wait_for(lambda: any(cache.rglob("*.tmp")), "a temporary file", proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=HANG_S)
@@ -250,8 +277,22 @@ def test_a_hang_up_stops_a_run_as_sigterm_does_unless_it_is_ignored(tmp_path, ho
     temporary output files; now it ends as SIGTERM does (`hung up`, 129), the folder it made
     removed. Under `nohup` (SIGHUP ignored) the run goes on."""
     out = tmp_path / "made" / "out"
-    proc = run([sys.executable, "-c", STOPPED_WHILE_WRITING, how, "simulate", "--model", "tiny-mixtral",
-                "--gen-len", "3", "--out", str(out)], timeout=HANG_S)
+    proc = run(
+        [
+            sys.executable,
+            "-c",
+            STOPPED_WHILE_WRITING,
+            how,
+            "simulate",
+            "--model",
+            "tiny-mixtral",
+            "--gen-len",
+            "3",
+            "--out",
+            str(out),
+        ],
+        timeout=HANG_S,
+    )
     if how == "nohup":
         assert proc.returncode == 0 and "wrote summary.json" in proc.stdout, proc.stderr
     else:
@@ -266,8 +307,11 @@ def _hang_up_handler() -> object:
 def test_a_worker_ends_by_a_hang_up_unless_its_parent_ignores_it(stop_signals):
     """A worker takes SIGHUP as any process does (its parent's handler would raise in its work), but
     one that its parent ignores (`nohup`) stays ignored: the workers would end and not the run."""
-    for parent, worker in ((signal.SIG_IGN, signal.SIG_IGN), (lambda *_: None, signal.SIG_DFL),
-                           (signal.SIG_DFL, signal.SIG_DFL)):
+    for parent, worker in (
+        (signal.SIG_IGN, signal.SIG_IGN),
+        (lambda *_: None, signal.SIG_DFL),
+        (signal.SIG_DFL, signal.SIG_DFL),
+    ):
         signal.signal(signal.SIGHUP, parent)
         with worker_pool(1, _nothing, fork=True) as pool:
             assert pool.submit(_hang_up_handler).result(timeout=HANG_S) == worker
@@ -331,8 +375,21 @@ def test_a_second_stop_during_the_clean_up_is_ignored(tmp_path):
 
 
 def test_a_stop_once_the_work_is_done_ends_with_its_word_not_a_traceback(tmp_path):
-    proc = run([sys.executable, "-c", STOPPED_AT_THE_END, "simulate", "--model", "tiny-mixtral", "--gen-len", "3",
-                "--out", str(tmp_path)], timeout=HANG_S)
+    proc = run(
+        [
+            sys.executable,
+            "-c",
+            STOPPED_AT_THE_END,
+            "simulate",
+            "--model",
+            "tiny-mixtral",
+            "--gen-len",
+            "3",
+            "--out",
+            str(tmp_path),
+        ],
+        timeout=HANG_S,
+    )
     assert proc.returncode == 143 and proc.stderr.splitlines() == ["terminated"], proc.stderr
     assert "wrote summary.json" in proc.stdout and (tmp_path / "routing.npz").exists()
 
@@ -340,8 +397,23 @@ def test_a_stop_once_the_work_is_done_ends_with_its_word_not_a_traceback(tmp_pat
 def test_a_reader_that_goes_early_does_not_stop_the_command(tmp_path):
     """`klotski-sim simulate --out d | true`: the command goes on and writes its files, exit 0 (it
     stopped at its first line, the summary, before them: exit 0 with nothing written)."""
-    proc = start([sys.executable, "-m", "klotski_sim.cli.main", "simulate", "--model", "tiny-mixtral", "--gen-len", "3",
-                  "--out", str(tmp_path / "out")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start(
+        [
+            sys.executable,
+            "-m",
+            "klotski_sim.cli.main",
+            "simulate",
+            "--model",
+            "tiny-mixtral",
+            "--gen-len",
+            "3",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     proc.stdout.close()  # (the reader has gone before the first line)
     assert proc.wait(timeout=HANG_S) == 0, proc.stderr.read()
     assert proc.stderr.read() == ""
@@ -351,8 +423,22 @@ def test_a_reader_that_goes_early_does_not_stop_the_command(tmp_path):
 def test_a_stopped_command_removes_every_folder_it_made_for_its_output(tmp_path):
     """`--out made/x/../out` makes `made`, `made/x` and `made/out`; stopped, it removed `made/out`
     alone (the walk up went through `x/..`, not `x`)."""
-    proc = run([sys.executable, "-c", STOPPED_WHILE_WRITING, "terminal", "simulate", "--model", "tiny-mixtral",
-                "--gen-len", "3", "--out", str(tmp_path / "made" / "x" / ".." / "out")], timeout=HANG_S)
+    proc = run(
+        [
+            sys.executable,
+            "-c",
+            STOPPED_WHILE_WRITING,
+            "terminal",
+            "simulate",
+            "--model",
+            "tiny-mixtral",
+            "--gen-len",
+            "3",
+            "--out",
+            str(tmp_path / "made" / "x" / ".." / "out"),
+        ],
+        timeout=HANG_S,
+    )
     assert proc.returncode == 128 + signal.SIGHUP, proc.stderr
     assert list(tmp_path.iterdir()) == []
 

@@ -17,8 +17,16 @@ from klotski_sim.runs.sweep import SweepError, collect, expand, parse_spec, run_
 
 from .conftest import ROOT, run, run_cli, start
 
-SMALL = {"name": "t", "models": ["tiny-mixtral"], "policies": ["klotski", "flexgen"], "batch_sizes": [2],
-         "num_batches": [2, "auto"], "prompt_lens": [8], "gen_lens": [3], "routings": ["calibrated", "uniform"]}
+SMALL = {
+    "name": "t",
+    "models": ["tiny-mixtral"],
+    "policies": ["klotski", "flexgen"],
+    "batch_sizes": [2],
+    "num_batches": [2, "auto"],
+    "prompt_lens": [8],
+    "gen_lens": [3],
+    "routings": ["calibrated", "uniform"],
+}
 METRICS = ["m.makespan_s", "m.throughput_tok_s", "m.bubble_s", "m.peak_gpu_bytes", "status"]
 
 
@@ -48,19 +56,24 @@ def test_a_grids_routings_are_checked_against_its_models_and_for_repeats_before_
 
     synthesize(get_model("tiny-olmoe"), 4, 4, 2, "calibrated", 0).save(tmp_path / "o.npz")
     base = {"policies": ["klotski"], "models": ["tiny-mixtral"]}
-    with pytest.raises(SweepError, match=r"routing 'trace:.*o.npz': the trace \(recorded for 'tiny-olmoe'\) has "
-                                         r"another shape than model 'tiny-mixtral' \(trace vs model: 8 experts vs 4\)"):
+    with pytest.raises(
+        SweepError,
+        match=r"routing 'trace:.*o.npz': the trace \(recorded for 'tiny-olmoe'\) has "
+        r"another shape than model 'tiny-mixtral' \(trace vs model: 8 experts vs 4\)",
+    ):
         parse_spec({**base, "routings": [f"trace:{tmp_path / 'o.npz'}"]})
     with pytest.raises(SweepError, match=r"seeds: \[0, 1\] draw synthetic routing, and every routing is a trace"):
         parse_spec({**base, "models": ["tiny-olmoe"], "routings": [f"trace:{tmp_path / 'o.npz'}"], "seeds": [0, 1]})
-    parse_spec({**base, "models": ["tiny-olmoe"], "routings": [f"trace:{tmp_path / 'o.npz'}", "uniform"],
-                "seeds": [0, 1]})  # (the seeds draw the uniform routing)
+    parse_spec(
+        {**base, "models": ["tiny-olmoe"], "routings": [f"trace:{tmp_path / 'o.npz'}", "uniform"], "seeds": [0, 1]}
+    )  # (the seeds draw the uniform routing)
     with pytest.raises(SweepError, match="routings: 'zipf:1.0' is the routing 'zipf:1' again"):
         parse_spec({**base, "routings": ["zipf:1", "zipf:1.0"]})
     (tmp_path / "sub").mkdir()  # (one trace under two paths: one configuration of two, without a word)
     again = f"trace:{tmp_path / 'sub' / '..' / 'o.npz'}"
-    with pytest.raises(SweepError, match=re.escape(f"routings: {again!r} is the trace 'trace:{tmp_path / 'o.npz'}' "
-                                                   f"again")):
+    with pytest.raises(
+        SweepError, match=re.escape(f"routings: {again!r} is the trace 'trace:{tmp_path / 'o.npz'}' again")
+    ):
         parse_spec({**base, "models": ["tiny-olmoe"], "routings": [f"trace:{tmp_path / 'o.npz'}", again]})
 
 
@@ -81,8 +94,9 @@ def build(inp):
 """
 
 
-@pytest.mark.parametrize("where", [["--workers", "2"], ["--workers", "2", "--dask", "local"]],
-                         ids=["local pool", "local dask cluster"])
+@pytest.mark.parametrize(
+    "where", [["--workers", "2"], ["--workers", "2", "--dask", "local"]], ids=["local pool", "local dask cluster"]
+)
 def test_a_configuration_that_kills_its_worker_is_a_row_and_the_sweep_goes_on(tmp_path, where):
     """A worker killed mid-sweep ended the sweep with the traceback of BrokenProcessPool (a local
     pool, whose every run in flight broke with it) or of KilledWorker (Dask, after the fourth
@@ -91,11 +105,16 @@ def test_a_configuration_that_kills_its_worker_is_a_row_and_the_sweep_goes_on(tm
     if "--dask" in where:
         pytest.importorskip("dask.distributed")
     (tmp_path / "dies.py").write_text(DIES)
-    spec = {**SMALL, "policy_files": ["dies.py"], "policies": ["klotski", "flexgen", "dies"],
-            "routings": ["calibrated", "uniform"]}  # (12 configurations, 4 of them the policy that dies)
+    spec = {
+        **SMALL,
+        "policy_files": ["dies.py"],
+        "policies": ["klotski", "flexgen", "dies"],
+        "routings": ["calibrated", "uniform"],
+    }  # (12 configurations, 4 of them the policy that dies)
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
-    rc, out, err = run_cli("sweep", str(tmp_path / "spec.yaml"), "--out", str(tmp_path / "out"), *where,
-                           "--no-progress")
+    rc, out, err = run_cli(
+        "sweep", str(tmp_path / "spec.yaml"), "--out", str(tmp_path / "out"), *where, "--no-progress"
+    )
     assert rc == 0 and err == "", err
     df = pd.read_parquet(tmp_path / "out" / "results.parquet")
     assert len(df) == 12 and df["id"].is_unique
@@ -103,16 +122,25 @@ def test_a_configuration_that_kills_its_worker_is_a_row_and_the_sweep_goes_on(tm
     assert (df["status"] == "ok").sum() == 8
     how = "on every Dask worker it was given" if "--dask" in where else "on its own"
     assert set(df[df["status"] == "killed"]["error"]) == {
-        f"its worker process died running it {how} (killed, or out of host memory?)"}
+        f"its worker process died running it {how} (killed, or out of host memory?)"
+    }
     assert "12 configurations in" in out and "(4 not ok" in out
-    rc, out, err = run_cli("sweep", str(tmp_path / "spec.yaml"), "--out", str(tmp_path / "out"), "--workers", "2",
-                           "--no-progress")
+    rc, out, err = run_cli(
+        "sweep", str(tmp_path / "spec.yaml"), "--out", str(tmp_path / "out"), "--workers", "2", "--no-progress"
+    )
     assert rc == 0 and "resumed: 8 already done, 4 left" in out, out + err
 
 
 def test_failures_are_rows_not_crashes(tmp_path):
-    spec = parse_spec({**SMALL, "policies": ["klotski"], "num_batches": [2], "routings": ["calibrated"],
-                       "overrides": {"gpu.memory_bytes": [1.0000001e9, 1e12]}})  # 100 usable bytes: oom
+    spec = parse_spec(
+        {
+            **SMALL,
+            "policies": ["klotski"],
+            "num_batches": [2],
+            "routings": ["calibrated"],
+            "overrides": {"gpu.memory_bytes": [1.0000001e9, 1e12]},
+        }
+    )  # 100 usable bytes: oom
     df = run_sweep(spec, tmp_path, progress=False)
     assert sorted(df["status"]) == ["ok", "oom"]
     assert (tmp_path / "results.parquet").exists()
@@ -122,9 +150,18 @@ def test_a_configuration_host_memory_cannot_hold_is_refused_not_an_error(tmp_pat
     """A configuration whose weights the profile's host memory cannot hold is the configuration's
     verdict, as a GPU that cannot hold it is (`oom`): status `refused` with the reason, not `error`
     with a traceback (which reads as the simulator failing); optimize counts it apart too."""
-    spec = parse_spec({**SMALL, "models": ["mixtral-8x7b"], "policies": ["single-batch"], "routings": ["calibrated"],
-                       "experts": ["cpu"], "impls": ["ideal"], "num_batches": [2],
-                       "overrides": {"host.memory_bytes": [50e9, 500e9]}})
+    spec = parse_spec(
+        {
+            **SMALL,
+            "models": ["mixtral-8x7b"],
+            "policies": ["single-batch"],
+            "routings": ["calibrated"],
+            "experts": ["cpu"],
+            "impls": ["ideal"],
+            "num_batches": [2],
+            "overrides": {"host.memory_bytes": [50e9, 500e9]},
+        }
+    )
     df = run_sweep(spec, tmp_path, progress=False)
     assert list(df.sort_values("set.host.memory_bytes")["status"]) == ["refused", "ok"]
     refused = df[df["status"] == "refused"].iloc[0]
@@ -138,26 +175,69 @@ def test_a_cpu_policy_on_a_profile_without_a_cpu_is_refused_before_anything_runs
     and a sweep recorded it as an `error` row, the simulator's failure."""
     from .conftest import run_cli
 
-    tiny = ("--model", "tiny-mixtral", "--batch-size", "2", "--prompt-len", "8", "--gen-len", "3", "--hardware",
-            "a100-80g")
-    said = ("policy 'klotski-hybrid' computes on the CPU, but hardware profile 'a100-80g' has no `cpu:` section")
-    for args in (("plan", *tiny, "--policy", "klotski-hybrid"),
-                 ("compare", *tiny, "--policies", "klotski-hybrid", "--no-png", "--out", str(tmp_path / "c")),
-                 ("optimize", "--model", "tiny-mixtral", "--prompt-len", "8", "--gen-len", "3", "--hardware",
-                  "a100-80g", "--policies", "klotski-hybrid", "--no-progress", "--out", str(tmp_path / "o"))):
+    tiny = (
+        "--model",
+        "tiny-mixtral",
+        "--batch-size",
+        "2",
+        "--prompt-len",
+        "8",
+        "--gen-len",
+        "3",
+        "--hardware",
+        "a100-80g",
+    )
+    said = "policy 'klotski-hybrid' computes on the CPU, but hardware profile 'a100-80g' has no `cpu:` section"
+    for args in (
+        ("plan", *tiny, "--policy", "klotski-hybrid"),
+        ("compare", *tiny, "--policies", "klotski-hybrid", "--no-png", "--out", str(tmp_path / "c")),
+        (
+            "optimize",
+            "--model",
+            "tiny-mixtral",
+            "--prompt-len",
+            "8",
+            "--gen-len",
+            "3",
+            "--hardware",
+            "a100-80g",
+            "--policies",
+            "klotski-hybrid",
+            "--no-progress",
+            "--out",
+            str(tmp_path / "o"),
+        ),
+    ):
         rc, out, err = run_cli(*args)
         assert (rc, out) == (2, "") and err.count("\n") == 1 and said in err, (args[0], out, err)
     assert not (tmp_path / "o").exists() and not (tmp_path / "c").exists()
-    spec = parse_spec({**SMALL, "policies": ["klotski-hybrid", "klotski"], "hardware": ["a100-80g"],
-                       "num_batches": [2], "routings": ["calibrated"]})
+    spec = parse_spec(
+        {
+            **SMALL,
+            "policies": ["klotski-hybrid", "klotski"],
+            "hardware": ["a100-80g"],
+            "num_batches": [2],
+            "routings": ["calibrated"],
+        }
+    )
     df = run_sweep(spec, tmp_path / "s", progress=False)
     assert sorted(zip(df["policy"], df["status"])) == [("klotski", "ok"), ("klotski-hybrid", "refused")]
     assert said in df.loc[df["policy"] == "klotski-hybrid", "error"].iloc[0]
     # so is a profile measured on another model's ops (its tables key on category and tokens alone)
-    spec = parse_spec({**SMALL, "models": ["tiny-mixtral", "small-mixtral"], "policies": ["klotski"],
-                       "hardware": [os.path.join(os.path.dirname(__file__), "..", "experiments", "results", "cpu",
-                                                 "tiny-mixtral", "profile.yaml")],
-                       "num_batches": [2], "routings": ["calibrated"]})
+    spec = parse_spec(
+        {
+            **SMALL,
+            "models": ["tiny-mixtral", "small-mixtral"],
+            "policies": ["klotski"],
+            "hardware": [
+                os.path.join(
+                    os.path.dirname(__file__), "..", "experiments", "results", "cpu", "tiny-mixtral", "profile.yaml"
+                )
+            ],
+            "num_batches": [2],
+            "routings": ["calibrated"],
+        }
+    )
     df = run_sweep(spec, tmp_path / "m", progress=False)
     assert sorted(zip(df["model"], df["status"])) == [("small-mixtral", "refused"), ("tiny-mixtral", "ok")]
 
@@ -189,8 +269,18 @@ def test_resume_after_a_killed_sweep_loses_and_duplicates_nothing(tmp_path):
     spec = {**SMALL, "seeds": [0, 1, 2]}
     spec_file.write_text(yaml.safe_dump(spec))
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "klotski_sim.cli.main", "sweep", str(spec_file), "--out", str(out), "--workers", "2",
-           "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "klotski_sim.cli.main",
+        "sweep",
+        str(spec_file),
+        "--out",
+        str(out),
+        "--workers",
+        "2",
+        "--no-progress",
+    ]
     # (in a session of its own, with the stop signals at their defaults, killed whole if the test fails)
     proc = start(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
@@ -228,8 +318,18 @@ def test_a_damaged_row_is_run_again_not_taken_as_done(tmp_path, damage):
     assert json.loads(victim.read_text())["m.makespan_s"] == json.loads(whole)["m.makespan_s"]
 
 
-@pytest.mark.parametrize("edit", [{"m.throughput_tok_s": "fast"}, {"m.efficiency": True}, {"m.kv": 3},
-                                  {"status": "great"}, {"wall_s": -1.0}, {"wall_s": "0.1"}, {"error": None}])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        {"m.throughput_tok_s": "fast"},
+        {"m.efficiency": True},
+        {"m.kv": 3},
+        {"status": "great"},
+        {"wall_s": -1.0},
+        {"wall_s": "0.1"},
+        {"error": None},
+    ],
+)
 def test_a_row_edited_into_what_no_run_writes_is_run_again(tmp_path, edit):
     """A hand-edited row of valid JSON (a throughput as text) was collected as it was: results.parquet's
     column became text and optimize, the figures and any reader ranked on strings. It is run again."""
@@ -249,7 +349,9 @@ def test_a_row_edited_into_what_no_run_writes_is_run_again(tmp_path, edit):
 def test_sweep_cli_validates_spec(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("policies: [klotski]\nhardwares: [rtx3090]\n")
-    proc = run([sys.executable, "-m", "klotski_sim.cli.main", "sweep", str(bad), "--out", str(tmp_path / "o")], timeout=600)
+    proc = run(
+        [sys.executable, "-m", "klotski_sim.cli.main", "sweep", str(bad), "--out", str(tmp_path / "o")], timeout=600
+    )
     assert proc.returncode == 2 and "hardwares: unknown key (did you mean 'hardware'?)" in proc.stderr
 
 
@@ -266,9 +368,17 @@ def test_rows_of_other_code_are_not_reused(tmp_path, monkeypatch):
 
 
 def test_policy_options_and_resident_layers_are_grid_axes(tmp_path):
-    spec = parse_spec({"policies": ["klotski", "single-batch"], "models": ["tiny-mixtral"], "batch_sizes": [2],
-                       "prompt_lens": [8], "gen_lens": [3], "options": {"expert_cache": [0, 4]},
-                       "resident_layers": ["auto", 0]})
+    spec = parse_spec(
+        {
+            "policies": ["klotski", "single-batch"],
+            "models": ["tiny-mixtral"],
+            "batch_sizes": [2],
+            "prompt_lens": [8],
+            "gen_lens": [3],
+            "options": {"expert_cache": [0, 4]},
+            "resident_layers": ["auto", 0],
+        }
+    )
     df = run_sweep(spec, tmp_path / "out", progress=False)
     assert len(df) == 2 * 2 * 2 and set(df["status"]) == {"ok"}
     assert set(df["opt.expert_cache"]) == {0, 4}
@@ -286,50 +396,77 @@ def test_speed_independent_policies_build_the_same_schedule_whatever_the_speeds(
     from klotski_sim.runs.runner import RunSpec, prepare
 
     base = load_profile("rtx3090")
-    faster = with_overrides(base, {"links.pcie_h2d.bandwidth": 3.1e9, "links.pcie_d2h.bandwidth": 77e9,
-                                   "gpu.peak_flops": 1e13, "gpu.memory_bandwidth": 3e11, "gpu.kernel_overhead_s": 1e-3,
-                                   "cpu.memory_bandwidth": 1e9, "cpu.op_overhead_s": 0.01})
+    faster = with_overrides(
+        base,
+        {
+            "links.pcie_h2d.bandwidth": 3.1e9,
+            "links.pcie_d2h.bandwidth": 77e9,
+            "gpu.peak_flops": 1e13,
+            "gpu.memory_bandwidth": 3e11,
+            "gpu.kernel_overhead_s": 1e-3,
+            "cpu.memory_bandwidth": 1e9,
+            "cpu.op_overhead_s": 0.01,
+        },
+    )
     prep = prepare(RunSpec(model="mixtral-8x7b:4", num_batches=3, batch_size=4, prompt_len=16, gen_len=3))
-    marked = [name for name, info in POLICIES.items() if info.speed_independent]
+    marked = [name for name, info in POLICIES.items() if info.traits.speed_independent]
     assert {"single-batch", "multi-batch", "hot-prefetch", "klotski", "klotski-oracle", "flexgen"} <= set(marked)
-    assert not POLICIES["klotski-hybrid"].speed_independent and not POLICIES["fiddler"].speed_independent
+    assert not POLICIES["klotski-hybrid"].traits.speed_independent and not POLICIES["fiddler"].traits.speed_independent
     for name in marked:
         for impl in ("as-published", "ideal"):
-            built = [build_schedule(name, PolicyInput(prep.model, profile, prep.replay.routing, prep.placement,
-                                                      warmup=prep.replay.warmup, impl=impl)).to_json_dict()
-                     for profile in (base, faster)]
+            built = [
+                build_schedule(
+                    name,
+                    PolicyInput(
+                        prep.model, profile, prep.replay.routing, prep.placement, warmup=prep.replay.warmup, impl=impl
+                    ),
+                ).to_json_dict()
+                for profile in (base, faster)
+            ]
             assert built[0] == built[1], (name, impl)
 
 
 def test_a_what_if_over_hardware_numbers_reuses_the_schedule_and_gives_the_same_results():
-    from klotski_sim.runs import runner
-    from klotski_sim.runs.runner import RunSpec, run
+    from klotski_sim.runs.runner import RunSpec, ScheduleReuse, run
 
     small = dict(model="mixtral-8x7b:4", num_batches=3, batch_size=4, prompt_len=16, gen_len=3)
     for policy, reused in (("klotski", True), ("fiddler", False)):
-        first = run(RunSpec(policy=policy, overrides={"links.pcie_h2d.bandwidth": 8e9}, **small), reuse_schedule=True)
+        reuse = ScheduleReuse()
+        first = run(RunSpec(policy=policy, overrides={"links.pcie_h2d.bandwidth": 8e9}, **small), reuse=reuse)
         spec = RunSpec(policy=policy, overrides={"links.pcie_h2d.bandwidth": 32e9}, **small)
-        second = run(spec, reuse_schedule=True)
+        second = run(spec, reuse=reuse)
         assert (second.schedule is first.schedule) == reused
         assert second.timeline.summary() == run(spec).timeline.summary()  # the same numbers as a fresh build
-    before = run(RunSpec(policy="klotski", **small), reuse_schedule=True).schedule
-    other = run(RunSpec(policy="klotski", seed=1, **small), reuse_schedule=True)  # another routing: built anew
-    assert other.schedule is not before and runner._LAST_SCHEDULE[1] is other.schedule
+    reuse = ScheduleReuse()
+    before = run(RunSpec(policy="klotski", **small), reuse=reuse).schedule
+    other = run(RunSpec(policy="klotski", seed=1, **small), reuse=reuse)  # another routing: built anew
+    again = run(RunSpec(policy="klotski", seed=1, overrides={"links.pcie_h2d.bandwidth": 8e9}, **small), reuse=reuse)
+    assert other.schedule is not before and again.schedule is other.schedule
 
 
-@pytest.mark.parametrize("text, words", [
-    ("name: t\nmodels: [tiny-mixtral]\npolicies: [klotski]\nmodels: [tiny-olmoe]\n",
-     "spec.yaml:4: not valid YAML (key 'models' is given twice)"),
-    ("name: t\npolicies: [klotski]\nresident_layers: [true]\n",
-     "resident_layers.0: input should be a valid integer, got True"),
-    ("name: t\npolicies: [klotski]\nnum_batches: [2.5]\n", "num_batches.0: input should be a valid integer, got 2.5"),
-    ("name: t\npolicies: [klotski]\nnum_batches: ['0']\n", "positive integers or 'auto', got '0'"),
-    ("name: t\npolicies: [klotski]\nseeds: [3, -2]\n", "seeds: seeds must be from 0 to 2**63 - 1, got -2"),
-    ("name: t\npolicies: [klotski]\nseeds: [99999999999999999999999]\n", "got 99999999999999999999999"),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        (
+            "name: t\nmodels: [tiny-mixtral]\npolicies: [klotski]\nmodels: [tiny-olmoe]\n",
+            "spec.yaml:4: not valid YAML (key 'models' is given twice)",
+        ),
+        (
+            "name: t\npolicies: [klotski]\nresident_layers: [true]\n",
+            "resident_layers.0: input should be a valid integer, got True",
+        ),
+        (
+            "name: t\npolicies: [klotski]\nnum_batches: [2.5]\n",
+            "num_batches.0: input should be a valid integer, got 2.5",
+        ),
+        ("name: t\npolicies: [klotski]\nnum_batches: ['0']\n", "positive integers or 'auto', got '0'"),
+        ("name: t\npolicies: [klotski]\nseeds: [3, -2]\n", "seeds: seeds must be from 0 to 2**63 - 1, got -2"),
+        ("name: t\npolicies: [klotski]\nseeds: [99999999999999999999999]\n", "got 99999999999999999999999"),
+    ],
+)
 def test_a_spec_key_given_twice_or_a_value_of_the_wrong_type_is_one_line_with_the_value(tmp_path, text, words):
-    from klotski_sim.util.errors import KlotskiError
     from klotski_sim.runs.sweep import load_spec
+    from klotski_sim.util.errors import KlotskiError
 
     path = tmp_path / "spec.yaml"
     path.write_text(text)
@@ -356,10 +493,21 @@ def test_every_file_a_spec_names_is_relative_to_the_spec(tmp_path):
     shutil.copy(ROOT / "klotski_sim" / "hardware" / "profiles" / "h800.yaml", tmp_path / "other.yaml")
     shutil.copy(ROOT / "traces" / "tiny-mixtral-recorded.npz", folder / "tr.npz")
     absolute = str(tmp_path / "other.yaml")
-    (folder / "spec.yaml").write_text(yaml.safe_dump({
-        "name": "rel", "models": ["tiny-mixtral"], "hardware": ["mine.yaml", absolute, "rtx3090"],
-        "policies": ["klotski"], "batch_sizes": [2], "num_batches": [2], "prompt_lens": [4], "gen_lens": [2],
-        "routings": ["trace:tr.npz", "calibrated"]}))
+    (folder / "spec.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "name": "rel",
+                "models": ["tiny-mixtral"],
+                "hardware": ["mine.yaml", absolute, "rtx3090"],
+                "policies": ["klotski"],
+                "batch_sizes": [2],
+                "num_batches": [2],
+                "prompt_lens": [4],
+                "gen_lens": [2],
+                "routings": ["trace:tr.npz", "calibrated"],
+            }
+        )
+    )
     spec = load_spec(folder / "spec.yaml")
     assert "rtx3090" in builtin_profile_names() and spec.hardware == [str(folder / "mine.yaml"), absolute, "rtx3090"]
     assert spec.routings == [f"trace:{folder / 'tr.npz'}", "calibrated"]
@@ -372,8 +520,8 @@ def test_a_configuration_s_files_are_part_of_its_id_by_contents_not_by_path(tmp_
     numbers, status ok), and the same spec started from another folder reran everything."""
     import shutil
 
-    from klotski_sim.workload.model import get_model
     from klotski_sim.runs.sweep import load_spec
+    from klotski_sim.workload.model import get_model
     from klotski_sim.workload.trace_synth import synthesize
 
     from .conftest import ROOT
@@ -382,9 +530,21 @@ def test_a_configuration_s_files_are_part_of_its_id_by_contents_not_by_path(tmp_
     folder.mkdir()
     shutil.copy(ROOT / "klotski_sim" / "hardware" / "profiles" / "rtx3090.yaml", folder / "hw.yaml")
     shutil.copy(ROOT / "traces" / "tiny-mixtral-recorded.npz", folder / "tr.npz")
-    (folder / "spec.yaml").write_text(yaml.safe_dump({
-        "name": "ids", "models": ["tiny-mixtral"], "hardware": ["hw.yaml"], "policies": ["klotski"],
-        "batch_sizes": [2], "num_batches": [2], "prompt_lens": [4], "gen_lens": [2], "routings": ["trace:tr.npz"]}))
+    (folder / "spec.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "name": "ids",
+                "models": ["tiny-mixtral"],
+                "hardware": ["hw.yaml"],
+                "policies": ["klotski"],
+                "batch_sizes": [2],
+                "num_batches": [2],
+                "prompt_lens": [4],
+                "gen_lens": [2],
+                "routings": ["trace:tr.npz"],
+            }
+        )
+    )
 
     def ids(spec_path) -> list[str]:
         return [c["id"] for c in expand(load_spec(spec_path))]
@@ -405,8 +565,19 @@ def test_the_cli_says_what_a_resumed_sweep_has_left_before_it_runs(tmp_path):
     """The estimate is of the configurations left, on the workers they can use, said before any
     runs (it came after the sweep, counting every row file, of other code too; "1 configurations")."""
     spec = tmp_path / "s.yaml"
-    spec.write_text(yaml.safe_dump({"name": "t", "models": ["tiny-mixtral"], "policies": ["klotski", "flexgen"],
-                                    "batch_sizes": [2], "num_batches": [2], "prompt_lens": [8], "gen_lens": [3]}))
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "name": "t",
+                "models": ["tiny-mixtral"],
+                "policies": ["klotski", "flexgen"],
+                "batch_sizes": [2],
+                "num_batches": [2],
+                "prompt_lens": [8],
+                "gen_lens": [3],
+            }
+        )
+    )
     out = tmp_path / "o"
     code, first, _ = run_cli("sweep", str(spec), "--out", str(out), "--no-progress", "--workers", "4")
     assert code == 0 and first.splitlines()[0] == "2 configurations in the grid: running on 2 workers"
@@ -414,12 +585,16 @@ def test_the_cli_says_what_a_resumed_sweep_has_left_before_it_runs(tmp_path):
     assert again.splitlines()[0] == "2 configurations in the grid; resumed: all already done"
     min(out.glob("rows/*.json")).unlink()
     code, resumed, _ = run_cli("sweep", str(spec), "--out", str(out), "--no-progress")
-    assert resumed.splitlines()[0] == "2 configurations in the grid; resumed: 1 already done, 1 left: running on 1 worker"
+    assert (
+        resumed.splitlines()[0] == "2 configurations in the grid; resumed: 1 already done, 1 left: running on 1 worker"
+    )
     assert resumed.splitlines()[-1].startswith("2 configurations in ")
     spec.write_text(spec.read_text().replace("- flexgen\n", ""))
     code, one, _ = run_cli("sweep", str(spec), "--out", str(out), "--no-progress")
-    assert one.splitlines()[0] == ("1 configuration in the grid (1 row of other code or grids in the folder: kept, "
-                                   "not reused); resumed: all already done"), one
+    assert one.splitlines()[0] == (
+        "1 configuration in the grid (1 row of other code or grids in the folder: kept, "
+        "not reused); resumed: all already done"
+    ), one
 
 
 def test_a_sweep_on_a_full_disk_is_one_line_leaves_no_temporaries_and_a_rerun_collects(tmp_path):
@@ -430,8 +605,9 @@ def test_a_sweep_on_a_full_disk_is_one_line_leaves_no_temporaries_and_a_rerun_co
 
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(SMALL))
     out = tmp_path / "out"
-    rc, _, err = run_on_a_full_disk("klotski_sim.cli.main", "sweep", str(tmp_path / "spec.yaml"), "--out", str(out),
-                                    "--no-progress", room=6000)  # (a row's JSON fits, the Parquet table not)
+    rc, _, err = run_on_a_full_disk(
+        "klotski_sim.cli.main", "sweep", str(tmp_path / "spec.yaml"), "--out", str(out), "--no-progress", room=6000
+    )  # (a row's JSON fits, the Parquet table not)
     assert rc == 2 and err == f"error: {out}/results.parquet: cannot write (File too large)\n", err
     rows = sorted(p.name for p in (out / "rows").iterdir())
     assert len(rows) == len(expand(parse_spec(SMALL))) and all(not name.startswith(".") for name in rows)
@@ -453,13 +629,26 @@ def test_more_local_workers_than_cores_run_as_many_as_there_are_cores(tmp_path, 
     real = sweep_module.run_sweep
     monkeypatch.setattr(sweep_module, "run_sweep", lambda *a, **k: given.append(k["workers"]) or real(*a, **k))
     spec = tmp_path / "s.yaml"
-    spec.write_text(yaml.safe_dump({"name": "t", "models": ["tiny-mixtral"], "policies": ["klotski", "flexgen"],
-                                    "batch_sizes": [2], "num_batches": [2], "prompt_lens": [4], "gen_lens": [2]}))
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "name": "t",
+                "models": ["tiny-mixtral"],
+                "policies": ["klotski", "flexgen"],
+                "batch_sizes": [2],
+                "num_batches": [2],
+                "prompt_lens": [4],
+                "gen_lens": [2],
+            }
+        )
+    )
     assert cli.main(["sweep", str(spec), "--out", str(tmp_path / "o"), "--no-progress", "--workers", "1024"]) == 0
     out, err = capsys.readouterr()
     assert given == [1] and out.splitlines()[0].endswith(": running on 1 worker")
-    assert err.splitlines() == ["note: --workers 1024: this process may use 1 core(s); running 1 worker (the runs "
-                                "are CPU-bound: more would finish no sooner, each taking its own memory)"]
+    assert err.splitlines() == [
+        "note: --workers 1024: this process may use 1 core(s); running 1 worker (the runs "
+        "are CPU-bound: more would finish no sooner, each taking its own memory)"
+    ]
     args = cli.build_parser().parse_args(["sweep", str(spec), "--out", "o", "--workers", "8", "--dask", "tcp://h:8786"])
     cli._local_workers(args)
     assert args.workers == 8  # (a remote cluster's)
@@ -469,8 +658,8 @@ def test_a_local_dask_worker_restarted_by_its_nanny_shares_the_machine_as_the_fi
     """Set up by one `client.run`, a worker the nanny restarted after a run killed it skipped the setup:
     it checked its runs' memory as if it had the machine alone (`run_size`'s runs in flight: 1)."""
     pytest.importorskip("distributed")
-    from klotski_sim.util import run_size
     from klotski_sim.runs.sweep import _dask_client
+    from klotski_sim.util import run_size
 
     def runs_in_flight() -> int:
         return run_size._runs_in_flight[0]

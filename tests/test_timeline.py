@@ -9,15 +9,26 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from klotski_sim.core.engine import simulate
-from klotski_sim.report.exports import chrome_trace_json, read_parquet, save_all
 from klotski_sim.core.schedule import Op, Schedule
+from klotski_sim.report.exports import chrome_trace_json, read_parquet, save_all
 
 from .conftest import make_profile
 
 
 def _timeline_schedule():
     ops = (
-        Op("w0", "transfer", "h2d_weights", "weights", bytes=1, src="cpu", dst="gpu", alloc=(("w0", 10),), step=0, layer=0),
+        Op(
+            "w0",
+            "transfer",
+            "h2d_weights",
+            "weights",
+            bytes=1,
+            src="cpu",
+            dst="gpu",
+            alloc=(("w0", 10),),
+            step=0,
+            layer=0,
+        ),
         Op("a0", "compute", "compute", "attention", ("w0",), step=0, layer=0, batches=(0,), free=("w0",)),
         Op("e0", "transfer", "h2d_experts", "moe_weights", bytes=1, src="cpu", dst="gpu", step=0, layer=0, expert=1),
         Op("x0", "compute", "compute", "expert", ("e0",), step=0, layer=0, batches=(0,), expert=1),
@@ -34,7 +45,9 @@ def test_bubbles_are_attributed_to_the_op_that_ends_them():
     tl = _timeline()
     bub = tl.bubbles()
     # w0 [0,1], a0 [1,2], e0 [1,3], x0 [3,4], a1 [4,5]: gaps [0,1] is before the first GPU op (not a bubble)
-    assert bub[["start", "end", "kind", "next_op", "cause"]].values.tolist() == [[2.0, 3.0, "intra", "x0", "moe_weights"]]
+    assert bub[["start", "end", "kind", "next_op", "cause"]].values.tolist() == [
+        [2.0, 3.0, "intra", "x0", "moe_weights"]
+    ]
 
 
 def test_step_latency_and_throughput():
@@ -49,14 +62,16 @@ def test_step_latency_and_throughput():
 def test_a_timeline_read_back_from_its_csv_summarises_as_it_did(tmp_path):
     """pandas reads an op of no batch back as NaN, and a lone batch's "1" as the number 1.0: the
     per-step latencies (grouped by batches) still find each batch."""
-    from klotski_sim.report.exports import to_csv
     from klotski_sim.core.timeline import Timeline
+    from klotski_sim.report.exports import to_csv
 
-    ops = (Op("a0", "compute", "compute", "attention", step=0, layer=0, batches=(0,)),
-           Op("a1", "compute", "compute", "attention", step=0, layer=0, batches=(1,)),
-           Op("w", "transfer", "h2d_weights", "weights", bytes=1, src="cpu", dst="gpu"),
-           Op("b0", "compute", "compute", "attention", ("w",), step=1, layer=0, batches=(0,)),
-           Op("b1", "compute", "compute", "attention", step=1, layer=0, batches=(1,)))
+    ops = (
+        Op("a0", "compute", "compute", "attention", step=0, layer=0, batches=(0,)),
+        Op("a1", "compute", "compute", "attention", step=0, layer=0, batches=(1,)),
+        Op("w", "transfer", "h2d_weights", "weights", bytes=1, src="cpu", dst="gpu"),
+        Op("b0", "compute", "compute", "attention", ("w",), step=1, layer=0, batches=(0,)),
+        Op("b1", "compute", "compute", "attention", step=1, layer=0, batches=(1,)),
+    )
     tl = simulate(Schedule(ops, meta={"generated_tokens": 4}), make_profile(), durations=[1, 2, 5, 1, 1])
     to_csv(tl, tmp_path / "t.csv")
     frame = pd.read_csv(tmp_path / "t.csv")
@@ -77,17 +92,37 @@ def test_exports(tmp_path):
     assert sum(e["ph"] == "X" and e.get("cat") != "bubble" for e in trace["traceEvents"]) == 5
     assert any(e["ph"] == "C" for e in trace["traceEvents"])  # memory counter
     summary = json.loads(paths["summary.json"].read_text())
-    for key in ("policy", "model", "hardware", "batch_size", "num_batches", "prompt_len", "gen_len", "status",
-                "makespan_s", "throughput_tok_s", "gpu_busy_s", "bubble_s", "bubble_inter_s", "bubble_intra_s",
-                "lower_bound_s", "efficiency", "peak_gpu_bytes", "num_ops"):
+    for key in (
+        "policy",
+        "model",
+        "hardware",
+        "batch_size",
+        "num_batches",
+        "prompt_len",
+        "gen_len",
+        "status",
+        "makespan_s",
+        "throughput_tok_s",
+        "gpu_busy_s",
+        "bubble_s",
+        "bubble_inter_s",
+        "bubble_intra_s",
+        "lower_bound_s",
+        "efficiency",
+        "peak_gpu_bytes",
+        "num_ops",
+    ):
         assert key in summary
     back = read_parquet(paths["timeline.parquet"])
     assert back.summary() == tl.summary()
     assert np.array_equal(back.memory[1], tl.memory[1])
 
 
-@given(ids=st.lists(st.text(alphabet=st.sampled_from('ab,"\\ \n/é'), min_size=1, max_size=6), min_size=5, max_size=5,
-                    unique=True))
+@given(
+    ids=st.lists(
+        st.text(alphabet=st.sampled_from('ab,"\\ \n/é'), min_size=1, max_size=6), min_size=5, max_size=5, unique=True
+    )
+)
 def test_the_csv_reads_back_as_the_frame_pandas_writes(tmp_path_factory, ids):
     """timeline.csv is written by Arrow's writer (a tenth of pandas' time): pandas reads it back with
     the very values it reads back from its own writer's CSV — op ids with commas, quotes,
@@ -96,10 +131,14 @@ def test_the_csv_reads_back_as_the_frame_pandas_writes(tmp_path_factory, ids):
     from klotski_sim.report.exports import to_csv
 
     renamed = dict(zip([op.id for op in _timeline_schedule().ops], ids))
-    ops = tuple(op._replace(id=renamed[op.id], deps=tuple(renamed[d] for d in op.deps))
-                for op in _timeline_schedule().ops)
-    tl = simulate(Schedule(ops, meta={"policy": "golden", "generated_tokens": 4}), make_profile(),
-                  durations=[1, 1, 2, 1e-7 / 3, 1])
+    ops = tuple(
+        op._replace(id=renamed[op.id], deps=tuple(renamed[d] for d in op.deps)) for op in _timeline_schedule().ops
+    )
+    tl = simulate(
+        Schedule(ops, meta={"policy": "golden", "generated_tokens": 4}),
+        make_profile(),
+        durations=[1, 1, 2, 1e-7 / 3, 1],
+    )
     folder = tmp_path_factory.mktemp("csv")
     to_csv(tl, folder / "arrow.csv")
     tl.df.to_csv(folder / "pandas.csv", index=False)
@@ -177,8 +216,11 @@ def _raised(call, *args):
 
 
 def test_chrome_trace_times_are_the_timelines_to_the_nanosecond():
-    tl = simulate(_timeline_schedule(), make_profile(), durations=[1.23456789e-5, 2.5e-6 + 1e-13, 3.14159265e-6,
-                                                                     7.7777777e-7, 1e-9 / 3])
+    tl = simulate(
+        _timeline_schedule(),
+        make_profile(),
+        durations=[1.23456789e-5, 2.5e-6 + 1e-13, 3.14159265e-6, 7.7777777e-7, 1e-9 / 3],
+    )
     events = [e for e in json.loads(chrome_trace_json(tl))["traceEvents"] if e["ph"] == "X" and "op" in e["args"]]
     c = tl.columns
     row = {op: k for k, op in enumerate(c["op_id"])}
@@ -197,35 +239,47 @@ def test_chrome_trace_events_are_what_json_dumps_writes(odd):
     text, and ids and categories that JSON must escape (quotes, backslashes, non-ASCII, a newline)."""
     ops = _timeline_schedule().ops
     if odd:
-        ops = tuple(op._replace(id=f'{op.id}"\\\u00e9', category=f"{op.category}\n",
-                                deps=tuple(f'{d}"\\\u00e9' for d in op.deps)) for op in ops)
+        ops = tuple(
+            op._replace(
+                id=f'{op.id}"\\\u00e9', category=f"{op.category}\n", deps=tuple(f'{d}"\\\u00e9' for d in op.deps)
+            )
+            for op in ops
+        )
     durations = [1e-3, 1.5e-3, 2.25e-3, 1e-3, 7e-4]
     tl = simulate(Schedule(ops, meta={"policy": "golden"}), make_profile(), durations=durations)
     text = chrome_trace_json(tl)
     events = json.loads(text)["traceEvents"]
     assert any(e.get("cat") == "bubble" for e in events) and any(e["ph"] == "C" for e in events)
-    rewritten = [json.dumps(e, separators=(",", ":")) if e["ph"] == "X" and e["cat"] != "bubble" else json.dumps(e)
-                 for e in events]
+    rewritten = [
+        json.dumps(e, separators=(",", ":")) if e["ph"] == "X" and e["cat"] != "bubble" else json.dumps(e)
+        for e in events
+    ]
     assert text.startswith('{"traceEvents":[' + ",".join(rewritten) + "]")
 
 
 def test_chrome_trace_escapes_unusual_ids():
-    ops = (Op('w"0\\', "transfer", "h2d_weights", "weights", bytes=1, src="cpu", dst="gpu"),
-           Op("a0", "compute", "compute", 'attention "x"', ('w"0\\',)))
+    ops = (
+        Op('w"0\\', "transfer", "h2d_weights", "weights", bytes=1, src="cpu", dst="gpu"),
+        Op("a0", "compute", "compute", 'attention "x"', ('w"0\\',)),
+    )
     tl = simulate(Schedule(ops), make_profile(), durations=[1, 1])
     events = json.loads(chrome_trace_json(tl))["traceEvents"]
     assert {e["args"]["op"] for e in events if e["ph"] == "X" and "op" in e.get("args", {})} == {'w"0\\', "a0"}
 
 
-@given(st.lists(st.tuples(st.floats(0, 10), st.floats(0, 3)), min_size=1, max_size=40),
-       st.floats(0, 5), st.floats(0.1, 10), st.integers(1, 50))
+@given(
+    st.lists(st.tuples(st.floats(0, 10), st.floats(0, 3)), min_size=1, max_size=40),
+    st.floats(0, 5),
+    st.floats(0.1, 10),
+    st.integers(1, 50),
+)
 def test_gantt_bins_keep_exactly_the_busy_time(intervals, t0, span, bins):
     """The Gantt draws each bin's busy time, never a merged block: the bars add up to the union of
     the ops' intervals inside the window, and no bin is fuller than its width."""
     import numpy as np
 
-    from klotski_sim.report.plot import busy_per_bin
     from klotski_sim.core.timeline import merge_intervals
+    from klotski_sim.report.plot import busy_per_bin
 
     starts = np.array([a for a, _ in intervals])
     ends = starts + np.array([d for _, d in intervals])
@@ -337,9 +391,9 @@ def test_a_timeline_kept_to_the_figure_columns_draws_the_same_figure():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from klotski_sim.core.timeline import FIGURE_COLUMNS, CompactColumns
     from klotski_sim.report.plot import compare_gantt
     from klotski_sim.runs.runner import RunSpec, run
-    from klotski_sim.core.timeline import FIGURE_COLUMNS, CompactColumns
 
     def timelines(keep):
         out = {}
@@ -379,8 +433,8 @@ def test_a_timeline_sent_back_by_a_worker_unpickles_without_pandas(tmp_path):
     import subprocess
     import sys
 
-    from klotski_sim.runs.runner import RunSpec, run
     from klotski_sim.core.timeline import FIGURE_COLUMNS
+    from klotski_sim.runs.runner import RunSpec, run
 
     for keep in (None, FIGURE_COLUMNS):
         tl = run(RunSpec(policy="klotski", num_batches=3, prompt_len=16, gen_len=3)).timeline
@@ -395,16 +449,24 @@ def test_a_timeline_sent_back_by_a_worker_unpickles_without_pandas(tmp_path):
         back.loc[0, "start"] = -1.0  # (a copy: the timeline's bubbles stay as they were)
         assert pickle.loads(sent).bubbles()["start"].iloc[0] == found["start"].iloc[0]
         (tmp_path / "tl.pkl").write_bytes(sent)
-        probe = ("import pickle, sys; pickle.loads(open(sys.argv[1], 'rb').read()); "
-                 "print('pandas' in sys.modules)")
-        out = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "tl.pkl")], capture_output=True,
-                             text=True, check=True).stdout.strip()
+        probe = "import pickle, sys; pickle.loads(open(sys.argv[1], 'rb').read()); print('pandas' in sys.modules)"
+        out = subprocess.run(
+            [sys.executable, "-c", probe, str(tmp_path / "tl.pkl")], capture_output=True, text=True, check=True
+        ).stdout.strip()
         assert out == "False"
 
 
-@given(st.lists(st.tuples(st.floats(0.001, 5.0), st.floats(0.0, 2.0),
-                          st.sampled_from(["weights", "kv", "cold_expert", "attention", "sync", None, "none"])),
-                min_size=2, max_size=40))
+@given(
+    st.lists(
+        st.tuples(
+            st.floats(0.001, 5.0),
+            st.floats(0.0, 2.0),
+            st.sampled_from(["weights", "kv", "cold_expert", "attention", "sync", None, "none"]),
+        ),
+        min_size=2,
+        max_size=40,
+    )
+)
 def test_bubbles_by_cause_are_summed_per_cause_in_name_order(ops):
     """The GPU's idle seconds per cause (the category of the op whose end made the op after a gap
     ready; "unknown" without one): each cause's gaps summed, the causes in name order (a missing
@@ -418,12 +480,16 @@ def test_bubbles_by_cause_are_summed_per_cause_in_name_order(ops):
         t = end[-1]
     blockers = [cause for _, _, cause in ops]  # each op made ready by a host op of that category
     n = len(ops)
-    columns = {"op_id": np.array([f"g{i}" for i in range(n)] + [f"h{i}" for i in range(n)], dtype=object),
-               "resource": np.array(["gpu"] * n + ["host"] * n, dtype=object),
-               "start": np.array(start + [0.0] * n), "end": np.array(end + [0.0] * n),
-               "category": np.array(["expert"] * n + blockers, dtype=object),
-               "blocked_by": np.array(["" if b == "none" else f"h{i}" for i, b in enumerate(blockers)] + [""] * n,
-                                      dtype=object)}
+    columns = {
+        "op_id": np.array([f"g{i}" for i in range(n)] + [f"h{i}" for i in range(n)], dtype=object),
+        "resource": np.array(["gpu"] * n + ["host"] * n, dtype=object),
+        "start": np.array(start + [0.0] * n),
+        "end": np.array(end + [0.0] * n),
+        "category": np.array(["expert"] * n + blockers, dtype=object),
+        "blocked_by": np.array(
+            ["" if b == "none" else f"h{i}" for i, b in enumerate(blockers)] + [""] * n, dtype=object
+        ),
+    }
     got = Timeline(columns, meta={})._bubble_seconds()[3]
     expected: dict[str, Fraction] = {}
     for i in range(1, n):

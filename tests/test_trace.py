@@ -37,8 +37,18 @@ def test_roundtrip_and_identical_bytes_for_same_seed(tmp_path):
     assert back.weights is not None and back.weights.shape == t.experts.shape
 
 
-@pytest.mark.parametrize("num_experts,held", [(8, np.uint8), (256, np.uint8), (257, np.int16), (300, np.int16),
-                                              (32768, np.int16), (32769, np.int32), (65536, np.int32)])
+@pytest.mark.parametrize(
+    "num_experts,held",
+    [
+        (8, np.uint8),
+        (256, np.uint8),
+        (257, np.int16),
+        (300, np.int16),
+        (32768, np.int16),
+        (32769, np.int32),
+        (65536, np.int32),
+    ],
+)
 def test_a_trace_holds_its_ids_in_a_byte_up_to_256_experts_whatever_type_it_was_given(tmp_path, num_experts, held):
     """A trace holds its ids in the type they are stored in (a long prompt's trace is the largest
     thing its run holds): given in int16 or int64, or read from a file written in int16 (klotski
@@ -56,9 +66,13 @@ def test_a_trace_holds_its_ids_in_a_byte_up_to_256_experts_whatever_type_it_was_
     table = RoutingTable(ids[:6].reshape(2, 1, 3, 3, 2).astype(np.int64), RunShape(1, 2, 2, 2), num_experts)
     assert table.ids.dtype == held and np.array_equal(table.ids.reshape(-1), ids[:6].reshape(-1))
     old = tmp_path / "old.npz"  # (as numpy.savez_compressed wrote a trace before ids were held in a byte)
-    np.savez_compressed(old, experts=ids.astype(wide), seq_offsets=np.array([0, 5, 12]),
-                        prompt_lens=np.array([3, 4], dtype=np.int32),
-                        meta=np.array(json.dumps({"format": "klotski-routing-trace", "version": 1, **meta})))
+    np.savez_compressed(
+        old,
+        experts=ids.astype(wide),
+        seq_offsets=np.array([0, 5, 12]),
+        prompt_lens=np.array([3, 4], dtype=np.int32),
+        meta=np.array(json.dumps({"format": "klotski-routing-trace", "version": 1, **meta})),
+    )
     back = Trace.load(old)
     assert back.experts.dtype == held and np.array_equal(back.experts, ids)
     assert synthesize(TINY, 2, 4, 2, "calibrated").experts.dtype == np.uint8
@@ -105,10 +119,14 @@ def test_a_trace_whose_meta_is_not_one_json_string_is_said_so(tmp_path):
     path = tmp_path / "t.npz"
     _tiny_trace().save(path)
     arrays = dict(np.load(path))
-    for meta, said in ((np.array([str(arrays["meta"])] * 2), "meta must be one JSON string, got <U"),
-                       (np.frombuffer(str(arrays["meta"]).encode(), dtype=np.uint8), "meta must be one JSON string, "
-                                                                                     "got uint8 of shape"),
-                       (np.array("{not json"), "its meta is not valid JSON (Expecting property name")):
+    for meta, said in (
+        (np.array([str(arrays["meta"])] * 2), "meta must be one JSON string, got <U"),
+        (
+            np.frombuffer(str(arrays["meta"]).encode(), dtype=np.uint8),
+            "meta must be one JSON string, got uint8 of shape",
+        ),
+        (np.array("{not json"), "its meta is not valid JSON (Expecting property name"),
+    ):
         np.savez(path, **{**arrays, "meta": meta})
         with pytest.raises(TraceError, match=re.escape(f"{path}: {said}")):
             Trace.load(path)
@@ -151,8 +169,12 @@ def test_invalid_contents_are_named():
     assert as_unsigned.seq_offsets.dtype == np.int64 and np.array_equal(as_unsigned.seq_offsets, t.seq_offsets)
     weights = np.full(t.experts.shape, 0.5, dtype=np.float16)
     assert Trace(t.experts, t.seq_offsets, t.prompt_lens, t.meta, weights).weights is weights
-    for bad_weights in (np.full(t.experts.shape, np.nan), np.full(t.experts.shape, -0.5), weights.astype(np.int8),
-                        weights.astype(str)):
+    for bad_weights in (
+        np.full(t.experts.shape, np.nan),
+        np.full(t.experts.shape, -0.5),
+        weights.astype(np.int8),
+        weights.astype(str),
+    ):
         with pytest.raises(TraceError, match="weights must be finite non-negative"):
             Trace(t.experts, t.seq_offsets, t.prompt_lens, t.meta, bad_weights)
 
@@ -208,8 +230,12 @@ def test_the_chosen_sequences_ids_are_a_view_where_they_follow_one_another_and_a
     first = np.random.default_rng(len(lengths)).integers(0, 8, (offsets[-1], 3))
     experts = np.stack([first, (first + 1 + np.arange(first.size).reshape(first.shape) % 7) % 8], axis=-1)
     experts = experts.astype(np.int16)  # (a token's two choices distinct, as a router's are)
-    trace = Trace(experts, offsets, np.full(len(lengths), 2, dtype=np.int32),
-                  {"model": "t", "num_experts": 8, "top_k": 2, "num_layers": 3})
+    trace = Trace(
+        experts,
+        offsets,
+        np.full(len(lengths), 2, dtype=np.int32),
+        {"model": "t", "num_experts": 8, "top_k": 2, "num_layers": 3},
+    )
     chosen = data.draw(st.lists(st.integers(0, len(lengths) - 1), min_size=1, max_size=8))
     tokens = data.draw(st.integers(1, min(lengths[i] for i in chosen)))
     got = _sequences_ids(trace, chosen, tokens)
@@ -230,13 +256,22 @@ def test_counts_match_ids():
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 3), st.integers(1, 3), st.integers(1, 5), st.integers(1, 4), st.integers(1, 3),
-       st.sampled_from([(2, 1), (4, 2), (8, 2), (3, 3), (9, 2), (200, 2), (256, 3)]), st.integers(0, 2), st.booleans(),
-       st.integers(0, 9),
-       st.sampled_from([1, 7, 1 << 20]))
+@given(
+    st.integers(1, 3),
+    st.integers(1, 3),
+    st.integers(1, 5),
+    st.integers(1, 4),
+    st.integers(1, 3),
+    st.sampled_from([(2, 1), (4, 2), (8, 2), (3, 3), (9, 2), (200, 2), (256, 3)]),
+    st.integers(0, 2),
+    st.booleans(),
+    st.integers(0, 9),
+    st.sampled_from([1, 7, 1 << 20]),
+)
 @example(1, 2, 3, 2, 2, (200, 2), 0, True, 0, 7)  # (ids in a byte whose choice codes do not fit one: always tried)
-def test_counts_by_choice_or_by_expert_are_the_ids_counted_one_by_one(nb, bs, prompt, gen, layers, experts_k, dense,
-                                                                      by_choice, seed, keys_per_pass):
+def test_counts_by_choice_or_by_expert_are_the_ids_counted_one_by_one(
+    nb, bs, prompt, gen, layers, experts_k, dense, by_choice, seed, keys_per_pass
+):
     """RoutingTable.counts, by whole choices (up to CHOICE_CODES of them) or expert by expert, and
     a batch's positions in one pass or in chunks (`_COUNTED_KEYS`: a long prompt's), are each
     (step, layer, batch)'s ids counted one by one (repeats within a token counted too) — ids held in
@@ -252,18 +287,23 @@ def test_counts_by_choice_or_by_expert_are_the_ids_counted_one_by_one(nb, bs, pr
             for layer in range(dense, layers):
                 for e in ids[b, :, position, layer].ravel():
                     expected[step, layer, b, e] += 1
-    with patch.object(routing_module, "CHOICE_CODES", 10**6 if by_choice else 0), \
-            patch.object(routing_module, "_COUNTED_KEYS", keys_per_pass):
+    with (
+        patch.object(routing_module, "CHOICE_CODES", 10**6 if by_choice else 0),
+        patch.object(routing_module, "_COUNTED_KEYS", keys_per_pass),
+    ):
         counts = RoutingTable(ids, shape, E, dense_layers=dense).counts
     assert np.array_equal(counts, expected)
 
 
-@pytest.mark.parametrize("model,sequences,prompt,gen,routing,weights,digest", [
-    ("tiny-mixtral", 5, 30, 4, "calibrated", True, "3768d5ca6f6276fd"),
-    ("mixtral-8x7b", 3, 9000, 2, "calibrated", False, "c97cec01750ee1df"),  # (a long prompt)
-    ("olmoe-1b-7b", 4, 20, 3, "calibrated", True, "a1e96e71f0efe832"),  # (top-8: a partition, not argmax passes)
-    ("mixtral-8x7b", 4, 20, 3, "uniform", False, "7ad9279eba0310d8"),
-])
+@pytest.mark.parametrize(
+    "model,sequences,prompt,gen,routing,weights,digest",
+    [
+        ("tiny-mixtral", 5, 30, 4, "calibrated", True, "3768d5ca6f6276fd"),
+        ("mixtral-8x7b", 3, 9000, 2, "calibrated", False, "c97cec01750ee1df"),  # (a long prompt)
+        ("olmoe-1b-7b", 4, 20, 3, "calibrated", True, "a1e96e71f0efe832"),  # (top-8: a partition, not argmax passes)
+        ("mixtral-8x7b", 4, 20, 3, "uniform", False, "7ad9279eba0310d8"),
+    ],
+)
 def test_the_generator_draws_what_it_drew(model, sequences, prompt, gen, routing, weights, digest):
     """Golden draws of the synthetic generator (every run without a trace replays one): its working
     arrays are computed in place where the numbers are the same, and these digests (taken when each
@@ -277,12 +317,18 @@ def test_the_generator_draws_what_it_drew(model, sequences, prompt, gen, routing
 
 
 @settings(max_examples=25, deadline=None)
-@given(model=st.sampled_from(["tiny-mixtral", "olmoe-1b-7b"]),
-       routing=st.sampled_from(["calibrated", "uniform", "zipf:1.2"]),
-       fewer=st.integers(1, 9), more=st.integers(1, 9), chunk=st.sampled_from([None, 1, 2, 3, 64]),
-       tokens=st.integers(1, 7), seed=st.integers(0, 2**32))
+@given(
+    model=st.sampled_from(["tiny-mixtral", "olmoe-1b-7b"]),
+    routing=st.sampled_from(["calibrated", "uniform", "zipf:1.2"]),
+    fewer=st.integers(1, 9),
+    more=st.integers(1, 9),
+    chunk=st.sampled_from([None, 1, 2, 3, 64]),
+    tokens=st.integers(1, 7),
+    seed=st.integers(0, 2**32),
+)
 def test_a_sequence_is_drawn_the_same_however_many_are_drawn_and_however_many_at_a_time(
-        model, routing, fewer, more, chunk, tokens, seed):
+    model, routing, fewer, more, chunk, tokens, seed
+):
     """Sequence i of a synthetic trace depends on the seed, the model, the routing and the lengths
     alone: a trace of more sequences, or drawn fewer at a time, begins with the same sequences (with
     one random stream for every draw, a run of 1 batch and one of 17 replayed different first
@@ -295,8 +341,10 @@ def test_a_sequence_is_drawn_the_same_however_many_are_drawn_and_however_many_at
     assert np.array_equal(many.weights[:rows], few.weights)
 
 
-@pytest.mark.parametrize("model,sequences,tokens", [("qwen3-30b-a3b", 20, 544), ("qwen3-30b-a3b", 2, 4100),
-                                                    ("olmoe-1b-7b", 40, 300), ("mixtral-8x7b", 150, 100)])
+@pytest.mark.parametrize(
+    "model,sequences,tokens",
+    [("qwen3-30b-a3b", 20, 544), ("qwen3-30b-a3b", 2, 4100), ("olmoe-1b-7b", 40, 300), ("mixtral-8x7b", 150, 100)],
+)
 def test_the_generator_draws_as_many_sequences_at_a_time_as_its_element_budget_allows(model, sequences, tokens):
     """A chunk's working arrays are [sequences, tokens, experts]: the default chunk holds at most
     `_ELEMENTS_PER_CHUNK` of their elements (or one sequence, when one alone is more) and at most 64
@@ -328,11 +376,11 @@ def test_the_first_batch_a_policy_replays_does_not_depend_on_its_number_of_batch
 
 def test_calibrated_mixtral_statistics_land_near_targets():
     s = summary(synthesize(MIXTRAL, 128, 128, 16, "calibrated", seed=1))
-    assert 0.14 <= s["max_share"] <= 0.21          # corpus-level max share ~0.16
-    assert 0.19 <= s["request_max_share"] <= 0.30   # within one request 0.20-0.30
-    assert 0.21 <= s["stick_top1"] <= 0.30          # first choice repeats ~25% (random 12.5%)
-    assert 0.56 <= s["stick_any"] <= 0.68           # share at least one ~62% (random 46%)
-    assert 0.03 <= s["mi_skip7_bits"] <= 0.25       # weak layer-to-layer information
+    assert 0.14 <= s["max_share"] <= 0.21  # corpus-level max share ~0.16
+    assert 0.19 <= s["request_max_share"] <= 0.30  # within one request 0.20-0.30
+    assert 0.21 <= s["stick_top1"] <= 0.30  # first choice repeats ~25% (random 12.5%)
+    assert 0.56 <= s["stick_any"] <= 0.68  # share at least one ~62% (random 46%)
+    assert 0.03 <= s["mi_skip7_bits"] <= 0.25  # weak layer-to-layer information
 
 
 def test_uniform_shows_none_of_it():
@@ -365,8 +413,18 @@ def _jsonl(path, records):
 
 
 def test_import_jsonl(tmp_path):
-    recs = [{"seq_id": s, "token_idx": t, "layer": layer, "experts": [(t + layer) % 4, (t + layer + 1) % 4],
-             "gating_probs": [0.6, 0.4]} for s in ("a", "b") for t in range(5) for layer in range(2)]
+    recs = [
+        {
+            "seq_id": s,
+            "token_idx": t,
+            "layer": layer,
+            "experts": [(t + layer) % 4, (t + layer + 1) % 4],
+            "gating_probs": [0.6, 0.4],
+        }
+        for s in ("a", "b")
+        for t in range(5)
+        for layer in range(2)
+    ]
     _jsonl(tmp_path / "log.jsonl", recs)
     trace, problems = import_jsonl(tmp_path / "log.jsonl", num_experts=4, model="tiny-mixtral")
     assert problems == [] and trace.num_sequences == 2 and trace.experts.shape == (10, 2, 2)
@@ -478,8 +536,8 @@ def test_trace_cache_keeps_the_recently_used_within_its_cap_and_refuses_a_bad_ca
     import os
     import time
 
-    from klotski_sim.workload.trace_cache import cached_trace
     from klotski_sim.util.errors import UsageError
+    from klotski_sim.workload.trace_cache import cached_trace
 
     monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(tmp_path))
     m = get_model("tiny-mixtral")
@@ -571,8 +629,13 @@ def _log(tmp_path, records):
 
 
 def test_sequence_ids_of_two_datasets_never_merge(tmp_path):
-    records = [{"dataset": d, "seq_id": s, "token_idx": t, "layer": l, "experts": [0, 1]}
-               for d in ("a", "b") for s in (0, 1) for t in range(3) for l in range(2)]
+    records = [
+        {"dataset": d, "seq_id": s, "token_idx": t, "layer": layer_, "experts": [0, 1]}
+        for d in ("a", "b")
+        for s in (0, 1)
+        for t in range(3)
+        for layer_ in range(2)
+    ]
     trace, problems = import_jsonl(_log(tmp_path, records))
     assert trace.num_sequences == 4 and not problems
     assert trace.meta["sequence_key"] == ["dataset", "sequence id"]
@@ -583,8 +646,12 @@ def test_sequence_ids_of_two_datasets_never_merge(tmp_path):
 
 
 def test_holes_cut_or_keep_the_longest_complete_run(tmp_path):
-    records = [{"seq_id": 0, "token_idx": t, "layer": l, "experts": [0, 1], "prompt_len": 4}
-               for t in range(10) for l in range(2) if not (t == 2 and l == 1)]
+    records = [
+        {"seq_id": 0, "token_idx": t, "layer": layer_, "experts": [0, 1], "prompt_len": 4}
+        for t in range(10)
+        for layer_ in range(2)
+        if not (t == 2 and layer_ == 1)
+    ]
     cut, problems = import_jsonl(_log(tmp_path, records))
     assert cut.lengths.tolist() == [2] and "first at token 2 layer 1" in problems[0] and "log.jsonl:1:" in problems[0]
     longest, problems = import_jsonl(_log(tmp_path, records), holes="longest")
@@ -595,41 +662,69 @@ def test_holes_cut_or_keep_the_longest_complete_run(tmp_path):
 def test_provenance_flags_and_late_errors_name_the_line(tmp_path):
     records = [{"seq_id": 0, "token_idx": t, "layer": 0, "experts": [t + 1, 0]} for t in range(3)]
     path = _log(tmp_path, records)
-    code, out, err = run_cli("trace", "import", str(path), "--source", "vLLM --enable-return-routed-experts",
-                             "--license", "CC-BY-4.0", "--dataset", "ShareGPT", "--out", str(tmp_path / "t.npz"))
+    code, out, err = run_cli(
+        "trace",
+        "import",
+        str(path),
+        "--source",
+        "vLLM --enable-return-routed-experts",
+        "--license",
+        "CC-BY-4.0",
+        "--dataset",
+        "ShareGPT",
+        "--out",
+        str(tmp_path / "t.npz"),
+    )
     assert code == 0, err
     meta = Trace.load(tmp_path / "t.npz").meta
-    assert (meta["source"], meta["license"], meta["dataset"]) == ("vLLM --enable-return-routed-experts", "CC-BY-4.0",
-                                                                  "ShareGPT")
+    assert (meta["source"], meta["license"], meta["dataset"]) == (
+        "vLLM --enable-return-routed-experts",
+        "CC-BY-4.0",
+        "ShareGPT",
+    )
     with pytest.raises(TraceError, match=r"log.jsonl:3: expert id 3 is out of range for --num-experts 3"):
         import_jsonl(path, num_experts=3)
 
 
 IMPORT_REFUSALS = [
-    ([{"seq_id": 0, "token_idx": 0, "layer": 0, "experts": [1, 2], "gating_probs": [float("nan"), 0.5]}],
-     "log.jsonl:1: gate weights must be a list of numbers from 0 to 65504.0"),
-    ([{"seq_id": 0, "token_idx": 0, "layer": 0, "experts": [1, 2], "gating_probs": [-0.5, 1.5]}],
-     "from 0 to 65504.0"),
-    ([{"seq_id": 0, "token_idx": 0, "layer": 0, "experts": [1, 2], "gating_probs": [1e6, 0.5]}],  # (inf in float16)
-     "log.jsonl:1: gate weights must be a list of numbers from 0 to 65504.0 (stored as float16)"),
-    ([{"seq_id": 0, "token_idx": 0, "layer": 0, "experts": [1, 2]}, {"seq_id": 0, "token_idx": 1, "layer": 0,
-                                                                      "experts": [3, 3]}],
-     "log.jsonl:2: the token selects an expert twice ([3, 3]); a router's top-k experts are distinct"),
-    ([{"seq_id": 0, "token_idx": t, "layer": 0, "experts": [1, 2], "prompt_len": 100} for t in range(3)],
-     "has prompt_len 100 but only 3 tokens"),
-    ([{"seq_id": 0, "token_idx": t, "layer": 0, "experts": [1, 2], "prompt_len": 2 + t} for t in range(3)],
-     "prompt_len 3 for sequence 0, whose earlier records said 2"),
-    ('{"seq_id": 0, "seq_id": 1, "token_idx": 0, "layer": 0, "experts": [1, 2]}', "key 'seq_id' is given twice")]
+    (
+        [{"seq_id": 0, "token_idx": 0, "layer": 0, "experts": [1, 2], "gating_probs": [float("nan"), 0.5]}],
+        "log.jsonl:1: gate weights must be a list of numbers from 0 to 65504.0",
+    ),
+    ([{"seq_id": 0, "token_idx": 0, "layer": 0, "experts": [1, 2], "gating_probs": [-0.5, 1.5]}], "from 0 to 65504.0"),
+    (
+        [{"seq_id": 0, "token_idx": 0, "layer": 0, "experts": [1, 2], "gating_probs": [1e6, 0.5]}],  # (inf in float16)
+        "log.jsonl:1: gate weights must be a list of numbers from 0 to 65504.0 (stored as float16)",
+    ),
+    (
+        [
+            {"seq_id": 0, "token_idx": 0, "layer": 0, "experts": [1, 2]},
+            {"seq_id": 0, "token_idx": 1, "layer": 0, "experts": [3, 3]},
+        ],
+        "log.jsonl:2: the token selects an expert twice ([3, 3]); a router's top-k experts are distinct",
+    ),
+    (
+        [{"seq_id": 0, "token_idx": t, "layer": 0, "experts": [1, 2], "prompt_len": 100} for t in range(3)],
+        "has prompt_len 100 but only 3 tokens",
+    ),
+    (
+        [{"seq_id": 0, "token_idx": t, "layer": 0, "experts": [1, 2], "prompt_len": 2 + t} for t in range(3)],
+        "prompt_len 3 for sequence 0, whose earlier records said 2",
+    ),
+    ('{"seq_id": 0, "seq_id": 1, "token_idx": 0, "layer": 0, "experts": [1, 2]}', "key 'seq_id' is given twice"),
+]
 
 
 def test_gate_weights_missing_from_some_records_are_dropped_with_a_warning(tmp_path):
-    records = [{"seq_id": 0, "token_idx": t, "layer": 0, "experts": [1, 2], "gating_probs": [0.6, 0.4]}
-               for t in range(3)]
+    records = [
+        {"seq_id": 0, "token_idx": t, "layer": 0, "experts": [1, 2], "gating_probs": [0.6, 0.4]} for t in range(3)
+    ]
     del records[1]["gating_probs"]
     (tmp_path / "log.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
     trace, problems = import_jsonl(tmp_path / "log.jsonl", num_experts=4)
-    assert trace.weights is None and problems == [f"{tmp_path / 'log.jsonl'}: 1 of 3 records have no gate weights; "
-                                                  f"the trace keeps none"]
+    assert trace.weights is None and problems == [
+        f"{tmp_path / 'log.jsonl'}: 1 of 3 records have no gate weights; the trace keeps none"
+    ]
 
 
 @pytest.mark.parametrize("records,message", IMPORT_REFUSALS)
@@ -684,7 +779,6 @@ def test_the_trace_cache_is_off_however_it_is_spelt(monkeypatch, setting):
     assert cache_dir() is None  # (" off" was a folder named " off")
 
 
-
 @pytest.mark.parametrize("model", [None, ["tiny-mixtral"], 3])
 def test_a_trace_whose_meta_model_is_no_name_is_refused(tmp_path, model):
     """(A fuzz of trace files: a model of null or a list was accepted, though a missing one is not.)"""
@@ -695,11 +789,16 @@ def test_a_trace_whose_meta_model_is_no_name_is_refused(tmp_path, model):
 
 
 @settings(max_examples=60, deadline=None)
-@given(count=st.integers(5, 9), experts=st.sampled_from([10, 16, 64, 129, 256]),
-       spread=st.sampled_from([2, 8, 1000, 0]),
-       rows=st.integers(1, 300), seed=st.integers(0, 2**32))
-def test_the_generators_top_k_by_argmax_passes_is_its_partition_and_sort_ties_and_all(count, experts, spread, rows,
-                                                                                      seed):
+@given(
+    count=st.integers(5, 9),
+    experts=st.sampled_from([10, 16, 64, 129, 256]),
+    spread=st.sampled_from([2, 8, 1000, 0]),
+    rows=st.integers(1, 300),
+    seed=st.integers(0, 2**32),
+)
+def test_the_generators_top_k_by_argmax_passes_is_its_partition_and_sort_ties_and_all(
+    count, experts, spread, rows, seed
+):
     """Over many experts the generator picks a token's top-5 and more by argmax passes, and a row
     with a tie among its largest by the partition and sort it drew with before (as it still does
     over fewer experts; here the passes are asked of every width): the same indices in the same
@@ -708,8 +807,11 @@ def test_the_generators_top_k_by_argmax_passes_is_its_partition_and_sort_ties_an
     from klotski_sim.workload import trace_synth
 
     rng = np.random.default_rng(seed)
-    values = (rng.integers(0, spread, (rows, 2, experts)).astype(np.float32) if spread
-              else rng.standard_normal((rows, 2, experts)).astype(np.float32))
+    values = (
+        rng.integers(0, spread, (rows, 2, experts)).astype(np.float32)
+        if spread
+        else rng.standard_normal((rows, 2, experts)).astype(np.float32)
+    )
     expected = trace_synth._partition_sorted(values.copy(), count)
     with patch.object(trace_synth, "_PARTITION_UP_TO", 0):
         assert np.array_equal(trace_synth._top_sorted(values.copy(), count), expected)
@@ -720,8 +822,13 @@ def test_the_generators_top_k_by_argmax_passes_is_its_partition_and_sort_ties_an
 
 
 @settings(max_examples=15, deadline=None)
-@given(model=st.sampled_from(["tiny-mixtral", "olmoe-1b-7b"]), threads=st.integers(2, 5),
-       chunk=st.sampled_from([1, 2, 3]), sequences=st.integers(1, 9), seed=st.integers(0, 2**32))
+@given(
+    model=st.sampled_from(["tiny-mixtral", "olmoe-1b-7b"]),
+    threads=st.integers(2, 5),
+    chunk=st.sampled_from([1, 2, 3]),
+    sequences=st.integers(1, 9),
+    seed=st.integers(0, 2**32),
+)
 def test_a_draw_in_threads_is_the_draw_of_one(model, threads, chunk, sequences, seed):
     """Chunks drawn by several threads at once read each random stream chunk after chunk: the
     same ids and weights as one thread draws, block by block, in order."""
@@ -794,22 +901,33 @@ def test_a_draw_uses_the_cores_its_pool_leaves_it_and_the_memory_its_chunks_allo
     chunks' working arrays at once than _ELEMENTS_IN_FLIGHT (a long prompt's chunk is one sequence
     of tokens x experts: DeepSeek-V3 at 16k tokens in two threads, at 32k in one)."""
     from klotski_sim.util import run_size
-
     from klotski_sim.workload import trace_synth
+
     budget = trace_synth._ELEMENTS_IN_FLIGHT
     default_chunk = trace_synth._ELEMENTS_PER_CHUNK
     for cores, workers, elements, expected in [
-            (2, 1, default_chunk, 2), (2, 2, default_chunk, 1), (1, 1, default_chunk, 1),
-            (16, 1, default_chunk, trace_synth.MAX_DRAW_THREADS), (16, 8, default_chunk, 2), (3, 4, default_chunk, 1),
-            (16, 1, 16386 * 256, 2), (16, 1, 32770 * 256, 1), (16, 1, budget // 3, 3), (2, 1, budget + 1, 1)]:
-        with patch.object(trace_synth, "available_cores", return_value=cores), \
-                patch.object(run_size, "_runs_in_flight", [workers]):
+        (2, 1, default_chunk, 2),
+        (2, 2, default_chunk, 1),
+        (1, 1, default_chunk, 1),
+        (16, 1, default_chunk, trace_synth.MAX_DRAW_THREADS),
+        (16, 8, default_chunk, 2),
+        (3, 4, default_chunk, 1),
+        (16, 1, 16386 * 256, 2),
+        (16, 1, 32770 * 256, 1),
+        (16, 1, budget // 3, 3),
+        (2, 1, budget + 1, 1),
+    ]:
+        with (
+            patch.object(trace_synth, "available_cores", return_value=cores),
+            patch.object(run_size, "_runs_in_flight", [workers]),
+        ):
             assert trace_synth.draw_threads(elements) == expected, (cores, workers, elements)
     # a drawn chunk asks for the threads its own size allows
     seen = []
     real = trace_synth.draw_threads
-    with patch.object(trace_synth, "draw_threads",
-                      side_effect=lambda elements: seen.append(elements) or real(elements)):
+    with patch.object(
+        trace_synth, "draw_threads", side_effect=lambda elements: seen.append(elements) or real(elements)
+    ):
         synthesize(get_model("olmoe-1b-7b"), 3, 99, 1, "calibrated", seed=3)
     assert seen == [min(64, default_chunk // (100 * 64)) * 100 * 64]
 
@@ -833,9 +951,17 @@ def test_import_with_a_model_takes_its_expert_count_when_the_log_never_uses_its_
     from .conftest import run_cli
 
     log = tmp_path / "lo.jsonl"
-    log.write_text("".join(json.dumps({"seq_id": s, "token_idx": t, "layer": layer, "experts": [0, 1 + (t + layer) % 2],
-                                       "prompt_len": 2}) + "\n"
-                           for s in range(2) for t in range(4) for layer in range(2)))
+    log.write_text(
+        "".join(
+            json.dumps(
+                {"seq_id": s, "token_idx": t, "layer": layer, "experts": [0, 1 + (t + layer) % 2], "prompt_len": 2}
+            )
+            + "\n"
+            for s in range(2)
+            for t in range(4)
+            for layer in range(2)
+        )
+    )
     rc, out, err = run_cli("trace", "import", str(log), "--model", "tiny-mixtral", "--out", str(tmp_path / "t.npz"))
     assert rc == 0 and "top-2 of 4 experts" in out, err
     assert Trace.load(tmp_path / "t.npz").num_experts == 4
@@ -855,15 +981,32 @@ def test_a_trace_recorded_for_another_model_of_the_same_shape_is_said_so(tmp_pat
     assert (olmoe.num_experts, olmoe.top_k, olmoe.num_layers) == (qwen.num_experts, qwen.top_k, qwen.num_layers)
     trace = synthesize(olmoe, 12, 6, 3, "calibrated", 0)  # (the CLI keeps 8 for warm-up)
     shape = RunShape(2, 2, 6, 3)
-    assert "ANOTHER MODEL: recorded for 'tiny-olmoe', replayed on 'tiny-qwen3-moe'" in \
-        replay(trace, qwen, shape).routing.source
+    assert (
+        "ANOTHER MODEL: recorded for 'tiny-olmoe', replayed on 'tiny-qwen3-moe'"
+        in replay(trace, qwen, shape).routing.source
+    )
     assert "ANOTHER MODEL" not in replay(trace, olmoe, shape).routing.source
     assert "ANOTHER MODEL" not in replay(trace, get_model("tiny-olmoe@int4"), shape).routing.source
     trace.save(tmp_path / "o.npz")
-    rc, _, err = run_cli("simulate", "--model", "tiny-qwen3-moe", "--trace", str(tmp_path / "o.npz"), "--prompt-len",
-                         "6", "--gen-len", "3", "--batch-size", "2", "--num-batches", "2")
-    assert rc == 0 and err == ("warning: ANOTHER MODEL: recorded for 'tiny-olmoe', replayed on 'tiny-qwen3-moe' of "
-                               "the same shape: the routing is not this model's\n"), err
+    rc, _, err = run_cli(
+        "simulate",
+        "--model",
+        "tiny-qwen3-moe",
+        "--trace",
+        str(tmp_path / "o.npz"),
+        "--prompt-len",
+        "6",
+        "--gen-len",
+        "3",
+        "--batch-size",
+        "2",
+        "--num-batches",
+        "2",
+    )
+    assert rc == 0 and err == (
+        "warning: ANOTHER MODEL: recorded for 'tiny-olmoe', replayed on 'tiny-qwen3-moe' of "
+        "the same shape: the routing is not this model's\n"
+    ), err
 
 
 def test_trace_synth_says_a_long_draw_before_it_begins(tmp_path, monkeypatch, capsys):
@@ -874,13 +1017,53 @@ def test_trace_synth_says_a_long_draw_before_it_begins(tmp_path, monkeypatch, ca
     drawn = []
     monkeypatch.setattr("klotski_sim.util.machine._slowdown", [1.0])  # (the reference machine's speed: fixed figures)
     monkeypatch.setattr(cli, "synthesize", lambda m, *a, **k: drawn.append(a) or synthesize(m, 2, 4, 2, "uniform", 0))
-    assert cli.main(["trace", "synth", "--model", "tiny-mixtral", "--sequences", "100000000", "--prompt-len", "8",
-                     "--gen-len", "3", "--out", str(tmp_path / "t.npz")]) == 0
+    assert (
+        cli.main(
+            [
+                "trace",
+                "synth",
+                "--model",
+                "tiny-mixtral",
+                "--sequences",
+                "100000000",
+                "--prompt-len",
+                "8",
+                "--gen-len",
+                "3",
+                "--out",
+                str(tmp_path / "t.npz"),
+            ]
+        )
+        == 0
+    )
     err = capsys.readouterr().err
-    assert err == ("note: drawing 100,000,000 sequences x 11 tokens of tiny-mixtral's routing: about 13.7 min on "
-                   "this machine as loaded now\n") and drawn
-    assert cli.main(["trace", "synth", "--model", "tiny-mixtral", "--sequences", "100", "--prompt-len", "8",
-                     "--gen-len", "3", "--out", str(tmp_path / "t.npz")]) == 0
+    assert (
+        err
+        == (
+            "note: drawing 100,000,000 sequences x 11 tokens of tiny-mixtral's routing: about 13.7 min on "
+            "this machine as loaded now\n"
+        )
+        and drawn
+    )
+    assert (
+        cli.main(
+            [
+                "trace",
+                "synth",
+                "--model",
+                "tiny-mixtral",
+                "--sequences",
+                "100",
+                "--prompt-len",
+                "8",
+                "--gen-len",
+                "3",
+                "--out",
+                str(tmp_path / "t.npz"),
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().err == ""  # (a short draw: nothing said)
 
 
@@ -894,15 +1077,35 @@ def test_a_log_of_a_model_with_dense_first_layers_imports_with_them_filled(tmp_p
     model = get_model("deepseek-v2-lite")
     assert model.first_dense_layers == 1
     log = tmp_path / "ds.jsonl"
-    log.write_text("".join(json.dumps({"seq_id": s, "token_idx": t, "layer": layer, "prompt_len": 2,
-                                       "experts": [(t + layer + k) % 64 for k in range(model.top_k)]}) + "\n"
-                           for s in range(2) for t in range(4) for layer in range(1, model.num_layers)))
+    log.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "seq_id": s,
+                    "token_idx": t,
+                    "layer": layer,
+                    "prompt_len": 2,
+                    "experts": [(t + layer + k) % 64 for k in range(model.top_k)],
+                }
+            )
+            + "\n"
+            for s in range(2)
+            for t in range(4)
+            for layer in range(1, model.num_layers)
+        )
+    )
     rc, out, err = run_cli("trace", "import", str(log), "--model", "deepseek-v2-lite", "--out", str(tmp_path / "d.npz"))
     assert rc == 0 and "2 sequences, 8 tokens, 27 layers, top-6 of 64 experts" in out and not err, err
     trace = Trace.load(tmp_path / "d.npz")
     assert trace.meta["dense_layers_filled"] == 1 and (trace.experts[:, 0] == np.arange(6)).all()
-    assert (trace.experts[:, 1:] == np.array([[[(t + layer + k) % 64 for k in range(6)] for layer in range(1, 27)]
-                                             for _ in range(2) for t in range(4)])).all()
+    assert (
+        trace.experts[:, 1:]
+        == np.array(
+            [[[(t + layer + k) % 64 for k in range(6)] for layer in range(1, 27)] for _ in range(2) for t in range(4)]
+        )
+    ).all()
     rc, out, err = run_cli("trace", "import", str(log), "--out", str(tmp_path / "e.npz"))  # (no model: no dense layers)
-    assert rc == 2 and err.endswith("no sequence has a complete first token (sequence 0: 4 missing (token, layer) "
-                                    "entries, first at token 0 layer 0; kept its first 0 tokens)\n"), err
+    assert rc == 2 and err.endswith(
+        "no sequence has a complete first token (sequence 0: 4 missing (token, layer) "
+        "entries, first at token 0 layer 0; kept its first 0 tokens)\n"
+    ), err

@@ -25,16 +25,32 @@ TINY = get_model("tiny-mixtral")
 
 
 def _runtime(*args):
-    proc = subprocess.run([sys.executable, "-m", "klotski_runtime.cli", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "klotski_runtime.cli", *args], capture_output=True, text=True, cwd=ROOT, timeout=600
+    )
     return proc.returncode, proc.stdout, proc.stderr
 
 
 @pytest.fixture(scope="module")
 def profile_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("cal") / "cpu.yaml"
-    rc, out, err = _runtime("calibrate", "--device", "cpu", "--model", "tiny-mixtral", "--batch-sizes", "2",
-                            "--prompt-lens", "6", "--max-expert-tokens", "32", "--repeats", "2", "--out", str(path))
+    rc, out, err = _runtime(
+        "calibrate",
+        "--device",
+        "cpu",
+        "--model",
+        "tiny-mixtral",
+        "--batch-sizes",
+        "2",
+        "--prompt-lens",
+        "6",
+        "--max-expert-tokens",
+        "32",
+        "--repeats",
+        "2",
+        "--out",
+        str(path),
+    )
     assert rc == 0, err
     return path
 
@@ -43,8 +59,16 @@ def test_calibration_writes_a_loadable_profile_with_a_measured_table(profile_fil
     p = load_profile(profile_file)
     assert p.provenance["device_kind"] == "cpu" and p.provenance["torch"] == torch.__version__
     assert "klotski-runtime calibrate" in p.provenance["command"]
-    for category in ("attention.fused:decode", "attention.eager:decode", "attention.fused:prefill",
-                     "attention.eager:prefill", "gate", "expert", "lm_head", "embed"):
+    for category in (
+        "attention.fused:decode",
+        "attention.eager:decode",
+        "attention.fused:prefill",
+        "attention.eager:prefill",
+        "gate",
+        "expert",
+        "lm_head",
+        "embed",
+    ):
         assert p.measured[category], category
     assert p.links.pcie_h2d.bandwidth == 1e9  # emulated by default, and said so
     assert p.provenance["emulated_links"]["pcie_h2d"] == 1e9
@@ -52,14 +76,22 @@ def test_calibration_writes_a_loadable_profile_with_a_measured_table(profile_fil
     cost = CostModel(p)
     point = p.measured["expert"][2]
     assert cost.compute_seconds("expert", 1.0, 1.0, point.tokens, phase="decode") == pytest.approx(
-        point.seconds + p.gpu.dispatch_overhead_by_category.get("expert", p.gpu.dispatch_overhead_s))
+        point.seconds + p.gpu.dispatch_overhead_by_category.get("expert", p.gpu.dispatch_overhead_s)
+    )
     assert p.gpu.dispatch_overhead_s >= 0 and p.gpu.dependency_latency_s > 0  # the executor's fitted costs
     assert {"attention", "gate", "expert", "embed", "lm_head"} <= set(p.gpu.dispatch_overhead_by_category)
 
 
 def test_validate_produces_its_files_and_figures(profile_file, tmp_path):
-    setup = ValidationSetup(model="tiny-mixtral", batch_size=2, num_batches=2, prompt_len=6, gen_len=3,
-                            emulate_links={"pcie_h2d": 1e9, "pcie_d2h": 1e9}, warmup_runs=0)  # (as calibrated)
+    setup = ValidationSetup(
+        model="tiny-mixtral",
+        batch_size=2,
+        num_batches=2,
+        prompt_len=6,
+        gen_len=3,
+        emulate_links={"pcie_h2d": 1e9, "pcie_d2h": 1e9},
+        warmup_runs=0,
+    )  # (as calibrated)
     report = validate(setup, str(profile_file), tmp_path, ("klotski", "flexgen"))
     for policy in ("klotski", "flexgen"):
         for name in ("simulated.parquet", "measured.parquet", "validation.png", "validation.json", "schedule.json"):
@@ -79,25 +111,66 @@ def test_a_profile_for_another_device_or_other_emulated_links_is_refused(profile
     with pytest.raises(ProfileError, match="'rtx3090' is a spec-sheet profile, not a calibration, not cpu"):
         check_profile_device(load_profile("rtx3090"), "cpu")  # (a simulated RTX 3090 against the CPU)
     check_profile_device(load_profile(profile_file), "cpu", {"pcie_h2d": 1e9, "pcie_d2h": 1e9})
-    with pytest.raises(ProfileError, match="calibrated with emulated links pcie_d2h 1e\\+09 B/s, pcie_h2d 1e\\+09 "
-                                           "B/s, this run emulates pcie_d2h 5e\\+09 B/s, pcie_h2d 5e\\+09 B/s"):
+    with pytest.raises(
+        ProfileError,
+        match="calibrated with emulated links pcie_d2h 1e\\+09 B/s, pcie_h2d 1e\\+09 "
+        "B/s, this run emulates pcie_d2h 5e\\+09 B/s, pcie_h2d 5e\\+09 B/s",
+    ):
         check_profile_device(load_profile(profile_file), "cpu", {"pcie_h2d": 5e9, "pcie_d2h": 5e9})
     with pytest.raises(ProfileError, match="this run emulates none \\(real copies\\)"):
         check_profile_device(load_profile(profile_file), "cpu", {})
 
 
 def test_validate_cli_end_to_end(tmp_path):
-    rc, out, err = _runtime("validate", "--policy", "klotski", "--model", "tiny-mixtral", "--batch-size", "2",
-                            "--num-batches", "2", "--prompt-len", "6", "--gen-len", "3", "--out", str(tmp_path))
+    rc, out, err = _runtime(
+        "validate",
+        "--policy",
+        "klotski",
+        "--model",
+        "tiny-mixtral",
+        "--batch-size",
+        "2",
+        "--num-batches",
+        "2",
+        "--prompt-len",
+        "6",
+        "--gen-len",
+        "3",
+        "--out",
+        str(tmp_path),
+    )
     assert rc == 0, err
     assert "calibrating cpu" in out and "klotski" in out and "EMULATED" in out
     assert (tmp_path / "profile.yaml").exists() and (tmp_path / "klotski" / "validation.png").exists()
 
 
 def test_execute_cli_runs_what_simulate_wrote(tmp_path):
-    sim = subprocess.run([sys.executable, "-m", "klotski_sim.cli.main", "simulate", "--model", "tiny-mixtral", "--policy",
-                          "klotski", "--num-batches", "2", "--batch-size", "2", "--prompt-len", "6", "--gen-len", "3",
-                          "--no-png", "--out", str(tmp_path / "sim")], capture_output=True, text=True, cwd=ROOT)
+    sim = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "klotski_sim.cli.main",
+            "simulate",
+            "--model",
+            "tiny-mixtral",
+            "--policy",
+            "klotski",
+            "--num-batches",
+            "2",
+            "--batch-size",
+            "2",
+            "--prompt-len",
+            "6",
+            "--gen-len",
+            "3",
+            "--no-png",
+            "--out",
+            str(tmp_path / "sim"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert sim.returncode == 0, sim.stderr
     rc, out, err = _runtime("execute", str(tmp_path / "sim"), "--out", str(tmp_path / "meas"))
     assert rc == 0, err
@@ -108,13 +181,34 @@ def test_execute_cli_runs_what_simulate_wrote(tmp_path):
 
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
-    rc, _, err = _runtime("validate", "--policy", "klotski", "--model", "tiny-mixtral", "--checkpoint",
-                          str(tmp_path / "nope"), "--profile", "experiments/results/cpu/tiny-mixtral/profile.yaml",
-                          "--emulate-pcie", "5e7", "--out", str(tmp_path / "v"))
+    rc, _, err = _runtime(
+        "validate",
+        "--policy",
+        "klotski",
+        "--model",
+        "tiny-mixtral",
+        "--checkpoint",
+        str(tmp_path / "nope"),
+        "--profile",
+        "experiments/results/cpu/tiny-mixtral/profile.yaml",
+        "--emulate-pcie",
+        "5e7",
+        "--out",
+        str(tmp_path / "v"),
+    )
     assert rc == 2 and "no such checkpoint directory" in err and "Traceback" not in err
     # a profile measured on another model's ops is refused by validate as by simulate
-    rc, _, err = _runtime("validate", "--policy", "klotski", "--model", "tiny-mixtral", "--profile",
-                          "experiments/results/cpu/small-mixtral-presets/profile.yaml", "--out", str(tmp_path / "v"))
+    rc, _, err = _runtime(
+        "validate",
+        "--policy",
+        "klotski",
+        "--model",
+        "tiny-mixtral",
+        "--profile",
+        "experiments/results/cpu/small-mixtral-presets/profile.yaml",
+        "--out",
+        str(tmp_path / "v"),
+    )
     assert rc == 2 and "its measured op times were calibrated on small-mixtral's ops, not tiny-mixtral's" in err
 
 
@@ -143,7 +237,7 @@ def _bound_misses(report: dict) -> list[str]:
     return misses
 
 
-@pytest.mark.slow
+@pytest.mark.serial
 def test_small_mixtral_validation_error_is_bounded(tmp_path):
     """Emulated links, small-mixtral, dispatch costs calibrated out of sample (other batch size,
     batch count, prompt and layer count): the median makespan error of 3 runs is within 10% and the
@@ -165,20 +259,38 @@ def test_small_mixtral_validation_error_is_bounded(tmp_path):
     while len(attempts) < ATTEMPTS:
         folder = tmp_path / f"attempt{len(attempts)}"
         folder.mkdir()
-        profile = calibrate(get_model("small-mixtral"), "cpu", batch_sizes=(1, 4), prompt_lens=(16, 32),
-                            kv_lens=range(33, 37), max_expert_tokens=256, repeats=3, emulate_links=links,
-                            emulate_pageable=pageable, threads=1)
+        profile = calibrate(
+            get_model("small-mixtral"),
+            "cpu",
+            batch_sizes=(1, 4),
+            prompt_lens=(16, 32),
+            kv_lens=range(33, 37),
+            max_expert_tokens=256,
+            repeats=3,
+            emulate_links=links,
+            emulate_pageable=pageable,
+            threads=1,
+        )
         path = folder / "profile.yaml"
         path.write_text(profile.to_yaml())
         assert profile.provenance["probe"]["batch_size"] == 1 and profile.provenance["probe"]["prompt_len"] == 16
         assert profile.provenance["machine_load"]["load_per_core"] >= 0 and profile.provenance["cpu_model"]
-        setup = ValidationSetup(model="small-mixtral", batch_size=4, num_batches=2, prompt_len=32, gen_len=4,
-                                emulate_links=links, emulate_pageable=pageable, repeats=3)
+        setup = ValidationSetup(
+            model="small-mixtral",
+            batch_size=4,
+            num_batches=2,
+            prompt_len=32,
+            gen_len=4,
+            emulate_links=links,
+            emulate_pageable=pageable,
+            repeats=3,
+        )
         report = validate(setup, str(path), folder / "v", ("klotski", "flexgen"))
         assert set(report["policies"]) == {"klotski", "flexgen"}
         for r in report["policies"].values():  # what does not depend on timing holds in every attempt
-            assert r["repeats"]["makespan"]["min"] <= r["repeats"]["makespan"]["median"] \
-                <= r["repeats"]["makespan"]["max"]
+            assert (
+                r["repeats"]["makespan"]["min"] <= r["repeats"]["makespan"]["median"] <= r["repeats"]["makespan"]["max"]
+            )
             assert r["in_sample"]["makespan"]["error"] is not None
         assert report["machine"]["expert_drift"] is not None  # (the profile's expert rows re-timed: same process)
         attempts.append(_bound_misses(report))
@@ -213,16 +325,25 @@ def test_calibration_measures_the_host_cpu_and_cpu_expert_policies_validate(prof
     assert table and [pt.tokens for pt in table] == sorted(pt.tokens for pt in table)
     # the simulator prices a CPU expert from that table inside its range
     cost = CostModel(p)
-    assert cost.cpu_seconds(1.0, 1.0, "expert", table[0].tokens) == pytest.approx(table[0].seconds
-                                                                                 + p.cpu.op_overhead_s)
+    assert cost.cpu_seconds(1.0, 1.0, "expert", table[0].tokens) == pytest.approx(
+        table[0].seconds + p.cpu.op_overhead_s
+    )
     # little GPU memory: Fiddler must put experts on the CPU; a whole-layer upload cannot fit (skipped, said why)
     data = yaml.safe_load(profile_file.read_text())
     data["gpu"]["memory_bytes"], data["gpu"]["reserved_bytes"] = 3.0e5, 0.0
     capped = tmp_path / "capped.yaml"
     capped.write_text(yaml.safe_dump(data))
     # prompt 2 x 16 = 32 tokens: llama.cpp's rule uploads whole layers in prefill
-    setup = ValidationSetup(model="tiny-mixtral", batch_size=2, num_batches=2, prompt_len=16, gen_len=3, repeats=1,
-                            impl="ideal", emulate_links=p.provenance["emulated_links"])  # (the links as calibrated)
+    setup = ValidationSetup(
+        model="tiny-mixtral",
+        batch_size=2,
+        num_batches=2,
+        prompt_len=16,
+        gen_len=3,
+        repeats=1,
+        impl="ideal",
+        emulate_links=p.provenance["emulated_links"],
+    )  # (the links as calibrated)
     report = validate(setup, str(capped), tmp_path / "out", ("fiddler", "llamacpp-moe", "klotski-hybrid"))
     fiddler = report["policies"]["fiddler"]
     assert fiddler["per_category"]["expert"]["ops"] > 0 and abs(fiddler["makespan"]["error"]) < 1.0

@@ -1,1 +1,1 @@
-"""The contracts and the simulator: Schedule (what to run), cost model, SimPy engine, Timeline (what happened)."""
+"""The contracts and the simulator: Schedule (what to run), cost model, event engine, Timeline (what happened)."""

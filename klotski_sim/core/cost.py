@@ -16,9 +16,9 @@ from collections import namedtuple
 from operator import itemgetter
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
-from klotski_sim.util.errors import KlotskiError
-from klotski_sim.hardware.profile import HardwareProfile, MeasuredPoint
 from klotski_sim.core.schedule import DEFAULT_STREAMS, Op
+from klotski_sim.hardware.profile import HardwareProfile, MeasuredPoint
+from klotski_sim.util.errors import KlotskiError
 
 if TYPE_CHECKING:
     from klotski_sim.workload.model import ModelSpec
@@ -127,8 +127,7 @@ class CostModel:
     """Turns ops into seconds on one profile. `override` (op -> seconds or None) lets a caller
     plug in any other source of truth ahead of the measured table and the roofline."""
 
-    def __init__(self, profile: HardwareProfile,
-                 override: Callable[[Op], float | None] | None = None) -> None:
+    def __init__(self, profile: HardwareProfile, override: Callable[[Op], float | None] | None = None) -> None:
         self.profile = profile
         self.override = override
         self.tables = {cat: MeasuredTable(points) for cat, points in profile.measured.items() if points}
@@ -136,8 +135,16 @@ class CostModel:
         self._flop_rate = gpu.peak_flops * gpu.compute_efficiency
         self._byte_rate = gpu.memory_bandwidth * gpu.memory_efficiency
 
-    def compute_seconds(self, category: str, flops: float, io_bytes: float, tokens: int = 0,
-                        kv_len: int = 0, phase: str = "", variant: str = "") -> float:
+    def compute_seconds(
+        self,
+        category: str,
+        flops: float,
+        io_bytes: float,
+        tokens: int = 0,
+        kv_len: int = 0,
+        phase: str = "",
+        variant: str = "",
+    ) -> float:
         """Measured when the profile's table covers the shape (`category:phase` first, e.g.
         `attention:decode`, then `category`; with a variant `attention.eager:decode`, then
         `attention.eager` — never another variant's table), else the roofline plus kernel overheads."""
@@ -158,8 +165,10 @@ class CostModel:
         if not pageable:
             return link.latency_s + nbytes / link.bandwidth
         if link.pageable_bandwidth is None:
-            raise CostError(f"hardware profile {self.profile.name!r}: links.{resource}.pageable_bandwidth is not "
-                            f"set, but the schedule copies from pageable host memory (set it, or use pinned copies)")
+            raise CostError(
+                f"hardware profile {self.profile.name!r}: links.{resource}.pageable_bandwidth is not "
+                f"set, but the schedule copies from pageable host memory (set it, or use pinned copies)"
+            )
         return link.latency_s + nbytes / link.pageable_bandwidth
 
     def cpu_seconds(self, flops: float, io_bytes: float, category: str = "expert", tokens: int = 0) -> float:
@@ -213,6 +222,7 @@ class _CostedOnce(dict):
 
 
 # what an op's duration depends on (see `CostModel.duration`), and those fields alone as an op
-_COSTED_NAMES = ("kind", "stream", "category", "flops", "bytes", "tokens", "kv_len", "phase", "variant", "pageable")
-_COSTED_FIELDS = itemgetter(*map(Op._fields.index, _COSTED_NAMES))  # (by position: an op is a tuple; 10-40% faster)
-_Costed = namedtuple("_Costed", _COSTED_NAMES)
+_Costed = namedtuple(
+    "_Costed", ("kind", "stream", "category", "flops", "bytes", "tokens", "kv_len", "phase", "variant", "pageable")
+)
+_COSTED_FIELDS = itemgetter(*map(Op._fields.index, _Costed._fields))  # (by position: an op is a tuple; 10-40% faster)

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any, Collection, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from klotski_sim.core.schedule import Op, gc_paused
 from klotski_sim.util.grouping import factorize, group_sums, is_missing
 from klotski_sim.util.lazy import pd  # (imported when first used: klotski_sim/util/lazy.py; a summary never imports it)
-from klotski_sim.core.schedule import Op, gc_paused
 from klotski_sim.util.units import memory_text
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ _BATCH_TEXT: dict[tuple[int, ...], str] = {(): ""}
 
 
 def _batch_text(batches: tuple[int, ...]) -> str:
-    """"0,1,2" for a batches tuple, memoised: the same few tuples recur across thousands of ops."""
+    """ "0,1,2" for a batches tuple, memoised: the same few tuples recur across thousands of ops."""
     text = _BATCH_TEXT[batches] = ",".join(map(str, batches))
     return text
 
@@ -66,8 +66,10 @@ class OutOfMemory:
     def describe(self) -> str:
         """Where the run ran out and the numbers, in one line (what both CLIs print)."""
         where = "the memory check (nothing built)" if self.op_id == MEMORY_CHECK else f"starting {self.op_id}"
-        return (f"out of GPU memory at {where}: needs {memory_text(self.needed_bytes)}, "
-                f"{memory_text(self.available_bytes)} available" + (f" ({self.detail})" if self.detail else ""))
+        return (
+            f"out of GPU memory at {where}: needs {memory_text(self.needed_bytes)}, "
+            f"{memory_text(self.available_bytes)} available" + (f" ({self.detail})" if self.detail else "")
+        )
 
     @staticmethod
     def from_dict(data: Mapping[str, Any]) -> "OutOfMemory":
@@ -119,10 +121,14 @@ class Summary:
 class Timeline:
     """Executed ops as columns (numpy arrays); `df` gives the pandas view."""
 
-    def __init__(self, columns: Mapping[str, np.ndarray], meta: Mapping[str, Any],
-                 memory: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+    def __init__(
+        self,
+        columns: Mapping[str, np.ndarray],
+        meta: Mapping[str, Any],
+        memory: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> None:
         """`columns` may be a `ScheduleColumns`: then each column is only assembled when first read."""
-        self.columns = columns if isinstance(columns, ScheduleColumns) else dict(columns)
+        self.columns: Mapping[str, np.ndarray] = columns if isinstance(columns, ScheduleColumns) else dict(columns)
         self.meta = dict(meta)
         self.memory = memory if memory is not None else (np.zeros(0), np.zeros(0))
         self._memo: dict[str, Any] = {}  # bubbles, summary, codes: derived once (a Timeline never changes)
@@ -139,34 +145,56 @@ class Timeline:
             return
         if "bubbles" in self._memo:
             names, columns = self._memo["bubbles"]
-            self._memo["bubbles"] = ([name for name in names if name in keep],
-                                     None if columns is None else {k: v for k, v in columns.items() if k in keep})
+            self._memo["bubbles"] = (
+                [name for name in names if name in keep],
+                None if columns is None else {k: v for k, v in columns.items() if k in keep},
+            )
         elif "gaps" in self._memo:  # (a summary found the gaps: their kept columns, while the columns are here)
             self._memo["bubbles"] = self._bubble_columns(keep)
         self._memo.pop("gaps", None)  # (every gap's arrays: as large as the columns it is asked to drop)
-        for name in [key[len("codes:"):] for key in self._memo if key.startswith("codes:")]:
+        for name in [key[len("codes:") :] for key in self._memo if key.startswith("codes:")]:
             if name not in keep:
                 del self._memo["codes:" + name]
         kept = {name: self.columns[name] for name in list(self.columns) if name in keep or name == "end"}
-        self.columns = CompactColumns(kept, {name: self.codes(name) for name, column in kept.items()
-                                             if column.dtype == object})
+        self.columns = CompactColumns(
+            kept, {name: self.codes(name) for name, column in kept.items() if column.dtype == object}
+        )
 
     # ---- construction -----------------------------------------------------------------------
     @classmethod
-    def from_schedule(cls, schedule: "Schedule", start: Sequence[float], end: Sequence[float], *,
-                      ready: Sequence[float] | None = None, blocked_by: Sequence[int] | None = None,
-                      status: str = "ok", oom: OutOfMemory | None = None, peak_gpu_bytes: int = 0,
-                      memory_trace: Sequence[tuple[float, int]] = (), capacities: Mapping[str, int] | None = None,
-                      source: str = "simulated", extra_meta: Mapping[str, Any] | None = None) -> "Timeline":
+    def from_schedule(
+        cls,
+        schedule: "Schedule",
+        start: Sequence[float],
+        end: Sequence[float],
+        *,
+        ready: Sequence[float] | None = None,
+        blocked_by: Sequence[int] | None = None,
+        status: str = "ok",
+        oom: OutOfMemory | None = None,
+        peak_gpu_bytes: int = 0,
+        memory_trace: Sequence[tuple[float, int]] = (),
+        capacities: Mapping[str, int] | None = None,
+        source: str = "simulated",
+        extra_meta: Mapping[str, Any] | None = None,
+    ) -> "Timeline":
         """Build from per-op start/end times aligned with `schedule.ops` (NaN = never ran)."""
         meta = dict(schedule.meta)
-        meta.update(status=status, source=source, num_ops=len(schedule.ops), peak_gpu_bytes=int(peak_gpu_bytes),
-                    capacities=dict(capacities or {}), oom=asdict(oom) if oom else None)
+        meta.update(
+            status=status,
+            source=source,
+            num_ops=len(schedule.ops),
+            peak_gpu_bytes=int(peak_gpu_bytes),
+            capacities=dict(capacities or {}),
+            oom=asdict(oom) if oom else None,
+        )
         meta.update(extra_meta or {})
         if memory_trace:  # (a pass per column: transposing the engine's 200k pairs with zip took 3-6x as long)
             count = len(memory_trace)
-            memory = (np.fromiter(map(itemgetter(0), memory_trace), dtype=float, count=count),
-                      np.fromiter(map(itemgetter(1), memory_trace), dtype=np.int64, count=count))
+            memory = (
+                np.fromiter(map(itemgetter(0), memory_trace), dtype=float, count=count),
+                np.fromiter(map(itemgetter(1), memory_trace), dtype=np.int64, count=count),
+            )
         else:
             memory = None
         return cls(ScheduleColumns(schedule, start, end, ready, blocked_by), meta, memory)
@@ -268,10 +296,15 @@ class Timeline:
                 else:  # -1: none (or not in the timeline)
                     blocker = pd.Index(c["op_id"]).get_indexer(c["blocked_by"][nxt])
                 cats = c["category"][nxt]
-                gaps = {"start": running_end[where], "end": starts[where + 1], "duration": gap[where],
-                        "kind": np.where(np.isin(cats, list(INTRA_LAYER_CATEGORIES)), "intra", "inter"),
-                        "next": nxt, "next_category": cats,
-                        "cause": np.where(blocker >= 0, c["category"][blocker], "unknown")}
+                gaps = {
+                    "start": running_end[where],
+                    "end": starts[where + 1],
+                    "duration": gap[where],
+                    "kind": np.where(np.isin(cats, list(INTRA_LAYER_CATEGORIES)), "intra", "inter"),
+                    "next": nxt,
+                    "next_category": cats,
+                    "cause": np.where(blocker >= 0, c["category"][blocker], "unknown"),
+                }
         self._memo["gaps"] = gaps
         return gaps
 
@@ -285,6 +318,7 @@ class Timeline:
         # causes numbered in name order: the few distinct ones found by hashing and sorted alone
         # (np.unique sorted the 150k gaps' causes as fixed-width strings: 28 ms of a 230 ms summary)
         found_codes, found = factorize(gaps["cause"])
+        causes: np.ndarray | list[str]
         if any(map(is_missing, found)):
             # a missing cause (a timeline made by hand): named as str() names it
             causes, cause_codes = np.unique(gaps["cause"].astype(str), return_inverse=True)
@@ -296,8 +330,12 @@ class Timeline:
             cause_codes = rank[found_codes]
         by_cause, _ = group_sums(duration, cause_codes, len(causes))
         inter = gaps["kind"] == "inter"
-        return (float(duration.sum()), float(duration[inter].sum()), float(duration[~inter].sum()),
-                {str(cause): total for cause, total in zip(causes, by_cause)})
+        return (
+            float(duration.sum()),
+            float(duration[inter].sum()),
+            float(duration[~inter].sum()),
+            {str(cause): total for cause, total in zip(causes, by_cause)},
+        )
 
     def step_latencies(self) -> pd.Series:
         """Per step, the mean over batches of the time between the end of a batch's previous step
@@ -331,11 +369,11 @@ class Timeline:
             return np.zeros(0, dtype=np.int64), np.zeros(0)
         keys = sorted(ends)  # (batch, step): each batch's steps in order
         batch = np.fromiter((b for b, _ in keys), dtype=np.int64, count=len(keys))
-        step = np.fromiter((s for _, s in keys), dtype=np.int64, count=len(keys))
+        key_step = np.fromiter((s for _, s in keys), dtype=np.int64, count=len(keys))
         end = np.fromiter(map(ends.__getitem__, keys), dtype=float, count=len(keys))
         first = np.concatenate(([True], batch[1:] != batch[:-1]))
         latency = np.where(first, end, end - np.concatenate(([np.nan], end[:-1])))  # (a batch's first: its end)
-        found, step_codes = np.unique(step, return_inverse=True)
+        found, step_codes = np.unique(key_step, return_inverse=True)
         sums, counts = group_sums(latency, step_codes, len(found))
         return found, np.array(sums) / np.array(counts)
 
@@ -402,10 +440,15 @@ class Timeline:
         sequences = int(m.get("batch_size", 0)) * int(m.get("num_batches", 0))
         decode_tokens = max(0, generated - sequences)
         return Summary(
-            policy=str(m.get("policy", "")), model=str(m.get("model", "")), hardware=str(m.get("hardware", "")),
-            batch_size=int(m.get("batch_size", 0)), num_batches=int(m.get("num_batches", 0)),
-            prompt_len=int(m.get("prompt_len", 0)), gen_len=int(m.get("gen_len", 0)),
-            status=self.status, source=str(m.get("source", "")),
+            policy=str(m.get("policy", "")),
+            model=str(m.get("model", "")),
+            hardware=str(m.get("hardware", "")),
+            batch_size=int(m.get("batch_size", 0)),
+            num_batches=int(m.get("num_batches", 0)),
+            prompt_len=int(m.get("prompt_len", 0)),
+            gen_len=int(m.get("gen_len", 0)),
+            status=self.status,
+            source=str(m.get("source", "")),
             makespan_s=makespan,
             throughput_tok_s=generated / makespan if ok and makespan > 0 else 0.0,
             decode_throughput_tok_s=decode_tokens / decode_s if ok and decode_s > 0 else 0.0,
@@ -415,8 +458,11 @@ class Timeline:
             moe_block_s=self.moe_block_seconds(),
             gpu_busy_s=busy.get("gpu", 0.0),
             host_blocked_s=busy.get("host", 0.0),
-            bubble_s=bubble_s, bubble_inter_s=inter_s, bubble_intra_s=intra_s,
-            lower_bound_s=bound, lower_bound_resource=bound_resource,
+            bubble_s=bubble_s,
+            bubble_inter_s=inter_s,
+            bubble_intra_s=intra_s,
+            lower_bound_s=bound,
+            lower_bound_resource=bound_resource,
             efficiency=bound / makespan if makespan > 0 else 0.0,
             peak_gpu_bytes=int(m.get("peak_gpu_bytes", 0)),
             num_ops=int(m.get("num_ops", len(self))),
@@ -425,22 +471,71 @@ class Timeline:
             utilization={r: (b / makespan if makespan > 0 else 0.0) for r, b in busy.items()},
             bubble_by_cause=by_cause,
             oom=m.get("oom"),
-            extra={k: m[k] for k in ("trace", "routing", "placement", "prefetch", "overlap", "emulated_links",
-                                     "options", "expert_cache", "cpu_experts", "expert_placement",
-                                     "gpu_expert_slots", "cache") if k in m},
+            extra={
+                k: m[k]
+                for k in (
+                    "trace",
+                    "routing",
+                    "placement",
+                    "prefetch",
+                    "overlap",
+                    "emulated_links",
+                    "options",
+                    "expert_cache",
+                    "cpu_experts",
+                    "expert_placement",
+                    "gpu_expert_slots",
+                    "cache",
+                )
+                if k in m
+            },
         )
 
 
 BUBBLE_COLUMNS = ("start", "end", "duration", "kind", "next_op", "next_category", "cause", "step", "layer", "batch")
-COLUMN_NAMES = ("op_id", "stream", "resource", "start", "end", "ready", "blocked_by", "kind", "category", "step",
-                "phase", "layer", "batch", "batches", "expert", "tokens", "bytes", "flops")
+COLUMN_NAMES = (
+    "op_id",
+    "stream",
+    "resource",
+    "start",
+    "end",
+    "ready",
+    "blocked_by",
+    "kind",
+    "category",
+    "step",
+    "phase",
+    "layer",
+    "batch",
+    "batches",
+    "expert",
+    "tokens",
+    "bytes",
+    "flops",
+)
 # the columns the figures (klotski_sim.report.plot) read: all a comparison keeps of its timelines
 FIGURE_COLUMNS = ("stream", "resource", "start", "end", "category", "step", "layer")
-_FIELD_OF = {"op_id": "id", "stream": "stream", "kind": "kind", "category": "category", "step": "step",
-             "phase": "phase", "layer": "layer", "expert": "expert", "tokens": "tokens", "bytes": "bytes",
-             "flops": "flops"}  # column -> Op field, for the columns that are an op field as it is
-_NUMERIC = {"step": np.int64, "layer": np.int64, "expert": np.int64, "tokens": np.int64, "bytes": np.int64,
-            "flops": np.float64}
+_FIELD_OF = {
+    "op_id": "id",
+    "stream": "stream",
+    "kind": "kind",
+    "category": "category",
+    "step": "step",
+    "phase": "phase",
+    "layer": "layer",
+    "expert": "expert",
+    "tokens": "tokens",
+    "bytes": "bytes",
+    "flops": "flops",
+}  # column -> Op field, for the columns that are an op field as it is
+_NUMERIC = {
+    "step": np.int64,
+    "layer": np.int64,
+    "expert": np.int64,
+    "tokens": np.int64,
+    "bytes": np.int64,
+    "flops": np.float64,
+}
 
 
 class ScheduleColumns(Mapping[str, np.ndarray]):
@@ -449,8 +544,14 @@ class ScheduleColumns(Mapping[str, np.ndarray]):
     costs tens of milliseconds. Pickling (a worker process handing its timeline back) sends
     every column, without the schedule."""
 
-    def __init__(self, schedule: "Schedule", start: Sequence[float], end: Sequence[float],
-                 ready: Sequence[float] | None, blocked_by: Sequence[int] | None) -> None:
+    def __init__(
+        self,
+        schedule: "Schedule",
+        start: Sequence[float],
+        end: Sequence[float],
+        ready: Sequence[float] | None,
+        blocked_by: Sequence[int] | None,
+    ) -> None:
         start_arr = np.asarray(start, dtype=float)
         self._ran = np.flatnonzero(~np.isnan(start_arr))
         ops = schedule.ops
@@ -553,8 +654,11 @@ class CompactColumns(Mapping[str, np.ndarray]):
         for name, column in columns.items():
             if name in self.coded:
                 continue
-            small = (np.result_type(np.min_scalar_type(int(column.min())), np.min_scalar_type(int(column.max())))
-                     if column.dtype.kind == "i" and len(column) else column.dtype)
+            small = (
+                np.result_type(np.min_scalar_type(int(column.min())), np.min_scalar_type(int(column.max())))
+                if column.dtype.kind == "i" and len(column)
+                else column.dtype
+            )
             if small.kind in "iu" and small.itemsize < column.dtype.itemsize:  # (never a float: it could round)
                 self._narrowed[name] = (column.astype(small), column.dtype)
             else:

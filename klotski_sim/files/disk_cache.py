@@ -24,7 +24,6 @@ from klotski_sim.files.mapped import map_stored_array, read_npy_header
 from klotski_sim.files.npzfile import Blocks, write_npz
 from klotski_sim.util.errors import UsageError
 
-
 DEFAULT_MAX_GB = 2.0
 MAX_CACHE_GB = 1e9  # (an exabyte: no disk holds more; a cap above it means "no cap")
 
@@ -44,8 +43,9 @@ def cache_max_bytes() -> int:
     except ValueError:
         gib = float("nan")
     if not 0 <= gib <= MAX_CACHE_GB:  # (NaN too; 1e308 GiB was an OverflowError in bytes)
-        raise UsageError(f"KLOTSKI_CACHE_MAX_GB={setting!r}: must be a number of GiB from 0 to {MAX_CACHE_GB:.0e} "
-                         f"(0 keeps no trace)")
+        raise UsageError(
+            f"KLOTSKI_CACHE_MAX_GB={setting!r}: must be a number of GiB from 0 to {MAX_CACHE_GB:.0e} (0 keeps no trace)"
+        )
     return int(gib * 2**30)
 
 
@@ -112,8 +112,16 @@ def unpacked_array(path: Path, name: str) -> np.ndarray | None:
         return None
     max_bytes = cache_max_bytes()  # (a bad KLOTSKI_CACHE_MAX_GB is refused here as for a synthetic run)
     info = path.stat()
-    key = json.dumps({"unpacked": os.path.realpath(path), "size": info.st_size, "mtime_ns": info.st_mtime_ns,
-                      "array": name, "format": 1}, sort_keys=True)
+    key = json.dumps(
+        {
+            "unpacked": os.path.realpath(path),
+            "size": info.st_size,
+            "mtime_ns": info.st_mtime_ns,
+            "array": name,
+            "format": 1,
+        },
+        sort_keys=True,
+    )
     copy = entry_path(folder, key)
     mapped = map_stored_array(copy, "a")
     if mapped is not None:

@@ -70,7 +70,7 @@ def is_mapped(array: np.ndarray) -> bool:
 
 def _mapping(array: np.ndarray) -> mmap.mmap | None:
     """The file mapping `array` is a view of, if any."""
-    base = array
+    base: object = array  # (what an array views: another array, a buffer such as a memoryview, or None)
     while isinstance(base, np.ndarray):
         base = base.base
     if isinstance(base, memoryview):  # (how numpy holds the buffer it was given)
@@ -99,6 +99,6 @@ def in_chunks(array: np.ndarray, rows: int) -> Iterator[np.ndarray]:
     """`array` a block of `rows` along its first axis at a time, each released once the loop has
     moved past it."""
     for low in range(0, len(array), max(1, rows)):
-        part = array[low:low + rows]
+        part = array[low : low + rows]
         yield part
         release(part)

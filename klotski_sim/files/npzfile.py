@@ -17,10 +17,10 @@ from typing import IO, Iterable, Iterator, Mapping
 
 import numpy as np
 
-from klotski_sim.util.errors import KlotskiError
 from klotski_sim.files.mapped import in_chunks, is_mapped, read_npy_header
 from klotski_sim.files.outfiles import write_file
 from klotski_sim.files.textfile import regular_file_size
+from klotski_sim.util.errors import KlotskiError
 
 LEVEL = 1
 _WRITTEN_BYTES = 4 << 20  # a mapped array is written at most this much at a time (numpy's buffer: 16 MB)
@@ -42,8 +42,10 @@ def check_npz(path: str | Path, what: str, error: type[KlotskiError]) -> None:
         infos = archive.infolist()
         declared = sum(info.file_size for info in infos)
         if declared > MAX_NPZ_BYTES:
-            raise error(f"{path}: its arrays would take {declared / 2**30:.1f} GiB once decompressed "
-                        f"(at most {MAX_NPZ_BYTES / 2**30:.0f} GiB): refused before loading")
+            raise error(
+                f"{path}: its arrays would take {declared / 2**30:.1f} GiB once decompressed "
+                f"(at most {MAX_NPZ_BYTES / 2**30:.0f} GiB): refused before loading"
+            )
         for info in infos:
             if not info.filename.endswith(".npy"):
                 continue
@@ -52,8 +54,10 @@ def check_npz(path: str | Path, what: str, error: type[KlotskiError]) -> None:
                 header = member.tell()
             needed = int(np.prod(shape, dtype=object)) * dtype.itemsize
             if needed > info.file_size - header:
-                raise error(f"{path}: array {info.filename[:-4]!r} declares shape {shape} ({needed:,} bytes) but "
-                            f"the file holds {max(0, info.file_size - header):,} bytes of it: truncated or corrupt")
+                raise error(
+                    f"{path}: array {info.filename[:-4]!r} declares shape {shape} ({needed:,} bytes) but "
+                    f"the file holds {max(0, info.file_size - header):,} bytes of it: truncated or corrupt"
+                )
 
 
 def write_npz(path: str | Path, arrays: Mapping[str, np.ndarray | Blocks], level: int | None = LEVEL) -> None:
@@ -87,13 +91,20 @@ def _write_array(member: IO[bytes], array: np.ndarray | Blocks) -> None:
     for a run) a block along its first axis at a time, each block's pages given back once written;
     `Blocks` block by block."""
     if isinstance(array, Blocks):
-        _write_header(member, {"descr": np.lib.format.dtype_to_descr(np.dtype(array.dtype)),
-                               "fortran_order": False, "shape": tuple(array.shape)})
+        _write_header(
+            member,
+            {
+                "descr": np.lib.format.dtype_to_descr(np.dtype(array.dtype)),
+                "fortran_order": False,
+                "shape": tuple(array.shape),
+            },
+        )
         rows = 0
         for block in array.blocks:
             if block.dtype != array.dtype or block.shape[1:] != tuple(array.shape[1:]):
-                raise ValueError(f"a block of shape {block.shape} ({block.dtype}) in an array of {array.shape} "
-                                 f"({array.dtype})")
+                raise ValueError(
+                    f"a block of shape {block.shape} ({block.dtype}) in an array of {array.shape} ({array.dtype})"
+                )
             member.write(np.ascontiguousarray(block).data)
             rows += len(block)
         if rows != array.shape[0]:
@@ -104,7 +115,7 @@ def _write_array(member: IO[bytes], array: np.ndarray | Blocks) -> None:
         return
     _write_header(member, np.lib.format.header_data_from_array_1_0(array))
     for part in _blocks(array, _WRITTEN_BYTES):
-        member.write(memoryview(part) if part.flags.c_contiguous else part.tobytes("C"))
+        member.write(part.data if part.flags.c_contiguous else part.tobytes("C"))
 
 
 def _write_header(member: IO[bytes], header: dict) -> None:

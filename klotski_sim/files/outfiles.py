@@ -193,8 +193,9 @@ class OutputFiles:
     def __enter__(self) -> "OutputFiles":
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 traceback: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
         written = {str(temporary): name for name, temporary in self._pending.items()}
         self.discard()  # (after a commit: nothing left to discard)
         if not isinstance(error, OSError):
@@ -203,8 +204,8 @@ class OutputFiles:
         # writer names no file (pyarrow's "[Errno 28] Error writing bytes to file. Detail: ...")
         name = written.get(str(error.filename)) or (  # (a writer names no file: the one asked for last,
             # being written: a command asks for its files one after another)
-            list(written.values())[-1] if written and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-            else None)
+            list(written.values())[-1] if written and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else None
+        )
         if name is not None:  # (any other OSError is not ours to word)
             raise self._not_written(name, error) from None
 

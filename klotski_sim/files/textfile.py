@@ -16,8 +16,9 @@ from klotski_sim.util.errors import KlotskiError
 MAX_JSON_BYTES = 2 << 30
 
 
-def regular_file_size(path: str | Path, what: str, error: type[KlotskiError] = KlotskiError,
-                      max_bytes: int | None = None) -> int:
+def regular_file_size(
+    path: str | Path, what: str, error: type[KlotskiError] = KlotskiError, max_bytes: int | None = None
+) -> int:
     """The size of `path`, refused unless it is a regular file of at most `max_bytes`: a device
     (/dev/zero) would be read until memory runs out, a pipe would block. A missing file raises
     FileNotFoundError, for the caller to word."""
@@ -28,13 +29,15 @@ def regular_file_size(path: str | Path, what: str, error: type[KlotskiError] = K
         raise error(f"{path}: not a regular file (a device or a pipe?), so not a {what}")
     size = status.st_size
     if max_bytes is not None and size > max_bytes:
-        raise error(f"{path}: {size:,} bytes is too large for a {what} (at most {max_bytes:,}): refused before "
-                    f"reading it")
+        raise error(
+            f"{path}: {size:,} bytes is too large for a {what} (at most {max_bytes:,}): refused before reading it"
+        )
     return size
 
 
-def read_text(path: str | Path, what: str, error: type[KlotskiError] = KlotskiError,
-              max_bytes: int = MAX_JSON_BYTES) -> str:
+def read_text(
+    path: str | Path, what: str, error: type[KlotskiError] = KlotskiError, max_bytes: int = MAX_JSON_BYTES
+) -> str:
     """The file's text; `what` says what it should have been ("schedule", "profile"). A byte-order
     mark, which editors on Windows write, is dropped (JSON refused it where YAML read past it)."""
     path = Path(path)

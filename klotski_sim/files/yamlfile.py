@@ -65,8 +65,12 @@ def _refuse_yaml11_number(node: yaml.ScalarNode, value: float) -> None:
         problem = "has a leading zero, which makes it octal in YAML 1.1"
     else:
         return
-    raise yaml.constructor.ConstructorError(None, None, f"{node.value!r} {problem} (read as {value:g}); write the "
-                                            f"number in decimal, or quote it if it is text", node.start_mark)
+    raise yaml.constructor.ConstructorError(
+        None,
+        None,
+        f"{node.value!r} {problem} (read as {value:g}); write the number in decimal, or quote it if it is text",
+        node.start_mark,
+    )
 
 
 def load_yaml(text: str, where: str, error: type[KlotskiError] = KlotskiError) -> Any:
@@ -76,8 +80,9 @@ def load_yaml(text: str, where: str, error: type[KlotskiError] = KlotskiError) -
     try:
         aliases, values = _expanded_size(text)  # (before anything is built: counting costs no memory)
         if aliases > MAX_ALIASES:
-            raise error(f"{where}: {aliases} YAML aliases (at most {MAX_ALIASES}): refused, it could expand "
-                        f"without bound")
+            raise error(
+                f"{where}: {aliases} YAML aliases (at most {MAX_ALIASES}): refused, it could expand without bound"
+            )
         if values > MAX_VALUES:  # (a long list without aliases was said to be "aliases that expand")
             held = f"its YAML aliases expand to {values:,} values" if aliases else f"it holds {values:,} values"
             raise error(f"{where}: {held} (at most {MAX_VALUES:,}): refused")
@@ -107,6 +112,7 @@ def _problem_of(err: yaml.YAMLError) -> str:
 def _expanded_size(text: str) -> tuple[int, int]:
     """The aliases of a document and the scalar values it holds with every alias expanded, counted
     from its parse events (an anchored node's count is kept for the aliases to it)."""
+    sizes: dict[str, int]  # an anchor -> the scalar values of its node
     aliases, sizes, stack = 0, {}, [0]  # stack: the values of the collections being read
     anchors: list[str | None] = []
     for event in yaml.parse(text, Loader=_SAFE_LOADER):

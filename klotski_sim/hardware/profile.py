@@ -19,12 +19,12 @@ from typing import Annotated, Any, Union, get_args, get_origin
 import yaml
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-from klotski_sim.util.argtypes import MAX_COUNT
-from klotski_sim.util.errors import KlotskiError, MissingCapability, UsageError
-from klotski_sim.names import COMPUTE_CATEGORIES
 from klotski_sim.files.textfile import read_text
 from klotski_sim.files.yamlfile import MAX_BYTES as MAX_YAML_BYTES
 from klotski_sim.files.yamlfile import load_yaml
+from klotski_sim.names import COMPUTE_CATEGORIES
+from klotski_sim.util.argtypes import MAX_COUNT
+from klotski_sim.util.errors import KlotskiError, MissingCapability, UsageError
 
 
 def _a_number(value: Any) -> Any:
@@ -62,8 +62,10 @@ RATE_FLOOR = 1e6
 
 def _a_rate(value: float) -> float:
     if value < RATE_FLOOR:
-        raise ValueError(f"{value:g} per second is below {RATE_FLOOR:g}: a unit slip? rates are in bytes or FLOPs "
-                         f"per second (25.7 GB/s is 25.7e9)")
+        raise ValueError(
+            f"{value:g} per second is below {RATE_FLOOR:g}: a unit slip? rates are in bytes or FLOPs "
+            f"per second (25.7 GB/s is 25.7e9)"
+        )
     return value
 
 
@@ -107,15 +109,21 @@ class GPUSpec(_Strict):
     memory_efficiency: Fraction = Field(description="share of memory bandwidth real kernels reach")
     kernel_overhead_s: PerOpSeconds = Field(description="launch + framework dispatch per kernel")
     dispatch_overhead_s: PerOpSeconds = Field(
-        0.0, description="fixed host cost of issuing one compute op in the runtime, beyond its kernels")
+        0.0, description="fixed host cost of issuing one compute op in the runtime, beyond its kernels"
+    )
     dispatch_overhead_by_category: dict[str, PerOpSeconds] = Field(
-        default_factory=dict, description="the same per op category, where measured (overrides the above)")
+        default_factory=dict, description="the same per op category, where measured (overrides the above)"
+    )
     dependency_latency_s: PerOpSeconds = Field(
-        0.0, description="delay before an op may start after a dependency on another stream ends "
-                         "(event signalling; a host thread hand-off in the CPU runtime)")
+        0.0,
+        description="delay before an op may start after a dependency on another stream ends "
+        "(event signalling; a host thread hand-off in the CPU runtime)",
+    )
     host_sync_latency_s: PerOpSeconds = Field(
-        0.0, description="from the end of the GPU work a host synchronisation waits for to the moment "
-                         "the host thread runs again (cudaStreamSynchronize / .tolist() round trip)")
+        0.0,
+        description="from the end of the GPU work a host synchronisation waits for to the moment "
+        "the host thread runs again (cudaStreamSynchronize / .tolist() round trip)",
+    )
 
     @model_validator(mode="after")
     def _categories_known(self) -> "GPUSpec":
@@ -126,14 +134,17 @@ class GPUSpec(_Strict):
     @model_validator(mode="after")
     def _reserved_fits(self) -> "GPUSpec":
         if self.reserved_bytes >= self.memory_bytes:
-            raise ValueError(f"reserved_bytes ({self.reserved_bytes:.4g}) must be below memory_bytes "
-                             f"({self.memory_bytes:.4g})")
+            raise ValueError(
+                f"reserved_bytes ({self.reserved_bytes:.4g}) must be below memory_bytes ({self.memory_bytes:.4g})"
+            )
         # the rates the roofline uses are the peaks times these shares: held to a Rate's bound too
         # (memory_efficiency 1e-300 made a ~1e-288 B/s GPU and 290-digit makespans)
         for rate, share in (("peak_flops", "compute_efficiency"), ("memory_bandwidth", "memory_efficiency")):
             if getattr(self, rate) * getattr(self, share) < RATE_FLOOR:
-                raise ValueError(f"{rate} x {share} ({getattr(self, rate):.4g} x {getattr(self, share):.4g}) is "
-                                 f"below {RATE_FLOOR:g} per second: a unit slip, not a what-if")
+                raise ValueError(
+                    f"{rate} x {share} ({getattr(self, rate):.4g} x {getattr(self, share):.4g}) is "
+                    f"below {RATE_FLOOR:g} per second: a unit slip, not a what-if"
+                )
         return self
 
     @property
@@ -147,7 +158,8 @@ class LinkSpec(_Strict):
 
     bandwidth: Rate = Field(description="sustained bytes/s for large copies from/to pinned host memory")
     pageable_bandwidth: Rate | None = Field(
-        None, description="sustained bytes/s for large copies from/to pageable (unpinned) host memory")
+        None, description="sustained bytes/s for large copies from/to pageable (unpinned) host memory"
+    )
     latency_s: PerOpSeconds = 0.0
     copy_engines: Annotated[int, _Number, Field(ge=1, le=MAX_COPY_ENGINES)] = 1
 
@@ -161,8 +173,10 @@ class LinksSpec(_Strict):
     @classmethod
     def _moved_fields(cls, data: Any) -> Any:
         if isinstance(data, dict) and "pageable_h2d_bandwidth" in data:
-            raise UsageError("links.pageable_h2d_bandwidth has moved to links.pcie_h2d.pageable_bandwidth "
-                             "(and links.pcie_d2h.pageable_bandwidth for the other direction)")
+            raise UsageError(
+                "links.pageable_h2d_bandwidth has moved to links.pcie_h2d.pageable_bandwidth "
+                "(and links.pcie_d2h.pageable_bandwidth for the other direction)"
+            )
         return data
 
 
@@ -179,20 +193,26 @@ class CPUSpec(_Strict):
 
     name: str
     cores: Annotated[int, _Number, Field(ge=1)]
-    isa: list[str] = Field(default_factory=list, description="vector/matrix extensions, e.g. avx512, amx: a record "
-                                                            "of the machine (the cost model reads compute_dtype and "
-                                                            "flops, which the ISA decides, not this list)")
+    isa: list[str] = Field(
+        default_factory=list,
+        description="vector/matrix extensions, e.g. avx512, amx: a record "
+        "of the machine (the cost model reads compute_dtype and "
+        "flops, which the ISA decides, not this list)",
+    )
     flops: dict[str, Rate] = Field(description="sustained FLOP/s of a multi-threaded GEMM, per compute dtype")
     compute_dtype: str = Field(description="the dtype expert weights are computed in on this CPU (a key of flops)")
     memory_bandwidth: Rate = Field(description="sustained DRAM read bytes/s of all cores (weights streamed once)")
     op_overhead_s: PerOpSeconds = Field(
-        0.0, description="fixed cost of one CPU op: framework dispatch and waking the thread pool")
+        0.0, description="fixed cost of one CPU op: framework dispatch and waking the thread pool"
+    )
 
     @model_validator(mode="after")
     def _dtype_has_flops(self) -> "CPUSpec":
         if self.compute_dtype not in self.flops:
-            raise ValueError(f"compute_dtype {self.compute_dtype!r} has no entry in flops "
-                             f"(has: {', '.join(sorted(self.flops)) or 'none'})")
+            raise ValueError(
+                f"compute_dtype {self.compute_dtype!r} has no entry in flops "
+                f"(has: {', '.join(sorted(self.flops)) or 'none'})"
+            )
         return self
 
     @property
@@ -215,8 +235,9 @@ class MeasuredPoint(_Strict):
 def _a_printable_name(name: str) -> str:
     """A profile's name is printed in summaries, tables and error lines: a newline in it split them."""
     if not name or any(ord(c) < 32 or ord(c) == 127 for c in name):
-        raise ValueError(f"{name!r}: give a non-empty name of printable characters (no newline or other control "
-                         f"character)")
+        raise ValueError(
+            f"{name!r}: give a non-empty name of printable characters (no newline or other control character)"
+        )
     return name
 
 
@@ -232,7 +253,8 @@ class HardwareProfile(_Strict):
     cpu: CPUSpec | None = Field(None, description="the host CPU as a compute device (CPU-expert policies need it)")
     sources: dict[str, str] = Field(default_factory=dict, description="field -> where the number comes from")
     measured: dict[str, list[MeasuredPoint]] = Field(
-        default_factory=dict, description="op category -> measured durations (from calibrate)")
+        default_factory=dict, description="op category -> measured durations (from calibrate)"
+    )
     provenance: dict[str, Any] = Field(default_factory=dict, description="who measured this, when, how")
 
     @model_validator(mode="after")
@@ -242,8 +264,10 @@ class HardwareProfile(_Strict):
         name of a category no built-in op has is kept: a policy file's own ops may read it."""
         for name, points in self.measured.items():
             if not _MEASURED_KEY.fullmatch(name):
-                raise ValueError(f"measured.{name}: not a table name the cost model reads "
-                                 f"([cpu:]category[.variant][:prefill|decode], e.g. expert, attention.fused:decode)")
+                raise ValueError(
+                    f"measured.{name}: not a table name the cost model reads "
+                    f"([cpu:]category[.variant][:prefill|decode], e.g. expert, attention.fused:decode)"
+                )
             category = re.split(r"[.:]", name.removeprefix("cpu:"))[0]
             _not_misspelt(f"measured.{name}", category)
             seen: dict[tuple[int, int], float] = {}
@@ -251,15 +275,21 @@ class HardwareProfile(_Strict):
                 # (a kv_len on an expert row moved it out of the rows the expert's ops are read from: GPU
                 # utilisation 39.1% -> 33.2%; a decode attention at kv_len 0 reads no cache)
                 if point.kv_len and category != "attention":
-                    raise ValueError(f"measured.{name}: row {row} gives kv_len {point.kv_len}, but {category} ops "
-                                     f"read no KV cache (only attention tables have a kv_len)")
+                    raise ValueError(
+                        f"measured.{name}: row {row} gives kv_len {point.kv_len}, but {category} ops "
+                        f"read no KV cache (only attention tables have a kv_len)"
+                    )
                 if not point.kv_len and category == "attention" and name.endswith(":decode"):
-                    raise ValueError(f"measured.{name}: row {row} has no kv_len: a decode step's attention reads "
-                                     f"the KV cache (give its length)")
+                    raise ValueError(
+                        f"measured.{name}: row {row} has no kv_len: a decode step's attention reads "
+                        f"the KV cache (give its length)"
+                    )
                 shape = (point.tokens, point.kv_len)
                 if shape in seen and seen[shape] != point.seconds:
-                    raise ValueError(f"measured.{name}: tokens {shape[0]}, kv_len {shape[1]} measured twice, "
-                                     f"{seen[shape]:.4g} s and {point.seconds:.4g} s")
+                    raise ValueError(
+                        f"measured.{name}: tokens {shape[0]}, kv_len {shape[1]} measured twice, "
+                        f"{seen[shape]:.4g} s and {point.seconds:.4g} s"
+                    )
                 seen[shape] = point.seconds
         return self
 
@@ -270,9 +300,11 @@ class HardwareProfile(_Strict):
     def require_cpu(self, who: str) -> CPUSpec:
         """The CPU section, or a one-line refusal naming what needs it."""
         if self.cpu is None:
-            raise MissingCapability(f"{who} computes on the CPU, but hardware profile {self.name!r} has no `cpu:` "
-                                    f"section (cores, flops, compute_dtype, memory_bandwidth); add one or pick a "
-                                    f"profile that has it")
+            raise MissingCapability(
+                f"{who} computes on the CPU, but hardware profile {self.name!r} has no `cpu:` "
+                f"section (cores, flops, compute_dtype, memory_bandwidth); add one or pick a "
+                f"profile that has it"
+            )
         return self.cpu
 
     def to_yaml(self) -> str:
@@ -331,15 +363,18 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
     text = str(name_or_path)
     if text in builtin_profile_names():
         if Path(text).is_file():  # (`--hardware t4` beside a calibrated file named t4: the built-in, without a word)
-            raise ProfileError(f"{text!r} names a built-in profile and a file here: give ./{text} for the file, or "
-                               f"rename it")
+            raise ProfileError(
+                f"{text!r} names a built-in profile and a file here: give ./{text} for the file, or rename it"
+            )
         ref = resources.files("klotski_sim.hardware") / "profiles" / f"{text}.yaml"
         with resources.as_file(ref) as path:
             return load_profile_file(path)
     if Path(text).exists() or Path(text).is_symlink() or text.endswith((".yaml", ".yml")):
         return load_profile_file(text)  # (a link to nowhere: its reading says so, not "unknown profile")
-    raise ProfileError(f"unknown hardware profile {text!r}; built-in profiles: "
-                       f"{', '.join(builtin_profile_names())} (or give a path to a YAML file)")
+    raise ProfileError(
+        f"unknown hardware profile {text!r}; built-in profiles: "
+        f"{', '.join(builtin_profile_names())} (or give a path to a YAML file)"
+    )
 
 
 def with_overrides(profile: HardwareProfile, overrides: dict[str, Any], where: str = "overrides") -> HardwareProfile:
@@ -369,8 +404,11 @@ def _names_a_map(parts: list[str]) -> bool:
         field = model.model_fields.get(part)
         if field is None:
             return False
-        annotation = next((a for a in get_args(field.annotation) if a is not type(None)), field.annotation) \
-            if get_origin(field.annotation) in (Union, UnionType) else field.annotation
+        annotation = (
+            next((a for a in get_args(field.annotation) if a is not type(None)), field.annotation)
+            if get_origin(field.annotation) in (Union, UnionType)
+            else field.annotation
+        )
         if get_origin(annotation) is dict:
             return k == len(parts) - 1
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):

@@ -24,10 +24,10 @@ import numpy as np
 
 from klotski_sim.core.cost import CostModel, op_variant
 from klotski_sim.hardware.profile import HardwareProfile
-from klotski_sim.policies.impl import Impl
-from klotski_sim.workload.model import ModelSpec
 from klotski_sim.policies.base import Placement
+from klotski_sim.policies.impl import Impl
 from klotski_sim.util.units import GIB, memory_text
+from klotski_sim.workload.model import ModelSpec
 
 HOST_HEADROOM = 0.9  # share of host memory the offloaded weights may take
 
@@ -35,11 +35,11 @@ HOST_HEADROOM = 0.9  # share of host memory the offloaded weights may take
 @dataclass(frozen=True)
 class Inequality:
     name: str
-    lhs: float
-    rhs: float
+    lhs: float | np.ndarray  # (arrays: the sides at many n at once, elementwise)
+    rhs: float | np.ndarray
 
     @property
-    def holds(self) -> bool:
+    def holds(self) -> bool | np.ndarray:
         return self.lhs >= self.rhs
 
 
@@ -87,8 +87,15 @@ def expert_activity(model: ModelSpec, popularity: np.ndarray, tokens: int | np.n
     }
 
 
-def memory_needed(model: ModelSpec, batch_size: int, n: int, prompt_len: int, gen_len: int, placement: Placement,
-                  buffering: str = "expert-aware") -> dict[str, float]:
+def memory_needed(
+    model: ModelSpec,
+    batch_size: int,
+    n: int,
+    prompt_len: int,
+    gen_len: int,
+    placement: Placement,
+    buffering: str = "expert-aware",
+) -> dict[str, float]:
     """GPU bytes a multi-batch pipeline needs: resident weights, weight buffers (expert-aware:
     double-buffered attention, the gate and a whole MoE layer in flight, the worst case;
     whole-layer: two whole layers), activations and the KV cache."""
@@ -111,8 +118,15 @@ def memory_needed(model: ModelSpec, batch_size: int, n: int, prompt_len: int, ge
     return out
 
 
-def memory_floor(model: ModelSpec, batch_size: int, n: int, prompt_len: int, gen_len: int,
-                 placement: Placement, holds_moe_layer: bool = False) -> dict[str, float]:
+def memory_floor(
+    model: ModelSpec,
+    batch_size: int,
+    n: int,
+    prompt_len: int,
+    gen_len: int,
+    placement: Placement,
+    holds_moe_layer: bool = False,
+) -> dict[str, float]:
     """GPU bytes any schedule of this workload must hold at once — a lower bound, so a
     configuration above it is impossible whatever the policy: the resident weights, the hidden
     states of every batch, the KV cache at its final length (all of it on the GPU, or one batch's
@@ -122,8 +136,11 @@ def memory_floor(model: ModelSpec, batch_size: int, n: int, prompt_len: int, gen
     tokens_final = prompt_len + gen_len - 1
     kv_layer = model.kv_bytes(batch_size, tokens_final)
     streamed = range(min(placement.resident_layers, model.num_layers), model.num_layers)
-    one_tensor = (max(model.attention_bytes(), model.expert_bytes(), model.gate_bytes(), model.gate_bytes(0))
-                  if len(streamed) else 0)
+    one_tensor = (
+        max(model.attention_bytes(), model.expert_bytes(), model.gate_bytes(), model.gate_bytes(0))
+        if len(streamed)
+        else 0
+    )
     streamed_experts = max((model.experts_in(layer) for layer in streamed if model.is_moe(layer)), default=0)
     out = {
         "resident": float(model.resident_bytes() + model.resident_layers_bytes(placement.resident_layers)),
@@ -138,8 +155,9 @@ def memory_floor(model: ModelSpec, batch_size: int, n: int, prompt_len: int, gen
     return out
 
 
-def storage_needed(model: ModelSpec, placement: Placement, batch_size: int, n: int, prompt_len: int,
-                   gen_len: int) -> dict[str, float]:
+def storage_needed(
+    model: ModelSpec, placement: Placement, batch_size: int, n: int, prompt_len: int, gen_len: int
+) -> dict[str, float]:
     """Bytes the run keeps off the GPU: in host memory (the weights placed there, the staging window
     of the layers read from disk, and the KV cache of n batches when it lives there) and on disk
     (the weights placed there). The layers kept whole on the GPU are counted nowhere else."""
@@ -148,15 +166,18 @@ def storage_needed(model: ModelSpec, placement: Placement, batch_size: int, n: i
     read_from_disk = []  # (per streamed layer: the bytes of it that are read from disk into the window)
     for layer in range(placement.resident_layers, model.num_layers):
         on_disk = 0.0
-        for what, nbytes in (("attention", model.attention_bytes()), ("gate", model.gate_bytes(layer)),
-                             ("experts", model.moe_layer_bytes(layer))):
+        for what, nbytes in (
+            ("attention", model.attention_bytes()),
+            ("gate", model.gate_bytes(layer)),
+            ("experts", model.moe_layer_bytes(layer)),
+        ):
             tier = tier_of[placement.tier(what, layer, model.num_layers)]
             stored[tier] += nbytes
             on_disk += nbytes if tier == "disk" else 0.0
         read_from_disk.append(on_disk)
     # the host staging window holds `disk_window` layers read from disk (policies/base.py `_stage`): with
     # 1 byte of host memory, a model streamed from disk through a window of two 2.7 GiB layers ran
-    stored["host"] += sum(sorted(read_from_disk, reverse=True)[:placement.disk_window])
+    stored["host"] += sum(sorted(read_from_disk, reverse=True)[: placement.disk_window])
     if placement.kv == "cpu":
         stored["host"] += host_kv_bytes(model, batch_size, n, prompt_len, gen_len)
     return stored
@@ -168,23 +189,33 @@ def host_kv_bytes(model: ModelSpec, batch_size: int, n: int, prompt_len: int, ge
     return model.num_layers * model.kv_bytes(n * batch_size, prompt_len + gen_len)
 
 
-def storage_refusal(model: ModelSpec, profile: HardwareProfile, placement: Placement, batch_size: int, n: int,
-                    prompt_len: int, gen_len: int) -> str | None:
+def storage_refusal(
+    model: ModelSpec,
+    profile: HardwareProfile,
+    placement: Placement,
+    batch_size: int,
+    n: int,
+    prompt_len: int,
+    gen_len: int,
+) -> str | None:
     """Why the host memory or the disk cannot hold what the run keeps there (None: they can): a
     model on a 1-byte disk ran, its every expert read from it."""
     stored = storage_needed(model, placement, batch_size, n, prompt_len, gen_len)
-    for tier, have, field_name in (("host", profile.host.memory_bytes, "host.memory_bytes"),
-                                   ("disk", profile.disk.capacity_bytes, "disk.capacity_bytes")):
+    for tier, have, field_name in (
+        ("host", profile.host.memory_bytes, "host.memory_bytes"),
+        ("disk", profile.disk.capacity_bytes, "disk.capacity_bytes"),
+    ):
         if stored[tier] > have:
             where = "in host memory" if tier == "host" else "on disk"
-            return (f"{model.name} keeps {memory_text(stored[tier])} {where} ({placement.describe()}), more than "
-                    f"the profile's {field_name} ({memory_text(have)}): nothing simulated"
-                    f"{_room_for_kv(model, placement, batch_size, n, prompt_len, gen_len) if tier == 'host' else ''}")
+            return (
+                f"{model.name} keeps {memory_text(stored[tier])} {where} ({placement.describe()}), more than "
+                f"the profile's {field_name} ({memory_text(have)}): nothing simulated"
+                f"{_room_for_kv(model, placement, batch_size, n, prompt_len, gen_len) if tier == 'host' else ''}"
+            )
     return None
 
 
-def _room_for_kv(model: ModelSpec, placement: Placement, batch_size: int, n: int, prompt_len: int,
-                 gen_len: int) -> str:
+def _room_for_kv(model: ModelSpec, placement: Placement, batch_size: int, n: int, prompt_len: int, gen_len: int) -> str:
     """What the KV cache takes of a refused run's host memory, and what would leave it room
     (Mixtral-8x22B at 64 x 8k tokens was refused without saying that one batch's KV cache was
     112 GiB of the 319 GiB)."""
@@ -214,20 +245,42 @@ def default_placement(model: ModelSpec, profile: HardwareProfile, kv: str = "gpu
     return Placement(kv=kv, disk_layers=model.num_layers - in_host)
 
 
-def largest_fitting_n(model: ModelSpec, profile: HardwareProfile, batch_size: int, prompt_len: int, gen_len: int,
-                      placement: Placement, buffering: str = "expert-aware", n_max: int = 256) -> int:
+def largest_fitting_n(
+    model: ModelSpec,
+    profile: HardwareProfile,
+    batch_size: int,
+    prompt_len: int,
+    gen_len: int,
+    placement: Placement,
+    buffering: str = "expert-aware",
+    n_max: int = 256,
+) -> int:
     """The most batches whose memory fits on the GPU (0 when not even one does)."""
     capacity = profile.gpu.usable_bytes
-    return next((n for n in range(n_max, 0, -1) if memory_needed(model, batch_size, n, prompt_len, gen_len,
-                                                                   placement, buffering)["total"] <= capacity), 0)
+    return next(
+        (
+            n
+            for n in range(n_max, 0, -1)
+            if memory_needed(model, batch_size, n, prompt_len, gen_len, placement, buffering)["total"] <= capacity
+        ),
+        0,
+    )
 
 
-def largest_storable_n(model: ModelSpec, profile: HardwareProfile, batch_size: int, prompt_len: int, gen_len: int,
-                       placement: Placement, n_max: int = 256) -> int:
+def largest_storable_n(
+    model: ModelSpec,
+    profile: HardwareProfile,
+    batch_size: int,
+    prompt_len: int,
+    gen_len: int,
+    placement: Placement,
+    n_max: int = 256,
+) -> int:
     """The most batches (up to n_max) whose KV cache host memory holds beside the weights kept
     there, when the KV cache lives there (n_max when it does not; 0 when not even one batch's
     fits): what `storage_refusal` would otherwise refuse after the planner chose n. (The host's
     share grows with n: bisected.)"""
+
     def stored(n: int) -> bool:
         needed = storage_needed(model, placement, batch_size, n, prompt_len, gen_len)["host"]
         return needed <= profile.host.memory_bytes
@@ -241,8 +294,16 @@ def largest_storable_n(model: ModelSpec, profile: HardwareProfile, batch_size: i
     return low
 
 
-def fill_resident_layers(model: ModelSpec, profile: HardwareProfile, batch_size: int, n: int, prompt_len: int,
-                         gen_len: int, placement: Placement, buffering: str = "expert-aware") -> Placement:
+def fill_resident_layers(
+    model: ModelSpec,
+    profile: HardwareProfile,
+    batch_size: int,
+    n: int,
+    prompt_len: int,
+    gen_len: int,
+    placement: Placement,
+    buffering: str = "expert-aware",
+) -> Placement:
     """`placement` with as many layers kept whole on the GPU as the memory n batches leave allows
     (the planner's use of spare memory; `--resident-layers fill` asks for it at any n)."""
     capacity = profile.gpu.usable_bytes
@@ -261,9 +322,19 @@ def fill_resident_layers(model: ModelSpec, profile: HardwareProfile, batch_size:
     return filled
 
 
-def plan(model: ModelSpec, profile: HardwareProfile, batch_size: int, prompt_len: int = 512, gen_len: int = 32,
-         popularity: np.ndarray | None = None, placement: Placement | None = None, n_max: int = 256,
-         cost: CostModel | None = None, resident_layers: bool = True, impl: Impl | None = None) -> Plan:
+def plan(
+    model: ModelSpec,
+    profile: HardwareProfile,
+    batch_size: int,
+    prompt_len: int = 512,
+    gen_len: int = 32,
+    popularity: np.ndarray | None = None,
+    placement: Placement | None = None,
+    n_max: int = 256,
+    cost: CostModel | None = None,
+    resident_layers: bool = True,
+    impl: Impl | None = None,
+) -> Plan:
     """Pick n (and where the KV cache goes) for a Klotski pipeline on `profile`, costing its ops as
     the implementation `impl` runs them (attention kernel, per-batch expert ops, host syncs)."""
     cost = cost or CostModel(profile)
@@ -281,11 +352,23 @@ def plan(model: ModelSpec, profile: HardwareProfile, batch_size: int, prompt_len
     kv_len = prompt_len + gen_len // 2  # a representative decode step
     h2d = "pcie_h2d"
     t = {
-        "t_cA": cost.compute_seconds("attention", model.attention_flops(batch_size, 1, kv_len, attention),
-                                     model.attention_io_bytes(batch_size, 1, kv_len, attention), batch_size, kv_len,
-                                     "decode", op_variant(model, "attention", attention)),
-        "t_cG": cost.compute_seconds("gate", model.gate_flops(batch_size), model.gate_io_bytes(batch_size), batch_size,
-                                     phase="decode", variant=op_variant(model, "gate")),
+        "t_cA": cost.compute_seconds(
+            "attention",
+            model.attention_flops(batch_size, 1, kv_len, attention),
+            model.attention_io_bytes(batch_size, 1, kv_len, attention),
+            batch_size,
+            kv_len,
+            "decode",
+            op_variant(model, "attention", attention),
+        ),
+        "t_cG": cost.compute_seconds(
+            "gate",
+            model.gate_flops(batch_size),
+            model.gate_io_bytes(batch_size),
+            batch_size,
+            phase="decode",
+            variant=op_variant(model, "gate"),
+        ),
         "t_IO_G": cost.transfer_seconds(h2d, model.gate_bytes()),
         "t_IO_E": cost.transfer_seconds(h2d, model.expert_bytes()),
         "t_IO_A": cost.transfer_seconds(h2d, model.attention_bytes()),
@@ -298,8 +381,9 @@ def plan(model: ModelSpec, profile: HardwareProfile, batch_size: int, prompt_len
 
     def op_time(tok: int) -> float:
         if tok not in op_times:
-            op_times[tok] = sync + cost.compute_seconds("expert", model.expert_flops(tok), model.expert_io_bytes(tok),
-                                                        tok, phase="decode")
+            op_times[tok] = sync + cost.compute_seconds(
+                "expert", model.expert_flops(tok), model.expert_io_bytes(tok), tok, phase="decode"
+            )
         return op_times[tok]
 
     def expert_times(tokens: np.ndarray, ops: np.ndarray) -> np.ndarray:
@@ -329,16 +413,26 @@ def plan(model: ModelSpec, profile: HardwareProfile, batch_size: int, prompt_len
         return (
             Inequality("(4) n*t_cA >= t_IO_G", n * t["t_cA"], t["t_IO_G"]),
             Inequality("(5) n*(t_cA+t_cG) >= t_IO_G + K*t_IO_E", base, t["t_IO_G"] + K * t["t_IO_E"]),
-            Inequality("(6) ... + t_c_hotE >= t_IO_G + (K+1)*t_IO_E", base + g["t_c_hotE"],
-                       t["t_IO_G"] + (K + 1) * t["t_IO_E"]),
-            Inequality("(7) ... + sum_Q t_cE >= t_IO_G + (K+|Q|)*t_IO_E + t_IO_A",
-                       base + g["t_c_hotE"] + g["sum_Q_t_cE"], t["t_IO_G"] + (K + g["Q"]) * t["t_IO_E"] + t["t_IO_A"]),
+            Inequality(
+                "(6) ... + t_c_hotE >= t_IO_G + (K+1)*t_IO_E", base + g["t_c_hotE"], t["t_IO_G"] + (K + 1) * t["t_IO_E"]
+            ),
+            Inequality(
+                "(7) ... + sum_Q t_cE >= t_IO_G + (K+|Q|)*t_IO_E + t_IO_A",
+                base + g["t_c_hotE"] + g["sum_Q_t_cE"],
+                t["t_IO_G"] + (K + g["Q"]) * t["t_IO_E"] + t["t_IO_A"],
+            ),
         )
 
     n_io = None  # n a block of _CANDIDATES_PER_PASS at a time: the same terms as n by n, until one holds
     for low in range(1, n_max + 1, _CANDIDATES_PER_PASS):
         candidates = np.arange(low, min(n_max, low + _CANDIDATES_PER_PASS - 1) + 1)
-        holds = np.logical_and.reduce([ineq.lhs >= ineq.rhs for ineq in inequalities(candidates)])
+        # (each side an array here: numpy's stubs take a list of arrays, or of bools, not of their union)
+        holds = np.logical_and.reduce(
+            [
+                ineq.lhs >= ineq.rhs  # type: ignore[arg-type]
+                for ineq in inequalities(candidates)
+            ]
+        )
         if holds.any():
             n_io = int(candidates[holds][0])
             break
@@ -349,25 +443,33 @@ def plan(model: ModelSpec, profile: HardwareProfile, batch_size: int, prompt_len
 
     want = n_io or n_max
     if n_io is None:
-        notes.append(f"no n <= {n_max} closes the bubbles on this hardware: the link is too slow for the "
-                     f"compute (try a calibrated profile); taking the most that memory allows")
+        notes.append(
+            f"no n <= {n_max} closes the bubbles on this hardware: the link is too slow for the "
+            f"compute (try a calibrated profile); taking the most that memory allows"
+        )
     n_memory = largest_fitting(placement)
     if n_memory == 0 and placement.kv == "gpu":
-        notes.append("not even one batch's KV cache fits on the GPU next to the weight buffers: KV cache "
-                     "moved to host memory (loaded per batch and layer over PCIe)")
+        notes.append(
+            "not even one batch's KV cache fits on the GPU next to the weight buffers: KV cache "
+            "moved to host memory (loaded per batch and layer over PCIe)"
+        )
         placement = replace(placement, kv="cpu")
         n_memory = largest_fitting(placement)
     if n_memory == 0:
         one = memory_needed(model, batch_size, 1, prompt_len, gen_len, placement)
-        largest = max((k for k in one if k != "total"), key=one.get)
-        notes.append(f"not even one batch fits: it needs {memory_text(one['total'])} ({largest} "
-                     f"{memory_text(one[largest])} the largest part) but {memory_text(capacity)} are usable: "
-                     f"the run will report out-of-memory")
+        largest = max((k for k in one if k != "total"), key=one.__getitem__)
+        notes.append(
+            f"not even one batch fits: it needs {memory_text(one['total'])} ({largest} "
+            f"{memory_text(one[largest])} the largest part) but {memory_text(capacity)} are usable: "
+            f"the run will report out-of-memory"
+        )
         n = 1
     elif want > n_memory:
         mem = memory_needed(model, batch_size, want, prompt_len, gen_len, placement)
-        notes.append(f"n lowered from {want} to {n_memory}: {want} batches need {mem['total'] / GIB:.1f} GiB "
-                     f"(KV cache {mem['kv_cache'] / GIB:.1f} GiB) but {capacity / GIB:.1f} GiB are usable")
+        notes.append(
+            f"n lowered from {want} to {n_memory}: {want} batches need {mem['total'] / GIB:.1f} GiB "
+            f"(KV cache {mem['kv_cache'] / GIB:.1f} GiB) but {capacity / GIB:.1f} GiB are usable"
+        )
         n = n_memory
     else:
         n = want
@@ -387,29 +489,49 @@ def plan(model: ModelSpec, profile: HardwareProfile, batch_size: int, prompt_len
             notes.append(f"{placement.resident_layers} layer(s) kept resident on the GPU with the spare memory")
     terms = dict(t)
     terms.update(terms_at(n))
-    return Plan(n=n, n_io=n_io, n_memory=n_memory, placement=placement, terms=terms,
-                inequalities=inequalities(n), memory=memory_needed(model, batch_size, n, prompt_len, gen_len, placement),
-                notes=tuple(notes))
+    return Plan(
+        n=n,
+        n_io=n_io,
+        n_memory=n_memory,
+        placement=placement,
+        terms=terms,
+        inequalities=inequalities(n),
+        memory=memory_needed(model, batch_size, n, prompt_len, gen_len, placement),
+        notes=tuple(notes),
+    )
 
 
 def format_plan(p: Plan, model: ModelSpec, profile: HardwareProfile, batch_size: int) -> str:
     ms = 1e3
-    lines = [f"planner: {model.name} on {profile.name}, batch size {batch_size}, K = {model.top_k} hot experts",
-             "terms (ms):"]
-    labels = {"t_cA": "attention of one batch", "t_cG": "gate of one batch", "t_IO_G": "gate transfer",
-              "t_IO_E": "one expert transfer", "t_IO_A": "attention transfer",
-              "t_c_hotE": "hot experts over the group", "sum_Q_t_cE": "cold experts over the group"}
+    lines = [
+        f"planner: {model.name} on {profile.name}, batch size {batch_size}, K = {model.top_k} hot experts",
+        "terms (ms):",
+    ]
+    labels = {
+        "t_cA": "attention of one batch",
+        "t_cG": "gate of one batch",
+        "t_IO_G": "gate transfer",
+        "t_IO_E": "one expert transfer",
+        "t_IO_A": "attention transfer",
+        "t_c_hotE": "hot experts over the group",
+        "sum_Q_t_cE": "cold experts over the group",
+    }
     for key, label in labels.items():
         lines.append(f"  {key:11} {p.terms[key] * ms:10.3f}   {label}")
     lines.append(f"  {'|Q|':11} {p.terms['Q']:10.2f}   expected cold experts per layer")
-    lines.append(f"smallest n meeting (4)-(7): {p.n_io if p.n_io is not None else 'none'}; "
-                 f"memory allows n <= {p.n_memory}")
+    lines.append(
+        f"smallest n meeting (4)-(7): {p.n_io if p.n_io is not None else 'none'}; memory allows n <= {p.n_memory}"
+    )
     lines.append(f"at n = {p.n}:")
     for ineq in p.inequalities:
-        lines.append(f"  {ineq.name:55} {ineq.lhs * ms:10.3f} >= {ineq.rhs * ms:10.3f}  "
-                     f"{'ok' if ineq.holds else 'NOT MET'}")
-    lines.append("GPU memory: " + ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in p.memory.items()) +
-                 f" (usable {profile.gpu.usable_bytes / GIB:.2f} GiB)")
+        lines.append(
+            f"  {ineq.name:55} {ineq.lhs * ms:10.3f} >= {ineq.rhs * ms:10.3f}  {'ok' if ineq.holds else 'NOT MET'}"
+        )
+    lines.append(
+        "GPU memory: "
+        + ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in p.memory.items())
+        + f" (usable {profile.gpu.usable_bytes / GIB:.2f} GiB)"
+    )
     lines.append(f"placement: {p.placement.describe()}")
     lines.extend(f"note: {note}" for note in p.notes)
     lines.append(f"=> n = {p.n}")

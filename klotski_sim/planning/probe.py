@@ -62,16 +62,20 @@ class ProbeSearch:
 
     def describe(self, policy: str, gen_len: int) -> str:
         """The probe table (`plan --policy`, `simulate`)."""
-        lines = [f"{policy}: n by simulated probes (the prefill and {DECODE_STEPS}-{BATCH_STEPS} decode steps of the "
-                 f"run's first n batches; the whole run of {gen_len} generated predicted from them)",
-                 f"  {'n':>4} {'resident':>8} {'prefill s':>10} {'decode step s':>14} {'predicted tok/s':>16} "
-                 f"{'CPU experts':>12}"]
+        lines = [
+            f"{policy}: n by simulated probes (the prefill and {DECODE_STEPS}-{BATCH_STEPS} decode steps of the "
+            f"run's first n batches; the whole run of {gen_len} generated predicted from them)",
+            f"  {'n':>4} {'resident':>8} {'prefill s':>10} {'decode step s':>14} {'predicted tok/s':>16} "
+            f"{'CPU experts':>12}",
+        ]
         for p in self.probes:
-            lines.append(f"  {p.n:4d} {p.resident_layers:8d} {p.prefill_s:10.3f} {p.decode_step_s:14.4f} "
-                         f"{p.predicted_tok_s:16.1f} {p.cpu_expert_share:12.0%}"
-                         + ("   <=" if p.n == self.chosen.n else ""))
-        lines.append(f"=> n = {self.chosen.n} (predictions within {TIE:.1%} of the best are a tie, won by the "
-                     f"smaller n)")
+            lines.append(
+                f"  {p.n:4d} {p.resident_layers:8d} {p.prefill_s:10.3f} {p.decode_step_s:14.4f} "
+                f"{p.predicted_tok_s:16.1f} {p.cpu_expert_share:12.0%}" + ("   <=" if p.n == self.chosen.n else "")
+            )
+        lines.append(
+            f"=> n = {self.chosen.n} (predictions within {TIE:.1%} of the best are a tie, won by the smaller n)"
+        )
         return "\n".join(lines)
 
 
@@ -81,7 +85,7 @@ def search(measure: Callable[[int], Probe], n_max: int) -> ProbeSearch:
     coarse = sorted(probes)
     best = max(coarse, key=lambda n: probes[n].predicted_tok_s)
     at = coarse.index(best)
-    for neighbour in coarse[max(0, at - 1):at] + coarse[at + 1:at + 2]:
+    for neighbour in coarse[max(0, at - 1) : at] + coarse[at + 1 : at + 2]:
         mid = (best + neighbour) // 2
         if mid not in probes:
             probes[mid] = measure(mid)

@@ -18,13 +18,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from klotski_sim.util import run_size
 from klotski_sim.core.cost import op_variant
-from klotski_sim.util.errors import KlotskiError, UsageError
-from klotski_sim.hardware.profile import HardwareProfile
-from klotski_sim.policies.impl import IMPL_CHOICES, PRESET_NAMES, Impl, preset_options
-from klotski_sim.workload.model import ModelSpec
-from klotski_sim.workload.routing import RoutingTable, RunShape
 from klotski_sim.core.schedule import (
     CPU_STREAMS,
     Op,
@@ -38,8 +32,15 @@ from klotski_sim.core.schedule import (
     host_op,
     transfer_op,
 )
-from klotski_sim.workload.trace import Trace
+from klotski_sim.hardware.profile import HardwareProfile
+from klotski_sim.names import kv_buffer
 from klotski_sim.policies.cache import CACHE_POLICIES
+from klotski_sim.policies.impl import IMPL_CHOICES, PRESET_NAMES, Impl, preset_options
+from klotski_sim.util import run_size
+from klotski_sim.util.errors import KlotskiError, UsageError
+from klotski_sim.workload.model import ModelSpec
+from klotski_sim.workload.routing import RoutingTable, RunShape
+from klotski_sim.workload.trace import Trace
 
 TIERS = ("gpu", "cpu", "disk")
 _TENSOR = {"attention": "attention", "gate": "gate", "experts": "expert"}  # placement field -> Op.tensor
@@ -61,8 +62,10 @@ class Placement:
     def __post_init__(self) -> None:
         for name in ("attention", "gate", "experts"):
             if getattr(self, name) not in ("cpu", "disk"):
-                raise UsageError(f"placement.{name} must be 'cpu' or 'disk' (use resident_layers to keep "
-                                 f"layers on the GPU), got {getattr(self, name)!r}")
+                raise UsageError(
+                    f"placement.{name} must be 'cpu' or 'disk' (use resident_layers to keep "
+                    f"layers on the GPU), got {getattr(self, name)!r}"
+                )
         if self.kv not in ("gpu", "cpu"):
             raise UsageError(f"placement.kv must be 'gpu' or 'cpu', got {self.kv!r}")
         if self.resident_layers < 0:
@@ -83,10 +86,15 @@ class Placement:
         return getattr(self, what)
 
     def describe(self) -> str:
-        experts = self.experts if not self.disk_layers or self.experts == "disk" else \
-            f"cpu (last {self.disk_layers} layers on disk)"
-        text = (f"attention={self.attention} gate={self.gate} experts={experts} kv={self.kv} "
-                f"resident_layers={self.resident_layers}")
+        experts = (
+            self.experts
+            if not self.disk_layers or self.experts == "disk"
+            else f"cpu (last {self.disk_layers} layers on disk)"
+        )
+        text = (
+            f"attention={self.attention} gate={self.gate} experts={experts} kv={self.kv} "
+            f"resident_layers={self.resident_layers}"
+        )
         return text + (f" disk_window={self.disk_window}" if self.uses_disk else "")
 
 
@@ -112,22 +120,18 @@ PolicyBuilder = Callable[[PolicyInput], Schedule]
 
 BUFFERING = ("whole-layer", "expert-aware")
 
+# One expert op as `OpEmitter.expert_chain` takes it: op id, expert, batches, tokens, deps, frees.
+ExpertOp = tuple[str, int, tuple[int, ...], int, tuple[str, ...], tuple[str, ...]]
+
 
 @dataclass(frozen=True)
-class PolicyInfo:
-    """A registered policy. `buffering` says what GPU weight buffers it needs: `whole-layer`
-    (two whole layers, double-buffered) or `expert-aware` (two attention buffers, the gate and
-    at most one MoE layer of experts) — the planner sizes n with it. `impl_options` are the
-    implementation choices (klotski_sim.policies.impl) it honours; `presets` gives, per preset, the values
-    that differ from the generic ones — for `as-published`, every choice of that system's code."""
+class PolicyTraits:
+    """What the planner, the runner and sweeps must know of a policy beyond the schedule it builds."""
 
-    name: str
-    description: str
-    build: PolicyBuilder
-    defaults: Mapping[str, Any] = field(default_factory=dict)
+    # the GPU weight buffers it needs, which the planner sizes n with: `whole-layer` (two whole
+    # layers, double-buffered) or `expert-aware` (two attention buffers, the gate and at most one
+    # MoE layer of experts)
     buffering: str = "whole-layer"
-    impl_options: tuple[str, ...] = ()
-    presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     one_batch: bool = False  # one batch in flight by definition: the planner's n does not apply
     manages_experts: bool = False  # keeps its own expert cache: the generic expert_cache option is not offered
     needs_cpu: bool = False  # computes on the host CPU: runs only on profiles with a `cpu:` section
@@ -140,6 +144,28 @@ class PolicyInfo:
     # every expert buffer of a streamed MoE layer is allocated at once (its last expert op waits for
     # them all, then frees them together): the memory check counts the whole layer, not one tensor
     holds_moe_layer: bool = False
+
+    def __post_init__(self) -> None:
+        if self.buffering not in BUFFERING:
+            raise UsageError(f"PolicyTraits.buffering must be one of {BUFFERING}, got {self.buffering!r}")
+        for name in ("one_batch", "manages_experts", "needs_cpu", "speed_independent", "probe_n", "holds_moe_layer"):
+            if not isinstance(getattr(self, name), bool):
+                raise UsageError(f"PolicyTraits.{name} must be true or false, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
+class PolicyInfo:
+    """A registered policy. `impl_options` are the implementation choices (klotski_sim.policies.impl)
+    it honours; `presets` gives, per preset, the values that differ from the generic ones — for
+    `as-published`, every choice of that system's code."""
+
+    name: str
+    description: str
+    build: PolicyBuilder
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    traits: PolicyTraits = PolicyTraits()
+    impl_options: tuple[str, ...] = ()
+    presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def preset(self, name: str) -> dict[str, Any]:
         """All option values the preset `name` gives this policy."""
@@ -154,7 +180,7 @@ class PolicyInfo:
     def require_machine(self, profile: HardwareProfile, who: str = "") -> None:
         """Refuse, before anything is built, a profile this policy cannot run on (one that computes on
         the CPU, on a profile without a `cpu:` section); `who` names it in the message."""
-        if self.needs_cpu:
+        if self.traits.needs_cpu:
             profile.require_cpu(who or f"policy {self.name!r}")
 
 
@@ -164,35 +190,39 @@ POLICIES: dict[str, PolicyInfo] = {}
 _POLICY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
-def register(name: str, description: str, defaults: Mapping[str, Any] | None = None,
-             buffering: str = "whole-layer", impl_options: tuple[str, ...] = (),
-             presets: Mapping[str, Mapping[str, Any]] | None = None,
-             one_batch: bool = False, manages_experts: bool = False,
-             needs_cpu: bool = False, speed_independent: bool = False,
-             probe_n: bool = False, holds_moe_layer: bool = False) -> Callable[[PolicyBuilder], PolicyBuilder]:
+def register(
+    name: str,
+    description: str,
+    defaults: Mapping[str, Any] | None = None,
+    traits: PolicyTraits = PolicyTraits(),
+    impl_options: tuple[str, ...] = (),
+    presets: Mapping[str, Mapping[str, Any]] | None = None,
+) -> Callable[[PolicyBuilder], PolicyBuilder]:
     """Decorator: make a build function available as `--policy NAME`."""
     if not isinstance(name, str) or not _POLICY_NAME.fullmatch(name):  # (it names files: trace_<policy>.json.gz)
-        raise UsageError(f"policy name {name!r}: use letters, digits, '-', '_' and '.', starting with a letter or "
-                         f"digit (at most 64)")
-    if buffering not in BUFFERING:
-        raise UsageError(f"buffering must be one of {BUFFERING}")
+        raise UsageError(
+            f"policy name {name!r}: use letters, digits, '-', '_' and '.', starting with a letter or digit (at most 64)"
+        )
+    if not isinstance(traits, PolicyTraits):
+        raise UsageError(f"policy {name!r}: traits must be a PolicyTraits, got {traits!r:.80}")
     unknown = set(impl_options) - set(IMPL_CHOICES)
     if unknown:
         raise UsageError(f"policy {name!r}: unknown implementation options {sorted(unknown)}")
 
     def wrap(fn: PolicyBuilder) -> PolicyBuilder:
         if name in POLICIES and POLICIES[name].build is not fn:
-            raise UsageError(f"policy {name!r} is already registered (by {POLICIES[name].build.__module__}); "
-                             f"give yours another name")
+            raise UsageError(
+                f"policy {name!r} is already registered (by {POLICIES[name].build.__module__}); give yours another name"
+            )
         # (`KLOTSKI` beside `klotski`: two policies a reader takes for one, whose trace_<policy>.json.gz files are
         # one file where names are case-insensitive, as on macOS and Windows)
         same = next((other for other in POLICIES if other != name and other.lower() == name.lower()), None)
         if same is not None:
-            raise UsageError(f"policy {name!r}: policy {same!r} is registered (by {POLICIES[same].build.__module__}); "
-                             f"give yours a name that differs from it in more than case")
-        info = PolicyInfo(name, description, fn, dict(defaults or {}), buffering, tuple(impl_options),
-                          dict(presets or {}), one_batch, manages_experts, needs_cpu, speed_independent, probe_n,
-                          holds_moe_layer)
+            raise UsageError(
+                f"policy {name!r}: policy {same!r} is registered (by {POLICIES[same].build.__module__}); "
+                f"give yours a name that differs from it in more than case"
+            )
+        info = PolicyInfo(name, description, fn, dict(defaults or {}), traits, tuple(impl_options), dict(presets or {}))
         for preset in PRESET_NAMES:
             info.preset(preset)  # every preset must be complete for this policy
         POLICIES[name] = info
@@ -223,8 +253,17 @@ def _make_cache(inp: "PolicyInput") -> Any:
     experts = (m.num_layers - m.first_dense_layers) * m.num_experts
     if isinstance(slots, int) and slots > experts:
         raise UsageError(f"expert_cache={slots} is more than the model's {experts} experts")
-    pinned = ExpertCache.hot_set(inp.warmup.experts if inp.warmup is not None else None, m.num_layers,
-                                 m.num_experts, slots, m.first_dense_layers) if policy == "hot-pinned" else frozenset()
+    pinned = (
+        ExpertCache.hot_set(
+            inp.warmup.experts if inp.warmup is not None else None,
+            m.num_layers,
+            m.num_experts,
+            slots,
+            m.first_dense_layers,
+        )
+        if policy == "hot-pinned"
+        else frozenset()
+    )
     return ExpertCache(slots, policy, pinned)
 
 
@@ -232,8 +271,11 @@ def cpu_expert_seconds(cost: Any, model: ModelSpec, tokens: int, hidden_down: bo
     """What `OpEmitter.cpu_expert` costs end to end, as the CPU-expert policies price their
     choices: (the hidden states down,) the expert on the CPU, its output back up."""
     down = cost.transfer_seconds("pcie_d2h", model.hidden_bytes(tokens)) if hidden_down else 0.0
-    return (down + cost.cpu_seconds(model.expert_flops(tokens), model.expert_io_bytes(tokens, stored=True), "expert",
-                                    tokens) + cost.transfer_seconds("pcie_h2d", model.hidden_bytes(tokens)))
+    return (
+        down
+        + cost.cpu_seconds(model.expert_flops(tokens), model.expert_io_bytes(tokens, stored=True), "expert", tokens)
+        + cost.transfer_seconds("pcie_h2d", model.hidden_bytes(tokens))
+    )
 
 
 def _attention_on_cpu(inp: "PolicyInput") -> bool:
@@ -258,7 +300,7 @@ def resolve_options(name: str, impl: str, options: Mapping[str, Any]) -> dict[st
     defaults = Impl()
     resolved.update({k: getattr(defaults, k) for k in info.impl_options})
     resolved.update(info.preset(impl))
-    if info.manages_experts:  # a policy that keeps its own expert cache: the generic one would fight it
+    if info.traits.manages_experts:  # a policy that keeps its own expert cache: the generic one would fight it
         for key in ("expert_cache", "cache_policy"):
             resolved.pop(key, None)
     unknown = set(options) - set(resolved)
@@ -275,16 +317,19 @@ def resolve_options(name: str, impl: str, options: Mapping[str, Any]) -> dict[st
         else:
             ok = default is None or isinstance(value, type(default))
         if not ok:
-            raise UsageError(f"policy {name!r}: option {key} must be of type {type(default).__name__} (default "
-                             f"{default!r}), got {value!r}")
+            raise UsageError(
+                f"policy {name!r}: option {key} must be of type {type(default).__name__} (default "
+                f"{default!r}), got {value!r}"
+            )
     resolved.update(options)
     slots = resolved.get("expert_cache", 0)
     if not isinstance(slots, int) or slots < 0:  # (-1, NaN or 2.5 failed only inside the run)
         raise UsageError(f"policy {name!r}: expert_cache must be a whole number of experts >= 0, got {slots!r}")
     cache_policy = resolved.get("cache_policy", "lru")
     if cache_policy not in CACHE_POLICIES:  # (before its cache is asked for: `LRU` "needed expert_cache > 0")
-        raise UsageError(f"policy {name!r}: cache_policy must be one of {', '.join(CACHE_POLICIES)}, got "
-                         f"{cache_policy!r}")
+        raise UsageError(
+            f"policy {name!r}: cache_policy must be one of {', '.join(CACHE_POLICIES)}, got {cache_policy!r}"
+        )
     if cache_policy != "lru" and not resolved.get("expert_cache"):
         raise UsageError(f"policy {name!r}: cache_policy={cache_policy} needs expert_cache > 0")
     Impl.from_options(resolved)  # refuse a value outside an option's choices
@@ -303,8 +348,9 @@ def build_schedule(name: str, inp: PolicyInput) -> Schedule:
     options = resolve_options(name, inp.impl, inp.options)
     with gc_paused(), run_size.watching(name, inp.impl, inp.shape.num_steps, inp.shape.num_batches):
         try:
-            schedule = info.build(PolicyInput(inp.model, inp.profile, inp.routing, inp.placement, options,
-                                              inp.warmup, inp.impl))
+            schedule = info.build(
+                PolicyInput(inp.model, inp.profile, inp.routing, inp.placement, options, inp.warmup, inp.impl)
+            )
         except KlotskiError:
             raise
         except (Exception, SystemExit, GeneratorExit) as err:  # (a policy's sys.exit(0) ended a run, sweep or
@@ -312,11 +358,15 @@ def build_schedule(name: str, inp: PolicyInput) -> Schedule:
             module = sys.modules.get(getattr(info.build, "__module__", ""))
             if module is None or module.__name__.startswith("klotski_sim."):
                 raise  # a bug of ours: the traceback is the report
-            raise PolicyError(f"policy {name!r} failed at {_where(err, module)}: {type(err).__name__}: {err} "
-                              f"(--debug shows the traceback)") from err
+            raise PolicyError(
+                f"policy {name!r} failed at {_where(err, module)}: {type(err).__name__}: {err} "
+                f"(--debug shows the traceback)"
+            ) from err
     if not isinstance(schedule, Schedule):
-        raise PolicyError(f"policy {name!r} returned {type(schedule).__name__}, not a Schedule (end its build "
-                          f"function with OpEmitter.build or ScheduleBuilder.build)")
+        raise PolicyError(
+            f"policy {name!r} returned {type(schedule).__name__}, not a Schedule (end its build "
+            f"function with OpEmitter.build or ScheduleBuilder.build)"
+        )
     if not getattr(info.build, "__module__", "").startswith("klotski_sim."):
         _check_from_outside(name, schedule, inp)
     return schedule
@@ -337,9 +387,11 @@ def _check_from_outside(name: str, schedule: Schedule, inp: PolicyInput) -> None
         raise PolicyError(f"{where} has no ops: nothing to simulate")
     shape = inp.shape
     if schedule.meta.get("generated_tokens", shape.generated_tokens) != shape.generated_tokens:
-        raise PolicyError(f"{where}: meta.generated_tokens {schedule.meta['generated_tokens']!r} is not the run's "
-                          f"{shape.generated_tokens} (batch size {shape.batch_size} x {shape.num_batches} batches x "
-                          f"{shape.gen_len} generated)")
+        raise PolicyError(
+            f"{where}: meta.generated_tokens {schedule.meta['generated_tokens']!r} is not the run's "
+            f"{shape.generated_tokens} (batch size {shape.batch_size} x {shape.num_batches} batches x "
+            f"{shape.gen_len} generated)"
+        )
 
 
 class PolicyError(UsageError):
@@ -408,9 +460,21 @@ class OpEmitter:
     def tier(self, what: str, layer: int) -> str:
         return self.placement.tier(what, layer, self.model.num_layers)
 
-    def fetch(self, op_id: str, what: str, nbytes: int, category: str, stream: str,
-              deps: Iterable[str | None] = (), *, step: int, layer: int, expert: int = -1,
-              free: Iterable[str] = (), **tags: Any) -> str:
+    def fetch(
+        self,
+        op_id: str,
+        what: str,
+        nbytes: int,
+        category: str,
+        stream: str,
+        deps: Iterable[str | None] = (),
+        *,
+        step: int,
+        layer: int,
+        expert: int = -1,
+        free: Iterable[str] = (),
+        **tags: Any,
+    ) -> str:
         """Bring `nbytes` of weights (`what` = attention|gate|experts) to the GPU. From disk
         this is two chained links: the tensor is first staged in host memory by an NVMe read
         (see `_stage`), then copied over PCIe. `free` and any other `tags` go on the copy op."""
@@ -436,12 +500,42 @@ class OpEmitter:
         pageable = self.impl.copy_memory_weights == "pageable"
         nbytes = int(nbytes)
         if tags:  # (tags a policy of its own adds: the op built by keywords)
-            op = self.b.transfer(op_id, category, stream, nbytes, "cpu", "gpu", deps, alloc=((op_id, nbytes),),
-                                 step=step, layer=layer, expert=expert, tensor=_TENSOR[what], pageable=pageable,
-                                 free=free, **tags)
+            op = self.b.transfer(
+                op_id,
+                category,
+                stream,
+                nbytes,
+                "cpu",
+                "gpu",
+                deps,
+                alloc=((op_id, nbytes),),
+                step=step,
+                layer=layer,
+                expert=expert,
+                tensor=_TENSOR[what],
+                pageable=pageable,
+                free=free,
+                **tags,
+            )
         else:
-            op = self.b.append(transfer_op(op_id, category, stream, nbytes, "cpu", "gpu", clean_deps(deps), step,
-                                           layer, expert, _TENSOR[what], pageable, ((op_id, nbytes),), free))
+            op = self.b.append(
+                transfer_op(
+                    op_id,
+                    category,
+                    stream,
+                    nbytes,
+                    "cpu",
+                    "gpu",
+                    clean_deps(deps),
+                    step,
+                    layer,
+                    expert,
+                    _TENSOR[what],
+                    pageable,
+                    ((op_id, nbytes),),
+                    free,
+                )
+            )
         self._h2d_of_layer.setdefault(key, {})[stream] = (len(self.b.ops) - 1, op)  # (the op just issued)
         if pageable:
             self.copy_wait(op)
@@ -463,17 +557,36 @@ class OpEmitter:
         freed. Callers use (and free) the returned buffer as they would the copy's."""
         m = self.model
         op_id = f"{load}/dequant"
-        return self.b.compute(op_id, "dequant", [load], flops=m.dequant_flops(), bytes=m.dequant_io_bytes(),
-                              alloc=((op_id, m.expert_params() * m.dtype_bytes),), free=(load,), step=step,
-                              phase=self.phase(step), layer=layer, expert=expert)
+        return self.b.compute(
+            op_id,
+            "dequant",
+            [load],
+            flops=m.dequant_flops(),
+            bytes=m.dequant_io_bytes(),
+            alloc=((op_id, m.expert_params() * m.dtype_bytes),),
+            free=(load,),
+            step=step,
+            phase=self.phase(step),
+            layer=layer,
+            expert=expert,
+        )
 
     def fetch_attention(self, at: str, step: int, layer: int, deps: Iterable[str | None] = ()) -> str:
         """A layer's attention weights on the weight stream (op id `{at}/load_attn`)."""
-        return self.fetch(f"{at}/load_attn", "attention", self.model.attention_bytes(), "weights", "h2d_weights",
-                          deps, step=step, layer=layer)
+        return self.fetch(
+            f"{at}/load_attn",
+            "attention",
+            self.model.attention_bytes(),
+            "weights",
+            "h2d_weights",
+            deps,
+            step=step,
+            layer=layer,
+        )
 
-    def fetch_layer(self, at: str, step: int, layer: int, deps: Iterable[str | None] = ()
-                    ) -> tuple[str, str, list[str]]:
+    def fetch_layer(
+        self, at: str, step: int, layer: int, deps: Iterable[str | None] = ()
+    ) -> tuple[str, str, list[str]]:
         """The whole of a layer — attention, gate and every expert — on the weight stream, as the
         single-batch, multi-batch and FlexGen prefetches load it. Returns the attention, gate and
         per-expert load ids."""
@@ -482,17 +595,31 @@ class OpEmitter:
         gate = self.fetch_gate(at, step, layer, deps)
         return attention, gate, self.fetch_moe_layer(at, step, layer, deps)
 
-    def fetch_gate(self, at: str, step: int, layer: int, deps: Iterable[str | None] = (),
-                   stream: str = "h2d_weights") -> str:
+    def fetch_gate(
+        self, at: str, step: int, layer: int, deps: Iterable[str | None] = (), stream: str = "h2d_weights"
+    ) -> str:
         """A layer's gate (router) weights (op id `{at}/load_gate`)."""
-        return self.fetch(f"{at}/load_gate", "gate", self.model.gate_bytes(layer), "weights", stream, deps,
-                          step=step, layer=layer)
+        return self.fetch(
+            f"{at}/load_gate", "gate", self.model.gate_bytes(layer), "weights", stream, deps, step=step, layer=layer
+        )
 
     def fetch_moe_layer(self, at: str, step: int, layer: int, deps: Iterable[str | None] = ()) -> list[str]:
         """Every expert of a layer on the weight stream (op ids `{at}/load_E{e}`), in expert-id order."""
         deps = list(deps)
-        return [self.fetch(f"{at}/load_E{e}", "experts", self.model.expert_bytes(), "moe_weights", "h2d_weights",
-                           deps, step=step, layer=layer, expert=e) for e in range(self.model.experts_in(layer))]
+        return [
+            self.fetch(
+                f"{at}/load_E{e}",
+                "experts",
+                self.model.expert_bytes(),
+                "moe_weights",
+                "h2d_weights",
+                deps,
+                step=step,
+                layer=layer,
+                expert=e,
+            )
+            for e in range(self.model.experts_in(layer))
+        ]
 
     def _stage(self, step: int, layer: int) -> None:
         """Read a whole layer's disk-resident tensors into the host staging window. The window
@@ -516,9 +643,24 @@ class OpEmitter:
         for what, expert, nbytes, category in tensors:
             if self.tier(what, layer) == "disk":  # (built positionally, as `fetch` builds its copies)
                 name = f"disk/{g}/s{step}/L{layer}/{what}" + (f"/E{expert}" if expert >= 0 else "")
-                reads[(what, expert)] = self.b.append(transfer_op(name, category, "disk_read", int(nbytes), "disk",
-                                                                  "cpu", evict_deps, step, layer, expert,
-                                                                  _TENSOR[what], False, (), ()))
+                reads[(what, expert)] = self.b.append(
+                    transfer_op(
+                        name,
+                        category,
+                        "disk_read",
+                        int(nbytes),
+                        "disk",
+                        "cpu",
+                        evict_deps,
+                        step,
+                        layer,
+                        expert,
+                        _TENSOR[what],
+                        False,
+                        (),
+                        (),
+                    )
+                )
         self._staged[(step, layer)] = reads
 
     # ---- compute ------------------------------------------------------------------------------
@@ -528,21 +670,38 @@ class OpEmitter:
         if self._size_watch is not None:
             self._size_watch.step_begins(step, batch, len(self.b.ops))
         tokens = self.new_tokens(step) * self.shape.batch_size
-        return self.b.compute(op_id, "embed", deps, bytes=self.model.hidden_bytes(tokens), step=step,
-                              phase=self.phase(step), batches=self.batch_tuple[batch], tokens=tokens)
+        return self.b.compute(
+            op_id,
+            "embed",
+            deps,
+            bytes=self.model.hidden_bytes(tokens),
+            step=step,
+            phase=self.phase(step),
+            batches=self.batch_tuple[batch],
+            tokens=tokens,
+        )
 
     def lm_head(self, op_id: str, step: int, batch: int, deps: Iterable[str | None] = ()) -> str:
         """Logits of the last position of each sequence; after the last step the batch is done
         and its KV cache is released."""
         bs = self.shape.batch_size
         done = step == self.shape.num_steps - 1
-        return self.b.compute(op_id, "lm_head", deps, flops=self.model.lm_head_flops(bs),
-                              bytes=self.model.lm_head_io_bytes(bs), step=step, phase=self.phase(step),
-                              batches=self.batch_tuple[batch], tokens=bs,
-                              free=tuple(self._kv_buffers.pop(batch, ())) if done else ())
+        return self.b.compute(
+            op_id,
+            "lm_head",
+            deps,
+            flops=self.model.lm_head_flops(bs),
+            bytes=self.model.lm_head_io_bytes(bs),
+            step=step,
+            phase=self.phase(step),
+            batches=self.batch_tuple[batch],
+            tokens=bs,
+            free=tuple(self._kv_buffers.pop(batch, ())) if done else (),
+        )
 
-    def attention(self, op_id: str, step: int, layer: int, batch: int, deps: Iterable[str | None] = (),
-                  free: tuple[str, ...] = ()) -> str:
+    def attention(
+        self, op_id: str, step: int, layer: int, batch: int, deps: Iterable[str | None] = (), free: tuple[str, ...] = ()
+    ) -> str:
         """Attention of one batch, with its KV cache: grown on the GPU, or loaded from and stored to
         the CPU around the op."""
         m, sh = self.model, self.shape
@@ -555,7 +714,7 @@ class OpEmitter:
         kv_len = sh.kv_len(step)
         flops, nbytes, kv_new = self._attention_cost(new, kv_len)
         free = tuple(free)
-        tags = dict(step=step, phase=self.phase(step), layer=layer, batches=self.batch_tuple[batch])
+        tags: dict[str, Any] = dict(step=step, phase=self.phase(step), layer=layer, batches=self.batch_tuple[batch])
         if kv_len - new > 0:
             # Double-buffered like FlexGen's load_cache(j, k+1): the cache of this attention may
             # load once the attention two before it has finished with its own buffer.
@@ -563,116 +722,273 @@ class OpEmitter:
             # ... and once the entries of this batch's previous step have been stored
             after = self._attention_ops[-2:-1] + [self._last_kv_store.get((layer, batch))]
             pageable = self.impl.copy_memory_kv == "pageable"
-            load = self.b.transfer(f"{op_id}/kv_load", "kv", "h2d_kv", past, "cpu", "gpu", after,
-                                   alloc=((f"{op_id}/kv_load", past),), tensor="kv", pageable=pageable, **tags)
+            load = self.b.transfer(
+                f"{op_id}/kv_load",
+                "kv",
+                "h2d_kv",
+                past,
+                "cpu",
+                "gpu",
+                after,
+                alloc=((f"{op_id}/kv_load", past),),
+                tensor="kv",
+                pageable=pageable,
+                **tags,
+            )
             if pageable:
                 self.copy_wait(load)
             deps.append(load)
             free = free + (load,)
-        op = self.b.append(compute_op(op_id, "attention", clean_deps(deps), flops, nbytes, step, self.phase(step),
-                                      layer, self.batch_tuple[batch], -1, sh.batch_size * new, kv_len, (), free,
-                                      self._attention_variant))
+        op = self.b.append(
+            compute_op(
+                op_id,
+                "attention",
+                clean_deps(deps),
+                flops,
+                nbytes,
+                step,
+                self.phase(step),
+                layer,
+                self.batch_tuple[batch],
+                -1,
+                sh.batch_size * new,
+                kv_len,
+                (),
+                free,
+                self._attention_variant,
+            )
+        )
         self._attention_ops.append(op)
         pageable = self.impl.copy_memory_kv == "pageable"
-        store = self.b.transfer(f"{op_id}/kv_store", "kv", "d2h_kv", kv_new, "gpu", "cpu", [op], tensor="kv",
-                                pageable=pageable, **tags)
+        store = self.b.transfer(
+            f"{op_id}/kv_store", "kv", "d2h_kv", kv_new, "gpu", "cpu", [op], tensor="kv", pageable=pageable, **tags
+        )
         if pageable:
             self.copy_wait(store)
         self._last_kv_store[(layer, batch)] = store
         return op
 
-    def attentions(self, at: str, step: int, layer: int, batches: Sequence[int], deps: Iterable[str | None],
-                   free_last: tuple[str, ...] = ()) -> list[str]:
+    def attentions(
+        self,
+        at: str,
+        step: int,
+        layer: int,
+        batches: Sequence[int],
+        deps: Iterable[str | None],
+        free_last: tuple[str, ...] = (),
+    ) -> list[str]:
         """Attention of each batch in turn (op ids `{at}/b{b}/attn`), the last freeing `free_last`.
         With the KV cache on the GPU the ops of all batches are built together (they cost the same)."""
         if self._one_gpu_op(step):
-            return self.attentions_on_gpu([(f"{at}/b{b}/attn", b) for b in batches], step, layer, list(deps),
-                                          free_last)
+            return self.attentions_on_gpu([(f"{at}/b{b}/attn", b) for b in batches], step, layer, list(deps), free_last)
         last = batches[-1]
-        return [self.attention(f"{at}/b{b}/attn", step, layer, b, deps, free=free_last if b == last else ())
-                for b in batches]
+        return [
+            self.attention(f"{at}/b{b}/attn", step, layer, b, deps, free=free_last if b == last else ())
+            for b in batches
+        ]
 
     def _one_gpu_op(self, step: int) -> bool:
         """Whether an attention at `step` is one GPU op that grows its KV cache on the GPU (not split
         with the CPU, and its cache not loaded from the CPU)."""
         return self.placement.kv == "gpu" and not (self.attention_on_cpu and step > 0)
 
-    def attentions_on_gpu(self, ops: list[tuple[str, int]], step: int, layer: int, deps: list[str | None],
-                          free_last: tuple[str, ...]) -> list[str]:
+    def attentions_on_gpu(
+        self, ops: list[tuple[str, int]], step: int, layer: int, deps: list[str | None], free_last: tuple[str, ...]
+    ) -> list[str]:
         """(op id, batch) attentions with the KV cache on the GPU, each allocating the entries it
         adds; the last frees `free_last`."""
         new = self.new_tokens(step)
         kv_len = self.shape.kv_len(step)
         flops, nbytes, kv_new = self._attention_cost(new, kv_len)
-        deps_, phase, tokens, variant = clean_deps(deps), self.phase(step), self.shape.batch_size * new, \
-            self._attention_variant
+        deps_, phase, tokens, variant = (
+            clean_deps(deps),
+            self.phase(step),
+            self.shape.batch_size * new,
+            self._attention_variant,
+        )
         append, batch_tuple, kv_buffers, last = self.b.append, self.batch_tuple, self._kv_buffers, ops[-1][0]
         out = []
         for op_id, batch in ops:
-            name = f"kv/L{layer}/b{batch}/s{step}"
+            name = kv_buffer(layer, batch, step)
             kv_buffers.setdefault(batch, []).append(name)
-            out.append(append(compute_op(op_id, "attention", deps_, flops, nbytes, step, phase, layer,
-                                         batch_tuple[batch], -1, tokens, kv_len, ((name, kv_new),),
-                                         free_last if op_id == last else (), variant)))
+            out.append(
+                append(
+                    compute_op(
+                        op_id,
+                        "attention",
+                        deps_,
+                        flops,
+                        nbytes,
+                        step,
+                        phase,
+                        layer,
+                        batch_tuple[batch],
+                        -1,
+                        tokens,
+                        kv_len,
+                        ((name, kv_new),),
+                        free_last if op_id == last else (),
+                        variant,
+                    )
+                )
+            )
         self._attention_ops.extend(out)
         return out
 
-    def hidden_down(self, op_id: str, step: int, layer: int, batches: Iterable[int], tokens: int,
-                    deps: Iterable[str | None], expert: int = -1) -> str:
+    def hidden_down(
+        self,
+        op_id: str,
+        step: int,
+        layer: int,
+        batches: Iterable[int],
+        tokens: int,
+        deps: Iterable[str | None],
+        expert: int = -1,
+    ) -> str:
         """The hidden states of `tokens` tokens to host memory, for experts the CPU computes."""
-        return self.b.transfer(op_id, "activation", "d2h_act", self.model.hidden_bytes(tokens), "gpu", "cpu", deps,
-                               step=step, layer=layer, batches=tuple(batches), expert=expert, tensor="activation")
+        return self.b.transfer(
+            op_id,
+            "activation",
+            "d2h_act",
+            self.model.hidden_bytes(tokens),
+            "gpu",
+            "cpu",
+            deps,
+            step=step,
+            layer=layer,
+            batches=tuple(batches),
+            expert=expert,
+            tensor="activation",
+        )
 
-    def cpu_expert(self, op_id: str, step: int, layer: int, expert: int, batches: Iterable[int], tokens: int,
-                   hidden: str, blocks_host: bool = False) -> str:
+    def cpu_expert(
+        self,
+        op_id: str,
+        step: int,
+        layer: int,
+        expert: int,
+        batches: Iterable[int],
+        tokens: int,
+        hidden: str,
+        blocks_host: bool = False,
+    ) -> str:
         """One expert on the host CPU over `tokens` tokens whose hidden states `hidden` brought
         down (on the weights as stored: packed codes when quantised); with `blocks_host` it runs on
         the issuing thread. Returns the copy of its output back to the GPU (`{op_id}/up`)."""
         m, batches = self.model, tuple(batches)
-        cpu = self.b.compute(op_id, "expert", [hidden], stream="cpu_compute", flops=m.expert_flops(tokens),
-                             bytes=m.expert_io_bytes(tokens, stored=True), step=step, phase=self.phase(step),
-                             layer=layer, batches=batches, expert=expert, tokens=tokens)
+        cpu = self.b.compute(
+            op_id,
+            "expert",
+            [hidden],
+            stream="cpu_compute",
+            flops=m.expert_flops(tokens),
+            bytes=m.expert_io_bytes(tokens, stored=True),
+            step=step,
+            phase=self.phase(step),
+            layer=layer,
+            batches=batches,
+            expert=expert,
+            tokens=tokens,
+        )
         if blocks_host:
             self.sync(op_id, [cpu])
-        return self.b.transfer(f"{op_id}/up", "activation", "h2d_act", m.hidden_bytes(tokens), "cpu", "gpu", [cpu],
-                               step=step, layer=layer, batches=batches, expert=expert, tensor="activation")
+        return self.b.transfer(
+            f"{op_id}/up",
+            "activation",
+            "h2d_act",
+            m.hidden_bytes(tokens),
+            "cpu",
+            "gpu",
+            [cpu],
+            step=step,
+            layer=layer,
+            batches=batches,
+            expert=expert,
+            tensor="activation",
+        )
 
-    def _decode_attention_on_cpu(self, op_id: str, step: int, layer: int, batch: int, deps: list[str | None],
-                                 free: tuple[str, ...]) -> str:
+    def _decode_attention_on_cpu(
+        self, op_id: str, step: int, layer: int, batch: int, deps: list[str | None], free: tuple[str, ...]
+    ) -> str:
         """MoE-Lightning's CGOPipe split of a decode attention (option `attention_device=cpu`): q, k,
         v projected on the GPU, sent to host memory, attention over the KV cache there on the CPU
         (the new k, v appended to it), the result sent back and projected by o on the GPU. The KV
         cache never crosses PCIe in decode."""
         m, sh = self.model, self.shape
         tokens, kv_len = sh.batch_size, sh.kv_len(step)
-        tags = dict(step=step, phase=self.phase(step), layer=layer, batches=self.batch_tuple[batch])
+        tags: dict[str, Any] = dict(step=step, phase=self.phase(step), layer=layer, batches=self.batch_tuple[batch])
         h, q, kv = m.hidden_size, m.q_dim, m.kv_dim
-        qkv = self.b.compute(f"{op_id}/qkv", "attn_qkv", deps, flops=2 * tokens * h * (q + 2 * kv),
-                             bytes=h * (q + 2 * kv) * m.dtype_bytes + m.hidden_bytes(tokens)
-                             + tokens * (q + 2 * kv) * m.dtype_bytes, tokens=tokens,
-                             variant=self._qkv_variant, **tags)
+        qkv = self.b.compute(
+            f"{op_id}/qkv",
+            "attn_qkv",
+            deps,
+            flops=2 * tokens * h * (q + 2 * kv),
+            bytes=h * (q + 2 * kv) * m.dtype_bytes + m.hidden_bytes(tokens) + tokens * (q + 2 * kv) * m.dtype_bytes,
+            tokens=tokens,
+            variant=self._qkv_variant,
+            **tags,
+        )
         # in order behind this layer's previous CPU attention, and behind the prefill's KV store
-        down = self.b.transfer(f"{op_id}/qkv_down", "activation", "d2h_act", tokens * (q + 2 * kv) * m.dtype_bytes,
-                               "gpu", "cpu", [qkv, self._last_cpu_attention.get(layer),
-                                              self._last_kv_store.get((layer, batch))], tensor="activation", **tags)
-        core = self.b.compute(f"{op_id}/cpu", "attention", [down], stream="cpu_compute",
-                              flops=2 * 2 * tokens * m.num_heads * m.head_dim * kv_len,
-                              bytes=m.kv_bytes(tokens, kv_len) + 2 * tokens * q * m.dtype_bytes, tokens=tokens,
-                              kv_len=kv_len, **tags)
+        down = self.b.transfer(
+            f"{op_id}/qkv_down",
+            "activation",
+            "d2h_act",
+            tokens * (q + 2 * kv) * m.dtype_bytes,
+            "gpu",
+            "cpu",
+            [qkv, self._last_cpu_attention.get(layer), self._last_kv_store.get((layer, batch))],
+            tensor="activation",
+            **tags,
+        )
+        core = self.b.compute(
+            f"{op_id}/cpu",
+            "attention",
+            [down],
+            stream="cpu_compute",
+            flops=2 * 2 * tokens * m.num_heads * m.head_dim * kv_len,
+            bytes=m.kv_bytes(tokens, kv_len) + 2 * tokens * q * m.dtype_bytes,
+            tokens=tokens,
+            kv_len=kv_len,
+            **tags,
+        )
         self._last_cpu_attention[layer] = core
-        up = self.b.transfer(f"{op_id}/out_up", "activation", "h2d_act", tokens * q * m.dtype_bytes, "cpu", "gpu",
-                             [core], tensor="activation", **tags)
-        op = self.b.compute(op_id, "attn_out", [up, *deps], flops=2 * tokens * q * h,
-                            bytes=q * h * m.dtype_bytes + 2 * m.hidden_bytes(tokens), tokens=tokens, free=free, **tags)
+        up = self.b.transfer(
+            f"{op_id}/out_up",
+            "activation",
+            "h2d_act",
+            tokens * q * m.dtype_bytes,
+            "cpu",
+            "gpu",
+            [core],
+            tensor="activation",
+            **tags,
+        )
+        op = self.b.compute(
+            op_id,
+            "attn_out",
+            [up, *deps],
+            flops=2 * tokens * q * h,
+            bytes=q * h * m.dtype_bytes + 2 * m.hidden_bytes(tokens),
+            tokens=tokens,
+            free=free,
+            **tags,
+        )
         self._attention_ops.append(op)
         return op
 
-    def gate(self, op_id: str, step: int, layer: int, batch: int, deps: Iterable[str | None] = (),
-             free: tuple[str, ...] = ()) -> str:
+    def gate(
+        self, op_id: str, step: int, layer: int, batch: int, deps: Iterable[str | None] = (), free: tuple[str, ...] = ()
+    ) -> str:
         return self.b.append(self.gate_ops([(op_id, batch)], step, layer, deps, tuple(free))[0])
 
-    def gate_ops(self, ops: list[tuple[str, int]], step: int, layer: int, deps: Iterable[str | None],
-                 free_last: tuple[str, ...] = ()) -> list[Op]:
+    def gate_ops(
+        self,
+        ops: list[tuple[str, int]],
+        step: int,
+        layer: int,
+        deps: Iterable[str | None],
+        free_last: tuple[str, ...] = (),
+    ) -> list[Op]:
         """The gates (a dense layer: its MLP) of (op id, batch) pairs, the last freeing `free_last`,
         built together and not yet issued: a policy appends each where its loop issues it."""
         tokens = self.new_tokens(step) * self.shape.batch_size
@@ -680,24 +996,57 @@ class OpEmitter:
         if cost is None:  # a dense layer's MLP takes the gate's place
             m = self.model
             category = "gate" if m.is_moe(layer) else "dense_mlp"
-            cost = self._gate_costs[(tokens, layer)] = (category, m.gate_flops(tokens, layer),
-                                                         m.gate_io_bytes(tokens, layer), op_variant(m, category))
+            cost = self._gate_costs[(tokens, layer)] = (
+                category,
+                m.gate_flops(tokens, layer),
+                m.gate_io_bytes(tokens, layer),
+                op_variant(m, category),
+            )
         category, flops, nbytes, variant = cost
         deps_, phase, batch_tuple, last = clean_deps(deps), self.phase(step), self.batch_tuple, ops[-1][0]
-        return [compute_op(op_id, category, deps_, flops, nbytes, step, phase, layer, batch_tuple[batch], -1, tokens,
-                           0, (), free_last if op_id == last else (), variant) for op_id, batch in ops]
+        return [
+            compute_op(
+                op_id,
+                category,
+                deps_,
+                flops,
+                nbytes,
+                step,
+                phase,
+                layer,
+                batch_tuple[batch],
+                -1,
+                tokens,
+                0,
+                (),
+                free_last if op_id == last else (),
+                variant,
+            )
+            for op_id, batch in ops
+        ]
 
-    def expert(self, op_id: str, step: int, layer: int, expert: int, batches: Iterable[int], tokens: int,
-               deps: Iterable[str | None] = (), free: tuple[str, ...] = (), rows_of: str | None = None) -> str:
+    def expert(
+        self,
+        op_id: str,
+        step: int,
+        layer: int,
+        expert: int,
+        batches: Iterable[int],
+        tokens: int,
+        deps: Iterable[str | None] = (),
+        free: tuple[str, ...] = (),
+        rows_of: str | None = None,
+    ) -> str:
         """One expert over `tokens` tokens gathered from `batches`. With option `sync=per-expert`
         the host first reads the expert's token rows, which `rows_of` produced (a `.tolist()`:
         sync op `{op_id}/rows/sync`)."""
-        return self.expert_chain(step, layer, rows_of, [(op_id, expert, tuple(batches), tokens,
-                                                         clean_deps(list(deps)), tuple(free))])
+        return self.expert_chain(
+            step, layer, rows_of, [(op_id, expert, tuple(batches), tokens, clean_deps(list(deps)), tuple(free))]
+        )
 
-    def expert_chain(self, step: int, layer: int, after: str | None,
-                     ops: Sequence[tuple[str, int, tuple[int, ...], int, tuple[str, ...], tuple[str, ...]]],
-                     last_also: tuple[str, ...] = ()) -> str:
+    def expert_chain(
+        self, step: int, layer: int, after: str | None, ops: Sequence[ExpertOp], last_also: tuple[str, ...] = ()
+    ) -> str:
         """Expert ops (op id, expert, batches, tokens, deps, frees; deps without Nones or
         repeats) issued one after another, as a published MoE loop walks them: with option
         `sync=per-expert` each after the host reads its token rows, which the op before it (the
@@ -713,10 +1062,24 @@ class OpEmitter:
         for op_id, expert, batches, tokens, deps, free in ops:
             cost = costs.get(tokens) or self._expert_cost(tokens)
             sync = f"{op_id}/rows/sync" if sync_rows and op is not None else None
-            expert_op = compute_op(op_id, "expert", deps + (sync,) if sync else deps, cost[0], cost[1], step, phase,
-                                   layer, batches, expert, tokens, 0, (),
-                                   free if cache is None else self.releasable(free), "")
-            if sync:
+            expert_op = compute_op(
+                op_id,
+                "expert",
+                deps + (sync,) if sync else deps,
+                cost[0],
+                cost[1],
+                step,
+                phase,
+                layer,
+                batches,
+                expert,
+                tokens,
+                0,
+                (),
+                free if cache is None else self.releasable(free),
+                "",
+            )
+            if sync is not None and op is not None:
                 pairs.append((host_op(sync, "sync", (op,)), expert_op))
             else:  # (no rows to read first: issued as it is)
                 self.b.append(expert_op)
@@ -724,6 +1087,8 @@ class OpEmitter:
                 for d in expert_op.deps:
                     cache.used_by(d, op_id)
             op = op_id
+        if op is None:
+            raise ValueError("expert_chain: no expert op, and no op before it to return")
         return self.b.append_after_syncs(pairs) if pairs else op
 
     def _expert_cost(self, tokens: int) -> tuple[int, int]:
@@ -739,8 +1104,11 @@ class OpEmitter:
         cost = self._attention_costs.get(key)
         if cost is None:
             m, bs, variant = self.model, self.shape.batch_size, self.impl.attention_impl
-            cost = self._attention_costs[key] = (m.attention_flops(bs, new, kv_len, variant),
-                                                 m.attention_io_bytes(bs, new, kv_len, variant), m.kv_bytes(bs, new))
+            cost = self._attention_costs[key] = (
+                m.attention_flops(bs, new, kv_len, variant),
+                m.attention_io_bytes(bs, new, kv_len, variant),
+                m.kv_bytes(bs, new),
+            )
         return cost
 
     # ---- the host thread -------------------------------------------------------------------------
@@ -779,16 +1147,26 @@ class OpEmitter:
 
     def build(self, policy: str, **extra_meta: Any) -> Schedule:
         sh, m = self.shape, self.model
-        meta = dict(policy=policy, model=m.name, hardware=self.inp.profile.name, batch_size=sh.batch_size,
-                    num_batches=sh.num_batches, prompt_len=sh.prompt_len, gen_len=sh.gen_len,
-                    generated_tokens=sh.generated_tokens, placement=asdict(self.placement),
-                    routing=self.inp.routing.source, options=dict(self.inp.options),
-                    impl=impl_label(policy, self.inp.impl, self.inp.options))
+        meta = dict(
+            policy=policy,
+            model=m.name,
+            hardware=self.inp.profile.name,
+            batch_size=sh.batch_size,
+            num_batches=sh.num_batches,
+            prompt_len=sh.prompt_len,
+            gen_len=sh.gen_len,
+            generated_tokens=sh.generated_tokens,
+            placement=asdict(self.placement),
+            routing=self.inp.routing.source,
+            options=dict(self.inp.options),
+            impl=impl_label(policy, self.inp.impl, self.inp.options),
+        )
         meta.update(extra_meta)
         if self.cache is not None:
             meta["expert_cache"] = self.cache.stats()
             held = list(self.cache.entries.values())
             if held:  # the run ends with nothing allocated: the cache lets go of what it holds
-                self.b.compute("release_expert_cache", "combine", [self.cache.last_use.get(b, b) for b in held],
-                               free=tuple(held))
+                self.b.compute(
+                    "release_expert_cache", "combine", [self.cache.last_use.get(b, b) for b in held], free=tuple(held)
+                )
         return self.b.build(meta)

@@ -45,8 +45,9 @@ class ExpertCache:
             raise UsageError(f"cache_policy must be one of {CACHE_POLICIES}, got {self.policy!r}")
 
     @staticmethod
-    def hot_set(warmup_experts: np.ndarray | None, num_layers: int, num_experts: int, slots: int,
-                first_moe_layer: int = 0) -> frozenset[Key]:
+    def hot_set(
+        warmup_experts: np.ndarray | None, num_layers: int, num_experts: int, slots: int, first_moe_layer: int = 0
+    ) -> frozenset[Key]:
         """The `slots` (layer, expert) pairs used most on the warm-up sequences."""
         counts = np.zeros((num_layers, num_experts), dtype=np.int64)
         if warmup_experts is not None and len(warmup_experts):
@@ -95,5 +96,10 @@ class ExpertCache:
 
     def stats(self) -> dict[str, float | int | str]:
         total = self.hits + self.misses
-        return {"slots": self.slots, "policy": self.policy, "hits": self.hits, "misses": self.misses,
-                "hit_rate": self.hits / total if total else 0.0}
+        return {
+            "slots": self.slots,
+            "policy": self.policy,
+            "hits": self.hits,
+            "misses": self.misses,
+            "hit_rate": self.hits / total if total else 0.0,
+        }

@@ -31,10 +31,10 @@ from dataclasses import replace
 import numpy as np
 
 from klotski_sim.core.cost import CostModel
-from klotski_sim.util.errors import UsageError
 from klotski_sim.core.schedule import CPU_STREAMS, DEFAULT_STREAMS, Schedule, ScheduleBuilder
-from klotski_sim.policies.base import OpEmitter, PolicyInput, cpu_expert_seconds, register
+from klotski_sim.policies.base import OpEmitter, PolicyInput, PolicyTraits, cpu_expert_seconds, register
 from klotski_sim.policies.cache import ExpertCache
+from klotski_sim.util.errors import UsageError
 
 RULES = ("cost", "expert-tokens", "layer-tokens")
 LLAMA_CPP_MIN_BATCH = 32  # ggml-cuda.cu: ops with fewer tokens stay with CPU-resident weights
@@ -45,11 +45,19 @@ def gpu_expert_slots(inp: PolicyInput, streaming_buffers: int) -> int:
     layers' attention and gate, the KV cache of every batch, the prompt activations and the
     buffers that copied experts go through."""
     m, sh = inp.model, inp.shape
-    kv = m.num_layers * m.kv_bytes(sh.batch_size * sh.num_batches, sh.prompt_len + sh.gen_len) \
-        if inp.placement.kv == "gpu" else 0
-    fixed = (m.resident_bytes() + m.non_expert_bytes() + kv
-             + sh.num_batches * m.hidden_bytes(sh.batch_size * sh.prompt_len)
-             + streaming_buffers * m.expert_buffer_bytes() + (m.expert_bytes() if m.quantised else 0))
+    kv = (
+        m.num_layers * m.kv_bytes(sh.batch_size * sh.num_batches, sh.prompt_len + sh.gen_len)
+        if inp.placement.kv == "gpu"
+        else 0
+    )
+    fixed = (
+        m.resident_bytes()
+        + m.non_expert_bytes()
+        + kv
+        + sh.num_batches * m.hidden_bytes(sh.batch_size * sh.prompt_len)
+        + streaming_buffers * m.expert_buffer_bytes()
+        + (m.expert_bytes() if m.quantised else 0)
+    )
     spare = inp.profile.gpu.usable_bytes - fixed
     moe_experts = (m.num_layers - m.first_dense_layers) * m.num_experts
     return int(max(0, min(moe_experts, spare // m.expert_buffer_bytes())))
@@ -60,8 +68,15 @@ def popular_experts(inp: PolicyInput, slots: int) -> set[tuple[int, int]]:
     then lower expert id); without warm-up data, the first layers' experts."""
     m = inp.model
     moe_experts = (m.num_layers - m.first_dense_layers) * m.num_experts
-    return set(ExpertCache.hot_set(inp.warmup.experts if inp.warmup is not None else None, m.num_layers,
-                                   m.num_experts, min(slots, moe_experts), m.first_dense_layers))
+    return set(
+        ExpertCache.hot_set(
+            inp.warmup.experts if inp.warmup is not None else None,
+            m.num_layers,
+            m.num_experts,
+            min(slots, moe_experts),
+            m.first_dense_layers,
+        )
+    )
 
 
 class CpuOrTransfer:
@@ -80,8 +95,11 @@ class CpuOrTransfer:
         """The transfer path: the weights over PCIe, then the expert on the GPU."""
         m, c = self.inp.model, self.cost
         dequant = c.compute_seconds("dequant", m.dequant_flops(), m.dequant_io_bytes()) if m.quantised else 0.0
-        return (c.transfer_seconds("pcie_h2d", m.expert_bytes()) + dequant
-                + c.compute_seconds("expert", m.expert_flops(tokens), m.expert_io_bytes(tokens), tokens))
+        return (
+            c.transfer_seconds("pcie_h2d", m.expert_bytes())
+            + dequant
+            + c.compute_seconds("expert", m.expert_flops(tokens), m.expert_io_bytes(tokens), tokens)
+        )
 
     def on_cpu(self, tokens: int, hidden_down: bool) -> bool:
         """For `rule=layer-tokens` pass the layer's token count."""
@@ -117,8 +135,9 @@ def _build(inp: PolicyInput, name: str) -> Schedule:
 
     def down(at: str, step: int, layer: int, batch: int, tokens: int, after: str, expert: int = -1) -> str:
         """Hidden states to host memory: blocking `.to("cpu")` as published, or one async copy per layer."""
-        op = em.hidden_down(f"{at}/hidden_down" + (f"_E{expert}" if expert >= 0 else ""), step, layer, (batch,),
-                            tokens, [after], expert)
+        op = em.hidden_down(
+            f"{at}/hidden_down" + (f"_E{expert}" if expert >= 0 else ""), step, layer, (batch,), tokens, [after], expert
+        )
         if opts["act_per_expert"]:
             em.sync(f"{at}/hidden_down_E{expert}", [op])
         return op
@@ -142,8 +161,11 @@ def _build(inp: PolicyInput, name: str) -> Schedule:
                     if cold and not cpu_side:  # the op runs on the GPU: the layer's expert tensor is uploaded whole
                         uploaded = em.fetch_moe_layer(at, step, layer, streamed[-buffers:][:1] + [gate])
                 else:
-                    cpu_side = [e for e in active if (layer, e) not in on_gpu
-                                and decide.on_cpu(int(tokens[e]), hidden_down=True)]
+                    cpu_side = [
+                        e
+                        for e in active
+                        if (layer, e) not in on_gpu and decide.on_cpu(int(tokens[e]), hidden_down=True)
+                    ]
                 layer_out = []
                 # GPU experts first (resident ones, then those whose weights are copied), as Fiddler issues them
                 for e in [e for e in active if e not in cpu_side]:
@@ -158,26 +180,47 @@ def _build(inp: PolicyInput, name: str) -> Schedule:
                     if whole_layer:
                         layer_out.append(em.expert(f"{at}/E{e}", step, layer, e, (batch,), n, [uploaded[e]]))
                         continue
-                    load = em.fetch(f"{at}/load_E{e}", "experts", m.expert_bytes(), "moe_weights", "h2d_weights",
-                                    streamed[-buffers:][:1] + [gate], step=step, layer=layer, expert=e)
+                    load = em.fetch(
+                        f"{at}/load_E{e}",
+                        "experts",
+                        m.expert_bytes(),
+                        "moe_weights",
+                        "h2d_weights",
+                        streamed[-buffers:][:1] + [gate],
+                        step=step,
+                        layer=layer,
+                        expert=e,
+                    )
                     op = em.expert(f"{at}/E{e}", step, layer, e, (batch,), n, [load], free=(load,))
                     streamed.append(op)
                     layer_out.append(op)
                 if whole_layer and cold and not cpu_side:  # the upload is freed once the layer's experts are done
-                    done = em.b.compute(f"{at}/moe_done", "combine", layer_out + uploaded, free=em.releasable(uploaded), step=step,
-                                        phase=em.phase(step), layer=layer, batches=(batch,))
+                    done = em.b.compute(
+                        f"{at}/moe_done",
+                        "combine",
+                        layer_out + uploaded,
+                        free=em.releasable(uploaded),
+                        step=step,
+                        phase=em.phase(step),
+                        layer=layer,
+                        batches=(batch,),
+                    )
                     streamed.append(done)
                     layer_out = [done]
-                hidden = down(at, step, layer, batch, sh.batch_size * em.new_tokens(step), gate) \
-                    if cpu_side and per_layer_down else None
+                hidden = (
+                    down(at, step, layer, batch, sh.batch_size * em.new_tokens(step), gate)
+                    if cpu_side and per_layer_down
+                    else None
+                )
                 for e in cpu_side:
                     n = int(tokens[e])
                     placed["cpu"] += 1
                     if em.impl.sync_experts:
                         em.sync(f"{at}/cpu_E{e}/rows", [gate])
                     src = hidden or down(at, step, layer, batch, n, gate, e)
-                    layer_out.append(em.cpu_expert(f"{at}/cpu_E{e}", step, layer, e, (batch,), n, src,
-                                                   opts["cpu_blocks_host"]))
+                    layer_out.append(
+                        em.cpu_expert(f"{at}/cpu_E{e}", step, layer, e, (batch,), n, src, opts["cpu_blocks_host"])
+                    )
                 if not layer_out:
                     layer_out = [gate]
             em.lm_head(f"{prefix}/lm_head", step, batch, layer_out)
@@ -190,17 +233,32 @@ def _build(inp: PolicyInput, name: str) -> Schedule:
 # CPU iff 7 x tokens < 70 (latency_cpu/latency_gpu, so at most 9 tokens); GPU experts first, each
 # after a `.tolist()`, copied by `load_state_dict` into one placeholder from unpinned parameters;
 # CPU experts on the issuing thread, each input sent with a blocking `.to("cpu")`.
-FIDDLER_AS_PUBLISHED = {"rule": "expert-tokens", "min_batch": 10, "cpu_blocks_host": True, "act_per_expert": True,
-                        "expert_buffers": 1, "sync": "per-expert", "copy_memory_weights": "pageable"}
+FIDDLER_AS_PUBLISHED = {
+    "rule": "expert-tokens",
+    "min_batch": 10,
+    "cpu_blocks_host": True,
+    "act_per_expert": True,
+    "expert_buffers": 1,
+    "sync": "per-expert",
+    "copy_memory_weights": "pageable",
+}
 # The paper's intent implemented well: the cost model decides, the CPU has its own thread, one
 # hidden-state copy per layer, double-buffered pinned expert copies.
-FIDDLER_IDEAL = {"rule": "cost", "min_batch": 10, "cpu_blocks_host": False, "act_per_expert": False,
-                 "expert_buffers": 2, "sync": "none", "copy_memory_weights": "pinned"}
+FIDDLER_IDEAL = {
+    "rule": "cost",
+    "min_batch": 10,
+    "cpu_blocks_host": False,
+    "act_per_expert": False,
+    "expert_buffers": 2,
+    "sync": "none",
+    "copy_memory_weights": "pinned",
+}
 # llama.cpp: host-resident expert tensors are uploaded (whole) only for ops of >= 32 tokens
 # (ggml-cuda.cu, GGML_OP_OFFLOAD_MIN_BATCH); the scheduler runs the CPU split on the calling thread
 # after a blocking copy of its inputs; weights are mmap-ed from the model file (pageable).
-LLAMACPP_AS_PUBLISHED = dict(FIDDLER_AS_PUBLISHED, rule="layer-tokens", min_batch=LLAMA_CPP_MIN_BATCH,
-                             act_per_expert=False, sync="none")
+LLAMACPP_AS_PUBLISHED = dict(
+    FIDDLER_AS_PUBLISHED, rule="layer-tokens", min_batch=LLAMA_CPP_MIN_BATCH, act_per_expert=False, sync="none"
+)
 LLAMACPP_IDEAL = dict(FIDDLER_IDEAL, rule="layer-tokens", min_batch=LLAMA_CPP_MIN_BATCH)
 IMPL_OPTIONS = ("sync", "copy_memory_weights")
 
@@ -210,17 +268,27 @@ def _defaults(options: dict) -> dict:
     return {k: v for k, v in options.items() if k not in IMPL_OPTIONS}
 
 
-@register("fiddler", "Fiddler: popular experts on the GPU; each other expert on the CPU when that beats moving "
-          "it (as published: at most 9 tokens; ideal: the cost model decides)",
-          defaults=_defaults(FIDDLER_IDEAL), impl_options=IMPL_OPTIONS, one_batch=True, needs_cpu=True,
-          presets={"as-published": FIDDLER_AS_PUBLISHED, "ideal": FIDDLER_IDEAL, "v0.1": FIDDLER_IDEAL})
+@register(
+    "fiddler",
+    "Fiddler: popular experts on the GPU; each other expert on the CPU when that beats moving "
+    "it (as published: at most 9 tokens; ideal: the cost model decides)",
+    defaults=_defaults(FIDDLER_IDEAL),
+    impl_options=IMPL_OPTIONS,
+    traits=PolicyTraits(one_batch=True, needs_cpu=True),
+    presets={"as-published": FIDDLER_AS_PUBLISHED, "ideal": FIDDLER_IDEAL, "v0.1": FIDDLER_IDEAL},
+)
 def build_fiddler(inp: PolicyInput) -> Schedule:
     return _build(inp, "fiddler")
 
 
-@register("llamacpp-moe", "llama.cpp's rule: experts not on the GPU run on the CPU unless the op has >= 32 "
-          "tokens (then their weights are copied over)",
-          defaults=_defaults(LLAMACPP_IDEAL), impl_options=IMPL_OPTIONS, one_batch=True, needs_cpu=True,
-          presets={"as-published": LLAMACPP_AS_PUBLISHED, "ideal": LLAMACPP_IDEAL, "v0.1": LLAMACPP_IDEAL})
+@register(
+    "llamacpp-moe",
+    "llama.cpp's rule: experts not on the GPU run on the CPU unless the op has >= 32 "
+    "tokens (then their weights are copied over)",
+    defaults=_defaults(LLAMACPP_IDEAL),
+    impl_options=IMPL_OPTIONS,
+    traits=PolicyTraits(one_batch=True, needs_cpu=True),
+    presets={"as-published": LLAMACPP_AS_PUBLISHED, "ideal": LLAMACPP_IDEAL, "v0.1": LLAMACPP_IDEAL},
+)
 def build_llamacpp(inp: PolicyInput) -> Schedule:
     return _build(inp, "llamacpp-moe")

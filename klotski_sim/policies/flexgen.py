@@ -18,25 +18,36 @@ comes from the host model itself.
 
 from __future__ import annotations
 
-from klotski_sim.util.errors import UsageError
 from klotski_sim.core.schedule import Schedule
-from klotski_sim.policies.base import OpEmitter, PolicyInput, register
+from klotski_sim.policies.base import OpEmitter, PolicyInput, PolicyTraits, register
+from klotski_sim.util.errors import UsageError
 
 OVERLAPS = ("code", "model")
+# an expert op as `OpEmitter.expert_chain` takes it: op id, expert, batches, tokens, deps, frees
+_ExpertOp = tuple[str, int, tuple[int, ...], int, tuple[str, ...], tuple[str, ...]]
 
 
 # FlexGen's flex_opt.py as Klotski ran it on Mixtral (docs/implementations.md): `sync()` after every
 # compute step, weights pinned (--pin-weight defaults to True), the KV cache in unpinned memory
 # (init_cache_one_gpu_batch), and the shared backend's eager GQA attention and per-expert loop with
 # a `.tolist()` per expert (MoE_computation), each batch computing its own experts.
-AS_PUBLISHED = {"sync": "per-expert", "copy_memory_weights": "pinned", "copy_memory_kv": "pageable",
-                "attention_impl": "eager", "overlap": "code"}
+AS_PUBLISHED = {
+    "sync": "per-expert",
+    "copy_memory_weights": "pinned",
+    "copy_memory_kv": "pageable",
+    "attention_impl": "eager",
+    "overlap": "code",
+}
 
 
-@register("flexgen", "FlexGen zig-zag block of n batches, whole-layer loads; overlap=code|model",
-          defaults={"overlap": "code"}, impl_options=("sync", "copy_memory_weights", "copy_memory_kv", "attention_impl"),
-          presets={"as-published": AS_PUBLISHED, "ideal": {"overlap": "model"}, "v0.1": {"overlap": "code"}},
-          speed_independent=True, holds_moe_layer=True)
+@register(
+    "flexgen",
+    "FlexGen zig-zag block of n batches, whole-layer loads; overlap=code|model",
+    defaults={"overlap": "code"},
+    impl_options=("sync", "copy_memory_weights", "copy_memory_kv", "attention_impl"),
+    presets={"as-published": AS_PUBLISHED, "ideal": {"overlap": "model"}, "v0.1": {"overlap": "code"}},
+    traits=PolicyTraits(speed_independent=True, holds_moe_layer=True),
+)
 def build(inp: PolicyInput) -> Schedule:
     overlap = inp.options["overlap"]
     if overlap not in OVERLAPS:
@@ -72,12 +83,16 @@ def build(inp: PolicyInput) -> Schedule:
             # FlexGen's code: sync() after batch 0 waits for the weights issued at k = 0
             sync = upcoming if overlap == "code" and k == 1 else []
             last_batch = k == batches[-1]
-            em.attention(f"{at}/b{k}/attn", step, layer, k, [attn_w, *sync],
-                         free=(attn_w,) if attn_w and last_batch else ())
+            em.attention(
+                f"{at}/b{k}/attn", step, layer, k, [attn_w, *sync], free=(attn_w,) if attn_w and last_batch else ()
+            )
             op = em.gate(f"{at}/b{k}/gate", step, layer, k, [gate_w], free=(gate_w,) if gate_w and last_batch else ())
             row = counts[step, layer, k].tolist()
-            ops = [(f"{at}/b{k}/E{e}", e, em.batch_tuple[k], tokens, (expert_w[e],) if expert_w else (), ())
-                   for e, tokens in enumerate(row) if tokens > 0]
+            ops: list[_ExpertOp] = [
+                (f"{at}/b{k}/E{e}", e, em.batch_tuple[k], tokens, (expert_w[e],) if expert_w else (), ())
+                for e, tokens in enumerate(row)
+                if tokens > 0
+            ]
             if ops and last_batch:  # the layer's last expert op waits for, then releases, the whole MoE layer
                 ops[-1] = ops[-1][:4] + (tuple(expert_w), tuple(expert_w))
             op = em.expert_chain(step, layer, op, ops)

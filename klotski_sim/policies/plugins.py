@@ -14,8 +14,8 @@ import traceback
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from klotski_sim.util.errors import KlotskiError, UsageError
 from klotski_sim.policies.base import POLICIES
+from klotski_sim.util.errors import KlotskiError, UsageError
 
 ENTRY_POINT_GROUP = "klotski.policies"
 _loaded: dict[str, list[str]] = {}  # resolved path -> the policies it registered
@@ -26,8 +26,13 @@ def load_policy_file(path: str | Path) -> list[str]:
     file, a syntax error or an exception while importing is one line naming the file and line."""
     p = Path(path)
     if not p.is_file():
-        why = ("is a folder, not a Python file" if p.is_dir() else
-               "not a regular file (a device or a pipe?), not a Python file" if p.exists() else "no such file")
+        why = (
+            "is a folder, not a Python file"
+            if p.is_dir()
+            else "not a regular file (a device or a pipe?), not a Python file"
+            if p.exists()
+            else "no such file"
+        )
         raise UsageError(f"--policy-file {path}: {why}")
     key = str(p.resolve())
     if key in _loaded:
@@ -53,19 +58,21 @@ def load_policy_file(path: str | Path) -> list[str]:
         frames = [f for f in traceback.extract_tb(err.__traceback__) if Path(f.filename).resolve() == p.resolve()]
         line = f":{frames[-1].lineno}" if frames else ""
         if isinstance(err, SystemExit):  # (the command ended there, with that status and no word of why)
-            raise UsageError(f"{path}{line}: exits (sys.exit({err.code!r})) while being imported; a policy file "
-                             f"only registers policies") from None
+            raise UsageError(
+                f"{path}{line}: exits (sys.exit({err.code!r})) while being imported; a policy file "
+                f"only registers policies"
+            ) from None
         raise UsageError(f"{path}{line}: {type(err).__name__}: {err}") from err
     touched = sorted(name for name, info in before.items() if POLICIES.get(name) is not info)
     if touched:  # (one that replaced `klotski` was said to "register no policy"; the registry is put back)
         POLICIES.clear()
         POLICIES.update(before)
-        raise UsageError(f"{path}: replaces or removes the registered policy {touched[0]!r} (register yours under "
-                         f"another name)")
+        raise UsageError(
+            f"{path}: replaces or removes the registered policy {touched[0]!r} (register yours under another name)"
+        )
     added = sorted(set(POLICIES) - set(before))
     if not added:
-        raise UsageError(f"{path}: registers no policy (decorate a build function with "
-                         f"klotski_sim.policies.register)")
+        raise UsageError(f"{path}: registers no policy (decorate a build function with klotski_sim.policies.register)")
     _loaded[key] = added
     return added
 
@@ -86,8 +93,10 @@ def load_entry_points() -> list[str]:
         except KlotskiError:
             raise
         except (Exception, SystemExit, GeneratorExit) as err:  # noqa: BLE001 - an installed plugin that does not import
-            raise UsageError(f"entry point {ep.name!r} ({ep.value}) of group {ENTRY_POINT_GROUP} does not load: "
-                             f"{type(err).__name__}: {err}") from None if isinstance(err, SystemExit) else err
+            raise UsageError(
+                f"entry point {ep.name!r} ({ep.value}) of group {ENTRY_POINT_GROUP} does not load: "
+                f"{type(err).__name__}: {err}"
+            ) from None if isinstance(err, SystemExit) else err
     return sorted(set(POLICIES) - before)
 
 

@@ -82,12 +82,12 @@ class CorrelationTable:
         if L * E * E > _WHOLE_TABLE_COUNTS:
             self._observe_layer_by_layer(tokens)
             return
-        wide = np.int32 if L * E * E < 2**31 else np.int64
+        wide: type[np.signedinteger] = np.int32 if L * E * E < 2**31 else np.int64
         offsets = (np.arange(1, L, dtype=wide) * (E * E)).reshape(-1, 1, 1)
         span = max(1, _CHUNK_PAIRS // ((L - 1) * K * K))  # tokens per pass: bounded temporary memory
         flat_pairs = self.pairs.reshape(-1)
         for start in range(0, len(tokens), span):
-            block = tokens[start:start + span].astype(wide)
+            block = tokens[start : start + span].astype(wide)
             flat = offsets + block[:, :-1, :, None] * E + block[:, 1:, None, :]
             flat_pairs += np.bincount(flat.ravel(), minlength=L * E * E)
 
@@ -97,7 +97,7 @@ class CorrelationTable:
         L, E, K = self.num_layers, self.num_experts, self.top_k
         span = max(1, 4 * _CHUNK_PAIRS // (L * K))  # tokens per pass: a 4 MB block of int32 ids
         for start in range(0, len(tokens), span):
-            block = np.ascontiguousarray(tokens[start:start + span].transpose(1, 0, 2), dtype=np.int32)
+            block = np.ascontiguousarray(tokens[start : start + span].transpose(1, 0, 2), dtype=np.int32)
             for layer in range(1, L):
                 flat = (block[layer - 1] * E)[:, :, None] + block[layer][:, None, :]
                 self.pairs[layer] += np.bincount(flat.ravel(), minlength=E * E).reshape(E, E)
@@ -117,7 +117,7 @@ class CorrelationTable:
         rows = ids.reshape((-1,) + ids.shape[-3:]) if ids.ndim > 3 else ids[:, None]
         span = max(1, _CODE_TOKENS // rows.shape[1])
         for start in range(0, len(rows), span):
-            code = choice_codes(rows[start:start + span], E)
+            code = choice_codes(rows[start : start + span], E)
             flat = code[..., :-1] * codes + code[..., 1:] + offsets
             choice_pairs += np.bincount(flat.ravel(), minlength=len(choice_pairs))
         self.pairs[1:] += holds.T @ choice_pairs.reshape(L - 1, codes, codes) @ holds

@@ -16,16 +16,25 @@ from __future__ import annotations
 from typing import Sequence
 
 from klotski_sim.core.schedule import Schedule
-from klotski_sim.policies.base import OpEmitter, PolicyInput, register
+from klotski_sim.policies.base import OpEmitter, PolicyInput, PolicyTraits, register
 
 # Klotski's port, `generation_loop_overlap_single_batch` and `MoE_computation` (docs/implementations.md)
-AS_PUBLISHED = {"sync": "per-expert", "copy_memory_weights": "pinned", "copy_memory_kv": "pageable",
-                "attention_impl": "eager", "moe_load": "at-gate"}
+AS_PUBLISHED = {
+    "sync": "per-expert",
+    "copy_memory_weights": "pinned",
+    "copy_memory_kv": "pageable",
+    "attention_impl": "eager",
+    "moe_load": "at-gate",
+}
 
 
-@register("single-batch", "one batch at a time; prefetch all of layer j+1 (whole MoE layer) while layer j computes",
-          impl_options=tuple(AS_PUBLISHED), presets={"as-published": AS_PUBLISHED}, one_batch=True,
-          speed_independent=True)
+@register(
+    "single-batch",
+    "one batch at a time; prefetch all of layer j+1 (whole MoE layer) while layer j computes",
+    impl_options=tuple(AS_PUBLISHED),
+    presets={"as-published": AS_PUBLISHED},
+    traits=PolicyTraits(one_batch=True, speed_independent=True),
+)
 def build(inp: PolicyInput) -> Schedule:
     em = OpEmitter(inp)
     if em.impl.moe_load == "at-gate":
@@ -67,8 +76,12 @@ def _build_per_sublayer(em: OpEmitter) -> Schedule:
     inp = em.inp
     m, sh, counts = inp.model, inp.shape, inp.routing.counts
     sync = em.impl.sync_sublayers
-    order = [(batch, step, layer) for batch in range(sh.num_batches) for step in range(sh.num_steps)
-             for layer in range(m.num_layers)]
+    order = [
+        (batch, step, layer)
+        for batch in range(sh.num_batches)
+        for step in range(sh.num_steps)
+        for layer in range(m.num_layers)
+    ]
     attention_w = {0: None if em.is_resident(0) else em.fetch_attention("b0/s0/L0", 0, 0)}
     last_attention = prev_moe = None
     for g, (batch, step, layer) in enumerate(order):
@@ -94,8 +107,9 @@ def _build_per_sublayer(em: OpEmitter) -> Schedule:
         # MoE sub-layer: the next attention loads meanwhile
         if g + 1 < len(order):
             nb, ns, nl = order[g + 1]
-            attention_w[g + 1] = None if em.is_resident(nl) else em.fetch_attention(
-                f"b{nb}/s{ns}/L{nl}", ns, nl, [last_attention])
+            attention_w[g + 1] = (
+                None if em.is_resident(nl) else em.fetch_attention(f"b{nb}/s{ns}/L{nl}", ns, nl, [last_attention])
+            )
         # one MoE layer in flight: the next one loads once this one is done
         prev_moe = _experts(em, at, step, layer, batch, tokens, expert_w, gate)
         if sync:
@@ -105,15 +119,24 @@ def _build_per_sublayer(em: OpEmitter) -> Schedule:
     return em.build("single-batch")
 
 
-def _experts(em: OpEmitter, at: str, step: int, layer: int, batch: int, tokens: Sequence[int],
-             expert_w: list[str | None], after: str) -> str:
+def _experts(
+    em: OpEmitter,
+    at: str,
+    step: int,
+    layer: int,
+    batch: int,
+    tokens: Sequence[int],
+    expert_w: list[str | None],
+    after: str,
+) -> str:
     """The batch's experts in id order (as `MoE_computation` walks them), each after a `.tolist()`
     wait with `sync=per-expert`; returns the last expert op. It is the layer's sync point: it waits
     for the whole layer's load and releases the experts nobody used."""
     active = [e for e in range(len(tokens)) if tokens[e] > 0]
     unused = tuple(w for e, w in enumerate(expert_w) if w is not None and tokens[e] == 0)
-    ops = [(f"{at}/E{e}", e, em.batch_tuple[batch], int(tokens[e]), _own(expert_w[e]), _own(expert_w[e]))
-           for e in active]
+    ops = [
+        (f"{at}/E{e}", e, em.batch_tuple[batch], int(tokens[e]), _own(expert_w[e]), _own(expert_w[e])) for e in active
+    ]
     return em.expert_chain(step, layer, after, ops, last_also=unused)
 
 

@@ -12,9 +12,9 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from klotski_sim.util.lazy import pd  # (imported when first used: klotski_sim/util/lazy.py)
-from klotski_sim.files.outfiles import OutputFiles
 from klotski_sim.core.timeline import Timeline, jsonable
+from klotski_sim.files.outfiles import OutputFiles
+from klotski_sim.util.lazy import pd  # (imported when first used: klotski_sim/util/lazy.py)
 
 
 def to_parquet(timeline: Timeline, path: str | Path, df: pd.DataFrame | None = None) -> None:
@@ -94,14 +94,27 @@ def _trace_events(timeline: Timeline) -> Iterator[str]:
     escape = _escaper(categories)  # (a name is its category's text and digits: escaped as the category)
     named: dict[tuple[str, int, int, str], tuple[str, str]] = {}  # an op's name and category, made once each
     for t, cat, a, d, op, st, ly, bt, ex, tk, nb, bb in zip(
-            tids, categories, ts, dur, _json_texts(c["op_id"]), c["step"].tolist(), c["layer"].tolist(), c["batches"],
-            c["expert"].tolist(), c["tokens"].tolist(), c["bytes"].tolist(), _json_texts(c["blocked_by"])):
+        tids,
+        categories,
+        ts,
+        dur,
+        _json_texts(c["op_id"]),
+        c["step"].tolist(),
+        c["layer"].tolist(),
+        c["batches"],
+        c["expert"].tolist(),
+        c["tokens"].tolist(),
+        c["bytes"].tolist(),
+        _json_texts(c["blocked_by"]),
+    ):
         texts = named.get((cat, ly, ex, bt))
         if texts is None:  # (a few thousand distinct names among a run's 300k ops)
             texts = named[(cat, ly, ex, bt)] = (escape(_label(cat, ly, ex, bt)), escape(cat))
-        yield (f'{{"ph":"X","pid":1,"tid":{t},"name":"{texts[0]}","cat":"{texts[1]}","ts":{a!r},"dur":{d!r},'
-               f'"args":{{"op":"{op}","step":{st},"layer":{ly},"batches":"{bt}","expert":{ex},"tokens":{tk},'
-               f'"bytes":{nb},"blocked_by":"{bb}"}}}}')
+        yield (
+            f'{{"ph":"X","pid":1,"tid":{t},"name":"{texts[0]}","cat":"{texts[1]}","ts":{a!r},"dur":{d!r},'
+            f'"args":{{"op":"{op}","step":{st},"layer":{ly},"batches":"{bt}","expert":{ex},"tokens":{tk},'
+            f'"bytes":{nb},"blocked_by":"{bb}"}}}}'
+        )
     dumps = json.dumps
     label = f"{timeline.meta.get('policy', '')} {timeline.meta.get('model', '')} {timeline.meta.get('hardware', '')}".strip()
     yield dumps({"ph": "M", "name": "process_name", "pid": 1, "args": {"name": label or "klotski"}})
@@ -113,16 +126,20 @@ def _trace_events(timeline: Timeline) -> Iterator[str]:
     bub = timeline.bubbles()
     # (json.dumps' own separators, and Python's round, as these events were written one dumps each)
     for start, duration, kind, ended_by, cause in zip(
-            (bub["start"].to_numpy(dtype=float) * 1e6).tolist(), (bub["duration"].to_numpy(dtype=float) * 1e6).tolist(),
-            *(_json_texts(bub[name].tolist()) for name in ("kind", "next_op", "cause"))):
-        yield (f'{{"ph": "X", "pid": 1, "tid": {bubble_tid}, "name": "bubble ({kind})", "cat": "bubble", '
-               f'"ts": {round(start, 3)!r}, "dur": {round(duration, 3)!r}, '
-               f'"args": {{"ended_by": "{ended_by}", "cause": "{cause}"}}}}')
+        (bub["start"].to_numpy(dtype=float) * 1e6).tolist(),
+        (bub["duration"].to_numpy(dtype=float) * 1e6).tolist(),
+        *(_json_texts(bub[name].tolist()) for name in ("kind", "next_op", "cause")),
+    ):
+        yield (
+            f'{{"ph": "X", "pid": 1, "tid": {bubble_tid}, "name": "bubble ({kind})", "cat": "bubble", '
+            f'"ts": {round(start, 3)!r}, "dur": {round(duration, 3)!r}, '
+            f'"args": {{"ended_by": "{ended_by}", "cause": "{cause}"}}}}'
+        )
     for t, gib in zip((timeline.memory[0].astype(float) * 1e6).tolist(), (timeline.memory[1] / 2**30).tolist()):
         yield f'{{"ph": "C", "pid": 1, "name": "GPU memory (GiB)", "ts": {round(t, 3)!r}, "args": {{"GiB": {gib!r}}}}}'
 
 
-def _escaper(texts: Sequence[Any]) -> Callable[[str], str]:
+def _escaper(texts: Sequence[Any] | np.ndarray) -> Callable[[str], str]:
     """How the strings of a text column appear between a JSON string's quotes: as they are when
     all are plain printable ASCII without quotes or backslashes (found in one pass over them all,
     as op ids and categories are in practice), else with json.dumps' escapes."""
@@ -135,7 +152,7 @@ def _escaper(texts: Sequence[Any]) -> Callable[[str], str]:
     return lambda text: json.dumps(text)[1:-1]
 
 
-def _json_texts(texts: Sequence[Any]) -> Sequence[str]:
+def _json_texts(texts: Sequence[Any] | np.ndarray) -> Sequence[str] | np.ndarray:
     """A text column's strings as they appear between a JSON string's quotes (see `_escaper`)."""
     escape = _escaper(texts)
     return texts if escape is str else list(map(escape, texts))
@@ -245,5 +262,3 @@ def _label(category: str, layer: int, expert: int, batches: str) -> str:
     if batches:
         label += f" b{batches}" if "," not in batches else f" b[{batches}]"
     return label
-
-

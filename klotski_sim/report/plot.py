@@ -73,9 +73,14 @@ def figure_lanes(timeline: Timeline) -> list[str]:
     return lanes
 
 
-def draw_timeline(ax: plt.Axes, timeline: Timeline, window: tuple[float, float] | None = None,
-                  streams: Sequence[str] | None = None, show_bubbles: bool = True,
-                  relative: bool = False) -> list[str]:
+def draw_timeline(
+    ax: plt.Axes,
+    timeline: Timeline,
+    window: tuple[float, float] | None = None,
+    streams: Sequence[str] | None = None,
+    show_bubbles: bool = True,
+    relative: bool = False,
+) -> list[str]:
     """Draw one timeline into `ax`; returns the categories drawn, for a legend. `streams`: the lanes
     (default: `figure_lanes`); `relative`: the axis reads time from the window's start. Where the
     lanes' ops are a few pixels long or more (`typical_op_seconds`: a zoomed MoE block) each lane
@@ -107,8 +112,10 @@ def draw_timeline(ax: plt.Axes, timeline: Timeline, window: tuple[float, float] 
     if typical_op_seconds(c["start"][shown], c["end"][shown], (t0, t1)) < 2 * (t1 - t0) / pixels:
         bins = int(pixels / SHARE_BIN_PX)
         drawn = draw_shares(ax, timeline, lanes, rows, (t0, t1), bins, bubbles, origin, scale)
-        ax.set_xlabel(f"{ax.get_xlabel()} · lane height: share of each {duration_text((t1 - t0) / bins, decimals=2)} "
-                      f"bin per category")
+        ax.set_xlabel(
+            f"{ax.get_xlabel()} · lane height: share of each {duration_text((t1 - t0) / bins, decimals=2)} "
+            f"bin per category"
+        )
     else:
         edges = np.linspace(t0, t1, BINS + 1)
         drawn = []
@@ -123,8 +130,14 @@ def draw_timeline(ax: plt.Axes, timeline: Timeline, window: tuple[float, float] 
                 cat = categories[code]
                 busy = busy_per_bin(starts[sel], ends[sel], edges)
                 keep = busy > 0
-                draw_bars(ax, (edges[:-1][keep] + filled[keep] - origin) * scale, busy[keep] * scale, lane - 0.38,
-                          0.76, _color(cat))
+                draw_bars(
+                    ax,
+                    (edges[:-1][keep] + filled[keep] - origin) * scale,
+                    busy[keep] * scale,
+                    lane - 0.38,
+                    0.76,
+                    _color(cat),
+                )
                 filled += busy
                 if cat not in drawn:
                     drawn.append(cat)
@@ -133,8 +146,14 @@ def draw_timeline(ax: plt.Axes, timeline: Timeline, window: tuple[float, float] 
         if bubbles is not None:
             idle = busy_per_bin(bubbles["start"].to_numpy(), bubbles["end"].to_numpy(), edges)
             keep = idle > 0
-            draw_bars(ax, (edges[:-1][keep] + compute_filled[keep] - origin) * scale, idle[keep] * scale,
-                      lanes.index("compute") - 0.45, 0.9, BUBBLE_COLOR)
+            draw_bars(
+                ax,
+                (edges[:-1][keep] + compute_filled[keep] - origin) * scale,
+                idle[keep] * scale,
+                lanes.index("compute") - 0.45,
+                0.9,
+                BUBBLE_COLOR,
+            )
     ax.set_yticks(range(len(lanes)), lanes)
     ax.set_ylim(len(lanes) - 0.5, -0.5)
     ax.set_xlim((t0 - origin) * scale, (t1 - origin) * scale)
@@ -154,9 +173,17 @@ def typical_op_seconds(starts: np.ndarray, ends: np.ndarray, window: tuple[float
     return float(d[np.searchsorted(np.cumsum(d), d.sum() / 2)])
 
 
-def draw_shares(ax: plt.Axes, timeline: Timeline, lanes: Sequence[str], rows: Sequence[np.ndarray],
-                window: tuple[float, float], bins: int, bubbles: pd.DataFrame | None, origin: float,
-                scale: float) -> list[str]:
+def draw_shares(
+    ax: plt.Axes,
+    timeline: Timeline,
+    lanes: Sequence[str],
+    rows: Sequence[np.ndarray],
+    window: tuple[float, float],
+    bins: int,
+    bubbles: pd.DataFrame | None,
+    origin: float,
+    scale: float,
+) -> list[str]:
     """Each lane in `bins` bins, its height split by the share of each bin each category was busy
     (stacked from the lane's foot, in order of first appearance), then, on the compute lane, the
     share of the bin its bubbles took: a lane's fill is its busy share, and bars a few pixels wide
@@ -173,8 +200,10 @@ def draw_shares(ax: plt.Axes, timeline: Timeline, lanes: Sequence[str], rows: Se
         starts, ends = c["start"][mask], c["end"][mask]
         filled = np.zeros(bins)  # share of each bin already drawn (by earlier categories)
         first_rows = np.unique(cats, return_index=True)[1]
-        parts = [(categories[code], busy_per_bin(starts[cats == code], ends[cats == code], edges))
-                 for code in cats[np.sort(first_rows)]]
+        parts = [
+            (categories[code], busy_per_bin(starts[cats == code], ends[cats == code], edges))
+            for code in cats[np.sort(first_rows)]
+        ]
         if stream == "compute" and bubbles is not None:
             parts.append(("GPU bubble", busy_per_bin(bubbles["start"].to_numpy(), bubbles["end"].to_numpy(), edges)))
         for cat, busy in parts:
@@ -182,8 +211,14 @@ def draw_shares(ax: plt.Axes, timeline: Timeline, lanes: Sequence[str], rows: Se
             keep = share > 0
             foot = lane + 0.38 - filled[keep] * 0.76  # (lanes run down the axis: a lane's foot is its larger y)
             color = BUBBLE_COLOR if cat == "GPU bubble" else _color(cat)
-            draw_bars(ax, x[keep], np.full(int(keep.sum()), width[0] * scale), foot - share[keep] * 0.76,
-                      share[keep] * 0.76, color)
+            draw_bars(
+                ax,
+                x[keep],
+                np.full(int(keep.sum()), width[0] * scale),
+                foot - share[keep] * 0.76,
+                share[keep] * 0.76,
+                color,
+            )
             filled += np.maximum(share, 0.0)
             if cat != "GPU bubble" and cat not in drawn:
                 drawn.append(cat)
@@ -222,12 +257,22 @@ def mark_phases(ax: plt.Axes, timeline: Timeline, window: tuple[float, float], o
         ax.axvline(x, color="black", lw=1.0, ls="--", zorder=5, gid="phase-change")
         if (before, after) not in labelled:
             labelled.add((before, after))
-            ax.text(x, 1.0, f"{before} | {after}", transform=ax.get_xaxis_transform(), ha="center", va="bottom",
-                    fontsize=7, zorder=6, gid="phase-change")
+            ax.text(
+                x,
+                1.0,
+                f"{before} | {after}",
+                transform=ax.get_xaxis_transform(),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+                zorder=6,
+                gid="phase-change",
+            )
 
 
-def draw_bars(ax: plt.Axes, x: np.ndarray, width: np.ndarray, y: float | np.ndarray, height: float | np.ndarray,
-              color: object) -> None:
+def draw_bars(
+    ax: plt.Axes, x: np.ndarray, width: np.ndarray, y: float | np.ndarray, height: float | np.ndarray, color: object
+) -> None:
     """Rectangles [x, x + width] x [y, y + height] drawn as one compound path: what `broken_barh`
     draws, without an artist (and unit conversion) per bar — thousands of bars per lane. `y` and
     `height`: one for every bar, or one each."""
@@ -236,11 +281,20 @@ def draw_bars(ax: plt.Axes, x: np.ndarray, width: np.ndarray, y: float | np.ndar
     x0, x1 = np.asarray(x, dtype=float), np.asarray(x, dtype=float) + np.asarray(width, dtype=float)
     y0 = np.broadcast_to(np.asarray(y, dtype=float), x0.shape)
     y1 = y0 + np.broadcast_to(np.asarray(height, dtype=float), x0.shape)
-    corners = np.stack([np.stack([x0, y0], axis=1), np.stack([x1, y0], axis=1), np.stack([x1, y1], axis=1),
-                        np.stack([x0, y1], axis=1), np.stack([x0, y0], axis=1)], axis=1)  # [bars, 5, 2]
+    corners = np.stack(
+        [
+            np.stack([x0, y0], axis=1),
+            np.stack([x1, y0], axis=1),
+            np.stack([x1, y1], axis=1),
+            np.stack([x0, y1], axis=1),
+            np.stack([x0, y0], axis=1),
+        ],
+        axis=1,
+    )  # [bars, 5, 2]
     codes = np.tile([MplPath.MOVETO, MplPath.LINETO, MplPath.LINETO, MplPath.LINETO, MplPath.CLOSEPOLY], len(x0))
-    bars = PathCollection([MplPath(corners.reshape(-1, 2), codes)], facecolors=[color], edgecolors="none",
-                          linewidths=0, snap=True)  # snapped to pixels as broken_barh's bars are
+    bars = PathCollection(
+        [MplPath(corners.reshape(-1, 2), codes)], facecolors=[color], edgecolors="none", linewidths=0, snap=True
+    )  # snapped to pixels as broken_barh's bars are
     ax.add_collection(bars, autolim=False)  # (the caller sets the limits)
 
 
@@ -298,44 +352,62 @@ def run_title(timeline: Timeline) -> str:
     def share(seconds: float) -> str:
         return f"{seconds / s.makespan_s:.0%}" if s.makespan_s > 0 else "-"
 
-    return (f"{s.throughput_tok_s:.2f} tok/s, makespan {t(s.makespan_s)}, GPU bubbles {share(s.bubble_s)} "
-            f"(inter {t(s.bubble_inter_s)} / intra {t(s.bubble_intra_s)}), host blocked {share(s.host_blocked_s)} "
-            f"of the makespan")
+    return (
+        f"{s.throughput_tok_s:.2f} tok/s, makespan {t(s.makespan_s)}, GPU bubbles {share(s.bubble_s)} "
+        f"(inter {t(s.bubble_inter_s)} / intra {t(s.bubble_intra_s)}), host blocked {share(s.host_blocked_s)} "
+        f"of the makespan"
+    )
 
 
-def gantt(timeline: Timeline, path: str | Path | None = None, window: tuple[float, float] | None = None,
-          title: str | None = None) -> plt.Figure:
+def gantt(
+    timeline: Timeline,
+    path: str | Path | None = None,
+    window: tuple[float, float] | None = None,
+    title: str | None = None,
+) -> plt.Figure:
     """One timeline, one lane per stream. Saved to `path` when given."""
     lanes = figure_lanes(timeline)
     fig, ax = plt.subplots(figsize=(14, 1.3 + 0.55 * len(lanes)))
     cats = draw_timeline(ax, timeline, window)
     s = timeline.summary()
-    ax.set_title(title or f"{s.policy} · {s.model} · {s.hardware} · bs={s.batch_size} n={s.num_batches} · "
-                          f"{run_title(timeline)}", fontsize=10, pad=12)
+    ax.set_title(
+        title or f"{s.policy} · {s.model} · {s.hardware} · bs={s.batch_size} n={s.num_batches} · {run_title(timeline)}",
+        fontsize=10,
+        pad=12,
+    )
     return _finish(fig, cats, path, top=0.9, dpi=110)
 
 
 def moe_block_window(timeline: Timeline, step: int, layer: int, pad_layers: int = 0) -> tuple[float, float]:
     """The time span of one layer (attention through the last expert) of one step on the GPU."""
     c = timeline.columns
-    mask = timeline.rows_where("resource", "gpu") & (c["step"] == step) & (c["layer"] >= layer - pad_layers) & (
-        c["layer"] <= layer + pad_layers)
+    mask = (
+        timeline.rows_where("resource", "gpu")
+        & (c["step"] == step)
+        & (c["layer"] >= layer - pad_layers)
+        & (c["layer"] <= layer + pad_layers)
+    )
     if not mask.any():
         return (0.0, timeline.makespan)
     return float(c["start"][mask].min()), float(c["end"][mask].max())
 
 
-def compare_gantt(timelines: Mapping[str, Timeline], path: str | Path | None = None,
-                  zoom: tuple[int, int] | None = None) -> plt.Figure:
+def compare_gantt(
+    timelines: Mapping[str, Timeline], path: str | Path | None = None, zoom: tuple[int, int] | None = None
+) -> plt.Figure:
     """One panel per policy on a shared time axis; with `zoom=(step, layer)` a second column
     shows that MoE block of every policy, each from its own start, all on one span (the longest
     block's): the blocks' lengths compare at a glance."""
     names = list(timelines)
     ncols = 2 if zoom else 1
     heights = [1.2 + 0.45 * len(figure_lanes(timelines[n])) for n in names]
-    fig, axes = plt.subplots(len(names), ncols, figsize=(16 if zoom else 14, sum(heights) + 1.0),
-                             gridspec_kw={"height_ratios": heights, "width_ratios": [3, 2] if zoom else [1]},
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        len(names),
+        ncols,
+        figsize=(16 if zoom else 14, sum(heights) + 1.0),
+        gridspec_kw={"height_ratios": heights, "width_ratios": [3, 2] if zoom else [1]},
+        squeeze=False,
+    )
     horizon = max(tl.makespan for tl in timelines.values())
     if zoom:  # every zoom panel on one scale: as wide as the longest of the blocks
         windows = {n: moe_block_window(timelines[n], *zoom) for n in names}
@@ -357,6 +429,7 @@ def compare_gantt(timelines: Mapping[str, Timeline], path: str | Path | None = N
                     cats.append(cat)
             unit = time_unit(width)[1]
             axes[row][1].set_xlabel(f"{unit} from the block's start")
-            axes[row][1].set_title(f"zoom: {step}, MoE layer {zoom[1]} ({unit} from its start)", fontsize=9,
-                                   loc="left", pad=13)
+            axes[row][1].set_title(
+                f"zoom: {step}, MoE layer {zoom[1]} ({unit} from its start)", fontsize=9, loc="left", pad=13
+            )
     return _finish(fig, cats, path, top=0.97, dpi=100)

@@ -23,13 +23,13 @@ import shlex
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from klotski_sim.util.argtypes import first_repeat
-from klotski_sim.util.errors import UsageError
 from klotski_sim.hardware.profile import load_profile
-from klotski_sim.util.lazy import pd  # (imported when first used: klotski_sim/util/lazy.py)
-from klotski_sim.workload.model import get_model
 from klotski_sim.policies import POLICIES
 from klotski_sim.runs.sweep import SweepSpec, check_spec, expand
+from klotski_sim.util.argtypes import first_repeat
+from klotski_sim.util.errors import UsageError
+from klotski_sim.util.lazy import pd  # (imported when first used: klotski_sim/util/lazy.py)
+from klotski_sim.workload.model import get_model
 
 DEFAULT_BATCH_SIZES = (4, 16, 64)
 DEFAULT_EXPERT_DTYPES = ("bf16", "int4")
@@ -65,7 +65,7 @@ class Search:
                 if name in POLICIES:
                     POLICIES[name].require_machine(profile, f"--policies {name}: policy {name!r}")
             return self.policies
-        return tuple(p for p, info in POLICIES.items() if profile.cpu is not None or not info.needs_cpu)
+        return tuple(p for p, info in POLICIES.items() if profile.cpu is not None or not info.traits.needs_cpu)
 
     def models(self) -> list[str]:
         get_model(self.model)  # a bad name is refused before anything runs
@@ -74,12 +74,21 @@ class Search:
     def spec(self) -> SweepSpec:
         # resident layers `auto` is the planner's use of the spare memory: at a given n, `fill` does the same
         resident = list(dict.fromkeys("fill" if r == "auto" else r for r in self.resident_layers))
-        spec = SweepSpec(name=f"optimize-{self.model}-{self.hardware}", models=self.models(), hardware=[self.hardware],
-                         policies=list(self.policy_names()), batch_sizes=list(self.batch_sizes),
-                         num_batches=list(self.num_batches), prompt_lens=[self.prompt_len], gen_lens=[self.gen_len],
-                         kv=list(self.kv), impls=list(self.impls), resident_layers=resident,
-                         seeds=[self.seed],
-                         options={"expert_cache": list(self.cache_sizes)} if set(self.cache_sizes) != {0} else {})
+        spec = SweepSpec(
+            name=f"optimize-{self.model}-{self.hardware}",
+            models=self.models(),
+            hardware=[self.hardware],
+            policies=list(self.policy_names()),
+            batch_sizes=list(self.batch_sizes),
+            num_batches=list(self.num_batches),
+            prompt_lens=[self.prompt_len],
+            gen_lens=[self.gen_len],
+            kv=list(self.kv),
+            impls=list(self.impls),
+            resident_layers=resident,
+            seeds=[self.seed],
+            options={"expert_cache": list(self.cache_sizes)} if set(self.cache_sizes) != {0} else {},
+        )
         check_spec(spec, "optimize")
         return spec
 
@@ -87,7 +96,7 @@ class Search:
         """The configurations to evaluate (all, or a seeded sample of `budget`), and the grid size.
         A policy with one batch in flight by definition runs at n auto only (more batches would
         only queue behind it)."""
-        configs = [c for c in expand(spec) if c["num_batches"] == "auto" or not POLICIES[c["policy"]].one_batch]
+        configs = [c for c in expand(spec) if c["num_batches"] == "auto" or not POLICIES[c["policy"]].traits.one_batch]
         ids = [c["id"] for c in configs]
         if len(ids) <= self.budget:
             return ids, len(ids)
@@ -98,7 +107,7 @@ class Search:
         and no `auto` among the n searched."""
         if "auto" in self.num_batches:
             return []
-        return [p for p in self.policy_names() if POLICIES[p].one_batch]
+        return [p for p in self.policy_names() if POLICIES[p].traits.one_batch]
 
 
 def pareto_front(df: pd.DataFrame) -> pd.DataFrame:
@@ -132,10 +141,12 @@ def simulate_command(row: pd.Series | dict[str, Any], policy_files: Sequence[str
     seed = row.get("seed")
     if seed is not None and not pd.isna(seed) and int(seed):
         files += f" --seed {int(seed)}"
-    return (f"klotski-sim simulate --model {shlex.quote(row['model'])} --hardware {shlex.quote(row['hardware'])} "
-            f"--policy {shlex.quote(row['policy'])} "
-            f"--impl {row['impl']} --batch-size {int(row['batch_size'])} --num-batches {row['num_batches']} "
-            f"--kv {row['kv']} --prompt-len {int(row['prompt_len'])} --gen-len {int(row['gen_len'])}{files}")
+    return (
+        f"klotski-sim simulate --model {shlex.quote(row['model'])} --hardware {shlex.quote(row['hardware'])} "
+        f"--policy {shlex.quote(row['policy'])} "
+        f"--impl {row['impl']} --batch-size {int(row['batch_size'])} --num-batches {row['num_batches']} "
+        f"--kv {row['kv']} --prompt-len {int(row['prompt_len'])} --gen-len {int(row['gen_len'])}{files}"
+    )
 
 
 def ok_rows(df: pd.DataFrame) -> pd.DataFrame:
@@ -150,9 +161,16 @@ def check_search(s: Search) -> None:
         raise UsageError(f"--budget must be >= 1, got {s.budget}")
     if s.max_token_latency_s is not None and not s.max_token_latency_s > 0:
         raise UsageError(f"--max-token-latency must be > 0 seconds, got {s.max_token_latency_s}")
-    for flag, values in (("--policies", s.policies), ("--impl", s.impls), ("--batch-sizes", s.batch_sizes),
-                         ("--num-batches", s.num_batches), ("--expert-dtypes", s.expert_dtypes), ("--kv", s.kv),
-                         ("--cache-sizes", s.cache_sizes), ("--resident-layers", s.resident_layers)):
+    for flag, values in (
+        ("--policies", s.policies),
+        ("--impl", s.impls),
+        ("--batch-sizes", s.batch_sizes),
+        ("--num-batches", s.num_batches),
+        ("--expert-dtypes", s.expert_dtypes),
+        ("--kv", s.kv),
+        ("--cache-sizes", s.cache_sizes),
+        ("--resident-layers", s.resident_layers),
+    ):
         twice = first_repeat(values)
         if twice is not None:
             raise UsageError(f"{flag}: {twice} is given twice")

@@ -71,29 +71,34 @@ from pydantic import (
     field_validator,
 )
 
-from klotski_sim.util.argtypes import MAX_COUNT, MAX_COUNT_TEXT, MAX_SEED, first_repeat
-from klotski_sim.util.errors import KlotskiError, MachineRefusal, MissingCapability, StorageRefusal, UsageError
-from klotski_sim.hardware.profile import ProfileError, builtin_profile_names, load_profile, with_overrides
-from klotski_sim.policies.impl import PRESET_NAMES
-from klotski_sim.util.lazy import pd  # (imported when first used: klotski_sim/util/lazy.py)
-from klotski_sim.workload.model import ModelSpec, get_model
+from klotski_sim.core.timeline import Summary, jsonable
 from klotski_sim.files.npzfile import NPZ_READ_ERRORS, check_npz
 from klotski_sim.files.outfiles import write_file
-from klotski_sim.policies import POLICIES
-from klotski_sim.policies.base import resolve_options
-from klotski_sim.policies.plugins import load_policy_files
-from klotski_sim.util.progress import Progress
-from klotski_sim.util.stopping import signals_deferred, terminal_signals_ignored
 from klotski_sim.files.textfile import read_text
-from klotski_sim.core.timeline import Summary, jsonable
-from klotski_sim.workload.trace import Trace
-from klotski_sim.workload.trace_synth import DEFAULT_ROUTING, params_for
 from klotski_sim.files.yamlfile import MAX_BYTES as MAX_YAML_BYTES
 from klotski_sim.files.yamlfile import load_yaml
+from klotski_sim.hardware.profile import ProfileError, builtin_profile_names, load_profile, with_overrides
+from klotski_sim.policies import POLICIES
+from klotski_sim.policies.base import resolve_options
+from klotski_sim.policies.impl import PRESET_NAMES
+from klotski_sim.policies.plugins import load_policy_files
+from klotski_sim.util.argtypes import MAX_COUNT, MAX_COUNT_TEXT, MAX_SEED, first_repeat
+from klotski_sim.util.errors import KlotskiError, MachineRefusal, MissingCapability, StorageRefusal, UsageError
+from klotski_sim.util.lazy import pd  # (imported when first used: klotski_sim/util/lazy.py)
+from klotski_sim.util.progress import Progress
+from klotski_sim.util.stopping import signals_deferred, terminal_signals_ignored
+from klotski_sim.workload.model import ModelSpec, get_model
+from klotski_sim.workload.trace import Trace
+from klotski_sim.workload.trace_synth import DEFAULT_ROUTING, params_for
 
 
 class SweepError(KlotskiError):
     """A sweep spec that cannot run; raised before anything runs."""
+
+
+def _auto() -> list[int | str]:
+    """A fresh `["auto"]`, typed as the number-or-text axes it is the default of."""
+    return ["auto"]
 
 
 class SweepSpec(BaseModel):
@@ -107,7 +112,7 @@ class SweepSpec(BaseModel):
     overrides: dict[str, list[Any]] = Field(default_factory=dict)
     policies: list[str] = Field(min_length=1)
     batch_sizes: list[StrictInt] = Field(default_factory=lambda: [16], min_length=1)
-    num_batches: list[StrictInt | StrictStr] = Field(default_factory=lambda: ["auto"], min_length=1)
+    num_batches: list[StrictInt | StrictStr] = Field(default_factory=_auto, min_length=1)
     prompt_lens: list[StrictInt] = Field(default_factory=lambda: [512], min_length=1)
     gen_lens: list[StrictInt] = Field(default_factory=lambda: [32], min_length=1)
     routings: list[StrictStr] = Field(default_factory=lambda: [DEFAULT_ROUTING], min_length=1)
@@ -117,12 +122,13 @@ class SweepSpec(BaseModel):
     impls: list[str] = Field(default_factory=lambda: ["as-published"], min_length=1)
     policy_files: list[StrictStr] = Field(default_factory=list)  # your own policies (relative to the spec)
     options: dict[str, list[Any]] = Field(default_factory=dict)  # grid over policy options (expert_cache: [0, 16])
-    resident_layers: list[StrictInt | StrictStr] = Field(default_factory=lambda: ["auto"], min_length=1)
+    resident_layers: list[StrictInt | StrictStr] = Field(default_factory=_auto, min_length=1)
 
     @field_validator("overrides")
     @classmethod
     def _numbers(cls, grid: dict[str, list[Any]]) -> dict[str, list[Any]]:
         """YAML 1.1 reads `16e9` as text; a number-looking override is a number."""
+
         def number(v: Any) -> Any:
             if isinstance(v, str):
                 try:
@@ -132,6 +138,7 @@ class SweepSpec(BaseModel):
             if isinstance(v, float) and not math.isfinite(v):
                 raise ValueError(f"override values must be finite, got {v!r}")
             return v
+
         return {k: [number(v) for v in values] for k, values in grid.items()}
 
     @field_validator("batch_sizes", "prompt_lens", "gen_lens")
@@ -150,8 +157,21 @@ class SweepSpec(BaseModel):
             raise UsageError(f"seeds must be from 0 to 2**63 - 1, got {bad[0]!r}")
         return values
 
-    @field_validator("models", "hardware", "policies", "batch_sizes", "num_batches", "prompt_lens", "gen_lens",
-                     "routings", "seeds", "kv", "experts", "impls", "resident_layers")
+    @field_validator(
+        "models",
+        "hardware",
+        "policies",
+        "batch_sizes",
+        "num_batches",
+        "prompt_lens",
+        "gen_lens",
+        "routings",
+        "seeds",
+        "kv",
+        "experts",
+        "impls",
+        "resident_layers",
+    )
     @classmethod
     def _once_each(cls, values: list[Any]) -> list[Any]:
         """A value given twice would run the same configurations twice (and count them once)."""
@@ -188,14 +208,18 @@ def load_spec(path: str | Path, checked: bool = True) -> SweepSpec:
     path = Path(path)
     data = load_yaml(read_text(path, "sweep spec", SweepError, MAX_YAML_BYTES), str(path), SweepError)
     if isinstance(data, dict):
+
         def beside_spec(name: Any, prefix: str = "") -> Any:
             if not isinstance(name, str) or not name.startswith(prefix):
                 return name
-            file = name[len(prefix):]
+            file = name[len(prefix) :]
             return name if not file or Path(file).is_absolute() else prefix + str(path.parent / file)
 
-        files = {"policy_files": beside_spec, "routings": lambda r: beside_spec(r, "trace:"),
-                 "hardware": lambda h: h if h in builtin_profile_names() else beside_spec(h)}
+        files = {
+            "policy_files": beside_spec,
+            "routings": lambda r: beside_spec(r, "trace:"),
+            "hardware": lambda h: h if h in builtin_profile_names() else beside_spec(h),
+        }
         for key, resolve in files.items():
             if isinstance(data.get(key), list):
                 data[key] = [resolve(entry) for entry in data[key]]
@@ -223,8 +247,9 @@ def parse_spec(data: Any, where: str = "sweep spec", checked: bool = True) -> Sw
                 problems.setdefault(loc, str(e["ctx"]["error"]))
             else:
                 problems.setdefault(loc, f"{e['msg'][0].lower()}{e['msg'][1:]}, got {e.get('input')!r:.80}")
-        raise SweepError(f"{where}: invalid sweep spec: " + "; ".join(f"{k}: {v}" for k, v in problems.items())) \
-            from None
+        raise SweepError(
+            f"{where}: invalid sweep spec: " + "; ".join(f"{k}: {v}" for k, v in problems.items())
+        ) from None
     if checked:
         check_spec(spec, where)
     return spec
@@ -283,7 +308,7 @@ def check_spec(spec: SweepSpec, where: str) -> None:
                     with_overrides(profile, {field: v}, where=f"override {field}={v!r}")
                 except ProfileError as err:
                     problems.append(str(err))
-    model = get_model(spec.models[0]) if not problems else None
+    routed = get_model(spec.models[0]) if not problems else None  # the model synthetic routings are drawn for
     drawn: dict[Any, str] = {}  # a synthetic routing's parameters -> the first entry that gave them
     traces: dict[str, str] = {}  # a trace file's real path -> the first entry that named it
     for r in spec.routings:
@@ -303,17 +328,19 @@ def check_spec(spec: SweepSpec, where: str) -> None:
                 problems.append(str(err) if str(err).startswith(f"routing {r!r}") else f"routing {r!r}: {err}")
             except NPZ_READ_ERRORS as err:
                 problems.append(f"routing {r!r}: not a routing trace ({err})")
-        elif model is not None:
+        elif routed is not None:
             try:
-                same = drawn.setdefault(repr(params_for(r, model)), r)
+                same = drawn.setdefault(repr(params_for(r, routed)), r)
             except ValueError as err:
                 problems.append(str(err))
                 continue
             if same != r:  # (zipf:1 and zipf:1.0: every configuration twice)
                 problems.append(f"routings: {r!r} is the routing {same!r} again")
     if len(spec.seeds) > 1 and all(r.startswith("trace:") for r in spec.routings):
-        problems.append(f"seeds: {spec.seeds} draw synthetic routing, and every routing is a trace, which replays its "
-                        f"own: each configuration would run {len(spec.seeds)} times (give one seed)")
+        problems.append(
+            f"seeds: {spec.seeds} draw synthetic routing, and every routing is a trace, which replays its "
+            f"own: each configuration would run {len(spec.seeds)} times (give one seed)"
+        )
     for kv in spec.kv:
         if kv not in ("auto", "gpu", "cpu"):
             problems.append(f"kv {kv!r} is not auto, gpu or cpu")
@@ -330,9 +357,24 @@ def check_spec(spec: SweepSpec, where: str) -> None:
 def grid_size(spec: SweepSpec) -> int:
     """How many configurations the grid holds (without building them)."""
     size = 1
-    for axis in (spec.models, spec.hardware, spec.policies, spec.batch_sizes, spec.num_batches, spec.prompt_lens,
-                 spec.gen_lens, spec.routings, spec.seeds, spec.kv, spec.experts, spec.impls, spec.resident_layers,
-                 *spec.overrides.values(), *spec.options.values()):
+    axes: tuple[list[Any], ...] = (
+        spec.models,
+        spec.hardware,
+        spec.policies,
+        spec.batch_sizes,
+        spec.num_batches,
+        spec.prompt_lens,
+        spec.gen_lens,
+        spec.routings,
+        spec.seeds,
+        spec.kv,
+        spec.experts,
+        spec.impls,
+        spec.resident_layers,
+        *spec.overrides.values(),
+        *spec.options.values(),
+    )
+    for axis in axes:
         size *= len(axis)
     return size
 
@@ -342,16 +384,40 @@ def expand(spec: SweepSpec) -> list[dict[str, Any]]:
     fields = list(spec.overrides)
     configs = []
     option_keys = list(spec.options)
-    for (model, hardware, policy, bs, n, p, g, routing, seed, kv, experts, impl, resident, *values) in \
-            itertools.product(spec.models, spec.hardware, spec.policies, spec.batch_sizes, spec.num_batches,
-                              spec.prompt_lens, spec.gen_lens, spec.routings, spec.seeds, spec.kv, spec.experts,
-                              spec.impls, spec.resident_layers, *(spec.overrides[f] for f in fields),
-                              *(spec.options[k] for k in option_keys)):
-        cfg = {"model": model, "hardware": hardware, "policy": policy, "batch_size": bs, "num_batches": n,
-               "prompt_len": p, "gen_len": g, "routing": routing, "seed": seed, "kv": kv, "experts": experts,
-               "impl": impl, "overrides": dict(zip(fields, values[:len(fields)]))}
+    for model, hardware, policy, bs, n, p, g, routing, seed, kv, experts, impl, resident, *values in itertools.product(
+        spec.models,
+        spec.hardware,
+        spec.policies,
+        spec.batch_sizes,
+        spec.num_batches,
+        spec.prompt_lens,
+        spec.gen_lens,
+        spec.routings,
+        spec.seeds,
+        spec.kv,
+        spec.experts,
+        spec.impls,
+        spec.resident_layers,
+        *(spec.overrides[f] for f in fields),
+        *(spec.options[k] for k in option_keys),
+    ):
+        cfg = {
+            "model": model,
+            "hardware": hardware,
+            "policy": policy,
+            "batch_size": bs,
+            "num_batches": n,
+            "prompt_len": p,
+            "gen_len": g,
+            "routing": routing,
+            "seed": seed,
+            "kv": kv,
+            "experts": experts,
+            "impl": impl,
+            "overrides": dict(zip(fields, values[: len(fields)])),
+        }
         if option_keys:  # only when swept: rows of grids without them keep their shape
-            cfg["options"] = dict(zip(option_keys, values[len(fields):]))
+            cfg["options"] = dict(zip(option_keys, values[len(fields) :]))
         if resident != "auto":
             cfg["resident_layers"] = resident
         if spec.policy_files:  # the files' contents are part of the configuration (an edit is a new result)
@@ -386,7 +452,7 @@ def _identity(cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg["hardware"] not in builtin_profile_names():
         identity["hardware"] = "file:" + content_hash(cfg["hardware"])
     if cfg["routing"].startswith("trace:"):
-        identity["routing"] = "trace:" + content_hash(cfg["routing"][len("trace:"):])
+        identity["routing"] = "trace:" + content_hash(cfg["routing"][len("trace:") :])
     if "policy_files" in cfg:
         identity["policy_files"] = sorted(cfg["policy_files"].values())
     return identity
@@ -420,30 +486,62 @@ def config_id(cfg: dict[str, Any]) -> str:
     return hashlib.sha1((canonical + code_fingerprint()).encode()).hexdigest()[:16]
 
 
+# The schedule a what-if over hardware numbers shares between configurations: one per process that
+# runs configurations (a worker, or the sweep's own process), each running its share in grid order.
+_REUSE: list[Any] = []
+
+
 def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """Simulate one configuration; never raises — a failure is a row with status `refused` (host
     memory or disk), `too-large` (this machine's memory) or `error`."""
-    from klotski_sim.runs.runner import RunSpec, run
+    from klotski_sim.runs.runner import RunSpec, ScheduleReuse, run
+
+    if not _REUSE:
+        _REUSE.append(ScheduleReuse())
 
     t = time.perf_counter()
     row = _row_of(cfg)
     try:
         load_policy_files(cfg.get("policy_files", {}))  # a worker process imports them itself
         routing = cfg["routing"]
-        spec = RunSpec(model=cfg["model"], hardware=cfg["hardware"], policy=cfg["policy"],
-                       batch_size=cfg["batch_size"],
-                       num_batches=None if cfg["num_batches"] == "auto" else int(cfg["num_batches"]),
-                       prompt_len=cfg["prompt_len"], gen_len=cfg["gen_len"], seed=cfg["seed"],
-                       routing="calibrated" if routing.startswith("trace:") else routing,
-                       trace=routing[6:] if routing.startswith("trace:") else None,
-                       kv=cfg["kv"], experts=cfg["experts"], overrides=cfg["overrides"],
-                       impl=cfg.get("impl", "as-published"), options=cfg.get("options", {}),
-                       resident_layers=cfg.get("resident_layers"))
-        result = run(spec, reuse_schedule=True)  # a what-if over hardware numbers builds each schedule once
+        spec = RunSpec(
+            model=cfg["model"],
+            hardware=cfg["hardware"],
+            policy=cfg["policy"],
+            batch_size=cfg["batch_size"],
+            num_batches=None if cfg["num_batches"] == "auto" else int(cfg["num_batches"]),
+            prompt_len=cfg["prompt_len"],
+            gen_len=cfg["gen_len"],
+            seed=cfg["seed"],
+            routing="calibrated" if routing.startswith("trace:") else routing,
+            trace=routing[6:] if routing.startswith("trace:") else None,
+            kv=cfg["kv"],
+            experts=cfg["experts"],
+            overrides=cfg["overrides"],
+            impl=cfg.get("impl", "as-published"),
+            options=cfg.get("options", {}),
+            resident_layers=cfg.get("resident_layers"),
+        )
+        result = run(spec, reuse=_REUSE[0])  # a what-if over hardware numbers builds each schedule once
         s = result.timeline.summary()
-        metrics = {k: v for k, v in s.to_dict().items()
-                   if k not in ("policy", "model", "hardware", "batch_size", "prompt_len", "gen_len", "extra",
-                                "utilization", "bubble_by_cause", "oom", "impl")}
+        metrics = {
+            k: v
+            for k, v in s.to_dict().items()
+            if k
+            not in (
+                "policy",
+                "model",
+                "hardware",
+                "batch_size",
+                "prompt_len",
+                "gen_len",
+                "extra",
+                "utilization",
+                "bubble_by_cause",
+                "oom",
+                "impl",
+            )
+        }
         row.update({f"m.{k}": v for k, v in metrics.items()})
         row["m.n"] = s.num_batches
         row["m.kv"] = result.timeline.meta.get("placement", {}).get("kv")
@@ -470,10 +568,13 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def _row_of(cfg: dict[str, Any]) -> dict[str, Any]:
     """A configuration's row before its run: its id, the code's, and its inputs."""
-    row: dict[str, Any] = {"id": cfg["id"], "code": code_fingerprint(),
-                           **{k: v for k, v in cfg.items() if k not in ("id", "overrides", "policy_files", "options")},
-                           **{f"set.{k}": v for k, v in cfg["overrides"].items()},
-                           **{f"opt.{k}": v for k, v in cfg.get("options", {}).items()}}
+    row: dict[str, Any] = {
+        "id": cfg["id"],
+        "code": code_fingerprint(),
+        **{k: v for k, v in cfg.items() if k not in ("id", "overrides", "policy_files", "options")},
+        **{f"set.{k}": v for k, v in cfg["overrides"].items()},
+        **{f"opt.{k}": v for k, v in cfg.get("options", {}).items()},
+    }
     row["num_batches"] = str(cfg["num_batches"])
     return row
 
@@ -482,8 +583,14 @@ def killed_row(cfg: dict[str, Any], how: str) -> dict[str, Any]:
     """The row of a configuration whose worker process died running it (`how`: on its own, or on
     every Dask worker it was given), status `killed`: the kernel's OOM killer or a `kill -9`
     leaves no error to record."""
-    return jsonable({**_row_of(cfg), "status": "killed", "wall_s": 0.0,
-                     "error": f"its worker process died running it {how} (killed, or out of host memory?)"})
+    return jsonable(
+        {
+            **_row_of(cfg),
+            "status": "killed",
+            "wall_s": 0.0,
+            "error": f"its worker process died running it {how} (killed, or out of host memory?)",
+        }
+    )
 
 
 def write_row(rows_dir: Path, row: dict[str, Any]) -> None:
@@ -510,8 +617,11 @@ def read_row(path: Path) -> dict[str, Any] | None:
     if not _number(row.get("wall_s")) or not row["wall_s"] >= 0 or not isinstance(row.get("error", ""), str):
         return None
     for key, value in row.items():
-        if key.startswith("m.") and value is not None and not (
-                isinstance(value, str) if key in _TEXT_METRICS else _number(value)):
+        if (
+            key.startswith("m.")
+            and value is not None
+            and not (isinstance(value, str) if key in _TEXT_METRICS else _number(value))
+        ):
             return None
     return row
 
@@ -524,8 +634,11 @@ def finished_ids(rows_dir: Path) -> set[str]:
     """The ids a rerun skips: every row's but a `too-large` or `killed` one's (the machine running
     klotski could not hold that run, or something ended its worker: a rerun, perhaps on a larger
     machine, tries it again)."""
-    return {p.stem for p in rows_dir.glob("*.json") if (row := read_row(p)) is not None
-            and row.get("status") not in ("too-large", "killed")}
+    return {
+        p.stem
+        for p in rows_dir.glob("*.json")
+        if (row := read_row(p)) is not None and row.get("status") not in ("too-large", "killed")
+    }
 
 
 def collect(out_dir: str | Path, ids: Iterable[str] | None = None) -> pd.DataFrame:
@@ -550,10 +663,16 @@ def collect(out_dir: str | Path, ids: Iterable[str] | None = None) -> pd.DataFra
     return df
 
 
-def run_sweep(spec: SweepSpec, out_dir: str | Path, workers: int = 1, dask: str | None = None,
-              progress: bool = True, on_row: Callable[[dict[str, Any]], None] | None = None,
-              only: Iterable[str] | None = None,
-              on_start: Callable[[int, int, int], None] | None = None) -> pd.DataFrame:
+def run_sweep(
+    spec: SweepSpec,
+    out_dir: str | Path,
+    workers: int = 1,
+    dask: str | None = None,
+    progress: bool = True,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
+    only: Iterable[str] | None = None,
+    on_start: Callable[[int, int, int], None] | None = None,
+) -> pd.DataFrame:
     """Run every configuration not finished yet (of those whose ids are in `only`, when given);
     returns their rows. `on_start` hears, before any runs, how many of how many are finished
     already (a resumed sweep) and how many rows in the folder are of other code or grids. One
@@ -566,8 +685,9 @@ def run_sweep(spec: SweepSpec, out_dir: str | Path, workers: int = 1, dask: str 
     _check_sweep_folder(out)
     rows_dir.mkdir(parents=True, exist_ok=True)
     with _locked(out):
-        return _run_sweep(spec, out, rows_dir, workers, dask, progress, on_row, None if only is None else set(only),
-                          on_start)
+        return _run_sweep(
+            spec, out, rows_dir, workers, dask, progress, on_row, None if only is None else set(only), on_start
+        )
 
 
 def _check_sweep_folder(out: Path) -> None:
@@ -575,15 +695,21 @@ def _check_sweep_folder(out: Path) -> None:
     other is (a damaged or foreign folder) ended a resumed sweep in a raw `[Errno 21] Is a directory`,
     sometimes after a configuration had run; a FIFO where a file goes (its spec, lock or a row) hung
     it forever, opened for reading or writing with no process at the other end."""
-    expected = [(out / "rows", True, "its rows folder"), (out / ".lock", False, "its lock file"),
-                (out / "spec.yaml", False, "its spec file"), (out / "results.parquet", False, "its results file")]
+    expected = [
+        (out / "rows", True, "its rows folder"),
+        (out / ".lock", False, "its lock file"),
+        (out / "spec.yaml", False, "its spec file"),
+        (out / "results.parquet", False, "its results file"),
+    ]
     if (out / "rows").is_dir():
         expected += [(row, False, "a finished row's file") for row in (out / "rows").glob("*.json")]
     for path, folder, what in expected:
         if path.exists() and not (path.is_dir() if folder else path.is_file()):
             found = "not a folder" if folder else "a folder" if path.is_dir() else "not a regular file (a FIFO?)"
-            raise SweepError(f"{path}: is {found}, but the sweep keeps {what} there: not a sweep folder as this "
-                             f"command writes it (move it away, or give another --out)")
+            raise SweepError(
+                f"{path}: is {found}, but the sweep keeps {what} there: not a sweep folder as this "
+                f"command writes it (move it away, or give another --out)"
+            )
 
 
 class _locked:
@@ -600,8 +726,9 @@ class _locked:
             self.file.seek(0)
             holder = self.file.read().strip() or "another process"
             self.file.close()
-            raise SweepError(f"{self.path.parent}: another sweep is writing there ({holder}); wait for it or use "
-                             f"another --out") from None
+            raise SweepError(
+                f"{self.path.parent}: another sweep is writing there ({holder}); wait for it or use another --out"
+            ) from None
         self.file.seek(0)
         self.file.truncate()
         self.file.write(f"pid {os.getpid()}")
@@ -612,11 +739,20 @@ class _locked:
         self.file.close()
 
 
-def _run_sweep(spec: SweepSpec, out: Path, rows_dir: Path, workers: int, dask: str | None, progress: bool,
-               on_row: Callable[[dict[str, Any]], None] | None, only: set[str] | None = None,
-               on_start: Callable[[int, int, int], None] | None = None) -> pd.DataFrame:
-    write_file(out / "spec.yaml", lambda temporary: temporary.write_text(yaml.safe_dump(spec.model_dump(),
-                                                                                       sort_keys=False)))
+def _run_sweep(
+    spec: SweepSpec,
+    out: Path,
+    rows_dir: Path,
+    workers: int,
+    dask: str | None,
+    progress: bool,
+    on_row: Callable[[dict[str, Any]], None] | None,
+    only: set[str] | None = None,
+    on_start: Callable[[int, int, int], None] | None = None,
+) -> pd.DataFrame:
+    write_file(
+        out / "spec.yaml", lambda temporary: temporary.write_text(yaml.safe_dump(spec.model_dump(), sort_keys=False))
+    )
     configs = [c for c in expand(spec) if only is None or c["id"] in only]
     done = finished_ids(rows_dir)
     todo = [c for c in configs if c["id"] not in done]
@@ -664,7 +800,7 @@ def _run_pool(todo: list[dict[str, Any]], in_flight: int, finished: Callable, ad
             return
         except WorkerDied:
             left = [cfg for cfg in left if cfg["id"] not in done]
-        for cfg in left[:in_flight + 1]:  # (in submission order: a pool hands its runs out in it)
+        for cfg in left[: in_flight + 1]:  # (in submission order: a pool hands its runs out in it)
             try:
                 with worker_pool(1, pool_worker, (1,)) as alone:
                     row = alone.submit(run_config, cfg).result()
@@ -672,16 +808,16 @@ def _run_pool(todo: list[dict[str, Any]], in_flight: int, finished: Callable, ad
                 row = killed_row(cfg, "on its own")
             finished(row)
             advance()
-        left = left[in_flight + 1:]
+        left = left[in_flight + 1 :]
 
 
-def _run_dask(todo: list[dict[str, Any]], address: str, in_flight: int, finished: Callable,
-              advance: Callable) -> None:
+def _run_dask(todo: list[dict[str, Any]], address: str, in_flight: int, finished: Callable, advance: Callable) -> None:
     """On a Dask cluster; the scheduler gives a run whose worker died to another worker, and a
     configuration that ended every worker it was given (four) is a row of status `killed`."""
     try:
         from dask.distributed import KilledWorker
         from dask.distributed import as_completed as dask_completed
+        from distributed.scheduler import NoValidWorkerError
     except ImportError:
         raise SweepError("--dask needs dask.distributed: pip install 'klotski[dask]'") from None
     with _dask_client(address, in_flight) as client:
@@ -694,6 +830,12 @@ def _run_dask(todo: list[dict[str, Any]], address: str, in_flight: int, finished
                     row = fut.result()
             except KilledWorker:
                 row = killed_row(config_of[fut.key], "on every Dask worker it was given")
+            except NoValidWorkerError:
+                row = killed_row(
+                    config_of[fut.key],
+                    f"no Dask worker was left to run it for "
+                    f"{NO_WORKERS_TIMEOUT_S} s (its workers died and none restarted)",
+                )
             finished(row)
             advance()
 
@@ -716,6 +858,7 @@ def _dask_client(address: str, in_flight: int) -> Iterator[Any]:
       once in a few stops.
     - Its HTTP server, which it always starts, listens on a free port of this host (the default
       8787 warned when it was taken)."""
+    import dask
     from dask.distributed import Client, LocalCluster
 
     local = address == "local"  # (another address was checked by run_sweep, before the output folder was made)
@@ -729,14 +872,27 @@ def _dask_client(address: str, in_flight: int) -> Iterator[Any]:
     try:
         with signals_deferred():
             if local:
-                with terminal_signals_ignored():
-                    cluster = LocalCluster(n_workers=in_flight, threads_per_worker=1, processes=True,
-                                           dashboard_address="127.0.0.1:0", silence_logs=logging.CRITICAL)
+                # A local cluster's nannies restart a worker a run killed, but under load a restart
+                # can time out, and the nanny then closes: with no worker left, the runs still to
+                # do would wait forever. The scheduler (in this process) fails them instead.
+                with (
+                    terminal_signals_ignored(),
+                    dask.config.set({"distributed.scheduler.no-workers-timeout": f"{NO_WORKERS_TIMEOUT_S}s"}),
+                ):
+                    cluster = LocalCluster(
+                        n_workers=in_flight,
+                        threads_per_worker=1,
+                        processes=True,
+                        dashboard_address="127.0.0.1:0",
+                        silence_logs=logging.CRITICAL,
+                    )
             try:
                 client = Client(cluster or address, timeout=DASK_TIMEOUT_S)
             except (OSError, TimeoutError, ValueError) as err:
-                raise SweepError(f"--dask {address}: no Dask scheduler answered within {DASK_TIMEOUT_S} s "
-                                 f"({type(err).__name__}: {err})") from err
+                raise SweepError(
+                    f"--dask {address}: no Dask scheduler answered within {DASK_TIMEOUT_S} s "
+                    f"({type(err).__name__}: {err})"
+                ) from err
             if local:  # (its workers are this machine's processes: they share it as a local pool's do)
                 from klotski_sim.runs.dask_worker import SharesTheMachine
 
@@ -764,6 +920,7 @@ _DASK_LOG_LEVEL = "DASK_LOGGING__DISTRIBUTED"  # (dask's configuration from the 
 
 
 DASK_TIMEOUT_S = 10
+NO_WORKERS_TIMEOUT_S = 60  # a local cluster's runs fail when it has had no worker for this long
 
 
 def _check_dask_address(address: str) -> None:
@@ -791,8 +948,10 @@ def _check_dask_address(address: str) -> None:
     except OSError as err:
         raise SweepError(f"--dask {address}: cannot connect ({err})") from err
     if len(greeting) < 8:
-        raise SweepError(f"--dask {address}: the service there did not greet as a Dask scheduler does "
-                         f"(it sent {greeting[:40]!r} in 3 s)")
+        raise SweepError(
+            f"--dask {address}: the service there did not greet as a Dask scheduler does "
+            f"(it sent {greeting[:40]!r} in 3 s)"
+        )
     length = int.from_bytes(greeting[:8], "little")
     if not 0 < length < 1 << 20:
         raise SweepError(f"--dask {address}: not a Dask scheduler; it answered {greeting[:40]!r}")
@@ -816,8 +975,13 @@ class _progress:
         from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
         from rich.progress import Progress as Bar
 
-        self.bar = Bar(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                       TimeRemainingColumn(), transient=False)
+        self.bar = Bar(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            transient=False,
+        )
         self.bar.start()
         task = self.bar.add_task(self.name, total=self.total, completed=self.done)
         return lambda: self.bar.advance(task)
@@ -831,8 +995,18 @@ def summarize(df: pd.DataFrame, swept: Iterable[str] = ("policy",)) -> str:
     """The table a sweep prints: the swept columns first (sorted by the grid), then the headline
     metrics."""
     keys = [c for c in dict.fromkeys(["policy", *swept]) if c in df.columns]
-    metrics = [c for c in ("status", "m.num_batches", "m.throughput_tok_s", "m.decode_throughput_tok_s",
-                           "m.bubble_s", "m.efficiency") if c in df.columns]
+    metrics = [
+        c
+        for c in (
+            "status",
+            "m.num_batches",
+            "m.throughput_tok_s",
+            "m.decode_throughput_tok_s",
+            "m.bubble_s",
+            "m.efficiency",
+        )
+        if c in df.columns
+    ]
     if not len(df):
         return "(no rows)"
     table = df[keys + metrics].sort_values(keys, kind="stable") if keys else df[metrics]

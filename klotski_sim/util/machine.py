@@ -16,8 +16,10 @@ from pathlib import Path
 _MEMINFO = Path("/proc/meminfo")
 _PROC_CGROUP = Path("/proc/self/cgroup")  # this process's cgroups: "0::/path" (v2), "4:memory:/path" (v1)
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
-_LIMIT_FILES = {"v2": ("", "memory.max", "memory.current"),  # (folder under the root, limit, usage)
-                "v1": ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes")}
+_LIMIT_FILES = {
+    "v2": ("", "memory.max", "memory.current"),  # (folder under the root, limit, usage)
+    "v1": ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes"),
+}
 
 
 def available_memory_bytes() -> int | None:
@@ -106,8 +108,11 @@ def _room(limit_path: Path, usage_path: Path) -> int | None:
 def machine_load() -> dict[str, float]:
     """What distorts a measurement on a shared machine: the 1-minute load average per core, and
     the CPU time stolen by the hypervisor (cumulative jiffies; compare two readings)."""
-    out = {"load_per_core": os.getloadavg()[0] / max(1, os.cpu_count() or 1), "steal_jiffies": 0.0,
-           "total_jiffies": 0.0}
+    out = {
+        "load_per_core": os.getloadavg()[0] / max(1, os.cpu_count() or 1),
+        "steal_jiffies": 0.0,
+        "total_jiffies": 0.0,
+    }
     try:
         with open("/proc/stat") as f:
             fields = [float(v) for v in f.readline().split()[1:]]

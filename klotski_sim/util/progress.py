@@ -26,9 +26,16 @@ class Progress:
     """`done()` once per finished item of `total`; prints `WHAT: i/N LABEL, T elapsed, about R left`
     at most every MIN_INTERVAL_S seconds, and always for the first and the last item."""
 
-    def __init__(self, what: str, total: int, done: int = 0, enabled: bool = True,
-                 out: Callable[[str], None] = say, clock: Callable[[], float] = time.monotonic,
-                 min_interval_s: float = MIN_INTERVAL_S) -> None:
+    def __init__(
+        self,
+        what: str,
+        total: int,
+        done: int = 0,
+        enabled: bool = True,
+        out: Callable[[str], None] = say,
+        clock: Callable[[], float] = time.monotonic,
+        min_interval_s: float = MIN_INTERVAL_S,
+    ) -> None:
         self.what, self.total, self.count, self.enabled = what, total, done, enabled
         self.out, self.clock, self.min_interval_s = out, clock, min_interval_s
         self.already, self.started = done, clock()
@@ -38,8 +45,9 @@ class Progress:
         self.count += 1
         now = self.clock()
         first, last = self.count == self.already + 1, self.count >= self.total
-        if not self.enabled or not (first or last or self.last_line is None
-                                    or now - self.last_line >= self.min_interval_s):
+        if not self.enabled or not (
+            first or last or self.last_line is None or now - self.last_line >= self.min_interval_s
+        ):
             return
         self.last_line = now
         self.out(self.line(now, label))

@@ -102,15 +102,20 @@ class RunSizeWatch:
         with_files = _files_written[0]
         per_op = BYTES_PER_OP_WITH_FILES if with_files else BYTES_PER_OP
         whose = "its first batch's" if len(self.batches_in_prefill) < self.num_batches else "its"
-        projected = (f"{counted(self.num_batches, 'batch', 'batches')} x {counted(self.num_steps, 'step')}, "
-                     f"projected from {whose} first steps")
+        projected = (
+            f"{counted(self.num_batches, 'batch', 'batches')} x {counted(self.num_steps, 'step')}, "
+            f"projected from {whose} first steps"
+        )
         needed = (self.resident_at_start or 0) + ops * per_op  # the run's peak, what the process held before included
         available, resident = available_memory_bytes(), resident_bytes()
         runs = _runs_in_flight[0]
         if available is not None and resident is not None and self.resident_at_start is not None:
             if (needed - resident) * runs > available:
-                shared = (f" for the {runs} runs in flight (--workers {runs}; fewer workers leave each more)"
-                          if runs > 1 else "")
+                shared = (
+                    f" for the {runs} runs in flight (--workers {runs}; fewer workers leave each more)"
+                    if runs > 1
+                    else ""
+                )
                 fewer = ["a shorter --gen-len"] + (["fewer batches (--num-batches)"] if self.num_batches > 1 else [])
                 if self.impl != "ideal":
                     fewer.append("--impl ideal (batched expert ops)")
@@ -120,12 +125,15 @@ class RunSizeWatch:
                     f"({per_op / 1000:.2f} kB an op), {memory_text(needed - resident)} more than the "
                     f"{memory_text(resident)} it holds, but this machine has {memory_text(available)} available"
                     f"{shared}; {', '.join(fewer[:-1]) + ' or ' if len(fewer) > 1 else ''}{fewer[-1]} builds fewer "
-                    f"ops")
+                    f"ops"
+                )
         seconds = ops * (SECONDS_PER_OP_WITH_FILES if with_files else SECONDS_PER_OP) * slowdown()
         if seconds >= LONG_RUN_S:
             for listener in listeners:
-                listener(f"{self.policy} builds about {_count(ops)} ops ({projected}): about {seconds:.0f} s and "
-                         f"{memory_text(needed)} of memory on this machine as loaded now")
+                listener(
+                    f"{self.policy} builds about {_count(ops)} ops ({projected}): about {seconds:.0f} s and "
+                    f"{memory_text(needed)} of memory on this machine as loaded now"
+                )
 
 
 def _count(ops: int) -> str:

@@ -17,8 +17,10 @@ from typing import Any, Iterator
 # SIGTERM (`timeout`, a batch scheduler's end of a job, `kill`) and SIGHUP (the terminal closed, an
 # ssh session dropped), where the platform has them, with the word a stopped command ends with
 _STOPPED_BY = {"SIGTERM": "terminated", "SIGHUP": "hung up"}
-STOP_WORDS = {signal.SIGINT: "interrupted", **{getattr(signal, name): word for name, word in _STOPPED_BY.items()
-                                               if hasattr(signal, name)}}
+STOP_WORDS = {
+    signal.SIGINT: "interrupted",
+    **{getattr(signal, name): word for name, word in _STOPPED_BY.items() if hasattr(signal, name)},
+}
 STOP_SIGNALS = tuple(signum for signum in STOP_WORDS if signum != signal.SIGINT)
 
 
@@ -67,8 +69,11 @@ def take_stops() -> tuple[StopHandler, dict[int, Any]]:
         return stops, {}
     defaults = {signal.SIGINT: signal.default_int_handler, **{signum: signal.SIG_DFL for signum in STOP_SIGNALS}}
     replaced = {signum: signal.getsignal(signum) for signum in defaults}
-    replaced = {signum: handler for signum, handler in replaced.items()
-                if handler == defaults[signum] or isinstance(handler, StopHandler)}
+    replaced = {
+        signum: handler
+        for signum, handler in replaced.items()
+        if handler == defaults[signum] or isinstance(handler, StopHandler)
+    }
     for signum in replaced:
         signal.signal(signum, stops)
     return stops, replaced
@@ -101,8 +106,8 @@ def signals_deferred() -> Iterator[None]:
         yield
         return
     held: list[tuple[int, Any]] = []
-    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, *STOP_SIGNALS)}
-    handlers = {signum: handler for signum, handler in handlers.items() if callable(handler)}
+    installed = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, *STOP_SIGNALS)}
+    handlers = {signum: handler for signum, handler in installed.items() if callable(handler)}
     for signum in handlers:
         signal.signal(signum, lambda signum, frame: held.append((signum, frame)))
     try:

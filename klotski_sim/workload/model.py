@@ -54,8 +54,18 @@ class ModelSpec:
     norm_topk_prob: bool = True
 
     def __post_init__(self) -> None:
-        for field_name in ("num_layers", "num_experts", "top_k", "hidden_size", "ffn_size",
-                           "num_heads", "num_kv_heads", "head_dim", "vocab_size", "dtype_bytes"):
+        for field_name in (
+            "num_layers",
+            "num_experts",
+            "top_k",
+            "hidden_size",
+            "ffn_size",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "vocab_size",
+            "dtype_bytes",
+        ):
             value = getattr(self, field_name)
             if not isinstance(value, int) or value <= 0:
                 raise UsageError(f"model {self.name!r}: {field_name} must be a positive integer, got {value!r}")
@@ -66,13 +76,17 @@ class ModelSpec:
         if self.num_shared_experts < 0 or self.shared_ffn_size < 0:
             raise UsageError(f"model {self.name!r}: shared expert sizes must be >= 0")
         if not 0 <= self.first_dense_layers < self.num_layers or (self.first_dense_layers and self.dense_ffn_size <= 0):
-            raise UsageError(f"model {self.name!r}: first_dense_layers must leave at least one MoE layer and come "
-                             f"with dense_ffn_size > 0")
+            raise UsageError(
+                f"model {self.name!r}: first_dense_layers must leave at least one MoE layer and come "
+                f"with dense_ffn_size > 0"
+            )
         if self.mla and min(self.qk_rope_dim, self.qk_nope_dim, self.v_head_dim) <= 0:
             raise UsageError(f"model {self.name!r}: MLA needs qk_rope_dim, qk_nope_dim and v_head_dim > 0")
         if self.qk_norm not in QK_NORMS:
-            raise UsageError(f"model {self.name!r}: qk_norm must be one of {', '.join(map(repr, QK_NORMS))} "
-                             f"(none, per head, over the whole projection), got {self.qk_norm!r}")
+            raise UsageError(
+                f"model {self.name!r}: qk_norm must be one of {', '.join(map(repr, QK_NORMS))} "
+                f"(none, per head, over the whole projection), got {self.qk_norm!r}"
+            )
         if self.qk_norm and self.mla:
             raise UsageError(f"model {self.name!r}: qk_norm is for q/k/v attention; MLA normalises its own latents")
         if not isinstance(self.norm_topk_prob, bool):
@@ -109,7 +123,9 @@ class ModelSpec:
             return h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
         heads, qk = self.num_heads, self.qk_nope_dim + self.qk_rope_dim
         q = h * self.q_lora_rank + self.q_lora_rank * heads * qk if self.q_lora_rank else h * heads * qk
-        kv = h * (self.kv_lora_rank + self.qk_rope_dim) + self.kv_lora_rank * heads * (self.qk_nope_dim + self.v_head_dim)
+        kv = h * (self.kv_lora_rank + self.qk_rope_dim) + self.kv_lora_rank * heads * (
+            self.qk_nope_dim + self.v_head_dim
+        )
         return q + kv + heads * self.v_head_dim * h
 
     def attention_bytes(self) -> int:
@@ -197,8 +213,9 @@ class ModelSpec:
     def resident_bytes(self) -> int:
         """Kept on the GPU for the whole run: embedding, lm_head, final norm and the per-layer
         RMSNorm vectors, the q/k norms included (too small to be worth streaming)."""
-        norms = ((2 * self.num_layers + 1) * self.hidden_size + self.num_layers * sum(self.qk_norm_widths())) \
-            * self.dtype_bytes
+        norms = (
+            (2 * self.num_layers + 1) * self.hidden_size + self.num_layers * sum(self.qk_norm_widths())
+        ) * self.dtype_bytes
         return 2 * self.embedding_bytes() + norms
 
     def total_bytes(self) -> int:
@@ -297,56 +314,191 @@ class ModelSpec:
 PRESETS: dict[str, ModelSpec] = {
     m.name: m
     for m in (
-        ModelSpec("mixtral-8x7b", num_layers=32, num_experts=8, top_k=2, hidden_size=4096,
-                  ffn_size=14336, num_heads=32, num_kv_heads=8, head_dim=128, vocab_size=32000),
-        ModelSpec("mixtral-8x22b", num_layers=56, num_experts=8, top_k=2, hidden_size=6144,
-                  ffn_size=16384, num_heads=48, num_kv_heads=8, head_dim=128, vocab_size=32000),
+        ModelSpec(
+            "mixtral-8x7b",
+            num_layers=32,
+            num_experts=8,
+            top_k=2,
+            hidden_size=4096,
+            ffn_size=14336,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            vocab_size=32000,
+        ),
+        ModelSpec(
+            "mixtral-8x22b",
+            num_layers=56,
+            num_experts=8,
+            top_k=2,
+            hidden_size=6144,
+            ffn_size=16384,
+            num_heads=48,
+            num_kv_heads=8,
+            head_dim=128,
+            vocab_size=32000,
+        ),
         # Fine-grained: 64 experts, top-8 (allenai/OLMoE-1B-7B-0924 config); its q_norm and k_norm span
         # the whole q and k projections, and norm_topk_prob is false (top-8 softmax weights not renormalised).
-        ModelSpec("olmoe-1b-7b", num_layers=16, num_experts=64, top_k=8, hidden_size=2048,
-                  ffn_size=1024, num_heads=16, num_kv_heads=16, head_dim=128, vocab_size=50304,
-                  hf_model_type="olmoe", qk_norm="full", norm_topk_prob=False),
+        ModelSpec(
+            "olmoe-1b-7b",
+            num_layers=16,
+            num_experts=64,
+            top_k=8,
+            hidden_size=2048,
+            ffn_size=1024,
+            num_heads=16,
+            num_kv_heads=16,
+            head_dim=128,
+            vocab_size=50304,
+            hf_model_type="olmoe",
+            qk_norm="full",
+            norm_topk_prob=False,
+        ),
         # Fine-grained with a shared expert: 60 routed, top-4, one shared expert of width 5632
         # (Qwen/Qwen1.5-MoE-A2.7B config: no q/k norm, norm_topk_prob false).
-        ModelSpec("qwen1.5-moe-a2.7b", num_layers=24, num_experts=60, top_k=4, hidden_size=2048,
-                  ffn_size=1408, num_heads=16, num_kv_heads=16, head_dim=128, vocab_size=151936,
-                  num_shared_experts=1, shared_ffn_size=5632, hf_model_type="qwen2_moe",
-                  norm_topk_prob=False),
+        ModelSpec(
+            "qwen1.5-moe-a2.7b",
+            num_layers=24,
+            num_experts=60,
+            top_k=4,
+            hidden_size=2048,
+            ffn_size=1408,
+            num_heads=16,
+            num_kv_heads=16,
+            head_dim=128,
+            vocab_size=151936,
+            num_shared_experts=1,
+            shared_ffn_size=5632,
+            hf_model_type="qwen2_moe",
+            norm_topk_prob=False,
+        ),
         # Qwen/Qwen3-30B-A3B config.json: 48 layers, all MoE (decoder_sparse_step 1, mlp_only_layers []),
         # 128 experts of width 768, top-8 (norm_topk_prob true), no shared expert, GQA 32/4 heads of 128
         # (head_dim 128, not hidden/heads = 64); q_norm and k_norm over each head's head_dim.
-        ModelSpec("qwen3-30b-a3b", num_layers=48, num_experts=128, top_k=8, hidden_size=2048, ffn_size=768,
-                  num_heads=32, num_kv_heads=4, head_dim=128, vocab_size=151936, hf_model_type="qwen3_moe",
-                  qk_norm="head", norm_topk_prob=True),
+        ModelSpec(
+            "qwen3-30b-a3b",
+            num_layers=48,
+            num_experts=128,
+            top_k=8,
+            hidden_size=2048,
+            ffn_size=768,
+            num_heads=32,
+            num_kv_heads=4,
+            head_dim=128,
+            vocab_size=151936,
+            hf_model_type="qwen3_moe",
+            qk_norm="head",
+            norm_topk_prob=True,
+        ),
         # deepseek-ai/DeepSeek-V2-Lite config.json (and DeepSeek's 16B inference config): 27 layers, the
         # first dense (first_k_dense_replace 1, intermediate 10944), then 64 routed experts of width
         # 1408, top-6, 2 shared; MLA with kv_lora_rank 512, no query compression, rope 64 / nope 128 /
         # v 128, 16 heads; vocab 102400.
-        ModelSpec("deepseek-v2-lite", num_layers=27, num_experts=64, top_k=6, hidden_size=2048, ffn_size=1408,
-                  num_heads=16, num_kv_heads=16, head_dim=192, vocab_size=102400, num_shared_experts=2,
-                  shared_ffn_size=1408, first_dense_layers=1, dense_ffn_size=10944, kv_lora_rank=512,
-                  qk_rope_dim=64, qk_nope_dim=128, v_head_dim=128, hf_model_type="deepseek_v2"),
+        ModelSpec(
+            "deepseek-v2-lite",
+            num_layers=27,
+            num_experts=64,
+            top_k=6,
+            hidden_size=2048,
+            ffn_size=1408,
+            num_heads=16,
+            num_kv_heads=16,
+            head_dim=192,
+            vocab_size=102400,
+            num_shared_experts=2,
+            shared_ffn_size=1408,
+            first_dense_layers=1,
+            dense_ffn_size=10944,
+            kv_lora_rank=512,
+            qk_rope_dim=64,
+            qk_nope_dim=128,
+            v_head_dim=128,
+            hf_model_type="deepseek_v2",
+        ),
         # deepseek-ai/DeepSeek-V3 config.json: 61 layers (the MTP layer is not counted), the first 3
         # dense (intermediate 18432), then 256 routed experts of width 2048, top-8, 1 shared; MLA with
         # kv_lora_rank 512, q_lora_rank 1536, rope 64 / nope 128 / v 128, 128 heads; vocab 129280.
         # Weights in bf16 (the config's torch_dtype; the released checkpoint is FP8 with block scales).
-        ModelSpec("deepseek-v3", num_layers=61, num_experts=256, top_k=8, hidden_size=7168, ffn_size=2048,
-                  num_heads=128, num_kv_heads=128, head_dim=192, vocab_size=129280, num_shared_experts=1,
-                  shared_ffn_size=2048, first_dense_layers=3, dense_ffn_size=18432, kv_lora_rank=512,
-                  q_lora_rank=1536, qk_rope_dim=64, qk_nope_dim=128, v_head_dim=128, hf_model_type="deepseek_v3"),
+        ModelSpec(
+            "deepseek-v3",
+            num_layers=61,
+            num_experts=256,
+            top_k=8,
+            hidden_size=7168,
+            ffn_size=2048,
+            num_heads=128,
+            num_kv_heads=128,
+            head_dim=192,
+            vocab_size=129280,
+            num_shared_experts=1,
+            shared_ffn_size=2048,
+            first_dense_layers=3,
+            dense_ffn_size=18432,
+            kv_lora_rank=512,
+            q_lora_rank=1536,
+            qk_rope_dim=64,
+            qk_nope_dim=128,
+            v_head_dim=128,
+            hf_model_type="deepseek_v3",
+        ),
         # A quarter-width Mixtral: big enough that transfers dominate on a CPU, small enough to run.
-        ModelSpec("small-mixtral", num_layers=4, num_experts=8, top_k=2, hidden_size=1024,
-                  ffn_size=3584, num_heads=16, num_kv_heads=4, head_dim=64, vocab_size=32000),
+        ModelSpec(
+            "small-mixtral",
+            num_layers=4,
+            num_experts=8,
+            top_k=2,
+            hidden_size=1024,
+            ffn_size=3584,
+            num_heads=16,
+            num_kv_heads=4,
+            head_dim=64,
+            vocab_size=32000,
+        ),
         # For tests and the CPU runtime: every op runs in microseconds.
-        ModelSpec("tiny-mixtral", num_layers=2, num_experts=4, top_k=2, hidden_size=64,
-                  ffn_size=128, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=256),
+        ModelSpec(
+            "tiny-mixtral",
+            num_layers=2,
+            num_experts=4,
+            top_k=2,
+            hidden_size=64,
+            ffn_size=128,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            vocab_size=256,
+        ),
         # ... and its Qwen3-MoE and OLMoE twins (`klotski-runtime tiny-checkpoint --model ...` writes
         # matching checkpoints): Qwen3's head_dim is not hidden/heads, as in Qwen3-30B-A3B (128, 2048/32)
-        ModelSpec("tiny-qwen3-moe", num_layers=2, num_experts=8, top_k=2, hidden_size=64, ffn_size=32, num_heads=4,
-                  num_kv_heads=2, head_dim=32, vocab_size=256, hf_model_type="qwen3_moe", qk_norm="head"),
-        ModelSpec("tiny-olmoe", num_layers=2, num_experts=8, top_k=2, hidden_size=64, ffn_size=32, num_heads=4,
-                  num_kv_heads=2, head_dim=16, vocab_size=256, hf_model_type="olmoe", qk_norm="full",
-                  norm_topk_prob=False),
+        ModelSpec(
+            "tiny-qwen3-moe",
+            num_layers=2,
+            num_experts=8,
+            top_k=2,
+            hidden_size=64,
+            ffn_size=32,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=32,
+            vocab_size=256,
+            hf_model_type="qwen3_moe",
+            qk_norm="head",
+        ),
+        ModelSpec(
+            "tiny-olmoe",
+            num_layers=2,
+            num_experts=8,
+            top_k=2,
+            hidden_size=64,
+            ffn_size=32,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            vocab_size=256,
+            hf_model_type="olmoe",
+            qk_norm="full",
+            norm_topk_prob=False,
+        ),
     )
 }
 
@@ -362,8 +514,10 @@ def quantised(spec: ModelSpec, text: str, where: str) -> ModelSpec:
     parts = text.split(":")
     bits = parts[0][3:] if parts[0].startswith("int") else ""
     if not bits.isdigit() or int(bits) not in PACKED_BITS:
-        raise UsageError(f"model {where!r}: expert dtype must be int8, int4, int3 or int2 (then :gG and :fp16|fp32), "
-                         f"got {parts[0]!r}")
+        raise UsageError(
+            f"model {where!r}: expert dtype must be int8, int4, int3 or int2 (then :gG and :fp16|fp32), "
+            f"got {parts[0]!r}"
+        )
     group, meta = 64, 4
     given: set[str] = set()
     for part in parts[1:]:
@@ -378,17 +532,23 @@ def quantised(spec: ModelSpec, text: str, where: str) -> ModelSpec:
         elif part in ("fp16", "fp32"):
             meta = 4 if part == "fp16" else 8
         else:
-            raise UsageError(f"model {where!r}: unknown quantisation setting {part!r} (gG: group size; fp16|fp32: "
-                             f"the dtype of scales and zeros)")
+            raise UsageError(
+                f"model {where!r}: unknown quantisation setting {part!r} (gG: group size; fp16|fp32: "
+                f"the dtype of scales and zeros)"
+            )
     weights = spec.hidden_size * spec.ffn_size  # one expert matrix (w1, w3: f x h; w2: h x f)
     if weights % group:  # (HQQ's Quantizer.quantize asserts W.numel() % group_size == 0: a matrix is whole groups)
-        raise UsageError(f"model {where!r}: the group size {group} does not divide an expert matrix's {weights} "
-                         f"weights ({spec.hidden_size} x {spec.ffn_size}); HQQ quantises whole groups")
+        raise UsageError(
+            f"model {where!r}: the group size {group} does not divide an expert matrix's {weights} "
+            f"weights ({spec.hidden_size} x {spec.ffn_size}); HQQ quantises whole groups"
+        )
     packed = replace(spec, expert_bits=int(bits), quant_group=group, quant_meta_bytes=meta)
     if packed.expert_bytes() >= spec.expert_bytes():  # (`@int8:g1:fp32` made experts 4.5x larger: accepted)
-        raise UsageError(f"model {where!r}: {text} stores an expert in {packed.expert_bytes():,} bytes, no fewer "
-                         f"than the {spec.expert_bytes():,} of unquantised ones (a scale and a zero for every "
-                         f"{group} weight(s)); give a larger group size (:g64 by default)")
+        raise UsageError(
+            f"model {where!r}: {text} stores an expert in {packed.expert_bytes():,} bytes, no fewer "
+            f"than the {spec.expert_bytes():,} of unquantised ones (a scale and a zero for every "
+            f"{group} weight(s)); give a larger group size (:g64 by default)"
+        )
     return packed
 
 
@@ -409,8 +569,9 @@ def get_model(name: str) -> ModelSpec:
     try:
         spec = PRESETS[base]
     except KeyError:
-        raise UsageError(f"unknown model {name!r}; known models: {', '.join(sorted(PRESETS))} "
-                         f"(NAME:L keeps the first L layers)") from None
+        raise UsageError(
+            f"unknown model {name!r}; known models: {', '.join(sorted(PRESETS))} (NAME:L keeps the first L layers)"
+        ) from None
     if not colon:  # (`tiny-mixtral:`, a count left out, ran the whole model)
         return spec
     if not (layers.isascii() and layers.isdigit()) or not 1 <= int(layers) <= spec.num_layers:

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from klotski_sim.util.argtypes import MAX_COUNT, MAX_COUNT_TEXT
-from klotski_sim.util.errors import UsageError
 from klotski_sim.files.mapped import in_chunks, release
 from klotski_sim.files.npzfile import NPZ_READ_ERRORS, check_npz, write_npz
+from klotski_sim.util.argtypes import MAX_COUNT, MAX_COUNT_TEXT
+from klotski_sim.util.errors import UsageError
 
 # Above this many routed ids, a batch's first-use order is found by numpy's sort rather than a dict
 # over every id: a default batch's 16k prefill ids in 0.15 ms instead of 0.42 (a decode step's 32
@@ -90,7 +90,7 @@ def repeats_an_expert(ids: np.ndarray) -> bool:
         return bool(np.any(ranked[..., 1:] == ranked[..., :-1]))
     rows = ids.reshape(-1, k)  # (a view of a contiguous array: the trace's blocks are)
     for start in range(0, len(rows), _REPEAT_ROWS):
-        slots = rows[start:start + _REPEAT_ROWS].T.copy()
+        slots = rows[start : start + _REPEAT_ROWS].T.copy()
         if any(np.any(slots[i] == slots[j]) for i in range(k - 1) for j in range(i + 1, k)):
             return True
     return False
@@ -162,13 +162,15 @@ class RunShape:
 class RoutingTable:
     """Top-k expert ids of every token of a run: `ids[batch, seq, position, layer, slot]`."""
 
-    def __init__(self, ids: np.ndarray, shape: RunShape, num_experts: int, source: str = "",
-                 dense_layers: int = 0) -> None:
+    def __init__(
+        self, ids: np.ndarray, shape: RunShape, num_experts: int, source: str = "", dense_layers: int = 0
+    ) -> None:
         expected = (shape.num_batches, shape.batch_size, shape.tokens_per_sequence)
         if ids.ndim != 5 or ids.shape[:3] != expected:
             raise UsageError(f"routing ids have shape {ids.shape}, expected {expected} + (layers, top_k)")
-        if any(part.size and (part.min() < 0 or part.max() >= num_experts)
-               for part in in_chunks(ids, 1)):  # (a batch at a time: a mapped trace's pages given back)
+        if any(
+            part.size and (part.min() < 0 or part.max() >= num_experts) for part in in_chunks(ids, 1)
+        ):  # (a batch at a time: a mapped trace's pages given back)
             raise UsageError(f"routing ids out of range [0, {num_experts})")
         self.ids = ids.astype(expert_id_type(num_experts), copy=False)  # (a view of a trace's ids stays one)
         self.shape = shape
@@ -180,7 +182,7 @@ class RoutingTable:
         # the decode steps' few ids a sequence, held in memory (`step_block`): read step after step,
         # they would otherwise keep resident the pages of a mapped trace that hold them, and the
         # prefill's around them (in a 16k-token prompt's run: 61 MB of 134)
-        self.decode_ids = np.ascontiguousarray(self.ids[:, :, shape.prompt_len:])  # [batch, seq, step - 1, L, K]
+        self.decode_ids = np.ascontiguousarray(self.ids[:, :, shape.prompt_len :])  # [batch, seq, step - 1, L, K]
         release(self.ids)
 
     @cached_property
@@ -190,7 +192,7 @@ class RoutingTable:
         nb, L, E = sh.num_batches, self.num_layers, self.num_experts
         step_of_position = np.empty(sh.tokens_per_sequence, dtype=np.int64)
         step_of_position[: sh.prompt_len] = 0
-        step_of_position[sh.prompt_len:] = np.arange(1, sh.gen_len)
+        step_of_position[sh.prompt_len :] = np.arange(1, sh.gen_len)
         counts = np.empty((sh.num_steps, L, nb, E), dtype=np.int64)
         by_choice = E**self.top_k <= CHOICE_CODES
         bins = E**self.top_k if by_choice else E  # per (step, layer): its choices, or its experts
@@ -200,23 +202,25 @@ class RoutingTable:
         offset = (step_of_position[:, None] * L + np.arange(L)[None, :]) * bins  # [position, layer]
         keys_per_position = sh.batch_size * L * (1 if by_choice else self.top_k)
         chunk = min(sh.tokens_per_sequence, max(1, _COUNTED_KEYS // keys_per_position))
-        buffer = np.empty((sh.batch_size, chunk, L) if by_choice else (sh.batch_size, chunk, L, self.top_k),
-                          dtype=np.intp)  # (reused from pass to pass)
+        buffer = np.empty(
+            (sh.batch_size, chunk, L) if by_choice else (sh.batch_size, chunk, L, self.top_k), dtype=np.intp
+        )  # (reused from pass to pass)
         holds = choice_experts(E, self.top_k) if by_choice else None
         for b in range(nb):
             tally = None
             for lo in range(0, sh.tokens_per_sequence, chunk):
-                ids = self.ids[b, :, lo:lo + chunk]  # [seq, position, layer, slot]
-                key = buffer[:, :ids.shape[1]]  # (a batch's last chunk of a long prompt may be shorter)
+                ids = self.ids[b, :, lo : lo + chunk]  # [seq, position, layer, slot]
+                key = buffer[:, : ids.shape[1]]  # (a batch's last chunk of a long prompt may be shorter)
                 if by_choice:
-                    key[...] = offset[lo:lo + chunk]
+                    key[...] = offset[lo : lo + chunk]
                     choice_codes(ids, E, out=key)
                 else:
-                    np.add(offset[lo:lo + chunk, :, None], ids, out=key)
+                    np.add(offset[lo : lo + chunk, :, None], ids, out=key)
                 part = np.bincount(key.reshape(-1), minlength=sh.num_steps * L * bins)
                 release(ids)
                 tally = part if tally is None else tally + part
-            by_bin = tally.reshape(-1, bins) @ holds if by_choice else tally
+            assert tally is not None  # (a sequence holds at least one token: the loop above ran)
+            by_bin = tally.reshape(-1, bins) @ holds if holds is not None else tally
             counts[:, :, b, :] = by_bin.reshape(sh.num_steps, L, E)
         counts[:, : self.dense_layers] = 0
         return counts
@@ -228,10 +232,16 @@ class RoutingTable:
     def save(self, path: str | Path) -> None:
         """The exact routing a schedule was built from (the runtime replays it with the schedule)."""
         sh = self.shape
-        write_npz(path, dict(ids=self.ids,
-                             num_experts=np.array(self.num_experts),
-                             shape=np.array([sh.batch_size, sh.num_batches, sh.prompt_len, sh.gen_len]),
-                             source=np.array(self.source), dense_layers=np.array(self.dense_layers)))
+        write_npz(
+            path,
+            dict(
+                ids=self.ids,
+                num_experts=np.array(self.num_experts),
+                shape=np.array([sh.batch_size, sh.num_batches, sh.prompt_len, sh.gen_len]),
+                source=np.array(self.source),
+                dense_layers=np.array(self.dense_layers),
+            ),
+        )
 
     @staticmethod
     def load(path: str | Path) -> "RoutingTable":
@@ -246,23 +256,29 @@ class RoutingTable:
             raise UsageError(f"{path}: no such routing file") from None
         except (*NPZ_READ_ERRORS, KeyError) as err:
             raise UsageError(f"{path}: not a routing table written by klotski-sim ({err})") from None
-        for name, array, size in (("ids", ids, None), ("shape", shape, 4), ("num_experts", num_experts, 1),
-                                  ("dense_layers", dense, 1)):
+        for name, array, size in (
+            ("ids", ids, None),
+            ("shape", shape, 4),
+            ("num_experts", num_experts, 1),
+            ("dense_layers", dense, 1),
+        ):
             if array.dtype.kind not in "iu" or (size is not None and array.size != size):
-                raise UsageError(f"{path}: {name} must be {'integers' if size != 1 else 'an integer'}"
-                                 f"{f' ({size} of them)' if size and size > 1 else ''}, got {array.dtype} "
-                                 f"of shape {array.shape}")
+                raise UsageError(
+                    f"{path}: {name} must be {'integers' if size != 1 else 'an integer'}"
+                    f"{f' ({size} of them)' if size and size > 1 else ''}, got {array.dtype} "
+                    f"of shape {array.shape}"
+                )
         bs, nb, p, g = (int(v) for v in shape)
         try:  # (the table's own checks, said of this file: "batch_size must be ..." named none)
             table = RoutingTable(ids, RunShape(bs, nb, p, g), int(num_experts), str(source), int(dense))
         except UsageError as err:
             raise UsageError(f"{path}: {err}") from None
         if not 0 <= table.dense_layers <= table.num_layers:
-            raise UsageError(f"{path}: dense_layers {table.dense_layers} is not within the routing's "
-                             f"{table.num_layers} layers")
+            raise UsageError(
+                f"{path}: dense_layers {table.dense_layers} is not within the routing's {table.num_layers} layers"
+            )
         if repeats_an_expert(table.ids):
-            raise UsageError(f"{path}: a token selects the same expert twice (a router's top-k experts are "
-                             f"distinct)")
+            raise UsageError(f"{path}: a token selects the same expert twice (a router's top-k experts are distinct)")
         return table
 
     def first_use_orders(self, step: int, layer: int) -> list[list[int]]:
@@ -278,8 +294,10 @@ class RoutingTable:
         release(head)
         needed = np.count_nonzero(used, axis=1).tolist()
         rows = used.tolist()
-        return [[e for e in (order if len(order) >= need else self.first_use(step, layer, b)) if row[e]]
-                for b, (order, need, row) in enumerate(zip(orders, needed, rows))]
+        return [
+            [e for e in (order if len(order) >= need else self.first_use(step, layer, b)) if row[e]]
+            for b, (order, need, row) in enumerate(zip(orders, needed, rows))
+        ]
 
     def first_use(self, step: int, layer: int, batch: int) -> list[int]:
         """The experts one batch uses at one step and layer, in the order its tokens first select
@@ -300,5 +318,4 @@ class RoutingTable:
     def step_block(self, step: int) -> np.ndarray:
         """`[batch, seq, tokens_of_step, layer, slot]`: the ids one step processes (a decode step's
         from memory, the prefill's where the routing is held, perhaps a mapped file)."""
-        return self.ids[:, :, : self.shape.prompt_len] if step == 0 else self.decode_ids[:, :, step - 1:step]
-
+        return self.ids[:, :, : self.shape.prompt_len] if step == 0 else self.decode_ids[:, :, step - 1 : step]

@@ -27,12 +27,12 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from klotski_sim.util.errors import KlotskiError, UsageError
 from klotski_sim.files.mapped import in_chunks, release
-from klotski_sim.workload.model import ModelSpec, preset_name
 from klotski_sim.files.npzfile import NPZ_READ_ERRORS, check_npz, write_npz
-from klotski_sim.workload.routing import RoutingTable, RunShape, expert_id_type, repeats_an_expert
 from klotski_sim.files.textfile import DuplicateKeyError, read_text, unique_json_keys
+from klotski_sim.util.errors import KlotskiError, UsageError
+from klotski_sim.workload.model import ModelSpec, preset_name
+from klotski_sim.workload.routing import RoutingTable, RunShape, expert_id_type, repeats_an_expert
 
 FORMAT = "klotski-routing-trace"
 VERSION = 1
@@ -92,7 +92,7 @@ class Trace:
 
     def sequence(self, i: int) -> np.ndarray:
         """`[tokens, layers, top_k]` of sequence i."""
-        return self.experts[self.seq_offsets[i]:self.seq_offsets[i + 1]]
+        return self.experts[self.seq_offsets[i] : self.seq_offsets[i + 1]]
 
     def subset(self, indices: Iterable[int]) -> "Trace":
         idx = list(indices)
@@ -100,13 +100,21 @@ class Trace:
         lengths = [len(p) for p in parts]
         weights = None
         if self.weights is not None:
-            weights = np.concatenate([self.weights[self.seq_offsets[i]:self.seq_offsets[i + 1]] for i in idx]) \
-                if idx else self.weights[:0]
+            weights = (
+                np.concatenate([self.weights[self.seq_offsets[i] : self.seq_offsets[i + 1]] for i in idx])
+                if idx
+                else self.weights[:0]
+            )
         experts = np.concatenate(parts) if parts else self.experts[:0]
         for part in parts:  # (copied: a mapped trace's pages given back)
             release(part)
-        return Trace(experts, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-                     self.prompt_lens[idx].copy(), dict(self.meta), weights)
+        return Trace(
+            experts,
+            np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+            self.prompt_lens[idx].copy(),
+            dict(self.meta),
+            weights,
+        )
 
     # ---- checks -----------------------------------------------------------------------------
     def validate(self, where: str) -> None:
@@ -121,11 +129,15 @@ class Trace:
         if not np.issubdtype(e.dtype, np.integer):
             raise TraceError(f"{where}: experts must be integers, got {e.dtype}")
         if e.shape[1] != int(self.meta["num_layers"]) or e.shape[2] != int(self.meta["top_k"]):
-            raise TraceError(f"{where}: experts shape {e.shape} disagrees with metadata "
-                             f"(num_layers={self.meta['num_layers']}, top_k={self.meta['top_k']})")
+            raise TraceError(
+                f"{where}: experts shape {e.shape} disagrees with metadata "
+                f"(num_layers={self.meta['num_layers']}, top_k={self.meta['top_k']})"
+            )
         if off.ndim != 1 or len(off) < 1 or off[0] != 0 or off[-1] != len(e) or np.any(np.diff(off) < 0):
-            raise TraceError(f"{where}: seq_offsets must rise from 0 to the number of tokens ({len(e)}); "
-                             f"the file is truncated or inconsistent")
+            raise TraceError(
+                f"{where}: seq_offsets must rise from 0 to the number of tokens ({len(e)}); "
+                f"the file is truncated or inconsistent"
+            )
         if pl.shape != (len(off) - 1,) or np.any(pl < 0) or np.any(pl > np.diff(off)):
             raise TraceError(f"{where}: prompt_lens must give one length per sequence, within its tokens")
         n_exp = int(self.meta["num_experts"])
@@ -142,8 +154,10 @@ class Trace:
             if w.shape != e.shape:
                 raise TraceError(f"{where}: weights shape {w.shape} differs from experts {e.shape}")
             if w.dtype.kind != "f" or (w.size and not (np.isfinite(w).all() and w.min() >= 0)):
-                raise TraceError(f"{where}: weights must be finite non-negative gate probabilities, got {w.dtype}"
-                                 + ("" if w.dtype.kind != "f" else f" from {w.min()} to {w.max()}"))
+                raise TraceError(
+                    f"{where}: weights must be finite non-negative gate probabilities, got {w.dtype}"
+                    + ("" if w.dtype.kind != "f" else f" from {w.min()} to {w.max()}")
+                )
 
     def check_model(self, model: ModelSpec, where: str = "trace") -> None:
         """A trace replays only on a model with the same experts, top-k and layer count."""
@@ -157,15 +171,20 @@ class Trace:
         if problems:
             recorded = self.meta.get("model")  # (an imported log is labelled with the model it is checked against)
             of = "" if recorded == model.name else f" (recorded for {recorded!r})"
-            raise TraceError(f"{where}: the trace{of} has another shape than model {model.name!r} (trace vs model: "
-                             f"{'; '.join(problems)})")
+            raise TraceError(
+                f"{where}: the trace{of} has another shape than model {model.name!r} (trace vs model: "
+                f"{'; '.join(problems)})"
+            )
 
     # ---- files ------------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
         """Write atomically (temp file + rename): an interrupted save never leaves half a trace."""
-        arrays = dict(experts=self.experts,
-                      seq_offsets=self.seq_offsets.astype(np.int64), prompt_lens=self.prompt_lens.astype(np.int32),
-                      meta=np.array(json.dumps({"format": FORMAT, "version": VERSION, **self.meta})))
+        arrays = dict(
+            experts=self.experts,
+            seq_offsets=self.seq_offsets.astype(np.int64),
+            prompt_lens=self.prompt_lens.astype(np.int32),
+            meta=np.array(json.dumps({"format": FORMAT, "version": VERSION, **self.meta})),
+        )
         if self.weights is not None:
             arrays["weights"] = self.weights.astype(np.float16)
         write_npz(path, arrays)
@@ -182,16 +201,19 @@ class Trace:
                     raise TraceError(f"{path}: not a routing trace (missing {', '.join(sorted(missing))})")
                 stored = z["meta"]
                 if stored.ndim != 0 or stored.dtype.kind != "U":  # (two strings, or bytes: "truncated or corrupt")
-                    raise TraceError(f"{path}: meta must be one JSON string, got {stored.dtype} of shape "
-                                     f"{stored.shape}")
+                    raise TraceError(
+                        f"{path}: meta must be one JSON string, got {stored.dtype} of shape {stored.shape}"
+                    )
                 meta = json.loads(str(stored), object_pairs_hook=unique_json_keys)  # (the last of two won)
                 if not isinstance(meta, dict):
                     raise TraceError(f"{path}: meta must be a JSON object, got {type(meta).__name__}")
                 arrays = {k: z[k] for k in ("seq_offsets", "prompt_lens")}
                 for name in ("seq_offsets", "prompt_lens"):
                     if not np.issubdtype(arrays[name].dtype, np.integer) or arrays[name].ndim != 1:
-                        raise TraceError(f"{path}: {name} must be a 1-d integer array, got {arrays[name].dtype} "
-                                         f"of shape {arrays[name].shape}")
+                        raise TraceError(
+                            f"{path}: {name} must be a 1-d integer array, got {arrays[name].dtype} "
+                            f"of shape {arrays[name].shape}"
+                        )
                 for key in ("num_experts", "top_k", "num_layers"):
                     value = meta.get(key)
                     if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 1 << 16:
@@ -241,8 +263,15 @@ class Replay:
     wrapped: bool
 
 
-def replay(trace: Trace, model: ModelSpec, shape: RunShape, *, warmup_sequences: int = 0, wrap: bool = False,
-           where: str = "trace") -> Replay:
+def replay(
+    trace: Trace,
+    model: ModelSpec,
+    shape: RunShape,
+    *,
+    warmup_sequences: int = 0,
+    wrap: bool = False,
+    where: str = "trace",
+) -> Replay:
     """Cut the routing of n x bs sequences of P + G - 1 tokens out of `trace`.
 
     The first `warmup_sequences` sequences are reserved for warm-up and never evaluated. Only
@@ -252,25 +281,38 @@ def replay(trace: Trace, model: ModelSpec, shape: RunShape, *, warmup_sequences:
     need_tokens = shape.tokens_per_sequence
     need_seqs = shape.num_sequences
     if warmup_sequences >= trace.num_sequences:
-        raise TraceError(f"{where}: {warmup_sequences} warm-up sequences leave none of its "
-                         f"{trace.num_sequences} to evaluate")
+        raise TraceError(
+            f"{where}: {warmup_sequences} warm-up sequences leave none of its {trace.num_sequences} to evaluate"
+        )
     pool = [i for i in range(warmup_sequences, trace.num_sequences) if trace.lengths[i] >= need_tokens]
     if not pool:
         longest = int(trace.lengths[warmup_sequences:].max()) if trace.num_sequences > warmup_sequences else 0
-        raise TraceError(f"{where}: no sequence has the {need_tokens} tokens a run with prompt {shape.prompt_len} "
-                         f"and {shape.gen_len} generated needs (longest: {longest}); lower --prompt-len/--gen-len")
+        raise TraceError(
+            f"{where}: no sequence has the {need_tokens} tokens a run with prompt {shape.prompt_len} "
+            f"and {shape.gen_len} generated needs (longest: {longest}); lower --prompt-len/--gen-len"
+        )
     if len(pool) < need_seqs and not wrap:
-        raise TraceError(f"{where}: the run needs {need_seqs} sequences of >= {need_tokens} tokens "
-                         f"({shape.num_batches} batches x {shape.batch_size}), the trace has {len(pool)} after "
-                         f"{warmup_sequences} warm-up ones; pass --wrap to reuse sequences, or ask for fewer")
+        raise TraceError(
+            f"{where}: the run needs {need_seqs} sequences of >= {need_tokens} tokens "
+            f"({shape.num_batches} batches x {shape.batch_size}), the trace has {len(pool)} after "
+            f"{warmup_sequences} warm-up ones; pass --wrap to reuse sequences, or ask for fewer"
+        )
     chosen = [pool[k % len(pool)] for k in range(need_seqs)]
     ids = _sequences_ids(trace, chosen, need_tokens).reshape(
-        shape.num_batches, shape.batch_size, need_tokens, trace.num_layers, trace.top_k)
+        shape.num_batches, shape.batch_size, need_tokens, trace.num_layers, trace.top_k
+    )
     wrapped = len(pool) < need_seqs
     # reusing sequences repeats their routing, which flatters any predictor: say by how much
-    source = f"{trace.meta.get('source', where)}" + (
-        f" (WRAPPED: {len(pool)} distinct sequences for {need_seqs} needed, {len(pool) / need_seqs:.0%}; reused "
-        f"routing inflates prefetch accuracy and throughput)" if wrapped else "") + _recorded_for_another(trace, model)
+    source = (
+        f"{trace.meta.get('source', where)}"
+        + (
+            f" (WRAPPED: {len(pool)} distinct sequences for {need_seqs} needed, {len(pool) / need_seqs:.0%}; reused "
+            f"routing inflates prefetch accuracy and throughput)"
+            if wrapped
+            else ""
+        )
+        + _recorded_for_another(trace, model)
+    )
     routing = RoutingTable(ids, shape, model.num_experts, source=source, dense_layers=model.first_dense_layers)
     return Replay(routing, trace.subset(range(warmup_sequences)), tuple(chosen), wrapped)
 
@@ -282,8 +324,10 @@ def _recorded_for_another(trace: Trace, model: ModelSpec) -> str:
     recorded = trace.meta.get("model")
     if not isinstance(recorded, str) or recorded in ("", "unknown") or preset_name(recorded) == preset_name(model.name):
         return ""
-    return (f" (ANOTHER MODEL: recorded for {recorded!r}, replayed on {model.name!r} of the same shape: the routing "
-            f"is not this model's)")
+    return (
+        f" (ANOTHER MODEL: recorded for {recorded!r}, replayed on {model.name!r} of the same shape: the routing "
+        f"is not this model's)"
+    )
 
 
 def _sequences_ids(trace: Trace, chosen: list[int], tokens: int) -> np.ndarray:
@@ -291,10 +335,10 @@ def _sequences_ids(trace: Trace, chosen: list[int], tokens: int) -> np.ndarray:
     the trace where the sequences follow one another and are equally long (a synthetic trace made
     for the run: a long prompt's routing is not held twice), else a copy."""
     first, count = (chosen[0], len(chosen)) if chosen else (0, 0)
-    lengths = trace.lengths[first:first + count]
+    lengths = trace.lengths[first : first + count]
     if count and chosen == list(range(first, first + count)) and (lengths == lengths[0]).all():
         start, length = int(trace.seq_offsets[first]), int(lengths[0])
-        block = trace.experts[start:start + count * length]
+        block = trace.experts[start : start + count * length]
         return block.reshape(count, length, trace.num_layers, trace.top_k)[:, :tokens]
     rows = trace.seq_offsets[np.asarray(chosen)][:, None] + np.arange(tokens)[None, :]
     return trace.experts[rows]
@@ -308,13 +352,22 @@ def _shown(value: Any, limit: int = 60) -> str:
     """A value from a log (a sequence id, a record's expert ids) as a message shows it: its repr,
     cut short (a log's ids can be thousands of characters, and a warning names one per sequence)."""
     text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit - 3]}..."
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
-def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str = "unknown",
-                 prompt_len_field: str = "prompt_len", key_fields: tuple[str, ...] | None = None,
-                 holes: str = "cut", source: str | None = None, license: str | None = None,
-                 dataset: str | None = None, dense_layers: int = 0) -> tuple[Trace, list[str]]:
+def import_jsonl(
+    path: str | Path,
+    *,
+    num_experts: int | None = None,
+    model: str = "unknown",
+    prompt_len_field: str = "prompt_len",
+    key_fields: tuple[str, ...] | None = None,
+    holes: str = "cut",
+    source: str | None = None,
+    license: str | None = None,
+    dataset: str | None = None,
+    dense_layers: int = 0,
+) -> tuple[Trace, list[str]]:
     """Read a JSON-lines routing log, one record per token per layer, e.g.
 
         {"seq_id": 3, "token_idx": 17, "layer": 5, "experts": [1, 6], "gating_probs": [0.7, 0.3]}
@@ -332,11 +385,13 @@ def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str
     if holes not in ("cut", "longest"):
         raise TraceError(f"holes must be cut or longest, got {holes!r}")
     path = Path(path)
-    alias = {"seq": ("seq_id", "sequence_id", "request_id", "seq", "req_id"),
-             "tok": ("token_idx", "token_index", "position", "token_id", "pos"),
-             "layer": ("layer", "layer_id", "layer_idx"),
-             "experts": ("experts", "expert_ids", "topk_ids", "selected_experts"),
-             "weights": ("gating_probs", "weights", "topk_weights", "gate_weights")}
+    alias = {
+        "seq": ("seq_id", "sequence_id", "request_id", "seq", "req_id"),
+        "tok": ("token_idx", "token_index", "position", "token_id", "pos"),
+        "layer": ("layer", "layer_id", "layer_idx"),
+        "experts": ("experts", "expert_ids", "topk_ids", "selected_experts"),
+        "weights": ("gating_probs", "weights", "topk_weights", "gate_weights"),
+    }
 
     def pick(rec: dict, key: str, lineno: int, required: bool = True) -> Any:
         for name in alias[key]:
@@ -367,20 +422,28 @@ def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str
         seq, tok, layer = pick(rec, "seq", lineno), pick(rec, "tok", lineno), pick(rec, "layer", lineno)
         experts = pick(rec, "experts", lineno)
         weights = pick(rec, "weights", lineno, required=False)
-        if not isinstance(experts, list) or not experts or not all(
-                isinstance(x, int) and not isinstance(x, bool) for x in experts):
+        if (
+            not isinstance(experts, list)
+            or not experts
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in experts)
+        ):
             raise TraceError(f"{path}:{lineno}: experts must be a non-empty list of integers")
         if not all(0 <= x < MAX_IMPORT_INDEX for x in experts):
-            raise TraceError(f"{path}:{lineno}: expert ids must be from 0 to {MAX_IMPORT_INDEX - 1}, got "
-                             f"{_shown(experts)}")
+            raise TraceError(
+                f"{path}:{lineno}: expert ids must be from 0 to {MAX_IMPORT_INDEX - 1}, got {_shown(experts)}"
+            )
         if len(set(experts)) < len(experts):  # (found later, for the whole trace, without its line)
-            raise TraceError(f"{path}:{lineno}: the token selects an expert twice ({_shown(experts)}); a router's "
-                             f"top-k experts are distinct")
+            raise TraceError(
+                f"{path}:{lineno}: the token selects an expert twice ({_shown(experts)}); a router's "
+                f"top-k experts are distinct"
+            )
         if not isinstance(tok, int) or not isinstance(layer, int) or isinstance(tok, bool) or isinstance(layer, bool):
             raise TraceError(f"{path}:{lineno}: token index and layer must be integers")
         if not 0 <= tok < MAX_IMPORT_TOKENS or not 0 <= layer < MAX_IMPORT_INDEX:
-            raise TraceError(f"{path}:{lineno}: token index must be from 0 to {MAX_IMPORT_TOKENS - 1} and layer "
-                             f"from 0 to {MAX_IMPORT_INDEX - 1}, got token {tok} layer {layer}")
+            raise TraceError(
+                f"{path}:{lineno}: token index must be from 0 to {MAX_IMPORT_TOKENS - 1} and layer "
+                f"from 0 to {MAX_IMPORT_INDEX - 1}, got token {tok} layer {layer}"
+            )
         if not isinstance(seq, (int, str)) or isinstance(seq, bool):
             raise TraceError(f"{path}:{lineno}: the sequence id must be an integer or a string, got {_shown(seq)}")
         if key_fields is None:  # decided on the first record: a dataset field namespaces the ids
@@ -389,18 +452,26 @@ def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str
         for field_name in key_fields:
             value = rec.get(field_name)
             if not isinstance(value, (int, str)) or isinstance(value, bool):
-                raise TraceError(f"{path}:{lineno}: key field {field_name!r} must be an integer or a string in every "
-                                 f"record, got {value!r}")
+                raise TraceError(
+                    f"{path}:{lineno}: key field {field_name!r} must be an integer or a string in every "
+                    f"record, got {value!r}"
+                )
             namespace.append(value)
         seq = (*namespace, seq) if namespace else seq
         first_line.setdefault(seq, lineno)
         if max(experts) > max_id:
             max_id, max_id_line = max(experts), lineno
-        if weights is not None and (not isinstance(weights, list) or len(weights) != len(experts)
-                                    or not all(isinstance(w, (int, float)) and not isinstance(w, bool)
-                                               and 0 <= w <= MAX_GATE_WEIGHT for w in weights)):
-            raise TraceError(f"{path}:{lineno}: gate weights must be a list of numbers from 0 to {MAX_GATE_WEIGHT} "
-                             f"(stored as float16), one per expert")
+        if weights is not None and (
+            not isinstance(weights, list)
+            or len(weights) != len(experts)
+            or not all(
+                isinstance(w, (int, float)) and not isinstance(w, bool) and 0 <= w <= MAX_GATE_WEIGHT for w in weights
+            )
+        ):
+            raise TraceError(
+                f"{path}:{lineno}: gate weights must be a list of numbers from 0 to {MAX_GATE_WEIGHT} "
+                f"(stored as float16), one per expert"
+            )
         if top_k is None:
             top_k = len(experts)
         elif len(experts) != top_k:
@@ -410,31 +481,36 @@ def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise TraceError(f"{path}:{lineno}: {prompt_len_field} must be an integer >= 0, got {value!r}")
             if prompt_lens.setdefault(seq, value) != value:
-                raise TraceError(f"{path}:{lineno}: {prompt_len_field} {value} for sequence {_shown(seq)}, whose "
-                                 f"earlier records said {prompt_lens[seq]}")
+                raise TraceError(
+                    f"{path}:{lineno}: {prompt_len_field} {value} for sequence {_shown(seq)}, whose "
+                    f"earlier records said {prompt_lens[seq]}"
+                )
         table = records.setdefault(seq, {})
         if (tok, layer) in table:
-            duplicates.append(f"{path}:{lineno}: sequence {_shown(seq)} token {tok} layer {layer} appears again; "
-                              f"the later record is kept")
+            duplicates.append(
+                f"{path}:{lineno}: sequence {_shown(seq)} token {tok} layer {layer} appears again; "
+                f"the later record is kept"
+            )
         table[(tok, layer)] = (experts, weights)
-    if not records:
+    if not records or top_k is None:  # (the first record sets top_k)
         raise TraceError(f"{path}: no records")
     num_layers = 1 + max(layer for seq in records.values() for (_, layer) in seq)
     n_exp = num_experts if num_experts is not None else max_id + 1
     if not 1 <= n_exp <= MAX_IMPORT_INDEX:  # (100,000 wrote a trace that every reader refused)
-        raise TraceError(f"{path}: --num-experts {n_exp} must be from 1 to {MAX_IMPORT_INDEX}, as an imported "
-                         f"log's expert ids are")
+        raise TraceError(
+            f"{path}: --num-experts {n_exp} must be from 1 to {MAX_IMPORT_INDEX}, as an imported log's expert ids are"
+        )
     if max_id >= n_exp:
         raise TraceError(f"{path}:{max_id_line}: expert id {max_id} is out of range for --num-experts {n_exp}")
-    problems: list[str] = duplicates[:20] + ([f"... and {len(duplicates) - 20} more duplicated records"]
-                                             if len(duplicates) > 20 else [])
+    problems: list[str] = duplicates[:20] + (
+        [f"... and {len(duplicates) - 20} more duplicated records"] if len(duplicates) > 20 else []
+    )
     experts_out, weights_out, lengths, plens = [], [], [], []
     weighted = sum(w is not None for seq in records.values() for _, w in seq.values())
     entries = sum(map(len, records.values()))
     has_weights = weighted == entries
     if 0 < weighted < entries:  # (said: a few records without them dropped every weight silently)
-        problems.append(f"{path}: {entries - weighted} of {entries} records have no gate weights; the trace keeps "
-                        f"none")
+        problems.append(f"{path}: {entries - weighted} of {entries} records have no gate weights; the trace keeps none")
     if dense_layers:  # (a DeepSeek log has no router records there: every token was a hole at layer 0)
         filler = (list(range(top_k)), [1.0 / top_k] * top_k if has_weights else None)
         for table in records.values():
@@ -444,8 +520,10 @@ def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str
     for seq, table in records.items():
         max_tok = max(t for t, _ in table)
         if prompt_lens.get(seq, 0) > max_tok + 1:
-            raise TraceError(f"{path}:{first_line[seq]}: sequence {_shown(seq)} has {prompt_len_field} "
-                             f"{prompt_lens[seq]} but only {max_tok + 1} tokens")
+            raise TraceError(
+                f"{path}:{first_line[seq]}: sequence {_shown(seq)} has {prompt_len_field} "
+                f"{prompt_lens[seq]} but only {max_tok + 1} tokens"
+            )
         per_token = Counter(t for t, _ in table)
         # the first token with a layer missing (counting, not listing, the holes: a log of a few
         # records at absurd positions must not allocate their square)
@@ -464,30 +542,46 @@ def import_jsonl(path: str | Path, *, num_experts: int | None = None, model: str
         if missing:
             first_hole = next(t for t in range(max_tok + 1) if per_token.get(t, 0) < num_layers)
             layer = next(layer for layer in range(num_layers) if (first_hole, layer) not in table)
-            kept = (f"kept its first {usable} tokens" if holes == "cut" else
-                    f"kept its longest complete run, tokens {start}-{usable - 1}")
-            problems.append(f"{path}:{first_line[seq]}: sequence {_shown(seq)}: {missing} missing (token, layer) "
-                            f"entries, first at token {first_hole} layer {layer}; {kept}")
+            kept = (
+                f"kept its first {usable} tokens"
+                if holes == "cut"
+                else f"kept its longest complete run, tokens {start}-{usable - 1}"
+            )
+            problems.append(
+                f"{path}:{first_line[seq]}: sequence {_shown(seq)}: {missing} missing (token, layer) "
+                f"entries, first at token {first_hole} layer {layer}; {kept}"
+            )
         if usable - start <= 0:
             continue
         span = range(start, usable)
         experts_out.append(np.array([[table[(t, layer)][0] for layer in range(num_layers)] for t in span]))
         if has_weights:
-            weights_out.append(np.array([[table[(t, layer)][1] for layer in range(num_layers)]
-                                         for t in span], dtype=np.float16))
+            weights_out.append(
+                np.array([[table[(t, layer)][1] for layer in range(num_layers)] for t in span], dtype=np.float16)
+            )
         lengths.append(usable - start)
         plens.append(max(0, min(prompt_lens.get(seq, usable), usable) - start))
     if not experts_out:  # (the warnings that say why are not printed when the import fails: the first, said here)
         hole = next((p.split(": ", 1)[1] for p in problems if "missing (token, layer)" in p), "")
         raise TraceError(f"{path}: no sequence has a complete first token" + (f" ({hole})" if hole else ""))
-    meta = {"model": model, "num_experts": int(n_exp), "top_k": int(top_k), "num_layers": int(num_layers),
-            "dataset": dataset or "unknown", "recorder": f"imported from {path.name} (JSON lines)",
-            "license": license or "unknown", "source": source or f"import:{path.name}",
-            "sequence_key": [*(key_fields or ()), "sequence id"]}
+    meta = {
+        "model": model,
+        "num_experts": int(n_exp),
+        "top_k": int(top_k),
+        "num_layers": int(num_layers),
+        "dataset": dataset or "unknown",
+        "recorder": f"imported from {path.name} (JSON lines)",
+        "license": license or "unknown",
+        "source": source or f"import:{path.name}",
+        "sequence_key": [*(key_fields or ()), "sequence id"],
+    }
     if dense_layers:
         meta["dense_layers_filled"] = dense_layers  # (experts 0..k-1 there: a dense layer routes nothing)
-    trace = Trace(np.concatenate(experts_out),
-                  np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-                  np.asarray(plens, dtype=np.int32), meta,
-                  np.concatenate(weights_out) if has_weights else None)
+    trace = Trace(
+        np.concatenate(experts_out),
+        np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        np.asarray(plens, dtype=np.int32),
+        meta,
+        np.concatenate(weights_out) if has_weights else None,
+    )
     return trace, problems

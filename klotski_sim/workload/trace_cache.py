@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 import numpy as np
 
 from klotski_sim.files import disk_cache
-from klotski_sim.util.errors import UsageError
 from klotski_sim.files.mapped import map_stored_array
-from klotski_sim.workload.model import ModelSpec
 from klotski_sim.files.npzfile import NPZ_READ_ERRORS, Blocks, write_npz
+from klotski_sim.util.errors import UsageError
+from klotski_sim.workload.model import ModelSpec
 from klotski_sim.workload.trace import Trace
 
 if TYPE_CHECKING:
@@ -60,15 +60,24 @@ def generator_fingerprint(package: Traversable | None = None) -> str:
     """A hash of everything but the workload that determines a synthetic draw (GENERATOR_SOURCES)."""
     package = package or resources.files("klotski_sim.workload")
     digest = hashlib.sha1(np.__version__.encode())
-    data = sorted((entry for entry in (package / "data").iterdir() if entry.name.endswith(".json")),
-                  key=lambda entry: entry.name)
+    data = sorted(
+        (entry for entry in (package / "data").iterdir() if entry.name.endswith(".json")), key=lambda entry: entry.name
+    )
     for entry in [*(package / name for name in GENERATOR_SOURCES), *data]:
         digest.update(f"\0{entry.name}\0".encode() + entry.read_bytes())
     return digest.hexdigest()[:12]
 
 
-def cached_trace(model: ModelSpec, routing: str, seed: int, sequences: int, prompt_len: int, gen_len: int,
-                 make: Callable[[], Trace], stream: Callable[[], TraceStream] | None = None) -> Trace:
+def cached_trace(
+    model: ModelSpec,
+    routing: str,
+    seed: int,
+    sequences: int,
+    prompt_len: int,
+    gen_len: int,
+    make: Callable[[], Trace],
+    stream: Callable[[], TraceStream] | None = None,
+) -> Trace:
     """The synthetic trace for these inputs: from the cache when it is there, else made and stored.
     With `stream` (the same trace as `make`'s, drawn a chunk of sequences at a time) a trace that
     the cache can keep is written as it is drawn and then read back as a cached one is (its ids
@@ -90,14 +99,18 @@ def cached_trace(model: ModelSpec, routing: str, seed: int, sequences: int, prom
     trace = None
     if stream is not None:
         drawn = stream()
-        if disk_cache.array_bytes(drawn.shape, drawn.dtype) <= max_bytes and disk_cache.store(path, _streamed_arrays(drawn), max_bytes):
+        if disk_cache.array_bytes(drawn.shape, drawn.dtype) <= max_bytes and disk_cache.store(
+            path, _streamed_arrays(drawn), max_bytes
+        ):
             trace = _read(path)
         if trace is None:  # (larger than the cache, or the cache not writable)
             trace = _unnamed_trace(drawn)
     if trace is None:
         trace = make()
         if trace.experts.nbytes <= max_bytes:
-            disk_cache.store(path, _trace_arrays(trace.experts, trace.seq_offsets, trace.prompt_lens, trace.meta), max_bytes)
+            disk_cache.store(
+                path, _trace_arrays(trace.experts, trace.seq_offsets, trace.prompt_lens, trace.meta), max_bytes
+            )
     if path.exists():  # the smaller traces of this workload: the first sequences of this one
         for entry in _members(folder, family):
             if _count(entry) < sequences:
@@ -112,9 +125,19 @@ def _family(model: ModelSpec, routing: str, seed: int, prompt_len: int, gen_len:
     everything else that determines them (`generator_fingerprint` too). Of the model, the
     generator reads its layers, experts and top-k alone (and writes its name into the meta, which a
     run served from another name's trace rewrites): Mixtral-8x7B and its int4 experts share one."""
-    key = json.dumps({"layers": model.num_layers, "experts": model.num_experts, "top_k": model.top_k,
-                      "routing": routing, "seed": seed, "prompt_len": prompt_len, "gen_len": gen_len,
-                      "code": generator_fingerprint()}, sort_keys=True)
+    key = json.dumps(
+        {
+            "layers": model.num_layers,
+            "experts": model.num_experts,
+            "top_k": model.top_k,
+            "routing": routing,
+            "seed": seed,
+            "prompt_len": prompt_len,
+            "gen_len": gen_len,
+            "code": generator_fingerprint(),
+        },
+        sort_keys=True,
+    )
     return hashlib.sha1(key.encode()).hexdigest()[:20]
 
 
@@ -146,18 +169,25 @@ def _as_drawn_for(trace: Trace, model: ModelSpec, sequences: int) -> Trace:
     if trace.num_sequences == sequences and trace.meta.get("model") == model.name:
         return trace
     meta = {**trace.meta, "model": model.name, "generator": {**trace.meta["generator"], "sequences": sequences}}
-    return Trace(trace.experts[:int(trace.seq_offsets[sequences])], trace.seq_offsets[:sequences + 1].copy(),
-                 trace.prompt_lens[:sequences].copy(), meta)
+    return Trace(
+        trace.experts[: int(trace.seq_offsets[sequences])],
+        trace.seq_offsets[: sequences + 1].copy(),
+        trace.prompt_lens[:sequences].copy(),
+        meta,
+    )
 
 
 def _drawn_for(trace: Trace, model: ModelSpec, sequences: int, prompt_len: int, gen_len: int) -> bool:
     """Whether a cached trace has the shape its name says (and the generator's settings in its meta,
     which a smaller run served from it rewrites): a file replaced by another (valid) trace failed
     every later run of its configuration, without naming the cache; it is drawn again."""
-    return ((trace.num_sequences, trace.num_layers, trace.top_k, trace.num_experts)
-            == (sequences, model.num_layers, model.top_k, model.num_experts)
-            and bool((trace.lengths == prompt_len + gen_len).all()) and bool((trace.prompt_lens == prompt_len).all())
-            and isinstance(trace.meta.get("generator"), dict))
+    return (
+        (trace.num_sequences, trace.num_layers, trace.top_k, trace.num_experts)
+        == (sequences, model.num_layers, model.top_k, model.num_experts)
+        and bool((trace.lengths == prompt_len + gen_len).all())
+        and bool((trace.prompt_lens == prompt_len).all())
+        and isinstance(trace.meta.get("generator"), dict)
+    )
 
 
 def _read(path: Path) -> Trace | None:
@@ -178,8 +208,9 @@ def _read(path: Path) -> Trace | None:
 
 def _streamed_arrays(drawn: TraceStream) -> dict[str, np.ndarray | Blocks]:
     """A trace being drawn as the members of its file, its ids written as they are drawn."""
-    return _trace_arrays(Blocks(drawn.shape, drawn.dtype, drawn.blocks), drawn.seq_offsets, drawn.prompt_lens,
-                         drawn.meta)
+    return _trace_arrays(
+        Blocks(drawn.shape, drawn.dtype, drawn.blocks), drawn.seq_offsets, drawn.prompt_lens, drawn.meta
+    )
 
 
 def _unnamed_trace(drawn: TraceStream) -> Trace | None:
@@ -200,10 +231,10 @@ def _unnamed_trace(drawn: TraceStream) -> Trace | None:
         return None
 
 
-def _trace_arrays(experts: np.ndarray | Blocks, seq_offsets: np.ndarray, prompt_lens: np.ndarray,
-                  meta: Mapping[str, Any]) -> dict[str, np.ndarray | Blocks]:
+def _trace_arrays(
+    experts: np.ndarray | Blocks, seq_offsets: np.ndarray, prompt_lens: np.ndarray, meta: Mapping[str, Any]
+) -> dict[str, np.ndarray | Blocks]:
     """A cached trace's members, as `_read` reads them back."""
-    return dict(experts=experts, seq_offsets=seq_offsets, prompt_lens=prompt_lens,
-                meta=np.array(json.dumps(dict(meta))))
-
-
+    return dict(
+        experts=experts, seq_offsets=seq_offsets, prompt_lens=prompt_lens, meta=np.array(json.dumps(dict(meta)))
+    )

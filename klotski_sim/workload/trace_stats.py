@@ -38,8 +38,13 @@ def token_subset(trace: Trace, tokens: str) -> Trace:
     idx = np.concatenate(rows)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     prompt_lens = np.array(lengths if tokens == "prompt" else [0] * len(lengths), dtype=np.int32)
-    return Trace(trace.experts[idx], offsets, prompt_lens, {**trace.meta, "tokens": tokens},
-                 trace.weights[idx] if trace.weights is not None else None)
+    return Trace(
+        trace.experts[idx],
+        offsets,
+        prompt_lens,
+        {**trace.meta, "tokens": tokens},
+        trace.weights[idx] if trace.weights is not None else None,
+    )
 
 
 def popularity(trace: Trace) -> pd.DataFrame:
@@ -48,8 +53,9 @@ def popularity(trace: Trace) -> pd.DataFrame:
     flat = trace.experts.astype(np.int64) + (np.arange(L) * E)[None, :, None]
     counts = np.bincount(flat.ravel(), minlength=L * E).reshape(L, E)
     total = counts.sum(axis=1, keepdims=True)
-    return pd.DataFrame(counts / np.maximum(total, 1), index=pd.RangeIndex(L, name="layer"),
-                        columns=[f"e{e}" for e in range(E)])
+    return pd.DataFrame(
+        counts / np.maximum(total, 1), index=pd.RangeIndex(L, name="layer"), columns=[f"e{e}" for e in range(E)]
+    )
 
 
 def _entropy_bits(p: np.ndarray) -> np.ndarray:
@@ -97,8 +103,9 @@ def _mutual_information_bits_sparse(a: np.ndarray, b: np.ndarray, E: int) -> tup
     return mi, float(np.maximum.reduceat(p, starts).sum())
 
 
-def layer_stats(trace: Trace, group_batch_size: int = GROUP_BATCH_SIZE,
-                group_ns: tuple[int, ...] = GROUP_NS) -> pd.DataFrame:
+def layer_stats(
+    trace: Trace, group_batch_size: int = GROUP_BATCH_SIZE, group_ns: tuple[int, ...] = GROUP_NS
+) -> pd.DataFrame:
     """One row per layer; see the module docstring for the columns."""
     if len(trace.experts) == 0:
         raise TraceError("the trace holds no tokens: there is nothing to measure")
@@ -123,8 +130,8 @@ def layer_stats(trace: Trace, group_batch_size: int = GROUP_BATCH_SIZE,
         for layer in range(L):
             shares_of_max = []
             for lo in range(0, trace.num_sequences, group):
-                rows = slice(off[lo], off[min(lo + group, trace.num_sequences)])
-                flat = (seq_of_token[rows] - lo)[:, None] * E + ex[rows, layer, :]
+                span = slice(off[lo], off[min(lo + group, trace.num_sequences)])
+                flat = (seq_of_token[span] - lo)[:, None] * E + ex[span, layer, :]
                 counts = np.bincount(flat.ravel(), minlength=min(group, trace.num_sequences - lo) * E).reshape(-1, E)
                 tot = counts.sum(axis=1)
                 ok = tot > 0
@@ -158,8 +165,9 @@ def layer_stats(trace: Trace, group_batch_size: int = GROUP_BATCH_SIZE,
         row["mi_next_excess_bits"] = mi - baseline  # the information beyond the small-sample bias
         row["next_top1_acc"] = acc
         # the shipped real measurements pair layers 7 apart (0-7, 7-15)
-        row["mi_skip7_bits"] = (_mutual_information_bits(first[:, layer], first[:, layer + 7], E)[0]
-                                if layer + 7 < L else float("nan"))
+        row["mi_skip7_bits"] = (
+            _mutual_information_bits(first[:, layer], first[:, layer + 7], E)[0] if layer + 7 < L else float("nan")
+        )
         rows.append(row)
     df = pd.DataFrame(rows, index=pd.RangeIndex(L, name="layer"))
 
@@ -169,7 +177,7 @@ def layer_stats(trace: Trace, group_batch_size: int = GROUP_BATCH_SIZE,
     for n in group_ns:
         size = n * group_batch_size
         groups = trace.num_sequences // size
-        chosen = np.sort(longest[:groups * size])
+        chosen = np.sort(longest[: groups * size])
         usable = int(lengths[chosen].min()) if groups else 0
         if groups == 0 or usable == 0:
             df[f"hot_share_n{n}"] = np.nan
@@ -200,22 +208,28 @@ def summary(trace: Trace) -> dict[str, float]:
 def format_stats(trace: Trace, df: pd.DataFrame | None = None) -> str:
     df = layer_stats(trace) if df is None else df
     m = trace.meta
-    lines = [f"trace: model {m.get('model')} ({trace.num_experts} experts, top-{trace.top_k}, {trace.num_layers} "
-             f"layers); {trace.num_sequences} sequences, {len(trace.experts)} tokens "
-             f"(lengths {int(trace.lengths.min())}-{int(trace.lengths.max())})",
-             f"source: {m.get('source', '?')}; recorder: {m.get('recorder', '?')}; dataset: {m.get('dataset', '?')}"]
+    lines = [
+        f"trace: model {m.get('model')} ({trace.num_experts} experts, top-{trace.top_k}, {trace.num_layers} "
+        f"layers); {trace.num_sequences} sequences, {len(trace.experts)} tokens "
+        f"(lengths {int(trace.lengths.min())}-{int(trace.lengths.max())})",
+        f"source: {m.get('source', '?')}; recorder: {m.get('recorder', '?')}; dataset: {m.get('dataset', '?')}",
+    ]
     random_top1 = 1 / trace.num_experts
     # a uniform router spreads each layer's choices evenly: every expert's share is 1/E
-    lines.append(f"uniform routing would give: max_share {1 / trace.num_experts:.3f}, "
-                 f"stick_top1 {random_top1:.3f}, mi_next_bits = mi_next_shuffled_bits (its small-sample bias), "
-                 f"so mi_next_excess_bits ~ 0")
+    lines.append(
+        f"uniform routing would give: max_share {1 / trace.num_experts:.3f}, "
+        f"stick_top1 {random_top1:.3f}, mi_next_bits = mi_next_shuffled_bits (its small-sample bias), "
+        f"so mi_next_excess_bits ~ 0"
+    )
     if m.get("tokens", "all") != "all":
         lines.append(f"tokens: {m['tokens']} only")
     for n in GROUP_NS:
         need = n * GROUP_BATCH_SIZE
         if trace.num_sequences < need:
-            lines.append(f"hot_share_n{n}, active_n{n}: not measured — a group of n = {n} batches of "
-                         f"{GROUP_BATCH_SIZE} needs {need} sequences, the trace has {trace.num_sequences}")
+            lines.append(
+                f"hot_share_n{n}, active_n{n}: not measured — a group of n = {n} batches of "
+                f"{GROUP_BATCH_SIZE} needs {need} sequences, the trace has {trace.num_sequences}"
+            )
     shown = df if len(df) <= 16 else df.iloc[np.unique(np.linspace(0, len(df) - 1, 8).astype(int))]
     table = pd.concat([shown, df.mean().to_frame("mean").T])
     with pd.option_context("display.width", 200, "display.max_columns", 30, "display.float_format", "{:.3f}".format):

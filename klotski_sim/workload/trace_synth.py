@@ -61,10 +61,12 @@ class SynthParams:
 
 
 # Fitted by experiments/calibrate_synth.py against the targets in the module docstring.
-MIXTRAL_LIKE = SynthParams(concentration=3.0, stick_all=0.12, stick_one=0.07, coupling=0.3, base="calibrated",
-                           type_coupling=1.8)
-FINE_GRAINED = SynthParams(concentration=3.0, stick_all=0.12, stick_one=0.07, coupling=1.0, base="calibrated",
-                           type_coupling=3.0)
+MIXTRAL_LIKE = SynthParams(
+    concentration=3.0, stick_all=0.12, stick_one=0.07, coupling=0.3, base="calibrated", type_coupling=1.8
+)
+FINE_GRAINED = SynthParams(
+    concentration=3.0, stick_all=0.12, stick_one=0.07, coupling=1.0, base="calibrated", type_coupling=3.0
+)
 
 
 def params_for(routing: str, model: ModelSpec) -> SynthParams:
@@ -218,8 +220,10 @@ def check_routing_fits(model: ModelSpec, sequences: int, tokens: int, described:
     except (ValueError, OSError, AttributeError):
         return
     if need > have:
-        raise UsageError(f"the routing of {described} x {tokens} tokens would need about {need / 2**30:.1f} GiB of "
-                         f"host memory; this machine has {have / 2**30:.1f} GiB")
+        raise UsageError(
+            f"the routing of {described} x {tokens} tokens would need about {need / 2**30:.1f} GiB of "
+            f"host memory; this machine has {have / 2**30:.1f} GiB"
+        )
 
 
 # Sequences are drawn as many at a time as keep a chunk's [sequences, tokens, experts] working
@@ -232,8 +236,16 @@ def check_routing_fits(model: ModelSpec, sequences: int, tokens: int, described:
 _ELEMENTS_PER_CHUNK = 1 << 18
 
 
-def synthesize(model: ModelSpec, sequences: int, prompt_len: int, gen_len: int, routing: str = DEFAULT_ROUTING,
-               seed: int = 0, with_weights: bool = False, chunk: int | None = None) -> Trace:
+def synthesize(
+    model: ModelSpec,
+    sequences: int,
+    prompt_len: int,
+    gen_len: int,
+    routing: str = DEFAULT_ROUTING,
+    seed: int = 0,
+    with_weights: bool = False,
+    chunk: int | None = None,
+) -> Trace:
     """A trace of `sequences` sequences of prompt_len + gen_len tokens each. Gate weights (the
     softmax of the drawn logits over the chosen experts) only on request: they triple the file.
     Sequences are drawn `chunk` at a time (`synthesized_blocks`), each chunk into its place.
@@ -266,9 +278,16 @@ class TraceStream:
         return (ids for ids, _ in self.drawn())
 
 
-def synthesized_blocks(model: ModelSpec, sequences: int, prompt_len: int, gen_len: int,
-                       routing: str = DEFAULT_ROUTING, seed: int = 0, with_weights: bool = False,
-                       chunk: int | None = None) -> TraceStream:
+def synthesized_blocks(
+    model: ModelSpec,
+    sequences: int,
+    prompt_len: int,
+    gen_len: int,
+    routing: str = DEFAULT_ROUTING,
+    seed: int = 0,
+    with_weights: bool = False,
+    chunk: int | None = None,
+) -> TraceStream:
     """The trace `synthesize` returns, as a stream of blocks: sequences are drawn `chunk` at a
     time (by default as many as `_ELEMENTS_PER_CHUNK` allows: 1 to 64).
     Nothing is drawn until `drawn()` is read."""
@@ -277,20 +296,45 @@ def synthesized_blocks(model: ModelSpec, sequences: int, prompt_len: int, gen_le
     params = params_for(routing, model)
     L, E, k = model.num_layers, model.num_experts, model.top_k
     T = prompt_len + gen_len
-    meta = {"model": model.name, "num_experts": E, "top_k": k, "num_layers": L,
-            "dataset": "synthetic", "recorder": "klotski_sim.workload.trace_synth",
-            "license": "Apache-2.0 (generated; calibration data Apache-2.0, see klotski_sim/workload/data/NOTICE)",
-            "source": f"synth:{routing}(seed={seed})",
-            "generator": {"routing": routing, "seed": seed, "sequences": sequences, "prompt_len": prompt_len,
-                          "gen_len": gen_len, "params": asdict(params)}}
-    return TraceStream((sequences * T, L, k), np.dtype(expert_id_type(E)),
-                       np.arange(sequences + 1, dtype=np.int64) * T, np.full(sequences, prompt_len, dtype=np.int32),
-                       meta, partial(_drawn_blocks, model, params, sequences, T, seed, with_weights, chunk))
+    meta = {
+        "model": model.name,
+        "num_experts": E,
+        "top_k": k,
+        "num_layers": L,
+        "dataset": "synthetic",
+        "recorder": "klotski_sim.workload.trace_synth",
+        "license": "Apache-2.0 (generated; calibration data Apache-2.0, see klotski_sim/workload/data/NOTICE)",
+        "source": f"synth:{routing}(seed={seed})",
+        "generator": {
+            "routing": routing,
+            "seed": seed,
+            "sequences": sequences,
+            "prompt_len": prompt_len,
+            "gen_len": gen_len,
+            "params": asdict(params),
+        },
+    }
+    return TraceStream(
+        (sequences * T, L, k),
+        np.dtype(expert_id_type(E)),
+        np.arange(sequences + 1, dtype=np.int64) * T,
+        np.full(sequences, prompt_len, dtype=np.int32),
+        meta,
+        partial(_drawn_blocks, model, params, sequences, T, seed, with_weights, chunk),
+    )
 
 
-def _drawn_blocks(model: ModelSpec, params: SynthParams, sequences: int, T: int, seed: int, with_weights: bool,
-                  chunk: int | None, into: tuple[np.ndarray, np.ndarray | None] | None = None,
-                  threads: int | None = None) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
+def _drawn_blocks(
+    model: ModelSpec,
+    params: SynthParams,
+    sequences: int,
+    T: int,
+    seed: int,
+    with_weights: bool,
+    chunk: int | None,
+    into: tuple[np.ndarray, np.ndarray | None] | None = None,
+    threads: int | None = None,
+) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
     """The generator's draws, a chunk of sequences at a time: `([S * T, L, k] ids, weights or None)`,
     drawn into their rows of `into` (the whole trace's ids and weights) when given.
 
@@ -313,7 +357,7 @@ def _drawn_blocks(model: ModelSpec, params: SynthParams, sequences: int, T: int,
     affinity = rng.standard_normal((L, E, E)) * params.coupling
     type_affinity = rng.standard_normal((L, params.token_types, E)) * params.type_coupling
     streams = [np.random.default_rng(child) for child in np.random.SeedSequence(seed).spawn(2 + 2 * L)]
-    shares_rng, types_rng, gumbel_rngs, stick_rngs = streams[0], streams[1], streams[2:2 + L], streams[2 + L:]
+    shares_rng, types_rng, gumbel_rngs, stick_rngs = streams[0], streams[1], streams[2 : 2 + L], streams[2 + L :]
     turns = _Turns(1 + L)  # (0: the shares' and types' streams; 1 + layer: that layer's two)
 
     def drawn(number: int, lo: int) -> tuple[np.ndarray, np.ndarray | None]:
@@ -323,11 +367,14 @@ def _drawn_blocks(model: ModelSpec, params: SynthParams, sequences: int, T: int,
             experts = np.empty((S, T, L, k), dtype=expert_id_type(E))
             weights = np.empty((S, T, L, k), dtype=np.float16) if with_weights else None
         else:
-            experts = into[0][lo * T:(lo + S) * T].reshape(S, T, L, k)
-            weights = None if into[1] is None else into[1][lo * T:(lo + S) * T].reshape(S, T, L, k)
+            experts = into[0][lo * T : (lo + S) * T].reshape(S, T, L, k)
+            weights = None if into[1] is None else into[1][lo * T : (lo + S) * T].reshape(S, T, L, k)
         with turns.of(0, number):
-            g = shares_rng.standard_gamma(np.broadcast_to(np.maximum(params.concentration * E * base, 1e-3),
-                                                          (S, L, E))) if params.concentration else None
+            g = (
+                shares_rng.standard_gamma(np.broadcast_to(np.maximum(params.concentration * E * base, 1e-3), (S, L, E)))
+                if params.concentration
+                else None
+            )
             # (from uniform doubles: `integers` draws two values from each 64-bit number and drops an
             # odd call's last half, so a chunk's size would move the next chunk's types)
             token_type = (types_rng.random((S, T)) * params.token_types).astype(np.intp)
@@ -416,8 +463,9 @@ def draw_threads(chunk_elements: int = 0) -> int:
     """Threads for a synthetic draw of chunks of `chunk_elements` working elements each: this
     process's cores, shared with the other worker processes of its pool (a sweep's workers draw one
     routing each at a time), at most MAX_DRAW_THREADS and as many as _ELEMENTS_IN_FLIGHT hold."""
-    return max(1, min(MAX_DRAW_THREADS, available_cores() // run_size.sharing(),
-                      _ELEMENTS_IN_FLIGHT // max(1, chunk_elements)))
+    return max(
+        1, min(MAX_DRAW_THREADS, available_cores() // run_size.sharing(), _ELEMENTS_IN_FLIGHT // max(1, chunk_elements))
+    )
 
 
 class _DrawAbandoned(Exception):
