@@ -2,7 +2,6 @@
 
 import re
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -19,6 +18,8 @@ from klotski_sim.workload.model import get_model  # noqa: E402
 from klotski_sim.workload.routing import RunShape  # noqa: E402
 from klotski_sim.workload.trace import replay  # noqa: E402
 from klotski_sim.workload.trace_synth import synthesize  # noqa: E402
+
+from .timeline_checks import assert_respects  # noqa: E402
 
 TINY = get_model("tiny-mixtral")
 POLICIES = ("single-batch", "multi-batch", "hot-prefetch", "klotski", "klotski-oracle", "flexgen")
@@ -255,18 +256,8 @@ def test_every_policy_executes_on_cpu(policy, placement, impl):
     schedule = build_schedule(policy, inp)
     weights = WeightStore.random(TINY)
     tl, runner = execute(schedule, TINY, weights, inp.routing)
-    df = tl.df.set_index("op_id")
     assert len(tl) == len(schedule) and tl.meta["source"] == "measured"
-    for op in schedule.ops:  # every op ran once, after its deps (a host op: it waits for them) and its
-        for d in op.deps:  # stream predecessor
-            if op.kind == "host":
-                assert df.at[d, "end"] <= df.at[op.id, "end"] + 1e-9
-            else:
-                assert df.at[d, "end"] <= df.at[op.id, "start"] + 1e-9
-    for stream, group in df.groupby("stream"):
-        order = [o.id for o in schedule.ops if o.stream == stream]
-        starts = group.loc[order, "start"].to_numpy()
-        assert np.all(np.diff(starts) >= 0)
+    assert_respects(schedule, tl)  # every op after its deps and its stream predecessor
     # each expert op computed exactly the tokens the schedule says
     for op in schedule.ops:
         if op.category == "expert":
