@@ -56,8 +56,7 @@ def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]
 class Bench:
     """Probes timed in interleaved rounds: each round runs every probe once, and a probe's
     `seconds` is the median over the rounds. On a shared machine a burst of other work then lands
-    on one sample of many probes, which the median drops, rather than on every sample of one probe
-    (taken back to back, a gate probe at 256 tokens was timed at five times its neighbours')."""
+    on one sample of many probes, which the median drops, rather than on every sample of one probe."""
 
     def __init__(self, device: torch.device, repeats: int) -> None:
         self.device, self.repeats = device, max(1, repeats)
@@ -376,9 +375,9 @@ def expert_probe(
 ) -> Callable[[], None]:
     """What the executor does for one expert op over `tokens` tokens: host-side rows, gather,
     SwiGLU, scale, scatter-add. Each token is routed to this expert in one of its top-k slots
-    (slot j holds expert j), as a router does: routing every slot to it computed top_k rows a
-    token, and on a CPU whose bf16 matmul reuses no weights (AVX2) timed an expert at top_k times
-    its cost (small-mixtral's at 4.5 ms a token where runs took 2.4)."""
+    (slot j holds expert j), as a router does: routing every slot to it would compute top_k rows a
+    token, and on a CPU whose bf16 matmul reuses no weights (AVX2) time an expert at top_k times
+    its cost."""
     z = torch.randn(tokens, spec.hidden_size, device=dev, dtype=dtype)
     gate_w = torch.full((tokens, spec.top_k), 1.0 / spec.top_k, device=dev)
     routed = np.tile(np.arange(spec.top_k, dtype=np.int64), (tokens, 1))
@@ -403,9 +402,9 @@ def _check_fits(
     dtype: torch.dtype,
 ) -> None:
     """Refuse, before any measurement, sizes whose largest tensors the device's memory cannot hold
-    (a --max-expert-tokens of 2**31 ran for minutes before failing; a --prompt-lens of 2**31 failed
-    only when its first tensor was allocated). Counted: an expert's intermediate activations at the
-    most tokens any op gets, and an eager attention's scores at the longest prompt."""
+    (they would fail only once allocated, possibly after minutes of measuring). Counted: an
+    expert's intermediate activations at the most tokens any op gets, and an eager attention's
+    scores at the longest prompt."""
     item = torch.tensor([], dtype=dtype).element_size()
     tokens = max(max_expert_tokens, batch_sizes[-1] * prompt_lens[-1])
     expert = tokens * (spec.hidden_size * 2 + spec.ffn_size * 3) * item
@@ -674,7 +673,7 @@ def _measure_disk(sizes: list[int], repeats: int) -> tuple[float, float]:
             path = Path(tmp) / f"blob-{size}"
             try:
                 path.write_bytes(os.urandom(size))
-            except OSError as err:  # (a full disk: a bare "[Errno 28]" after the compute had been measured)
+            except OSError as err:  # a full disk: say which folder, not a bare "[Errno 28]"
                 raise ExecutionError(
                     f"cannot measure the disk: writing a {size:,}-byte file in {tmp} failed "
                     f"({err.strerror or err}); free space there or point TMPDIR at another "

@@ -76,7 +76,7 @@ TINY_CHECKPOINTS = {
 def cmd_tiny_checkpoint(args: argparse.Namespace) -> int:
     if Path(args.out).exists() and not Path(args.out).is_dir():  # (transformers only warns, and writes nothing)
         raise CliError(f"--out {args.out}: is a file; a checkpoint is a folder")
-    output_folder(args.out)  # (an empty name, or one that cannot be made: raw errno text after the model was built)
+    output_folder(args.out)  # before the model is built: a bad name would fail after it, in raw errno text
     from . import record
 
     save, family = TINY_CHECKPOINTS[args.model]
@@ -86,7 +86,7 @@ def cmd_tiny_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _csv_ints(text: str) -> list[int]:
-    try:  # (an empty item is no integer either: `1,,2` had been taken as 1,2)
+    try:  # an empty item is no integer either: `1,,2` is refused, not read as 1,2
         values = [plain_int(v) for v in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
@@ -101,9 +101,9 @@ def _csv_ints(text: str) -> list[int]:
 # pageable : pinned copy rate of the DGX A100 bandwidthTest (10.0 vs 25.7 GB/s H2D), the default
 # ratio when emulating pageable copies (klotski_sim/hardware/profiles/a100-80g.yaml cites the run)
 PAGEABLE_RATIO = 10.0 / 25.7
-# torch compute threads: far more than any CPU has cores (100,000 failed to start, "can't start new thread")
+# torch compute threads: far more than any CPU has cores (too many fail to start: "can't start new thread")
 MAX_THREADS = 1024
-# runs of one shape or schedule: a median of more is no steadier, and 10^9 of them ran for days
+# runs of one shape or schedule: a median of more is no steadier, and a huge count runs for days
 MAX_REPEATS = 1000
 
 
@@ -113,10 +113,9 @@ def _emulation(args: argparse.Namespace) -> dict[str, float]:
     return {"pcie_h2d": args.emulate_pcie, "pcie_d2h": args.emulate_pcie}
 
 
-# An emulated link's rate, bytes/s: at least a profile's least rate (hardware.RATE_FLOOR: 1000 B/s had
-# a tiny run copy for 22 minutes, and calibrate refused it after seconds of work, as its profile's;
-# 1e-300 ran a whole calibration), at most 10 TB/s (above any host link: NVLink-C2C is 0.9 TB/s; 1e30
-# was printed as a 1e21 GB/s link).
+# An emulated link's rate, bytes/s: at least a profile's least rate (hardware.RATE_FLOOR: slower, a tiny
+# run copies for minutes, and calibrate would refuse the profile it measures), at most 10 TB/s (above
+# any host link: NVLink-C2C is 0.9 TB/s).
 EMULATED_RATES = (RATE_FLOOR, 1e13)
 
 
@@ -304,8 +303,8 @@ def cmd_execute(args: argparse.Namespace) -> int:
     schedule_path = folder / "schedule.json" if folder.is_dir() else folder
     routing_path = args.routing or (folder if folder.is_dir() else folder.parent) / "routing.npz"
     if args.out is not None:
-        # (not the simulation's folder: its summary and timeline files would be replaced; a folder inside it holds
-        # none of the files read: `execute sim --out sim/measured` was refused once that folder existed, so its rerun)
+        # not the simulation's folder (its summary and timeline files would be replaced); a folder inside it
+        # holds none of the files read, so `execute sim --out sim/measured` and its rerun are allowed
         not_an_input(Path(args.out), "--out", [schedule_path, routing_path])
         if Path(args.out).resolve() == schedule_path.parent.resolve():
             raise CliError(

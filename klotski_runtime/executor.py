@@ -136,8 +136,8 @@ def tensor_bytes(tensors: Any) -> int:
     return sum(tensor_bytes(t) for t in tensors)
 
 
-# emulated copies over one link longer than this in all are a mistake (a rate off by orders of magnitude:
-# one copy of hours was refused, but --emulate-pcie 1e3 made many short ones run for hours without a word)
+# emulated copies over one link longer than this in all are a mistake (a rate off by orders of magnitude):
+# the total counts, as many short copies take hours as surely as one long one
 MAX_EMULATED_S = 3600.0
 
 
@@ -204,14 +204,14 @@ def check_compatible(
 
 
 # compute ops that work on the tokens of given batches at a given step: without them a handler
-# indexed `batches[0]` (KeyError: -1) or the step's routing of another step
+# would index `batches[0]` (KeyError: -1) or another step's routing
 _PER_BATCH = frozenset({"embed", "attention", "gate", "expert", "lm_head", "attn_qkv", "attn_out", "dense_mlp"})
 _PER_LAYER_OPS = frozenset({"attention", "gate", "expert", "attn_qkv", "attn_out", "dense_mlp"})
 
 
 def _outside_the_run(op: Op, shape: RunShape, spec: ModelSpec) -> str:
-    """What of an op's tags the run does not have (empty: nothing): a hand-edited schedule ran an
-    expert op with `expert: -1` as the last expert, silently."""
+    """What of an op's tags the run does not have (empty: nothing): an expert op with `expert: -1`
+    would otherwise run as the last expert, silently."""
     if any(b >= shape.num_batches for b in op.batches):
         return f"batches {list(op.batches)} outside the run's {shape.num_batches} batches"
     if op.step >= shape.num_steps:
@@ -223,7 +223,7 @@ def _outside_the_run(op: Op, shape: RunShape, spec: ModelSpec) -> str:
         return f"expert {op.expert} outside the model's {spec.num_experts} experts"
     if op.kind == "compute" and op.category in _PER_BATCH and (not op.batches or op.step < 0):
         return f"{op.category} ops need their batches and step (got batches {list(op.batches)}, step {op.step})"
-    if op.kind == "compute" and op.category in _PER_LAYER_OPS and op.layer < 0:  # (-1 indexed the last layer)
+    if op.kind == "compute" and op.category in _PER_LAYER_OPS and op.layer < 0:  # (-1 would index the last layer)
         return f"{op.category} ops need their layer (got layer {op.layer})"
     if len(set(op.batches)) < len(op.batches):
         return f"batches {list(op.batches)} name a batch twice"
@@ -234,8 +234,7 @@ def _unknown_to_the_runtime(op: Op, spec: ModelSpec, resource: str) -> str:
     """What an op asks of the runtime that it has no kernel or tensor for (empty: nothing): a copy
     that does not say what it carries, and a compute op's variant that is not the model's (a GPU
     attention's fused or eager, with the model's kernel tags; the CPU's attention has none). Each
-    failed inside the run (`WeightError: no weights for ('', 0, 1)`, `attention impl must be ...`),
-    naming neither the file nor the field."""
+    would otherwise fail inside the run, naming neither the file nor the field."""
     if op.kind == "transfer" and not op.tensor:
         return f"a copy must say what it carries (tensor: {', '.join(TENSORS[1:-1])} or {TENSORS[-1]})"
     if op.kind != "compute":
@@ -255,8 +254,7 @@ def _unknown_to_the_runtime(op: Op, spec: ModelSpec, resource: str) -> str:
 
 def _weights_of_another_size(op: Op, spec: ModelSpec) -> str:
     """A weight copy whose bytes are not the model's tensor (empty: they are): an emulated link is
-    timed from the op's bytes, so a schedule edited to move 1000x an expert's bytes was "measured"
-    five times slower, its copies still the model's tensors."""
+    timed from the op's bytes, so other bytes would time a copy the run does not make."""
     if op.kind != "transfer" or op.tensor not in ("attention", "gate", "expert"):
         return ""
     layer = max(op.layer, 0)
@@ -281,7 +279,7 @@ def _weights_of_another_size(op: Op, spec: ModelSpec) -> str:
 def _kv_of_another_size(op: Op, spec: ModelSpec, shape: RunShape) -> str:
     """A KV cache copy whose bytes are not its batches' entries (empty: they are): a store carries the
     entries its step adds, a load those of the steps before; an emulated link is timed from the op's
-    bytes (a store edited to a million times its bytes was measured at 4 s, its copy 1,536 bytes)."""
+    bytes, not from what it copies."""
     if op.kind != "transfer" or op.tensor != "kv" or op.step < 0 or not op.batches:
         return ""
     sequences, new = shape.batch_size * len(op.batches), shape.new_tokens(op.step)
@@ -306,17 +304,17 @@ _OVER_NEW_TOKENS = frozenset({"embed", "attention", "gate", "attn_qkv", "attn_ou
 def _work_of_another_run(op: Op, shape: RunShape, routing: RoutingTable) -> str:
     """What of a compute op's work (tokens, KV length, phase) differs from what the run gives it
     (empty: nothing). The simulator times an op by these fields and the runtime computes what the
-    routing and shape say, so an edited `tokens: 999` on an expert was simulated as 999 tokens and
+    routing and shape say, so an expert edited to `tokens: 999` would be simulated as 999 tokens and
     measured as its few: a cross-check of two different runs."""
     if op.step >= 0 and (op.phase or op.kind == "compute" and op.batches) and op.phase != shape.phase(op.step):
-        # (a copy's phase too, where it has one: a KV load of a decode step tagged `prefill` was taken into
+        # (a copy's phase too, where it has one: a decode step's KV load tagged `prefill` would count in
         # both timelines' prefill)
         return f"phase {op.phase!r} at step {op.step} (step 0 is the prefill, later steps decode)"
     if op.kind != "compute" or op.step < 0 or not op.batches:
         return ""
     step, sequences = op.step, shape.batch_size * len(op.batches)
     if op.category == "expert":
-        counts = routing.counts[step, op.layer]  # (a batch's count read alone: 135k expert ops at the default size)
+        counts = routing.counts[step, op.layer]  # (one batch's count read alone: 135k expert ops at the default size)
         want = int(
             counts[op.batches[0], op.expert] if len(op.batches) == 1 else counts[list(op.batches), op.expert].sum()
         )
@@ -336,8 +334,8 @@ def _work_of_another_run(op: Op, shape: RunShape, routing: RoutingTable) -> str:
 
 
 def _check_tokens_claimed(schedule: Schedule, shape: RunShape) -> None:
-    """The tokens the schedule says it generates are the run's (one whose meta claimed a million
-    tokens was measured as a whole run: its throughput a fiction)."""
+    """The tokens the schedule says it generates are the run's (else its measured throughput is a
+    fiction)."""
     claimed = schedule.meta.get("generated_tokens")
     if claimed != shape.generated_tokens:
         raise ScheduleError(
@@ -348,10 +346,10 @@ def _check_tokens_claimed(schedule: Schedule, shape: RunShape) -> None:
 
 def _check_each_computed_once(schedule: Schedule, shape: RunShape, routing: RoutingTable) -> None:
     """Each batch's embedding and lm_head of each step, its attention and gate (or dense MLP) of each
-    layer, and each expert the routing sends its tokens to, computed by exactly one op. A schedule
-    without its last lm_head, or with an expert op removed, was measured as a whole run (its
-    logits a model's with that expert skipped); one without its gates failed inside an op
-    (`KeyError: 0`); a second lm_head ran twice."""
+    layer, and each expert the routing sends its tokens to, computed by exactly one op. Else a
+    schedule missing an lm_head or an expert op is measured as a whole run (its logits a model's
+    with that expert skipped), one without its gates fails inside an op, and a second lm_head runs
+    twice."""
     computed: Counter[tuple[str, int, int, int]] = Counter()  # (what, step, layer, batch)
     experts = np.zeros(routing.counts.shape, dtype=np.int64)  # [step, layer, batch, expert]
     for op in schedule.ops:
@@ -449,7 +447,7 @@ class OpRunner:
         # layer reads it, but not among themselves: a GPU expert on the compute stream and a CPU
         # expert's output arriving on the `h2d_act` stream may add at once (on CUDA each add is atomic).
         # On the CPU both are read-modify-writes from two threads, and a row added at once by both
-        # kept one of them: the lock keeps each add whole (klotski-hybrid's logits once differed).
+        # keeps one of them: the lock keeps each add whole.
         self.output_lock = threading.Lock()
         self.in_use = 0
         self.peak = 0
@@ -623,7 +621,7 @@ class OpRunner:
         cuda = self.device.type == "cuda"
         if op.stream == "d2h_kv":  # store the new entries the attention produced
             attention = next((d for d in op.deps if self.ops_by_id[d].category == "attention"), None)
-            if attention not in self.pending_store:  # (an edited schedule's: it was an empty StopIteration)
+            if attention not in self.pending_store:  # (an edited schedule's: name what is missing)
                 raise ExecutionError(
                     f"op {op.id!r}: a KV store needs among its deps the attention op whose new "
                     f"entries it stores, one that keeps them off the GPU (deps {list(op.deps)})"
@@ -1097,8 +1095,8 @@ def _run_cpu(schedule: Schedule, runner: OpRunner, options: ExecOptions) -> tupl
             t.join(max(0.0, deadline - time.perf_counter()))
     except BaseException:
         # a stop (Ctrl-C, SIGTERM) while the ops run: the threads give up after their current op
-        # and are waited for, so that none is inside torch as the interpreter ends (one was:
-        # "terminate called without an active exception", exit status 134 after the stop's word)
+        # and are waited for, so that none is inside torch as the interpreter ends (that aborts:
+        # "terminate called without an active exception", exit status 134)
         abort.set()
         for t in threads:
             t.join(_GIVE_UP_S)

@@ -35,7 +35,7 @@ def read_texts(path: str | Path) -> list[str]:
     path = Path(path)
     raw = read_text(
         path, "text file", RecordError
-    )  # (a device or a pipe refused: /dev/zero was read till memory ran out)
+    )  # (a device or a pipe is refused: /dev/zero would be read till memory runs out)
     texts = [p.strip() for p in raw.split("\n\n") if p.strip()]
     if not texts:
         raise RecordError(f"{path}: no text")
@@ -47,7 +47,7 @@ def load_moe_model(model_dir: str | Path, device: str = "cpu", dtype: torch.dtyp
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     model_dir = Path(model_dir)
-    if not model_dir.is_dir():  # (said "no config.json" of a folder that is not there)
+    if not model_dir.is_dir():  # (else: "no config.json" of a folder that is not there)
         raise RecordError(
             f"{model_dir}: {'not a folder' if model_dir.exists() else 'no such folder'}: give a Hugging "
             f"Face checkpoint directory"
@@ -81,7 +81,7 @@ def load_moe_model(model_dir: str | Path, device: str = "cpu", dtype: torch.dtyp
     except Exception as err:  # noqa: BLE001 - a bad config value or weights file surfaces as many kinds
         raise RecordError(f"{model_dir}: cannot load the checkpoint ({_first_line(err)})") from None
     missing = sorted(loading.get("missing_keys") or ())
-    if missing:  # (transformers draws them at random and says so in a table: the trace was a random model's routing)
+    if missing:  # (transformers draws them at random and says so in a table: the trace would be a random model's)
         raise RecordError(
             f"{model_dir}: the checkpoint lacks {len(missing)} of the model's weights "
             f"({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}); transformers would draw "
@@ -183,7 +183,7 @@ def record(
     model, tokenizer = load_moe_model(model_dir, device)
     config = model.config
     positions = getattr(config, "max_position_embeddings", None)
-    if isinstance(positions, int) and max_tokens + gen_len > positions:  # (refused now, not after hours of decode)
+    if isinstance(positions, int) and max_tokens + gen_len > positions:  # (refused here, not after hours of decode)
         raise RecordError(
             f"--max-tokens {max_tokens} + --gen-len {gen_len} = {max_tokens + gen_len} tokens, but "
             f"{Path(model_dir).name}'s config allows {positions} positions (max_position_embeddings)"
@@ -265,7 +265,7 @@ def record(
             np.concatenate(weights),
         )
     except TraceError as err:
-        # (NaN weights in the checkpoint made NaN gate probabilities: said as the trace's problem, not the file's)
+        # (NaN weights in the checkpoint make NaN gate probabilities: say it is the file's problem, not the trace's)
         broken = next((name for name, tensor in model.named_parameters() if not torch.isfinite(tensor).all()), None)
         if broken is not None:
             raise RecordError(

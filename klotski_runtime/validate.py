@@ -65,7 +65,7 @@ def check_profile_device(profile: HardwareProfile, device: str, emulated: Mappin
     """A calibrated profile describes one kind of device, and its links the rates they were
     emulated at: refuse to validate another device, or other emulated rates, with it (the simulated
     and measured runs would differ by construction). A CPU run needs a CPU calibration: a GPU's
-    spec-sheet profile (no device kind) compared a simulated RTX 3090 with a CPU."""
+    spec-sheet profile (no device kind) would compare a simulated GPU with a CPU."""
     kind = profile.provenance.get("device_kind")
     want = "cuda" if device.startswith("cuda") else "cpu"
     if kind and kind != want or want == "cpu" and kind != "cpu":
@@ -226,7 +226,7 @@ def validate(
         options=dict(setup.options),
     )
     prep = prepare(spec)
-    if prep.refused is not None:  # (nothing to build, run or measure: it crashed on the routing it never made)
+    if prep.refused is not None:  # (nothing to build, run or measure, and no routing to run it on)
         raise UsageError(
             f"{setup.num_batches} batches of {setup.batch_size} cannot run on this profile: {prep.refused.describe()}"
         )

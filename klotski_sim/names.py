@@ -22,7 +22,7 @@ COMPUTE_CATEGORIES = (
 RESOURCES = ("gpu", "pcie_h2d", "pcie_d2h", "nvme", "host", "cpu")
 HOST_STREAM = "host"
 # What each link carries (the runtime copies so, and the simulator times a copy on its link: an
-# expert copy remapped to nvme ran unemulated and was labelled a disk read)
+# expert copy remapped to nvme would run unemulated and be labelled a disk read)
 LINK_DIRECTIONS = {"pcie_h2d": ("cpu", "gpu"), "pcie_d2h": ("gpu", "cpu"), "nvme": ("disk", "cpu")}
 
 # The conventional streams and the physical resource each one runs on. Weight prefetch and

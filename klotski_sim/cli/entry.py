@@ -1,6 +1,6 @@
 """The console scripts (`klotski-sim`, `klotski-runtime`): a stop is taken from the process's first
 instant. A command's own handler (`cli.guarded`) is set once its module is imported, half a second
-in (numpy, pydantic, the policies); a Ctrl-C before that ended in a KeyboardInterrupt traceback,
+in (numpy, pydantic, the policies); a Ctrl-C before that would end in a KeyboardInterrupt traceback,
 a SIGTERM or SIGHUP silently. This module imports nothing heavy before taking them."""
 
 from __future__ import annotations

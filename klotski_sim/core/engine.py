@@ -42,7 +42,7 @@ from klotski_sim.util.errors import UsageError
 
 
 class EngineDeadlock(ScheduleError):
-    """Some ops can never start (a schedule built without validation had a cycle)."""
+    """Some ops can never start (a schedule built without validation can have a cycle)."""
 
 
 def resource_capacities(schedule: Schedule, profile: HardwareProfile) -> dict[str, int]:

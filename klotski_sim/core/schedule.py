@@ -47,10 +47,10 @@ VERSION = 1
 def gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector. Building, checking and simulating a schedule create
     hundreds of thousands of small objects and no reference cycles; the collector would only
-    rescan them again and again (it doubled the engine's run time). What the pause leaves alive
-    then moves to the oldest generation unscanned (`freeze` + `unfreeze`): the collector's first
-    look at a new schedule (every op a young object) took 187 ms of a 2.9 s as-published run, to
-    find some 50 objects of cycles (SimPy's closures) that the next full collection still finds."""
+    rescan them again and again (pausing it halves the engine's run time). What the pause leaves
+    alive then moves to the oldest generation unscanned (`freeze` + `unfreeze`): a first look at a
+    new schedule (every op a young object) would be a long scan for the few cycles that the next
+    full collection still finds."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -65,8 +65,8 @@ def gc_paused() -> Iterator[None]:
 # A worker process of ours (a sweep's, a comparison's) runs one configuration after another, each
 # allocating a few hundred thousand objects and freeing them by reference counting (the engine
 # breaks its own cycles). Collecting the young generation every 700k allocations instead of 700,
-# the collector rarely scans them at all; cycles are still found, later. (Measured: 195-198 ->
-# 199-211 distinct default-size configurations a minute on 2 workers, experiments/bench_sweep.py.)
+# the collector rarely scans them at all; cycles are still found, later. (experiments/bench_sweep.py:
+# 199-211 distinct default-size configurations a minute on 2 workers, against 195-198.)
 WORKER_GC_THRESHOLD = 700_000
 
 
@@ -298,7 +298,7 @@ class Schedule:
                 seen[op_id] = i
         graph = dependency_arrays(ops, deps, ids, self.column("stream"), checked=False, hashed=hashed)  # (an unknown
         # dep: a ScheduleError naming the op)
-        for name, size in self.preloaded:  # (10**30 preloaded bytes overflowed the timeline's memory trace)
+        for name, size in self.preloaded:  # (10**30 preloaded bytes would overflow the timeline's memory trace)
             if not 0 <= size < MAX_BYTES:  # (an int: __post_init__ made it one)
                 raise ScheduleError(
                     f"preloaded buffer {name!r} has size {size}: give a number of bytes from 0 to 2**62 - 1"
@@ -323,7 +323,7 @@ class Schedule:
                 for name in op.free:
                     if name not in allocated:
                         raise ScheduleError(f"op {op.id!r} frees buffer {name!r}, which no op allocates")
-        if len(set(freed)) < len(freed):  # (the runtime dropped it twice silently; the engine stopped at the second)
+        if len(set(freed)) < len(freed):  # (else the runtime drops it twice silently, the engine stops at the second)
             freed_by: dict[str, str] = {}
             for op in ops:
                 for name in op.free:
@@ -370,7 +370,7 @@ class Schedule:
     def json_pieces(self, ops_per_piece: int = 20_000) -> Iterator[str]:
         """The compact JSON text of `to_json_dict` (the same characters), in pieces of
         `ops_per_piece` ops: a default as-published schedule (338k ops, 62 MB of text) as one
-        dict per op and one string took 6.6 s and 210 MB more memory than its schedule."""
+        dict per op and one string takes 6.6 s and 210 MB more memory than its schedule."""
         compact = (",", ":")
         yield json.dumps(self._json_header(), separators=compact)[:-1] + ',"ops":['
         for lo in range(0, len(self.ops), ops_per_piece):
@@ -421,7 +421,7 @@ class Schedule:
             ops = [Op.from_dict(o) for o in data["ops"]]
         except ScheduleError as err:
             raise ScheduleError(f"{where}: {err}") from None
-        try:  # (the check's errors named the op, not the file)
+        try:  # (the check's errors name the op, not the file)
             return Schedule(
                 ops=tuple(ops),
                 streams=dict(data["streams"]),
@@ -457,7 +457,7 @@ _META_OBJECTS = ("placement", "options", "rung", "prefetch")
 def _check_meta(meta: Mapping[str, Any], where: str) -> None:
     """The meta fields the tools read, where a schedule file gives them, of the types they are
     read as (meta is otherwise free: a hand-made schedule may say anything else there): a
-    hand-edited `placement: null` or `generated_tokens: "x"` failed deep in the runtime."""
+    hand-edited `placement: null` or `generated_tokens: "x"` would fail deep in the runtime."""
 
     def refuse(key: str, expected: str) -> None:
         raise ScheduleError(f"{where}: meta.{key} must be {expected}, got {meta[key]!r:.60}")
@@ -496,7 +496,7 @@ MAX_BYTES = 1 << 62  # sizes, bytes and FLOPs below this (what a schedule file's
 def check_foreign(schedule: "Schedule", where: str) -> None:
     """What the check trusts of the package's own builders but not of a schedule from outside it (a
     policy file's): its meta of the types the tools read, and every op's counts within `MAX_BYTES`
-    (10**400 bytes overflowed the cost model: a traceback). A schedule file's are checked as it is
+    (10**400 bytes would overflow the cost model: a traceback). A schedule file's are checked as it is
     read (`Op.from_dict`, `_check_meta`)."""
     _check_meta(schedule.meta, where)
     for op in schedule.ops:
@@ -624,7 +624,7 @@ def dependency_arrays(
         if checked:
             raise
         text = next((op for op in ops if isinstance(op.deps, str)), None)
-        if text is not None:  # (a string's characters were taken for deps: "depends on unknown op 'b'")
+        if text is not None:  # (else a string's characters are taken for deps: "depends on unknown op 'b'")
             raise ScheduleError(f"op {text.id!r}: deps must be a tuple of op ids, got the string {text.deps!r:.60}")
         position = dict(zip(ids, range(n)))
         op, dep = next((op, d) for op in ops for d in op.deps if not isinstance(d, str) or d not in position)
@@ -690,10 +690,9 @@ def dep_positions(
     return positions
 
 
-# Above this many deps per op (a disk read waiting for each of a layer's 259 copies: 43.6 on average
-# in DeepSeek-V3's Klotski schedule on an RTX 3090, 43M deps for 1M ops, before the policies named
-# the latest copy per stream themselves, policies/base.py `_stage`; a hand-made schedule may still),
-# an op's deps on one stream are kept in the graph as the latest of them alone (`_latest_per_stream`).
+# Above this many deps per op (a hand-made schedule's disk read waiting for each of a layer's copies;
+# the policies name the latest copy per stream themselves, policies/base.py `_stage`), an op's deps on
+# one stream are kept in the graph as the latest of them alone (`_latest_per_stream`).
 _PRUNED_ABOVE = 4
 
 

@@ -189,7 +189,7 @@ class Timeline:
             oom=asdict(oom) if oom else None,
         )
         meta.update(extra_meta or {})
-        if memory_trace:  # (a pass per column: transposing the engine's 200k pairs with zip took 3-6x as long)
+        if memory_trace:  # (a pass per column: transposing the engine's 200k pairs with zip takes 3-6x as long)
             count = len(memory_trace)
             memory = (
                 np.fromiter(map(itemgetter(0), memory_trace), dtype=float, count=count),
@@ -262,8 +262,8 @@ class Timeline:
     def _bubble_columns(self, only: Collection[str] | None = None) -> tuple[list[str], dict[str, np.ndarray] | None]:
         """The names of the bubbles' columns (those in `only`, when given) and the columns (None:
         no bubble). Kept as arrays, not a frame: a worker process sends its timeline back with
-        them, and unpickling a frame imported pandas in compare's main process on the way (0.15 s
-        while a worker waited for its next run: the main process hands runs out)."""
+        them, and unpickling a frame would import pandas in compare's main process on the way (0.15 s
+        while a worker waits for its next run: the main process hands runs out)."""
         names = [name for name in BUBBLE_COLUMNS if only is None or name in only]
         gaps = self._gaps()
         if gaps is None:
@@ -316,7 +316,7 @@ class Timeline:
             return 0.0, 0.0, 0.0, {}
         duration = gaps["duration"]
         # causes numbered in name order: the few distinct ones found by hashing and sorted alone
-        # (np.unique sorted the 150k gaps' causes as fixed-width strings: 28 ms of a 230 ms summary)
+        # (np.unique would sort the 150k gaps' causes as fixed-width strings: 28 ms of a 230 ms summary)
         found_codes, found = factorize(gaps["cause"])
         causes: np.ndarray | list[str]
         if any(map(is_missing, found)):
@@ -433,8 +433,8 @@ class Timeline:
         generated = int(m.get("generated_tokens", 0))
         ok = self.status == "ok"
         prefill_total = self.prefill_seconds()
-        # (no op of a decode step ran — a run of one generated token, or one stopped in its prefill: no decode time;
-        # what followed the last GPU op of the prefill, a copy still in flight, was counted as "decode")
+        # (no op of a decode step ran — a run of one generated token, or one stopped in its prefill: no decode time,
+        # though a copy still in flight may follow the prefill's last GPU op)
         decoded = len(self) > 0 and bool((self.columns["step"] >= 1).any())
         decode_s = max(0.0, makespan - prefill_total) if decoded else 0.0
         sequences = int(m.get("batch_size", 0)) * int(m.get("num_batches", 0))
@@ -644,8 +644,8 @@ class CompactColumns(Mapping[str, np.ndarray]):
     """The columns a detached timeline keeps, held small: a text column as codes into its distinct
     values (`Timeline.codes`), an integer column in the smallest type that holds its values; each
     read back in its own type. A comparison keeps six 300k-op timelines for its figure, which
-    compares codes and reads two float columns: in one process they took 114 MB as object and
-    int64 arrays, and each worker sent its own back through a pipe."""
+    compares codes and reads two float columns: as object and int64 arrays they take 114 MB, which
+    each worker would send back through a pipe."""
 
     def __init__(self, columns: Mapping[str, np.ndarray], coded: Mapping[str, tuple[np.ndarray, list[Any]]]) -> None:
         self.coded = dict(coded)  # name -> (codes, distinct values)

@@ -29,7 +29,7 @@ MAX_CACHE_GB = 1e9  # (an exabyte: no disk holds more; a cap above it means "no 
 
 
 def cache_dir() -> Path | None:
-    setting = os.environ.get("KLOTSKI_CACHE_DIR", "").strip()  # (" off" made a folder named " off")
+    setting = os.environ.get("KLOTSKI_CACHE_DIR", "").strip()  # (" off" is off, not a folder named " off")
     if setting.lower() == "off":
         return None
     return Path(setting) if setting else Path.home() / ".cache" / "klotski"
@@ -42,7 +42,7 @@ def cache_max_bytes() -> int:
         gib = float(setting) if setting else DEFAULT_MAX_GB
     except ValueError:
         gib = float("nan")
-    if not 0 <= gib <= MAX_CACHE_GB:  # (NaN too; 1e308 GiB was an OverflowError in bytes)
+    if not 0 <= gib <= MAX_CACHE_GB:  # (NaN too; 1e308 GiB overflows in bytes)
         raise UsageError(
             f"KLOTSKI_CACHE_MAX_GB={setting!r}: must be a number of GiB from 0 to {MAX_CACHE_GB:.0e} (0 keeps no trace)"
         )
@@ -163,8 +163,8 @@ STALE_TEMP_S = 3600.0  # older than this, such a file is a killed write's (a tra
 def evict(folder: Path, max_bytes: int, keep: Path | None = None) -> None:
     """Delete the least recently used traces in `folder` until they take at most `max_bytes`
     (never `keep`, the one just written). Only the cache's own files, by their hashed names, count
-    and go: KLOTSKI_CACHE_DIR pointed at a project whose `traces/` held the user's own .npz files
-    deleted them. Another process may evict the same file: that is fine. A temporary file of a
+    and go: KLOTSKI_CACHE_DIR may point at a folder of the user's own .npz files. Another process
+    may evict the same file: that is fine. A temporary file of a
     write killed before its rename (`write_npz`'s name for one of them) goes once STALE_TEMP_S old."""
     now = time.time()
     for path in folder.glob(".*.tmp"):

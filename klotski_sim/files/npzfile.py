@@ -2,7 +2,7 @@
 members, as `numpy.savez_compressed` writes it and `numpy.load` reads it, but at deflate level 1
 and atomically (a temporary file renamed into place: an interrupted write never leaves half a file).
 
-Why level 1: numpy's own level (zlib's default, 6) took 25.4 s to write the routing of a
+Why level 1: numpy's own level (zlib's default, 6) takes 25.4 s to write the routing of a
 16k-token prompt (the default Klotski run at prompt 16384, n = 8: 269 MB of int16 ids); at level
 1 with the ids in a byte it takes 1.5 s, and the file is 6% smaller (60.6 against 64.3 MB;
 `python experiments/bench_npz.py --prompt-len 16384`)."""

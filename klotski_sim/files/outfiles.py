@@ -1,9 +1,9 @@
 """A command's output files, written all or none: each under a temporary name in the output folder,
 renamed into place together once every one is whole.
 
-A run stopped while it wrote (Ctrl-C, SIGTERM, a full disk, an error in the figure) left a half
-written CSV or trace beside complete files of the earlier run into that folder: a mix that reads
-as one run and is none (a CSV cut at a line's end reads back as a shorter run). Now the folder
+Written in place, a run stopped while it writes (Ctrl-C, SIGTERM, a full disk, an error in the
+figure) would leave a half written CSV or trace beside complete files of an earlier run: a mix that
+reads as one run and is none (a CSV cut at a line's end reads back as a shorter run). So the folder
 holds, after a stop, exactly what it held before, and two runs into one folder at once leave one
 run's files, the later one's. Only SIGKILL can leave a hidden temporary (`.tmp-<pid>-<name>`, or
 `.old-<pid>-<name>` during the renames), or a mix when it comes in the instant between them.
@@ -26,8 +26,8 @@ from klotski_sim.util.stopping import signals_deferred
 
 def refuse_unwritable(folder: str | os.PathLike, names: Iterable[str], flag: str = "--out") -> None:
     """Refuse, before any work, an output folder where one of the files a command writes is a
-    folder or another non-file (found at the end, after the whole run: pyarrow's `Expected file
-    path, but ... is a directory`, with the files written before it left in place)."""
+    folder or another non-file (else found at the end, after the whole run: pyarrow's `Expected
+    file path, but ... is a directory`, with the files written before it left in place)."""
     for name in names:
         target = Path(folder) / name
         if target.exists() and not target.is_file():
@@ -47,9 +47,9 @@ def failure_reason(error: OSError) -> str:
 def write_file(path: str | os.PathLike, write: Callable[[Path], object], flag: str = "") -> None:
     """One file written whole or not at all: `write(temporary)` writes a hidden temporary beside
     `path` (this process's own), renamed onto it once whole (a link: its target replaced, the link
-    kept). Written in place, a full disk or a stop left a cut file that read back as a shorter one
-    (a calibrated profile without its last rows); now `path` holds what it held before, no
-    temporary is left, and the failure is one line naming `flag` and the file."""
+    kept). Written in place, a full disk or a stop would leave a cut file that reads back as a
+    shorter one (a calibrated profile without its last rows); this way `path` holds what it held
+    before, no temporary is left, and the failure is one line naming `flag` and the file."""
     target = Path(os.path.realpath(path))
     named = f"{flag} {path}" if flag else str(path)
     if target.exists() and not target.is_file():  # (the rename would put a file where a pipe or a device was)
@@ -163,7 +163,7 @@ class OutputFiles:
                     earlier = None
                     if target.exists():
                         earlier = _kept(target)
-                        shutil.copymode(target, temporary)  # (its permissions kept, as a write in place kept them)
+                        shutil.copymode(target, temporary)  # (its permissions kept, as a write in place keeps them)
                     done.append((target, earlier))
                     _move(temporary, target)
             except OSError as err:

@@ -39,7 +39,7 @@ def read_text(
     path: str | Path, what: str, error: type[KlotskiError] = KlotskiError, max_bytes: int = MAX_JSON_BYTES
 ) -> str:
     """The file's text; `what` says what it should have been ("schedule", "profile"). A byte-order
-    mark, which editors on Windows write, is dropped (JSON refused it where YAML read past it)."""
+    mark, which editors on Windows write, is dropped (JSON would refuse it where YAML reads past it)."""
     path = Path(path)
     try:
         regular_file_size(path, what, error, max_bytes)
@@ -56,7 +56,7 @@ class DuplicateKeyError(ValueError):
 
 def unique_json_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """A JSON object whose keys are each given once (`object_pairs_hook`; json keeps the last of a
-    repeated one: a schedule's `"ops"` given twice, the second empty, was a schedule of no ops)."""
+    repeated one: a schedule's `"ops"` given twice, the second empty, would be a schedule of no ops)."""
     record = dict(pairs)
     if len(record) < len(pairs):
         twice = next(key for k, (key, _) in enumerate(pairs) if key in dict(pairs[:k]))

@@ -13,7 +13,7 @@ from klotski_sim.util.errors import KlotskiError
 MAX_BYTES = 1 << 20  # no profile or sweep spec comes near a megabyte
 MAX_ALIASES = 100
 # values a document holds once its aliases are expanded: 72 aliases nested 8 deep (a 382-byte sweep
-# spec) made a list of 43 million, whose validation and error message ran for minutes
+# spec) make a list of 43 million, whose validation and error message run for minutes
 MAX_VALUES = 100_000
 # libyaml's parser where PyYAML has it (the same safe constructors; a profile parses in a sixth of the time)
 _SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -28,7 +28,7 @@ class _UniqueKeyLoader(_SAFE_LOADER):  # type: ignore[valid-type,misc]
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
         for key_node, _ in node.value:
-            if key_node.tag == _MERGE_TAG:  # (constructing it failed: "no constructor for ...merge")
+            if key_node.tag == _MERGE_TAG:  # (constructing it fails: "no constructor for ...merge")
                 continue
             key = self.construct_object(key_node, deep=deep)
             try:
@@ -57,7 +57,7 @@ _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float", _UniqueKeyLoader.con
 
 def _refuse_yaml11_number(node: yaml.ScalarNode, value: float) -> None:
     """A number that YAML 1.1 (PyYAML) reads otherwise than it looks, and than YAML 1.2 would: a
-    leading zero makes it octal (`copy_engines: 010` was 8) and colons base 60 (`1:30` was 90)."""
+    leading zero makes it octal (`copy_engines: 010` is 8) and colons base 60 (`1:30` is 90)."""
     digits = node.value.replace("_", "").lstrip("+-")
     if ":" in digits:
         problem = "is a base-60 number in YAML 1.1"
@@ -83,7 +83,7 @@ def load_yaml(text: str, where: str, error: type[KlotskiError] = KlotskiError) -
             raise error(
                 f"{where}: {aliases} YAML aliases (at most {MAX_ALIASES}): refused, it could expand without bound"
             )
-        if values > MAX_VALUES:  # (a long list without aliases was said to be "aliases that expand")
+        if values > MAX_VALUES:  # (a long list without aliases is not said to be "aliases that expand")
             held = f"its YAML aliases expand to {values:,} values" if aliases else f"it holds {values:,} values"
             raise error(f"{where}: {held} (at most {MAX_VALUES:,}): refused")
         return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass

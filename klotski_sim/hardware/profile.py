@@ -29,22 +29,22 @@ from klotski_sim.util.errors import KlotskiError, MissingCapability, UsageError
 
 def _a_number(value: Any) -> Any:
     """A number field refuses true/false (which would be read as 1 and 0: `--set
-    links.pcie_h2d.bandwidth=true` was a 1 B/s link) and NaN or infinity (said so before any bound
+    links.pcie_h2d.bandwidth=true` would be a 1 B/s link) and NaN or infinity (said so before any bound
     is checked against it); numbers written as text (`25e9`, which YAML reads as a string) are
     still converted."""
     if isinstance(value, bool):
         raise ValueError(f"expected a number, got {str(value).lower()}")
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"expected a finite number, got {value}")
-    if isinstance(value, str):  # (`--set ...bandwidth=nan` was said to be below the field's bound)
+    if isinstance(value, str):  # (else `--set ...bandwidth=nan` is said to be below the field's bound)
         try:
             number = float(value)
         except ValueError:
             return value  # (pydantic says it is no number)
         if not math.isfinite(number):
             raise ValueError(f"expected a finite number, got {value}")
-        # (as the number: `cores: 2.4e1`, text to YAML 1.1, was "unable to parse string as an integer", where
-        # `--set cpu.cores=2.4e1` was 24; a whole number written so is an integer field's, a fraction is not)
+        # (as the number: `cores: 2.4e1`, text to YAML 1.1, is 24 as `--set cpu.cores=2.4e1` is; a whole
+        # number written so is an integer field's, a fraction is not)
         return int(number) if number.is_integer() and abs(number) < 2**53 else number
     return value
 
@@ -54,8 +54,8 @@ Positive = Annotated[float, _Number, Field(gt=0, allow_inf_nan=False)]  # finite
 NonNegative = Annotated[float, _Number, Field(ge=0, allow_inf_nan=False)]
 # A rate (bytes/s, FLOP/s) below a million per second, or a fixed per-op cost (launch, dispatch,
 # signal, sync, link latency: microseconds on every machine) above a second, is a unit slip, not a
-# what-if: `bandwidth: 25.7` (GB/s meant) ran, a link a billion times too slow, and rates below one
-# per second made ops of 1e300 s whose sums overflowed into inf and NaN in every output. The slowest
+# what-if (`bandwidth: 25.7`, GB/s meant, is a link a billion times too slow), and rates below one
+# per second make ops of 1e300 s whose sums overflow into inf and NaN in every output. The slowest
 # device a profile could describe (a USB 2 disk, ~30 MB/s; a CPU core's 1e9 FLOP/s) is far above it.
 RATE_FLOOR = 1e6
 
@@ -75,9 +75,9 @@ Fraction = Annotated[float, _Number, Field(gt=0, le=1, allow_inf_nan=False)]
 
 
 # More copy engines than any GPU has (an H100 has 7 DMA engines per direction at most, CUDA's
-# asyncEngineCount reports 2-5): 2**70 was accepted, and every transfer ran at once.
+# asyncEngineCount reports 2-5): an absurd count would run every transfer at once.
 MAX_COPY_ENGINES = 64
-# A measured op of more than an hour is a unit slip (1e30 s made a 2e30 s makespan); calibrate's
+# A measured op of more than an hour is a unit slip; calibrate's
 # tables are of single kernels, milliseconds to seconds.
 MAX_MEASURED_S = 3600.0
 # A measured table's name: `[cpu:]category[.variant][:prefill|decode]` (cost.CostModel reads them so)
@@ -138,7 +138,7 @@ class GPUSpec(_Strict):
                 f"reserved_bytes ({self.reserved_bytes:.4g}) must be below memory_bytes ({self.memory_bytes:.4g})"
             )
         # the rates the roofline uses are the peaks times these shares: held to a Rate's bound too
-        # (memory_efficiency 1e-300 made a ~1e-288 B/s GPU and 290-digit makespans)
+        # (memory_efficiency 1e-300 would make a ~1e-288 B/s GPU)
         for rate, share in (("peak_flops", "compute_efficiency"), ("memory_bandwidth", "memory_efficiency")):
             if getattr(self, rate) * getattr(self, share) < RATE_FLOOR:
                 raise ValueError(
@@ -233,7 +233,7 @@ class MeasuredPoint(_Strict):
 
 
 def _a_printable_name(name: str) -> str:
-    """A profile's name is printed in summaries, tables and error lines: a newline in it split them."""
+    """A profile's name is printed in summaries, tables and error lines: a newline in it would split them."""
     if not name or any(ord(c) < 32 or ord(c) == 127 for c in name):
         raise ValueError(
             f"{name!r}: give a non-empty name of printable characters (no newline or other control character)"
@@ -259,8 +259,8 @@ class HardwareProfile(_Strict):
 
     @model_validator(mode="after")
     def _measured_tables(self) -> "HardwareProfile":
-        """A table whose name is not of the form the cost model reads, or one shape measured twice
-        with two durations, was kept silently (unknown fields elsewhere are refused). A well-formed
+        """Refuse a table whose name is not of the form the cost model reads, or one shape measured
+        twice with two durations (unknown fields elsewhere are refused too). A well-formed
         name of a category no built-in op has is kept: a policy file's own ops may read it."""
         for name, points in self.measured.items():
             if not _MEASURED_KEY.fullmatch(name):
@@ -272,8 +272,8 @@ class HardwareProfile(_Strict):
             _not_misspelt(f"measured.{name}", category)
             seen: dict[tuple[int, int], float] = {}
             for row, point in enumerate(points, start=1):
-                # (a kv_len on an expert row moved it out of the rows the expert's ops are read from: GPU
-                # utilisation 39.1% -> 33.2%; a decode attention at kv_len 0 reads no cache)
+                # (a kv_len on an expert row would move it out of the rows the expert's ops are read from;
+                # a decode attention at kv_len 0 reads no cache)
                 if point.kv_len and category != "attention":
                     raise ValueError(
                         f"measured.{name}: row {row} gives kv_len {point.kv_len}, but {category} ops "
@@ -362,7 +362,7 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
     """A built-in profile by name (`rtx3090`) or a YAML file by path."""
     text = str(name_or_path)
     if text in builtin_profile_names():
-        if Path(text).is_file():  # (`--hardware t4` beside a calibrated file named t4: the built-in, without a word)
+        if Path(text).is_file():  # (`--hardware t4` beside a file named t4: else the built-in, without a word)
             raise ProfileError(
                 f"{text!r} names a built-in profile and a file here: give ./{text} for the file, or rename it"
             )
@@ -397,8 +397,8 @@ def with_overrides(profile: HardwareProfile, overrides: dict[str, Any], where: s
 def _names_a_map(parts: list[str]) -> bool:
     """Whether the dotted path is a field whose keys are the user's to give (a dict: `sources`,
     `cpu.flops`, `gpu.dispatch_overhead_by_category`), so that an override may add a key to it
-    (`--set gpu.dispatch_overhead_by_category.expert=1e-5` was "not a profile field" until the
-    profile's file had that key); the profile's validation then checks the key and its value."""
+    (`--set gpu.dispatch_overhead_by_category.expert=1e-5` where the profile's file has no such
+    key); the profile's validation then checks the key and its value."""
     model: type[BaseModel] = HardwareProfile
     for k, part in enumerate(parts):
         field = model.model_fields.get(part)

@@ -58,8 +58,8 @@ class Plan:
 
 
 # Candidate n the planner weighs at once (vectorised: [n, layers, experts] arrays) before it looks
-# for the smallest that closes the bubbles: all 256 at once held DeepSeek-V3's 256 x 61 x 256 arrays
-# (about 190 MB) and took 0.19 s, where its n is found among the first 32.
+# for the smallest that closes the bubbles: all 256 at once would hold DeepSeek-V3's 256 x 61 x 256
+# arrays (about 190 MB) for 0.19 s, where its n is found among the first 32.
 _CANDIDATES_PER_PASS = 32
 
 
@@ -175,8 +175,8 @@ def storage_needed(
             stored[tier] += nbytes
             on_disk += nbytes if tier == "disk" else 0.0
         read_from_disk.append(on_disk)
-    # the host staging window holds `disk_window` layers read from disk (policies/base.py `_stage`): with
-    # 1 byte of host memory, a model streamed from disk through a window of two 2.7 GiB layers ran
+    # the host staging window holds `disk_window` layers read from disk (policies/base.py `_stage`): host
+    # memory a run needs even when every weight streams from disk
     stored["host"] += sum(sorted(read_from_disk, reverse=True)[: placement.disk_window])
     if placement.kv == "cpu":
         stored["host"] += host_kv_bytes(model, batch_size, n, prompt_len, gen_len)
@@ -198,8 +198,8 @@ def storage_refusal(
     prompt_len: int,
     gen_len: int,
 ) -> str | None:
-    """Why the host memory or the disk cannot hold what the run keeps there (None: they can): a
-    model on a 1-byte disk ran, its every expert read from it."""
+    """Why the host memory or the disk cannot hold what the run keeps there (None: they can): else a
+    model on a 1-byte disk would run, its every expert read from it."""
     stored = storage_needed(model, placement, batch_size, n, prompt_len, gen_len)
     for tier, have, field_name in (
         ("host", profile.host.memory_bytes, "host.memory_bytes"),
@@ -217,8 +217,7 @@ def storage_refusal(
 
 def _room_for_kv(model: ModelSpec, placement: Placement, batch_size: int, n: int, prompt_len: int, gen_len: int) -> str:
     """What the KV cache takes of a refused run's host memory, and what would leave it room
-    (Mixtral-8x22B at 64 x 8k tokens was refused without saying that one batch's KV cache was
-    112 GiB of the 319 GiB)."""
+    (it may be most of what is refused)."""
     if placement.kv != "cpu":
         return ""
     kv = host_kv_bytes(model, batch_size, n, prompt_len, gen_len)

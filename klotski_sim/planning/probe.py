@@ -3,7 +3,7 @@
 Klotski's inequalities (planner.py) assume every cold expert crosses the link. `klotski-hybrid`
 sends some to the CPU, and which ones depends on the tokens each gets, so on n; its layer is bound
 by a chain (attention, gates, on-demand loads, experts, CPU outputs back before the next
-attention) that the closed forms tried for it did not capture (docs/cpu-experts.md, "n for
+attention) that no closed form tried for it captures (docs/cpu-experts.md, "n for
 klotski-hybrid: simulated probes"). So the planner measures: for each candidate n it simulates a probe — the run's
 own schedule, at that n with the resident layers its memory leaves room for, over the prefill and
 a few generated tokens of the run's first n batches (`probe_gen_len`) — and predicts the whole run
@@ -22,7 +22,7 @@ from typing import Callable
 
 DECODE_STEPS = 2  # decode steps a probe averages at the least
 BATCH_STEPS = 16  # ... and at least this many batch-steps (n x steps): one batch's routing, so its step time,
-# varies from step to step (OLMoE, bs 4, n 1: two steps predicted 79.4 tok/s, the whole run gave 77.0)
+# varies from step to step (OLMoE, bs 4, n 1: two steps predict 79.4 tok/s, the whole run gives 77.0)
 TIE = 0.005
 
 

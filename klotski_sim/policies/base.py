@@ -310,7 +310,7 @@ def resolve_options(name: str, impl: str, options: Mapping[str, Any]) -> dict[st
         default = resolved[key]
         if isinstance(default, bool) or isinstance(value, bool):
             ok = isinstance(value, bool) == isinstance(default, bool)
-        elif isinstance(default, int):  # (a count: NaN and 2.5 slots had passed as numbers)
+        elif isinstance(default, int):  # (a count: NaN and 2.5 slots are no counts)
             ok = isinstance(value, int)
         elif isinstance(default, float):
             ok = isinstance(value, (int, float)) and math.isfinite(value)
@@ -323,10 +323,10 @@ def resolve_options(name: str, impl: str, options: Mapping[str, Any]) -> dict[st
             )
     resolved.update(options)
     slots = resolved.get("expert_cache", 0)
-    if not isinstance(slots, int) or slots < 0:  # (-1, NaN or 2.5 failed only inside the run)
+    if not isinstance(slots, int) or slots < 0:  # (-1, NaN or 2.5 would fail only inside the run)
         raise UsageError(f"policy {name!r}: expert_cache must be a whole number of experts >= 0, got {slots!r}")
     cache_policy = resolved.get("cache_policy", "lru")
-    if cache_policy not in CACHE_POLICIES:  # (before its cache is asked for: `LRU` "needed expert_cache > 0")
+    if cache_policy not in CACHE_POLICIES:  # (before its cache is asked for: else `LRU` "needs expert_cache > 0")
         raise UsageError(
             f"policy {name!r}: cache_policy must be one of {', '.join(CACHE_POLICIES)}, got {cache_policy!r}"
         )
@@ -353,8 +353,8 @@ def build_schedule(name: str, inp: PolicyInput) -> Schedule:
             )
         except KlotskiError:
             raise
-        except (Exception, SystemExit, GeneratorExit) as err:  # (a policy's sys.exit(0) ended a run, sweep or
-            # compare "done")
+        except (Exception, SystemExit, GeneratorExit) as err:  # (a policy's sys.exit(0) would end a run, sweep
+            # or compare "done")
             module = sys.modules.get(getattr(info.build, "__module__", ""))
             if module is None or module.__name__.startswith("klotski_sim."):
                 raise  # a bug of ours: the traceback is the report
@@ -374,8 +374,8 @@ def build_schedule(name: str, inp: PolicyInput) -> Schedule:
 
 def _check_from_outside(name: str, schedule: Schedule, inp: PolicyInput) -> None:
     """A policy file's schedule is checked whole, as a schedule file is, and must be of the run it
-    was asked for: each of these ran, into a traceback (an unknown dep with validation off, 10**400
-    bytes) or a figure (-23,256 tok/s from `generated_tokens: -5`, a run of no ops)."""
+    was asked for: else it runs into a traceback (an unknown dep with validation off, 10**400
+    bytes) or a false figure (negative tok/s from `generated_tokens: -5`, a run of no ops)."""
     where = f"the schedule of policy {name!r}"
     try:
         if not schedule.validate:
@@ -626,10 +626,9 @@ class OpEmitter:
         holds `disk_window` layers: this read waits until the layer `disk_window` places back
         has been copied to the GPU (and so may be evicted from host memory): for the latest copy of it
         on each stream, whose end implies the end of the stream's earlier ones (streams are in order).
-        Naming every copy made each of a DeepSeek-V3 layer's 256 reads wait for its 259 copies: 42.9M
-        deps of 1M ops in its Klotski schedule on an RTX 3090 (1.8M now), 50.0M in its single-batch
-        one on an H200 (1.7M), each kept, looked up and checked; the engine's graph kept the latest per
-        stream alone already (`schedule._latest_per_stream`), so the timeline is the same."""
+        Naming every copy would make each of a DeepSeek-V3 layer's 256 reads wait for its 259 copies:
+        42.9M deps of 1M ops in its Klotski schedule on an RTX 3090 rather than 1.8M, each kept,
+        looked up and checked."""
         m, pl = self.model, self.placement
         g = len(self._staged_order)
         self._staged_order.append((step, layer))

@@ -5,8 +5,8 @@ The emitter asks the cache before copying an expert: a hit reuses the buffer a c
 earlier (no transfer); a miss copies it and, when the cache is full, evicts an entry — the copy
 that replaces it waits for the evicted buffer's last use and frees it. An entry fetched but not
 yet used is never evicted (its compute op has not been emitted), so a cache smaller than one
-layer's working set simply caches less. Policies free expert buffers as before; the emitter
-keeps the ones the cache holds.
+layer's working set simply caches less. Policies free expert buffers as without a cache; the
+emitter keeps the ones the cache holds.
 
 - `lru`: evict the least recently used entry.
 - `lfu`: evict the entry used least often so far (ties: the least recently used).

@@ -57,14 +57,14 @@ def load_policy_file(path: str | Path) -> list[str]:
         sys.modules.pop(module_name, None)
         frames = [f for f in traceback.extract_tb(err.__traceback__) if Path(f.filename).resolve() == p.resolve()]
         line = f":{frames[-1].lineno}" if frames else ""
-        if isinstance(err, SystemExit):  # (the command ended there, with that status and no word of why)
+        if isinstance(err, SystemExit):  # (else the command would end there, with no word of why)
             raise UsageError(
                 f"{path}{line}: exits (sys.exit({err.code!r})) while being imported; a policy file "
                 f"only registers policies"
             ) from None
         raise UsageError(f"{path}{line}: {type(err).__name__}: {err}") from err
     touched = sorted(name for name, info in before.items() if POLICIES.get(name) is not info)
-    if touched:  # (one that replaced `klotski` was said to "register no policy"; the registry is put back)
+    if touched:  # (a file that replaces a policy, e.g. `klotski`, is refused and the registry put back)
         POLICIES.clear()
         POLICIES.update(before)
         raise UsageError(

@@ -23,9 +23,8 @@ from klotski_sim.workload.trace import Trace
 _CHUNK_PAIRS = 1 << 18  # (token, layer, pair) counts per bincount pass: ~1 MB of int32, cache-sized
 # Above this many counts in the whole table (2 MB of them), pairs are counted one layer's table at a
 # time: a pass's bincount makes and adds an array of every count it may touch, and increments land
-# at random in it; DeepSeek-V3's 61 x 256 x 256 counts (32 MB) at 68 tokens a pass took 8.4 s of a
-# 13 s run's online learning, 4.9 s with passes as long as the table; a layer's 65k counts (0.5 MB)
-# stay in the cache: 2.8x faster again on 20k prefill tokens (0.52 -> 0.19 s, the same counts).
+# at random in it: DeepSeek-V3's 61 x 256 x 256 counts (32 MB) miss the cache, where a layer's 65k
+# counts (0.5 MB) stay in it: 2.8x faster on 20k prefill tokens (0.52 -> 0.19 s, the same counts).
 _WHOLE_TABLE_COUNTS = 1 << 18
 # Up to routing.CHOICE_CODES distinct top-k choices a layer, the pair counts are taken per
 # (previous choice, current choice) — one count per token and layer instead of K*K — and expanded
@@ -142,9 +141,9 @@ class CorrelationTable:
 def top_columns(table: np.ndarray, r: int) -> np.ndarray:
     """The columns of each row's r largest counts, largest first, ties to the lower column: the
     first r columns of a stable argsort of -table, taken by r passes of argmax over a copy
-    (`routing.top_by_argmax`) — a DeepSeek-V3 layer's 256 x 256 table was sorted whole for its top
-    2 columns, at every layer and step (1.7 ms against 0.03; 3.5 s of a 68 s run). Up to 32
-    experts the sort is the quicker (Mixtral's 8 x 8: 1.5 us against 6), and above 4 passes."""
+    (`routing.top_by_argmax`) — sorting a DeepSeek-V3 layer's 256 x 256 table whole for its top 2
+    columns takes 1.7 ms against 0.03, at every layer and step. Up to 32 experts the sort is the
+    quicker (Mixtral's 8 x 8: 1.5 us against 6), and above 4 passes."""
     r = min(r, table.shape[1])
     if r > 4 or table.shape[1] <= 32 or table.dtype.kind not in "iu":  # (counts are integers)
         return np.argsort(-table, axis=1, kind="stable")[:, :r]

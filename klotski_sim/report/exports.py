@@ -124,7 +124,7 @@ def _trace_events(timeline: Timeline) -> Iterator[str]:
     bubble_tid = len(tid) + 1
     yield dumps({"ph": "M", "name": "thread_name", "pid": 1, "tid": bubble_tid, "args": {"name": "GPU bubbles"}})
     bub = timeline.bubbles()
-    # (json.dumps' own separators, and Python's round, as these events were written one dumps each)
+    # (json.dumps' own separators, and Python's round: the text a json.dumps of each event gives)
     for start, duration, kind, ended_by, cause in zip(
         (bub["start"].to_numpy(dtype=float) * 1e6).tolist(),
         (bub["duration"].to_numpy(dtype=float) * 1e6).tolist(),
@@ -247,7 +247,7 @@ def save_all(timeline: Timeline, out_dir: str | Path, *, png: bool = True) -> di
 def _to_whole_ns(seconds: np.ndarray) -> np.ndarray:
     """Times in microseconds (the trace's unit) to the nanosecond: Perfetto shows whole
     nanoseconds (its JSON importer turns microseconds into integer nanoseconds, `CoerceToNs`), and
-    the digits beyond, which do not compress, were a tenth of a compressed trace. (The exact
+    the digits beyond, which do not compress, are a tenth of a compressed trace. (The exact
     times are in timeline.parquet.)"""
     return np.round(seconds * 1e6, 3)
 

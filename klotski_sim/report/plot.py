@@ -3,7 +3,7 @@
 Honest at any zoom. A window a lane's ops resolve in (a zoomed MoE block) is drawn in about 2,000
 bins, and in every bin each category gets a bar exactly as long as the time it was busy there
 (stacked, left-aligned). A window too long for that (a whole run: tens of thousands of ops, many to
-a pixel, whose sub-pixel bars blended bubble and compute into one grey-green band) is drawn in bins
+a pixel, whose sub-pixel bars would blend bubble and compute into one grey-green band) is drawn in bins
 a few pixels wide, each lane's height split by the share of the bin each category (and, on the
 compute lane, each bubble) took: a lane 5% busy is 5% filled either way, and no colour is mixed.
 One compound path per (lane, category), not an artist per bar: a timeline of 300k ops plots in
@@ -38,7 +38,7 @@ CATEGORY_COLORS: dict[str, str] = {
     "lm_head": "#3B3B3B",
     "weights": "#DD8452",
     "hot_expert": "#882255",  # (Paul Tol's wine and cyan: hot and cold told apart also without colour
-    "cold_expert": "#88CCEE",  # vision, and neither near the bubbles' red; cold was pink, as bubbles were)
+    "cold_expert": "#88CCEE",  # vision, and neither near the bubbles' red)
     "moe_weights": "#CCB974",
     "kv": "#64B5CD",
     "hidden": "#8C8C8C",
@@ -52,7 +52,7 @@ CATEGORY_COLORS: dict[str, str] = {
     "copy_wait": "#5F3C1E",  # the host waiting on a pageable copy
 }
 BINS = 2000  # about a pixel at our figure widths
-BUBBLE_COLOR = "#E31A1C"  # opaque: a translucent pink over sub-pixel bars mixed into the compute colours
+BUBBLE_COLOR = "#E31A1C"  # opaque: a translucent pink over sub-pixel bars mixes into the compute colours
 SHARE_BIN_PX = 3  # a bin of a long window's share drawing: a few pixels, wide enough that no colour mixes
 HOST_WAITS = ("sync",)  # a host lane of nothing else is not drawn (a solid bar); its share goes in the title
 
@@ -85,8 +85,8 @@ def draw_timeline(
     (default: `figure_lanes`); `relative`: the axis reads time from the window's start. Where the
     lanes' ops are a few pixels long or more (`typical_op_seconds`: a zoomed MoE block) each lane
     shows, per bin of about a pixel, the busy time of each category side by side from the bin's
-    start, the compute lane's bubbles after it (a bar per bubble took Agg 400 MB to rasterise the
-    150k bubbles of a long run); where they are shorter (a whole run: many to a pixel, which blended
+    start, the compute lane's bubbles after it (a bar per bubble takes Agg 400 MB to rasterise the
+    150k bubbles of a long run); where they are shorter (a whole run: many to a pixel, which blends
     their colours), bins of a few pixels, each lane's height split by the shares of the bin
     (`draw_shares`). The prefill/decode changes are marked (`mark_phases`)."""
     c = timeline.columns

@@ -10,8 +10,8 @@ from distributed import WorkerPlugin
 class SharesTheMachine(WorkerPlugin):
     """Sets each worker of a local cluster up as a local pool's worker (`runner.pool_worker`): its
     collector, and this machine's memory shared among `in_flight` runs. A plugin rather than one
-    `client.run`, which reached only the workers present at the start: one the nanny restarted after
-    a run killed it skipped the setup and checked its runs' memory as if it had the machine alone."""
+    `client.run`, which reaches only the workers present at the start: one the nanny restarts after
+    a run kills it would skip the setup and check its runs' memory as if it had the machine alone."""
 
     idempotent = True
     name = "klotski-shares-the-machine"

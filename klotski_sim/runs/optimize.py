@@ -60,7 +60,7 @@ class Search:
         """The chosen policies, or every registered one this profile can run (CPU-expert
         policies need a `cpu:` section)."""
         profile = load_profile(self.hardware)
-        if self.policies:  # (one the profile cannot run was tried in every configuration, each failing)
+        if self.policies:  # (else one the profile cannot run is tried in every configuration, each failing)
             for name in self.policies:
                 if name in POLICIES:
                     POLICIES[name].require_machine(profile, f"--policies {name}: policy {name!r}")

@@ -89,8 +89,8 @@ class RunSpec:
 
     def __post_init__(self) -> None:
         """Each field of the type it is read as, numpy integers taken as ints: from a notebook,
-        `seed=None` drew random routing (and cached it under `seed: null`), `batch_size=np.int64(2)`
-        failed in the trace cache's JSON, `options=None` and `model=3` in attribute look-ups."""
+        `seed=None` would draw random routing (cached under `seed: null`), `batch_size=np.int64(2)`
+        fail in the trace cache's JSON, `options=None` and `model=3` in attribute look-ups."""
 
         def count(name: str, low: int, high: int, optional: bool = False) -> None:
             value = getattr(self, name)
@@ -196,13 +196,13 @@ def resolve_profile(spec: RunSpec) -> HardwareProfile:
 # that a minute of drawing is not taken for a hang). A draw happens only when the trace cache has no
 # trace for the run; "long": an estimated LONG_DRAW_S or more on a 2-core machine, at DRAW_S_PER_ELEMENT
 # an element of the generator's [tokens, layers, experts] work and DRAW_S_PER_TOKEN_LAYER a token and
-# layer — fitted to `synthesize` drawing in two threads (`trace_synth.draw_threads`; 239fb1e's next
-# round): Qwen3-30B-A3B 16 x 8193 tokens 5.08 s, Mixtral-8x7B 136 x 16392 5.68 s (/tmp script, one
-# draw each); the fit gives DeepSeek-V2-Lite 64 x 8193 5.9 s, measured 5.56 s, and DeepSeek-V3's
-# default 424 x 516 21.1 s, measured 16.4 s (its 256 experts' top-k is argmax passes, cheaper an expert).
+# layer — fitted to `synthesize` drawing in two threads (`trace_synth.draw_threads`): Qwen3-30B-A3B
+# 16 x 8193 tokens 5.08 s, Mixtral-8x7B 136 x 16392 5.68 s; the fit gives DeepSeek-V2-Lite 64 x 8193
+# 5.9 s, measured 5.56 s, and DeepSeek-V3's default 424 x 516 21.1 s, measured 16.4 s (its 256
+# experts' top-k is argmax passes, cheaper an expert).
 # Many short sequences cost DRAW_S_PER_SEQUENCE_LAYER a sequence and layer beside: tiny-mixtral
 # 1M x 11 tokens 9.44 s, 100k x 110 2.45 s; Mixtral-8x7B 200k x 11 26.9 s, 2000 x 1100 7.43 s (one
-# process, one draw each, 7b36f0d's next round; the terms above alone said 1.2, 1.2, 5.6 and 5.6 s).
+# process; the terms above alone give 1.2, 1.2, 5.6 and 5.6 s).
 draw_listeners: list[Callable[[str], None]] = []
 LONG_DRAW_S = 3.0
 DRAW_S_PER_ELEMENT = 6.1e-9
@@ -337,7 +337,7 @@ def planner_impl(spec: RunSpec) -> Impl:
 def check_measured_for(profile: HardwareProfile, model: ModelSpec) -> None:
     """A profile's measured op times are of the model it was calibrated on (`provenance.model_shapes`):
     its tables key on an op's category and tokens alone, so another model's ops would be timed as
-    that one's (tiny-mixtral's table gave small-mixtral's experts 0.26 ms for 0.91, without a word).
+    that one's (tiny-mixtral's table gives small-mixtral's experts 0.26 ms for 0.91, without a word).
     The same model with fewer layers is the same ops; a calibration of no known model is not checked."""
     calibrated = profile.provenance.get("model_shapes")
     if not profile.measured or not isinstance(calibrated, str):
@@ -367,7 +367,7 @@ def prepare(spec: RunSpec) -> Prepared:
     profile = resolve_profile(spec)
     check_measured_for(profile, model)
     attention_on_cpu = spec.options.get("attention_device") == "cpu"  # decode attention reads the KV cache there
-    # (before any plan is printed or routing drawn: `plan --policy klotski-hybrid` printed its plan, then this)
+    # (before any plan is printed or routing drawn)
     get_policy(spec.policy).require_machine(profile)
     if attention_on_cpu:
         profile.require_cpu("attention_device=cpu")
@@ -696,7 +696,7 @@ def worker_pool(
     `with` of a plain ProcessPoolExecutor by an exception (Ctrl-C, SIGTERM, an error) waits for
     every run still queued, a sweep's whole grid; here what has not started is cancelled and the
     workers are stopped at once. And a worker whose parent dies, even by SIGKILL, is ended by
-    the kernel: it used to wait on its queue forever, holding its memory (Linux; `_worker_start`)."""
+    the kernel, not left waiting on its queue forever, holding its memory (Linux; `_worker_start`)."""
     context = multiprocessing.get_context("fork" if fork else None)
     parent = os.getpid() if context.get_start_method() in ("fork", "spawn") else None  # (forkserver: its server)
     pool = ProcessPoolExecutor(
@@ -721,8 +721,8 @@ def worker_pool(
 
 class WorkerDied(UsageError):
     """A pool's worker process ended without finishing its run (killed from outside, or by the
-    kernel for want of host memory), which breaks the pool: one line where BrokenProcessPool's
-    traceback said nothing the user could act on (compare); a sweep goes on (sweep._run_pool)."""
+    kernel for want of host memory), which breaks the pool: one line, where BrokenProcessPool's
+    traceback says nothing the user can act on (compare); a sweep goes on (sweep._run_pool)."""
 
 
 def _worker_start(parent: int | None, initializer: Callable[..., None], initargs: tuple[Any, ...]) -> None:
@@ -730,14 +730,14 @@ def _worker_start(parent: int | None, initializer: Callable[..., None], initargs
     from the CLI inherits its handler, which turns them into an interruption of the main process's
     work), the kernel sends it SIGTERM when its parent dies, then `initializer`. SIGTERM always:
     the pool stops its workers with it, and so does the kernel; SIGHUP unless the parent ignores
-    it (under `nohup` a hang-up would have ended the workers and not the run)."""
+    it (under `nohup` a hang-up would end the workers and not the run)."""
     for signum in STOP_SIGNALS:
         if signum == signal.SIGTERM or callable(signal.getsignal(signum)):
             signal.signal(signum, signal.SIG_DFL)
     if sys.platform == "linux":
         try:
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
-        except (OSError, AttributeError):  # (a libc without prctl: the worker is left as before)
+        except (OSError, AttributeError):  # (a libc without prctl: no death signal)
             pass
         if parent is not None and os.getppid() != parent:  # the parent died before the kernel was told
             os._exit(1)
@@ -829,8 +829,8 @@ def run_each(
     timelines: dict[int, Timeline] = {}
     queued = iter(enumerate(zip(specs, traces)))
     with worker_pool(workers, _share, (prep, plans, workers), fork=True) as pool:
-        # a run is handed out only when a worker is free: the pool queues more than its workers take,
-        # and those ran to their end after a run was refused or failed, before its error was said
+        # a run is handed out only when a worker is free: the pool would queue more than its workers take,
+        # and those would run to their end after a run is refused or fails, before its error is said
         in_flight: dict[Future[Timeline], int] = {}
 
         def hand_out() -> None:

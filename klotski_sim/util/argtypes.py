@@ -33,11 +33,11 @@ def plain_int(text: str) -> int:
 
 
 # The largest count a run takes (batch size, batches, prompt or generated tokens, sequences): larger
-# ones overflowed the 64-bit arithmetic of the planner and the generator (2**70 as --batch-size was
-# a traceback), and no workload comes within a thousand-fold of it.
+# ones overflow the 64-bit arithmetic of the planner and the generator, and no workload comes within
+# a thousand-fold of it.
 MAX_COUNT = (1 << 31) - 1
 MAX_COUNT_TEXT = "2**31 - 1"
-# The most worker processes a command starts (2**70 was a traceback from the process pool's locks).
+# The most worker processes a command starts (far more fail in the process pool's locks).
 MAX_WORKERS = 1024
 
 
@@ -73,12 +73,12 @@ def workers_int(text: str) -> int:
     return _int_from(text, 1, f"a number of workers from 1 to {MAX_WORKERS}", high=MAX_WORKERS)
 
 
-MAX_SEED = (1 << 63) - 1  # numpy's and torch's generators take seeds up to this (torch overflowed beyond)
+MAX_SEED = (1 << 63) - 1  # numpy's and torch's generators take seeds up to this (torch overflows beyond)
 
 
 def seed_int(text: str) -> int:
     """A seed the simulator and the runtime both take: numpy's and torch's generators (torch's needs
-    it to fit in 64 bits; a larger one crashed the runtime that the simulator had accepted)."""
+    it to fit in 64 bits; a larger one, which the simulator accepts, would crash the runtime)."""
     return _int_from(text, 0, "a seed from 0 to 2**63 - 1", high=MAX_SEED)
 
 
@@ -94,8 +94,7 @@ def layers_or_fill(text: str) -> int | str:
 
 def path_arg(text: str) -> str:
     """A file or folder the command reads (or names): not an empty name, which the file system
-    reads as the current folder (`--hardware ''` said ".: is a directory"; `trace import --out ''`
-    wrote its default file)."""
+    reads as the current folder."""
     if not text.strip():
         raise argparse.ArgumentTypeError("expected a name or a path, got an empty one")
     return text
@@ -115,7 +114,7 @@ def name_list(text: str) -> list[str]:
 def first_repeat(values: Sequence[Any]) -> Any | None:
     """The first value that appears again in `values` (None: each is there once), equal values
     counting as one (`2e10` and `20000000000`). A set, where a value hashes: looking back through
-    the list was quadratic (a sweep axis of 80,000 values took 24 s to read)."""
+    the list is quadratic (a sweep axis of 80,000 values would take 24 s to read)."""
     seen: set[Any] = set()
     unhashable: list[Any] = []  # (an option's value may be a list or a mapping)
     for value in values:

@@ -34,7 +34,7 @@ class MachineRefusal(UsageError):
     status `too-large`."""
 
 
-# control characters written as escapes: a newline in a file name or a profile's name split an error's one line
+# control characters written as escapes: a newline in a file name or a profile's name would split an error's line
 _ESCAPED = {c: f"\\x{c:02x}" for c in (*range(32), 127) if c != 9} | {10: "\\n", 13: "\\r"}
 
 

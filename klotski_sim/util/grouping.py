@@ -1,12 +1,12 @@
 """Grouping a timeline's rows without pandas: codes of a text column, and sums and means per group.
 
-A summary needs only these two of pandas' tools, and importing pandas took 0.2 s of a single
+A summary needs only these two of pandas' tools, and importing pandas takes 0.2 s of a single
 `klotski-sim simulate` (0.55 s in all on a tiny model). `factorize` numbers values in order of first
 appearance, as `pandas.factorize(sort=False, use_na_sentinel=False)` does. The sums per group are
 correctly rounded (`math.fsum`); pandas' groupby sums are not one method: its version 3 adds a
 group's values one by one where the groups are sorted (`ufunc.reduceat`) and compensated (Kahan)
-otherwise, so a summary's figures moved in their last digit with the order of its rows and with
-the pandas installed. Now they depend on neither.
+otherwise, so a summary's figures would move in their last digit with the order of its rows and
+with the pandas installed. fsum's depend on neither.
 """
 
 from __future__ import annotations

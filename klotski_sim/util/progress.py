@@ -1,7 +1,7 @@
 """Progress of long commands, as plain lines on stderr.
 
 Plain lines rather than a live bar: they read the same in a terminal, a log file, CI and a
-notebook (a live bar printed nothing until the end where stdout was not a terminal). The time
+notebook (a live bar prints nothing until the end where stdout is not a terminal). The time
 left is estimated from the items done so far on this machine, never from a constant measured
 on another one, and is not said until one item has finished.
 """

@@ -2,9 +2,9 @@
 
 A schedule's ops, its dependency graph, the engine's lists and the timeline cost memory in
 proportion to the ops, and the ops of an as-published schedule grow with experts x batches x
-layers x steps: DeepSeek-V3's Klotski schedule on an H800 profile has 10M ops and took 282 s and
-14 GB with `--out`. On a smaller machine such a run ended with the kernel killing it (no message)
-after minutes of building. So each policy loop built by `OpEmitter` is watched: when its third
+layers x steps: DeepSeek-V3's Klotski schedule on an H800 profile has 10M ops and takes 282 s and
+14 GB with `--out`. On a smaller machine the kernel would kill such a run (no message) after
+minutes of building. So each policy loop built by `OpEmitter` is watched: when its third
 step begins (prefill and one decode step built), the ops of the whole run are projected — the
 ops so far plus the first decode step's ops for each step left, times the batches for a loop
 that walks one batch's steps after another — and the run is
@@ -33,7 +33,7 @@ from klotski_sim.util.units import counted, memory_text
 # its summary), and with `--out` (the timeline's frame and Arrow table, the files' pieces): the slopes
 # of the process tree's peak (`python experiments/tree_memory.py klotski-sim simulate --policy klotski
 # [ARGS] [--out DIR]`) over the default run (337,802 ops: 373 / 638 MB), `--gen-len 96` (899,034 ops:
-# 794 / 1366 MB) and `--model qwen3-30b-a3b` (1,301,835 ops: 1128 / 1897 MB), at b6666f0: 0.75-0.78 kB
+# 794 / 1366 MB) and `--model qwen3-30b-a3b` (1,301,835 ops: 1128 / 1897 MB): 0.75-0.78 kB
 # and 1.30-1.31 kB an op.
 BYTES_PER_OP = 800
 BYTES_PER_OP_WITH_FILES = 1350
@@ -55,8 +55,8 @@ def expect_files(written: bool) -> None:
 
 def share_machine(workers: int) -> None:
     """A worker process of a pool of `workers` (compare's, a sweep's): the others' runs grow beside
-    this one's, so what is available is shared — each projected at the same time saw it all, and
-    two runs that each fit could together be killed."""
+    this one's, so what is available is shared — each projected alone would see it all, and two
+    runs that each fit could together be killed."""
     _runs_in_flight[0] = max(1, workers)
 
 

@@ -29,7 +29,7 @@ class Terminated(KeyboardInterrupt):
     the same clean-up runs (a trace being drawn into the cache leaves no temporary file, output
     files are left as they were, worker processes are stopped), then one line and exit status
     128 + the signal's number (SIGTERM: `terminated`, 143; SIGHUP: `hung up`, 129). Unhandled, they
-    ended a run with no word, its workers left waiting forever and its temporary files behind."""
+    would end a run with no word, its workers left waiting forever and its temporary files behind."""
 
     def __init__(self, signum: int = signal.SIGTERM) -> None:
         super().__init__(signum)
@@ -40,9 +40,9 @@ class StopHandler:
     """The handler a CLI command runs under, for Ctrl-C and `STOP_SIGNALS`: the first stop raises
     (KeyboardInterrupt for Ctrl-C, `Terminated` for the others) and the clean-up runs; a repeat
     during the clean-up (a fraction of a second: temporaries removed, workers stopped) is ignored,
-    where it broke the clean-up off with a traceback and left temporary files; once the command's
-    work has ended (`done`), a stop ends the process with the signal's word and status, where it
-    raised out of the command's last lines with a traceback."""
+    rather than break the clean-up off with a traceback and leave temporary files; once the
+    command's work has ended (`done`), a stop ends the process with the signal's word and status,
+    rather than raise out of the command's last lines with a traceback."""
 
     def __init__(self) -> None:
         self.stopping = False
@@ -100,7 +100,7 @@ def _said(signum: int) -> int:
 def signals_deferred() -> Iterator[None]:
     """Ctrl-C and the stop signals held back until the block has run, then the first of them taken
     as it would have been: their handlers raise in the main thread, and between two of an output
-    folder's renames that left a mix of two runs. Only the main thread can change handlers;
+    folder's renames that would leave a mix of two runs. Only the main thread can change handlers;
     elsewhere, and for a signal without a Python handler (ignored, or the default), as is."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -127,8 +127,8 @@ TERMINAL_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGHUP") 
 def terminal_signals_ignored() -> Iterator[None]:
     """Ctrl-C and a hang-up ignored over the block, for the processes it starts to inherit: a
     terminal sends them to its whole process group, and a local Dask cluster's nanny and worker
-    processes printed a KeyboardInterrupt traceback each for a Ctrl-C, multiprocessing's resource
-    tracker died of a hang-up and its successor a KeyError traceback for every semaphore; started
+    processes would print a KeyboardInterrupt traceback each for a Ctrl-C, multiprocessing's resource
+    tracker die of a hang-up and its successor print a KeyError traceback for every semaphore; started
     with them ignored, they leave them to the command, which stops them itself. One sent during the
     block itself is lost (the second or so of a cluster's start: press Ctrl-C again). (Blocking them
     instead does not reach them: they are started by threads of the cluster's event loop, which do

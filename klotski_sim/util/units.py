@@ -9,8 +9,7 @@ GIB = 2**30
 
 def memory_text(nbytes: float) -> str:
     """A memory size for a message: GiB to two decimals, or MiB / KiB where that would print 0.00
-    (a tiny model's or a small device's figures), and bytes below 10 (`host.memory_bytes=1` was said
-    to be `0.00 KiB`)."""
+    (a tiny model's or a small device's figures), and bytes below 10 (`1 byte`, not `0.00 KiB`)."""
     for unit, name in ((GIB, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
         if abs(nbytes) >= unit / 100 or not nbytes:
             return f"{nbytes / unit:.2f} {name}"
@@ -24,7 +23,7 @@ def counted(count: int, noun: str, plural: str | None = None) -> str:
 
 def flop_rate_text(flops_per_s: float) -> str:
     """A compute rate in TFLOP/s, or GFLOP/s where that would print 0.00 (a CPU's bf16 without
-    native support: calibrate printed `peak 0.00 TFLOP/s`)."""
+    native support: not `peak 0.00 TFLOP/s`)."""
     if flops_per_s >= 1e10:
         return f"{flops_per_s / 1e12:.2f} TFLOP/s"
     return f"{flops_per_s / 1e9:.2f} GFLOP/s"
@@ -45,7 +44,7 @@ def duration_unit(seconds: float, decimals: int = 3) -> str:
 def duration_text(seconds: float, unit: str | None = None, decimals: int = 3) -> str:
     """A duration for a message, to `decimals` in `unit` (its own, `duration_unit`, when none is
     given): a nonzero duration that would show fewer than two significant digits there is printed in
-    its own unit instead — a tiny run's 0.43 ms of bubbles read `bubbles 0.000 s`."""
+    its own unit instead — a tiny run's 0.43 ms of bubbles, not `bubbles 0.000 s`."""
     sizes = dict(DURATION_UNITS)
     own = duration_unit(seconds, decimals)
     name = own if unit is None or sizes[unit] > sizes[own] else unit

@@ -78,7 +78,7 @@ _REPEAT_ROWS = 1 << 20  # tokens' top-k rows per pass of it: a bounded temporary
 def repeats_an_expert(ids: np.ndarray) -> bool:
     """Whether some token's top-k ids (`ids[..., k]`) name one expert twice (a router's are distinct).
     Up to top-8 each pair of slots is compared, on a block of rows turned slot-major (each slot's
-    ids contiguous): sorting every token's 8 ids took 0.8 s of a 6.6 s Qwen3-30B-A3B run, which
+    ids contiguous): sorting every token's 8 ids takes 0.8 s of a 6.6 s Qwen3-30B-A3B run, which
     validates its cached trace on every load; pair by pair it is 15 times quicker."""
     k = ids.shape[-1]
     if k < 2 or not ids.size:
@@ -269,7 +269,7 @@ class RoutingTable:
                     f"of shape {array.shape}"
                 )
         bs, nb, p, g = (int(v) for v in shape)
-        try:  # (the table's own checks, said of this file: "batch_size must be ..." named none)
+        try:  # (the table's own checks, said of this file: they name none)
             table = RoutingTable(ids, RunShape(bs, nb, p, g), int(num_experts), str(source), int(dense))
         except UsageError as err:
             raise UsageError(f"{path}: {err}") from None

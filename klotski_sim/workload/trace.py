@@ -121,7 +121,7 @@ class Trace:
         missing = [k for k in REQUIRED_META if k not in self.meta]
         if missing:
             raise TraceError(f"{where}: metadata lacks {', '.join(missing)}")
-        if not isinstance(self.meta["model"], str):  # (messages name it; null or a list was accepted)
+        if not isinstance(self.meta["model"], str):  # (messages name it: null or a list is refused)
             raise TraceError(f"{where}: meta model must be a model's name, got {self.meta['model']!r:.60}")
         e, off, pl = self.experts, self.seq_offsets, self.prompt_lens
         if e.ndim != 3:
@@ -204,7 +204,7 @@ class Trace:
                     raise TraceError(
                         f"{path}: meta must be one JSON string, got {stored.dtype} of shape {stored.shape}"
                     )
-                meta = json.loads(str(stored), object_pairs_hook=unique_json_keys)  # (the last of two won)
+                meta = json.loads(str(stored), object_pairs_hook=unique_json_keys)  # (else the last of two wins)
                 if not isinstance(meta, dict):
                     raise TraceError(f"{path}: meta must be a JSON object, got {type(meta).__name__}")
                 arrays = {k: z[k] for k in ("seq_offsets", "prompt_lens")}
@@ -319,7 +319,7 @@ def replay(
 
 def _recorded_for_another(trace: Trace, model: ModelSpec) -> str:
     """What the routing's source says of a trace recorded for another model of the same shape (a
-    tiny-olmoe trace replayed on tiny-qwen3-moe ran without a word): empty for the model's own, a
+    tiny-olmoe trace replayed on tiny-qwen3-moe would run without a word): empty for the model's own, a
     version of it (`:L` layers, `@int4` experts route as it does) or a log of no known model."""
     recorded = trace.meta.get("model")
     if not isinstance(recorded, str) or recorded in ("", "unknown") or preset_name(recorded) == preset_name(model.name):
@@ -345,7 +345,7 @@ def _sequences_ids(trace: Trace, chosen: list[int], tokens: int) -> np.ndarray:
 
 
 # ---- import -------------------------------------------------------------------------------------
-MAX_GATE_WEIGHT = 65504.0  # the largest float16, which a trace stores gate weights in (1e6 became inf)
+MAX_GATE_WEIGHT = 65504.0  # the largest float16, which a trace stores gate weights in (1e6 would be inf)
 
 
 def _shown(value: Any, limit: int = 60) -> str:
@@ -496,7 +496,7 @@ def import_jsonl(
         raise TraceError(f"{path}: no records")
     num_layers = 1 + max(layer for seq in records.values() for (_, layer) in seq)
     n_exp = num_experts if num_experts is not None else max_id + 1
-    if not 1 <= n_exp <= MAX_IMPORT_INDEX:  # (100,000 wrote a trace that every reader refused)
+    if not 1 <= n_exp <= MAX_IMPORT_INDEX:  # (100,000 would write a trace that every reader refuses)
         raise TraceError(
             f"{path}: --num-experts {n_exp} must be from 1 to {MAX_IMPORT_INDEX}, as an imported log's expert ids are"
         )
@@ -509,9 +509,9 @@ def import_jsonl(
     weighted = sum(w is not None for seq in records.values() for _, w in seq.values())
     entries = sum(map(len, records.values()))
     has_weights = weighted == entries
-    if 0 < weighted < entries:  # (said: a few records without them dropped every weight silently)
+    if 0 < weighted < entries:  # (said: a few records without them drop every weight)
         problems.append(f"{path}: {entries - weighted} of {entries} records have no gate weights; the trace keeps none")
-    if dense_layers:  # (a DeepSeek log has no router records there: every token was a hole at layer 0)
+    if dense_layers:  # (a DeepSeek log has no router records there: else every token is a hole at layer 0)
         filler = (list(range(top_k)), [1.0 / top_k] * top_k if has_weights else None)
         for table in records.values():
             for tok in {t for t, _ in table}:

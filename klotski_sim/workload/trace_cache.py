@@ -7,7 +7,7 @@ data and numpy's version (`generator_fingerprint`), so a changed generator never
 trace — and that number (`<hash>-<sequences>.npz`): the generator
 draws sequence i the same however many follow, so a trace of more sequences serves a run that needs
 fewer (its first ones), and the workload keeps one file, its largest (an `optimize` over batch sizes,
-n and expert dtypes, cold: 9 files, 69 MB before, 2 files, 19 MB now; `_family`). Files are written atomically
+n and expert dtypes, cold: 2 files, 19 MB, not 9 files, 69 MB; `_family`). Files are written atomically
 (`npzfile.write_npz`: a per-process temp name, then a rename) and stored uncompressed, ids in a
 byte up to 256 experts, so that a run maps the ids rather than reading them (`mapped.py`: a long
 prompt's routing is not held whole).
@@ -20,8 +20,8 @@ ids or gate weights of at least disk_cache.MAPPED_ABOVE bytes), decompressed onc
 the file's path, size and modification time.
 
 The cache is bounded: `KLOTSKI_CACHE_MAX_GB` (default 2) caps its traces; the least recently used
-go first, and a trace larger than the cap is not kept (a sweep over seeds and prompt lengths left
-709 traces, 14 GB, in a cache without a bound).
+go first, and a trace larger than the cap is not kept (a sweep over seeds and prompt lengths draws
+hundreds).
 """
 
 from __future__ import annotations
@@ -51,8 +51,7 @@ if TYPE_CHECKING:
 
 # What a synthetic draw is made of beyond its workload: the generator's code, the routing code it
 # picks top-k with, and the calibration data it is fitted to (klotski_sim/workload/data/*.json); with numpy's
-# version, whose Generator does not promise the same draws from one release to the next. (The key held
-# trace_synth.py alone: a cached trace outlived an upgrade of numpy, or a change of its top-k code.)
+# version, whose Generator does not promise the same draws from one release to the next.
 GENERATOR_SOURCES = ("trace_synth.py", "routing.py")
 
 
@@ -179,8 +178,8 @@ def _as_drawn_for(trace: Trace, model: ModelSpec, sequences: int) -> Trace:
 
 def _drawn_for(trace: Trace, model: ModelSpec, sequences: int, prompt_len: int, gen_len: int) -> bool:
     """Whether a cached trace has the shape its name says (and the generator's settings in its meta,
-    which a smaller run served from it rewrites): a file replaced by another (valid) trace failed
-    every later run of its configuration, without naming the cache; it is drawn again."""
+    which a smaller run served from it rewrites): a file replaced by another (valid) trace would fail
+    every later run of its configuration, without naming the cache; it is drawn again instead."""
     return (
         (trace.num_sequences, trace.num_layers, trace.top_k, trace.num_experts)
         == (sequences, model.num_layers, model.top_k, model.num_experts)

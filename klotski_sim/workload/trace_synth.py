@@ -149,9 +149,8 @@ def base_popularity(model: ModelSpec, params: SynthParams, rng: np.random.Genera
 
 
 # The most experts over which the generator's top-5 and more is a partition and a sort: numpy's
-# partition took 0.23-0.41 us a token's row of 64-128 float32 values, then 1.02-1.08 us over 160-256,
-# where nine argmax passes take 0.51-0.69 us (top-7/top-9, /tmp microbenchmark, numpy 2 on this
-# project's 2-core machine): 18 s of a 32 s DeepSeek-V3 draw were the partition, the sort and their gathers.
+# partition takes 0.23-0.41 us a token's row of 64-128 float32 values, then 1.02-1.08 us over 160-256,
+# where nine argmax passes take 0.51-0.69 us (top-7/top-9, numpy 2 on a 2-core machine).
 _PARTITION_UP_TO = 128
 
 
@@ -163,7 +162,7 @@ def _top_sorted(values: np.ndarray, count: int) -> np.ndarray:
     Argmax passes (`routing.top_by_argmax`), ties to the lower index, up to top-4. Above, a
     partition and a sort (`_partition_sorted`) over up to `_PARTITION_UP_TO` experts; over more,
     the passes again, with the rows that hold a tie handed to the partition and sort, which break
-    ties their own way: every draw is as it was."""
+    ties their own way: every draw is the same either way."""
     if count >= values.shape[-1]:
         return np.argsort(np.negative(values, out=values), axis=-1)
     if count <= 4:
@@ -186,7 +185,7 @@ def _top_sorted(values: np.ndarray, count: int) -> np.ndarray:
 
 def _partition_sorted(values: np.ndarray, count: int) -> np.ndarray:
     """The `count` largest along the last axis, largest first, by a partition and a sort of the
-    negated values (how the generator drew top-5 and more until argmax passes: its ties, kept);
+    negated values (the generator's ties for top-5 and more, kept);
     `values` is overwritten."""
     negated = np.negative(values, out=values)  # (the very numbers -values would give: negation is exact)
     part = np.argpartition(negated, count - 1, axis=-1)[..., :count]
@@ -229,10 +228,9 @@ def check_routing_fits(model: ModelSpec, sequences: int, tokens: int, described:
 # Sequences are drawn as many at a time as keep a chunk's [sequences, tokens, experts] working
 # arrays (several of them, float64 and float32) near this many elements, at most 64 sequences and
 # at least one. The chunk changes no draw (`_drawn_blocks`), only memory and speed. A bound in
-# elements, not tokens: fine-grained models' arrays are 8-16 times Mixtral's per token (64 sequences
-# at a time, and 2^17 tokens a chunk above 8192 tokens, drew 16 x 8193 tokens of Qwen3-30B-A3B in
-# 13.7 s and 546 MB, its default run's 80 x 544 in 3.8 s and 210 MB; 2^18 elements: 9.5 s and 134 MB,
-# 2.9 s and 75 MB; Mixtral's own within 3% either way; `synthesize` in fresh processes, README).
+# elements, not tokens: fine-grained models' arrays are 8-16 times Mixtral's per token (2^18 elements
+# draw 16 x 8193 tokens of Qwen3-30B-A3B in 9.5 s and 134 MB, where 64 sequences or 2^17 tokens a
+# chunk take 13.7 s and 546 MB; Mixtral's own within 3% either way).
 _ELEMENTS_PER_CHUNK = 1 << 18
 
 
@@ -341,13 +339,13 @@ def _drawn_blocks(
     Each kind of draw has a random stream of its own (a sequence's shares; its tokens' types; each
     layer's Gumbel noise; each layer's stickiness), read sequence after sequence in order: a
     sequence's numbers then depend on the sequences before it alone, not on how many follow or how
-    many are drawn at once. (With one stream for every draw, a policy run for 1 batch and one for
-    17 replayed different routing for the same first batch, and a hardware number that changed the
-    planner's n changed every sequence's routing with it.)
+    many are drawn at once. (With one stream for every draw, a run of 1 batch and one of 17 would
+    replay different routing for the same first batch, and a hardware number that changes the
+    planner's n would change every sequence's routing with it.)
 
     Chunks are drawn by `threads` threads (by default `draw_threads`), each stream still read
     chunk after chunk (`_Turns`): numpy lets go of the interpreter inside its calls over a chunk's
-    arrays, so two cores drew DeepSeek-V3's default routing in 16.4 s where one took 29.8, and the
+    arrays, so two cores draw DeepSeek-V3's default routing in 16.4 s where one takes 29.8, and the
     same numbers (docs/performance.md)."""
     rng = np.random.default_rng(seed)
     L, E, k = model.num_layers, model.num_experts, model.top_k
@@ -452,9 +450,8 @@ def _drawn_blocks(
 MAX_DRAW_THREADS = 4
 # The most elements of [sequences, tokens, experts] working arrays that a draw's threads hold at
 # once. A chunk holds _ELEMENTS_PER_CHUNK, or one sequence's tokens x experts when that is more:
-# a long prompt's. Each thread more held about 26 bytes an element more: DeepSeek-V3 at a 16k-token
-# prompt (4.2M elements a chunk), 333 -> 444 MB in two threads (`simulate --model deepseek-v3
-# --hardware h800 --prompt-len 16384 --gen-len 2 --impl ideal --batch-size 8`, cold, /usr/bin/time).
+# a long prompt's. Each thread more holds about 26 bytes an element more: DeepSeek-V3 at a 16k-token
+# prompt (4.2M elements a chunk) takes 444 MB in two threads, 333 MB in one.
 # 9 x 2^20 elements, about 245 MB, keep that prompt to two threads and a 32k-token one to one.
 _ELEMENTS_IN_FLIGHT = 9 << 20
 
