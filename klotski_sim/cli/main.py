@@ -89,7 +89,8 @@ def add_run_arguments(
         "--model",
         default="mixtral-8x7b",
         metavar="NAME[:L][@intN]",
-        help=f"model preset ({', '.join(sorted(PRESETS))}); NAME:L keeps its first L layers, "
+        help=f"model preset ({', '.join(sorted(PRESETS))}) or a Hugging Face config.json of a MoE model "
+        f"(mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2/v3); NAME:L keeps its first L layers, "
         f"@int8|int4|int3|int2[:gG][:fp32] quantises its experts (default: %(default)s)",
     )
     p.add_argument(
@@ -192,15 +193,15 @@ def routing_kind(routing: str | None, trace: str | None) -> str:
 def parse_overrides(items: Sequence[str], flag: str) -> dict[str, Any]:
     """`KEY=VALUE` pairs of `flag` (--set, --option); values are JSON when they parse as JSON."""
     out: dict[str, Any] = {}
-    given: dict[str, str] = {}  # key -> the item as typed (`=1e9` was echoed as `=1000000000.0`)
+    given: dict[str, str] = {}  # key -> the item as typed (`=1e9`, not `=1000000000.0`)
     for item in items:
         if "=" not in item:
             raise CliError(f"{flag}: expected KEY=VALUE, got {item!r}")
         key, value = item.split("=", 1)
         key = key.strip()
-        if not key or not value.strip():  # (an empty name or value was taken as the text "")
+        if not key or not value.strip():  # (refused, not taken as the text "")
             raise CliError(f"{flag} {item}: expected KEY=VALUE with both given")
-        if key in out:  # (the last one silently won)
+        if key in out:  # (else the last one silently wins)
             raise CliError(f"{flag} {key} is given twice ({given[key]} and {item.strip()})")
         given[key] = item.strip()
         try:
@@ -215,8 +216,8 @@ _made_folders: list[Path] = []  # the folders a command made for its output, res
 
 def _remove_empty_made_folders() -> None:
     """After an error or a stop: the output folders this command made and left empty, with the
-    parents it made for them, deepest first (a run refused after its folder was made left an empty
-    one behind; `--out a/x/../y` made `a`, `a/x` and `a/y`)."""
+    parents it made for them, deepest first (so that a refused run leaves no empty folder behind;
+    `--out a/x/../y` makes `a`, `a/x` and `a/y`)."""
     for folder in sorted(set(_made_folders), key=lambda folder: len(folder.parts), reverse=True):
         try:
             folder.rmdir()  # (only an empty one)
@@ -228,7 +229,7 @@ def _remove_empty_made_folders() -> None:
 def output_folder(path: str | os.PathLike, flag: str = "--out") -> Path:
     """The folder a command writes to, made and checked before any work: a simulation is not run
     only to find that its results cannot be written."""
-    if not str(path).strip():  # (Path("") is the current folder: compare wrote there, simulate nothing)
+    if not str(path).strip():  # (Path("") is the current folder)
         raise CliError(f"{flag}: expected a folder, got an empty name")
     out = Path(path)
     if out.exists() and not out.is_dir():
@@ -252,10 +253,9 @@ def output_folder(path: str | os.PathLike, flag: str = "--out") -> Path:
 
 
 def not_an_input(out: Path, flag: str, reads: Sequence[str | os.PathLike]) -> None:
-    """Refuse writing where the command reads: `trace stats t.npz --csv t.npz` replaced the trace
-    with its table, `trace import x.npz` (a log named .npz) the log with the trace, and each said
-    it wrote. A folder it reads (a checkpoint) is read whole: none of its files may be replaced
-    (`record --out ckpt/config.json` had replaced the checkpoint's config with the trace)."""
+    """Refuse writing where the command reads (`trace stats t.npz --csv t.npz` would replace the
+    trace with its table). A folder it reads (a checkpoint) is read whole: none of its files may be
+    replaced."""
     for read in reads:
         source = Path(read)
         try:
@@ -271,17 +271,17 @@ def not_an_input(out: Path, flag: str, reads: Sequence[str | os.PathLike]) -> No
 
 
 def output_file(path: str | os.PathLike, flag: str = "--out", reads: Sequence[str | os.PathLike] = ()) -> Path:
-    """A file a command will write, checked before any work (a whole table or a calibration was
-    printed before `Is a directory` or a missing folder was found): not a folder, in a folder that
-    exists and can be written, not a device or a pipe (the file is written whole beside it and renamed onto it:
-    `write_file`), and none of the files it `reads`."""
+    """A file a command will write, checked before any work (not after a whole table or a
+    calibration): not a folder, in a folder that exists and can be written, not a device or a
+    pipe (the file is written whole beside it and renamed onto it: `write_file`), and none of the
+    files it `reads`."""
     if not str(path).strip():
         raise CliError(f"{flag}: expected a file name, got an empty one")
     out = Path(path)
     not_an_input(out, flag, reads)
     if out.is_dir():
         raise CliError(f"{flag} {out}: is a folder; give a file name")
-    if out.exists() and not out.is_file():  # (a file is written beside it and renamed onto it: found after the work)
+    if out.exists() and not out.is_file():  # (the rename onto it would fail only after the work)
         raise CliError(f"{flag} {out}: not a regular file (a device, a pipe or a socket); give a file name")
     folder = out.resolve().parent
     if not folder.is_dir():
@@ -292,7 +292,7 @@ def output_file(path: str | os.PathLike, flag: str = "--out", reads: Sequence[st
 
 
 def spec_from_args(args: argparse.Namespace, **changes: Any) -> RunSpec:
-    # (each of these changed nothing, silently: a trace has its own routing, a synthetic one is never short)
+    # (each of these would change nothing, silently: a trace has its own routing, a synthetic one is never short)
     if args.seed is not None and args.trace is not None:
         raise CliError(
             f"--seed {args.seed} and --trace {args.trace}: the seed draws synthetic routing, and a trace "
@@ -322,7 +322,7 @@ def spec_from_args(args: argparse.Namespace, **changes: Any) -> RunSpec:
         impl=args.impl,
         overrides=parse_overrides(args.overrides, "--set"),
     )
-    if fields["overrides"]:  # (checked here to be named by their flag: the run's own check said "overrides:")
+    if fields["overrides"]:  # (checked here to be named by their flag, not as "overrides:")
         with_overrides(load_profile(args.hardware), fields["overrides"], where="--set")
     fields.update(changes)
     return RunSpec(**fields)
@@ -352,14 +352,14 @@ def format_summary(s: Summary) -> str:
     on_cpu = s.source == "measured" and s.hardware.startswith("cpu")
     device = "CPU" if on_cpu else "GPU"  # a CPU run's "device" is the CPU and its memory host memory
     finished = s.status == "ok"
-    # (a run of one generated token has no decode step, and one stopped before its first has none yet: their
-    # "0.0 ms" decode step and "0.000 tok/s decode only" read as measurements)
+    # (a run of one generated token has no decode step, nor has one stopped before its first: a "0.0 ms"
+    # decode step would read as a measurement)
     decode = (
         f"decode step {duration_text(s.decode_step_s)}, MoE block {duration_text(s.moe_block_s)}"
         if s.decode_s > 0
         else "no decode step"
     )
-    # the run's times in the makespan's unit, a tiny run's in ms (its 0.43 ms of bubbles printed `0.000 s`); a
+    # the run's times in the makespan's unit, a tiny run's in ms (0.43 ms of bubbles, not `0.000 s`); a
     # time that would show under two digits there in its own (a long run's 50 us of inter-layer bubbles)
     unit = duration_unit(s.makespan_s)
 
@@ -371,8 +371,8 @@ def format_summary(s: Summary) -> str:
         f"workload    n={s.num_batches} x bs={s.batch_size}, prompt {s.prompt_len}, generate {s.gen_len} "
         f"({s.generated_tokens} tokens)",
         f"status      {s.status}" + (f"  ({_oom_text(s.oom)})" if s.oom else ""),
-        # (the two parts add up to the makespan; a batch's own prefill latency is another figure: printed beside
-        # the decode, it read as a part, and the two "parts" summed past the makespan in half of 60 runs)
+        # (the two parts add up to the makespan; a batch's own prefill latency is another figure, set after
+        # the semicolon so that it does not read as a part)
         f"makespan    {t(s.makespan_s)}   ({'' if finished else 'until it stopped: '}prefill "
         f"{t(s.makespan_s - s.decode_s)} + decode {t(s.decode_s)}; a batch's prefill {t(s.prefill_s)}, {decode})",
         (
@@ -429,8 +429,7 @@ def _note(text: str) -> None:
 def _local_workers(args: argparse.Namespace) -> None:
     """`--workers` held to the cores this process may use, where the workers are its own processes
     (not a remote Dask cluster's), said on stderr: the runs are CPU-bound, so more workers than cores
-    finish no sooner and each takes its own memory (`--workers 1024` started a thousand processes of
-    ~100 MB on a 2-core machine)."""
+    finish no sooner and each takes its own memory (~100 MB a process)."""
     cores = available_cores()
     remote = getattr(args, "dask", None) not in (None, "local")
     if args.workers is not None and args.workers > cores and not remote:
@@ -695,11 +694,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if size > SWEEP_CONFIRM and not args.yes:  # (before each value is checked against every profile: 2 s at 80k)
         raise CliError(f"{args.spec}: {size} configurations is more than {SWEEP_CONFIRM}; add --yes to run them")
     check_spec(spec, str(args.spec))
-    if args.dask is not None and not args.dask.strip():  # (an empty address ran locally, silently)
+    if args.dask is not None and not args.dask.strip():  # (an empty address would run locally, silently)
         raise CliError("--dask: expected a scheduler address like tcp://HOST:8786 or 'local', got an empty one")
     _local_workers(args)
-    # (the sweep keeps its spec as DIR/spec.yaml: a link there to the spec it reads had the user's file, comments and
-    # all, replaced by the sweep's own dump of it)
+    # (the sweep keeps its spec as DIR/spec.yaml: a link there to the spec it reads would have the user's file,
+    # comments and all, replaced by the sweep's own dump of it)
     not_an_input(Path(args.out) / "spec.yaml", "--out", [args.spec])
     output_folder(args.out)  # (after the grid is accepted: a refused one leaves no empty folder)
 
@@ -714,7 +713,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         left = total - done
         workers = min(max(1, args.workers), left)
         resumed = f"; resumed: {done} already done, {left} left" if done else ""
-        # (no time is guessed here: a constant measured on another machine was off 4-15x under load; the
+        # (no time is guessed here: a constant measured on another machine is off 4-15x under load; the
         # progress lines estimate from the rows this machine has finished)
         print(f"{grid}{resumed}: running on {counted(workers, 'worker')}", flush=True)
 
@@ -807,7 +806,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         f"{', '.join(map(str, search.resident_layers))}; n {', '.join(map(str, search.num_batches))}"
         + (" (auto: the planner's; --num-batches auto,4,16 searches n)" if search.num_batches == ("auto",) else "")
     )
-    if one_batch:  # (left out of the grid without a word, the header naming them all the same)
+    if one_batch:  # (else left out of the grid silently, though the header names them)
         alone = len(one_batch) == 1
         print(
             f"note: {', '.join(one_batch)} {'is' if alone else 'are'} not searched: one batch in flight by "
@@ -933,7 +932,7 @@ def cmd_trace_synth(args: argparse.Namespace) -> int:
     model = get_model(args.model)
     check_routing_fits(model, args.sequences, args.prompt_len + args.gen_len, f"{args.sequences} sequences")
     seconds = draw_seconds(model, args.sequences, args.prompt_len + args.gen_len)
-    if seconds >= LONG_DRAW_S:  # (100M sequences of a tiny model drew for 17 minutes without a word)
+    if seconds >= LONG_DRAW_S:  # (100M sequences of a tiny model draw for 17 minutes)
         _note(
             f"drawing {args.sequences:,} sequences x {args.prompt_len + args.gen_len:,} tokens of {model.name}'s "
             f"routing: about {span_text(seconds)} on this machine as loaded now"
@@ -950,18 +949,18 @@ def cmd_trace_synth(args: argparse.Namespace) -> int:
 
 
 def cmd_trace_stats(args: argparse.Namespace) -> int:
-    if args.csv is not None:  # (`--csv ''` wrote nothing and said nothing)
+    if args.csv is not None:  # (`--csv ''` would write nothing and say nothing)
         output_file(args.csv, "--csv", reads=[args.file])
     trace = Trace.load(args.file)
     try:
         trace = token_subset(trace, args.tokens)
         df = layer_stats(trace)
-    except TraceError as err:  # (the load's own errors name the file; these did not)
+    except TraceError as err:  # (the load's own errors name the file; these do not)
         raise TraceError(f"{args.file}: {err}") from None
     print(format_stats(trace, df))
     if args.csv is not None:
         from pandas.io.common import infer_compression  # (pandas picks a compression by the name's suffix, as
-        # it did when it wrote --csv itself: the temporary's name ends in .tmp)
+        # when it writes --csv itself: the temporary's name ends in .tmp)
 
         write_file(
             args.csv, lambda temporary: df.to_csv(temporary, compression=infer_compression(args.csv, "infer")), "--csv"
@@ -976,8 +975,8 @@ SHOWN_WARNINGS = 40  # an import's problems printed at most
 def cmd_trace_import(args: argparse.Namespace) -> int:
     out = args.out or str(Path(args.file).with_suffix(".npz"))
     output_file(out, "--out" if args.out else "the output (the log's name with .npz; give --out)", reads=[args.file])
-    # (with --model, its expert count: a log that never used the highest id was "another shape"; and its
-    # dense first layers, which a log has no router records of: a DeepSeek log could not be imported)
+    # (with --model, its expert count: else a log that never uses the highest id is "another shape"; and its
+    # dense first layers, which a log has no router records of: DeepSeek's)
     model = get_model(args.model) if args.model else None
     num_experts = args.num_experts or (model.num_experts if model else None)
     trace, problems = import_jsonl(
@@ -1326,8 +1325,8 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
 
 class ReaderMayGo:
     """A command's stdout: once its reader has gone (`| true`, `| head` done reading), what it prints
-    goes nowhere and the command goes on. `klotski-sim simulate --out d | true` stopped at its first
-    flushed line (a BrokenPipeError), before its files were written, and said nothing, exit 0."""
+    goes nowhere and the command goes on, rather than stopping at its first flushed line (a
+    BrokenPipeError) before its files are written, silently, exit 0."""
 
     def __init__(self, stream: Any) -> None:
         self._stream = stream

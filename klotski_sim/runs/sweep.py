@@ -18,7 +18,7 @@ Spec (every key optional except `policies`; lists are grid axes, each value once
 profile under a second name counts as given twice):
 
     name: pcie-what-if
-    models: [mixtral-8x7b]
+    models: [mixtral-8x7b]           # presets or Hugging Face config.json files
     hardware: [rtx3090, h800]        # built-in names or profile YAML files
     overrides:                       # grid over dotted profile fields
       links.pcie_h2d.bandwidth: [16e9, 32e9, 64e9]
@@ -87,7 +87,8 @@ from klotski_sim.util.errors import KlotskiError, MachineRefusal, MissingCapabil
 from klotski_sim.util.lazy import pd  # (imported when first used: klotski_sim/util/lazy.py)
 from klotski_sim.util.progress import Progress
 from klotski_sim.util.stopping import signals_deferred, terminal_signals_ignored
-from klotski_sim.workload.model import ModelSpec, get_model
+from klotski_sim.workload.hf_config import is_config_path
+from klotski_sim.workload.model import ModelSpec, get_model, preset_name
 from klotski_sim.workload.trace import Trace
 from klotski_sim.workload.trace_synth import DEFAULT_ROUTING, params_for
 
@@ -186,7 +187,7 @@ class SweepSpec(BaseModel):
         for key, values in grid.items():
             if not values:
                 raise UsageError(f"{key}: give at least one value (an empty axis would empty the grid)")
-            twice = first_repeat(values)  # (as on every other axis: `[2e10, 20000000000]` ran twice)
+            twice = first_repeat(values)  # (as on every other axis: `[2e10, 20000000000]` would run twice)
             if twice is not None:
                 raise UsageError(f"{key}: {twice!r} is given twice")
         return grid
@@ -202,8 +203,7 @@ class SweepSpec(BaseModel):
 
 def load_spec(path: str | Path, checked: bool = True) -> SweepSpec:
     """A spec file; every file it names (policy files, hardware YAML files, `trace:` routings) is
-    relative to the spec's folder, absolute paths as they are (the policy files were, the others
-    were relative to wherever the sweep was started). `checked=False`: its types only, not yet
+    relative to the spec's folder, absolute paths as they are. `checked=False`: its types only, not yet
     `check_spec` (which loads every profile once per override value)."""
     path = Path(path)
     data = load_yaml(read_text(path, "sweep spec", SweepError, MAX_YAML_BYTES), str(path), SweepError)
@@ -219,6 +219,7 @@ def load_spec(path: str | Path, checked: bool = True) -> SweepSpec:
             "policy_files": beside_spec,
             "routings": lambda r: beside_spec(r, "trace:"),
             "hardware": lambda h: h if h in builtin_profile_names() else beside_spec(h),
+            "models": lambda m: beside_spec(m) if isinstance(m, str) and is_config_path(preset_name(m)) else m,
         }
         for key, resolve in files.items():
             if isinstance(data.get(key), list):
@@ -314,13 +315,13 @@ def check_spec(spec: SweepSpec, where: str) -> None:
     for r in spec.routings:
         if r.startswith("trace:"):
             same = traces.setdefault(os.path.realpath(r[6:]), r)
-            if same != r:  # (`trace:t.npz` and `trace:../w/t.npz`: one configuration kept of two, without a word)
+            if same != r:  # (`trace:t.npz` and `trace:../w/t.npz`: else one configuration kept of two, silently)
                 problems.append(f"routings: {r!r} is the trace {same!r} again")
                 continue
-            try:  # (a folder or a file of another kind became a failed row of every configuration)
+            try:  # (else a folder or a file of another kind is a failed row of every configuration)
                 check_npz(r[6:], "routing trace", SweepError)
                 trace = Trace.load(r[6:])
-                for m in spec.models:  # (a trace of another shape, too: an error row each, the sweep exit 0)
+                for m in spec.models:  # (a trace of another shape, too: else an error row each, the sweep exit 0)
                     trace.check_model(get_model(m), f"routing {r!r}")
             except FileNotFoundError:
                 problems.append(f"routing {r!r}: no such trace file")
@@ -445,14 +446,17 @@ def content_hash(path: str) -> str:
 
 def _identity(cfg: dict[str, Any]) -> dict[str, Any]:
     """What a configuration's id is made of: its files (a hardware YAML, a `trace:` routing, policy
-    files) by their contents, not their paths. An edited profile or trace reran nothing (its rows
-    were reused under the old numbers), and the same spec started from another folder, its paths
-    spelt otherwise, reran everything."""
+    files) by their contents, not their paths: an edited profile or trace reruns (its rows are not
+    reused under the old numbers), and the same spec started from another folder, its paths spelt
+    otherwise, reruns nothing."""
     identity = dict(cfg)
     if cfg["hardware"] not in builtin_profile_names():
         identity["hardware"] = "file:" + content_hash(cfg["hardware"])
     if cfg["routing"].startswith("trace:"):
         identity["routing"] = "trace:" + content_hash(cfg["routing"][len("trace:") :])
+    config = preset_name(cfg["model"])
+    if is_config_path(config):  # (a Hugging Face config.json: by its contents, its suffixes kept)
+        identity["model"] = "file:" + content_hash(config) + cfg["model"][len(config) :]
     if "policy_files" in cfg:
         identity["policy_files"] = sorted(cfg["policy_files"].values())
     return identity
@@ -606,8 +610,8 @@ _TEXT_METRICS = frozenset({f"m.{f.name}" for f in fields(Summary) if f.type == "
 def read_row(path: Path) -> dict[str, Any] | None:
     """A finished row, or None when the file is not one (damaged, edited by hand, or not ours): its
     configuration is then run again, not taken as done. A row of valid JSON whose status is none of
-    ours, or whose metric is text where a number belongs (`"m.throughput_tok_s": "fast"`), went into
-    results.parquet as it was: the column became text, and every reader of it failed or ranked wrongly."""
+    ours, or whose metric is text where a number belongs (`"m.throughput_tok_s": "fast"`), would go
+    into results.parquet as it is, making the column text and every reader of it fail or rank wrongly."""
     try:
         row = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):  # (ValueError: not JSON, or not UTF-8 text)
@@ -680,7 +684,7 @@ def run_sweep(
     refused, not interleaved."""
     out = Path(out_dir)
     rows_dir = out / "rows"
-    if dask and dask != "local":  # (before the folder is made: a bad address left it with a lock, spec and no rows)
+    if dask and dask != "local":  # (before the folder is made: a bad address would leave it a lock, spec, no rows)
         _check_dask_address(dask)
     _check_sweep_folder(out)
     rows_dir.mkdir(parents=True, exist_ok=True)
@@ -692,9 +696,9 @@ def run_sweep(
 
 def _check_sweep_folder(out: Path) -> None:
     """What a sweep writes in `out` must be what it can write: a folder, a file or a row where the
-    other is (a damaged or foreign folder) ended a resumed sweep in a raw `[Errno 21] Is a directory`,
-    sometimes after a configuration had run; a FIFO where a file goes (its spec, lock or a row) hung
-    it forever, opened for reading or writing with no process at the other end."""
+    other is (a damaged or foreign folder) would end a resumed sweep in a raw `[Errno 21] Is a
+    directory`, perhaps after a configuration has run; a FIFO where a file goes (its spec, lock or a
+    row) would hang it forever, opened for reading or writing with no process at the other end."""
     expected = [
         (out / "rows", True, "its rows folder"),
         (out / ".lock", False, "its lock file"),
@@ -766,7 +770,7 @@ def _run_sweep(
 
     in_flight = min(max(1, workers), len(todo))  # (the runs in flight at once: a local pool's or a local cluster's)
     with _progress(progress, len(configs), len(configs) - len(todo), spec.name) as advance:
-        if not todo:  # (all finished before: no cluster or pool to start)
+        if not todo:  # (all finished already: no cluster or pool to start)
             pass
         elif dask:
             _run_dask(todo, dask, in_flight, finished, advance)
@@ -781,8 +785,8 @@ def _run_sweep(
 
 def _run_pool(todo: list[dict[str, Any]], in_flight: int, finished: Callable, advance: Callable) -> None:
     """On a local pool of `in_flight` processes (no more than there are runs). A worker that dies
-    (the kernel's OOM killer, a `kill -9`) breaks the whole pool and the runs in flight with it
-    (that ended the sweep); then the first `in_flight + 1` configurations not finished (those that
+    (the kernel's OOM killer, a `kill -9`) breaks the whole pool and the runs in flight with it;
+    then the first `in_flight + 1` configurations not finished (those that
     were running, and the one queued next) are run one at a time, each on a worker of its own: one
     that kills that worker too is a row of status `killed`. Then a new pool takes the rest."""
     from klotski_sim.runs.runner import WorkerDied, pool_worker, worker_pool
@@ -821,7 +825,7 @@ def _run_dask(todo: list[dict[str, Any]], address: str, in_flight: int, finished
     except ImportError:
         raise SweepError("--dask needs dask.distributed: pip install 'klotski[dask]'") from None
     with _dask_client(address, in_flight) as client:
-        with signals_deferred():  # (a stop raised inside distributed's `sync` had it log a NameError
+        with signals_deferred():  # (a stop raised inside distributed's `sync` makes it log a NameError
             futures = client.map(run_config, todo, pure=False)  # of its own and a failed gather)
         config_of = {fut.key: cfg for fut, cfg in zip(futures, todo)}
         for fut in dask_completed(futures):
@@ -845,19 +849,19 @@ def _dask_client(address: str, in_flight: int) -> Iterator[Any]:
     """A client of the Dask scheduler at `address`, or of a local cluster of `in_flight` processes
     (`local`), closed whole however the block ends.
 
-    - Set up and closed with the stops held back: a stop inside distributed's calls left a cluster
-      half made, which its exit hook then failed to close with a traceback.
+    - Set up and closed with the stops held back: a stop inside distributed's calls would leave a
+      cluster half made, which its exit hook then fails to close, with a traceback.
     - A local cluster's processes start with the terminal's signals ignored, so that its Ctrl-C or
       hang-up, sent to the whole process group, is this process's alone.
     - A local cluster is silenced, this process's part of it (its scheduler and nannies) too, and
       left so after a stop: every failure reaches the user through a future (a run's error is its
-      row, and so is a run that killed every worker it was given), and what it logged besides was
-      noise of ours — a stopped sweep's cancelled tasks (a WARNING each), workers missing the
-      heartbeat of a scheduler that closed, a task given up after its fourth dead worker (ERRORs),
-      and, after the cluster had restored the log level on closing, a CommClosedError traceback
-      once in a few stops.
+      row, and so is a run that killed every worker it was given), and what it logs besides is
+      noise — a stopped sweep's cancelled tasks (a WARNING each), workers missing the heartbeat of
+      a scheduler that closed, a task given up after its fourth dead worker (ERRORs), and, after
+      the cluster restores the log level on closing, a CommClosedError traceback once in a few
+      stops.
     - Its HTTP server, which it always starts, listens on a free port of this host (the default
-      8787 warned when it was taken)."""
+      8787 warns when it is taken)."""
     import dask
     from dask.distributed import Client, LocalCluster
 
@@ -865,8 +869,8 @@ def _dask_client(address: str, in_flight: int) -> Iterator[Any]:
     distributed_log = logging.getLogger("distributed")
     level, stopped = distributed_log.level, False
     env_level = os.environ.get(_DASK_LOG_LEVEL)
-    if local:  # (the environment's level for its processes from their first import: one the nanny
-        distributed_log.setLevel(logging.CRITICAL)  # restarts after a death logged its start at INFO)
+    if local:  # (the environment's level for its processes from their first import: else one the nanny
+        distributed_log.setLevel(logging.CRITICAL)  # restarts after a death logs its start at INFO)
         os.environ[_DASK_LOG_LEVEL] = "critical"
     cluster = client = None
     try:
@@ -960,7 +964,7 @@ def _check_dask_address(address: str) -> None:
 class _progress:
     """A sweep's progress as a context manager yielding `advance()`: a live rich bar where stderr is
     a terminal, plain lines (`progress.Progress`) where it is not — a log file, CI, a notebook, where
-    the bar printed nothing until the end — and nothing when not `enabled`."""
+    the bar prints nothing until the end — and nothing when not `enabled`."""
 
     def __init__(self, enabled: bool, total: int, done: int, name: str) -> None:
         self.enabled, self.total, self.done, self.name = enabled, total, done, name

@@ -12,6 +12,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from klotski_sim.util.errors import UsageError
+from klotski_sim.workload.hf_config import config_fields
 
 # how q and k are normalised before RoPE: not at all, per head (Qwen3-MoE), over the whole projection (OLMoE)
 QK_NORMS: tuple[str, ...] = ("", "head", "full")
@@ -543,7 +544,7 @@ def quantised(spec: ModelSpec, text: str, where: str) -> ModelSpec:
             f"weights ({spec.hidden_size} x {spec.ffn_size}); HQQ quantises whole groups"
         )
     packed = replace(spec, expert_bits=int(bits), quant_group=group, quant_meta_bytes=meta)
-    if packed.expert_bytes() >= spec.expert_bytes():  # (`@int8:g1:fp32` made experts 4.5x larger: accepted)
+    if packed.expert_bytes() >= spec.expert_bytes():  # (`@int8:g1:fp32` would make experts 4.5x larger)
         raise UsageError(
             f"model {where!r}: {text} stores an expert in {packed.expert_bytes():,} bytes, no fewer "
             f"than the {spec.expert_bytes():,} of unquantised ones (a scale and a zero for every "
@@ -567,13 +568,23 @@ def get_model(name: str) -> ModelSpec:
         return replace(quantised(get_model(plain), dtype, name), name=name)
     base, colon, layers = name.partition(":")
     try:
-        spec = PRESETS[base]
+        spec = _config_model(base) if base.endswith(".json") else PRESETS[base]
     except KeyError:
         raise UsageError(
-            f"unknown model {name!r}; known models: {', '.join(sorted(PRESETS))} (NAME:L keeps the first L layers)"
+            f"unknown model {name!r}; known models: {', '.join(sorted(PRESETS))} (NAME:L keeps the first L layers), "
+            f"or a Hugging Face config.json"
         ) from None
-    if not colon:  # (`tiny-mixtral:`, a count left out, ran the whole model)
+    if not colon:  # (`tiny-mixtral:`, a count left out, would run the whole model)
         return spec
     if not (layers.isascii() and layers.isdigit()) or not 1 <= int(layers) <= spec.num_layers:
         raise UsageError(f"model {name!r}: after ':' give a layer count from 1 to {spec.num_layers}")
     return replace(spec, name=name, num_layers=int(layers))
+
+
+def _config_model(path: str) -> ModelSpec:
+    """A user's model from its Hugging Face config.json (klotski_sim/workload/hf_config.py)."""
+    fields = config_fields(path)
+    try:
+        return ModelSpec(**fields)
+    except UsageError as err:  # (the shape's own checks, said of the file)
+        raise UsageError(f"{path}: {str(err).replace(repr(path), 'its model', 1)}") from None
