@@ -416,6 +416,7 @@ PRESETS: dict[str, ModelSpec] = {
             qk_nope_dim=128,
             v_head_dim=128,
             hf_model_type="deepseek_v2",
+            norm_topk_prob=False,  # (the config's: its top-6 weights are not renormalised)
         ),
         # deepseek-ai/DeepSeek-V3 config.json: 61 layers (the MTP layer is not counted), the first 3
         # dense (intermediate 18432), then 256 routed experts of width 2048, top-8, 1 shared; MLA with
