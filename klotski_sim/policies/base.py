@@ -14,7 +14,7 @@ import sys
 import traceback
 from dataclasses import asdict, dataclass, field
 from types import ModuleType
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence, overload
 
 import numpy as np
 
@@ -1039,13 +1039,25 @@ class OpEmitter:
         """One expert over `tokens` tokens gathered from `batches`. With option `sync=per-expert`
         the host first reads the expert's token rows, which `rows_of` produced (a `.tolist()`:
         sync op `{op_id}/rows/sync`)."""
-        return self.expert_chain(
+        last = self.expert_chain(
             step, layer, rows_of, [(op_id, expert, tuple(batches), tokens, clean_deps(list(deps)), tuple(free))]
         )
+        assert last is not None  # (a chain of one op ends with it)
+        return last
+
+    @overload
+    def expert_chain(
+        self, step: int, layer: int, after: str, ops: Sequence[ExpertOp], last_also: tuple[str, ...] = ()
+    ) -> str: ...
+
+    @overload
+    def expert_chain(
+        self, step: int, layer: int, after: str | None, ops: Sequence[ExpertOp], last_also: tuple[str, ...] = ()
+    ) -> str | None: ...
 
     def expert_chain(
         self, step: int, layer: int, after: str | None, ops: Sequence[ExpertOp], last_also: tuple[str, ...] = ()
-    ) -> str:
+    ) -> str | None:
         """Expert ops (op id, expert, batches, tokens, deps, frees; deps without Nones or
         repeats) issued one after another, as a published MoE loop walks them: with option
         `sync=per-expert` each after the host reads its token rows, which the op before it (the
@@ -1086,8 +1098,6 @@ class OpEmitter:
                 for d in expert_op.deps:
                     cache.used_by(d, op_id)
             op = op_id
-        if op is None:
-            raise ValueError("expert_chain: no expert op, and no op before it to return")
         return self.b.append_after_syncs(pairs) if pairs else op
 
     def _expert_cost(self, tokens: int) -> tuple[int, int]:
