@@ -8,8 +8,8 @@
 # Every step has a time limit and a failed step does not stop the next one: one short lease on a
 # GPU should bring back everything that worked, and the traceback of anything that did not.
 #
-# Runs from the checkout without `pip install`: PYTHONPATH is the checkout. Where simpy/pydantic
-# are missing (the device machine), put their wheels in .whl/ (see experiments/README.md) and they
+# Runs from the checkout without `pip install`: PYTHONPATH is the checkout. Where pydantic
+# is missing (the device machine), put its wheels in .whl/ (see experiments/README.md) and they
 # are installed into /tmp/site first.
 #
 #   bash experiments/gpu_validate.sh [all|ladder|cpu-experts]
@@ -36,12 +36,12 @@ MIXTRAL=$(q mixtral-8x7b:4 tiny-mixtral)
 SUF=$([ "$PART" = cpu-experts ] && echo "-cpu-experts" || true)
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-if ! python3 -c "import simpy, pydantic" 2>/dev/null; then
+if ! python3 -c "import pydantic" 2>/dev/null; then
   if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 2
     export PYTHONPATH="$PYTHONPATH:/tmp/site"
   else
-    echo "simpy/pydantic missing and no wheels in .whl/: see experiments/README.md" >&2; exit 2
+    echo "pydantic missing and no wheels in .whl/: see experiments/README.md" >&2; exit 2
   fi
 fi
 if [ "$DEVICE" = cuda ]; then
