@@ -490,18 +490,20 @@ def config_id(cfg: dict[str, Any]) -> str:
     return hashlib.sha1((canonical + code_fingerprint()).encode()).hexdigest()[:16]
 
 
-# The schedule a what-if over hardware numbers shares between configurations: one per process that
-# runs configurations (a worker, or the sweep's own process), each running its share in grid order.
-_REUSE: list[Any] = []
+@lru_cache(maxsize=1)
+def _process_reuse() -> Any:
+    """The schedule a what-if over hardware numbers shares between configurations: one per process
+    that runs configurations (a worker, or the sweep's own process), each running its share in grid
+    order. Made on first use: the runner is imported only where configurations run."""
+    from klotski_sim.runs.runner import ScheduleReuse
+
+    return ScheduleReuse()
 
 
 def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """Simulate one configuration; never raises — a failure is a row with status `refused` (host
     memory or disk), `too-large` (this machine's memory) or `error`."""
-    from klotski_sim.runs.runner import RunSpec, ScheduleReuse, run
-
-    if not _REUSE:
-        _REUSE.append(ScheduleReuse())
+    from klotski_sim.runs.runner import RunSpec, run
 
     t = time.perf_counter()
     row = _row_of(cfg)
@@ -526,7 +528,7 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
             options=cfg.get("options", {}),
             resident_layers=cfg.get("resident_layers"),
         )
-        result = run(spec, reuse=_REUSE[0])  # a what-if over hardware numbers builds each schedule once
+        result = run(spec, reuse=_process_reuse())  # a what-if over hardware numbers builds each schedule once
         s = result.timeline.summary()
         metrics = {
             k: v
