@@ -126,6 +126,12 @@ def test_policy_file_in_the_runtime(tmp_path):
             "tiny-mixtral",
             "--repeats",
             "1",
+            # a committed calibration of this model (its links emulated at 50 MB/s): what is checked
+            # here is the policy file in the runtime, not a calibration (validate's own: test_validate)
+            "--profile",
+            "experiments/results/cpu/tiny-mixtral/profile.yaml",
+            "--emulate-pcie",
+            "5e7",
             "--out",
             str(tmp_path / "v"),
         ],
