@@ -34,7 +34,7 @@ from klotski_sim.workload.model import ModelSpec
 from . import kernels
 from .executor import ExecutionError, require_cuda
 from .kernels import WeightStore
-from .threads import QUICK_SWITCH_S, cpu_threads
+from .threads import cpu_threads
 
 MB = 1 << 20
 PROBE_BATCHES, PROBE_GEN = 3, 3  # the dispatch probes' batch count and generation length
@@ -624,44 +624,42 @@ def _measure_dependency_latency(dev: torch.device, rounds: int) -> float:
         return max(0.0, statistics.median(gaps))
     import threading
 
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(QUICK_SWITCH_S)  # as the executor runs its stream threads
-    ping, pong = threading.Event(), threading.Event()
-    stamps: list[float] = []
+    with cpu_threads(quick_switch=True):  # as the executor runs its stream threads
+        ping, pong = threading.Event(), threading.Event()
+        stamps: list[float] = []
 
-    def responder() -> None:
-        for _ in range(rounds):
-            ping.wait()
-            stamps.append(time.perf_counter())
-            ping.clear()
-            pong.set()
+        def responder() -> None:
+            for _ in range(rounds):
+                ping.wait()
+                stamps.append(time.perf_counter())
+                ping.clear()
+                pong.set()
 
-    stop = threading.Event()
+        stop = threading.Event()
 
-    def busy() -> None:  # the compute thread keeps the GIL busy between kernels, as in a run
-        x = torch.ones(64)
-        while not stop.is_set():
-            for _ in range(50):
-                x = x * 1.0
-            sum(range(200))
+        def busy() -> None:  # the compute thread keeps the GIL busy between kernels, as in a run
+            x = torch.ones(64)
+            while not stop.is_set():
+                for _ in range(50):
+                    x = x * 1.0
+                sum(range(200))
 
-    thread = threading.Thread(target=responder, daemon=True)
-    load = threading.Thread(target=busy, daemon=True)
-    thread.start()
-    load.start()
-    gaps = []
-    try:
-        for _ in range(rounds):
-            pong.clear()
-            t = time.perf_counter()
-            ping.set()
-            pong.wait(5)
-            gaps.append(stamps[-1] - t)
-    finally:
-        stop.set()
-        sys.setswitchinterval(switch)
-        thread.join(5)
-        load.join(5)
+        thread = threading.Thread(target=responder, daemon=True)
+        load = threading.Thread(target=busy, daemon=True)
+        thread.start()
+        load.start()
+        gaps = []
+        try:
+            for _ in range(rounds):
+                pong.clear()
+                t = time.perf_counter()
+                ping.set()
+                pong.wait(5)
+                gaps.append(stamps[-1] - t)
+        finally:
+            stop.set()
+            thread.join(5)
+            load.join(5)
     return max(0.0, statistics.median(gaps))
 
 

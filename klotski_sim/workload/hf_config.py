@@ -3,9 +3,9 @@ file its checkpoint ships with (`--model path/to/config.json`) instead of a pres
 
 The keys read per `model_type` are those of transformers' configuration classes (MixtralConfig,
 Qwen2MoeConfig, Qwen3MoeConfig, OlmoeConfig, DeepseekV2Config, DeepseekV3Config); each built-in
-preset cites the config it mirrors, and `tests/test_model.py` checks that those configs give the
-presets back. Anything the simulator does not model (sliding windows aside, MoE layers every
-other layer, dense-only layers between MoE ones) is refused in one line naming the key."""
+preset cites the config it mirrors, and `tests/test_hf_config.py` checks that those configs give the
+presets back. What the simulator does not model (sliding-window attention, dense layers between MoE
+ones, other model types) is refused in one line naming the key."""
 
 from __future__ import annotations
 
@@ -83,17 +83,17 @@ def _fields(config: dict[str, Any], path: str) -> dict[str, Any]:
     dtype = config.get("torch_dtype", config.get("dtype", "bfloat16"))
     if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
         raise UsageError(f"{path}: torch_dtype {dtype!r}: give one of {', '.join(DTYPE_BYTES)}")
-    heads = count("num_attention_heads")
+    heads, hidden = count("num_attention_heads"), count("hidden_size")
     fields: dict[str, Any] = dict(
         name=path,
         num_layers=count("num_hidden_layers"),
         num_experts=count(experts_key),
         top_k=count("num_experts_per_tok"),
-        hidden_size=count("hidden_size"),
+        hidden_size=hidden,
         ffn_size=count(width_key),
         num_heads=heads,
         num_kv_heads=count("num_key_value_heads", heads),
-        head_dim=count("head_dim", count("hidden_size") // heads),
+        head_dim=count("head_dim", hidden // heads),
         vocab_size=count("vocab_size"),
         dtype_bytes=DTYPE_BYTES[dtype],
         hf_model_type=model_type,

@@ -12,7 +12,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from klotski_sim.util.errors import UsageError
-from klotski_sim.workload.hf_config import config_fields
+from klotski_sim.workload.hf_config import config_fields, is_config_path
 
 # how q and k are normalised before RoPE: not at all, per head (Qwen3-MoE), over the whole projection (OLMoE)
 QK_NORMS: tuple[str, ...] = ("", "head", "full")
@@ -569,7 +569,7 @@ def get_model(name: str) -> ModelSpec:
         return replace(quantised(get_model(plain), dtype, name), name=name)
     base, colon, layers = name.partition(":")
     try:
-        spec = _config_model(base) if base.endswith(".json") else PRESETS[base]
+        spec = _config_model(base) if is_config_path(base) else PRESETS[base]
     except KeyError:
         raise UsageError(
             f"unknown model {name!r}; known models: {', '.join(sorted(PRESETS))} (NAME:L keeps the first L layers), "
