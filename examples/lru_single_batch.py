@@ -5,20 +5,27 @@ a complete klotski policy in one file (docs/own-schedule.md walks through it).
 """
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from klotski_sim.policies import OpEmitter, PolicyInput, PolicyTraits, register
+from klotski_sim.policies.options import option
 from klotski_sim.util.errors import UsageError
+
+
+@dataclass(frozen=True)
+class LruOptions:
+    slots: int = option(8, "GPU slots of the expert cache, kept across layers and steps", minimum=1)
 
 
 @register(
     "lru-single-batch",
     "single-batch with an LRU cache of `slots` experts kept across steps",
-    defaults={"slots": 8},
+    options=LruOptions,
     traits=PolicyTraits(one_batch=True, manages_experts=True),
 )
 def build(inp: PolicyInput):
     em, m, counts, slots = OpEmitter(inp), inp.model, inp.routing.counts, inp.options["slots"]
-    if not 1 <= slots <= m.num_layers * m.num_experts:  # (more slots than experts: 2**70 was taken)
+    if slots > m.num_layers * m.num_experts:  # (more slots than experts: 2**70 was taken)
         raise UsageError(
             f"lru-single-batch: slots must be from 1 to {m.num_layers * m.num_experts} "
             f"(every expert of {m.name}), got {slots}"

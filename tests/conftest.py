@@ -250,3 +250,53 @@ def no_process_left(request: pytest.FixtureRequest):
 def folder_state(folder: Path) -> dict[str, bytes]:
     """Every file of a folder, by name, with its bytes: what an output folder held, to compare after."""
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+# A small CPU calibration (tiny shapes, two repeats), made once per model for the whole session and shared
+# by the xdist workers: the runtime's tests need a profile of this machine, not a precise one, and each
+# calibration takes ~20 s. The one end-to-end validate test still calibrates by itself.
+SMALL_CALIBRATION = ("--device", "cpu", "--batch-sizes", "2", "--prompt-lens", "6", "--max-expert-tokens", "32")
+
+
+@pytest.fixture(scope="session")
+def small_calibration(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """`small_calibration(model)`: the path of a small CPU calibration of `model` (links emulated at
+    calibrate's default 1e9 B/s)."""
+    import fcntl
+
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "small-calibrations"
+    root.mkdir(exist_ok=True)
+
+    def get(model: str) -> Path:
+        path = root / f"{model.replace('@', '-').replace(':', '-')}.yaml"
+        with open(root / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # (the other workers wait for the one calibrating)
+            if not path.exists():
+                proc = run(
+                    [sys.executable, "-m", "klotski_runtime.cli", "calibrate", "--model", model, *SMALL_CALIBRATION]
+                    + ["--repeats", "2", "--out", str(path)],
+                    timeout=600,
+                    cwd=ROOT,
+                )
+                assert proc.returncode == 0, proc.stderr
+        return path
+
+    return get
+
+
+def runtime_in_process(*args: str) -> tuple[int, str, str]:
+    """`klotski-runtime ARGS` in this process: torch and transformers are imported once, not ~5 s again per
+    call. What only a whole process shows (a library's own stderr, an exit by a signal) needs a subprocess."""
+    import contextlib
+    import io
+
+    from klotski_runtime.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(ROOT), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exit:  # (argparse's usage errors)
+            code = exit.code if isinstance(exit.code, int) else 0 if exit.code is None else 1
+    return code, out.getvalue(), err.getvalue()

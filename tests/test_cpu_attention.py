@@ -49,7 +49,7 @@ def test_the_planner_uses_the_gpu_memory_the_kv_cache_leaves():
         (("--option", "attention_device=cpu", "--hardware", "a100-80g"), "`cpu:` section"),
         (("--option", "attention_device=cpu", "--kv", "gpu"), "--kv gpu contradicts"),
         (("--option", "attention_device=cpu", "--model", "deepseek-v2-lite:2"), "MLA"),
-        (("--option", "attention_device=tpu"), "gpu or cpu"),
+        (("--option", "attention_device=tpu"), "option attention_device must be one of gpu, cpu, got 'tpu'"),
     ],
 )
 def test_impossible_cpu_attention_is_one_line(args, message):
@@ -85,7 +85,7 @@ def test_the_runtime_executes_the_split_attention_with_the_same_logits():
         )
 
 
-def test_validate_takes_policy_options(tmp_path):
+def test_validate_takes_policy_options(tmp_path, small_calibration):
     import json
     import subprocess
     import sys
@@ -109,6 +109,8 @@ def test_validate_takes_policy_options(tmp_path):
             "cpu",
             "--repeats",
             "1",
+            "--profile",
+            str(small_calibration("tiny-mixtral")),
             "--out",
             str(tmp_path),
         ],

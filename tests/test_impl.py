@@ -288,7 +288,9 @@ def test_presets_are_complete_and_cited_for_every_policy():
 
 def test_unknown_option_values_are_refused_with_the_choices():
     inp = make_input()
-    with pytest.raises(ValueError, match="cold_order='random' is not one of first-use, expert-id"):
+    with pytest.raises(
+        ValueError, match="option cold_order must be one of first-use, expert-id, most-tokens-first, got 'random'"
+    ):
         build_schedule("klotski", PolicyInput(inp.model, inp.profile, inp.routing, options={"cold_order": "random"}))
     with pytest.raises(ValueError, match="has no option"):
         build_schedule("flexgen", PolicyInput(inp.model, inp.profile, inp.routing, options={"cold_order": "expert-id"}))

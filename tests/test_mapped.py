@@ -565,20 +565,21 @@ def test_a_cached_trace_replaced_by_another_models_is_drawn_again(tmp_path, monk
 def test_a_long_synthetic_draw_is_said_once_before_it_begins_and_never_when_cached(
     tmp_path, monkeypatch, cache_setting
 ):
-    """A draw estimated at `LONG_DRAW_S` or more is told to `draw_listeners` (the CLI: a note on
+    """A draw estimated at `LONG_DRAW_S` or more is told to the run's listeners (the CLI: a note on
     stderr) once, with its size — also when the cache asks for the stream and then draws with
     `make` after all (the cache off, a trace below the mapping's bar) — and a run that finds its
     trace in the cache says nothing."""
     from klotski_sim.runs import runner
+    from klotski_sim.util import run_size
     from klotski_sim.workload.model import get_model
 
     monkeypatch.setenv("KLOTSKI_CACHE_DIR", str(tmp_path / "cache") if cache_setting == "folder" else "off")
     monkeypatch.setattr(runner, "LONG_DRAW_S", 1e-6)
     heard: list[str] = []
-    monkeypatch.setattr(runner, "draw_listeners", [heard.append])
     spec = runner.RunSpec(model="tiny-mixtral", batch_size=2, prompt_len=9, gen_len=3, num_batches=None)
     runner._synthetic_trace.cache_clear()
-    runner.make_replay(spec, get_model("tiny-mixtral"), 3)
+    with run_size.surroundings(listeners=(heard.append,)):
+        runner.make_replay(spec, get_model("tiny-mixtral"), 3)
     sequences = 3 * 2 + spec.warmup_sequences
     cached = "not in the trace cache yet" if cache_setting == "folder" else "the trace cache is off"
     assert heard == [
@@ -586,7 +587,10 @@ def test_a_long_synthetic_draw_is_said_once_before_it_begins_and_never_when_cach
         f"(2 layers x 4 experts; {cached}): about 0 s on this machine as loaded now"
     ]
     runner._synthetic_trace.cache_clear()
-    runner.make_replay(spec, get_model("tiny-mixtral"), 3)
+    with run_size.surroundings(listeners=(heard.append,)):
+        runner.make_replay(spec, get_model("tiny-mixtral"), 3)
+    runner._synthetic_trace.cache_clear()
+    runner.make_replay(spec, get_model("tiny-mixtral"), 3)  # (a draw heard by no one: outside the block)
     assert len(heard) == (1 if cache_setting == "folder" else 2)  # (drawn again only without a cache)
     monkeypatch.setattr(runner, "LONG_DRAW_S", 1e6)
     runner._synthetic_trace.cache_clear()

@@ -244,10 +244,11 @@ def test_register_refuses_a_name_that_cannot_name_a_file(name):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (("--option", "slots=abc"), "must be of type int"),
-        (("--option", "slots=-1"), "slots must be from 1 to 8"),
-        (("--option", "slots=NaN"), "must be of type int"),
-        (("--option", "slots=2.5"), "must be of type int"),
+        (("--option", "slots=abc"), "option slots must be a whole number >= 1, got"),
+        (("--option", "slots=-1"), "option slots must be a whole number >= 1, got -1"),
+        (("--option", "slots=9"), "slots must be from 1 to 8"),
+        (("--option", "slots=NaN"), "option slots must be a whole number >= 1, got"),
+        (("--option", "slots=2.5"), "option slots must be a whole number >= 1, got"),
         (("--option", "expert_cache=4"), "has no option(s) ['expert_cache']"),  # it keeps its own cache
     ],
 )

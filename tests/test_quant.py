@@ -106,7 +106,7 @@ def test_quantised_experts_cost_less_to_move_and_the_planner_counts_the_dequanti
     assert load_profile("rtx3090")  # the default profile runs it (tested end to end below)
 
 
-def test_the_runtime_validates_a_quantised_model(tmp_path):
+def test_the_runtime_validates_a_quantised_model(tmp_path, small_calibration):
     import json
     import subprocess
     import sys
@@ -126,6 +126,8 @@ def test_the_runtime_validates_a_quantised_model(tmp_path):
             "klotski,single-batch",
             "--repeats",
             "1",
+            "--profile",
+            str(small_calibration("tiny-mixtral@int4")),
             "--out",
             str(tmp_path),
         ],

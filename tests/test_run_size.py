@@ -32,7 +32,6 @@ def projections(monkeypatch):
         project(self, ops_built)
 
     monkeypatch.setattr(run_size.RunSizeWatch, "_project", spy)
-    monkeypatch.setattr(run_size, "_files_written", [False])
     return seen
 
 
@@ -185,7 +184,6 @@ def test_available_memory_is_the_least_of_meminfo_and_every_cgroup_levels_room(m
 
 
 def test_optimize_counts_the_configurations_too_large_to_simulate_here(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(run_size, "_files_written", [False])
     monkeypatch.setattr(run_size, "available_memory_bytes", lambda: 1_000_000)
     code = main(
         [
@@ -245,7 +243,7 @@ def test_worker_processes_share_what_is_available(projections, monkeypatch, tmp_
     assert "available for the 2 runs in flight (--workers 2; " in shared["error"].iloc[0]
     alone = run_sweep(spec, tmp_path / "one", workers=1, progress=False)  # (after: it keeps a schedule built)
     assert list(alone["status"]) == ["ok", "ok"]
-    assert run_size._runs_in_flight == [1]  # (this process: not a worker)
+    assert run_size.sharing() == 1  # (this process: not a worker)
 
 
 def test_compares_workers_share_what_is_available_too(projections, monkeypatch, capsys, tmp_path):

@@ -12,10 +12,12 @@ from klotski_sim.core.schedule import Schedule
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from .conftest import ROOT  # noqa: E402
+from .conftest import ROOT, runtime_in_process  # noqa: E402
+
+run_runtime = runtime_in_process
 
 
-def run_runtime(*args):
+def runtime_process(*args):
     proc = subprocess.run(
         [sys.executable, "-m", "klotski_runtime.cli", *args], capture_output=True, text=True, cwd=ROOT, timeout=600
     )
@@ -515,9 +517,9 @@ def test_record_refuses_a_checkpoint_that_lacks_weights_and_prints_only_its_own_
     in a table on stderr among its progress bars, and the trace was a random model's routing."""
     from safetensors.torch import load_file, save_file
 
-    rc, out, err = run_runtime("tiny-checkpoint", "--out", str(tmp_path / "ckpt"))
+    rc, out, err = runtime_process("tiny-checkpoint", "--out", str(tmp_path / "ckpt"))
     assert rc == 0 and err == "" and out.count("\n") == 1, err  # (no progress bar of transformers' own)
-    rc, out, err = run_runtime(
+    rc, out, err = runtime_process(
         "record",
         "--model-dir",
         str(tmp_path / "ckpt"),
@@ -534,7 +536,7 @@ def test_record_refuses_a_checkpoint_that_lacks_weights_and_prints_only_its_own_
     weights = tmp_path / "ckpt" / "model.safetensors"
     tensors = load_file(weights)
     save_file({k: v for k, v in tensors.items() if ".layers.1." not in k}, weights, metadata={"format": "pt"})
-    rc, out, err = run_runtime(
+    rc, out, err = runtime_process(
         "record",
         "--model-dir",
         str(tmp_path / "ckpt"),

@@ -382,7 +382,7 @@ def test_policy_options_and_resident_layers_are_grid_axes(tmp_path):
     df = run_sweep(spec, tmp_path / "out", progress=False)
     assert len(df) == 2 * 2 * 2 and set(df["status"]) == {"ok"}
     assert set(df["opt.expert_cache"]) == {0, 4}
-    with pytest.raises(SweepError, match="options.expert_cache.*must be of type int"):
+    with pytest.raises(SweepError, match="options.expert_cache.*must be a whole number >= 0"):
         parse_spec({"policies": ["klotski"], "options": {"expert_cache": ["lots"]}})
     with pytest.raises(SweepError, match="resident_layers"):
         parse_spec({"policies": ["klotski"], "resident_layers": [-2]})
@@ -662,7 +662,7 @@ def test_a_local_dask_worker_restarted_by_its_nanny_shares_the_machine_as_the_fi
     from klotski_sim.util import run_size
 
     def runs_in_flight() -> int:
-        return run_size._runs_in_flight[0]
+        return run_size.sharing()
 
     with _dask_client("local", 2) as client:
         assert set(client.run(runs_in_flight).values()) == {2}

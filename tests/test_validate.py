@@ -31,28 +31,9 @@ def _runtime(*args):
     return proc.returncode, proc.stdout, proc.stderr
 
 
-@pytest.fixture(scope="module")
-def profile_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("cal") / "cpu.yaml"
-    rc, out, err = _runtime(
-        "calibrate",
-        "--device",
-        "cpu",
-        "--model",
-        "tiny-mixtral",
-        "--batch-sizes",
-        "2",
-        "--prompt-lens",
-        "6",
-        "--max-expert-tokens",
-        "32",
-        "--repeats",
-        "2",
-        "--out",
-        str(path),
-    )
-    assert rc == 0, err
-    return path
+@pytest.fixture
+def profile_file(small_calibration):
+    return small_calibration("tiny-mixtral")
 
 
 def test_calibration_writes_a_loadable_profile_with_a_measured_table(profile_file):

@@ -14,7 +14,8 @@ import os
 import re
 import sys
 from collections import Counter
-from dataclasses import replace
+from contextvars import ContextVar
+from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -23,7 +24,7 @@ from klotski_sim.core.timeline import FIGURE_COLUMNS, OutOfMemory, Summary, json
 from klotski_sim.files.outfiles import OutputFiles, refuse_unwritable, write_file
 from klotski_sim.hardware.profile import builtin_profile_names, load_profile, with_overrides
 from klotski_sim.planning.planner import format_plan
-from klotski_sim.policies import POLICIES
+from klotski_sim.policies import POLICIES, get_policy
 from klotski_sim.policies.impl import PRESET_NAMES
 from klotski_sim.policies.plugins import load_for_command_line
 from klotski_sim.report.exports import TIMELINE_FILES, write_timeline_files
@@ -31,7 +32,6 @@ from klotski_sim.runs.runner import (
     LONG_DRAW_S,
     RunPlan,
     RunSpec,
-    draw_listeners,
     draw_seconds,
     plan_run,
     prepare,
@@ -211,19 +211,21 @@ def parse_overrides(items: Sequence[str], flag: str) -> dict[str, Any]:
     return out
 
 
-_made_folders: list[Path] = []  # the folders a command made for its output, resolved (`..` and links followed)
+# the folders the running command made for its output, resolved (`..` and links followed); set by `guarded`
+_made_folders: ContextVar[list[Path] | None] = ContextVar("made_folders", default=None)
 
 
 def _remove_empty_made_folders() -> None:
     """After an error or a stop: the output folders this command made and left empty, with the
     parents it made for them, deepest first (so that a refused run leaves no empty folder behind;
     `--out a/x/../y` makes `a`, `a/x` and `a/y`)."""
-    for folder in sorted(set(_made_folders), key=lambda folder: len(folder.parts), reverse=True):
+    made = _made_folders.get() or []
+    for folder in sorted(set(made), key=lambda folder: len(folder.parts), reverse=True):
         try:
             folder.rmdir()  # (only an empty one)
         except OSError:
             pass
-    _made_folders.clear()
+    made.clear()
 
 
 def output_folder(path: str | os.PathLike, flag: str = "--out") -> Path:
@@ -242,7 +244,9 @@ def output_folder(path: str | os.PathLike, flag: str = "--out") -> Path:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise CliError(f"{flag} {out}: cannot create the folder ({err.strerror or err})") from None
-    _made_folders.extend(folder.resolve() for folder in made)  # (`x/..` is the folder above `x`: made once)
+    tracked = _made_folders.get()
+    if tracked is not None:
+        tracked.extend(folder.resolve() for folder in made)  # (`x/..` is the folder above `x`: made once)
     probe = out / f".klotski-write-test-{os.getpid()}"
     try:
         probe.write_bytes(b"")
@@ -440,18 +444,15 @@ def _local_workers(args: argparse.Namespace) -> None:
         args.workers = cores
 
 
-def _say_long_work() -> None:
-    """A long synthetic draw (a fine-grained model's long prompts: a minute) and a long run (millions
-    of ops, projected from its first steps: klotski_sim.util.run_size) are said on stderr before they
-    begin, not taken for hangs (simulate and compare: a sweep's workers say nothing)."""
-    for listeners in (draw_listeners, run_size.listeners):
-        if _note not in listeners:
-            listeners.append(_note)
-
-
 def cmd_simulate(args: argparse.Namespace) -> int:
-    _say_long_work()
-    run_size.expect_files(args.out is not None)
+    # a long synthetic draw (a fine-grained model's long prompts: a minute) and a long run (millions of
+    # ops, projected from its first steps: klotski_sim.util.run_size) are said on stderr before they
+    # begin, not taken for hangs
+    with run_size.surroundings(files_written=args.out is not None, listeners=(_note,)):
+        return _simulate(args)
+
+
+def _simulate(args: argparse.Namespace) -> int:
     out = output_folder(args.out) if args.out is not None else None
     if out is not None:
         refuse_unwritable(out, SIMULATE_FILES)
@@ -526,8 +527,19 @@ def cmd_compare(args: argparse.Namespace) -> int:
     out = output_folder(args.out)
     compare_files = _compare_files()
     refuse_unwritable(out, compare_files)
-    _say_long_work()
-    run_size.expect_files(False)  # (its runs' Chrome traces are written piece by piece: not simulate --out's files)
+    # (its runs' Chrome traces are written piece by piece: not simulate --out's files)
+    with run_size.surroundings(files_written=False, listeners=(_note,)):
+        return _compare(args, spec, policies, impls, out, compare_files)
+
+
+def _compare(
+    args: argparse.Namespace,
+    spec: RunSpec,
+    policies: list[str],
+    impls: list[str],
+    out: Path,
+    compare_files: list[str],
+) -> int:
     prep = prepare(spec)
     if prep.plan is not None:
         print(f"planner: n = {prep.num_batches} ({'; '.join(prep.plan.notes) or 'bubbles closed within memory'})")
@@ -906,6 +918,40 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _as_option_value(value: Any) -> str:
+    """A value as --option KEY=VALUE takes it (JSON, strings bare)."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def cmd_policies(args: argparse.Namespace) -> int:
+    """The policies, or one policy's options: what `--option` takes, generated from the options' specs."""
+    if args.name is None:
+        width = max(len(name) for name in POLICIES)
+        for info in POLICIES.values():
+            print(f"{info.name:{width}}  {info.description}")
+        print("klotski-sim policies NAME lists a policy's options (--option KEY=VALUE)")
+        return 0
+    info = get_policy(args.name)
+    traits = [name for name, value in asdict(info.traits).items() if value is True]
+    print(f"{info.name}: {info.description}")
+    print(f"buffering: {info.traits.buffering}" + (f"; traits: {', '.join(traits)}" if traits else ""))
+    presets = {name: info.preset(name) for name in ("as-published", "ideal")}
+    rows = [
+        (
+            spec.name,
+            spec.accepts(),
+            *(_as_option_value(presets[p].get(spec.name, spec.default)) for p in presets),
+            spec.help,
+        )
+        for spec in info.option_specs().values()
+    ]
+    head = ("option", "accepts", "as-published", "ideal", "meaning")
+    widths = [max(len(str(row[i])) for row in (head, *rows)) for i in range(4)]
+    for row in (head, *rows):
+        print("  ".join(f"{cell:{w}}" for cell, w in zip(row[:4], widths)) + "  " + row[4])
+    return 0
+
+
 def cmd_profiles(args: argparse.Namespace) -> int:
     print(
         f"{'name':10} {'GPU':26} {'mem GiB':>7} {'TFLOP/s':>7} {'HBM GB/s':>8} {'H2D GB/s':>8} "
@@ -1018,7 +1064,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a policy option, e.g. --option overlap=model for flexgen (repeatable)",
+        help="a policy option, e.g. --option overlap=model for flexgen (repeatable); "
+        "klotski-sim policies NAME lists a policy's options",
     )
     p.add_argument(
         "--out",
@@ -1248,6 +1295,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("models", help="list model presets with their sizes")
     p.set_defaults(func=cmd_models)
+    p = sub.add_parser("policies", help="list the policies, or one policy's options (what --option takes)")
+    p.add_argument("name", nargs="?", choices=list(POLICIES), metavar="NAME", help="a policy: list its options")
+    p.add_argument("--policy-file", action="append", default=[], metavar="FILE.py", help="your own policy (repeatable)")
+    p.set_defaults(func=cmd_policies)
     p = sub.add_parser("profiles", help="list built-in hardware profiles with their key numbers")
     p.set_defaults(func=cmd_profiles)
     return parser
@@ -1267,7 +1318,7 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     shows the traceback of a user error too."""
     args = parser.parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.func
-    _made_folders.clear()
+    made_token = _made_folders.set([])
     stops, replaced = take_stops()
     if isinstance(sys.stdout, io.TextIOWrapper):  # (to a file or a pipe, lines as they are printed, not at the end)
         sys.stdout.reconfigure(line_buffering=True)
@@ -1321,6 +1372,7 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     finally:
         sys.stdout = stdout
         restore_stops(replaced)
+        _made_folders.reset(made_token)
 
 
 class ReaderMayGo:

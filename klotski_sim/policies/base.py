@@ -8,7 +8,6 @@ with the right FLOPs, bytes, tags, KV traffic and memory effects, so policies on
 
 from __future__ import annotations
 
-import math
 import re
 import sys
 import traceback
@@ -34,8 +33,8 @@ from klotski_sim.core.schedule import (
 )
 from klotski_sim.hardware.profile import HardwareProfile
 from klotski_sim.names import kv_buffer
-from klotski_sim.policies.cache import CACHE_POLICIES
-from klotski_sim.policies.impl import IMPL_CHOICES, PRESET_NAMES, Impl, preset_options
+from klotski_sim.policies.impl import IMPL_CHOICES, IMPL_SPECS, PRESET_NAMES, Impl, preset_options
+from klotski_sim.policies.options import GENERIC_SPECS, OptionSpec, specs_from_defaults, specs_of
 from klotski_sim.util import run_size
 from klotski_sim.util.errors import KlotskiError, UsageError
 from klotski_sim.workload.model import ModelSpec
@@ -162,10 +161,21 @@ class PolicyInfo:
     name: str
     description: str
     build: PolicyBuilder
-    defaults: Mapping[str, Any] = field(default_factory=dict)
+    own_options: tuple[OptionSpec, ...] = ()  # the policy's own switches (not generic, not implementation)
     traits: PolicyTraits = PolicyTraits()
     impl_options: tuple[str, ...] = ()
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """The policy's own options' defaults."""
+        return {spec.name: spec.default for spec in self.own_options}
+
+    def option_specs(self) -> dict[str, OptionSpec]:
+        """Every option `--option` takes for this policy: generic, its own, its implementation choices."""
+        generic = [s for s in GENERIC_SPECS if not (self.traits.manages_experts and s.name in _CACHE_OPTIONS)]
+        impl = [IMPL_SPECS[name] for name in self.impl_options]
+        return {spec.name: spec for spec in (*generic, *self.own_options, *impl)}
 
     def preset(self, name: str) -> dict[str, Any]:
         """All option values the preset `name` gives this policy."""
@@ -175,6 +185,9 @@ class PolicyInfo:
             raise UsageError(f"policy {self.name!r}: preset {name!r} sets options it does not have: {sorted(stray)}")
         out = preset_options(name, self.impl_options, {k: v for k, v in own.items() if k in IMPL_CHOICES})
         out.update(own)
+        specs = self.option_specs()
+        for key, value in own.items():
+            specs[key].check(self.name, value)
         return out
 
     def require_machine(self, profile: HardwareProfile, who: str = "") -> None:
@@ -194,11 +207,15 @@ def register(
     name: str,
     description: str,
     defaults: Mapping[str, Any] | None = None,
+    *,
+    options: type | None = None,
     traits: PolicyTraits = PolicyTraits(),
     impl_options: tuple[str, ...] = (),
     presets: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Callable[[PolicyBuilder], PolicyBuilder]:
-    """Decorator: make a build function available as `--policy NAME`."""
+    """Decorator: make a build function available as `--policy NAME`. `options` is a dataclass of
+    `option()` fields (klotski_sim.policies.options); `defaults` overrides its defaults, or, without
+    it, declares options typed by their default values."""
     if not isinstance(name, str) or not _POLICY_NAME.fullmatch(name):  # (it names files: trace_<policy>.json.gz)
         raise UsageError(
             f"policy name {name!r}: use letters, digits, '-', '_' and '.', starting with a letter or digit (at most 64)"
@@ -222,13 +239,28 @@ def register(
                 f"policy {name!r}: policy {same!r} is registered (by {POLICIES[same].build.__module__}); "
                 f"give yours a name that differs from it in more than case"
             )
-        info = PolicyInfo(name, description, fn, dict(defaults or {}), traits, tuple(impl_options), dict(presets or {}))
+        own = _own_options(name, options, defaults or {})
+        info = PolicyInfo(name, description, fn, own, traits, tuple(impl_options), dict(presets or {}))
         for preset in PRESET_NAMES:
             info.preset(preset)  # every preset must be complete for this policy
         POLICIES[name] = info
         return fn
 
     return wrap
+
+
+def _own_options(policy: str, options: type | None, defaults: Mapping[str, Any]) -> tuple[OptionSpec, ...]:
+    """A policy's own option specs: its options class with `defaults` applied, or `defaults` alone."""
+    try:
+        if options is None:
+            return specs_from_defaults(defaults)
+        specs = {spec.name: spec for spec in specs_of(options)}
+        stray = set(defaults) - set(specs)
+        if stray:
+            raise UsageError(f"defaults name options {options.__name__} does not have: {sorted(stray)}")
+        return tuple(spec.with_default(defaults[n]) if n in defaults else spec for n, spec in specs.items())
+    except UsageError as err:
+        raise UsageError(f"policy {policy!r}: {err}") from None
 
 
 def get_policy(name: str) -> PolicyInfo:
@@ -238,8 +270,7 @@ def get_policy(name: str) -> PolicyInfo:
         raise UsageError(f"unknown policy {name!r}; known policies: {', '.join(POLICIES)}") from None
 
 
-# Options every policy has (the emitter carries them out): an expert cache kept across steps.
-GENERIC_OPTIONS: dict[str, Any] = {"expert_cache": 0, "cache_policy": "lru", "attention_device": "gpu"}
+_CACHE_OPTIONS = ("expert_cache", "cache_policy")  # generic; not offered by a policy that keeps its own cache
 
 
 def _make_cache(inp: "PolicyInput") -> Any:
@@ -279,10 +310,7 @@ def cpu_expert_seconds(cost: Any, model: ModelSpec, tokens: int, hidden_down: bo
 
 
 def _attention_on_cpu(inp: "PolicyInput") -> bool:
-    where = inp.options.get("attention_device", "gpu")
-    if where not in ("gpu", "cpu"):
-        raise UsageError(f"attention_device must be gpu or cpu, got {where!r}")
-    if where == "gpu":
+    if inp.options.get("attention_device", "gpu") == "gpu":
         return False
     inp.profile.require_cpu("attention_device=cpu")
     if inp.model.mla:
@@ -293,46 +321,23 @@ def _attention_on_cpu(inp: "PolicyInput") -> bool:
 
 
 def resolve_options(name: str, impl: str, options: Mapping[str, Any]) -> dict[str, Any]:
-    """A policy's options: its defaults, then the implementation preset, then `options`."""
+    """A policy's options: its defaults, then the implementation preset, then `options`, each value
+    checked against its option's spec (klotski_sim.policies.options)."""
     info = get_policy(name)
-    resolved = dict(GENERIC_OPTIONS)
-    resolved.update(info.defaults)
-    defaults = Impl()
-    resolved.update({k: getattr(defaults, k) for k in info.impl_options})
+    specs = info.option_specs()
+    resolved = {key: spec.default for key, spec in specs.items()}
     resolved.update(info.preset(impl))
-    if info.traits.manages_experts:  # a policy that keeps its own expert cache: the generic one would fight it
-        for key in ("expert_cache", "cache_policy"):
-            resolved.pop(key, None)
-    unknown = set(options) - set(resolved)
+    unknown = set(options) - set(specs)
     if unknown:
-        raise UsageError(f"policy {name!r} has no option(s) {sorted(unknown)}; options: {sorted(resolved) or 'none'}")
-    for key, value in options.items():  # a value of another type than the default's is a typo, not a setting
-        default = resolved[key]
-        if isinstance(default, bool) or isinstance(value, bool):
-            ok = isinstance(value, bool) == isinstance(default, bool)
-        elif isinstance(default, int):  # (a count: NaN and 2.5 slots are no counts)
-            ok = isinstance(value, int)
-        elif isinstance(default, float):
-            ok = isinstance(value, (int, float)) and math.isfinite(value)
-        else:
-            ok = default is None or isinstance(value, type(default))
-        if not ok:
-            raise UsageError(
-                f"policy {name!r}: option {key} must be of type {type(default).__name__} (default "
-                f"{default!r}), got {value!r}"
-            )
-    resolved.update(options)
-    slots = resolved.get("expert_cache", 0)
-    if not isinstance(slots, int) or slots < 0:  # (-1, NaN or 2.5 would fail only inside the run)
-        raise UsageError(f"policy {name!r}: expert_cache must be a whole number of experts >= 0, got {slots!r}")
-    cache_policy = resolved.get("cache_policy", "lru")
-    if cache_policy not in CACHE_POLICIES:  # (before its cache is asked for: else `LRU` "needs expert_cache > 0")
         raise UsageError(
-            f"policy {name!r}: cache_policy must be one of {', '.join(CACHE_POLICIES)}, got {cache_policy!r}"
+            f"policy {name!r} has no option(s) {sorted(unknown)}; options: {', '.join(specs) or 'none'} "
+            f"(klotski-sim policies {name} explains them)"
         )
-    if cache_policy != "lru" and not resolved.get("expert_cache"):
-        raise UsageError(f"policy {name!r}: cache_policy={cache_policy} needs expert_cache > 0")
-    Impl.from_options(resolved)  # refuse a value outside an option's choices
+    for key, value in options.items():
+        specs[key].check(name, value)
+    resolved.update(options)
+    if resolved.get("cache_policy", "lru") != "lru" and not resolved.get("expert_cache"):
+        raise UsageError(f"policy {name!r}: cache_policy={resolved['cache_policy']} needs expert_cache > 0")
     return resolved
 
 

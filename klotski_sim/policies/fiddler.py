@@ -26,7 +26,7 @@ expert's inputs go down with a blocking `.to("cpu")`, instead of one async copy 
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -34,10 +34,30 @@ from klotski_sim.core.cost import CostModel
 from klotski_sim.core.schedule import CPU_STREAMS, DEFAULT_STREAMS, Schedule, ScheduleBuilder
 from klotski_sim.policies.base import OpEmitter, PolicyInput, PolicyTraits, cpu_expert_seconds, register
 from klotski_sim.policies.cache import ExpertCache
-from klotski_sim.util.errors import UsageError
+from klotski_sim.policies.options import option
 
 RULES = ("cost", "expert-tokens", "layer-tokens")
 LLAMA_CPP_MIN_BATCH = 32  # ggml-cuda.cu: ops with fewer tokens stay with CPU-resident weights
+
+
+@dataclass(frozen=True)
+class CpuExpertOptions:
+    """Fiddler's switches (the defaults are its `ideal` preset; see the module docstring)."""
+
+    rule: str = option(
+        "cost",
+        "when a cold expert runs on the CPU: cost (the cost model), expert-tokens (< min_batch tokens routed to "
+        "it), layer-tokens (the layer's op has < min_batch tokens)",
+        choices=RULES,
+    )
+    min_batch: int = option(10, "the token threshold of the expert-tokens and layer-tokens rules", minimum=1)
+    cpu_blocks_host: bool = option(False, "a CPU expert runs on the issuing thread: nothing else is issued meanwhile")
+    act_per_expert: bool = option(
+        False, "each CPU expert's input goes down with a blocking copy (else one async copy per layer)"
+    )
+    expert_buffers: int = option(
+        2, "GPU placeholders copied experts go through (1: one; 2: double-buffered)", minimum=1, maximum=2
+    )
 
 
 def gpu_expert_slots(inp: PolicyInput, streaming_buffers: int) -> int:
@@ -110,17 +130,7 @@ class CpuOrTransfer:
 
 def _build(inp: PolicyInput, name: str) -> Schedule:
     opts = inp.options
-    rule, min_batch = opts["rule"], opts["min_batch"]
-    if rule not in RULES:
-        raise UsageError(f"policy {name!r}: rule must be one of {RULES}, got {rule!r}")
-    if not isinstance(min_batch, int) or isinstance(min_batch, bool) or min_batch < 1:
-        raise UsageError(f"policy {name!r}: min_batch must be a positive integer, got {min_batch!r}")
-    for key in ("cpu_blocks_host", "act_per_expert"):
-        if not isinstance(opts[key], bool):
-            raise UsageError(f"policy {name!r}: {key} must be true or false, got {opts[key]!r}")
-    buffers = opts["expert_buffers"]
-    if buffers not in (1, 2):
-        raise UsageError(f"policy {name!r}: expert_buffers must be 1 or 2, got {buffers!r}")
+    rule, min_batch, buffers = opts["rule"], opts["min_batch"], opts["expert_buffers"]
     decide = CpuOrTransfer(inp, rule, min_batch, name)
     # the policy places weights itself: attention and gate all resident, experts by popularity
     inp = replace(inp, placement=replace(inp.placement, resident_layers=0))
@@ -263,16 +273,11 @@ LLAMACPP_IDEAL = dict(FIDDLER_IDEAL, rule="layer-tokens", min_batch=LLAMA_CPP_MI
 IMPL_OPTIONS = ("sync", "copy_memory_weights")
 
 
-def _defaults(options: dict) -> dict:
-    """A policy's own options (the implementation options get their values from the presets)."""
-    return {k: v for k, v in options.items() if k not in IMPL_OPTIONS}
-
-
 @register(
     "fiddler",
     "Fiddler: popular experts on the GPU; each other expert on the CPU when that beats moving "
     "it (as published: at most 9 tokens; ideal: the cost model decides)",
-    defaults=_defaults(FIDDLER_IDEAL),
+    options=CpuExpertOptions,
     impl_options=IMPL_OPTIONS,
     traits=PolicyTraits(one_batch=True, needs_cpu=True),
     presets={"as-published": FIDDLER_AS_PUBLISHED, "ideal": FIDDLER_IDEAL, "v0.1": FIDDLER_IDEAL},
@@ -285,7 +290,8 @@ def build_fiddler(inp: PolicyInput) -> Schedule:
     "llamacpp-moe",
     "llama.cpp's rule: experts not on the GPU run on the CPU unless the op has >= 32 "
     "tokens (then their weights are copied over)",
-    defaults=_defaults(LLAMACPP_IDEAL),
+    options=CpuExpertOptions,
+    defaults={"rule": "layer-tokens", "min_batch": LLAMA_CPP_MIN_BATCH},
     impl_options=IMPL_OPTIONS,
     traits=PolicyTraits(one_batch=True, needs_cpu=True),
     presets={"as-published": LLAMACPP_AS_PUBLISHED, "ideal": LLAMACPP_IDEAL, "v0.1": LLAMACPP_IDEAL},

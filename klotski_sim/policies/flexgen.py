@@ -18,11 +18,25 @@ comes from the host model itself.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from klotski_sim.core.schedule import Schedule
 from klotski_sim.policies.base import OpEmitter, PolicyInput, PolicyTraits, register
-from klotski_sim.util.errors import UsageError
+from klotski_sim.policies.options import option
 
 OVERLAPS = ("code", "model")
+
+
+@dataclass(frozen=True)
+class FlexGenOptions:
+    overlap: str = option(
+        "code",
+        "code: the next layer's weights must land within the block's first batch (FlexGen's sync); "
+        "model: they overlap the whole block (its cost model)",
+        choices=OVERLAPS,
+    )
+
+
 # an expert op as `OpEmitter.expert_chain` takes it: op id, expert, batches, tokens, deps, frees
 _ExpertOp = tuple[str, int, tuple[int, ...], int, tuple[str, ...], tuple[str, ...]]
 
@@ -43,15 +57,13 @@ AS_PUBLISHED = {
 @register(
     "flexgen",
     "FlexGen zig-zag block of n batches, whole-layer loads; overlap=code|model",
-    defaults={"overlap": "code"},
+    options=FlexGenOptions,
     impl_options=("sync", "copy_memory_weights", "copy_memory_kv", "attention_impl"),
     presets={"as-published": AS_PUBLISHED, "ideal": {"overlap": "model"}, "v0.1": {"overlap": "code"}},
     traits=PolicyTraits(speed_independent=True, holds_moe_layer=True),
 )
 def build(inp: PolicyInput) -> Schedule:
     overlap = inp.options["overlap"]
-    if overlap not in OVERLAPS:
-        raise UsageError(f"flexgen overlap must be one of {OVERLAPS}, got {overlap!r}")
     em = OpEmitter(inp)
     m, sh, counts = inp.model, inp.shape, inp.routing.counts
     batches = range(sh.num_batches)

@@ -30,20 +30,11 @@ docs/implementations.md), `ideal` (the best implementation of the same schedule)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Mapping
 
+from klotski_sim.policies.options import OptionSpec, option, specs_of
 from klotski_sim.util.errors import UsageError
-
-IMPL_CHOICES: dict[str, tuple[str, ...]] = {
-    "expert_ops": ("batched", "per-batch"),
-    "cold_order": ("first-use", "expert-id", "most-tokens-first"),
-    "sync": ("none", "per-sublayer", "per-expert"),
-    "copy_memory_weights": ("pinned", "pageable"),
-    "copy_memory_kv": ("pinned", "pageable"),
-    "attention_impl": ("fused", "eager"),
-    "moe_load": ("layer-ahead", "at-gate"),
-}
 
 PRESET_NAMES = ("as-published", "ideal", "v0.1")
 
@@ -67,19 +58,43 @@ V0_1: dict[str, str] = dict(IDEAL, cold_order="expert-id")
 class Impl:
     """The implementation choices of one schedule (see the module docstring)."""
 
-    expert_ops: str = "batched"
-    cold_order: str = "expert-id"
-    sync: str = "none"
-    copy_memory_weights: str = "pinned"
-    copy_memory_kv: str = "pinned"
-    attention_impl: str = "fused"
-    moe_load: str = "layer-ahead"
+    expert_ops: str = option(
+        "batched",
+        "batched: one op per expert over all n batches' tokens; per-batch: one per expert and batch",
+        choices=("batched", "per-batch"),
+    )
+    cold_order: str = option(
+        "expert-id",
+        "order of a batch's on-demand expert loads: as its tokens first use them, by id, or longest compute first",
+        choices=("first-use", "expert-id", "most-tokens-first"),
+    )
+    sync: str = option(
+        "none",
+        "host waits: none; after every sub-layer; after every sub-layer and expert op (a .tolist())",
+        choices=("none", "per-sublayer", "per-expert"),
+    )
+    copy_memory_weights: str = option(
+        "pinned",
+        "host memory behind weight copies (pageable: slower link, blocks the host)",
+        choices=("pinned", "pageable"),
+    )
+    copy_memory_kv: str = option(
+        "pinned",
+        "host memory behind KV-cache copies (pageable: slower link, blocks the host)",
+        choices=("pinned", "pageable"),
+    )
+    attention_impl: str = option(
+        "fused", "fused: one kernel reads K/V once; eager: transformers' separate kernels", choices=("fused", "eager")
+    )
+    moe_load: str = option(
+        "layer-ahead",
+        "whole-MoE-layer loads: with the next layer's rest (layer-ahead) or when the gate starts (at-gate)",
+        choices=("layer-ahead", "at-gate"),
+    )
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value not in IMPL_CHOICES[f.name]:
-                raise UsageError(f"option {f.name}={value!r} is not one of {', '.join(IMPL_CHOICES[f.name])}")
+        for spec in IMPL_SPECS.values():  # (defined below the class; read when an Impl is made)
+            spec.check("", getattr(self, spec.name))
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> "Impl":
@@ -97,6 +112,10 @@ class Impl:
     @property
     def sync_experts(self) -> bool:
         return self.sync == "per-expert"
+
+
+IMPL_SPECS: dict[str, OptionSpec] = {spec.name: spec for spec in specs_of(Impl)}
+IMPL_CHOICES: dict[str, tuple[str, ...]] = {name: spec.choices for name, spec in IMPL_SPECS.items()}
 
 
 def preset_options(preset: str, supported: tuple[str, ...], as_published: Mapping[str, str]) -> dict[str, str]:

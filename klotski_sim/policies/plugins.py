@@ -2,7 +2,7 @@
 package's entry point in the group `klotski.policies`. Either one registers its policy with
 `klotski_sim.policies.register`, and from then on it is a policy like the built-in ones: in
 `simulate`, `compare --policies`, sweeps (`policy_files:`) and the runtime's `validate`.
-docs/own-schedule.md walks through a 40-line example.
+docs/own-schedule.md walks through an example.
 """
 
 from __future__ import annotations

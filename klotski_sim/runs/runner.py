@@ -192,8 +192,8 @@ def resolve_profile(spec: RunSpec) -> HardwareProfile:
     return with_overrides(profile, dict(spec.overrides)) if spec.overrides else profile
 
 
-# Who hears that a long synthetic draw begins (the CLI's simulate and compare: a note on stderr, so
-# that a minute of drawing is not taken for a hang). A draw happens only when the trace cache has no
+# A long synthetic draw is said to the run's listeners (run_size.Surroundings: the CLI's simulate and
+# compare print a note on stderr), so that a minute of drawing is not taken for a hang. A draw happens only when the trace cache has no
 # trace for the run; "long": an estimated LONG_DRAW_S or more on a 2-core machine, at DRAW_S_PER_ELEMENT
 # an element of the generator's [tokens, layers, experts] work and DRAW_S_PER_TOKEN_LAYER a token and
 # layer — fitted to `synthesize` drawing in two threads (`trace_synth.draw_threads`): Qwen3-30B-A3B
@@ -203,7 +203,6 @@ def resolve_profile(spec: RunSpec) -> HardwareProfile:
 # Many short sequences cost DRAW_S_PER_SEQUENCE_LAYER a sequence and layer beside: tiny-mixtral
 # 1M x 11 tokens 9.44 s, 100k x 110 2.45 s; Mixtral-8x7B 200k x 11 26.9 s, 2000 x 1100 7.43 s (one
 # process; the terms above alone give 1.2, 1.2, 5.6 and 5.6 s).
-draw_listeners: list[Callable[[str], None]] = []
 LONG_DRAW_S = 3.0
 DRAW_S_PER_ELEMENT = 6.1e-9
 DRAW_S_PER_TOKEN_LAYER = 31e-9
@@ -219,11 +218,11 @@ def draw_seconds(model: ModelSpec, sequences: int, tokens: int) -> float:
 
 
 def _announce_draw(model: ModelSpec, routing: str, sequences: int, tokens: int) -> None:
-    """Tell `draw_listeners` that a long draw begins (see above)."""
+    """Tell the run's listeners that a long draw begins (see above)."""
     seconds = draw_seconds(model, sequences, tokens)
     if seconds >= LONG_DRAW_S:
         cached = "the trace cache is off" if cache_dir() is None else "not in the trace cache yet"
-        for listener in draw_listeners:
+        for listener in run_size.around().listeners:
             listener(
                 f"drawing the {routing} routing of {sequences} sequences x {tokens:,} tokens for {model.name} "
                 f"({model.num_layers} layers x {model.num_experts} experts; {cached}): about {seconds:.0f} s on "

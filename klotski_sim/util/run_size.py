@@ -12,7 +12,7 @@ that walks one batch's steps after another — and the run is
 - refused (`MachineRefusal`: one line, a sweep row of status `too-large`) when the memory that
   many ops need is more than this machine has available (a share of it, in a pool of worker
   processes: `share_machine`), before the rest is built;
-- said to `listeners` (the CLI's `note:` on stderr) when it will take LONG_RUN_S or more.
+- said to the `Surroundings.listeners` (the CLI's `note:` on stderr) when it will take LONG_RUN_S or more.
 
 The memory and time per op are measured (the fits below), not modelled: they are this project's
 figures for its own data structures on its 2-core machine.
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterator
 
 from klotski_sim.util.errors import MachineRefusal
 from klotski_sim.util.machine import available_memory_bytes, resident_bytes, slowdown
@@ -42,27 +42,48 @@ SECONDS_PER_OP = 5e-6
 SECONDS_PER_OP_WITH_FILES = 14e-6
 LONG_RUN_S = 20.0
 
-listeners: list[Callable[[str], None]] = []  # who hears that a long run begins (the CLI: a note on stderr)
-_files_written = [False]  # whether this process's runs also write their timelines' files (--out)
-_runs_in_flight = [1]  # worker processes sharing this machine's memory, this one included
+
+@dataclass(frozen=True)
+class Surroundings:
+    """What a run's projection must know of the process around it, set by whoever starts runs (the
+    CLI, a pool worker) for the block they run in (`surroundings`), not a module-wide switch."""
+
+    files_written: bool = False  # its runs also write their timelines' files (simulate --out)
+    runs_in_flight: int = 1  # worker processes sharing this machine's memory, this one included
+    listeners: tuple[Callable[[str], None], ...] = ()  # who hears that a long run or draw begins
 
 
-def expect_files(written: bool) -> None:
-    """Tell the projection that the runs of this process write their files (simulate --out): each
-    op then costs BYTES_PER_OP_WITH_FILES."""
-    _files_written[0] = written
+_surroundings: ContextVar[Surroundings | None] = ContextVar("run_surroundings", default=None)
+# A pool worker's share of the machine is a fact about its whole process (every thread a Dask worker
+# runs a task in), set once when the worker starts (`share_machine`); blocks inside may change the rest.
+_process = [Surroundings()]
+
+
+@contextmanager
+def surroundings(**changes: Any) -> Iterator[Surroundings]:
+    """Runs inside the block have these surroundings (the others as they were)."""
+    token = _surroundings.set(replace(around(), **changes))
+    try:
+        yield around()
+    finally:
+        _surroundings.reset(token)
+
+
+def around() -> Surroundings:
+    """The surroundings of the runs started here now."""
+    return _surroundings.get() or _process[0]
 
 
 def share_machine(workers: int) -> None:
-    """A worker process of a pool of `workers` (compare's, a sweep's): the others' runs grow beside
-    this one's, so what is available is shared — each projected alone would see it all, and two
-    runs that each fit could together be killed."""
-    _runs_in_flight[0] = max(1, workers)
+    """This worker process is one of a pool of `workers` (compare's, a sweep's) for its whole life:
+    the others' runs grow beside this one's, so what is available is shared — each projected alone
+    would see it all, and two runs that each fit could together be killed."""
+    _process[0] = replace(_process[0], runs_in_flight=max(1, workers))
 
 
 def sharing() -> int:
     """The worker processes whose runs share this machine, this one included (`share_machine`)."""
-    return _runs_in_flight[0]
+    return around().runs_in_flight
 
 
 @dataclass
@@ -99,7 +120,8 @@ class RunSizeWatch:
 
     def _project(self, ops_built: int) -> None:
         ops = self.projected_ops(ops_built)
-        with_files = _files_written[0]
+        where = around()
+        with_files = where.files_written
         per_op = BYTES_PER_OP_WITH_FILES if with_files else BYTES_PER_OP
         whose = "its first batch's" if len(self.batches_in_prefill) < self.num_batches else "its"
         projected = (
@@ -108,7 +130,7 @@ class RunSizeWatch:
         )
         needed = (self.resident_at_start or 0) + ops * per_op  # the run's peak, what the process held before included
         available, resident = available_memory_bytes(), resident_bytes()
-        runs = _runs_in_flight[0]
+        runs = where.runs_in_flight
         if available is not None and resident is not None and self.resident_at_start is not None:
             if (needed - resident) * runs > available:
                 shared = (
@@ -129,7 +151,7 @@ class RunSizeWatch:
                 )
         seconds = ops * (SECONDS_PER_OP_WITH_FILES if with_files else SECONDS_PER_OP) * slowdown()
         if seconds >= LONG_RUN_S:
-            for listener in listeners:
+            for listener in where.listeners:
                 listener(
                     f"{self.policy} builds about {_count(ops)} ops ({projected}): about {seconds:.0f} s and "
                     f"{memory_text(needed)} of memory on this machine as loaded now"
