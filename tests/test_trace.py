@@ -919,7 +919,7 @@ def test_a_draw_uses_the_cores_its_pool_leaves_it_and_the_memory_its_chunks_allo
     ]:
         with (
             patch.object(trace_synth, "available_cores", return_value=cores),
-            run_size.surroundings(runs_in_flight=workers),
+            patch.object(run_size, "sharing", return_value=workers),
         ):
             assert trace_synth.draw_threads(elements) == expected, (cores, workers, elements)
     # a drawn chunk asks for the threads its own size allows

@@ -49,14 +49,14 @@ class Surroundings:
     CLI, a pool worker) for the block they run in (`surroundings`), not a module-wide switch."""
 
     files_written: bool = False  # its runs also write their timelines' files (simulate --out)
-    runs_in_flight: int = 1  # worker processes sharing this machine's memory, this one included
     listeners: tuple[Callable[[str], None], ...] = ()  # who hears that a long run or draw begins
 
 
-_surroundings: ContextVar[Surroundings | None] = ContextVar("run_surroundings", default=None)
+_surroundings: ContextVar[Surroundings] = ContextVar("run_surroundings", default=Surroundings())
 # A pool worker's share of the machine is a fact about its whole process (every thread a Dask worker
-# runs a task in), set once when the worker starts (`share_machine`); blocks inside may change the rest.
-_process = [Surroundings()]
+# runs a task in, and what a forked worker inherits is not its parent's), set once when the worker
+# starts (`share_machine`)
+_worker_processes = [1]
 
 
 @contextmanager
@@ -71,19 +71,19 @@ def surroundings(**changes: Any) -> Iterator[Surroundings]:
 
 def around() -> Surroundings:
     """The surroundings of the runs started here now."""
-    return _surroundings.get() or _process[0]
+    return _surroundings.get()
 
 
 def share_machine(workers: int) -> None:
     """This worker process is one of a pool of `workers` (compare's, a sweep's) for its whole life:
     the others' runs grow beside this one's, so what is available is shared — each projected alone
     would see it all, and two runs that each fit could together be killed."""
-    _process[0] = replace(_process[0], runs_in_flight=max(1, workers))
+    _worker_processes[0] = max(1, workers)
 
 
 def sharing() -> int:
     """The worker processes whose runs share this machine, this one included (`share_machine`)."""
-    return around().runs_in_flight
+    return _worker_processes[0]
 
 
 @dataclass
@@ -130,7 +130,7 @@ class RunSizeWatch:
         )
         needed = (self.resident_at_start or 0) + ops * per_op  # the run's peak, what the process held before included
         available, resident = available_memory_bytes(), resident_bytes()
-        runs = where.runs_in_flight
+        runs = sharing()
         if available is not None and resident is not None and self.resident_at_start is not None:
             if (needed - resident) * runs > available:
                 shared = (
