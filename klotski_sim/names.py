@@ -8,6 +8,8 @@ TENSORS = ("", "attention", "gate", "expert", "kv", "activation")
 # The categories of the compute ops the built-in policies make (the runtime has a kernel for each;
 # a policy file may add its own)
 COMPUTE_CATEGORIES = (
+    "moe",  # a layer's routed experts in one fused kernel (serving engines: vLLM's fused_moe)
+    "decompress",  # compressed expert weights decompressed on the GPU (FluxMoE)
     "embed",
     "attention",
     "gate",
@@ -19,7 +21,9 @@ COMPUTE_CATEGORIES = (
     "attn_qkv",
     "attn_out",
 )
-RESOURCES = ("gpu", "pcie_h2d", "pcie_d2h", "nvme", "host", "cpu")
+# `gpu_decompress`: a second GPU unit for lossless weight decompression running beside the compute
+# stream (FluxMoE's compressed tier); a schedule may instead put decompression on `gpu` itself
+RESOURCES = ("gpu", "pcie_h2d", "pcie_d2h", "nvme", "host", "cpu", "gpu_decompress")
 HOST_STREAM = "host"
 # What each link carries (the runtime copies so, and the simulator times a copy on its link: an
 # expert copy remapped to nvme would run unemulated and be labelled a disk read)

@@ -21,6 +21,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from klotski_sim.serving.policies import SERVING_POLICIES
 from klotski_sim.util.errors import StorageRefusal
 
 from .conftest import ROOT, run
@@ -120,6 +121,24 @@ def check_calibrate_synth(out: str, tmp: Path) -> None:
     for row in rows:
         stats = dict(re.findall(r"(\w+)=([\d.]+)", row.split(": ", 1)[1]))
         assert all(0 <= float(stats[k]) <= 1 for k in ("max_share", "topk_share", "stick_top1", "stick_any")), row
+
+
+def check_length_quantiles(out: str, tmp: Path) -> None:
+    row = lines_with(out, r"^quick: 300 requests, prompt mean")[0]
+    found = re.search(r"prompt mean ([\d.]+) P50 (\d+) max (\d+)", row)
+    assert found, row
+    prompt_mean, p50, top = map(float, found.groups())
+    assert 1 <= p50 <= top <= 499 and 1 <= prompt_mean <= 499, row
+
+
+def check_bench_serving(out: str, tmp: Path) -> None:
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] and line.split()[0] in SERVING_POLICIES]
+    assert [r[0] for r in rows] == ["vllm-o", "ktransformers", "fluxmoe-h", "fluxmoe"], out
+    for row in rows:
+        iterations, ops, wall, rate = int(row[3]), numbers(row[4])[0], float(row[5]), numbers(row[6])[0]
+        assert iterations >= 64 and ops > iterations and wall > 0, row
+        assert ops / (wall + 0.005) <= rate <= ops / max(wall - 0.005, 1e-9), row  # (wall printed to 0.01 s)
+        assert float(row[8]) > 0 and float(row[11]) <= 8, row  # tok/s; B_act at most B_cfg
 
 
 def check_cpu_experts(out: str, tmp: Path) -> None:
@@ -241,6 +260,7 @@ CASES = [
     py("bench_npz.py", "--quick", check=check_bench_npz),
     py("bench_phases.py", "--quick", check=check_bench_phases),
     py("bench_policies.py", "--quick", check=check_bench_policies),
+    py("bench_serving.py", "--quick", check=check_bench_serving),
     py("bench_sweep.py", "--quick", check=check_bench_sweep),
     py(
         "bench_sweep.py",
@@ -254,6 +274,7 @@ CASES = [
     py("cpu_experts.py", "--quick", check=check_cpu_experts),
     py("fidelity.py", "--quick", check=check_fidelity),
     py("fingerprint.py", "--quick", "{tmp}/prints.json", "--against", "{tmp}/prints.json", check=check_fingerprint),
+    py("length_quantiles.py", "--quick", check=check_length_quantiles),
     py("paper.py", "all", "--quick", "--workers", "1", check=check_paper),
     py("probe_error.py", "--quick", check=check_probe_error),
     py("run_size_accuracy.py", "--quick", check=check_run_size_accuracy),

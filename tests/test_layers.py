@@ -18,6 +18,7 @@ LAYERS = (
     ("hardware", "workload"),
     ("core",),
     ("policies",),
+    ("serving",),
     ("planning",),
     ("report",),
     ("runs",),

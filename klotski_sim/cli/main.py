@@ -14,12 +14,19 @@ import os
 import re
 import sys
 from collections import Counter
-from contextvars import ContextVar
 from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from klotski_sim.cli.common import (
+    CliError,
+    made_folders,
+    output_folder,
+    parse_overrides,
+    remove_empty_made_folders,
+)
+from klotski_sim.cli.serve import add_serve_parser
 from klotski_sim.core.timeline import FIGURE_COLUMNS, OutOfMemory, Summary, jsonable
 from klotski_sim.files.outfiles import OutputFiles, refuse_unwritable, write_file
 from klotski_sim.hardware.profile import builtin_profile_names, load_profile, with_overrides
@@ -66,11 +73,6 @@ from klotski_sim.workload.model import PRESETS, get_model
 from klotski_sim.workload.trace import MAX_IMPORT_INDEX, Trace, TraceError, import_jsonl
 from klotski_sim.workload.trace_stats import format_stats, layer_stats, token_subset
 from klotski_sim.workload.trace_synth import DEFAULT_ROUTING, check_routing_fits, synthesize
-
-
-class CliError(KlotskiError):
-    """A user-facing error: printed as one line, exit status 2."""
-
 
 IMPL_HELP = (
     "implementation preset: as-published (what each system's public code does, docs/implementations.md), "
@@ -188,72 +190,6 @@ def routing_kind(routing: str | None, trace: str | None) -> str:
     if routing is not None and trace is not None:
         raise CliError(f"--routing {routing} and --trace {trace}: a trace replays its own routing; give one of them")
     return DEFAULT_ROUTING if routing is None else routing
-
-
-def parse_overrides(items: Sequence[str], flag: str) -> dict[str, Any]:
-    """`KEY=VALUE` pairs of `flag` (--set, --option); values are JSON when they parse as JSON."""
-    out: dict[str, Any] = {}
-    given: dict[str, str] = {}  # key -> the item as typed (`=1e9`, not `=1000000000.0`)
-    for item in items:
-        if "=" not in item:
-            raise CliError(f"{flag}: expected KEY=VALUE, got {item!r}")
-        key, value = item.split("=", 1)
-        key = key.strip()
-        if not key or not value.strip():  # (refused, not taken as the text "")
-            raise CliError(f"{flag} {item}: expected KEY=VALUE with both given")
-        if key in out:  # (else the last one silently wins)
-            raise CliError(f"{flag} {key} is given twice ({given[key]} and {item.strip()})")
-        given[key] = item.strip()
-        try:
-            out[key] = json.loads(value)
-        except ValueError:  # (not JSON, or a number too long for an int: the text as it is)
-            out[key] = value
-    return out
-
-
-# the folders the running command made for its output, resolved (`..` and links followed); set by `guarded`
-_made_folders: ContextVar[list[Path] | None] = ContextVar("made_folders", default=None)
-
-
-def _remove_empty_made_folders() -> None:
-    """After an error or a stop: the output folders this command made and left empty, with the
-    parents it made for them, deepest first (so that a refused run leaves no empty folder behind;
-    `--out a/x/../y` makes `a`, `a/x` and `a/y`)."""
-    made = _made_folders.get() or []
-    for folder in sorted(set(made), key=lambda folder: len(folder.parts), reverse=True):
-        try:
-            folder.rmdir()  # (only an empty one)
-        except OSError:
-            pass
-    made.clear()
-
-
-def output_folder(path: str | os.PathLike, flag: str = "--out") -> Path:
-    """The folder a command writes to, made and checked before any work: a simulation is not run
-    only to find that its results cannot be written."""
-    if not str(path).strip():  # (Path("") is the current folder)
-        raise CliError(f"{flag}: expected a folder, got an empty name")
-    out = Path(path)
-    if out.exists() and not out.is_dir():
-        raise CliError(f"{flag} {out}: exists and is not a folder")
-    made, missing = [], out  # (the folders this makes: `out` and its missing parents, as written)
-    while not missing.exists() and missing.parent != missing:
-        made.append(missing)
-        missing = missing.parent
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise CliError(f"{flag} {out}: cannot create the folder ({err.strerror or err})") from None
-    tracked = _made_folders.get()
-    if tracked is not None:
-        tracked.extend(folder.resolve() for folder in made)  # (`x/..` is the folder above `x`: made once)
-    probe = out / f".klotski-write-test-{os.getpid()}"
-    try:
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as err:
-        raise CliError(f"{flag} {out}: cannot write there ({err.strerror or err})") from None
-    return out
 
 
 def not_an_input(out: Path, flag: str, reads: Sequence[str | os.PathLike]) -> None:
@@ -1295,6 +1231,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("models", help="list model presets with their sizes")
     p.set_defaults(func=cmd_models)
+    add_serve_parser(sub)
     p = sub.add_parser("policies", help="list the policies, or one policy's options (what --option takes)")
     p.add_argument("name", nargs="?", choices=list(POLICIES), metavar="NAME", help="a policy: list its options")
     p.add_argument("--policy-file", action="append", default=[], metavar="FILE.py", help="your own policy (repeatable)")
@@ -1318,7 +1255,7 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     shows the traceback of a user error too."""
     args = parser.parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.func
-    made_token = _made_folders.set([])
+    made_token = made_folders.set([])
     stops, replaced = take_stops()
     if isinstance(sys.stdout, io.TextIOWrapper):  # (to a file or a pipe, lines as they are printed, not at the end)
         sys.stdout.reconfigure(line_buffering=True)
@@ -1331,18 +1268,18 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     except BrokenPipeError:  # a reader other than stdout's has gone (stdout's is `ReaderMayGo`'s)
         return 0
     except (KlotskiError, OSError) as err:
-        _remove_empty_made_folders()
+        remove_empty_made_folders()
         if getattr(args, "debug", False):
             raise
         print(f"error: {one_line(str(err))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as stop:
-        _remove_empty_made_folders()
+        remove_empty_made_folders()
         return stopped(stop)
     except ModuleNotFoundError as err:
         if err.name not in RUNTIME_MODULES or getattr(args, "debug", False):
             raise
-        _remove_empty_made_folders()
+        remove_empty_made_folders()
         print(
             f"error: {err.name} is not installed, and this command runs models with it: {RUNTIME_INSTALL}",
             file=sys.stderr,
@@ -1372,7 +1309,7 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     finally:
         sys.stdout = stdout
         restore_stops(replaced)
-        _made_folders.reset(made_token)
+        made_folders.reset(made_token)
 
 
 class ReaderMayGo:

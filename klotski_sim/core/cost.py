@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from klotski_sim.core.schedule import DEFAULT_STREAMS, Op
 from klotski_sim.hardware.profile import HardwareProfile, MeasuredPoint
-from klotski_sim.util.errors import KlotskiError
+from klotski_sim.util.errors import KlotskiError, UsageError
 
 if TYPE_CHECKING:
     from klotski_sim.workload.model import ModelSpec
@@ -182,6 +182,17 @@ class CostModel:
             return measured + cpu.op_overhead_s
         return max(flops / cpu.flop_rate, io_bytes / cpu.memory_bandwidth) + cpu.op_overhead_s
 
+    def decompress_seconds(self, nbytes: float) -> float:
+        """Lossless decompression of `nbytes` (uncompressed output) on the GPU, at the profile's
+        measured decompression rate, plus one kernel launch."""
+        gpu = self.profile.gpu
+        if gpu.decompress_bandwidth is None:
+            raise UsageError(
+                f"hardware profile {self.profile.name!r} has no gpu.decompress_bandwidth (bytes/s of decompressed "
+                f"output): give one with --set gpu.decompress_bandwidth=4e11 (FluxMoE measured 396.5-435.4e9)"
+            )
+        return nbytes / gpu.decompress_bandwidth + gpu.kernel_overhead_s
+
     def host_seconds(self) -> float:
         """What a host op costs beyond its wait: the host-sync round trip."""
         return self.profile.gpu.host_sync_latency_s
@@ -197,6 +208,8 @@ class CostModel:
             return self.host_seconds()
         if resource == "cpu":
             return self.cpu_seconds(op.flops, op.bytes, op.category, op.tokens)
+        if op.category == "decompress":
+            return self.decompress_seconds(op.bytes)
         return self.compute_seconds(op.category, op.flops, op.bytes, op.tokens, op.kv_len, op.phase, op.variant)
 
     def durations(self, ops: Sequence[Op], streams: Mapping[str, str] = DEFAULT_STREAMS) -> list[float]:

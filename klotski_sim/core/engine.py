@@ -28,6 +28,7 @@ on wall-clock time, so a run is deterministic.
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass
 from itertools import compress, count
 from operator import not_
 from typing import Sequence
@@ -46,12 +47,35 @@ class EngineDeadlock(ScheduleError):
 
 
 def resource_capacities(schedule: Schedule, profile: HardwareProfile) -> dict[str, int]:
-    """Units per resource: one GPU compute unit, one host thread, one CPU compute stream (an op
-    there uses every core); each link as many as its copy engines."""
+    """Units per resource: one GPU compute unit (and one decompression unit beside it), one host
+    thread, one CPU compute stream (an op there uses every core); each link as many as its copy
+    engines."""
     caps = {}
     for resource in set(schedule.streams.values()):
-        caps[resource] = 1 if resource in ("gpu", "host", "cpu") else profile.link(resource).copy_engines
+        caps[resource] = (
+            1 if resource in ("gpu", "host", "cpu", "gpu_decompress") else profile.link(resource).copy_engines
+        )
     return dict(sorted(caps.items()))
+
+
+@dataclass(frozen=True)
+class EngineRun:
+    """The engine's raw answer for one schedule: per-op times aligned with `schedule.ops` (NaN: never
+    ran). A caller that runs many small schedules one after another (serving's iterations) reads
+    these instead of building a Timeline for each."""
+
+    start: list[float]
+    end: list[float]
+    ready: list[float]
+    blocked_by: list[int]
+    oom: OutOfMemory | None
+    peak_gpu_bytes: int
+    memory_trace: list[tuple[float, int]]
+    capacities: dict[str, int]
+
+    @property
+    def makespan(self) -> float:
+        return max((t for t in self.end if t == t), default=0.0)
 
 
 def simulate(
@@ -62,13 +86,37 @@ def simulate(
 ) -> Timeline:
     """Run `schedule` on `profile`. Out-of-memory ends the run with status `oom` (never raises);
     ops that can never start raise EngineDeadlock naming them."""
+    result = run_engine(schedule, profile, cost, durations)
+    return Timeline.from_schedule(
+        schedule,
+        start=result.start,
+        end=result.end,
+        ready=result.ready,
+        blocked_by=result.blocked_by,
+        status="oom" if result.oom else "ok",
+        oom=result.oom,
+        peak_gpu_bytes=result.peak_gpu_bytes,
+        memory_trace=result.memory_trace,
+        capacities=result.capacities,
+        source="simulated",
+        extra_meta={"hardware": profile.name, "gpu_capacity_bytes": int(profile.gpu.usable_bytes)},
+    )
+
+
+def run_engine(
+    schedule: Schedule,
+    profile: HardwareProfile,
+    cost: CostModel | None = None,
+    durations: Sequence[float] | None = None,
+) -> EngineRun:
+    """The engine's per-op times for `schedule` on `profile` (see `simulate`)."""
     with gc_paused():
         return _simulate(schedule, profile, cost, durations)
 
 
 def _simulate(
     schedule: Schedule, profile: HardwareProfile, cost: CostModel | None, durations: Sequence[float] | None
-) -> Timeline:
+) -> EngineRun:
     ops = schedule.ops
     n = len(ops)
     if durations is None:
@@ -238,17 +286,4 @@ def _simulate(
         shown = ", ".join(stuck[:10]) + (f" ... ({len(stuck)} in all)" if len(stuck) > 10 else "")
         raise EngineDeadlock(f"deadlock: {len(stuck)} op(s) can never start: {shown}")
 
-    return Timeline.from_schedule(
-        schedule,
-        start=start,
-        end=end,
-        ready=ready_at,
-        blocked_by=blocker,
-        status="oom" if oom else "ok",
-        oom=oom[0] if oom else None,
-        peak_gpu_bytes=mem[1],
-        memory_trace=memory_trace,
-        capacities=caps,
-        source="simulated",
-        extra_meta={"hardware": profile.name, "gpu_capacity_bytes": capacity},
-    )
+    return EngineRun(start, end, ready_at, blocker, oom[0] if oom else None, mem[1], memory_trace, caps)

@@ -124,6 +124,11 @@ class GPUSpec(_Strict):
         description="from the end of the GPU work a host synchronisation waits for to the moment "
         "the host thread runs again (cudaStreamSynchronize / .tolist() round trip)",
     )
+    decompress_bandwidth: Rate | None = Field(
+        None,
+        description="lossless expert decompression on the GPU, bytes/s of uncompressed output "
+        "(FluxMoE's compressed tier; none: not measured for this GPU)",
+    )
 
     @model_validator(mode="after")
     def _categories_known(self) -> "GPUSpec":

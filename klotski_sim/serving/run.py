@@ -1,0 +1,217 @@
+"""A serving run: the scheduler decides each iteration from the state at its start, the policy emits
+that iteration's ops, the engine times them, and the next decision sees their end.
+
+Scheduling is decided *during* the run, so the iterations are simulated one at a time: each is a
+small Schedule of its own ops (their dependencies on the iteration before are met by its start),
+timed by the same engine (`run_engine`), and the iteration's end feeds the scheduler (tokens
+sampled, requests finished, arrivals meanwhile). An iteration ends with the host waiting for every
+op still in flight (the sampled tokens it needs for the next decision), so nothing of one iteration
+overlaps the next: the whole run is also one plain Schedule — the ops of every iteration, each
+iteration's first ops after the previous iteration's host wait — and, for an offline workload,
+simulating that Schedule whole gives the same times (tests/test_serving.py checks it). Idle time
+waiting for an online request to arrive has no op: the run's Timeline is assembled from the
+iterations' times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from klotski_sim.core.cost import CostModel
+from klotski_sim.core.engine import run_engine
+from klotski_sim.core.schedule import Op, Schedule, ScheduleBuilder
+from klotski_sim.core.timeline import Timeline
+from klotski_sim.hardware.profile import HardwareProfile
+from klotski_sim.serving.batcher import BatchingConfig, ContinuousBatcher, ServingRefusal
+from klotski_sim.serving.emit import IterationEmitter, expert_pick_probability
+from klotski_sim.serving.memory import MemoryPlan, Residency, plan_memory
+from klotski_sim.serving.metrics import IterationRecord, RequestRecord, ServingMetrics
+from klotski_sim.serving.policies import get_serving_policy
+from klotski_sim.serving.policies.base import ServingSetup, resolve_serving_options
+from klotski_sim.serving.requests import Workload
+from klotski_sim.workload.model import ModelSpec
+
+GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default (vllm/engine/arg_utils.py; docs/serving.md)
+
+
+@dataclass(frozen=True)
+class ServeSpec:
+    """One serving configuration."""
+
+    model: ModelSpec
+    profile: HardwareProfile
+    policy: str
+    workload: Workload
+    batching: BatchingConfig = BatchingConfig()
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION
+    options: Mapping[str, Any] = field(default_factory=dict)
+    seed: int = 0  # routing popularity (which experts are hot in each layer)
+
+    def __post_init__(self) -> None:
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise ServingRefusal(f"--gpu-memory-utilization must be in (0, 1], got {u!r}")
+
+
+@dataclass(frozen=True)
+class ServeResult:
+    spec: ServeSpec
+    residency: Residency
+    memory: MemoryPlan
+    requests: tuple[RequestRecord, ...]
+    iterations: tuple[IterationRecord, ...]
+    metrics: ServingMetrics
+    schedule: Schedule
+    timeline: Timeline
+
+
+class IterationTemplates:
+    """One iteration's ops as a Schedule of their own (dependencies on earlier iterations are met by
+    its start), built and validated once per *shape* — the ops, streams, dependencies and buffers,
+    iteration number aside — and reused with each iteration's own durations: most iterations of a
+    run have one of a few shapes, and validating each again took half the run's time."""
+
+    def __init__(self, streams: Mapping[str, str], preloaded: list[tuple[str, int]]) -> None:
+        self.streams, self.preloaded = dict(streams), tuple(preloaded)
+        self._schedules: dict[tuple, Schedule] = {}
+
+    def schedule(self, ops: list[Op], prefix: str) -> Schedule:
+        # An op id names its role in the iteration (`it7/L3/moe`): within one run the same ids have
+        # the same streams and dependencies, so the ids and the buffer sizes are the shape. (The run's
+        # whole Schedule is validated at the end, and the tests time it whole against the iterations.)
+        cut = len(prefix)
+        key = (tuple(op.id[cut:] for op in ops), tuple(b for op in ops for _, b in op.alloc))
+        found = self._schedules.get(key)
+        if found is None:
+            ids = {op.id for op in ops}
+            own = tuple(
+                op if all(d in ids for d in op.deps) else op._replace(deps=tuple(d for d in op.deps if d in ids))
+                for op in ops
+            )
+            found = self._schedules[key] = Schedule(ops=own, streams=self.streams, preloaded=self.preloaded)
+        return found
+
+
+def serve(spec: ServeSpec, cost: CostModel | None = None) -> ServeResult:
+    """Serve `spec.workload` with `spec.policy` (module docstring)."""
+    model, profile = spec.model, spec.profile
+    options = resolve_serving_options(spec.policy, spec.options)
+    setup = ServingSetup(model, profile, spec.batching, spec.workload, spec.gpu_memory_utilization, options)
+    policy = get_serving_policy(spec.policy)(setup)
+    residency = policy.residency()
+    memory = plan_memory(model, profile, residency, spec.batching, spec.gpu_memory_utilization, spec.policy)
+    batcher = ContinuousBatcher(spec.workload, spec.batching, memory.num_blocks)
+    builder = ScheduleBuilder(policy.streams())
+    policy.preload(builder, residency)
+    builder.preload("kv/pool", memory.kv_bytes)
+    builder.preload("activations", memory.activation_bytes)
+    cost = cost or CostModel(profile)
+    templates = IterationTemplates(builder.streams, builder.preloaded)
+    em = IterationEmitter(model, builder, expert_pick_probability(model, spec.seed))
+
+    start: list[float] = []
+    end: list[float] = []
+    ready: list[float] = []
+    blocked: list[int] = []
+    memory_trace: list[tuple[float, int]] = []
+    iterations: list[IterationRecord] = []
+    peak = 0
+    capacities: dict[str, int] = {}
+    now = 0.0
+    while not batcher.done:
+        iteration = batcher.schedule(now)
+        if not iteration.seqs:  # nothing can run until the next request arrives
+            arrival = batcher.next_arrival_s()
+            if arrival is None or arrival <= now:
+                raise ServingRefusal(  # (the refusals in ContinuousBatcher make this unreachable)
+                    f"{spec.policy}: iteration {iteration.index} at {now:.3f} s can schedule nothing "
+                    f"({len(batcher.waiting)} waiting, {batcher.free_blocks} free KV blocks)"
+                )
+            now = arrival
+            continue
+        first = len(builder.ops)
+        em.begin(iteration)
+        last = em.embed([])
+        for layer in range(model.num_layers):
+            last = policy.layer(em, layer, last)
+        logits = em.lm_head([last])
+        em.end([logits, *policy.finish_iteration(em)])
+        ops = builder.ops[first:]
+        ran = run_engine(templates.schedule(ops, em.at + "/"), profile, durations=cost.durations(ops, builder.streams))
+        if ran.oom is not None:
+            raise ServingRefusal(
+                f"{spec.policy}: iteration {iteration.index} ran out of GPU memory at op {ran.oom.op_id} "
+                f"({ran.oom.needed_bytes:,} bytes needed, {ran.oom.available_bytes:,} available): "
+                f"the memory plan undercounts ({memory.describe()})"
+            )
+        start.extend(now + t for t in ran.start)
+        end.extend(now + t for t in ran.end)
+        ready.extend(now + t for t in ran.ready)
+        blocked.extend(b + first if b >= 0 else -1 for b in ran.blocked_by)
+        memory_trace.extend((now + t, b) for t, b in ran.memory_trace)
+        peak, capacities = max(peak, ran.peak_gpu_bytes), ran.capacities
+        finish = now + ran.makespan
+        iterations.append(
+            IterationRecord(
+                iteration.index,
+                now,
+                finish,
+                len(iteration.seqs),
+                iteration.tokens,
+                iteration.prefill_tokens,
+                iteration.decode_seqs,
+                iteration.blocks_used,
+                iteration.waiting,
+                len(iteration.preempted),
+            )
+        )
+        batcher.finish(iteration, finish)
+        now = finish
+
+    records = tuple(
+        RequestRecord(
+            s.request.id,
+            s.request.prompt_len,
+            s.request.output_len,
+            s.request.arrival_s,
+            float(s.admitted_s if s.admitted_s is not None else np.nan),
+            float(s.first_token_s if s.first_token_s is not None else np.nan),
+            float(s.finished_s if s.finished_s is not None else np.nan),
+            s.preemptions,
+            s.request.warmup,
+        )
+        for s in batcher.seqs
+    )
+    metrics = ServingMetrics.of(records, iterations, memory.num_blocks)
+    meta = {
+        "mode": "serving",
+        "policy": spec.policy,
+        "model": model.name,
+        "workload": spec.workload.describe(),
+        "options": dict(options),
+        "batching": {
+            "max_num_seqs": spec.batching.max_num_seqs,
+            "max_num_batched_tokens": spec.batching.max_num_batched_tokens,
+            "block_size": spec.batching.block_size,
+            "chunked_prefill": spec.batching.chunked_prefill,
+        },
+        "gpu_memory_utilization": spec.gpu_memory_utilization,
+        "kv_blocks": memory.num_blocks,
+        "num_iterations": len(iterations),
+    }
+    schedule = builder.build(meta)
+    timeline = Timeline.from_schedule(
+        schedule,
+        start=start,
+        end=end,
+        ready=ready,
+        blocked_by=blocked,
+        peak_gpu_bytes=peak,
+        memory_trace=memory_trace,
+        capacities=capacities,
+        extra_meta={"hardware": profile.name, "gpu_capacity_bytes": int(profile.gpu.usable_bytes)},
+    )
+    return ServeResult(spec, residency, memory, records, tuple(iterations), metrics, schedule, timeline)
