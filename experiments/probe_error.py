@@ -7,8 +7,8 @@ the best whole run among the probed n ("regret") — the data behind `probe.TIE`
 
     python experiments/probe_error.py [--models mixtral-8x7b,olmoe-1b-7b,qwen1.5-moe-a2.7b] [--batch-size 16] [--quick]
 
-`--quick` (for tests): the first profile with a `cpu:` section and the first model only, at prompt
-32 and 2 generated tokens.
+`--quick` (for tests): the h800 profile and the first model only, at prompt 32 and 2 generated
+tokens.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def main() -> None:
     models = args.models.split(",")
     size = {"prompt_len": 32, "gen_len": 2} if args.quick else {}
     if args.quick:
-        profiles, models = profiles[:1], models[:1]
+        profiles, models = ["h800"], models[:1]
     errors: list[float] = []
     regrets: dict[float, list[float]] = {m: [] for m in MARGINS}
     print(f"{'profile':<9}{'model':<19}{'preset':<14}{'n':>4}{'predicted':>11}{'whole run':>11}{'error':>8}")

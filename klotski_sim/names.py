@@ -10,6 +10,7 @@ TENSORS = ("", "attention", "gate", "expert", "kv", "activation")
 COMPUTE_CATEGORIES = (
     "moe",  # a layer's routed experts in one fused kernel (serving engines: vLLM's fused_moe)
     "decompress",  # compressed expert weights decompressed on the GPU (FluxMoE)
+    "remap",  # a residency change: weight buffers dropped or KV memory taken or given back (no work)
     "embed",
     "attention",
     "gate",

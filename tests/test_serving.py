@@ -23,6 +23,7 @@ from klotski_sim.serving.requests import (
     with_poisson_arrivals,
 )
 from klotski_sim.serving.run import ServeSpec, serve
+from klotski_sim.util.errors import UsageError
 from klotski_sim.workload.model import get_model
 
 from .conftest import run_cli
@@ -123,7 +124,7 @@ def test_a_request_the_cache_can_never_hold_is_refused_with_the_numbers():
         ContinuousBatcher(
             Workload((Request(0, 10, 10), Request(1, 100, 30)), "t"), BatchingConfig(block_size=16), num_blocks=8
         )
-    with pytest.raises(ServingRefusal, match="without chunked prefill a prompt .* of up to 129 tokens"):
+    with pytest.raises(UsageError, match="without chunked prefill a prompt .* of up to 129 tokens"):
         ContinuousBatcher(
             Workload((Request(0, 100, 30),), "t"),
             BatchingConfig(max_num_batched_tokens=64, chunked_prefill=False),
@@ -349,3 +350,195 @@ def test_a_weight_block_is_overwritten_only_after_the_layer_that_read_it(policy,
     # at most two layers' blocks are held at once, beside what stays resident
     held = r.residency.gpu_weight_bytes + r.memory.kv_bytes + r.memory.activation_bytes
     assert r.timeline.meta["peak_gpu_bytes"] <= held + r.residency.buffer_bytes
+
+
+# ---- FluxMoE's residency planner ----------------------------------------------------------------
+def planner(layers=8, interval=1):
+    from klotski_sim.serving.policies.fluxmoe_planner import ResidencyPlanner
+
+    return ResidencyPlanner(
+        tuple(range(layers)), {j: 300 for j in range(layers)}, {j: {"gate_up", "down"} for j in range(layers)},
+        stored_share=0.5, block_bytes=10, control_interval=interval,
+    )  # fmt: skip
+
+
+def test_the_planner_reclaims_down_projections_first_then_gate_up_and_reverses_the_last_step():
+    from klotski_sim.serving.policies.fluxmoe_planner import Feedback
+
+    p = planner()
+    waiting = Feedback(active=4, unfinished=10, tau_load=1.0, tau_eff=1.0, free_blocks=0)
+    action, step = p.decide(waiting)
+    # ceil(0.25 x 8) = 2 down tensors of 100 bytes, stored at half: 100 bytes freed, 10 blocks
+    assert (
+        action == "reclaim"
+        and step.tensors == ((0, "down"), (1, "down"))
+        and (step.freed_bytes, step.blocks) == (100, 10)
+    )
+    for _ in range(3):
+        p.decide(waiting)
+    assert all("down" not in p.on_gpu[j] for j in range(8))
+    action, step = p.decide(waiting)  # no down tensor left: ceil(0.25 x 8 / 2) = 1 gate/up tensor
+    assert action == "reclaim" and step.tensors == ((0, "gate_up"),) and p.share(0) == 0
+    assert p.share(1) == pytest.approx(2 / 3)
+    # nobody waits and the loads are exposed (forward covers 50% of them): the last step comes back,
+    # when the KV cache can give its blocks up
+    exposed = Feedback(active=4, unfinished=4, tau_load=2.0, tau_eff=1.0, free_blocks=0)
+    assert p.decide(exposed) == ("keep", None)
+    action, step = p.decide(Feedback(4, 4, 2.0, 1.0, free_blocks=step.blocks))
+    assert action == "reverse" and step.tensors == ((0, "gate_up"),) and p.share(0) == pytest.approx(2 / 3)
+    hidden = Feedback(active=4, unfinished=4, tau_load=1.0, tau_eff=1.0, free_blocks=10**6)
+    assert p.decide(hidden) == ("keep", None)  # the loads are hidden: nothing to gain
+
+
+def test_the_planner_decides_once_per_control_interval():
+    from klotski_sim.serving.policies.fluxmoe_planner import Feedback
+
+    p = planner(interval=16)
+    waiting = Feedback(active=4, unfinished=10, tau_load=1.0, tau_eff=1.0, free_blocks=0)
+    actions = [p.decide(waiting)[0] for _ in range(48)]
+    assert [k for k, a in enumerate(actions) if a == "reclaim"] == [15, 31, 47]
+
+
+def test_adaptive_fluxmoe_grows_the_kv_cache_under_pressure_within_the_memory_budget():
+    small = get_model("small-mixtral")
+    profile = with_overrides(PAGED, {"gpu.memory_bytes": 2.2e9})
+    w = with_poisson_arrivals(fixed_requests(60, 40, 24), rate=400.0, seed=1)
+    options = {"adaptive": True, "pageable_layers": 4, "control_interval": 4}
+    r = serve(ServeSpec(small, profile, "fluxmoe", w, BatchingConfig(max_num_seqs=64), options=options))
+    decisions = r.schedule.meta["decisions"]
+    assert any(" reclaim L" in d for d in decisions), decisions
+    assert max(it.blocks_used for it in r.iterations) > r.memory.num_blocks  # more than the cache it started with
+    assert r.timeline.meta["peak_gpu_bytes"] <= r.memory.budget_bytes
+    assert all(rec.finished_s > 0 for rec in r.requests)
+
+
+def test_an_offline_run_whose_residency_changes_is_still_a_schedule_the_engine_times_alike():
+    small = get_model("small-mixtral")
+    profile = with_overrides(PAGED, {"gpu.memory_bytes": 2.2e9})
+    options = {"adaptive": True, "pageable_layers": 4, "control_interval": 2}
+    r = serve(
+        ServeSpec(
+            small, profile, "fluxmoe", fixed_requests(40, 40, 16), BatchingConfig(max_num_seqs=64), options=options
+        )
+    )
+    assert any(" reclaim L" in d for d in r.schedule.meta["decisions"])
+    whole = simulate(r.schedule, profile)
+    assert whole.meta["status"] == "ok" and whole.meta["peak_gpu_bytes"] <= r.memory.budget_bytes
+    np.testing.assert_allclose(whole.columns["end"], r.timeline.columns["end"], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--policies", "klotski"), "klotski schedules a fixed number of equal batches"),
+        (("--policies", "vllm,nope"), "--policies: unknown nope"),
+        (("--option", "vllm.x=1"), "serving policy 'vllm' has no option(s) ['x']"),
+        (("--option", "x=1"), "--option x: name a policy being served as POLICY.KEY"),
+        (
+            ("--option", "vllm-o.offload_layers=abc", "--policies", "vllm-o"),
+            "offload_layers must be a whole number >= -1",
+        ),
+        (("--gpu-memory-utilization", "1.5"), "at most 1, got 1.5"),
+        (("--rate", "-1"), "--rate: expected a finite number > 0"),
+        (("--warmup", "2"), "--warmup needs --rate"),
+        (("--rate", "5", "--warmup", "8", "--requests", "8"), "--warmup 8: must be from 0 to 7"),
+        (("--requests-file", "/nonexistent/r.csv"), "/nonexistent/r.csv: cannot read request file"),
+        (("--lengths", "sharegpt4-sarathi", "--requests-file", "x.csv"), "--requests-file and --lengths both"),
+        (("--requests", "0"), "--requests"),
+        (("--max-num-batched-tokens", "8", "--no-chunked-prefill", "--prompt-len", "52"), "without chunked prefill"),
+        (
+            ("--model", "mixtral-8x7b", "--hardware", "l40s", "--policies", "vllm"),
+            "refused: vllm: mixtral-8x7b leaves no KV",
+        ),
+    ],
+)
+def test_bad_serve_input_is_one_line(args, message, capsys):
+    from klotski_sim.cli.main import main
+
+    base = [
+        "serve",
+        "--model",
+        "tiny-mixtral",
+        "--hardware",
+        "rtx3090",
+        "--requests",
+        "4",
+        "--output-len",
+        "4",
+        "--policies",
+        "vllm",
+    ]
+    try:
+        code = main([*base, *args])
+    except SystemExit as exit:  # (argparse's usage errors)
+        code = exit.code
+    out, err = capsys.readouterr()
+    if message.startswith("refused:"):  # a policy that cannot serve is a row; the others still run
+        assert code == 0 and message in out, out
+        return
+    assert code == 2 and message in err and err.count("\n") == 1 and "Traceback" not in err, (out, err)
+
+
+# ---- sweeps -------------------------------------------------------------------------------------
+SERVING_SPEC = """
+name: residency
+models: [small-mixtral]
+hardware: [rtx3090]
+overrides:
+  gpu.decompress_bandwidth: [4e11]
+  gpu.memory_bytes: [2.2e9]
+policies: [fluxmoe, fluxmoe-h]
+prompt_lens: [40]
+options:
+  pageable_layers: [2, 4]
+serving:
+  requests: [16, 40]
+  output_lens: [16]
+"""
+
+
+def test_a_serving_sweep_runs_each_configuration_as_serve_does(tmp_path):
+    import yaml
+
+    from klotski_sim.runs.sweep import collect, grid_size, parse_spec, run_sweep
+
+    spec = parse_spec(yaml.safe_load(SERVING_SPEC))
+    assert grid_size(spec) == 8
+    df = run_sweep(spec, tmp_path / "out", workers=1, progress=False)
+    assert len(df) == 8 and set(df["status"]) == {"ok", "refused"}
+    assert (df[df["opt.pageable_layers"] == 2]["status"] == "refused").all()  # two layers leave no KV cache
+    row = df[(df["policy"] == "fluxmoe") & (df["requests"] == 40) & (df["opt.pageable_layers"] == 4)].iloc[0]
+    profile = with_overrides(load_profile("rtx3090"), {"gpu.decompress_bandwidth": 4e11, "gpu.memory_bytes": 2.2e9})
+    alone = serve(
+        ServeSpec(
+            get_model("small-mixtral"), profile, "fluxmoe", fixed_requests(40, 40, 16), options={"pageable_layers": 4}
+        )
+    )
+    assert row["m.throughput_tok_s"] == pytest.approx(alone.metrics.throughput_tok_s)
+    assert row["m.kv_blocks"] == alone.memory.num_blocks
+    again = run_sweep(spec, tmp_path / "out", workers=1, progress=False)  # resumable: nothing runs again
+    assert list(again["id"]) == list(df["id"]) and len(collect(tmp_path / "out")) == 8
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ("policies: [fluxmoe, vllm-o]", "options.pageable_layers: serving policy 'vllm-o' has no option"),
+        ("policies: [klotski]", "unknown serving policy 'klotski'"),
+        ("gen_lens: [8]", "gen_lens: an offline axis"),
+        ("serving:\n  rates: [0]", "rates are 'offline' or requests per second > 0"),
+        ("serving:\n  lengths: [nope]", "lengths: 'nope' is not one of fixed"),
+        ("serving:\n  requests: [4, 4]", "4 is given twice"),
+        ("serving:\n  warmup: 2", "serving.warmup needs rates"),
+    ],
+)
+def test_a_bad_serving_grid_is_refused_before_it_runs(change, message):
+    import yaml
+
+    from klotski_sim.runs.sweep import check_spec, parse_spec
+    from klotski_sim.util.errors import KlotskiError
+
+    data = yaml.safe_load(SERVING_SPEC)
+    data.update(yaml.safe_load(change))
+    with pytest.raises(KlotskiError, match=message.replace("(", "\\(").replace(")", "\\)").replace("[", "\\[")):
+        check_spec(parse_spec(data), "spec")

@@ -687,6 +687,19 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         if len(values) > 1
     ]
     swept += [f"set.{k}" for k in spec.overrides]
+    swept += [f"opt.{k}" for k, values in spec.options.items() if len(values) > 1]
+    if spec.serving is not None:
+        g = spec.serving
+        serving_axes = (
+            ("requests", g.requests),
+            ("output_len", g.output_lens),
+            ("lengths", g.lengths),
+            ("rate", g.rates),
+            ("max_num_seqs", g.max_num_seqs),
+            ("max_num_batched_tokens", g.max_num_batched_tokens),
+            ("gpu_memory_utilization", g.gpu_memory_utilization),
+        )
+        swept += [k for k, values in serving_axes if len(values) > 1]
     print(summarize(df, swept))
     failed = int((df["status"] != "ok").sum()) if len(df) else 0
     print(

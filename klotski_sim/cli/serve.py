@@ -10,7 +10,8 @@ from typing import Any
 from klotski_sim.cli.common import CliError, output_folder, parse_overrides
 from klotski_sim.files.outfiles import refuse_unwritable, write_file
 from klotski_sim.hardware.profile import load_profile, with_overrides
-from klotski_sim.serving.batcher import BatchingConfig, ServingRefusal
+from klotski_sim.policies import POLICIES
+from klotski_sim.serving.batcher import BatchingConfig, ServingRefusal, check_batching
 from klotski_sim.serving.policies import SERVING_POLICIES
 from klotski_sim.serving.policies.base import resolve_serving_options
 from klotski_sim.serving.requests import (
@@ -26,6 +27,13 @@ from klotski_sim.util.argtypes import name_list, nonnegative_int, positive_float
 from klotski_sim.workload.model import get_model
 
 SERVE_FILES = ("serving.json", "serving.png")
+
+
+def _utilisation(text: str) -> float:
+    value = positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"a share of the GPU's memory, above 0 and at most 1, got {text}")
+    return value
 
 
 def add_serve_parser(sub: Any) -> None:
@@ -68,7 +76,7 @@ def add_serve_parser(sub: Any) -> None:
     p.add_argument("--no-chunked-prefill", action="store_true", help="a prompt is computed in one iteration")
     p.add_argument(
         "--gpu-memory-utilization",
-        type=positive_float,
+        type=_utilisation,
         default=GPU_MEMORY_UTILIZATION,
         help="share of the GPU's memory the engine may use (default: %(default)s)",
     )
@@ -125,6 +133,13 @@ def _row(name: str, r: ServeResult) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    offline = [p for p in args.policies if p not in SERVING_POLICIES and p in POLICIES]
+    if offline:  # (their schedules are fixed batches of equal requests, built before the run)
+        raise CliError(
+            f"--policies: {', '.join(offline)} schedule{'s' if len(offline) == 1 else ''} a fixed number of equal "
+            f"batches decided before the run, not requests admitted as they come: use klotski-sim simulate or "
+            f"compare; serving policies: {', '.join(SERVING_POLICIES)}"
+        )
     unknown = [p for p in args.policies if p not in SERVING_POLICIES]
     if unknown:
         raise CliError(f"--policies: unknown {', '.join(unknown)}; serving policies: {', '.join(SERVING_POLICIES)}")
@@ -139,6 +154,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     batching = BatchingConfig(
         args.max_num_seqs, args.max_num_batched_tokens, args.block_size, chunked_prefill=not args.no_chunked_prefill
     )
+    check_batching(workload, batching)
     out = output_folder(args.out) if args.out is not None else None
     if out is not None:
         refuse_unwritable(out, SERVE_FILES)
@@ -173,6 +189,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "offloaded_layers": list(result.residency.offloaded_layers),
             "cpu_expert_layers": list(result.residency.cpu_expert_layers),
             "options": dict(result.schedule.meta["options"]),
+            "decisions": list(result.schedule.meta["decisions"]),
             "iterations": [
                 [it.start_s, it.end_s, it.active, it.tokens, it.blocks_used, it.waiting, it.preempted]
                 for it in result.iterations

@@ -82,6 +82,7 @@ from klotski_sim.policies import POLICIES
 from klotski_sim.policies.base import resolve_options
 from klotski_sim.policies.impl import PRESET_NAMES
 from klotski_sim.policies.plugins import load_policy_files
+from klotski_sim.runs.serving_sweep import ServingGrid, check_serving_spec, run_serving_config, serving_configs
 from klotski_sim.util.argtypes import MAX_COUNT, MAX_COUNT_TEXT, MAX_SEED, first_repeat
 from klotski_sim.util.errors import KlotskiError, MachineRefusal, MissingCapability, StorageRefusal, UsageError
 from klotski_sim.util.lazy import pd  # (imported when first used: klotski_sim/util/lazy.py)
@@ -124,6 +125,7 @@ class SweepSpec(BaseModel):
     policy_files: list[StrictStr] = Field(default_factory=list)  # your own policies (relative to the spec)
     options: dict[str, list[Any]] = Field(default_factory=dict)  # grid over policy options (expert_cache: [0, 16])
     resident_layers: list[StrictInt | StrictStr] = Field(default_factory=_auto, min_length=1)
+    serving: ServingGrid | None = None  # serving axes: a grid of `klotski-sim serve` runs (runs/serving_sweep.py)
 
     @field_validator("overrides")
     @classmethod
@@ -259,7 +261,7 @@ def parse_spec(data: Any, where: str = "sweep spec", checked: bool = True) -> Sw
 def check_spec(spec: SweepSpec, where: str) -> None:
     """Everything that can be checked before running: models, profiles, overrides, policies,
     routings, placements."""
-    problems = []
+    problems = check_serving_spec(spec) if spec.serving is not None else []
     layers: dict[str, int] = {}
     spelled: dict[ModelSpec, str] = {}  # a model as resolved, nameless -> the first name that gave it
     for m in spec.models:
@@ -283,7 +285,7 @@ def check_spec(spec: SweepSpec, where: str) -> None:
             problems.append(f"resident_layers: {r!r} is neither auto, fill nor a layer count >= 0")
             continue
         problems += [f"resident_layers: {r} is more than {m}'s {n} layers" for m, n in layers.items() if r > n]
-    for p in spec.policies:
+    for p in spec.policies if spec.serving is None else ():
         for key, values in spec.options.items():
             for value in values:
                 if p in POLICIES:
@@ -309,7 +311,9 @@ def check_spec(spec: SweepSpec, where: str) -> None:
                     with_overrides(profile, {field: v}, where=f"override {field}={v!r}")
                 except ProfileError as err:
                     problems.append(str(err))
-    routed = get_model(spec.models[0]) if not problems else None  # the model synthetic routings are drawn for
+    routed = (
+        get_model(spec.models[0]) if not problems and spec.serving is None else None
+    )  # the model synthetic routings are drawn for
     drawn: dict[Any, str] = {}  # a synthetic routing's parameters -> the first entry that gave them
     traces: dict[str, str] = {}  # a trace file's real path -> the first entry that named it
     for r in spec.routings:
@@ -358,6 +362,11 @@ def check_spec(spec: SweepSpec, where: str) -> None:
 def grid_size(spec: SweepSpec) -> int:
     """How many configurations the grid holds (without building them)."""
     size = 1
+    if spec.serving is not None:
+        serving_axes: list[list[Any]] = [spec.models, spec.hardware, spec.policies, spec.prompt_lens, spec.seeds]
+        for axis in (*serving_axes, *spec.serving.axes(), *spec.overrides.values(), *spec.options.values()):
+            size *= len(axis)
+        return size
     axes: tuple[list[Any], ...] = (
         spec.models,
         spec.hardware,
@@ -382,6 +391,11 @@ def grid_size(spec: SweepSpec) -> int:
 
 def expand(spec: SweepSpec) -> list[dict[str, Any]]:
     """Every configuration of the grid, each with a stable id (a hash of its inputs)."""
+    if spec.serving is not None:
+        served = serving_configs(spec)
+        for cfg in served:
+            cfg["id"] = config_id(_identity(cfg))
+        return served
     fields = list(spec.overrides)
     configs = []
     option_keys = list(spec.options)
@@ -452,7 +466,7 @@ def _identity(cfg: dict[str, Any]) -> dict[str, Any]:
     identity = dict(cfg)
     if cfg["hardware"] not in builtin_profile_names():
         identity["hardware"] = "file:" + content_hash(cfg["hardware"])
-    if cfg["routing"].startswith("trace:"):
+    if cfg.get("routing", "").startswith("trace:"):
         identity["routing"] = "trace:" + content_hash(cfg["routing"][len("trace:") :])
     config = preset_name(cfg["model"])
     if is_config_path(config):  # (a Hugging Face config.json: by its contents, its suffixes kept)
@@ -507,6 +521,16 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
     t = time.perf_counter()
     row = _row_of(cfg)
+    if cfg.get("kind") == "serving":
+        try:
+            run_serving_config(cfg, row)
+        except MachineRefusal as err:
+            row["status"], row["error"] = "too-large", str(err)
+        except Exception as err:  # noqa: BLE001 - recorded, the sweep goes on
+            row["status"], row["error"] = "error", f"{type(err).__name__}: {err}"
+            row["traceback"] = traceback.format_exc(limit=3)
+        row["wall_s"] = time.perf_counter() - t
+        return jsonable(row)
     try:
         load_policy_files(cfg.get("policy_files", {}))  # a worker process imports them itself
         routing = cfg["routing"]
@@ -581,7 +605,8 @@ def _row_of(cfg: dict[str, Any]) -> dict[str, Any]:
         **{f"set.{k}": v for k, v in cfg["overrides"].items()},
         **{f"opt.{k}": v for k, v in cfg.get("options", {}).items()},
     }
-    row["num_batches"] = str(cfg["num_batches"])
+    if "num_batches" in cfg:
+        row["num_batches"] = str(cfg["num_batches"])
     return row
 
 
@@ -1007,6 +1032,9 @@ def summarize(df: pd.DataFrame, swept: Iterable[str] = ("policy",)) -> str:
             "status",
             "m.num_batches",
             "m.throughput_tok_s",
+            "m.ttft_mean_s",
+            "m.tpot_mean_s",
+            "m.mean_active",
             "m.decode_throughput_tok_s",
             "m.bubble_s",
             "m.efficiency",

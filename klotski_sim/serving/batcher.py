@@ -46,6 +46,17 @@ class BatchingConfig:
                 raise ServingRefusal(f"{name} must be a whole number >= 1, got {value!r}")
 
 
+def check_batching(workload: Workload, config: BatchingConfig) -> None:
+    """Refuse a workload the scheduler's limits can never run, whatever the policy."""
+    if not config.chunked_prefill:
+        longest = max(r.total_len - 1 for r in workload.requests)  # (a recompute after a preemption)
+        if longest > config.max_num_batched_tokens:
+            raise UsageError(
+                f"without chunked prefill a prompt (or a preempted request's recompute) of up to {longest:,} "
+                f"tokens must fit one iteration's --max-num-batched-tokens {config.max_num_batched_tokens:,}"
+            )
+
+
 @dataclass
 class SequenceState:
     """A request as the scheduler tracks it."""
@@ -118,6 +129,7 @@ class ContinuousBatcher:
     free_blocks: int = field(init=False)
     next_arrival: int = field(init=False, default=0)  # the first request not yet arrived
     iterations: int = field(init=False, default=0)
+    min_blocks: int = field(init=False, default=1)  # the longest request's blocks at its end
     preemptions: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
@@ -128,19 +140,13 @@ class ContinuousBatcher:
             raise ServingRefusal(f"the KV cache holds {self.num_blocks} blocks: no request can run")
         # (a request's cache holds its prompt and every output token but the last, which no iteration computes)
         longest = max(self.workload.requests, key=lambda r: r.total_len)
-        need = -(-(longest.total_len - 1) // cfg.block_size)
+        need = self.min_blocks = -(-(longest.total_len - 1) // cfg.block_size)
         if need > self.num_blocks:
             raise ServingRefusal(
                 f"request {longest.id} ({longest.prompt_len} prompt + {longest.output_len} output tokens) needs "
                 f"{need:,} KV blocks of {cfg.block_size} tokens at its end; the KV cache holds {self.num_blocks:,}"
             )
-        if not cfg.chunked_prefill:
-            longest_prompt = max(r.total_len - 1 for r in self.workload.requests)  # (a recompute after a preemption)
-            if longest_prompt > cfg.max_num_batched_tokens:
-                raise ServingRefusal(
-                    f"without chunked prefill a prompt (or a preempted request's recompute) of up to {longest_prompt:,} "
-                    f"tokens must fit one iteration's max_num_batched_tokens {cfg.max_num_batched_tokens:,}"
-                )
+        check_batching(self.workload, cfg)
 
     # ---- state ---------------------------------------------------------------------------------
     @property
@@ -150,6 +156,17 @@ class ContinuousBatcher:
     @property
     def blocks_used(self) -> int:
         return self.num_blocks - self.free_blocks
+
+    def resize(self, num_blocks: int) -> None:
+        """The KV cache grows or shrinks between iterations (a residency planner's decision); it never
+        shrinks below the blocks in use."""
+        if num_blocks < max(self.blocks_used, self.min_blocks):
+            raise ServingRefusal(
+                f"the KV cache cannot shrink to {num_blocks} blocks: {self.blocks_used} are in use and the longest "
+                f"request needs {self.min_blocks}"
+            )
+        self.free_blocks += num_blocks - self.num_blocks
+        self.num_blocks = num_blocks
 
     def next_arrival_s(self) -> float | None:
         """When the next request not yet arrived arrives (None: all have)."""

@@ -16,6 +16,7 @@ that many experts' weights are read.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,12 +90,12 @@ class IterationEmitter:
         return self._active_cache[key]
 
     # ---- ops -----------------------------------------------------------------------------------
-    def embed(self, deps: list[str | None]) -> str:
+    def embed(self, deps: Sequence[str | None]) -> str:
         return self.b.compute(
             f"{self.at}/embed", "embed", deps, bytes=self.model.hidden_bytes(self.shape.tokens), **self._tags()
         )
 
-    def attention(self, layer: int, deps: list[str | None], free: tuple[str, ...] = ()) -> str:
+    def attention(self, layer: int, deps: Sequence[str | None], free: tuple[str, ...] = ()) -> str:
         sh = self.shape
         flops = 2 * sh.tokens * self._attention_params + self._per_visible * sh.visible
         nbytes = self._attention_bytes + sh.context * self._kv_per_token + 2 * sh.tokens * self._hidden_per_token
@@ -111,7 +112,7 @@ class IterationEmitter:
             **self._tags(layer),
         )
 
-    def gate(self, layer: int, deps: list[str | None], free: tuple[str, ...] = ()) -> str:
+    def gate(self, layer: int, deps: Sequence[str | None], free: tuple[str, ...] = ()) -> str:
         """The router, with the shared experts (or the dense MLP of a dense layer)."""
         m, t = self.model, self.shape.tokens
         category = "gate" if m.is_moe(layer) else "dense_mlp"
@@ -132,13 +133,13 @@ class IterationEmitter:
         nbytes = int(active * self._expert_weights[stored]) + 2 * t * m.top_k * self._hidden_per_token
         return m.expert_flops(t * m.top_k), nbytes, active
 
-    def moe(self, layer: int, deps: list[str | None], free: tuple[str, ...] = ()) -> str:
+    def moe(self, layer: int, deps: Sequence[str | None], free: tuple[str, ...] = ()) -> str:
         flops, nbytes, _ = self.moe_cost(layer)
         return self.b.compute(
             f"{self.at}/L{layer}/moe", "moe", deps, flops=flops, bytes=nbytes, free=free, **self._tags(layer)
         )
 
-    def lm_head(self, deps: list[str | None]) -> str:
+    def lm_head(self, deps: Sequence[str | None]) -> str:
         m, n = self.model, max(1, self.shape.samples)
         return self.b.compute(
             f"{self.at}/lm_head",

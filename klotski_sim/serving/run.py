@@ -30,7 +30,7 @@ from klotski_sim.serving.emit import IterationEmitter, expert_pick_probability
 from klotski_sim.serving.memory import MemoryPlan, Residency, plan_memory
 from klotski_sim.serving.metrics import IterationRecord, RequestRecord, ServingMetrics
 from klotski_sim.serving.policies import get_serving_policy
-from klotski_sim.serving.policies.base import ServingSetup, resolve_serving_options
+from klotski_sim.serving.policies.base import IterationSeen, ServingSetup, resolve_serving_options
 from klotski_sim.serving.requests import Workload
 from klotski_sim.workload.model import ModelSpec
 
@@ -75,15 +75,31 @@ class IterationTemplates:
     run have one of a few shapes, and validating each again took half the run's time."""
 
     def __init__(self, streams: Mapping[str, str], preloaded: list[tuple[str, int]]) -> None:
-        self.streams, self.preloaded = dict(streams), tuple(preloaded)
+        self.streams = dict(streams)
+        self.live = dict(preloaded)  # the GPU buffers held between iterations (weights, the KV pool)
+        self._live_version = 0
         self._schedules: dict[tuple, Schedule] = {}
+
+    def ran(self, ops: list[Op]) -> None:
+        """An iteration's ops ran: the buffers they left allocated (or freed) are held from now on."""
+        for op in ops:
+            if op.alloc or op.free:
+                for name, size in op.alloc:
+                    self.live[name] = size
+                for name in op.free:
+                    self.live.pop(name, None)
+        if any(op.alloc or op.free for op in ops):
+            held = {name for op in ops for name, _ in op.alloc} - {name for op in ops for name in op.free}
+            dropped = {name for op in ops for name in op.free} - {name for op in ops for name, _ in op.alloc}
+            if held or dropped:
+                self._live_version += 1
 
     def schedule(self, ops: list[Op], prefix: str) -> Schedule:
         # An op id names its role in the iteration (`it7/L3/moe`): within one run the same ids have
         # the same streams and dependencies, so the ids and the buffer sizes are the shape. (The run's
         # whole Schedule is validated at the end, and the tests time it whole against the iterations.)
         cut = len(prefix)
-        key = (tuple(op.id[cut:] for op in ops), tuple(b for op in ops for _, b in op.alloc))
+        key = (self._live_version, tuple(op.id[cut:] for op in ops), tuple(b for op in ops for _, b in op.alloc))
         found = self._schedules.get(key)
         if found is None:
             ids = {op.id for op in ops}
@@ -91,7 +107,7 @@ class IterationTemplates:
                 op if all(d in ids for d in op.deps) else op._replace(deps=tuple(d for d in op.deps if d in ids))
                 for op in ops
             )
-            found = self._schedules[key] = Schedule(ops=own, streams=self.streams, preloaded=self.preloaded)
+            found = self._schedules[key] = Schedule(ops=own, streams=self.streams, preloaded=tuple(self.live.items()))
         return found
 
 
@@ -134,7 +150,7 @@ def serve(spec: ServeSpec, cost: CostModel | None = None) -> ServeResult:
             continue
         first = len(builder.ops)
         em.begin(iteration)
-        last = em.embed([])
+        last = em.embed(policy.start_iteration(em))
         for layer in range(model.num_layers):
             last = policy.layer(em, layer, last)
         logits = em.lm_head([last])
@@ -147,6 +163,7 @@ def serve(spec: ServeSpec, cost: CostModel | None = None) -> ServeResult:
                 f"({ran.oom.needed_bytes:,} bytes needed, {ran.oom.available_bytes:,} available): "
                 f"the memory plan undercounts ({memory.describe()})"
             )
+        templates.ran(ops)
         start.extend(now + t for t in ran.start)
         end.extend(now + t for t in ran.end)
         ready.extend(now + t for t in ran.ready)
@@ -169,6 +186,17 @@ def serve(spec: ServeSpec, cost: CostModel | None = None) -> ServeResult:
             )
         )
         batcher.finish(iteration, finish)
+        seen = IterationSeen(
+            dict(zip((op.id for op in ops), (e - b for b, e in zip(ran.start, ran.end)))),
+            em.at + "/",
+            len(iteration.seqs),
+            len(batcher.running) + len(batcher.waiting),
+            min(batcher.free_blocks, batcher.num_blocks - batcher.min_blocks),
+            memory.block_bytes,
+        )
+        change = policy.after_iteration(seen)
+        if change:
+            batcher.resize(batcher.num_blocks + change)
         now = finish
 
     records = tuple(
@@ -200,6 +228,8 @@ def serve(spec: ServeSpec, cost: CostModel | None = None) -> ServeResult:
         },
         "gpu_memory_utilization": spec.gpu_memory_utilization,
         "kv_blocks": memory.num_blocks,
+        "kv_blocks_at_end": batcher.num_blocks,
+        "decisions": list(policy.decisions),
         "num_iterations": len(iterations),
     }
     schedule = builder.build(meta)

@@ -47,6 +47,7 @@ class ServingPolicy:
     def __init__(self, setup: ServingSetup) -> None:
         self.setup, self.model, self.profile = setup, setup.model, setup.profile
         self.options = setup.options
+        self.decisions: list[str] = []  # what a policy that decides during the run decided, and when
         if self.needs_cpu:
             self.profile.require_cpu(f"serving policy {self.name!r}")
 
@@ -67,6 +68,26 @@ class ServingPolicy:
     def finish_iteration(self, em: IterationEmitter) -> list[str]:
         """Ops still in flight at the iteration's end that the host must wait for (besides the logits)."""
         return []
+
+    def start_iteration(self, em: IterationEmitter) -> list[str]:
+        """Ops the iteration's first op waits for (a residency change decided after the last one)."""
+        return []
+
+    def after_iteration(self, seen: "IterationSeen") -> int:
+        """Read the iteration that just ran; returns the change in KV blocks it decides (0: none)."""
+        return 0
+
+
+@dataclass(frozen=True)
+class IterationSeen:
+    """An iteration as it ran, for a policy that decides during the run."""
+
+    durations: Mapping[str, float]  # op id -> seconds
+    prefix: str  # the iteration's op-id prefix (`it7/`)
+    active: int  # B_act
+    unfinished: int  # arrived requests not finished
+    free_blocks: int  # blocks the cache could give up now (free, and not needed by the longest request)
+    block_bytes: int
 
 
 SERVING_POLICIES: dict[str, type[ServingPolicy]] = {}

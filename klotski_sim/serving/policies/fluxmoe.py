@@ -31,12 +31,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from klotski_sim.core.schedule import DEFAULT_STREAMS
+from klotski_sim.core.schedule import DEFAULT_STREAMS, ScheduleBuilder
 from klotski_sim.policies.options import option
 from klotski_sim.serving.batcher import ServingRefusal
 from klotski_sim.serving.emit import IterationEmitter
 from klotski_sim.serving.memory import Residency, plan_memory
-from klotski_sim.serving.policies.base import ServingPolicy, ServingSetup, serving_policy
+from klotski_sim.serving.policies.base import IterationSeen, ServingPolicy, ServingSetup, serving_policy
+from klotski_sim.serving.policies.fluxmoe_planner import Feedback, ResidencyPlanner, Step
 
 COMPRESSED_SHARE = 1 - 0.321  # stored size of compressed bf16 experts (FluxMoE §6.3 Table 3: 32.1-32.5% saved)
 SHARE_STEPS = 32  # compressed shares tried below the balanced one
@@ -58,6 +59,18 @@ class FluxMoEOptions:
         "own",
         "own: a GPU decompression unit beside compute (FluxMoE's streams); compute: serialised with compute",
         choices=("own", "compute"),
+    )
+    adaptive: bool = option(False, "FluxMoE's residency planner moves tensors between the tiers during the run")
+    control_interval: int = option(16, "adaptive: iterations between the planner's decisions (FluxMoE's CI)", minimum=1)
+    adjust_granularity: float = option(
+        0.25, "adaptive: share of the pageable layers one step moves (FluxMoE's AG)", minimum=0.01, maximum=1.0
+    )
+    dead_zone: float = option(
+        0.9,
+        "adaptive: with no request waiting, the last step is reversed when the layers' forward time covers less "
+        "than this share of their loads (FluxMoE's theta)",
+        minimum=0.0,
+        maximum=1.0,
     )
 
 
@@ -148,6 +161,8 @@ class FluxMoE(ServingPolicy):
         for target in (at_once, 1):
             if target in best:
                 _, paging, residency = best[target]
+                if self.options.get("adaptive", False):
+                    paging, residency = self._start_planner(paging)
                 self._paging_chosen = paging
                 note = (
                     "" if target == at_once else f" (no residency holds {at_once} requests at once: the longest alone)"
@@ -168,6 +183,108 @@ class FluxMoE(ServingPolicy):
             f"({longest:,} tokens), with {'every' if count < 0 else count} MoE layer(s) pageable"
         )
 
+    # ---- the adaptive planner ---------------------------------------------------------------------
+    def _start_planner(self, paging: _Paging) -> tuple[_Paging, Residency]:
+        """The planner over the chosen pageable layers, starting from every tensor of them in the
+        compressed tier (the most residency), less what the KV cache needs for the longest request
+        (taken in the planner's own order); it reclaims more during the run as pressure demands."""
+        m, s, o = self.model, self.setup, self.options
+        self.planner = ResidencyPlanner(
+            paging.layers,
+            {j: self._layer_bytes[j] for j in paging.layers},
+            {j: {"gate_up", "down"} for j in paging.layers},
+            COMPRESSED_SHARE,
+            s.batching.block_size * m.kv_bytes_per_token() * m.num_layers,
+            o.get("control_interval", 16),
+            o.get("adjust_granularity", 0.25),
+            o.get("dead_zone", 0.9),
+        )
+        longest = max(r.total_len - 1 for r in s.workload.requests)
+        need = -(-longest // s.batching.block_size)
+        while True:
+            snapped = _Paging(paging.layers, tuple(self.planner.share(j) for j in paging.layers))
+            residency = self._residency_of(snapped)
+            try:
+                plan = plan_memory(m, self.profile, residency, s.batching, s.gpu_memory_utilization, self.name)
+                if plan.num_blocks >= need:
+                    break
+            except ServingRefusal:
+                pass
+            if self.planner._reclaim() is None:
+                break  # (the static choice fits: it is what is left)
+        self.planner.steps.clear()  # (the start is no step to reverse)
+        self._pending: list[tuple[str, Step]] = []
+        return snapped, residency
+
+    def preload(self, builder: ScheduleBuilder, residency: Residency) -> None:
+        if not hasattr(self, "planner"):
+            return super().preload(builder, residency)
+        tensors = {
+            f"compressed/L{j}/{t}": self.planner.stored_bytes(j, t)
+            for j in self.planner.layers
+            for t in self.planner.on_gpu[j]
+        }
+        builder.preload("weights/resident", residency.gpu_weight_bytes - sum(tensors.values()))
+        for name, size in tensors.items():  # (each its own buffer: the planner frees and brings back tensors)
+            builder.preload(name, size)
+        # the buffer each tensor and each reclaimed step's KV memory is held in now (a buffer is allocated
+        # once in a schedule: a tensor brought back gets a new name)
+        self._held = {(j, t): f"compressed/L{j}/{t}" for j in self.planner.layers for t in self.planner.on_gpu[j]}
+        self._kv_extra: list[str] = []
+
+    def after_iteration(self, seen: IterationSeen) -> int:
+        if not hasattr(self, "planner"):
+            return 0
+        d, p = seen.durations, seen.prefix
+        loads = [max(d.get(f"{p}L{j}/decompress", 0.0), d.get(f"{p}L{j}/copy", 0.0)) for j in self.planner.layers]
+        forward = sum(v for k, v in d.items() if k.rsplit("/", 1)[-1] in ("attn", "gate", "moe"))
+        action, step = self.planner.decide(
+            Feedback(
+                seen.active,
+                seen.unfinished,
+                sum(loads) / max(1, len(loads)),
+                forward / self.model.num_layers,
+                seen.free_blocks,
+            )
+        )
+        if step is None:
+            return 0
+        moved = ", ".join(f"L{j}.{t}" for j, t in step.tensors)
+        self.decisions.append(
+            f"after {seen.prefix.rstrip('/')}: {action} {moved} ({step.blocks:+d} KV blocks)"
+            if action == "reclaim"
+            else f"after {seen.prefix.rstrip('/')}: {action} {moved} ({-step.blocks:+d} KV blocks)"
+        )
+        self._pending.append((action, step))
+        return step.blocks if action == "reclaim" else -step.blocks
+
+    def start_iteration(self, em: IterationEmitter) -> list[str]:
+        """The residency steps decided after the last iteration, carried out before this one."""
+        if not getattr(self, "_pending", None):
+            return []
+        after: list[str] = []
+        for action, step in self._pending:
+            if action == "reclaim":  # the tensors' GPU copies are dropped (host memory holds every tensor)
+                dropped = tuple(self._held.pop(key) for key in step.tensors)
+                kv = (f"kv/extra@{em.at}", step.blocks * self.planner.block_bytes)
+                self._kv_extra.append(kv[0])
+                drop = em.b.compute(f"{em.at}/residency/drop", "remap", after, free=dropped)
+                after = [em.b.compute(f"{em.at}/residency/grow_kv", "remap", [drop], alloc=(kv,))]
+            else:  # their compressed images come back over PCIe into the memory the KV cache gives up
+                tensors = []
+                for j, t in step.tensors:
+                    self._held[(j, t)] = f"compressed/L{j}/{t}@{em.at}"
+                    tensors.append((self._held[(j, t)], self.planner.stored_bytes(j, t)))
+                shrink = em.b.compute(f"{em.at}/residency/shrink_kv", "remap", after, free=(self._kv_extra.pop(),))
+                after = [
+                    em.b.transfer(
+                        f"{em.at}/residency/restore", "weights", "h2d_weights", sum(b for _, b in tensors), "cpu",
+                        "gpu", [shrink], alloc=tuple(tensors), tensor="expert",
+                    )
+                ]  # fmt: skip
+        self._pending = []
+        return after
+
     # ---- one layer ---------------------------------------------------------------------------------
     def layer(self, em: IterationEmitter, layer: int, after: str) -> str:
         m, paging = self.model, self._paging_chosen
@@ -180,7 +297,8 @@ class FluxMoE(ServingPolicy):
         k = paging.layers.index(layer)
         if k == 0:
             self._readers: list[str] = []
-        share, nbytes = paging.compressed[k], self._layer_bytes[layer]
+        share = self.planner.share(layer) if hasattr(self, "planner") else paging.compressed[k]
+        nbytes = self._layer_bytes[layer]
         free_first = [self._readers[k - 2]] if k >= 2 else []  # write-after-read: the block two layers back
         tags = dict(step=em.it.index, layer=layer)
         parts, blocks = [], []
