@@ -328,6 +328,30 @@ def test_the_serve_command_prints_every_policys_metrics(tmp_path):
     assert (tmp_path / "s" / "serving.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_serve_writes_each_policys_timeline_when_asked(tmp_path, capsys):
+    import gzip
+
+    from klotski_sim.cli.main import main
+
+    out = tmp_path / "s"
+    args = ["serve", "--model", "tiny-mixtral", "--hardware", "rtx3090", "--policies", "vllm-o", "--requests", "3"]
+    args += ["--output-len", "5", "--option", "vllm-o.offload_layers=1", "--out", str(out), "--timeline"]
+    assert main(args) == 0
+    trace = json.loads(gzip.decompress((out / "vllm-o" / "trace.json.gz").read_bytes()))
+    names = {e.get("args", {}).get("op") for e in trace["traceEvents"]}
+    assert {"it0/L1/load", "it4/lm_head"} <= names  # every iteration's ops, the paging copies included
+    assert (out / "vllm-o" / "gantt.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["serve", "--model", "tiny-mixtral", "--hardware", "rtx3090", "--timeline"]) == 2
+    assert "--timeline writes into --out DIR" in capsys.readouterr().err
+
+
+def test_a_run_that_keeps_no_ops_has_the_same_metrics():
+    spec = ServeSpec(TINY, PAGED, "fluxmoe", fixed_requests(5, 12, 6), options={"pageable_layers": 2})
+    kept, dropped = serve(spec), serve(spec, keep=False)
+    assert dropped.schedule is None and dropped.timeline is None
+    assert dropped.metrics == kept.metrics and dropped.iterations == kept.iterations
+
+
 @pytest.mark.parametrize(
     "policy, options, loads, reader",
     [

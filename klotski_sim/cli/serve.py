@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from klotski_sim.cli.common import CliError, output_folder, parse_overrides
-from klotski_sim.files.outfiles import refuse_unwritable, write_file
+from klotski_sim.files.outfiles import OutputFiles, refuse_unwritable, write_file
 from klotski_sim.hardware.profile import load_profile, with_overrides
 from klotski_sim.policies import POLICIES
 from klotski_sim.serving.batcher import BatchingConfig, ServingRefusal, check_batching
@@ -94,6 +94,18 @@ def add_serve_parser(sub: Any) -> None:
         metavar="DIR",
         help="write serving.json (every policy's metrics and iterations) and serving.png (B_act, KV use, latency CDF)",
     )
+    p.add_argument(
+        "--timeline",
+        action="store_true",
+        help="also write each policy's timeline into DIR/POLICY/: trace.json.gz (Perfetto) and gantt.png of "
+        "the iterations --gantt-iterations picks (holds every op in memory)",
+    )
+    p.add_argument(
+        "--gantt-iterations",
+        default="1:4",
+        metavar="FIRST:END",
+        help="the iterations gantt.png shows, FIRST included, END not (default: %(default)s)",
+    )
     p.set_defaults(func=cmd_serve)
 
 
@@ -132,6 +144,35 @@ def _row(name: str, r: ServeResult) -> str:
     )
 
 
+def _iterations(text: str) -> tuple[int, int]:
+    first, sep, end = text.partition(":")
+    try:
+        window = (int(first), int(end))
+    except ValueError:
+        window = (-1, -1)
+    if not sep or not 0 <= window[0] < window[1]:
+        raise CliError(f"--gantt-iterations {text}: expected FIRST:END, whole numbers with 0 <= FIRST < END")
+    return window
+
+
+def _write_timeline(folder: Path, name: str, result: ServeResult, window: tuple[int, int]) -> None:
+    """A policy's Perfetto trace and the Gantt of a window of its iterations."""
+    from klotski_sim.report.exports import to_chrome_trace
+    from klotski_sim.report.plot import gantt
+
+    timeline = result.timeline
+    assert timeline is not None
+    folder.mkdir(exist_ok=True)
+    its = result.iterations
+    first, last = min(window[0], len(its) - 1), max(0, min(window[1], len(its)) - 1)
+    last = max(first, last)
+    files = OutputFiles(folder)  # (both or neither: temporaries renamed at the commit)
+    to_chrome_trace(timeline, files.path("trace.json.gz"))
+    title = f"{name} · {result.meta['model']} · iterations {first}-{last} of {len(its)}"
+    gantt(timeline, files.path("gantt.png"), window=(its[first].start_s, its[last].end_s), title=title)
+    files.commit()
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     offline = [p for p in args.policies if p not in SERVING_POLICIES and p in POLICIES]
     if offline:  # (their schedules are fixed batches of equal requests, built before the run)
@@ -155,6 +196,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.max_num_seqs, args.max_num_batched_tokens, args.block_size, chunked_prefill=not args.no_chunked_prefill
     )
     check_batching(workload, batching)
+    if args.timeline and args.out is None:
+        raise CliError("--timeline writes into --out DIR: give one")
+    window = _iterations(args.gantt_iterations)
     out = output_folder(args.out) if args.out is not None else None
     if out is not None:
         refuse_unwritable(out, SERVE_FILES)
@@ -176,20 +220,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
             model, profile, name, workload, batching, args.gpu_memory_utilization, options[name], args.seed
         )
         try:
-            result = serve(spec)
+            result = serve(spec, keep=args.timeline)
         except ServingRefusal as err:  # a policy that cannot serve this is a row; the others still run
             print(f"{name:14} refused: {err}")
             results[name] = {"refused": str(err)}
             continue
         print(_row(name, result))
         served[name] = result
+        if args.timeline and out is not None:
+            _write_timeline(Path(out) / name, name, result, window)
         results[name] = {
             "metrics": result.metrics.to_dict(),
             "memory": result.memory.describe(),
             "offloaded_layers": list(result.residency.offloaded_layers),
             "cpu_expert_layers": list(result.residency.cpu_expert_layers),
-            "options": dict(result.schedule.meta["options"]),
-            "decisions": list(result.schedule.meta["decisions"]),
+            "options": dict(result.meta["options"]),
+            "decisions": list(result.meta["decisions"]),
             "iterations": [
                 [it.start_s, it.end_s, it.active, it.tokens, it.blocks_used, it.waiting, it.preempted]
                 for it in result.iterations

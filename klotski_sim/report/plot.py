@@ -48,6 +48,9 @@ CATEGORY_COLORS: dict[str, str] = {
     "attn_out": "#2F4F8F",
     "dense_mlp": "#2CA02C",
     "combine": "#B0B0B0",
+    "moe": "#55A868",  # a layer's experts in one fused op: the experts' colour
+    "decompress": "#AA3377",  # compressed experts decompressed on the GPU (FluxMoE)
+    "remap": "#DDDDDD",  # a residency change (no work)
     "sync": "#BBBBBB",  # the host waiting on a GPU op
     "copy_wait": "#5F3C1E",  # the host waiting on a pageable copy
 }

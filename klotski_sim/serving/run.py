@@ -64,8 +64,9 @@ class ServeResult:
     requests: tuple[RequestRecord, ...]
     iterations: tuple[IterationRecord, ...]
     metrics: ServingMetrics
-    schedule: Schedule
-    timeline: Timeline
+    meta: Mapping[str, Any]  # what the run's Schedule says of itself (policy, options, decisions, ...)
+    schedule: Schedule | None  # None: not kept (`serve(..., keep=False)`: metrics only)
+    timeline: Timeline | None
 
 
 class IterationTemplates:
@@ -111,8 +112,10 @@ class IterationTemplates:
         return found
 
 
-def serve(spec: ServeSpec, cost: CostModel | None = None) -> ServeResult:
-    """Serve `spec.workload` with `spec.policy` (module docstring)."""
+def serve(spec: ServeSpec, cost: CostModel | None = None, keep: bool = True) -> ServeResult:
+    """Serve `spec.workload` with `spec.policy` (module docstring). `keep=False` drops each
+    iteration's ops once timed: the result has its metrics and iterations but no Schedule or Timeline,
+    and the run holds memory for one iteration's ops, not every one's (sweeps, a plain `serve`)."""
     model, profile = spec.model, spec.profile
     options = resolve_serving_options(spec.policy, spec.options)
     setup = ServingSetup(model, profile, spec.batching, spec.workload, spec.gpu_memory_utilization, options)
@@ -164,11 +167,14 @@ def serve(spec: ServeSpec, cost: CostModel | None = None) -> ServeResult:
                 f"the memory plan undercounts ({memory.describe()})"
             )
         templates.ran(ops)
-        start.extend(now + t for t in ran.start)
-        end.extend(now + t for t in ran.end)
-        ready.extend(now + t for t in ran.ready)
-        blocked.extend(b + first if b >= 0 else -1 for b in ran.blocked_by)
-        memory_trace.extend((now + t, b) for t, b in ran.memory_trace)
+        if keep:
+            start.extend(now + t for t in ran.start)
+            end.extend(now + t for t in ran.end)
+            ready.extend(now + t for t in ran.ready)
+            blocked.extend(b + first if b >= 0 else -1 for b in ran.blocked_by)
+            memory_trace.extend((now + t, b) for t, b in ran.memory_trace)
+        else:
+            del builder.ops[:]  # (the next iteration's dependencies on these are met by its start)
         peak, capacities = max(peak, ran.peak_gpu_bytes), ran.capacities
         finish = now + ran.makespan
         iterations.append(
@@ -232,6 +238,8 @@ def serve(spec: ServeSpec, cost: CostModel | None = None) -> ServeResult:
         "decisions": list(policy.decisions),
         "num_iterations": len(iterations),
     }
+    if not keep:
+        return ServeResult(spec, residency, memory, records, tuple(iterations), metrics, meta, None, None)
     schedule = builder.build(meta)
     timeline = Timeline.from_schedule(
         schedule,
@@ -244,4 +252,4 @@ def serve(spec: ServeSpec, cost: CostModel | None = None) -> ServeResult:
         capacities=capacities,
         extra_meta={"hardware": profile.name, "gpu_capacity_bytes": int(profile.gpu.usable_bytes)},
     )
-    return ServeResult(spec, residency, memory, records, tuple(iterations), metrics, schedule, timeline)
+    return ServeResult(spec, residency, memory, records, tuple(iterations), metrics, meta, schedule, timeline)
