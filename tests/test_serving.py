@@ -566,3 +566,57 @@ def test_a_bad_serving_grid_is_refused_before_it_runs(change, message):
     data.update(yaml.safe_load(change))
     with pytest.raises(KlotskiError, match=message.replace("(", "\\(").replace(")", "\\)").replace("[", "\\[")):
         check_spec(parse_spec(data), "spec")
+
+
+# ---- the residency search -----------------------------------------------------------------------
+@given(st.lists(st.tuples(st.floats(1, 100), st.floats(0.001, 1)), min_size=1, max_size=12))
+def test_the_pareto_front_is_undominated_and_dominates_the_rest(pairs):
+    from klotski_sim.runs.serving_search import Point, best, pareto
+
+    points = [Point(k, 0.5, thr, tpot, 0.1, 1.0) for k, (thr, tpot) in enumerate(pairs)]
+    front = pareto(points)
+
+    def beats(q, p):
+        return (
+            q.throughput_tok_s >= p.throughput_tok_s
+            and q.tpot_s <= p.tpot_s
+            and q != p
+            and (q.throughput_tok_s, q.tpot_s) != (p.throughput_tok_s, p.tpot_s)
+        )
+
+    assert front and all(not any(beats(q, p) for q in points) for p in front)
+    assert all(
+        p in front
+        or any(beats(q, p) for q in front)
+        or any((q.throughput_tok_s, q.tpot_s) == (p.throughput_tok_s, p.tpot_s) for q in front)
+        for p in points
+    )
+    cap = sorted(t for _, t in pairs)[len(pairs) // 2]
+    chosen = best(points, cap)
+    assert chosen.tpot_s <= cap and chosen.throughput_tok_s == max(
+        p.throughput_tok_s for p in points if p.tpot_s <= cap
+    )
+
+
+def test_the_serve_search_finds_a_residency_that_reproduces(capsys):
+    import re
+
+    from klotski_sim.cli.main import main
+
+    args = ["serve", "--model", "small-mixtral", "--hardware", "rtx3090", "--set", "gpu.decompress_bandwidth=4e11"]
+    args += ["--set", "gpu.memory_bytes=2.2e9", "--policies", "fluxmoe", "--requests", "24", "--prompt-len", "40"]
+    args += ["--output-len", "12"]
+    assert main([*args, "--search"]) == 0
+    out = capsys.readouterr().out
+    found = re.search(
+        r"^best: \d+ pageable layers, .*: ([\d.]+) tok/s, .*reproduce: --policies fluxmoe (.*)$", out, re.M
+    )
+    assert found, out
+    claimed, reproduce = float(found.group(1)), found.group(2).split()
+    ran = [line for line in out.splitlines() if re.match(r"^\s+\d+\s+[\d.]+\s+[\d.]+\s", line)]
+    assert claimed == max(float(line.split()[2]) for line in ran)  # the best of the points served
+    assert main([*args, *reproduce]) == 0
+    row = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("fluxmoe "))
+    assert float(row.split()[1]) == pytest.approx(claimed, rel=1e-3)
+    assert main([*args, "--search", "--max-tpot", "0.000001"]) == 3  # nothing that fast
+    assert main([*args, "--max-tpot", "5"]) == 2  # a cap without a search

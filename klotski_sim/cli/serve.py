@@ -106,6 +106,15 @@ def add_serve_parser(sub: Any) -> None:
         metavar="FIRST:END",
         help="the iterations gantt.png shows, FIRST included, END not (default: %(default)s)",
     )
+    p.add_argument(
+        "--search",
+        action="store_true",
+        help="search expert paging's residency for this workload (one policy: fluxmoe or fluxmoe-h): pageable "
+        "layers x compressed share; prints the Pareto front of throughput and TPOT and the best",
+    )
+    p.add_argument(
+        "--max-tpot", type=positive_float, default=None, metavar="MS", help="--search: the TPOT cap the best must meet"
+    )
     p.set_defaults(func=cmd_serve)
 
 
@@ -173,6 +182,45 @@ def _write_timeline(folder: Path, name: str, result: ServeResult, window: tuple[
     files.commit()
 
 
+def _search(args: argparse.Namespace, model: Any, profile: Any, workload: Workload, batching: Any, options: Any) -> int:
+    from klotski_sim.runs.serving_search import best, grid, pareto, search
+
+    if len(args.policies) != 1:
+        raise CliError(f"--search: give one policy (fluxmoe or fluxmoe-h), got --policies {','.join(args.policies)}")
+    name = args.policies[0]
+    spec = ServeSpec(model, profile, name, workload, batching, args.gpu_memory_utilization, options[name], args.seed)
+    points_total = len(grid(spec))
+    print(f"{model.name} on {profile.name}: {workload.describe()}")
+    print(f"searching {name}'s residency: {points_total} points (pageable layers x compressed share)")
+    points = search(spec)
+    print(f"{'pageable':>8} {'share':>6} {'tok/s':>9} {'TPOT ms':>8} {'TTFT s':>7} {'B_act':>6}")
+    for p in points:
+        if p.refused:
+            print(f"{p.pageable_layers:8d} {p.compressed_share:6.3f}  refused: {p.refused}")
+        else:
+            print(
+                f"{p.pageable_layers:8d} {p.compressed_share:6.3f} {p.throughput_tok_s:9.1f} {p.tpot_s * 1e3:8.1f} "
+                f"{p.ttft_s:7.3f} {p.mean_active:6.1f}"
+            )
+    front = pareto(points)
+    print("Pareto front (throughput against TPOT): " + "; ".join(
+        f"{p.pageable_layers} layers, share {p.compressed_share:.3f}: {p.throughput_tok_s:.1f} tok/s, "
+        f"{p.tpot_s * 1e3:.1f} ms" for p in front
+    ))  # fmt: skip
+    cap = args.max_tpot / 1e3 if args.max_tpot is not None else None
+    winner = best(points, cap)
+    if winner is None:
+        print(f"no residency meets --max-tpot {args.max_tpot} ms")
+        return 3
+    print(
+        f"best{f' within TPOT {args.max_tpot} ms' if cap else ''}: {winner.pageable_layers} pageable layers, "
+        f"compressed share {winner.compressed_share:.3f}: {winner.throughput_tok_s:.1f} tok/s, TPOT "
+        f"{winner.tpot_s * 1e3:.1f} ms; reproduce: --policies {name} --option {name}.pageable_layers="
+        f"{winner.pageable_layers} --option {name}.compressed_share={winner.compressed_share}"
+    )
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     offline = [p for p in args.policies if p not in SERVING_POLICIES and p in POLICIES]
     if offline:  # (their schedules are fixed batches of equal requests, built before the run)
@@ -199,6 +247,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.timeline and args.out is None:
         raise CliError("--timeline writes into --out DIR: give one")
     window = _iterations(args.gantt_iterations)
+    if args.search:
+        return _search(args, model, profile, workload, batching, options)
+    if args.max_tpot is not None:
+        raise CliError("--max-tpot caps --search's best: give --search")
     out = output_folder(args.out) if args.out is not None else None
     if out is not None:
         refuse_unwritable(out, SERVE_FILES)

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from klotski_sim.core.schedule import DEFAULT_STREAMS, ScheduleBuilder
+from klotski_sim.hardware.profile import HardwareProfile
 from klotski_sim.policies.options import option
 from klotski_sim.serving.batcher import ServingRefusal
 from klotski_sim.serving.emit import IterationEmitter
@@ -41,6 +42,18 @@ from klotski_sim.serving.policies.fluxmoe_planner import Feedback, ResidencyPlan
 
 COMPRESSED_SHARE = 1 - 0.321  # stored size of compressed bf16 experts (FluxMoE §6.3 Table 3: 32.1-32.5% saved)
 SHARE_STEPS = 32  # compressed shares tried below the balanced one
+
+
+def balanced_share(profile: HardwareProfile, who: str) -> float:
+    """The share of a layer's experts in the compressed tier that makes both tiers finish together:
+    decompression rate / (decompression rate + PCIe rate)."""
+    rate = profile.gpu.decompress_bandwidth
+    if rate is None:
+        raise ServingRefusal(
+            f"{who}: hardware profile {profile.name!r} has no gpu.decompress_bandwidth; give one "
+            f"with --set gpu.decompress_bandwidth=4e11 (FluxMoE measured 396.5-435.4e9 B/s)"
+        )
+    return rate / (rate + profile.links.pcie_h2d.bandwidth)
 
 
 @dataclass(frozen=True)
@@ -99,14 +112,7 @@ class FluxMoE(ServingPolicy):
 
     # ---- residency ---------------------------------------------------------------------------------
     def _balanced_share(self) -> float:
-        rate = self.profile.gpu.decompress_bandwidth
-        if rate is None:
-            raise ServingRefusal(
-                f"{self.name}: hardware profile {self.profile.name!r} has no gpu.decompress_bandwidth; give one "
-                f"with --set gpu.decompress_bandwidth=4e11 (FluxMoE measured 396.5-435.4e9 B/s)"
-            )
-        link = self.profile.links.pcie_h2d.bandwidth
-        return rate / (rate + link)
+        return balanced_share(self.profile, self.name)
 
     def _paging(self, count: int, share: float) -> _Paging:
         moe = [j for j in range(self.model.num_layers) if self.model.is_moe(j)]
