@@ -10,15 +10,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from klotski_sim.cli.main import (
-    CliError,
-    guarded,
-    not_an_input,
-    output_file,
-    output_folder,
-    parse_overrides,
-    routing_kind,
-)
+from klotski_sim.cli.common import CliError, not_an_input, output_file, output_folder, parse_overrides, routing_kind
+from klotski_sim.cli.main import guarded
 from klotski_sim.files.outfiles import refuse_unwritable, write_file
 from klotski_sim.hardware.profile import RATE_FLOOR
 from klotski_sim.report.exports import TIMELINE_FILES
@@ -337,7 +330,7 @@ def cmd_execute(args: argparse.Namespace) -> int:
             device=args.device, emulate_links=_emulation(args), emulate_pageable=_pageable(args), threads=threads
         ),
     )
-    from klotski_sim.cli.main import format_summary
+    from klotski_sim.cli.summary_text import format_summary
     from klotski_sim.report.exports import save_all
 
     print(format_summary(timeline.summary()))

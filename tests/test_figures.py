@@ -56,7 +56,7 @@ def test_a_duration_prints_in_a_unit_that_shows_it(seconds, unit, text):
 
 def test_the_simulate_summary_of_a_tiny_run_prints_its_bubbles_in_ms_never_as_zero_seconds():
     """README's tiny `simulate`: 0.43 ms of bubbles (5% of its 8 ms) printed `bubbles 0.000 s`."""
-    from klotski_sim.cli.main import format_summary
+    from klotski_sim.cli.summary_text import format_summary
 
     s = tiny().summary()
     assert 0 < s.bubble_s < 1e-3

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from klotski_sim.cli.main import SIMULATE_FILES
+from klotski_sim.cli.simulate import SIMULATE_FILES
 from klotski_sim.files.outfiles import OutputFiles
 from klotski_sim.report import exports
 from klotski_sim.runs.runner import RunSpec, run

@@ -621,10 +621,12 @@ def test_more_local_workers_than_cores_run_as_many_as_there_are_cores(tmp_path, 
     """`--workers 1024` started a thousand worker processes (~100 MB each) on a 2-core machine, for
     CPU-bound runs that finish no sooner: held to the cores, and said so (a remote Dask cluster's
     workers are not this machine's)."""
+    from klotski_sim.cli import common
     from klotski_sim.cli import main as cli
+    from klotski_sim.cli.parser import build_parser
     from klotski_sim.runs import sweep as sweep_module
 
-    monkeypatch.setattr(cli, "available_cores", lambda: 1)
+    monkeypatch.setattr(common, "available_cores", lambda: 1)
     given = []
     real = sweep_module.run_sweep
     monkeypatch.setattr(sweep_module, "run_sweep", lambda *a, **k: given.append(k["workers"]) or real(*a, **k))
@@ -649,8 +651,8 @@ def test_more_local_workers_than_cores_run_as_many_as_there_are_cores(tmp_path, 
         "note: --workers 1024: this process may use 1 core(s); running 1 worker (the runs "
         "are CPU-bound: more would finish no sooner, each taking its own memory)"
     ]
-    args = cli.build_parser().parse_args(["sweep", str(spec), "--out", "o", "--workers", "8", "--dask", "tcp://h:8786"])
-    cli._local_workers(args)
+    args = build_parser().parse_args(["sweep", str(spec), "--out", "o", "--workers", "8", "--dask", "tcp://h:8786"])
+    common.local_workers(args)
     assert args.workers == 8  # (a remote cluster's)
 
 

@@ -1013,10 +1013,13 @@ def test_trace_synth_says_a_long_draw_before_it_begins(tmp_path, monkeypatch, ca
     """100M sequences of a tiny model drew for some 15 minutes without a word (the estimate left out
     the cost a sequence: many short ones)."""
     from klotski_sim.cli import main as cli
+    from klotski_sim.cli import traces
 
     drawn = []
     monkeypatch.setattr("klotski_sim.util.machine._slowdown", [1.0])  # (the reference machine's speed: fixed figures)
-    monkeypatch.setattr(cli, "synthesize", lambda m, *a, **k: drawn.append(a) or synthesize(m, 2, 4, 2, "uniform", 0))
+    monkeypatch.setattr(
+        traces, "synthesize", lambda m, *a, **k: drawn.append(a) or synthesize(m, 2, 4, 2, "uniform", 0)
+    )
     assert (
         cli.main(
             [

@@ -3,13 +3,18 @@ removed again when empty, after an error) for a command's files."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import sys
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Sequence
 
 from klotski_sim.util.errors import KlotskiError
+from klotski_sim.util.machine import available_cores
+from klotski_sim.util.units import counted
+from klotski_sim.workload.trace_synth import DEFAULT_ROUTING
 
 
 class CliError(KlotskiError):
@@ -80,3 +85,68 @@ def output_folder(path: str | os.PathLike, flag: str = "--out") -> Path:
     except OSError as err:
         raise CliError(f"{flag} {out}: cannot write there ({err.strerror or err})") from None
     return out
+
+
+def routing_kind(routing: str | None, trace: str | None) -> str:
+    """The synthetic routing a run draws (--routing, else the default). A trace replays its own
+    routing: --routing beside --trace would be ignored, so the pair is refused."""
+    if routing is not None and trace is not None:
+        raise CliError(f"--routing {routing} and --trace {trace}: a trace replays its own routing; give one of them")
+    return DEFAULT_ROUTING if routing is None else routing
+
+
+def not_an_input(out: Path, flag: str, reads: Sequence[str | os.PathLike]) -> None:
+    """Refuse writing where the command reads (`trace stats t.npz --csv t.npz` would replace the
+    trace with its table). A folder it reads (a checkpoint) is read whole: none of its files may be
+    replaced."""
+    for read in reads:
+        source = Path(read)
+        try:
+            same = out.exists() and source.exists() and os.path.samefile(out, source)
+        except OSError:
+            same = False
+        if same or out.resolve() == source.resolve():
+            raise CliError(f"{flag} {out}: is what this command reads ({read}); writing there would replace it")
+        if source.is_dir() and out.exists() and out.resolve().is_relative_to(source.resolve()):
+            raise CliError(
+                f"{flag} {out}: is a file of {read}, which this command reads; writing there would replace it"
+            )
+
+
+def output_file(path: str | os.PathLike, flag: str = "--out", reads: Sequence[str | os.PathLike] = ()) -> Path:
+    """A file a command will write, checked before any work (not after a whole table or a
+    calibration): not a folder, in a folder that exists and can be written, not a device or a
+    pipe (the file is written whole beside it and renamed onto it: `write_file`), and none of the
+    files it `reads`."""
+    if not str(path).strip():
+        raise CliError(f"{flag}: expected a file name, got an empty one")
+    out = Path(path)
+    not_an_input(out, flag, reads)
+    if out.is_dir():
+        raise CliError(f"{flag} {out}: is a folder; give a file name")
+    if out.exists() and not out.is_file():  # (the rename onto it would fail only after the work)
+        raise CliError(f"{flag} {out}: not a regular file (a device, a pipe or a socket); give a file name")
+    folder = out.resolve().parent
+    if not folder.is_dir():
+        raise CliError(f"{flag} {out}: {folder} {'is not a folder' if folder.exists() else 'does not exist'}")
+    if not os.access(folder, os.W_OK):
+        raise CliError(f"{flag} {out}: cannot write in {folder}")
+    return out
+
+
+def note(text: str) -> None:
+    print(f"note: {text}", file=sys.stderr, flush=True)
+
+
+def local_workers(args: argparse.Namespace) -> None:
+    """`--workers` held to the cores this process may use, where the workers are its own processes
+    (not a remote Dask cluster's), said on stderr: the runs are CPU-bound, so more workers than cores
+    finish no sooner and each takes its own memory (~100 MB a process)."""
+    cores = available_cores()
+    remote = getattr(args, "dask", None) not in (None, "local")
+    if args.workers is not None and args.workers > cores and not remote:
+        note(
+            f"--workers {args.workers}: this process may use {cores} core(s); running {counted(cores, 'worker')} "
+            f"(the runs are CPU-bound: more would finish no sooner, each taking its own memory)"
+        )
+        args.workers = cores
