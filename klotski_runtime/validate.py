@@ -20,7 +20,7 @@ import torch
 from klotski_sim.core.engine import resource_capacities, simulate
 from klotski_sim.core.timeline import OutOfMemory, Timeline, jsonable
 from klotski_sim.hardware.profile import HardwareProfile, ProfileError
-from klotski_sim.policies import build_schedule
+from klotski_sim.policies import build_schedule, get_policy
 from klotski_sim.report.exports import to_parquet
 from klotski_sim.runs.runner import RunSpec, prepare
 from klotski_sim.util.errors import UsageError
@@ -259,7 +259,8 @@ def validate(
     done = Progress("validate", len(runs), enabled=progress)
     for name, impl in runs:
         key = name if len(impls) == 1 else f"{name}/{impl}"
-        p = prep.narrowed(1) if name == "single-batch" else prep
+        # a policy that keeps one batch in flight by definition runs at n = 1, as compare runs it
+        p = prep.narrowed(1) if get_policy(name).traits.one_batch else prep
         assert p.replay is not None  # (prepare makes the routing of every run it does not refuse)
         schedule = build_schedule(name, replace(p.policy_input(dict(setup.options)), impl=impl))
         sim = simulate(schedule, p.profile)
