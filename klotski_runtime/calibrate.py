@@ -270,12 +270,16 @@ def _calibrate(
     cpu_section = _measure_host_cpu(spec, w, dtype, repeats, max_expert_tokens, measured)
     say("roofline, links and hand-offs")
 
-    # roofline fields: a big GEMM, a big copy, a tiny kernel
-    n = 2048 if dev.type == "cuda" else 1024
-    a, b = rand(n, n), rand(n, n)
-    peak = 2 * n**3 / measure(lambda: a @ b, repeats)
-    big = rand(16 * MB // 2)
-    membw = 2 * big.numel() * big.element_size() / measure(lambda: big.clone(), repeats)
+    # roofline fields: a big GEMM, a big copy, a tiny kernel. On the CPU the device *is* the host
+    # CPU, measured just now with the same GEMM and copy in the same dtype: not measured twice.
+    if dev.type == "cpu":
+        peak, membw = cpu_section["flops"][cpu_section["compute_dtype"]], cpu_section["memory_bandwidth"]
+    else:
+        n = 2048
+        a, b = rand(n, n), rand(n, n)
+        peak = 2 * n**3 / measure(lambda: a @ b, repeats)
+        big = rand(16 * MB // 2)
+        membw = 2 * big.numel() * big.element_size() / measure(lambda: big.clone(), repeats)
     one = rand(1)
     overhead = measure(lambda: one + one, max(repeats, 20))
 
