@@ -123,3 +123,17 @@ def test_the_policies_command_lists_every_option_with_its_presets(capsys: pytest
             shown = rows[key][len(spec.accepts().split()) + 1]
             expected = published.get(key, spec.default)
             assert shown == (str(expected).lower() if isinstance(expected, bool) else str(expected)), (name, key)
+
+
+def test_the_policies_command_lists_the_serving_policies_and_their_options(capsys: pytest.CaptureFixture[str]) -> None:
+    from klotski_sim.policies.options import specs_of
+    from klotski_sim.serving.policies import SERVING_POLICIES
+
+    assert main(["policies"]) == 0
+    listing = capsys.readouterr().out
+    assert "serving policies (klotski-sim serve):" in listing and all(name in listing for name in SERVING_POLICIES)
+    for name, cls in SERVING_POLICIES.items():
+        assert main(["policies", name]) == 0
+        out = capsys.readouterr().out
+        shown = {line.split()[0] for line in out.splitlines()[2:]} - {"(no"}
+        assert shown == {spec.name for spec in specs_of(cls.Options)}, name

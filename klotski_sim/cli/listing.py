@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Sequence
 
 from klotski_sim.hardware.profile import builtin_profile_names, load_profile
 from klotski_sim.policies import POLICIES, get_policy
+from klotski_sim.policies.options import specs_of
+from klotski_sim.serving.policies import SERVING_POLICIES
 from klotski_sim.util.units import GIB
 from klotski_sim.workload.model import PRESETS
 
@@ -38,10 +40,19 @@ def _as_option_value(value: Any) -> str:
 def cmd_policies(args: argparse.Namespace) -> int:
     """The policies, or one policy's options: what `--option` takes, generated from the options' specs."""
     if args.name is None:
-        width = max(len(name) for name in POLICIES)
+        width = max(len(name) for name in (*POLICIES, *SERVING_POLICIES))
         for info in POLICIES.values():
             print(f"{info.name:{width}}  {info.description}")
-        print("klotski-sim policies NAME lists a policy's options (--option KEY=VALUE)")
+        print("serving policies (klotski-sim serve):")
+        for cls in SERVING_POLICIES.values():
+            print(f"{cls.name:{width}}  {cls.description}")
+        print("klotski-sim policies NAME lists a policy's options (--option KEY=VALUE; serve: POLICY.KEY=VALUE)")
+        return 0
+    if args.name in SERVING_POLICIES:
+        cls = SERVING_POLICIES[args.name]
+        print(f"{cls.name}: {cls.description} (serving: klotski-sim serve --option {cls.name}.KEY=VALUE)")
+        serving_rows = [(s.name, s.accepts(), _as_option_value(s.default), s.help) for s in specs_of(cls.Options)]
+        _table(("option", "accepts", "default", "meaning"), serving_rows)
         return 0
     info = get_policy(args.name)
     traits = [name for name, value in asdict(info.traits).items() if value is True]
@@ -57,11 +68,19 @@ def cmd_policies(args: argparse.Namespace) -> int:
         )
         for spec in info.option_specs().values()
     ]
-    head = ("option", "accepts", "as-published", "ideal", "meaning")
-    widths = [max(len(str(row[i])) for row in (head, *rows)) for i in range(4)]
-    for row in (head, *rows):
-        print("  ".join(f"{cell:{w}}" for cell, w in zip(row[:4], widths)) + "  " + row[4])
+    _table(("option", "accepts", "as-published", "ideal", "meaning"), rows)
     return 0
+
+
+def _table(head: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> None:
+    """Columns padded to their widest cell; the last (the meaning) as it is."""
+    if not rows:
+        print("(no options)")
+        return
+    last = len(head) - 1
+    widths = [max(len(str(row[i])) for row in (head, *rows)) for i in range(last)]
+    for row in (head, *rows):
+        print("  ".join(f"{cell:{w}}" for cell, w in zip(row[:last], widths)) + "  " + row[last])
 
 
 def cmd_profiles(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ from klotski_sim.cli.sweeps import SWEEP_CONFIRM, cmd_optimize, cmd_sweep
 from klotski_sim.cli.traces import cmd_trace_import, cmd_trace_stats, cmd_trace_synth
 from klotski_sim.policies import POLICIES
 from klotski_sim.policies.impl import PRESET_NAMES
+from klotski_sim.serving.policies import SERVING_POLICIES
 from klotski_sim.util.argtypes import (
     OneLineParser,
     bounded_int,
@@ -275,7 +276,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_models)
     add_serve_parser(sub)
     p = sub.add_parser("policies", help="list the policies, or one policy's options (what --option takes)")
-    p.add_argument("name", nargs="?", choices=list(POLICIES), metavar="NAME", help="a policy: list its options")
+    p.add_argument(
+        "name",
+        nargs="?",
+        choices=[*POLICIES, *SERVING_POLICIES],
+        metavar="NAME",
+        help="a policy (or a serving policy): list its options",
+    )
     p.add_argument("--policy-file", action="append", default=[], metavar="FILE.py", help="your own policy (repeatable)")
     p.set_defaults(func=cmd_policies)
     p = sub.add_parser("profiles", help="list built-in hardware profiles with their key numbers")
