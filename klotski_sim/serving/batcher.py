@@ -191,6 +191,20 @@ class ContinuousBatcher:
         self.running.remove(index)
         self.waiting.appendleft(index)
 
+    def _ask(self, index: int, budget: int) -> tuple[int, int] | None:
+        """The tokens request `index` computes now within `budget`, and the blocks that takes; None
+        for a prompt that must not be split (no chunked prefill) and does not fit what is left."""
+        seq = self.seqs[index]
+        tokens = min(seq.to_compute, budget)
+        if not self.config.chunked_prefill and tokens < seq.to_compute:
+            return None
+        return tokens, self._blocks_for(seq.computed + tokens) - seq.blocks
+
+    def _grant(self, index: int, tokens: int, blocks: int, chosen: dict[int, int]) -> None:
+        self.free_blocks -= blocks
+        self.seqs[index].blocks += blocks
+        chosen[index] = tokens
+
     # ---- one iteration -------------------------------------------------------------------------
     def schedule(self, now: float) -> Iteration:
         """The next iteration's requests, decided from the state at `now` (module docstring)."""
@@ -206,11 +220,10 @@ class ContinuousBatcher:
             if index not in self.running:  # preempted by a request before it
                 k += 1
                 continue
-            seq = self.seqs[index]
-            tokens = min(seq.to_compute, budget)
-            if not cfg.chunked_prefill and tokens < seq.to_compute:
+            asked = self._ask(index, budget)
+            if asked is None:
                 break
-            need = self._blocks_for(seq.computed + tokens) - seq.blocks
+            tokens, need = asked
             while need > self.free_blocks:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -221,28 +234,21 @@ class ContinuousBatcher:
             if index not in self.running:
                 k += 1
                 continue
-            self.free_blocks -= need
-            seq.blocks += need
-            chosen[index] = tokens
+            self._grant(index, tokens, need, chosen)
             budget -= tokens
             k += 1
         if not preempted:
             while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
                 index = self.waiting[0]
-                seq = self.seqs[index]
-                tokens = min(seq.to_compute, budget)
-                if not cfg.chunked_prefill and tokens < seq.to_compute:
+                asked = self._ask(index, budget)
+                if asked is None or asked[1] > self.free_blocks:
                     break
-                need = self._blocks_for(seq.computed + tokens) - seq.blocks
-                if need > self.free_blocks:
-                    break
+                tokens, need = asked
                 self.waiting.popleft()
-                self.free_blocks -= need
-                seq.blocks += need
-                if seq.admitted_s is None:
-                    seq.admitted_s = now
+                if self.seqs[index].admitted_s is None:
+                    self.seqs[index].admitted_s = now
                 self.running.append(index)
-                chosen[index] = tokens
+                self._grant(index, tokens, need, chosen)
                 budget -= tokens
         scheduled = tuple(
             Scheduled(
