@@ -137,6 +137,7 @@ def serve(spec: ServeSpec, cost: CostModel | None = None, keep: bool = True) -> 
     blocked: list[int] = []
     memory_trace: list[tuple[float, int]] = []
     iterations: list[IterationRecord] = []
+    composition: list[list[list[int]]] = []  # per iteration: [request, new tokens, context, prefill, samples]
     peak = 0
     capacities: dict[str, int] = {}
     now = 0.0
@@ -168,6 +169,7 @@ def serve(spec: ServeSpec, cost: CostModel | None = None, keep: bool = True) -> 
             )
         templates.ran(ops)
         if keep:
+            composition.append([[q.request, q.new_tokens, q.context, int(q.prefill), int(q.samples)] for q in iteration.seqs])
             start.extend(now + t for t in ran.start)
             end.extend(now + t for t in ran.end)
             ready.extend(now + t for t in ran.ready)
@@ -240,7 +242,9 @@ def serve(spec: ServeSpec, cost: CostModel | None = None, keep: bool = True) -> 
     }
     if not keep:
         return ServeResult(spec, residency, memory, records, tuple(iterations), metrics, meta, None, None)
-    schedule = builder.build(meta)
+    # what each iteration computed for each request: the runtime executes a kept run's Schedule from it
+    # (attention over each request's own context), as the offline runs' RunShape tells it their batches
+    schedule = builder.build({**meta, "iterations": composition})
     timeline = Timeline.from_schedule(
         schedule,
         start=start,
