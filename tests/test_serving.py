@@ -345,11 +345,50 @@ def test_serve_writes_each_policys_timeline_when_asked(tmp_path, capsys):
     assert "--timeline writes into --out DIR" in capsys.readouterr().err
 
 
-def test_a_run_that_keeps_no_ops_has_the_same_metrics():
-    spec = ServeSpec(TINY, PAGED, "fluxmoe", fixed_requests(5, 12, 6), options={"pageable_layers": 2})
+def assert_same_times(a, b):
+    """Equal records, their times to rounding: a compiled iteration adds the same durations in
+    another order (klotski_sim.core.maxplus)."""
+    assert type(a) is type(b)
+    if isinstance(a, float):
+        assert a == pytest.approx(b, rel=1e-12, abs=1e-15, nan_ok=True)
+    elif isinstance(a, (tuple, list)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same_times(x, y)
+    elif hasattr(a, "__dataclass_fields__"):
+        for name in a.__dataclass_fields__:
+            assert_same_times(getattr(a, name), getattr(b, name))
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize(
+    "policy, options",
+    [
+        ("vllm", {}),
+        ("vllm-o", {"offload_layers": 1}),
+        ("ktransformers", {}),
+        ("fluxmoe", {"pageable_layers": 2}),
+        ("fluxmoe-h", {"pageable_layers": 2}),
+        ("fluxmoe", {"pageable_layers": 2, "decompress_on": "compute"}),
+        ("fluxmoe", {"adaptive": True, "control_interval": 2}),
+    ],
+)
+def test_a_run_that_keeps_no_ops_times_known_shapes_compiled_and_gives_the_same_metrics(policy, options):
+    """keep=False times most iterations from a compiled template (no ops emitted): the same metrics
+    and iterations as the kept run, which emits and times every op with the engine."""
+    spec = ServeSpec(TINY, PAGED, policy, fixed_requests(6, 12, 9), BatchingConfig(max_num_seqs=4), options=options)
     kept, dropped = serve(spec), serve(spec, keep=False)
     assert dropped.schedule is None and dropped.timeline is None
-    assert dropped.metrics == kept.metrics and dropped.iterations == kept.iterations
+    assert_same_times(dropped.metrics, kept.metrics)
+    assert_same_times(dropped.iterations, kept.iterations)
+    assert dropped.meta["decisions"] == kept.meta["decisions"]
+    compiled = dropped.meta["iterations_timed_compiled"]
+    assert kept.meta["iterations_timed_compiled"] == 0
+    if options.get("decompress_on") == "compute":  # two streams on the GPU: the engine queues, times it all
+        assert compiled == 0
+    else:
+        assert compiled >= len(dropped.iterations) // 3
 
 
 @pytest.mark.parametrize(
@@ -428,12 +467,18 @@ def test_adaptive_fluxmoe_grows_the_kv_cache_under_pressure_within_the_memory_bu
     profile = with_overrides(PAGED, {"gpu.memory_bytes": 2.2e9})
     w = with_poisson_arrivals(fixed_requests(60, 40, 24), rate=400.0, seed=1)
     options = {"adaptive": True, "pageable_layers": 4, "control_interval": 4}
-    r = serve(ServeSpec(small, profile, "fluxmoe", w, BatchingConfig(max_num_seqs=64), options=options))
+    spec = ServeSpec(small, profile, "fluxmoe", w, BatchingConfig(max_num_seqs=64), options=options)
+    r = serve(spec)
     decisions = r.schedule.meta["decisions"]
     assert any(" reclaim L" in d for d in decisions), decisions
     assert max(it.blocks_used for it in r.iterations) > r.memory.num_blocks  # more than the cache it started with
     assert r.timeline.meta["peak_gpu_bytes"] <= r.memory.budget_bytes
     assert all(rec.finished_s > 0 for rec in r.requests)
+    # timed from compiled shapes between the moves, the run decides the same moves at the same times
+    dropped = serve(spec, keep=False)
+    assert dropped.meta["decisions"] == decisions and dropped.meta["iterations_timed_compiled"] > 0
+    assert_same_times(dropped.iterations, r.iterations)
+    assert_same_times(dropped.metrics, r.metrics)
 
 
 def test_an_offline_run_whose_residency_changes_is_still_a_schedule_the_engine_times_alike():

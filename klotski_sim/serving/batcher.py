@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from klotski_sim.serving.requests import Request, Workload
 from klotski_sim.util.errors import UsageError
@@ -80,10 +81,10 @@ class SequenceState:
         return self.known - self.computed
 
 
-@dataclass(frozen=True)
-class Scheduled:
+class Scheduled(NamedTuple):
     """One request's share of an iteration: `new_tokens` computed over a cache that then holds
-    `context` tokens; `prefill` when they are prompt (or recomputed) tokens, not one decode token."""
+    `context` tokens; `prefill` when they are prompt (or recomputed) tokens, not one decode token.
+    (A NamedTuple: a run makes one per request and iteration, hundreds of thousands.)"""
 
     request: int
     new_tokens: int
@@ -195,10 +196,11 @@ class ContinuousBatcher:
         """The tokens request `index` computes now within `budget`, and the blocks that takes; None
         for a prompt that must not be split (no chunked prefill) and does not fit what is left."""
         seq = self.seqs[index]
-        tokens = min(seq.to_compute, budget)
-        if not self.config.chunked_prefill and tokens < seq.to_compute:
+        wanted = seq.request.prompt_len + seq.generated - seq.computed
+        tokens = wanted if wanted < budget else budget
+        if tokens < wanted and not self.config.chunked_prefill:
             return None
-        return tokens, self._blocks_for(seq.computed + tokens) - seq.blocks
+        return tokens, -(-(seq.computed + tokens) // self.config.block_size) - seq.blocks
 
     def _grant(self, index: int, tokens: int, blocks: int, chosen: dict[int, int]) -> None:
         self.free_blocks -= blocks
@@ -217,7 +219,7 @@ class ContinuousBatcher:
         k = 0
         while k < len(queue) and budget > 0:
             index = queue[k]
-            if index not in self.running:  # preempted by a request before it
+            if preempted and index not in self.running:  # preempted by a request before it
                 k += 1
                 continue
             asked = self._ask(index, budget)
@@ -250,19 +252,16 @@ class ContinuousBatcher:
                 self.running.append(index)
                 self._grant(index, tokens, need, chosen)
                 budget -= tokens
-        scheduled = tuple(
-            Scheduled(
-                index,
-                tokens,
-                self.seqs[index].computed + tokens,
-                prefill=self.seqs[index].to_compute > 1 or self.seqs[index].generated == 0,
-                samples=self.seqs[index].computed + tokens == self.seqs[index].known,
-            )
-            for index, tokens in chosen.items()
-        )
+        scheduled = tuple(map(self._scheduled, chosen.items()))
         iteration = Iteration(self.iterations, now, scheduled, tuple(preempted), self.blocks_used, len(self.waiting))
         self.iterations += 1
         return iteration
+
+    def _scheduled(self, chosen: tuple[int, int]) -> Scheduled:
+        index, tokens = chosen
+        seq = self.seqs[index]
+        context, known = seq.computed + tokens, seq.request.prompt_len + seq.generated
+        return Scheduled(index, tokens, context, known - seq.computed > 1 or seq.generated == 0, context == known)
 
     def finish(self, iteration: Iteration, end_s: float) -> list[int]:
         """The iteration ended at `end_s`: tokens are sampled, finished requests leave (returned)."""

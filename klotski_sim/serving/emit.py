@@ -44,6 +44,11 @@ class BatchShape:
     sequences: int
     prefill: bool
 
+    @property
+    def timing_key(self) -> tuple[int, int, int, bool]:
+        """What every op's cost but attention's depends on (`IterationEmitter.attention_cost`)."""
+        return self.tokens, self.samples, self.sequences, self.prefill
+
     @classmethod
     def of(cls, iteration: Iteration) -> "BatchShape":
         tokens = visible = context = samples = 0
@@ -73,11 +78,13 @@ class IterationEmitter:
         self._miss = 1.0 - pick  # [layers, experts]
         self._active_cache: dict[tuple[int, int], float] = {}
 
-    def begin(self, iteration: Iteration) -> None:
+    def begin(self, iteration: Iteration, shape: BatchShape | None = None) -> None:
         self.it = iteration
         self.at = f"it{iteration.index}"
-        self.shape = BatchShape.of(iteration)
+        self.shape = shape or BatchShape.of(iteration)
         self.phase = "prefill" if self.shape.prefill else "decode"
+        self.first = len(self.b.ops)
+        self.context_ops: list[int] = []  # (within the iteration) the ops whose costs grow with the context
 
     def _tags(self, layer: int = -1) -> dict:
         return dict(step=self.it.index, phase=self.phase, layer=layer, tokens=self.shape.tokens)
@@ -95,11 +102,16 @@ class IterationEmitter:
             f"{self.at}/embed", "embed", deps, bytes=self.model.hidden_bytes(self.shape.tokens), **self._tags()
         )
 
-    def attention(self, layer: int, deps: Sequence[str | None], free: tuple[str, ...] = ()) -> str:
-        sh = self.shape
+    def attention_cost(self, sh: BatchShape) -> tuple[int, int, int]:
+        """FLOPs, bytes and mean context of one layer's attention over `sh`: the one op cost that
+        changes from one iteration to the next of a steady batch (klotski_sim.core.maxplus)."""
         flops = 2 * sh.tokens * self._attention_params + self._per_visible * sh.visible
         nbytes = self._attention_bytes + sh.context * self._kv_per_token + 2 * sh.tokens * self._hidden_per_token
-        mean_context = sh.context // max(1, sh.sequences)
+        return flops, nbytes, sh.context // max(1, sh.sequences)
+
+    def attention(self, layer: int, deps: Sequence[str | None], free: tuple[str, ...] = ()) -> str:
+        flops, nbytes, mean_context = self.attention_cost(self.shape)
+        self.context_ops.append(len(self.b.ops) - self.first)
         return self.b.compute(
             f"{self.at}/L{layer}/attn",
             "attention",

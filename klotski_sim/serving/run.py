@@ -22,16 +22,17 @@ import numpy as np
 
 from klotski_sim.core.cost import CostModel
 from klotski_sim.core.engine import run_engine
-from klotski_sim.core.schedule import Op, Schedule, ScheduleBuilder
+from klotski_sim.core.schedule import Schedule, ScheduleBuilder
 from klotski_sim.core.timeline import Timeline
 from klotski_sim.hardware.profile import HardwareProfile
 from klotski_sim.serving.batcher import BatchingConfig, ContinuousBatcher, ServingRefusal
-from klotski_sim.serving.emit import IterationEmitter, expert_pick_probability
+from klotski_sim.serving.emit import BatchShape, IterationEmitter, expert_pick_probability
 from klotski_sim.serving.memory import MemoryPlan, Residency, plan_memory
 from klotski_sim.serving.metrics import IterationRecord, RequestRecord, ServingMetrics
 from klotski_sim.serving.policies import get_serving_policy
 from klotski_sim.serving.policies.base import IterationSeen, ServingSetup, resolve_serving_options
 from klotski_sim.serving.requests import Workload
+from klotski_sim.serving.templates import CompiledIterations, IterationTemplates
 from klotski_sim.workload.model import ModelSpec
 
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default (vllm/engine/arg_utils.py; docs/serving.md)
@@ -69,49 +70,6 @@ class ServeResult:
     timeline: Timeline | None
 
 
-class IterationTemplates:
-    """One iteration's ops as a Schedule of their own (dependencies on earlier iterations are met by
-    its start), built and validated once per *shape* — the ops, streams, dependencies and buffers,
-    iteration number aside — and reused with each iteration's own durations: most iterations of a
-    run have one of a few shapes, and validating each again took half the run's time."""
-
-    def __init__(self, streams: Mapping[str, str], preloaded: list[tuple[str, int]]) -> None:
-        self.streams = dict(streams)
-        self.live = dict(preloaded)  # the GPU buffers held between iterations (weights, the KV pool)
-        self._live_version = 0
-        self._schedules: dict[tuple, Schedule] = {}
-
-    def ran(self, ops: list[Op]) -> None:
-        """An iteration's ops ran: the buffers they left allocated (or freed) are held from now on."""
-        for op in ops:
-            if op.alloc or op.free:
-                for name, size in op.alloc:
-                    self.live[name] = size
-                for name in op.free:
-                    self.live.pop(name, None)
-        if any(op.alloc or op.free for op in ops):
-            held = {name for op in ops for name, _ in op.alloc} - {name for op in ops for name in op.free}
-            dropped = {name for op in ops for name in op.free} - {name for op in ops for name, _ in op.alloc}
-            if held or dropped:
-                self._live_version += 1
-
-    def schedule(self, ops: list[Op], prefix: str) -> Schedule:
-        # An op id names its role in the iteration (`it7/L3/moe`): within one run the same ids have
-        # the same streams and dependencies, so the ids and the buffer sizes are the shape. (The run's
-        # whole Schedule is validated at the end, and the tests time it whole against the iterations.)
-        cut = len(prefix)
-        key = (self._live_version, tuple(op.id[cut:] for op in ops), tuple(b for op in ops for _, b in op.alloc))
-        found = self._schedules.get(key)
-        if found is None:
-            ids = {op.id for op in ops}
-            own = tuple(
-                op if all(d in ids for d in op.deps) else op._replace(deps=tuple(d for d in op.deps if d in ids))
-                for op in ops
-            )
-            found = self._schedules[key] = Schedule(ops=own, streams=self.streams, preloaded=tuple(self.live.items()))
-        return found
-
-
 def serve(spec: ServeSpec, cost: CostModel | None = None, keep: bool = True) -> ServeResult:
     """Serve `spec.workload` with `spec.policy` (module docstring). `keep=False` drops each
     iteration's ops once timed: the result has its metrics and iterations but no Schedule or Timeline,
@@ -130,6 +88,11 @@ def serve(spec: ServeSpec, cost: CostModel | None = None, keep: bool = True) -> 
     cost = cost or CostModel(profile)
     templates = IterationTemplates(builder.streams, builder.preloaded)
     em = IterationEmitter(model, builder, expert_pick_probability(model, spec.seed))
+    # a run that keeps its ops emits every iteration; one that does not times known shapes compiled
+    compiled = CompiledIterations(cost, em, int(profile.gpu.usable_bytes))
+    compiling = not keep and cost.override is None
+    timed_compiled = 0
+    watched = policy.watches_iterations()
 
     start: list[float] = []
     end: list[float] = []
@@ -152,33 +115,57 @@ def serve(spec: ServeSpec, cost: CostModel | None = None, keep: bool = True) -> 
                 )
             now = arrival
             continue
-        first = len(builder.ops)
-        em.begin(iteration)
-        last = em.embed(policy.start_iteration(em))
-        for layer in range(model.num_layers):
-            last = policy.layer(em, layer, last)
-        logits = em.lm_head([last])
-        em.end([logits, *policy.finish_iteration(em)])
-        ops = builder.ops[first:]
-        ran = run_engine(templates.schedule(ops, em.at + "/"), profile, durations=cost.durations(ops, builder.streams))
-        if ran.oom is not None:
-            raise ServingRefusal(
-                f"{spec.policy}: iteration {iteration.index} ran out of GPU memory at op {ran.oom.op_id} "
-                f"({ran.oom.needed_bytes:,} bytes needed, {ran.oom.available_bytes:,} available): "
-                f"the memory plan undercounts ({memory.describe()})"
-            )
-        templates.ran(ops)
-        if keep:
-            composition.append([[q.request, q.new_tokens, q.context, int(q.prefill), int(q.samples)] for q in iteration.seqs])
-            start.extend(now + t for t in ran.start)
-            end.extend(now + t for t in ran.end)
-            ready.extend(now + t for t in ran.ready)
-            blocked.extend(b + first if b >= 0 else -1 for b in ran.blocked_by)
-            memory_trace.extend((now + t, b) for t, b in ran.memory_trace)
+        shape = BatchShape.of(iteration)
+        prefix = f"it{iteration.index}/"
+        key = None
+        if compiling and (state := policy.emission_state()) is not None:
+            key = (state, templates.live_version, shape.timing_key)
+        hit = compiled.get(key)
+        if hit is not None:  # a known shape: timed without emitting its ops
+            a = compiled.attention_seconds(hit, shape)
+            if hit.timing.peak_bound > compiled.capacity and hit.timing.peak_bytes(a) > compiled.capacity:
+                hit = None  # (the engine decides, and says so if the plan undercounts)
+        if hit is not None:
+            timed_compiled += 1
+            makespan = hit.timing.makespan(a)
+            durations = compiled.durations(hit, a, prefix) if watched else {}
         else:
-            del builder.ops[:]  # (the next iteration's dependencies on these are met by its start)
-        peak, capacities = max(peak, ran.peak_gpu_bytes), ran.capacities
-        finish = now + ran.makespan
+            first = len(builder.ops)
+            em.begin(iteration, shape)
+            last = em.embed(policy.start_iteration(em))
+            for layer in range(model.num_layers):
+                last = policy.layer(em, layer, last)
+            logits = em.lm_head([last])
+            em.end([logits, *policy.finish_iteration(em)])
+            ops = builder.ops[first:]
+            template = templates.schedule(ops, prefix)
+            op_durations = cost.durations(ops, builder.streams)
+            ran = run_engine(template, profile, durations=op_durations)
+            if ran.oom is not None:
+                raise ServingRefusal(
+                    f"{spec.policy}: iteration {iteration.index} ran out of GPU memory at op {ran.oom.op_id} "
+                    f"({ran.oom.needed_bytes:,} bytes needed, {ran.oom.available_bytes:,} available): "
+                    f"the memory plan undercounts ({memory.describe()})"
+                )
+            held = templates.live_version
+            templates.ran(ops)
+            if keep:
+                composition.append(
+                    [[q.request, q.new_tokens, q.context, int(q.prefill), int(q.samples)] for q in iteration.seqs]
+                )
+                start.extend(now + t for t in ran.start)
+                end.extend(now + t for t in ran.end)
+                ready.extend(now + t for t in ran.ready)
+                blocked.extend(b + first if b >= 0 else -1 for b in ran.blocked_by)
+                memory_trace.extend((now + t, b) for t, b in ran.memory_trace)
+            else:
+                del builder.ops[:]  # (the next iteration's dependencies on these are met by its start)
+                if key is not None and held == templates.live_version:
+                    compiled.add(key, template, op_durations, prefix)
+            peak, capacities = max(peak, ran.peak_gpu_bytes), ran.capacities
+            makespan = ran.makespan
+            durations = dict(zip((op.id for op in ops), (e - b for b, e in zip(ran.start, ran.end)))) if watched else {}
+        finish = now + makespan
         iterations.append(
             IterationRecord(
                 iteration.index,
@@ -194,17 +181,18 @@ def serve(spec: ServeSpec, cost: CostModel | None = None, keep: bool = True) -> 
             )
         )
         batcher.finish(iteration, finish)
-        seen = IterationSeen(
-            dict(zip((op.id for op in ops), (e - b for b, e in zip(ran.start, ran.end)))),
-            em.at + "/",
-            len(iteration.seqs),
-            len(batcher.running) + len(batcher.waiting),
-            min(batcher.free_blocks, batcher.num_blocks - batcher.min_blocks),
-            memory.block_bytes,
-        )
-        change = policy.after_iteration(seen)
-        if change:
-            batcher.resize(batcher.num_blocks + change)
+        if watched:
+            seen = IterationSeen(
+                durations,
+                prefix,
+                len(iteration.seqs),
+                len(batcher.running) + len(batcher.waiting),
+                min(batcher.free_blocks, batcher.num_blocks - batcher.min_blocks),
+                memory.block_bytes,
+            )
+            change = policy.after_iteration(seen)
+            if change:
+                batcher.resize(batcher.num_blocks + change)
         now = finish
 
     records = tuple(
@@ -239,6 +227,7 @@ def serve(spec: ServeSpec, cost: CostModel | None = None, keep: bool = True) -> 
         "kv_blocks_at_end": batcher.num_blocks,
         "decisions": list(policy.decisions),
         "num_iterations": len(iterations),
+        "iterations_timed_compiled": timed_compiled,  # (the rest emitted and timed by the engine)
     }
     if not keep:
         return ServeResult(spec, residency, memory, records, tuple(iterations), metrics, meta, None, None)

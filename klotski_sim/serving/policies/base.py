@@ -6,7 +6,7 @@ iteration becomes. A policy is a class registered by `@serving_policy`; its opti
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar, Hashable, Mapping
 
 from klotski_sim.core.schedule import DEFAULT_STREAMS, ScheduleBuilder
 from klotski_sim.hardware.profile import HardwareProfile
@@ -76,6 +76,17 @@ class ServingPolicy:
     def after_iteration(self, seen: "IterationSeen") -> int:
         """Read the iteration that just ran; returns the change in KV blocks it decides (0: none)."""
         return 0
+
+    def watches_iterations(self) -> bool:
+        """Whether `after_iteration` reads the iterations (the run then gives it every op's duration)."""
+        return type(self).after_iteration is not ServingPolicy.after_iteration
+
+    def emission_state(self) -> Hashable | None:
+        """What this policy's ops depend on besides the batch's shape, as a value: equal states and
+        shapes give equal ops, and a run then times an iteration from the template of an earlier one
+        instead of emitting it (klotski_sim.core.maxplus). None, the default for a policy that does not
+        say: its ops are emitted every iteration."""
+        return None
 
 
 @dataclass(frozen=True)

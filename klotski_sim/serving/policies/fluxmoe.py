@@ -264,6 +264,16 @@ class FluxMoE(ServingPolicy):
         self._pending.append((action, step))
         return step.blocks if action == "reclaim" else -step.blocks
 
+    def emission_state(self) -> tuple[float, ...] | None:
+        """The compressed share of each pageable layer (what the planner moves); None while a move
+        decided after the last iteration is still to be emitted."""
+        if getattr(self, "_pending", None):
+            return None
+        return tuple(self.planner.share(j) for j in self.planner.layers) if hasattr(self, "planner") else ()
+
+    def watches_iterations(self) -> bool:
+        return hasattr(self, "planner")
+
     def start_iteration(self, em: IterationEmitter) -> list[str]:
         """The residency steps decided after the last iteration, carried out before this one."""
         if not getattr(self, "_pending", None):

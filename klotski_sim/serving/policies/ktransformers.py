@@ -31,6 +31,9 @@ class KTransformers(ServingPolicy):
             gpu_weight_bytes=m.total_bytes() - experts, cpu_expert_layers=moe_layers, host_weight_bytes=experts
         )
 
+    def emission_state(self) -> tuple[()]:
+        return ()  # (the placement is fixed for the run)
+
     def layer(self, em: IterationEmitter, layer: int, after: str) -> str:
         m, t = self.model, em.shape.tokens
         attention = em.attention(layer, [after])

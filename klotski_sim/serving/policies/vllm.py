@@ -17,6 +17,9 @@ class Vllm(ServingPolicy):
     def residency(self) -> Residency:
         return Residency(gpu_weight_bytes=self.model.total_bytes())
 
+    def emission_state(self) -> tuple[()]:
+        return ()  # (the placement is fixed for the run)
+
     def layer(self, em: IterationEmitter, layer: int, after: str) -> str:
         attention = em.attention(layer, [after])
         gate = em.gate(layer, [attention])

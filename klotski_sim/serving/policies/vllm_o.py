@@ -82,6 +82,9 @@ class VllmO(ServingPolicy):
         self._offloaded = residency.offloaded_layers
         return residency
 
+    def emission_state(self) -> tuple[()]:
+        return ()  # (the placement is fixed for the run)
+
     def layer(self, em: IterationEmitter, layer: int, after: str) -> str:
         m = self.model
         if layer not in self._offloaded:
