@@ -91,7 +91,7 @@ def serve(spec: ServeSpec, cost: CostModel | None = None, keep: bool = True) -> 
     # a run that keeps its ops emits every iteration; one that does not times known shapes compiled
     compiled = CompiledIterations(cost, em, int(profile.gpu.usable_bytes))
     compiling = not keep and cost.override is None
-    timed_compiled = 0
+    timed_compiled = num_ops = 0
     watched = policy.watches_iterations()
 
     start: list[float] = []
@@ -127,6 +127,7 @@ def serve(spec: ServeSpec, cost: CostModel | None = None, keep: bool = True) -> 
                 hit = None  # (the engine decides, and says so if the plan undercounts)
         if hit is not None:
             timed_compiled += 1
+            num_ops += len(hit.ids)
             makespan = hit.timing.makespan(a)
             durations = compiled.durations(hit, a, prefix) if watched else {}
         else:
@@ -138,6 +139,7 @@ def serve(spec: ServeSpec, cost: CostModel | None = None, keep: bool = True) -> 
             logits = em.lm_head([last])
             em.end([logits, *policy.finish_iteration(em)])
             ops = builder.ops[first:]
+            num_ops += len(ops)
             template = templates.schedule(ops, prefix)
             op_durations = cost.durations(ops, builder.streams)
             ran = run_engine(template, profile, durations=op_durations)
@@ -228,6 +230,7 @@ def serve(spec: ServeSpec, cost: CostModel | None = None, keep: bool = True) -> 
         "decisions": list(policy.decisions),
         "num_iterations": len(iterations),
         "iterations_timed_compiled": timed_compiled,  # (the rest emitted and timed by the engine)
+        "num_ops": num_ops,  # every iteration's ops, emitted or compiled
     }
     if not keep:
         return ServeResult(spec, residency, memory, records, tuple(iterations), metrics, meta, None, None)
