@@ -133,12 +133,21 @@ def check_length_quantiles(out: str, tmp: Path) -> None:
 
 def check_bench_serving(out: str, tmp: Path) -> None:
     rows = [line.split() for line in out.splitlines() if line.split()[:1] and line.split()[0] in SERVING_POLICIES]
-    assert [r[0] for r in rows] == ["vllm-o", "ktransformers", "fluxmoe-h", "fluxmoe"], out
+    names = ["vllm-o", "ktransformers", "fluxmoe-h", "fluxmoe"]
+    assert [(r[0], r[3]) for r in rows] == [(n, "dropped") for n in names] + [(n, "kept") for n in names], out
+    by_mode: dict[str, dict[str, list[str]]] = {"dropped": {}, "kept": {}}
     for row in rows:
-        iterations, ops, wall, rate = int(row[3]), numbers(row[4])[0], float(row[5]), numbers(row[6])[0]
+        iterations, compiled, ops = numbers(row[4])[0], float(row[5].rstrip("%")), numbers(row[6])[0]
+        wall, rate = float(row[7]), numbers(row[8])[0]
         assert iterations >= 64 and ops > iterations and wall > 0, row
         assert ops / (wall + 0.005) <= rate <= ops / max(wall - 0.005, 1e-9), row  # (wall printed to 0.01 s)
-        assert float(row[8]) > 0 and float(row[11]) <= 8, row  # tok/s; B_act at most B_cfg
+        assert float(row[11]) > 0 and float(row[14]) <= 8, row  # tok/s; B_act at most B_cfg
+        # a dropped run times most iterations compiled; a kept one emits every op
+        assert compiled >= 90 if row[3] == "dropped" else compiled == 0, row
+        by_mode[row[3]][row[0]] = row
+    for name in names:  # the same predictions either way (to the printed digits)
+        assert by_mode["dropped"][name][11:] == by_mode["kept"][name][11:], (name, out)
+    assert len(re.findall(r"keeping every op takes [0-9.]+x the time", out)) == 4, out
 
 
 def check_cpu_experts(out: str, tmp: Path) -> None:
