@@ -38,10 +38,11 @@ from .threads import cpu_threads
 
 MB = 1 << 20
 PROBE_BATCHES, PROBE_GEN = 3, 3  # the dispatch probes' batch count and generation length
+LONG_PROBE_S = 0.2  # a probe at least this long is timed by its warm-up alone (Bench.run)
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]:
-    """Median seconds of `fn` over `repeats` runs (after one warm-up), synchronising CUDA."""
+    """Median seconds of `fn` over `repeats` runs after one warm-up (a long probe: its warm-up; Bench.run)."""
 
     def measure(fn: Callable[[], object], repeats: int) -> float:
         bench = Bench(device, repeats)
@@ -78,12 +79,16 @@ class Bench:
         return time.perf_counter() - t
 
     def run(self) -> None:
-        for _, fn in self.probes:  # warm-up: first-touch allocation, lazy kernel selection
-            self._once(fn)
-        samples: list[list[float]] = [[] for _ in self.probes]
+        # warm-up: first-touch allocation, lazy kernel selection. A probe whose warm-up lasts
+        # LONG_PROBE_S or more is timed by it: first-touch costs are milliseconds of it, its length
+        # averages out what repeats are for, and each repeat would cost as long (a bf16 GEMM on a CPU
+        # without native bf16: 2.2 s a 1024^3 multiply, 13.6 s of a 22 s calibration)
+        first = [self._once(fn) for _, fn in self.probes]
+        samples: list[list[float]] = [[t] if t >= LONG_PROBE_S else [] for t in first]
         for _ in range(self.repeats):
             for i, (_, fn) in enumerate(self.probes):
-                samples[i].append(self._once(fn))
+                if first[i] < LONG_PROBE_S:
+                    samples[i].append(self._once(fn))
         for (row, _), times in zip(self.probes, samples):
             row["seconds"] = statistics.median(times)
         self.probes = []

@@ -273,6 +273,8 @@ def test_compare_in_worker_processes_gives_the_serial_results(tmp_path):
     """compare runs its policies in parallel processes: the rows, traces and table are the serial run's."""
     args = (
         "compare",
+        "--model",
+        "mixtral-8x7b:4",
         "--prompt-len",
         "32",
         "--gen-len",
@@ -365,8 +367,9 @@ def test_a_worker_that_dies_is_one_clear_error(monkeypatch):
 
 def test_compare_prints_the_table_and_writes_figures(tmp_path):
     rc, out, err = run_cli(
-        "compare", "--prompt-len", "32", "--gen-len", "3", "--batch-size", "4", "--traces", "--out", str(tmp_path)
-    )
+        "compare", "--model", "mixtral-8x7b:4", "--prompt-len", "32", "--gen-len", "3", "--batch-size", "4",
+        "--traces", "--out", str(tmp_path),
+    )  # fmt: skip
     assert rc == 0, err
     for policy in ("single-batch", "multi-batch", "hot-prefetch", "klotski", "klotski-oracle", "flexgen"):
         assert policy in out
