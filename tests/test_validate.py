@@ -244,8 +244,8 @@ def test_small_mixtral_validation_error_is_bounded(tmp_path):
             get_model("small-mixtral"),
             "cpu",
             batch_sizes=(1, 4),
-            prompt_lens=(16, 32),
-            kv_lens=range(33, 37),
+            prompt_lens=(8, 16),
+            kv_lens=range(17, 21),
             max_expert_tokens=256,
             repeats=3,
             emulate_links=links,
@@ -254,13 +254,13 @@ def test_small_mixtral_validation_error_is_bounded(tmp_path):
         )
         path = folder / "profile.yaml"
         path.write_text(profile.to_yaml())
-        assert profile.provenance["probe"]["batch_size"] == 1 and profile.provenance["probe"]["prompt_len"] == 16
+        assert profile.provenance["probe"]["batch_size"] == 1 and profile.provenance["probe"]["prompt_len"] == 8
         assert profile.provenance["machine_load"]["load_per_core"] >= 0 and profile.provenance["cpu_model"]
         setup = ValidationSetup(
             model="small-mixtral",
             batch_size=4,
             num_batches=2,
-            prompt_len=32,
+            prompt_len=16,
             gen_len=4,
             emulate_links=links,
             emulate_pageable=pageable,
