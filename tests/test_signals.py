@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from klotski_sim.runs.runner import _worker_start as _original_worker_start
 from klotski_sim.runs.runner import worker_pool
 from klotski_sim.util.stopping import STOP_WORDS
 
@@ -233,6 +234,38 @@ def test_a_pool_left_by_an_exception_cancels_its_queue_and_stops_its_workers():
     assert time.monotonic() - started < HANG_S  # (a plain pool would sleep through its whole queue)
     assert _wait_gone(workers) == []
     assert futures[-1].cancelled()
+
+
+def _one_slow_start(marker: str, *args: object) -> None:
+    """The first worker starts at once; the other takes its time, still under its parent's handlers."""
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        time.sleep(1.0)
+    _original_worker_start(*args)
+
+
+def test_a_pool_left_while_its_workers_start_stops_them_under_their_parents_handlers(monkeypatch, tmp_path):
+    """A worker forked from the CLI runs under the CLI's stop handler until it resets it: a SIGTERM
+    then was taken by the inherited handler (lost with it, or turned into a stop the worker survived),
+    the worker waited forever on its queue's lock and the command hung at exit joining it (seen once
+    in CI: compare --workers 2 with a policy that fails at once). The pool stops its workers with
+    SIGKILL, which no handler takes."""
+    import functools
+
+    from klotski_sim.runs import runner
+
+    monkeypatch.setattr(runner, "_worker_start", functools.partial(_one_slow_start, str(tmp_path / "first")))
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)  # (inherited: a worker survives it)
+    try:
+        with pytest.raises(RuntimeError, match="stop"):
+            with worker_pool(2, _nothing, fork=True) as pool:
+                pool.submit(os.getpid).result(timeout=HANG_S)  # (the quick worker: then idle, holding the queue's lock)
+                workers = list(pool._processes)
+                raise RuntimeError("stop")  # (while the other still sleeps in its start)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert _wait_gone(workers) == []
 
 
 PARENT = """

@@ -708,7 +708,10 @@ def worker_pool(
         # terminate_workers(); before it, only the executor's own table of them, which shutdown empties)
         pool.shutdown(wait=False, cancel_futures=True)
         for process in processes:
-            process.terminate()
+            # SIGKILL, not SIGTERM: a worker just forked still runs under the CLI's inherited stop handler
+            # until `_worker_start` resets it, and a SIGTERM then can be lost with the handler; the worker
+            # lived on, waiting on its queue's lock, and the command hung at exit joining it
+            process.kill()
         if isinstance(err, BrokenProcessPool):  # (the kernel's OOM killer, a `kill -9`: said in one line)
             raise WorkerDied(
                 f"a worker process died before it finished (killed, or out of host memory?): "
@@ -728,8 +731,9 @@ def _worker_start(parent: int | None, initializer: Callable[..., None], initargs
     """A pool worker's first steps: the stop signals end it as they end any process (a worker forked
     from the CLI inherits its handler, which turns them into an interruption of the main process's
     work), the kernel sends it SIGTERM when its parent dies, then `initializer`. SIGTERM always:
-    the pool stops its workers with it, and so does the kernel; SIGHUP unless the parent ignores
-    it (under `nohup` a hang-up would end the workers and not the run)."""
+    the kernel stops orphaned workers with it (the pool stops its own with SIGKILL, `worker_pool`);
+    SIGHUP unless the parent ignores it (under `nohup` a hang-up would end the workers and not the
+    run)."""
     for signum in STOP_SIGNALS:
         if signum == signal.SIGTERM or callable(signal.getsignal(signum)):
             signal.signal(signum, signal.SIG_DFL)
