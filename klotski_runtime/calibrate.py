@@ -38,11 +38,11 @@ from .threads import cpu_threads
 
 MB = 1 << 20
 PROBE_BATCHES, PROBE_GEN = 3, 3  # the dispatch probes' batch count and generation length
-LONG_PROBE_S = 0.2  # a probe at least this long is timed by its warm-up alone (Bench.run)
+LONG_PROBE_S = 0.2  # a probe whose warm-up is at least this long is timed once (Bench.run)
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]:
-    """Median seconds of `fn` over `repeats` runs after one warm-up (a long probe: its warm-up; Bench.run)."""
+    """Median seconds of `fn` over `repeats` runs after one warm-up (a long probe: one run; Bench.run)."""
 
     def measure(fn: Callable[[], object], repeats: int) -> float:
         bench = Bench(device, repeats)
@@ -79,15 +79,16 @@ class Bench:
         return time.perf_counter() - t
 
     def run(self) -> None:
-        # warm-up: first-touch allocation, lazy kernel selection. A probe whose warm-up lasts
-        # LONG_PROBE_S or more is timed by it: first-touch costs are milliseconds of it, its length
-        # averages out what repeats are for, and each repeat would cost as long (a bf16 GEMM on a CPU
-        # without native bf16: 2.2 s a 1024^3 multiply, 13.6 s of a 22 s calibration)
-        first = [self._once(fn) for _, fn in self.probes]
-        samples: list[list[float]] = [[t] if t >= LONG_PROBE_S else [] for t in first]
-        for _ in range(self.repeats):
+        # warm-up: first-touch allocation, lazy kernel selection (page faults of a fresh buffer can be
+        # a large part of a first run: it is never a sample). A probe whose warm-up lasts LONG_PROBE_S
+        # or more is then timed once: its length averages out what repeats are for, and each repeat
+        # would cost as long (a bf16 GEMM on a CPU without native bf16: 2.2 s a 1024^3 multiply; its
+        # six runs were 13.6 s of a 22.6 s calibration)
+        long = [self._once(fn) >= LONG_PROBE_S for _, fn in self.probes]
+        samples: list[list[float]] = [[] for _ in self.probes]
+        for k in range(self.repeats):
             for i, (_, fn) in enumerate(self.probes):
-                if first[i] < LONG_PROBE_S:
+                if k == 0 or not long[i]:
                     samples[i].append(self._once(fn))
         for (row, _), times in zip(self.probes, samples):
             row["seconds"] = statistics.median(times)

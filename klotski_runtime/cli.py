@@ -225,6 +225,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from .validate import ALL_POLICIES, ValidationSetup, format_report, validate
 
     threads = _threads(args)
+    if args.serve:
+        return _validate_serving(args, threads)
+    for flag in ("--requests", "--output-len"):
+        if getattr(args, flag[2:].replace("-", "_")) is not None:
+            raise CliError(f"{flag}: a serving workload's; give --serve (offline runs take --num-batches, --gen-len)")
     policies = ALL_POLICIES if args.policy == "all" else tuple(args.policy.split(","))
     repeated = first_repeat(policies)
     if repeated is not None:
@@ -281,6 +286,131 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _validate_serving(args: argparse.Namespace, threads: int | None) -> int:
+    """`validate --serve`: calibrate the serving ops, simulate a serving run, execute its Schedule."""
+    from .serving_validate import (
+        SERVING_VALIDATION_POLICIES,
+        ServingValidationSetup,
+        format_serving_extra,
+        validate_serving,
+    )
+    from .validate import format_report
+
+    offline = [
+        flag
+        for flag, given in (
+            ("--checkpoint", args.checkpoint),
+            ("--trace", args.trace),
+            ("--routing", args.routing),
+            ("--kv cpu", args.kv != "gpu"),
+            ("--impl", args.impl != "as-published"),
+            ("--policy-file", args.policy_file),
+            ("--dtype", args.dtype != "bfloat16"),
+        )
+        if given
+    ]
+    if offline:
+        raise CliError(
+            f"--serve: {', '.join(offline)} apply to offline schedules; a serving validation runs random bf16 "
+            f"weights with real routing"
+        )
+    policies = SERVING_VALIDATION_POLICIES if args.policy == "all" else tuple(args.policy.split(","))
+    repeated = first_repeat(policies)
+    if repeated is not None:
+        raise CliError(f"--policy {args.policy}: {repeated!r} is given twice")
+    from klotski_sim.serving.policies import SERVING_POLICIES
+
+    unknown = [p for p in policies if p not in SERVING_POLICIES]
+    if unknown:
+        raise CliError(f"--serve --policy: {', '.join(unknown)}: not serving policies ({', '.join(SERVING_POLICIES)})")
+    options: dict[str, dict] = {p: {} for p in policies}
+    for key, value in parse_overrides(args.options, "--option").items():
+        policy, _, name = key.rpartition(".")
+        if policy not in options:
+            raise CliError(
+                f"--option {key}: with --serve name a policy validated as POLICY.KEY ({', '.join(policies)})"
+            )
+        options[policy][name] = value
+    setup = ServingValidationSetup(
+        model=args.model,
+        device=args.device,
+        requests=args.requests or 3,
+        prompt_len=args.prompt_len,
+        output_len=args.output_len or args.gen_len,
+        policies=policies,
+        options=options,
+        seed=args.seed,
+        emulate_links=_emulation(args),
+        emulate_pageable=_pageable(args),
+        threads=threads or 1,
+        repeats=args.repeats,
+    )
+    out = output_folder(args.out)
+    report = validate_serving(setup, out, args.profile, progress=True)
+    print(format_report(report))
+    print(format_serving_extra(report))
+    print(f"wrote profile.yaml, validation.json and <policy>/{{simulated,measured}}.parquet, schedule.json, "
+          f"validation.png to {out}/")  # fmt: skip
+    return 0
+
+
+def _execute_serving(args: argparse.Namespace, schedule: object, schedule_path: Path, threads: int | None) -> int:
+    """`execute` of a serving Schedule (`klotski-sim serve --timeline --out DIR` writes DIR/POLICY/schedule.json)."""
+    import torch
+
+    from klotski_sim.core.schedule import Schedule
+    from klotski_sim.workload.model import get_model
+
+    from .executor import ExecOptions
+    from .kernels import WeightStore
+    from .serving_exec import check_serving, execute_serving
+
+    assert isinstance(schedule, Schedule)
+    if args.routing is not None:
+        raise CliError(f"--routing: {schedule_path} is a serving schedule; it routes for real (no routing table)")
+    if args.dtype != "bfloat16":
+        raise CliError(f"--dtype {args.dtype}: a serving schedule moves bf16 experts (their bytes are the schedule's)")
+    if not (args.model or schedule.meta.get("model")):
+        raise CliError(f"{schedule_path}: meta.model is missing (which model the schedule is of); give --model")
+    model = get_model(args.model or schedule.meta["model"])
+    check_serving(schedule, model, str(schedule_path))  # before any weights are made or read
+    weights = (
+        WeightStore.from_checkpoint(args.checkpoint, model, dtype=torch.bfloat16)
+        if args.checkpoint
+        else WeightStore.random(model, dtype=torch.bfloat16)
+    )
+    timeline, runner = execute_serving(
+        schedule,
+        model,
+        weights,
+        ExecOptions(
+            device=args.device, emulate_links=_emulation(args), emulate_pageable=_pageable(args), threads=threads
+        ),
+    )
+    sampled = sum(len(v) for v in runner.sampled.values())
+    moved = sum(written for written, _ in runner.moved.values())
+    print(
+        f"executed {len(runner.comp.by_step)} iterations of {schedule.meta.get('policy')} on {timeline.meta['device']}: "
+        f"makespan {timeline.makespan:.3f} s, {sampled} tokens sampled, {moved:,} bytes copied or decompressed"
+        f"{f', {len(runner.dropped)} KV caches dropped for recompute' if runner.dropped else ''}"
+    )
+    if timeline.meta.get("emulated_links"):
+        print(
+            "links EMULATED: "
+            + ", ".join(
+                f"{k} {v / 1e9:.2f} GB/s" for k, v in timeline.meta["emulated_links"]["bandwidth_bytes_per_s"].items()
+            )
+        )
+    if args.out:
+        from klotski_sim.report.exports import save_all
+
+        save_all(timeline, args.out)
+        print(
+            f"wrote the measured timeline (summary.json, timeline.parquet/.csv, trace.json.gz, timeline.png) to {args.out}/"
+        )
+    return 0
+
+
 def cmd_execute(args: argparse.Namespace) -> int:
     import torch
 
@@ -310,6 +440,8 @@ def cmd_execute(args: argparse.Namespace) -> int:
         raise CliError(
             f"{schedule_path}: the schedule has no ops (a configuration the memory check refused?): nothing to execute"
         )
+    if schedule.meta.get("mode") == "serving":
+        return _execute_serving(args, schedule, schedule_path, threads)
     routing = RoutingTable.load(routing_path)
     if not (args.model or schedule.meta.get("model")):
         raise CliError(f"{schedule_path}: meta.model is missing (which model the schedule is of); give --model")
@@ -437,7 +569,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("validate", help="simulate and execute the same schedules; report the errors")
-    p.add_argument("--policy", default="all", help="a policy, a comma-separated list, or all (default: %(default)s)")
+    p.add_argument(
+        "--policy",
+        "--policies",
+        default="all",
+        help="a policy, a comma-separated list, or all (default: %(default)s; with --serve: serving policies)",
+    )
+    p.add_argument(
+        "--serve",
+        action="store_true",
+        help="validate a serving run (klotski-sim serve): continuous batching of --requests requests of "
+        "--prompt-len + --output-len tokens under serving policies (vllm, vllm-o, ktransformers, fluxmoe-h, "
+        "fluxmoe); options as POLICY.KEY=VALUE",
+    )
+    p.add_argument("--requests", type=positive_int, default=None, help="--serve: requests submitted (default: 3)")
+    p.add_argument(
+        "--output-len", type=positive_int, default=None, help="--serve: output tokens per request (default: --gen-len)"
+    )
     p.add_argument(
         "--policy-file",
         action="append",

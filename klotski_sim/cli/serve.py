@@ -97,8 +97,9 @@ def add_serve_parser(sub: Any) -> None:
     p.add_argument(
         "--timeline",
         action="store_true",
-        help="also write each policy's timeline into DIR/POLICY/: trace.json.gz (Perfetto) and gantt.png of "
-        "the iterations --gantt-iterations picks (holds every op in memory)",
+        help="also write each policy's timeline into DIR/POLICY/: trace.json.gz (Perfetto), gantt.png of "
+        "the iterations --gantt-iterations picks, and schedule.json (what `klotski-runtime execute` runs; holds "
+        "every op in memory)",
     )
     p.add_argument(
         "--gantt-iterations",
@@ -165,7 +166,8 @@ def _iterations(text: str) -> tuple[int, int]:
 
 
 def _write_timeline(folder: Path, name: str, result: ServeResult, window: tuple[int, int]) -> None:
-    """A policy's Perfetto trace and the Gantt of a window of its iterations."""
+    """A policy's Perfetto trace, the Gantt of a window of its iterations, and its Schedule (with what
+    each iteration computed: `klotski-runtime execute DIR/POLICY` runs it)."""
     from klotski_sim.report.exports import to_chrome_trace
     from klotski_sim.report.plot import gantt
 
@@ -177,6 +179,8 @@ def _write_timeline(folder: Path, name: str, result: ServeResult, window: tuple[
     last = max(first, last)
     files = OutputFiles(folder)  # (both or neither: temporaries renamed at the commit)
     to_chrome_trace(timeline, files.path("trace.json.gz"))
+    assert result.schedule is not None  # (kept with the timeline)
+    result.schedule.save(files.path("schedule.json"))
     title = f"{name} · {result.meta['model']} · iterations {first}-{last} of {len(its)}"
     gantt(timeline, files.path("gantt.png"), window=(its[first].start_s, its[last].end_s), title=title)
     files.commit()

@@ -6,8 +6,9 @@ k-2, once the layer that read it has finished: write-after-read) from two backen
 experts run only once both parts have landed (read-after-write):
 
 - a *compressed GPU* tier: the experts stored losslessly compressed on the GPU (32.1% smaller,
-  FluxMoE Table 3's smallest saving on bf16 experts), decompressed on the GPU at the profile's
-  `gpu.decompress_bandwidth`;
+  FluxMoE Table 3's smallest saving on bf16 experts; option `compressed_size`, which
+  `klotski-runtime validate --serve` sets to its own coder's share measured on the weights it runs),
+  decompressed on the GPU at the profile's `gpu.decompress_bandwidth`;
 - *host memory*: pinned DRAM, copied over PCIe.
 
 `fluxmoe` splits each pageable layer between the two in proportion to their bandwidths, so that
@@ -73,6 +74,13 @@ class FluxMoEOptions:
         "own: a GPU decompression unit beside compute (FluxMoE's streams); compute: serialised with compute",
         choices=("own", "compute"),
     )
+    compressed_size: float = option(
+        COMPRESSED_SHARE,
+        "stored size of compressed experts as a share of their bf16 size (default: FluxMoE's published 67.9%; "
+        "klotski-runtime validate --serve gives its own coder's share measured on the very weights it runs)",
+        minimum=0.01,
+        maximum=1.0,
+    )
     adaptive: bool = option(False, "FluxMoE's residency planner moves tensors between the tiers during the run")
     control_interval: int = option(16, "adaptive: iterations between the planner's decisions (FluxMoE's CI)", minimum=1)
     adjust_granularity: float = option(
@@ -126,7 +134,8 @@ class FluxMoE(ServingPolicy):
     def _residency_of(self, paging: _Paging) -> Residency:
         size = self._layer_bytes
         paged = sum(size[j] for j in paging.layers)
-        stored = sum(c * size[j] * COMPRESSED_SHARE for j, c in zip(paging.layers, paging.compressed))
+        stored_share = self.options.get("compressed_size", COMPRESSED_SHARE)
+        stored = sum(c * size[j] * stored_share for j, c in zip(paging.layers, paging.compressed))
         host = sum((1 - c) * size[j] for j, c in zip(paging.layers, paging.compressed))
         block = max((size[j] for j in paging.layers), default=0)
         return Residency(
@@ -199,7 +208,7 @@ class FluxMoE(ServingPolicy):
             paging.layers,
             {j: self._layer_bytes[j] for j in paging.layers},
             {j: {"gate_up", "down"} for j in paging.layers},
-            COMPRESSED_SHARE,
+            o.get("compressed_size", COMPRESSED_SHARE),
             s.batching.block_size * m.kv_bytes_per_token() * m.num_layers,
             o.get("control_interval", 16),
             o.get("adjust_granularity", 0.25),
