@@ -670,3 +670,21 @@ def test_a_local_dask_worker_restarted_by_its_nanny_shares_the_machine_as_the_fi
         assert set(client.run(runs_in_flight).values()) == {2}
         client.restart()  # (every worker ended and started again by its nanny)
         assert set(client.run(runs_in_flight).values()) == {2}
+
+
+def test_the_no_worker_watch_counts_from_the_first_answer_without_workers(monkeypatch):
+    """A local Dask sweep whose nannies had all closed waited forever: the client now gives up on the
+    runs left once the scheduler has answered `no worker` for NO_WORKERS_TIMEOUT_S."""
+    from klotski_sim.runs import sweep
+
+    answers = iter([{"a": {}}, {}, {}, {"b": {}}, {}])
+    clock = iter([0.0, 10.0, 20.0, 30.0, 40.0, 43.0])
+
+    class Client:
+        def scheduler_info(self, n_workers: int = -1) -> dict:
+            return {"workers": next(answers)}
+
+    monkeypatch.setattr(sweep.time, "monotonic", lambda: next(clock))
+    watch = sweep._NoWorkerWatch(Client())
+    assert [watch.gone_for() for _ in range(5)] == [0.0, 0.0, 10.0, 0.0, 0.0]  # (a worker back: counted anew)
+    assert watch.gone_for() == 3.0  # (asked at most every DASK_WATCH_S: at 43 s, no new question)

@@ -851,24 +851,60 @@ def _run_dask(todo: list[dict[str, Any]], address: str, in_flight: int, finished
         from distributed.scheduler import NoValidWorkerError
     except ImportError:
         raise SweepError("--dask needs dask.distributed: pip install 'klotski[dask]'") from None
+    no_worker = f"no Dask worker was left to run it for {NO_WORKERS_TIMEOUT_S} s (its workers died and none restarted)"
     with _dask_client(address, in_flight) as client:
         with signals_deferred():  # (a stop raised inside distributed's `sync` makes it log a NameError
             futures = client.map(run_config, todo, pure=False)  # of its own and a failed gather)
         config_of = {fut.key: cfg for fut, cfg in zip(futures, todo)}
-        for fut in dask_completed(futures):
+        left = {fut.key: fut for fut in futures}
+        completed = dask_completed(futures)
+        watch = _NoWorkerWatch(client) if address == "local" else None  # (a cluster of the user's: its own timeouts)
+        while left:
+            batch = completed.next_batch(block=False)
+            if not batch:
+                if watch is not None and watch.gone_for() > NO_WORKERS_TIMEOUT_S:  # (the scheduler's did not fire)
+                    for key, fut in left.items():
+                        fut.cancel()
+                        finished(killed_row(config_of[key], no_worker))
+                        advance()
+                    return
+                time.sleep(DASK_POLL_S)
+                continue
+            for fut in batch:
+                del left[fut.key]
+                try:
+                    with signals_deferred():
+                        row = fut.result()
+                except KilledWorker:
+                    row = killed_row(config_of[fut.key], "on every Dask worker it was given")
+                except NoValidWorkerError:
+                    row = killed_row(config_of[fut.key], no_worker)
+                finished(row)
+                advance()
+
+
+class _NoWorkerWatch:
+    """How long the cluster has had no worker, asked of the scheduler at most every few seconds. The
+    scheduler fails the runs left after NO_WORKERS_TIMEOUT_S without a worker (a local cluster is
+    set so), but a local sweep under load still waited forever once: its nannies had closed, no
+    worker process was left, and no run ever failed. The client then gives up on them itself."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.since: float | None = None
+        self.asked = -math.inf
+
+    def gone_for(self) -> float:
+        now = time.monotonic()
+        if now - self.asked >= DASK_WATCH_S:
+            self.asked = now
             try:
                 with signals_deferred():
-                    row = fut.result()
-            except KilledWorker:
-                row = killed_row(config_of[fut.key], "on every Dask worker it was given")
-            except NoValidWorkerError:
-                row = killed_row(
-                    config_of[fut.key],
-                    f"no Dask worker was left to run it for "
-                    f"{NO_WORKERS_TIMEOUT_S} s (its workers died and none restarted)",
-                )
-            finished(row)
-            advance()
+                    workers = self.client.scheduler_info(n_workers=-1).get("workers", {})
+            except (OSError, TimeoutError):  # (a scheduler that does not answer: no worker it can give)
+                workers = {}
+            self.since = None if workers else (self.since or now)
+        return 0.0 if self.since is None else now - self.since
 
 
 @contextmanager
@@ -952,6 +988,7 @@ _DASK_LOG_LEVEL = "DASK_LOGGING__DISTRIBUTED"  # (dask's configuration from the 
 
 DASK_TIMEOUT_S = 10
 NO_WORKERS_TIMEOUT_S = 60  # a local cluster's runs fail when it has had no worker for this long
+DASK_POLL_S, DASK_WATCH_S = 0.1, 5.0  # how often finished runs are collected, and workers counted
 
 
 def _check_dask_address(address: str) -> None:
