@@ -139,8 +139,10 @@ def check_bench_serving(out: str, tmp: Path) -> None:
     for row in rows:
         iterations, compiled, ops = numbers(row[4])[0], float(row[5].rstrip("%")), numbers(row[6])[0]
         wall, rate = float(row[7]), numbers(row[8])[0]
-        assert iterations >= 64 and ops > iterations and wall > 0, row
-        assert ops / (wall + 0.005) <= rate <= ops / max(wall - 0.005, 1e-9), row  # (wall printed to 0.01 s)
+        assert iterations >= 64 and ops > iterations and wall >= 0, row  # (a quick dropped run can print 0.00 s)
+        assert ops / (wall + 0.005) <= rate, row  # (wall printed to 0.01 s)
+        if wall >= 0.01:
+            assert rate <= ops / (wall - 0.005), row
         assert float(row[11]) > 0 and float(row[14]) <= 8, row  # tok/s; B_act at most B_cfg
         # a dropped run times most iterations compiled; a kept one emits every op
         assert compiled >= 90 if row[3] == "dropped" else compiled == 0, row
