@@ -946,6 +946,23 @@ def execute(
 ) -> tuple[Timeline, OpRunner]:
     """Run every op of `schedule` and return the measured Timeline (and the runner, whose state
     holds logits and per-expert token counts for checks)."""
+    check_emulation(schedule, options)
+    with tempfile.TemporaryDirectory(prefix="klotski-disk-") as tmp:
+        disk = prepare_disk(schedule, weights, Path(tmp)) if any(map(is_disk_read, schedule.ops)) else None
+        runner = OpRunner(schedule, spec, weights, routing, options, disk)
+        timeline = measure_run(
+            schedule,
+            runner,
+            options,
+            weights,
+            {"weight_notes": weights.notes, "routing_forced": options.force_routing},
+        )
+    return timeline, runner
+
+
+def check_emulation(schedule: Schedule, options: ExecOptions) -> None:
+    """Refuse, before anything runs, what emulated links cannot do: emulation off the CPU, copies
+    that would sleep for hours, pageable copies over a link emulated without a pageable rate."""
     require_cuda(options.device)
     if options.emulate_links and not options.device == "cpu":
         raise ExecutionError("link emulation is for the CPU device only")
@@ -972,19 +989,25 @@ def execute(
             f"the schedule copies from pageable memory over emulated {', '.join(missing)}: "
             f"give the emulated pageable rate too (emulate_pageable)"
         )
-    with tempfile.TemporaryDirectory(prefix="klotski-disk-") as tmp:
-        disk = prepare_disk(schedule, weights, Path(tmp)) if any(map(is_disk_read, schedule.ops)) else None
-        runner = OpRunner(schedule, spec, weights, routing, options, disk)
-        if options.device.startswith("cuda"):
-            start, end = _run_cuda(schedule, runner)
-            peak = max(runner.peak, torch.cuda.max_memory_allocated())
-        else:
-            with cpu_threads(options.threads, quick_switch=True):  # stream threads wait on each other
-                start, end = _run_cpu(schedule, runner, options)
-            peak = runner.peak
-    emulated = {r: bw for r, bw in options.emulate_links.items()}
+
+
+def measure_run(
+    schedule: Schedule, runner: "OpRunner", options: ExecOptions, weights: WeightStore, meta: Mapping[str, Any]
+) -> Timeline:
+    """Run every op of `schedule` by `runner` on its device (a CUDA stream per stream, or a CPU
+    thread per stream) and return the measured Timeline: what ran where, on which weights, over
+    which links (emulated ones labelled so), with `meta` added."""
+    if options.device.startswith("cuda"):
+        start, end = _run_cuda(schedule, runner)
+        peak = max(runner.peak, torch.cuda.max_memory_allocated())
+    else:
+        with cpu_threads(options.threads, quick_switch=True):  # stream threads wait on each other
+            start, end = _run_cpu(schedule, runner, options)
+        peak = runner.peak
+    emulated = dict(options.emulate_links)
     device_name = torch.cuda.get_device_name() if options.device.startswith("cuda") else "cpu"
-    timeline = Timeline.from_schedule(
+    planned_for = schedule.meta.get("hardware")
+    return Timeline.from_schedule(
         schedule,
         start,
         end,
@@ -996,11 +1019,10 @@ def execute(
         extra_meta={
             "device": device_name,
             "hardware": device_name
-            if device_name == "cpu"
-            else f"{device_name} (schedule for {schedule.meta.get('hardware')})",
+            if device_name == "cpu" or planned_for is None
+            else f"{device_name} (schedule for {planned_for})",
             "weights": weights.source,
-            "weight_notes": weights.notes,
-            "routing_forced": options.force_routing,
+            **meta,
             "dtype": str(runner.dtype),
             "emulated_links": (
                 {
@@ -1014,7 +1036,6 @@ def execute(
             ),
         },
     )
-    return timeline, runner
 
 
 _GIVE_UP_S = 10.0  # the most a stopped run waits for each stream's thread to finish its current op

@@ -43,9 +43,8 @@ from klotski_sim.core.timeline import Timeline
 from klotski_sim.workload.model import ModelSpec
 
 from . import kernels, lossless
-from .executor import ExecOptions, ExecutionError, PinnedPool, _run_cpu, _run_cuda, require_cuda, resource_units
+from .executor import ExecOptions, ExecutionError, PinnedPool, check_emulation, measure_run
 from .kernels import WeightStore
-from .threads import cpu_threads
 
 # what the serving runner executes, by op kind: compute categories, and what a transfer carries
 SERVING_COMPUTE = ("embed", "attention", "gate", "dense_mlp", "moe", "combine", "lm_head", "decompress", "remap")
@@ -814,45 +813,13 @@ def execute_serving(
     and the runner (its state holds what ran: KV lengths, sampled tokens, bytes moved).
     `store`: what runs on these weights share (their flat host copies, compressed images, blocks): made
     once, it saves every later run from making them again."""
-    require_cuda(options.device)
-    if options.emulate_links and options.device != "cpu":
-        raise ExecutionError("link emulation is for the CPU device only")
+    check_emulation(schedule, options)
     runner = ServingRunner(schedule, spec, weights, options, store)
-    if runner.cuda:
-        start, end = _run_cuda(schedule, runner)  # type: ignore[arg-type]  # (it reads what an OpRunner has)
-        peak = max(runner.peak, torch.cuda.max_memory_allocated())
-    else:
-        with cpu_threads(options.threads, quick_switch=True):
-            start, end = _run_cpu(schedule, runner, options)  # type: ignore[arg-type]
-        peak = runner.peak
-    device_name = torch.cuda.get_device_name() if runner.cuda else "cpu"
-    emulated = dict(options.emulate_links)
-    timeline = Timeline.from_schedule(
+    timeline = measure_run(
         schedule,
-        start,
-        end,
-        status="ok",
-        peak_gpu_bytes=peak,
-        memory_trace=runner.memory_trace,
-        capacities=resource_units(schedule, options),
-        source="measured",
-        extra_meta={
-            "device": device_name,
-            "hardware": device_name,
-            "weights": weights.source,
-            "routing_forced": False,
-            "dtype": str(runner.dtype),
-            "compressed_tier_bytes": runner.compressed_bytes,
-            "emulated_links": (
-                {
-                    "bandwidth_bytes_per_s": emulated,
-                    "latency_s": options.link_latency_s,
-                    "pageable_bytes_per_s": dict(options.emulate_pageable),
-                    "note": "EMULATED links: transfers sleep to the target rate",
-                }
-                if emulated
-                else {}
-            ),
-        },
+        runner,  # type: ignore[arg-type]  # (it has what the drivers read of an OpRunner)
+        options,
+        weights,
+        {"routing_forced": False, "compressed_tier_bytes": runner.compressed_bytes},
     )
     return timeline, runner
