@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from klotski_sim.cli.common import CliError, not_an_input, output_file, output_folder, parse_overrides, routing_kind
 from klotski_sim.cli.main import guarded
@@ -354,15 +354,31 @@ def _validate_serving(args: argparse.Namespace, threads: int | None) -> int:
     return 0
 
 
+def _model_of(args: argparse.Namespace, schedule: Any, schedule_path: Path) -> Any:
+    """The model `execute` runs a schedule on: --model, else the one the schedule says it is of."""
+    from klotski_sim.workload.model import get_model
+
+    if not (args.model or schedule.meta.get("model")):
+        raise CliError(f"{schedule_path}: meta.model is missing (which model the schedule is of); give --model")
+    return get_model(args.model or schedule.meta["model"])
+
+
+def _weights(args: argparse.Namespace, model: Any, dtype: Any) -> Any:
+    """--checkpoint's weights for `model`, else random ones."""
+    from .kernels import WeightStore
+
+    if args.checkpoint:
+        return WeightStore.from_checkpoint(args.checkpoint, model, dtype=dtype)
+    return WeightStore.random(model, dtype=dtype)
+
+
 def _execute_serving(args: argparse.Namespace, schedule: object, schedule_path: Path, threads: int | None) -> int:
     """`execute` of a serving Schedule (`klotski-sim serve --timeline --out DIR` writes DIR/POLICY/schedule.json)."""
     import torch
 
     from klotski_sim.core.schedule import Schedule
-    from klotski_sim.workload.model import get_model
 
     from .executor import ExecOptions
-    from .kernels import WeightStore
     from .serving_exec import check_serving, execute_serving
 
     assert isinstance(schedule, Schedule)
@@ -370,15 +386,9 @@ def _execute_serving(args: argparse.Namespace, schedule: object, schedule_path: 
         raise CliError(f"--routing: {schedule_path} is a serving schedule; it routes for real (no routing table)")
     if args.dtype != "bfloat16":
         raise CliError(f"--dtype {args.dtype}: a serving schedule moves bf16 experts (their bytes are the schedule's)")
-    if not (args.model or schedule.meta.get("model")):
-        raise CliError(f"{schedule_path}: meta.model is missing (which model the schedule is of); give --model")
-    model = get_model(args.model or schedule.meta["model"])
+    model = _model_of(args, schedule, schedule_path)
     check_serving(schedule, model, str(schedule_path))  # before any weights are made or read
-    weights = (
-        WeightStore.from_checkpoint(args.checkpoint, model, dtype=torch.bfloat16)
-        if args.checkpoint
-        else WeightStore.random(model, dtype=torch.bfloat16)
-    )
+    weights = _weights(args, model, torch.bfloat16)
     timeline, runner = execute_serving(
         schedule,
         model,
@@ -394,32 +404,16 @@ def _execute_serving(args: argparse.Namespace, schedule: object, schedule_path: 
         f"makespan {timeline.makespan:.3f} s, {sampled} tokens sampled, {moved:,} bytes copied or decompressed"
         f"{f', {len(runner.dropped)} KV caches dropped for recompute' if runner.dropped else ''}"
     )
-    if timeline.meta.get("emulated_links"):
-        print(
-            "links EMULATED: "
-            + ", ".join(
-                f"{k} {v / 1e9:.2f} GB/s" for k, v in timeline.meta["emulated_links"]["bandwidth_bytes_per_s"].items()
-            )
-        )
-    if args.out:
-        from klotski_sim.report.exports import save_all
-
-        save_all(timeline, args.out)
-        print(
-            f"wrote the measured timeline (summary.json, timeline.parquet/.csv, trace.json.gz, timeline.png) to {args.out}/"
-        )
-    return 0
+    return _measured(timeline, args.out)
 
 
 def cmd_execute(args: argparse.Namespace) -> int:
     import torch
 
     from klotski_sim.core.schedule import Schedule
-    from klotski_sim.workload.model import get_model
     from klotski_sim.workload.routing import RoutingTable
 
     from .executor import ExecOptions, check_compatible, execute
-    from .kernels import WeightStore
 
     threads = _threads(args)
     folder = Path(args.schedule)
@@ -443,16 +437,9 @@ def cmd_execute(args: argparse.Namespace) -> int:
     if schedule.meta.get("mode") == "serving":
         return _execute_serving(args, schedule, schedule_path, threads)
     routing = RoutingTable.load(routing_path)
-    if not (args.model or schedule.meta.get("model")):
-        raise CliError(f"{schedule_path}: meta.model is missing (which model the schedule is of); give --model")
-    model = get_model(args.model or schedule.meta["model"])
+    model = _model_of(args, schedule, schedule_path)
     check_compatible(schedule, model, None, routing)  # before any weights are made or read
-    dtype = getattr(torch, args.dtype)
-    weights = (
-        WeightStore.from_checkpoint(args.checkpoint, model, dtype=dtype)
-        if args.checkpoint
-        else WeightStore.random(model, dtype=dtype)
-    )
+    weights = _weights(args, model, getattr(torch, args.dtype))
     timeline, _ = execute(
         schedule,
         model,
@@ -463,9 +450,13 @@ def cmd_execute(args: argparse.Namespace) -> int:
         ),
     )
     from klotski_sim.cli.summary_text import format_summary
-    from klotski_sim.report.exports import save_all
 
     print(format_summary(timeline.summary()))
+    return _measured(timeline, args.out)
+
+
+def _measured(timeline: Any, out: str | None) -> int:
+    """`execute`'s last lines: the emulated links named, the measured timeline written to `out`."""
     if timeline.meta.get("emulated_links"):
         print(
             "links EMULATED: "
@@ -473,10 +464,12 @@ def cmd_execute(args: argparse.Namespace) -> int:
                 f"{k} {v / 1e9:.2f} GB/s" for k, v in timeline.meta["emulated_links"]["bandwidth_bytes_per_s"].items()
             )
         )
-    if args.out:
-        save_all(timeline, args.out)
+    if out:
+        from klotski_sim.report.exports import save_all
+
+        save_all(timeline, out)
         print(
-            f"wrote the measured timeline (summary.json, timeline.parquet/.csv, trace.json.gz, timeline.png) to {args.out}/"
+            f"wrote the measured timeline (summary.json, timeline.parquet/.csv, trace.json.gz, timeline.png) to {out}/"
         )
     return 0
 
