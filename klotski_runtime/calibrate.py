@@ -106,6 +106,31 @@ def _host_memory() -> float:
     return float(kernels.host_memory("MemTotal") or 16e9)
 
 
+def gpu_section(
+    dev: torch.device, peak: float, membw: float, overhead: float, dependency: float, host_sync: float
+) -> dict[str, Any]:
+    """A profile's `gpu:` fields from the measured roofline and hand-offs, named and sized as CUDA
+    says (a CPU "device" holds half of host memory: it shares it with the host store)."""
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        name, memory = props.name, float(props.total_memory)
+        reserved = float(torch.cuda.memory_reserved(dev)) + 512 * MB
+    else:
+        name, memory, reserved = f"CPU ({cpu_model()})", _host_memory() / 2, 0.0
+    return {
+        "name": name,
+        "memory_bytes": memory,
+        "reserved_bytes": reserved,
+        "peak_flops": peak,
+        "memory_bandwidth": membw,
+        "compute_efficiency": 1.0,
+        "memory_efficiency": 1.0,
+        "kernel_overhead_s": overhead,
+        "dependency_latency_s": dependency,
+        "host_sync_latency_s": host_sync,
+    }
+
+
 def calibrate(
     spec: ModelSpec,
     device: str = "cpu",
@@ -292,29 +317,14 @@ def _calibrate(
     links = _measure_links(dev, measure, repeats, emulate_links or {}, link_latency_s, emulate_pageable)
     dependency_latency = _measure_dependency_latency(dev, max(repeats, 50))
     host_sync = _measure_host_sync(dev, max(repeats, 50)) if dev.type == "cuda" else dependency_latency
-    if dev.type == "cuda":
-        props = torch.cuda.get_device_properties(dev)
-        gpu_name, gpu_mem = props.name, float(props.total_memory)
-        reserved = float(torch.cuda.memory_reserved(dev)) + 512 * MB
-    else:
-        gpu_name, gpu_mem, reserved = f"CPU ({cpu_model()})", _host_memory() / 2, 0.0
+    gpu = gpu_section(dev, peak, membw, overhead, dependency_latency, host_sync)
+    gpu_name = gpu["name"]
     import transformers
 
     data: dict[str, Any] = {
         "name": f"calibrated-{device}",
         "description": f"measured by klotski-runtime calibrate on {gpu_name} for {spec.name} shapes",
-        "gpu": {
-            "name": gpu_name,
-            "memory_bytes": gpu_mem,
-            "reserved_bytes": reserved,
-            "peak_flops": peak,
-            "memory_bandwidth": membw,
-            "compute_efficiency": 1.0,
-            "memory_efficiency": 1.0,
-            "kernel_overhead_s": overhead,
-            "dependency_latency_s": dependency_latency,
-            "host_sync_latency_s": host_sync,
-        },
+        "gpu": gpu,
         "links": links,
         "host": {"memory_bytes": _host_memory(), "cpu": cpu_model()},
         "cpu": cpu_section,

@@ -51,7 +51,7 @@ from klotski_sim.util.progress import say
 from klotski_sim.workload.model import ModelSpec, get_model
 
 from . import lossless
-from .calibrate import _fit_link, _measure_dependency_latency, _measure_host_sync, _measure_links, _timer
+from .calibrate import _fit_link, _measure_dependency_latency, _measure_host_sync, _measure_links, _timer, gpu_section
 from .executor import ExecOptions, require_cuda
 from .kernels import WeightStore, host_memory
 from .serving_exec import (
@@ -154,27 +154,10 @@ def serving_profile(
     host_sync = _measure_host_sync(dev, 50) if dev.type == "cuda" else dependency
     if dev.type == "cuda":
         links = _measure_links(dev, measure, repeats, {}, 0.0, {})
-        props = torch.cuda.get_device_properties(dev)
-        name, memory, reserved = (
-            props.name,
-            float(props.total_memory),
-            float(torch.cuda.memory_reserved(dev)) + 512 * MB,
-        )
     else:
         links = _cpu_links(emulate_links, emulate_pageable, repeats)
-        name, memory, reserved = f"CPU ({cpu_model()})", float(host_memory("MemTotal") or 16e9) / 2, 0.0
-    gpu: dict[str, Any] = {
-        "name": name,
-        "memory_bytes": memory,
-        "reserved_bytes": reserved,
-        "peak_flops": peak,
-        "memory_bandwidth": membw,
-        "compute_efficiency": 1.0,
-        "memory_efficiency": 1.0,
-        "kernel_overhead_s": overhead,
-        "dependency_latency_s": dependency,
-        "host_sync_latency_s": host_sync,
-    }
+    gpu = gpu_section(dev, peak, membw, overhead, dependency, host_sync)
+    name = gpu["name"]
     sources = {
         "measured": "klotski-runtime validate --serve: the serving runner's ops at the run's shapes (this file's "
         "provenance)",
