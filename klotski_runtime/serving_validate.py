@@ -33,7 +33,6 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-import numpy as np
 import torch
 
 from klotski_sim.core.schedule import Op, Schedule
@@ -63,7 +62,7 @@ from .serving_exec import (
     measured_share,
 )
 from .threads import cpu_threads
-from .validate import check_profile_device, compare, machine_conditions, refit_dispatch, side_by_side
+from .validate import check_profile_device, compare, judge_repeats, machine_conditions, refit_dispatch, side_by_side
 
 SERVING_VALIDATION_POLICIES = ("vllm", "vllm-o", "ktransformers", "fluxmoe-h", "fluxmoe")
 MB = 1 << 20
@@ -308,13 +307,6 @@ def _spec(setup: ServingValidationSetup, model: ModelSpec, profile: HardwareProf
     return ServeSpec(model, profile, policy, workload, batching, options=options, seed=setup.seed)
 
 
-def _spread(values: list[float | None]) -> dict[str, float | None]:
-    vals = [v for v in values if v is not None]
-    if not vals:
-        return {"median": None, "min": None, "max": None}
-    return {"median": float(np.median(vals)), "min": float(min(vals)), "max": float(max(vals))}
-
-
 def moved_bytes(result: ServeResult, runner: ServingRunner) -> dict[str, int]:
     """What the simulated schedule says moves and what the execution moved, by kind: copied bytes,
     decompressed (decoded) bytes, compressed bytes read, and the compressed tier's stored bytes."""
@@ -436,23 +428,14 @@ def validate_serving(
             if k >= setup.warmup_runs:
                 measured.append(timeline)
         assert runner is not None
-        results = [compare(sim, m) for m in measured]
-        median_run = int(np.argsort([m.makespan for m in measured])[len(measured) // 2])
-        meas = measured[median_run]
-        entry = results[median_run]
+        entry, meas, spread = judge_repeats(sim, measured)
         entry["options"] = dict(result.meta["options"])
-        entry["repeats"] = {
-            "makespan": _spread([r["makespan"]["error"] for r in results]),
-            **{f"bubbles_{k}": _spread([r["bubbles"][k]["error"] for r in results]) for k in ("all", "inter", "intra")},
-            "measured_makespan_s": [m.makespan for m in measured],
-        }
         entry["in_sample"] = compare(_refit(setup, model, profile, p, options[p], sim, meas), meas)
         entry["bytes"] = moved_bytes(result, runner)
         entry["ops_off_the_table"] = off_the_table(schedule, profile)
         entry["iterations"] = len(result.iterations)
         entry["kv_dropped_for_recompute"] = len(runner.dropped)
-        spans = [m.makespan for m in measured]
-        spreads.append((max(spans) - min(spans)) / float(np.median(spans)) if len(spans) > 1 else 0.0)
+        spreads.append(spread)
         folder = out / p
         folder.mkdir(exist_ok=True)
         to_parquet(sim, folder / "simulated.parquet")

@@ -195,6 +195,23 @@ def _spread(values: list[float | None]) -> dict[str, float | None]:
     return {"median": float(np.median(vals)), "min": float(min(vals)), "max": float(max(vals))}
 
 
+def judge_repeats(sim: Timeline, measured: list[Timeline]) -> tuple[dict[str, Any], Timeline, float]:
+    """`compare` of the median run (by makespan) of `measured` against `sim`, with every error's median
+    and spread over the runs under `repeats`; that run; and the runs' makespan spread (max - min over
+    the median: what `machine_conditions` warns about)."""
+    results = [compare(sim, m) for m in measured]
+    median_run = int(np.argsort([m.makespan for m in measured])[len(measured) // 2])
+    result = results[median_run]
+    result["repeats"] = {
+        "makespan": _spread([r["makespan"]["error"] for r in results]),
+        **{f"bubbles_{k}": _spread([r["bubbles"][k]["error"] for r in results]) for k in ("all", "inter", "intra")},
+        "measured_makespan_s": [m.makespan for m in measured],
+    }
+    spans = [m.makespan for m in measured]
+    spread = (max(spans) - min(spans)) / float(np.median(spans)) if len(spans) > 1 else 0.0
+    return result, measured[median_run], spread
+
+
 def validate(
     setup: ValidationSetup,
     profile_path: str,
@@ -280,20 +297,11 @@ def validate(
         measured = [
             execute(schedule, model, weights, p.replay.routing, options)[0] for _ in range(max(1, setup.repeats))
         ]
-        results = [compare(sim, m) for m in measured]
-        median_run = int(np.argsort([m.makespan for m in measured])[len(measured) // 2])
-        meas = measured[median_run]
-        result = results[median_run]
+        result, meas, spread = judge_repeats(sim, measured)
         result["impl"] = impl
-        result["repeats"] = {
-            "makespan": _spread([r["makespan"]["error"] for r in results]),
-            **{f"bubbles_{k}": _spread([r["bubbles"][k]["error"] for r in results]) for k in ("all", "inter", "intra")},
-            "measured_makespan_s": [m.makespan for m in measured],
-        }
         in_sample = refit_dispatch(p.profile, sim, meas)
         result["in_sample"] = compare(simulate(schedule, in_sample), meas)
-        spans = [m.makespan for m in measured]
-        spreads.append((max(spans) - min(spans)) / float(np.median(spans)) if len(spans) > 1 else 0.0)
+        spreads.append(spread)
         folder = out / key.replace("/", "-")
         folder.mkdir(exist_ok=True)
         to_parquet(sim, folder / "simulated.parquet")
