@@ -12,7 +12,11 @@
 # is missing (the device machine), put its wheels in .whl/ (see experiments/README.md) and they
 # are installed into /tmp/site first.
 #
-#   bash experiments/gpu_validate.sh [all|ladder|cpu-experts]
+#   bash experiments/gpu_validate.sh [all|ladder|ladder-small|cpu-experts|serving]
+#
+# `lease` (what one short device lease runs, in this order): cpu-experts, serving, ladder-small.
+# `ladder-small` is the ladder's small-mixtral half (about 80 s on an H200); `serving` validates the
+# serving policies (vllm, vllm-o, ktransformers, fluxmoe-h, fluxmoe) with `validate --serve`.
 #
 # `cpu-experts` checks the schedules that compute cold experts on the host CPU (fiddler,
 # llamacpp-moe, klotski-hybrid, next to klotski) against the CUDA executor, with the GPU's memory
@@ -33,7 +37,16 @@ QCAL="--batch-sizes 1,2 --prompt-lens 6 --max-expert-tokens 32 --repeats 1"
 QRUN="--batch-size 2 --num-batches 2 --prompt-len 6 --gen-len 2"
 SMALL=$(q small-mixtral tiny-mixtral)
 MIXTRAL=$(q mixtral-8x7b:4 tiny-mixtral)
-SUF=$([ "$PART" = cpu-experts ] && echo "-cpu-experts" || true)
+case "$PART" in
+  all|ladder|ladder-small|cpu-experts|serving|lease) ;;
+  *) echo "gpu_validate.sh: unknown part '$PART' (all, ladder, ladder-small, cpu-experts, serving, lease)" >&2; exit 2 ;;
+esac
+if [ "$PART" = lease ]; then  # each part in its own process: one's failure leaves the others' results
+  rc=0
+  for part in cpu-experts serving ladder-small; do bash "$0" "$part" || rc=$?; done
+  exit $rc
+fi
+SUF=$(case "$PART" in cpu-experts|serving) echo "-$PART" ;; esac)
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 if ! python3 -c "import pydantic" 2>/dev/null; then
@@ -74,15 +87,10 @@ start=$(date +%s)
   echo
 } > "$README"
 
-copy_out() {  # the device machine brings back what is under $OUT (8 files at most)
+copy_out() {  # the device machine brings back 8 files at most: one archive of OUT_DIR per part
   [ -n "${OUT:-}" ] || return 0
-  cp "$README" "$LOG" "$OUT/" 2>/dev/null
-  [ "$PART" = cpu-experts ] && cp "$OUT_DIR"/profile-*-capped.yaml "$OUT/" 2>/dev/null
-  [ "$PART" = cpu-experts ] || cp "$OUT_DIR"/profile-*.yaml "$OUT/" 2>/dev/null
-  for d in small-mixtral small-mixtral-kv-cpu mixtral-8x7b-4layers small-mixtral-cpu-experts \
-           mixtral-8x7b-4layers-cpu-experts; do
-    cp "$OUT_DIR/$d/validation.json" "$OUT/$d-validation.json" 2>/dev/null
-  done
+  cp "$README" "$OUT/" 2>/dev/null  # (the log is in the archive)
+  tar czf "$OUT/results$SUF.tgz" -C "$(dirname "$OUT_DIR")" "$(basename "$OUT_DIR")" 2>/dev/null
   return 0
 }
 trap copy_out EXIT
@@ -148,7 +156,16 @@ if [ "$PART" = cpu-experts ]; then
       --profile "$OUT_DIR/profile-mixtral-8x7b-capped.yaml" $RUN --out "$OUT_DIR/mixtral-8x7b-4layers-cpu-experts"
 fi
 
-if [ "$PART" = all ] || [ "$PART" = ladder ]; then
+if [ "$PART" = serving ]; then
+  # small-mixtral whole: the GPU is not short of memory, so validate_serving's defaults make
+  # FluxMoE page all four MoE layers (0.7 GB a decode step) and vLLM-O offload two layers. (The
+  # coder encodes on the host at ~70 MB/s: Mixtral-8x7B's layers would spend the lease on it.)
+  step 240 validate --serve --device $DEVICE --model $SMALL \
+      --policy vllm,vllm-o,ktransformers,fluxmoe-h,fluxmoe --requests $(q 8 2) \
+      --prompt-len $(q 128 6) --output-len $(q 16 2) --repeats $(q 3 1) --out "$OUT_DIR/serving"
+fi
+
+if [ "$PART" = all ] || [ "$PART" = ladder ] || [ "$PART" = ladder-small ]; then
 # 1. small-mixtral (whole model): calibrate, then all policies, both presets; then the KV cache in
 #    host memory (pinned async stores and loads) for the two multi-batch systems that offload it
 calibrate 90 "$SMALL" "$OUT_DIR/profile-small-mixtral.yaml" \
@@ -157,6 +174,8 @@ step 100 validate --policy all --impl both --repeats $(q 3 1) --device $DEVICE $
 step 40 validate --policy klotski,flexgen --impl both --repeats $(q 3 1) --device $DEVICE --kv cpu $SM \
     --out "$OUT_DIR/small-mixtral-kv-cpu"
 
+fi
+if [ "$PART" = all ] || [ "$PART" = ladder ]; then
 # 2. Mixtral-8x7B shapes, first 4 of 32 layers (random weights of the true shapes)
 calibrate 90 "$MIXTRAL" "$OUT_DIR/profile-mixtral-8x7b.yaml" \
     $(q "--batch-sizes 1,4,16 --prompt-lens 64,128 --max-expert-tokens 2048" "$QCAL")

@@ -34,7 +34,7 @@ from klotski_sim.workload.model import ModelSpec
 from . import kernels
 from .executor import ExecutionError, require_cuda
 from .kernels import WeightStore
-from .threads import cpu_threads
+from .threads import compute_threads, cpu_threads
 
 MB = 1 << 20
 PROBE_BATCHES, PROBE_GEN = 3, 3  # the dispatch probes' batch count and generation length
@@ -157,7 +157,7 @@ def calibrate(
         if progress is not None:
             progress(f"calibrate: {phase} ({time.perf_counter() - started:.0f} s)")
 
-    with cpu_threads(threads):
+    with cpu_threads(compute_threads(device, threads)):
         profile = _calibrate(
             spec,
             device,
@@ -528,7 +528,7 @@ def _probe_dispatch(
         device=dev.type,
         emulate_links=dict(emulate) if dev.type == "cpu" else {},
         emulate_pageable={r: draft.link(r).pageable_bandwidth for r in emulate} if dev.type == "cpu" else {},
-        threads=torch.get_num_threads() if dev.type == "cpu" else None,
+        threads=torch.get_num_threads(),
     )
     residuals = []
     for policy in ("klotski", "flexgen"):

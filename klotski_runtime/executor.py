@@ -44,7 +44,7 @@ from klotski_sim.workload.routing import RoutingTable, RunShape
 
 from . import kernels
 from .kernels import WeightStore
-from .threads import cpu_threads
+from .threads import compute_threads, cpu_threads
 
 RESOURCE_CAPACITY = {"gpu": 1, "pcie_h2d": 1, "pcie_d2h": 1, "nvme": 1, "host": 1}
 
@@ -126,7 +126,7 @@ class ExecOptions:
     record_logits: bool = False
     timeout_s: float = 3600.0
     prompt: np.ndarray | None = None  # [batches, batch_size, prompt_len] token ids; random when None
-    threads: int | None = None  # torch intra-op threads on the CPU (the rest of the cores copy)
+    threads: int | None = None  # torch threads on a CPU device (the rest copy); beside a GPU: threads.compute_threads
     capacities: Mapping[str, int] | None = None  # units per resource (engine.resource_capacities); None: 1 each
 
 
@@ -1001,7 +1001,8 @@ def measure_run(
         start, end = _run_cuda(schedule, runner)
         peak = max(runner.peak, torch.cuda.max_memory_allocated())
     else:
-        with cpu_threads(options.threads, quick_switch=True):  # stream threads wait on each other
+        # quick_switch: the stream threads wait on each other
+        with cpu_threads(compute_threads(options.device, options.threads), quick_switch=True):
             start, end = _run_cpu(schedule, runner, options)
         peak = runner.peak
     emulated = dict(options.emulate_links)

@@ -61,7 +61,7 @@ from .serving_exec import (
     execute_serving,
     measured_share,
 )
-from .threads import cpu_threads
+from .threads import compute_threads, cpu_threads
 from .validate import check_profile_device, compare, judge_repeats, machine_conditions, refit_dispatch, side_by_side
 
 SERVING_VALIDATION_POLICIES = ("vllm", "vllm-o", "ktransformers", "fluxmoe-h", "fluxmoe")
@@ -375,7 +375,7 @@ def validate_serving(
         seed=setup.seed,
         threads=setup.threads if setup.device == "cpu" else None,
     )
-    with cpu_threads(exec_options.threads):
+    with cpu_threads(compute_threads(setup.device, exec_options.threads)):
         if profile_path is None:
             note("calibrating the device (roofline, hand-offs, links, decompression rate)")
             data = serving_profile(

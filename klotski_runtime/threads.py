@@ -13,10 +13,23 @@ from typing import Iterator
 
 import torch
 
+from klotski_sim.util.machine import available_cores
+
 # The executor's stream threads wait on each other's events: with the default 5 ms switch interval
 # a thread woken by another waits for the running one to give up the GIL, which adds up to
 # milliseconds per op; 0.1 ms hands it over at once.
 QUICK_SWITCH_S = 1e-4
+
+
+def compute_threads(device: str, requested: int | None) -> int | None:
+    """torch's CPU threads for a run on `device`. On a CPU: `requested` (the other cores run the
+    copy threads). Beside a GPU: every core but one, whatever was requested, because the thread that
+    issues GPU work spins on a core in CUDA event waits, and an OpenMP team sharing that core (a CPU
+    expert's GEMM) waits for its slowest member at every parallel region
+    (experiments/cpu_expert_contention.py measures it)."""
+    if torch.device(device).type == "cpu":
+        return requested
+    return max(1, available_cores() - 1)
 
 
 @contextmanager

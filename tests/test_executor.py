@@ -690,3 +690,20 @@ def test_a_stop_while_the_ops_run_leaves_no_stream_thread_running():
     finally:
         signal.signal(signal.SIGINT, inherited)
     assert [t.name for t in threading.enumerate() if t.name.startswith("stream-")] == []
+
+
+def test_compute_threads_leave_the_issuing_thread_a_core_beside_a_gpu() -> None:
+    """A CPU device runs the threads asked for; beside a GPU one core stays with the issuing thread
+    (it spins in CUDA event waits), whatever was asked, and cpu_threads restores the settings."""
+    import sys
+
+    from klotski_runtime.threads import compute_threads, cpu_threads
+    from klotski_sim.util.machine import available_cores
+
+    assert compute_threads("cpu", 3) == 3
+    assert compute_threads("cpu", None) is None
+    assert compute_threads("cuda", 1) == compute_threads("cuda:0", None) == max(1, available_cores() - 1)
+    before = (torch.get_num_threads(), sys.getswitchinterval())
+    with cpu_threads(1, quick_switch=True):
+        assert torch.get_num_threads() == 1 and sys.getswitchinterval() < before[1]
+    assert (torch.get_num_threads(), sys.getswitchinterval()) == before

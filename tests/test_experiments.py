@@ -225,6 +225,14 @@ def check_where_wins(out: str, tmp: Path) -> None:
     assert written(out, tmp).stat().st_size > 10_000
 
 
+def check_cpu_expert_contention(out: str, tmp: Path) -> None:
+    rows = lines_with(out, r"^\s+\d+\s+\d+\.\d\d\s+\d+\.\d\d\s+\d+\.\d\d$")
+    assert 1 <= len(rows) <= 2, out  # every core, and every core but one where there are two or more
+    for row in rows:
+        _, alone, busy, ratio = numbers(row)
+        assert alone > 0 and busy > 0 and abs(ratio - busy / alone) < 0.02 * ratio, row
+
+
 def check_gpu_validate(out: str, tmp: Path) -> None:
     tmp = written(out, tmp)
     readme = (tmp / "README-cpu-experts.md").read_text()
@@ -282,6 +290,7 @@ CASES = [
         name="bench_sweep.py-default-size",
     ),
     py("calibrate_synth.py", "--quick", "--grid", check=check_calibrate_synth),
+    py("cpu_expert_contention.py", "--quick", check=check_cpu_expert_contention),
     py("cpu_experts.py", "--quick", check=check_cpu_experts),
     py("fidelity.py", "--quick", check=check_fidelity),
     py("fingerprint.py", "--quick", "{tmp}/prints.json", "--against", "{tmp}/prints.json", check=check_fingerprint),
