@@ -81,7 +81,9 @@ def main() -> None:
         rows.append((threads, alone, busy))
     shape = "1/8 of Mixtral-8x7B's" if args.quick else "Mixtral-8x7B"
     waiter = "a CUDA event wait" if torch.cuda.is_available() else "a Python busy loop (no GPU)"
-    print(f"CPU expert, {args.tokens} tokens, {shape} shapes, bf16; {cores} cores; median of {repeats}; waiter: {waiter}")
+    print(
+        f"CPU expert, {args.tokens} tokens, {shape} shapes, bf16; {cores} cores; median of {repeats}; waiter: {waiter}"
+    )
     print(f"{'torch threads':>14} {'alone ms':>9} {'beside a spinning waiter ms':>28} {'ratio':>6}")
     for threads, alone, busy in rows:
         print(f"{threads:>14} {alone * 1e3:>9.2f} {busy * 1e3:>28.2f} {busy / alone:>6.2f}")

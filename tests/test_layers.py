@@ -17,6 +17,7 @@ LAYERS = (
     ("names",),
     ("hardware", "workload"),
     ("core",),
+    ("parallel",),
     ("policies",),
     ("serving",),
     ("planning",),

@@ -6,6 +6,7 @@ import argparse
 
 from klotski_sim.cli.compare import COMPARE_POLICIES, cmd_compare
 from klotski_sim.cli.listing import cmd_models, cmd_policies, cmd_profiles
+from klotski_sim.cli.parallel import cmd_parallel, replica_counts
 from klotski_sim.cli.run_args import add_run_arguments
 from klotski_sim.cli.serve import add_serve_parser
 from klotski_sim.cli.simulate import cmd_plan, cmd_simulate
@@ -271,6 +272,30 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: %(default)s)",
     )
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser(
+        "parallel",
+        help="decode on G GPUs: tensor vs expert parallelism, expert placement, replication, grouping",
+    )
+    add_run_arguments(p, policy=False)
+    p.add_argument("--gpus", type=bounded_int(1, 1024), required=True, help="GPUs of the profile's machine to use")
+    p.add_argument(
+        "--parallelism", default="all", help="ep, tp, or both as a comma-separated list or all (default: %(default)s)"
+    )
+    p.add_argument(
+        "--placement",
+        default="all",
+        help="EP expert placements: round-robin, popularity, coactivation, a list, or all (default: %(default)s)",
+    )
+    p.add_argument(
+        "--replicas",
+        type=replica_counts,
+        default=[0],
+        metavar="N[,N...]",
+        help="EP: spare expert slots per rank and layer for replicas of the experts predicted overloaded (default: 0)",
+    )
+    p.add_argument("--group", action="store_true", help="EP: also group sequences onto the ranks of their experts")
+    p.set_defaults(func=cmd_parallel)
 
     p = sub.add_parser("models", help="list model presets with their sizes")
     p.set_defaults(func=cmd_models)

@@ -14,7 +14,7 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from types import UnionType
-from typing import Annotated, Any, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
@@ -185,6 +185,18 @@ class LinksSpec(_Strict):
         return data
 
 
+class FabricSpec(_Strict):
+    """How the GPUs of one machine reach each other, for collectives (klotski_sim/parallel/collectives.py):
+    the alpha-beta model NCCL's own tuner uses (src/graph/tuning.cc: a call's base latency, a latency
+    per algorithm step, bytes over the bandwidth one GPU has to the others in each direction)."""
+
+    kind: Literal["nvlink", "pcie"] = Field(description="NVLink (switch or bridge) or PCIe peer-to-peer")
+    gpus: Annotated[int, _Number, Field(ge=1, le=1024)] = Field(description="GPUs in the machine")
+    bandwidth: Rate = Field(description="bytes/s one GPU sends to the others at once (and receives), per direction")
+    base_latency_s: PerOpSeconds = Field(description="fixed cost of one collective call")
+    step_latency_s: PerOpSeconds = Field(description="cost of one algorithm step (one hop of a ring or tree)")
+
+
 class HostSpec(_Strict):
     memory_bytes: Positive
     cpu: str = "unknown"
@@ -256,6 +268,7 @@ class HardwareProfile(_Strict):
     host: HostSpec
     disk: DiskSpec
     cpu: CPUSpec | None = Field(None, description="the host CPU as a compute device (CPU-expert policies need it)")
+    fabric: FabricSpec | None = Field(None, description="the GPU-to-GPU fabric of a machine with several GPUs")
     sources: dict[str, str] = Field(default_factory=dict, description="field -> where the number comes from")
     measured: dict[str, list[MeasuredPoint]] = Field(
         default_factory=dict, description="op category -> measured durations (from calibrate)"

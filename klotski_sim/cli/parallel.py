@@ -1,0 +1,100 @@
+"""`klotski-sim parallel`: a model's decode steps on G GPUs, by parallelism, placement, replication
+and grouping (klotski_sim/parallel/decode.py), one row each."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+from klotski_sim.cli.common import CliError
+from klotski_sim.cli.run_args import spec_from_args
+from klotski_sim.parallel.decode import PARALLELISMS, ParallelResult, ParallelSetup, simulate_decode
+from klotski_sim.parallel.placement import PLACEMENTS
+from klotski_sim.runs.runner import make_replay, resolve_profile
+from klotski_sim.util.argtypes import name_list
+from klotski_sim.util.errors import UsageError
+from klotski_sim.workload.model import get_model
+
+
+def replica_counts(text: str) -> list[int]:
+    """`--replicas 0,1,2`: spare slots per rank, each a whole number from 0 to 64."""
+    counts = []
+    for name in name_list(text):
+        if not name.isdigit() or int(name) > 64:
+            raise argparse.ArgumentTypeError(f"expected whole numbers 0..64, got {name!r}")
+        counts.append(int(name))
+    return counts
+
+
+def _choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
+    chosen = list(allowed) if text == "all" else [c.strip() for c in text.split(",")]
+    for c in chosen:
+        if c not in allowed:
+            raise CliError(f"{flag} {text}: {c!r} is not one of {', '.join(allowed)} (or all)")
+    return chosen
+
+
+def setups(args: argparse.Namespace) -> list[ParallelSetup]:
+    """Every configuration the flags ask for: TP once, EP for each placement, replica count and grouping."""
+    parallelisms = _choices(args.parallelism, PARALLELISMS, "--parallelism")
+    placements = _choices(args.placement, PLACEMENTS, "--placement")
+    rows = []
+    if "tp" in parallelisms:
+        rows.append(ParallelSetup(args.gpus, "tp"))
+    if "ep" in parallelisms:
+        groupings = (False, True) if args.group else (False,)
+        for placement, spare, grouped in itertools.product(placements, sorted(set(args.replicas)), groupings):
+            rows.append(ParallelSetup(args.gpus, "ep", placement, spare, grouped))
+    return rows
+
+
+def format_results(rows: list[tuple[ParallelSetup, ParallelResult | str]]) -> str:
+    done = [r for _, r in rows if isinstance(r, ParallelResult)]
+    best = max((r.tokens_per_s for r in done), default=0.0)
+    lines = [
+        f"{'configuration':38} {'step ms':>8} {'tok/s':>9} {'vs best':>7} {'load max/mean':>13} "
+        f"{'all-to-all MB':>13} {'collect. ms':>11} {'util min-max':>12} {'GB/rank':>7} {'replicas GB':>11}"
+    ]
+    for setup, result in rows:
+        if isinstance(result, str):
+            lines.append(f"{setup.label:38} refused: {result}")
+            continue
+        util = f"{min(result.utilisation):.0%}-{max(result.utilisation):.0%}"
+        lines.append(
+            f"{setup.label:38} {result.step_s * 1e3:8.2f} {result.tokens_per_s:9.1f} {result.tokens_per_s / best:7.2f} "
+            f"{result.load_imbalance:13.3f} {result.all_to_all_bytes / 1e6:13.2f} {result.collective_s * 1e3:11.2f} "
+            f"{util:>12} {result.rank_bytes / 1e9:7.1f} {result.replica_bytes / 1e9:11.2f}"
+        )
+    return "\n".join(lines)
+
+
+def cmd_parallel(args: argparse.Namespace) -> int:
+    spec = spec_from_args(args, num_batches=args.num_batches or 1)
+    model = get_model(spec.model)
+    profile = resolve_profile(spec)
+    if args.gpus < 2:
+        raise CliError(f"--gpus {args.gpus}: parallel compares ways to use 2 or more GPUs (simulate runs one)")
+    if spec.gen_len < 2:
+        raise CliError(f"--gen-len {spec.gen_len}: parallel times decode steps; give at least 2")
+    wanted = setups(args)
+    _, rep = make_replay(spec, model, spec.num_batches or 1)
+    rows: list[tuple[ParallelSetup, ParallelResult | str]] = []
+    for setup in wanted:
+        try:
+            rows.append((setup, simulate_decode(model, profile, rep.routing, setup)))
+        except UsageError as refused:
+            if "--gpus" in str(refused):
+                raise
+            rows.append((setup, str(refused).split(": ", 1)[-1]))
+    shape = rep.routing.shape
+    print(
+        f"{model.name} on {args.gpus}x {profile.gpu.name} ({profile.fabric.kind if profile.fabric else '?'}), "
+        f"{shape.num_sequences} sequences, prompt {shape.prompt_len}, {shape.gen_len - 1} decode steps timed; "
+        f"routing: {rep.routing.source or spec.routing}"
+    )
+    print(format_results(rows))
+    print(
+        "placement and grouping from the prompts' routing, replicas for a step from the step before; "
+        "weights resident on the GPUs (klotski_sim/parallel/decode.py)"
+    )
+    return 0 if any(isinstance(r, ParallelResult) for _, r in rows) else 3

@@ -1,0 +1,320 @@
+"""A MoE model's decode steps on G GPUs under expert or tensor parallelism, replayed from routing.
+
+Expert parallelism (EP, with data-parallel attention as DeepSpeed-MoE and vLLM's EP run it): each
+sequence lives on one rank, which computes its attention and gate; its hidden state is sent to every
+other rank that holds one of its top-k experts (all-to-all dispatch; once per destination rank, as
+DeepEP and vLLM's all2all backends deduplicate), the experts compute there, and the results come
+back (all-to-all combine). A layer waits for its busiest rank at both collectives.
+
+Tensor parallelism (TP, Megatron-LM's split; Shoeybi et al. 2019): every rank computes every
+sequence with 1/G of the attention heads and 1/G of each expert's FFN columns; an all-reduce of the
+hidden states ends the attention and another the MoE layer (two a layer).
+
+What a step costs is the cost model's (`core.cost.CostModel`, the profile's roofline and measured
+tables) for each rank's ops, and `collectives` for the fabric's. A rank's routed experts of a layer
+are one fused kernel, as in the engines that run EP and TP (vLLM's fused_moe; the serving policies'
+`moe` op): its FLOPs those of the tokens it computes, its bytes the weights of the experts they
+use, so a replica splits the tokens but reads its expert's weights again; the weights are resident (a
+configuration whose weights, replicas and KV cache exceed a GPU is refused with the numbers).
+Placement, replication and grouping decide from routing already seen: the experts are placed and
+sequences grouped from the prompts' routing (prefill-to-decode correlation), replicas for a step
+are predicted from the step before it; nothing reads the routing of the step it decides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from klotski_sim.core.cost import CostModel
+from klotski_sim.hardware.profile import FabricSpec, HardwareProfile
+from klotski_sim.parallel.collectives import all_to_all_seconds, best_all_reduce
+from klotski_sim.parallel.placement import ExpertPlacement, balance, place, replicate
+from klotski_sim.util.errors import UsageError
+from klotski_sim.workload.model import ModelSpec
+from klotski_sim.workload.routing import RoutingTable
+
+PARALLELISMS = ("ep", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelSetup:
+    """One way to spread a model over `gpus` GPUs."""
+
+    gpus: int
+    parallelism: str = "ep"  # ep | tp
+    placement: str = "round-robin"  # ExpertPlacement kind (EP only)
+    spare_slots: int = 0  # replica slots a rank keeps per layer (EP only)
+    grouping: bool = False  # sequences to the ranks their experts live on (EP only)
+
+    @property
+    def label(self) -> str:
+        if self.parallelism == "tp":
+            return f"tp{self.gpus}"
+        parts = [f"ep{self.gpus}", self.placement]
+        if self.spare_slots:
+            parts.append(f"+{self.spare_slots} replicas")
+        if self.grouping:
+            parts.append("grouped")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class ParallelResult:
+    """What a decode step costs and where its time goes, averaged over the run's decode steps."""
+
+    setup: ParallelSetup
+    step_s: float  # one decode step of every sequence
+    tokens_per_s: float
+    load_imbalance: float  # max / mean per-rank expert tokens, mean over layers and steps (1 = even)
+    all_to_all_bytes: float  # dispatch + combine bytes crossing the fabric per step
+    collective_s: float  # of step_s: the fabric's collectives
+    utilisation: tuple[float, ...]  # per rank: its compute time / step_s
+    replica_bytes: float  # per rank at most, over all MoE layers: extra expert copies held
+    rank_bytes: float  # per rank at most: weights, replicas and KV cache
+
+
+def coactivation(ids: np.ndarray, num_experts: int) -> np.ndarray:
+    """`co[a, b]`: tokens whose top-k holds both a and b (ids `[tokens, k]`)."""
+    onehot = np.zeros((ids.shape[0], num_experts), dtype=np.float64)
+    np.put_along_axis(onehot, ids.astype(np.int64), 1.0, axis=1)
+    co = onehot.T @ onehot
+    np.fill_diagonal(co, 0.0)
+    return co
+
+
+def group_sequences(affinity: np.ndarray, ranks: int) -> np.ndarray:
+    """Each sequence's rank: the one holding the experts its prompt chose most (`affinity[s, r]`:
+    its prompt's choices, over all MoE layers, of experts whose home is rank r), with at most
+    ceil(S / ranks) sequences a rank, the sequences with the clearest preference placed first
+    (workload-aware micro-batch grouping, shared/docs/MULTIGPU.md)."""
+    sequences = affinity.shape[0]
+    cap = -(-sequences // ranks)
+    order = np.argsort(-(affinity.max(axis=1) - affinity.mean(axis=1)), kind="stable")
+    room = np.full(ranks, cap)
+    rank_of = np.empty(sequences, dtype=np.int64)
+    for s in order:
+        choices = [r for r in np.argsort(-affinity[s], kind="stable") if room[r] > 0]
+        rank_of[s] = choices[0]
+        room[choices[0]] -= 1
+    return rank_of
+
+
+def _route_tokens(
+    ids: np.ndarray, home_rank: np.ndarray, placement: ExpertPlacement, assigned: np.ndarray
+) -> np.ndarray:
+    """`rank[t, slot]` computing token t's slot-th expert: its own rank when that holds a replica with
+    quota left, else the replicas in order of their quota (`assigned[e, r]`, from `balance`)."""
+    rank = np.empty(ids.shape, dtype=np.int64)
+    quota = assigned.copy()
+    flat_tokens, flat_slots = np.nonzero(np.ones(ids.shape, dtype=bool))
+    experts = ids[flat_tokens, flat_slots]
+    for e in np.unique(experts):
+        where = placement.replicas[e]
+        picks = np.flatnonzero(experts == e)
+        if len(where) == 1:
+            rank[flat_tokens[picks], flat_slots[picks]] = where[0]
+            continue
+        left = []
+        for p in picks:
+            h = home_rank[flat_tokens[p]]
+            if h in where and quota[e, h] > 0:
+                rank[flat_tokens[p], flat_slots[p]] = h
+                quota[e, h] -= 1
+            else:
+                left.append(p)
+        for p in left:
+            r = max(where, key=lambda r: quota[e, r])
+            rank[flat_tokens[p], flat_slots[p]] = r
+            quota[e, r] -= 1
+    return rank
+
+
+def dispatch_bytes(compute_rank: np.ndarray, home_rank: np.ndarray, ranks: int, token_bytes: int) -> np.ndarray:
+    """`sent[i, j]`: bytes of hidden states rank i sends rank j, each token once per distinct rank
+    other than its own that computes one of its experts."""
+    sent = np.zeros((ranks, ranks))
+    for t in range(compute_rank.shape[0]):
+        for r in set(compute_rank[t].tolist()) - {int(home_rank[t])}:
+            sent[home_rank[t], r] += token_bytes
+    return sent
+
+
+def simulate_decode(
+    model: ModelSpec, profile: HardwareProfile, routing: RoutingTable, setup: ParallelSetup
+) -> ParallelResult:
+    """Every decode step of `routing` on `setup.gpus` GPUs of `profile` (see the module's docstring)."""
+    fabric = _fabric(profile, setup.gpus)
+    if setup.parallelism not in PARALLELISMS:
+        raise UsageError(f"parallelism {setup.parallelism!r}: one of {', '.join(PARALLELISMS)}")
+    shape, G = routing.shape, setup.gpus
+    if shape.gen_len < 2:
+        raise UsageError("a parallel decode run needs at least 2 generated tokens (--gen-len 2): it times decode steps")
+    cost = CostModel(profile)
+    S = shape.num_sequences
+    moe_layers = [layer for layer in range(model.num_layers) if model.is_moe(layer)]
+    prompt = routing.ids[:, :, : shape.prompt_len].reshape(S, shape.prompt_len, model.num_layers, -1)
+    decode = routing.decode_ids.reshape(S, shape.gen_len - 1, model.num_layers, -1)
+    E = model.num_experts
+    placements: dict[int, ExpertPlacement] = {}
+    for layer in moe_layers if setup.parallelism == "ep" else ():
+        chosen = prompt[:, :, layer].reshape(-1, routing.top_k)
+        load = np.bincount(chosen.reshape(-1).astype(np.int64), minlength=E).astype(float)
+        co = coactivation(chosen, E) if setup.placement == "coactivation" else np.zeros((E, E))
+        placements[layer] = place(setup.placement, load, co, G)
+    home_rank = np.arange(S) % G
+    if setup.grouping and setup.parallelism == "ep":
+        signature = np.zeros((S, G))
+        for layer in moe_layers:
+            homes = placements[layer].home()
+            for s in range(S):
+                signature[s] += np.bincount(homes[prompt[s, :, layer].reshape(-1).astype(np.int64)], minlength=G)
+        home_rank = group_sequences(signature, G)
+    seqs_on = np.bincount(home_rank, minlength=G)
+    token_bytes = model.hidden_bytes(1)
+    steps = shape.gen_len - 1
+    step_total, collective_total, a2a_total, imbalance = 0.0, 0.0, 0.0, []
+    busy = np.zeros(G)
+    replica_bytes = 0.0
+    previous: dict[int, np.ndarray] = {}
+    for step in range(steps):
+        kv_len = shape.prompt_len + step + 1
+        for layer in range(model.num_layers):
+            ids = decode[:, step, layer].astype(np.int64)  # [S, k]
+            if setup.parallelism == "tp":
+                sharded = _attention(cost, model, S, kv_len, layer) / G + _dense(cost, model, S, layer) / G
+                if model.is_moe(layer):
+                    sharded += _experts_tp(cost, model, ids, E, G)
+                ar, _ = best_all_reduce(model.hidden_bytes(S), G, fabric)
+                collective_total += 2 * ar
+                busy += sharded
+                step_total += sharded + 2 * ar
+                continue
+            attention = np.array(
+                [
+                    _attention(cost, model, int(n), kv_len, layer)
+                    + _dense(cost, model, int(n), layer) * model.is_moe(layer)
+                    for n in seqs_on
+                ]
+            )
+            if not model.is_moe(layer):
+                dense = np.array([_dense(cost, model, int(n), layer) for n in seqs_on])
+                step_total += float((attention + dense).max())
+                busy += attention + dense
+                continue
+            placement = placements[layer]
+            tokens = np.bincount(ids.reshape(-1), minlength=E)
+            if setup.spare_slots:
+                predicted = previous.get(
+                    layer, np.bincount(prompt[:, :, layer].reshape(-1).astype(np.int64), minlength=E) / shape.prompt_len
+                )
+                placement = replicate(placement, predicted, setup.spare_slots)
+                extra = float(placement.experts_on().max() - -(-E // G)) * model.expert_bytes() * len(moe_layers)
+                replica_bytes = max(replica_bytes, extra)
+            previous[layer] = tokens.astype(float)
+            assigned = balance(placement, tokens)
+            per_rank = assigned.sum(axis=0)
+            imbalance.append(float(per_rank.max() / max(per_rank.mean(), 1e-12)))
+            compute_rank = _route_tokens(ids, home_rank, placement, assigned)
+            sent = dispatch_bytes(compute_rank, home_rank, G, token_bytes)
+            dispatch, combine = all_to_all_seconds(sent, fabric), all_to_all_seconds(sent.T, fabric)
+            expert_s = np.array([_moe(cost, model, assigned[:, r]) for r in range(G)])
+            step_total += float(attention.max()) + dispatch + float(expert_s.max()) + combine
+            collective_total += dispatch + combine
+            a2a_total += 2 * float(sent.sum())
+            busy += attention + expert_s
+    step_s = step_total / steps
+    result = ParallelResult(
+        setup=setup,
+        step_s=step_s,
+        tokens_per_s=S / step_s,
+        load_imbalance=float(np.mean(imbalance)) if imbalance else 1.0,
+        all_to_all_bytes=a2a_total / steps,
+        collective_s=collective_total / steps,
+        utilisation=tuple(float(b / step_total) for b in busy),
+        replica_bytes=replica_bytes,
+        rank_bytes=_rank_bytes(model, setup, shape.prompt_len + shape.gen_len, int(seqs_on.max()), S, replica_bytes),
+    )
+    room = profile.gpu.memory_bytes - profile.gpu.reserved_bytes
+    if result.rank_bytes > room:
+        raise UsageError(
+            f"{setup.label}: a rank would hold {result.rank_bytes / 1e9:.1f} GB (weights, replicas, KV cache) "
+            f"but {profile.name}'s GPU has {room / 1e9:.1f} GB: more GPUs, fewer sequences, or offloading "
+            f"(not yet modelled across ranks)"
+        )
+    return result
+
+
+def _fabric(profile: HardwareProfile, gpus: int) -> FabricSpec:
+    if gpus < 1:
+        raise UsageError(f"--gpus {gpus}: at least 1")
+    if gpus == 1:
+        return profile.fabric or FabricSpec(kind="pcie", gpus=1, bandwidth=1.0, base_latency_s=0.0, step_latency_s=0.0)
+    if profile.fabric is None:
+        raise UsageError(
+            f"--gpus {gpus}: hardware profile {profile.name!r} has no `fabric:` section (kind, gpus, bandwidth, "
+            f"base_latency_s, step_latency_s); pick one that has it (h200, h20, l40s) or add it"
+        )
+    if gpus > profile.fabric.gpus:
+        raise UsageError(f"--gpus {gpus}: hardware profile {profile.name!r} has {profile.fabric.gpus} GPUs")
+    return profile.fabric
+
+
+def _attention(cost: CostModel, model: ModelSpec, sequences: int, kv_len: int, layer: int) -> float:
+    if sequences == 0:
+        return 0.0
+    flops = model.attention_flops(sequences, 1, kv_len) + model.gate_flops(sequences, layer)
+    io = model.attention_io_bytes(sequences, 1, kv_len) + model.gate_io_bytes(sequences, layer)
+    return cost.compute_seconds("attention", flops, io, tokens=sequences, kv_len=kv_len, phase="decode")
+
+
+def _dense(cost: CostModel, model: ModelSpec, sequences: int, layer: int) -> float:
+    """A layer's part every token computes: a dense layer's MLP, or a MoE layer's shared experts."""
+    if sequences == 0:
+        return 0.0
+    if not model.is_moe(layer):
+        flops = 2 * sequences * 3 * model.hidden_size * model.dense_ffn_size
+        return cost.compute_seconds(
+            "dense_mlp", flops, model.dense_mlp_bytes() + 2 * model.hidden_bytes(sequences), tokens=sequences
+        )
+    if not model.num_shared_experts:
+        return 0.0
+    flops = 2 * sequences * 3 * model.hidden_size * model.shared_ffn_size * model.num_shared_experts
+    return cost.compute_seconds("expert", flops, model.shared_expert_bytes() + 2 * model.hidden_bytes(sequences))
+
+
+def _moe(cost: CostModel, model: ModelSpec, tokens: np.ndarray, share: float = 1.0) -> float:
+    """One fused MoE kernel over `tokens[e]` tokens of each expert, `share` of each expert's FFN
+    (TP: 1 / G): the tokens' FLOPs, the used experts' weights and the tokens' activations."""
+    used = int(np.count_nonzero(tokens))
+    if not used:
+        return 0.0
+    total = int(tokens.sum())
+    flops = model.expert_flops(total) * share
+    nbytes = used * model.expert_params() * model.dtype_bytes * share + 2 * model.hidden_bytes(total)
+    return cost.compute_seconds("moe", flops, nbytes, tokens=total)
+
+
+def _experts_tp(cost: CostModel, model: ModelSpec, ids: np.ndarray, num_experts: int, gpus: int) -> float:
+    """Each expert's FFN split G ways: a G-th of its FLOPs and weight bytes on every rank."""
+    return _moe(cost, model, np.bincount(ids.reshape(-1), minlength=num_experts), 1.0 / gpus)
+
+
+def _rank_bytes(
+    model: ModelSpec, setup: ParallelSetup, tokens: int, seqs_on_rank: int, sequences: int, replicas: float
+) -> float:
+    """What one rank holds: EP keeps the non-expert weights on every rank and E/G experts of each
+    MoE layer, plus its replicas and its sequences' KV cache; TP a G-th of all weights and caches."""
+    moe = [layer for layer in range(model.num_layers) if model.is_moe(layer)]
+    G = setup.gpus
+    if setup.parallelism == "tp":
+        return (model.total_bytes() + model.kv_bytes(sequences, tokens)) / G
+    experts = -(-model.num_experts // G) * model.expert_bytes() * len(moe)
+    return (
+        model.total_bytes()
+        - model.num_experts * model.expert_bytes() * len(moe)
+        + experts
+        + replicas
+        + model.kv_bytes(seqs_on_rank, tokens)
+    )

@@ -1,0 +1,170 @@
+"""Many GPUs: collectives against hand computations, placement and replication invariants, the
+locality that co-activation placement and grouping buy, and the `parallel` command."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from klotski_sim.hardware.profile import FabricSpec, load_profile
+from klotski_sim.parallel.collectives import all_gather_seconds, all_reduce_seconds, all_to_all_seconds, best_all_reduce
+from klotski_sim.parallel.decode import ParallelSetup, dispatch_bytes, group_sequences, simulate_decode
+from klotski_sim.parallel.placement import (
+    ExpertPlacement,
+    balance,
+    by_coactivation,
+    by_popularity,
+    replicate,
+    round_robin,
+)
+from klotski_sim.util.errors import UsageError
+from klotski_sim.workload.model import get_model
+from klotski_sim.workload.routing import RoutingTable, RunShape
+
+from .conftest import run_cli
+
+FABRIC = FabricSpec(kind="nvlink", gpus=8, bandwidth=100e9, base_latency_s=10e-6, step_latency_s=2e-6)
+
+
+def test_collectives_match_their_alpha_beta_terms_by_hand():
+    mb = 1e6
+    # ring all-reduce on 4 GPUs: 2*3 steps, 2*3/4 of the buffer sent
+    assert all_reduce_seconds(8 * mb, 4, FABRIC, "ring") == pytest.approx(10e-6 + 6 * 2e-6 + 1.5 * 8 * mb / 100e9)
+    # tree on 8 GPUs: 2*log2(8) = 6 steps, twice the buffer
+    assert all_reduce_seconds(8 * mb, 8, FABRIC, "tree") == pytest.approx(10e-6 + 6 * 2e-6 + 2 * 8 * mb / 100e9)
+    assert all_gather_seconds(8 * mb, 4, FABRIC) == pytest.approx(10e-6 + 3 * 2e-6 + 0.75 * 8 * mb / 100e9)
+    assert all_reduce_seconds(8 * mb, 1, FABRIC) == all_gather_seconds(8 * mb, 1, FABRIC) == 0.0
+    # small buffers take the tree (fewer steps), large ones the ring (less sent)
+    assert best_all_reduce(1e3, 8, FABRIC)[1] == "tree" and best_all_reduce(1e9, 8, FABRIC)[1] == "ring"
+    # all-to-all: round r pairs i -> i+r; each round lasts its largest message
+    sent = np.array([[0, 5, 1], [2, 0, 3], [4, 6, 0]]) * mb
+    rounds = max(5, 3, 4) + max(1, 2, 6)  # r=1: 0->1, 1->2, 2->0; r=2: 0->2, 1->0, 2->1
+    assert all_to_all_seconds(sent, FABRIC) == pytest.approx(10e-6 + 2 * 2e-6 + rounds * mb / 100e9)
+    with pytest.raises(UsageError):
+        all_to_all_seconds(np.zeros((2, 3)), FABRIC)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 200), min_size=2, max_size=16),
+    ranks=st.integers(2, 5),
+    spare=st.integers(0, 3),
+    seed=st.integers(0, 10**6),
+)
+def test_replication_computes_every_token_once_and_never_raises_the_busiest_rank(tokens, ranks, spare, seed):
+    tokens = np.array(tokens)
+    predicted = np.random.default_rng(seed).permutation(tokens).astype(float)  # a prediction, not the truth
+    for base in (round_robin(len(tokens), ranks), by_popularity(predicted, ranks)):
+        plain = balance(base, tokens)
+        replicated = replicate(base, predicted, spare)
+        assigned = balance(replicated, tokens)
+        assert (assigned.sum(axis=1) == tokens).all()  # every token once
+        for e, where in enumerate(replicated.replicas):  # by exactly one of its replicas
+            assert set(np.flatnonzero(assigned[e])) <= set(where)
+        assert assigned.sum(axis=0).max() <= plain.sum(axis=0).max()
+        assert (replicated.experts_on() <= -(-len(tokens) // ranks) + spare).all()
+        assert [r[0] for r in replicated.replicas] == [r[0] for r in base.replicas]  # homes stay
+
+
+def test_popularity_placement_balances_what_round_robin_does_not():
+    load = np.array([100, 2, 90, 3, 80, 5, 70, 10], dtype=float)  # heavy experts on even ids
+    rr = balance(round_robin(8, 2), load).sum(axis=0)
+    pop = balance(by_popularity(load, 2), load).sum(axis=0)
+    assert rr.max() / rr.mean() > 1.3 and pop.max() / pop.mean() < 1.05
+    assert (by_popularity(load, 2).experts_on() == 4).all()
+
+
+def _clustered_routing(num_batches=2, batch_size=16, prompt=32, gen=5, experts=8, layers=2, clusters=True, seed=0):
+    """Routing whose tokens pick their 2 experts within one of 4 fixed pairs (co-activation), or
+    any 2 at random; a sequence keeps its pair (its domain) across its tokens and layers."""
+    rng = np.random.default_rng(seed)
+    shape = RunShape(batch_size, num_batches, prompt, gen)
+    ids = np.empty((num_batches, batch_size, shape.tokens_per_sequence, layers, 2), dtype=np.int64)
+    pairs = np.array([[0, 5], [1, 6], [2, 7], [3, 4]])  # never both on one rank under round-robin over 2
+    for b in range(num_batches):
+        for s in range(batch_size):
+            if clusters:
+                ids[b, s] = pairs[rng.integers(4)]
+            else:
+                for t in range(shape.tokens_per_sequence):
+                    for layer in range(layers):
+                        ids[b, s, t, layer] = rng.choice(experts, 2, replace=False)
+    return RoutingTable(ids, shape, experts)
+
+
+def test_coactivation_placement_and_grouping_cut_all_to_all_bytes_only_where_routing_has_them():
+    model = get_model("tiny-mixtral:2")
+    model = type(model)(**{**model.__dict__, "num_experts": 8})
+    profile = load_profile("h200")
+
+    def a2a(routing, placement, grouping=False):
+        setup = ParallelSetup(2, "ep", placement, 0, grouping)
+        return simulate_decode(model, profile, routing, setup).all_to_all_bytes
+
+    clustered = _clustered_routing()
+    assert a2a(clustered, "coactivation") < 0.6 * a2a(clustered, "round-robin")
+    assert a2a(clustered, "coactivation", grouping=True) < 0.1 * a2a(clustered, "round-robin")
+    uniform = _clustered_routing(clusters=False)
+    assert a2a(uniform, "coactivation") > 0.85 * a2a(uniform, "round-robin")
+
+
+def test_dispatch_sends_a_token_once_to_each_other_rank_it_needs():
+    compute = np.array([[0, 1], [1, 1], [2, 0]])  # token 0 at home 0 needs ranks 0 and 1; ...
+    home = np.array([0, 0, 1])
+    sent = dispatch_bytes(compute, home, 3, 10)
+    expected = np.zeros((3, 3))
+    expected[0, 1] = 10 + 10  # tokens 0 and 1 (token 1's two experts both on rank 1: once)
+    expected[1, 2] = expected[1, 0] = 10  # token 2 from rank 1 to ranks 2 and 0
+    assert (sent == expected).all()
+
+
+def test_grouping_keeps_ranks_within_their_share():
+    affinity = np.array([[9, 0], [8, 1], [7, 2], [0, 5]], dtype=float)
+    ranks = group_sequences(affinity, 2)
+    assert np.bincount(ranks, minlength=2).tolist() == [2, 2]
+    assert ranks[0] == 0 and ranks[3] == 1
+
+
+def test_coactivation_placement_puts_pairs_together():
+    co = np.zeros((4, 4))
+    co[0, 3] = co[3, 0] = co[1, 2] = co[2, 1] = 50
+    placed = by_coactivation(np.array([10, 9, 8, 7.0]), co, 2).home()
+    assert placed[0] == placed[3] and placed[1] == placed[2] and placed[0] != placed[1]
+    assert isinstance(round_robin(4, 2), ExpertPlacement)
+
+
+def test_parallel_command_prints_every_configuration_and_refuses_in_one_line(tmp_path):
+    rc, out, err = run_cli(
+        "parallel",
+        "--model",
+        "qwen3-30b-a3b:4",
+        "--hardware",
+        "h20",
+        "--gpus",
+        "4",
+        "--batch-size",
+        "16",
+        "--prompt-len",
+        "16",
+        "--gen-len",
+        "3",
+        "--replicas",
+        "0,1",
+        "--group",
+    )
+    assert rc == 0, err
+    rows = [line for line in out.splitlines() if line.startswith(("tp4", "ep4"))]
+    assert len(rows) == 1 + 3 * 2 * 2, out
+    for row in rows:
+        step_ms, tok_s = (float(x) for x in row[38:].split()[:2])
+        assert step_ms > 0 and tok_s > 0
+    for args, needle in [
+        (("--hardware", "rtx3090", "--gpus", "2"), "no `fabric:` section"),
+        (("--hardware", "l40s", "--gpus", "8"), "has 4 GPUs"),
+        (("--hardware", "h20", "--gpus", "2", "--placement", "nearest"), "--placement nearest"),
+        (("--hardware", "h20", "--gpus", "2", "--replicas", "x"), "--replicas"),
+    ]:
+        rc, out, err = run_cli("parallel", "--model", "tiny-mixtral", *args)
+        assert rc == 2 and err.count("\n") == 1 and needle in err, (args, err)
