@@ -8,7 +8,7 @@ import itertools
 
 from klotski_sim.cli.common import CliError
 from klotski_sim.cli.run_args import spec_from_args
-from klotski_sim.parallel.decode import PARALLELISMS, ParallelResult, ParallelSetup, simulate_decode
+from klotski_sim.parallel.decode import PARALLELISMS, ParallelResult, ParallelSetup, machine_fabric, simulate_decode
 from klotski_sim.parallel.placement import PLACEMENTS
 from klotski_sim.runs.runner import make_replay, resolve_profile
 from klotski_sim.util.argtypes import name_list
@@ -76,15 +76,14 @@ def cmd_parallel(args: argparse.Namespace) -> int:
         raise CliError(f"--gpus {args.gpus}: parallel compares ways to use 2 or more GPUs (simulate runs one)")
     if spec.gen_len < 2:
         raise CliError(f"--gen-len {spec.gen_len}: parallel times decode steps; give at least 2")
+    machine_fabric(profile, args.gpus)  # (a machine that cannot: said once, before any routing is drawn)
     wanted = setups(args)
     _, rep = make_replay(spec, model, spec.num_batches or 1)
     rows: list[tuple[ParallelSetup, ParallelResult | str]] = []
     for setup in wanted:
         try:
             rows.append((setup, simulate_decode(model, profile, rep.routing, setup)))
-        except UsageError as refused:
-            if "--gpus" in str(refused):
-                raise
+        except UsageError as refused:  # this configuration's memory: a row, the others still run
             rows.append((setup, str(refused).split(": ", 1)[-1]))
     shape = rep.routing.shape
     print(

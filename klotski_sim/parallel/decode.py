@@ -108,7 +108,7 @@ def _route_tokens(
     quota left, else the replicas in order of their quota (`assigned[e, r]`, from `balance`)."""
     rank = np.empty(ids.shape, dtype=np.int64)
     quota = assigned.copy()
-    flat_tokens, flat_slots = np.nonzero(np.ones(ids.shape, dtype=bool))
+    flat_tokens, flat_slots = np.indices(ids.shape).reshape(2, -1)
     experts = ids[flat_tokens, flat_slots]
     for e in np.unique(experts):
         where = placement.replicas[e]
@@ -145,7 +145,7 @@ def simulate_decode(
     model: ModelSpec, profile: HardwareProfile, routing: RoutingTable, setup: ParallelSetup
 ) -> ParallelResult:
     """Every decode step of `routing` on `setup.gpus` GPUs of `profile` (see the module's docstring)."""
-    fabric = _fabric(profile, setup.gpus)
+    fabric = machine_fabric(profile, setup.gpus)
     if setup.parallelism not in PARALLELISMS:
         raise UsageError(f"parallelism {setup.parallelism!r}: one of {', '.join(PARALLELISMS)}")
     shape, G = routing.shape, setup.gpus
@@ -191,10 +191,12 @@ def simulate_decode(
                 busy += sharded
                 step_total += sharded + 2 * ar
                 continue
+            # a MoE layer's shared experts run where its sequences are, with their attention
+            shared = model.is_moe(layer) and model.num_shared_experts > 0
             attention = np.array(
                 [
                     _attention(cost, model, int(n), kv_len, layer)
-                    + _dense(cost, model, int(n), layer) * model.is_moe(layer)
+                    + (_dense(cost, model, int(n), layer) if shared else 0.0)
                     for n in seqs_on
                 ]
             )
@@ -246,7 +248,8 @@ def simulate_decode(
     return result
 
 
-def _fabric(profile: HardwareProfile, gpus: int) -> FabricSpec:
+def machine_fabric(profile: HardwareProfile, gpus: int) -> FabricSpec:
+    """The profile's fabric, refused in one line when it has none or fewer GPUs than asked for."""
     if gpus < 1:
         raise UsageError(f"--gpus {gpus}: at least 1")
     if gpus == 1:
