@@ -349,7 +349,7 @@ def save_tiny_qwen3_moe(
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        head_dim=head_dim,  # type: ignore[call-arg]  # (the config takes keys beyond its dataclass fields)
+        head_dim=head_dim,
         num_experts=num_experts,
         num_experts_per_tok=2,
         norm_topk_prob=norm_topk_prob,

@@ -87,39 +87,28 @@ def test_the_runtime_executes_the_split_attention_with_the_same_logits():
 
 def test_validate_takes_policy_options(tmp_path, small_calibration):
     import json
-    import subprocess
-    import sys
 
-    from .conftest import ROOT
+    from .conftest import runtime_in_process
 
     pytest.importorskip("torch")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "klotski_runtime.cli",
-            "validate",
-            "--model",
-            "tiny-mixtral",
-            "--policy",
-            "klotski",
-            "--option",
-            "attention_device=cpu",
-            "--kv",
-            "cpu",
-            "--repeats",
-            "1",
-            "--profile",
-            str(small_calibration("tiny-mixtral")),
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
+    code, stdout, stderr = runtime_in_process(
+        "validate",
+        "--model",
+        "tiny-mixtral",
+        "--policy",
+        "klotski",
+        "--option",
+        "attention_device=cpu",
+        "--kv",
+        "cpu",
+        "--repeats",
+        "1",
+        "--profile",
+        str(small_calibration("tiny-mixtral")),
+        "--out",
+        str(tmp_path),
     )
-    assert proc.returncode == 0, proc.stderr
+    assert code == 0, stderr
     report = json.loads((tmp_path / "validation.json").read_text())
     assert report["setup"]["options"] == {"attention_device": "cpu"}
     assert report["policies"]["klotski"]["per_category"]["attn_qkv"]["ops"] > 0

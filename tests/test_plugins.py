@@ -13,7 +13,7 @@ from klotski_sim.policies.plugins import load_entry_points, load_policy_file
 from klotski_sim.runs.runner import RunSpec, run
 from klotski_sim.util.errors import UsageError
 
-from .conftest import ROOT, run_cli
+from .conftest import ROOT, run_cli_process
 
 EXAMPLE = ROOT / "examples" / "lru_single_batch.py"
 
@@ -62,7 +62,7 @@ def test_the_example_cache_hits_equal_a_brute_force_replay(slots):
 
 
 def test_policy_file_in_simulate_and_compare(tmp_path):
-    code, out, err = run_cli(
+    code, out, err = run_cli_process(
         "simulate",
         "--policy-file",
         str(EXAMPLE),
@@ -77,7 +77,7 @@ def test_policy_file_in_simulate_and_compare(tmp_path):
     assert code == 0, err
     assert "lru-single-batch" in out
     assert json.loads((tmp_path / "sim" / "summary.json").read_text())["policy"] == "lru-single-batch"
-    code, out, err = run_cli(
+    code, out, err = run_cli_process(
         "compare",
         "--policy-file",
         str(EXAMPLE),
@@ -100,7 +100,7 @@ def test_policy_file_in_a_sweep(tmp_path):
         "batch_sizes: [2]\nprompt_lens: [8]\ngen_lens: [3]\n"
         "policy_files: [my_policy.py]\n"
     )
-    code, out, err = run_cli(
+    code, out, err = run_cli_process(
         "sweep", str(tmp_path / "spec.yaml"), "--out", str(tmp_path / "out"), "--no-progress", "--workers", "2"
     )
     assert code == 0, err
@@ -170,9 +170,9 @@ def test_policy_file_in_the_runtime(tmp_path):
 def test_a_bad_policy_file_is_one_line(tmp_path, body, message):
     bad = tmp_path / "bad.py"
     bad.write_text(body)
-    code, out, err = run_cli("simulate", "--policy-file", str(bad), "--model", "tiny-mixtral", "--no-png")
+    code, out, err = run_cli_process("simulate", "--policy-file", str(bad), "--model", "tiny-mixtral", "--no-png")
     assert code == 2 and err.count("\n") == 1 and message in err, err
-    code, out, err = run_cli("simulate", "--policy-file", str(tmp_path / "missing.py"), "--no-png")
+    code, out, err = run_cli_process("simulate", "--policy-file", str(tmp_path / "missing.py"), "--no-png")
     assert code == 2 and "missing.py: no such file" in err
 
 
@@ -253,7 +253,7 @@ def test_register_refuses_a_name_that_cannot_name_a_file(name):
     ],
 )
 def test_the_example_s_options_are_checked_in_one_line(args, message):
-    code, out, err = run_cli(
+    code, out, err = run_cli_process(
         "simulate",
         "--policy-file",
         str(EXAMPLE),
@@ -272,7 +272,7 @@ def test_the_example_s_options_are_checked_in_one_line(args, message):
     [("simulate", "--batch-size", "0"), ("optimize", "--budget", "0"), ("simulate", "--policy", "nope"), ("bogus",)],
 )
 def test_argparse_errors_are_one_line_too(argv):
-    code, out, err = run_cli(*argv)
+    code, out, err = run_cli_process(*argv)
     assert code == 2 and err.count("\n") == 1 and err.startswith("error: klotski-sim"), err
 
 
@@ -323,7 +323,7 @@ def build_exit(inp):
 def test_a_broken_policy_file_is_one_line_naming_where(tmp_path, policy, workers, message):
     path = tmp_path / "broken.py"
     path.write_text(BROKEN)
-    rc, out, err = run_cli(
+    rc, out, err = run_cli_process(
         "compare",
         "--model",
         "tiny-mixtral",
@@ -412,7 +412,7 @@ def test_a_policy_files_schedule_is_checked_as_a_schedule_file_is(tmp_path, body
     in absurd throughputs. Each is one line naming the policy's schedule."""
     path = tmp_path / "faulty.py"
     path.write_text(_HEAD.format(name="faulty") + body + "\n")
-    rc, out, err = run_cli(
+    rc, out, err = run_cli_process(
         "simulate",
         "--model",
         "tiny-mixtral",

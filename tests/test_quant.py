@@ -108,35 +108,24 @@ def test_quantised_experts_cost_less_to_move_and_the_planner_counts_the_dequanti
 
 def test_the_runtime_validates_a_quantised_model(tmp_path, small_calibration):
     import json
-    import subprocess
-    import sys
 
-    from .conftest import ROOT
+    from .conftest import runtime_in_process
 
     pytest.importorskip("torch")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "klotski_runtime.cli",
-            "validate",
-            "--model",
-            "tiny-mixtral@int4",
-            "--policy",
-            "klotski,single-batch",
-            "--repeats",
-            "1",
-            "--profile",
-            str(small_calibration("tiny-mixtral@int4")),
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
+    code, stdout, stderr = runtime_in_process(
+        "validate",
+        "--model",
+        "tiny-mixtral@int4",
+        "--policy",
+        "klotski,single-batch",
+        "--repeats",
+        "1",
+        "--profile",
+        str(small_calibration("tiny-mixtral@int4")),
+        "--out",
+        str(tmp_path),
     )
-    assert proc.returncode == 0, proc.stderr
+    assert code == 0, stderr
     report = json.loads((tmp_path / "validation.json").read_text())
     assert report["policies"]["klotski"]["per_category"]["dequant"]["ops"] > 0
 

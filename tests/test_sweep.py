@@ -15,7 +15,7 @@ import yaml
 
 from klotski_sim.runs.sweep import SweepError, collect, expand, parse_spec, run_sweep
 
-from .conftest import ROOT, run, run_cli, start
+from .conftest import ROOT, run, run_cli, run_cli_process, start
 
 SMALL = {
     "name": "t",
@@ -112,7 +112,7 @@ def test_a_configuration_that_kills_its_worker_is_a_row_and_the_sweep_goes_on(tm
         "routings": ["calibrated", "uniform"],
     }  # (12 configurations, 4 of them the policy that dies)
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
-    rc, out, err = run_cli(
+    rc, out, err = run_cli_process(  # (its spec's policy file registers a policy)
         "sweep", str(tmp_path / "spec.yaml"), "--out", str(tmp_path / "out"), *where, "--no-progress"
     )
     assert rc == 0 and err == "", err
@@ -125,7 +125,7 @@ def test_a_configuration_that_kills_its_worker_is_a_row_and_the_sweep_goes_on(tm
         f"its worker process died running it {how} (killed, or out of host memory?)"
     }
     assert "12 configurations in" in out and "(4 not ok" in out
-    rc, out, err = run_cli(
+    rc, out, err = run_cli_process(
         "sweep", str(tmp_path / "spec.yaml"), "--out", str(tmp_path / "out"), "--workers", "2", "--no-progress"
     )
     assert rc == 0 and "resumed: 8 already done, 4 left" in out, out + err

@@ -19,16 +19,13 @@ from klotski_sim.core.cost import CostModel  # noqa: E402
 from klotski_sim.hardware.profile import ProfileError, load_profile  # noqa: E402
 from klotski_sim.workload.model import get_model  # noqa: E402
 
-from .conftest import ROOT, every_attempt_missed  # noqa: E402
+from .conftest import ROOT, every_attempt_missed, runtime_in_process  # noqa: E402
 
 TINY = get_model("tiny-mixtral")
 
 
 def _runtime(*args):
-    proc = subprocess.run(
-        [sys.executable, "-m", "klotski_runtime.cli", *args], capture_output=True, text=True, cwd=ROOT, timeout=600
-    )
-    return proc.returncode, proc.stdout, proc.stderr
+    return runtime_in_process(*args)
 
 
 @pytest.fixture
