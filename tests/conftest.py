@@ -155,6 +155,12 @@ def run_cli(*args: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
+def run_cli_completed(*args: str) -> subprocess.CompletedProcess:
+    """`run_cli`, answered as subprocess.run answers (returncode, stdout, stderr)."""
+    code, out, err = run_cli(*args)
+    return subprocess.CompletedProcess(["klotski-sim", *args], code, out, err)
+
+
 def run_cli_process(*args: str) -> tuple[int, str, str]:
     """Run `klotski-sim` as a real subprocess, as a user would."""
     proc = run([sys.executable, "-m", "klotski_sim.cli.main", *args], timeout=600)

