@@ -136,6 +136,17 @@ def tensor_bytes(tensors: Any) -> int:
     return sum(tensor_bytes(t) for t in tensors)
 
 
+def refuse_a_gpu_group(schedule: Schedule) -> None:
+    """The runtime executes one GPU's schedules: a tensor-parallel group's (`--gpus G`, its all-reduces on
+    the `fabric`) is refused in one line naming the op, before anything is loaded."""
+    reduce = next((op for op in schedule.ops if schedule.streams.get(op.stream) == "fabric"), None)
+    if reduce is not None:
+        raise ScheduleError(
+            f"op {reduce.id!r}: an all-reduce of a tensor-parallel group of GPUs (simulate --gpus); the runtime "
+            f"executes one GPU's schedules: simulate with --gpus 1 to execute one"
+        )
+
+
 # emulated copies over one link longer than this in all are a mistake (a rate off by orders of magnitude):
 # the total counts, as many short copies take hours as surely as one long one
 MAX_EMULATED_S = 3600.0
@@ -150,6 +161,7 @@ def check_compatible(
     model = schedule.meta.get("model")
     if model != spec.name:
         raise ScheduleError(f"schedule was built for model {model!r}, not {spec.name!r}")
+    refuse_a_gpu_group(schedule)
     if routing is not None:
         sh, meta = routing.shape, schedule.meta
         wanted = {

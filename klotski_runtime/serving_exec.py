@@ -43,7 +43,7 @@ from klotski_sim.core.timeline import Timeline
 from klotski_sim.workload.model import ModelSpec
 
 from . import kernels, lossless
-from .executor import ExecOptions, ExecutionError, PinnedPool, check_emulation, measure_run
+from .executor import ExecOptions, ExecutionError, PinnedPool, check_emulation, measure_run, refuse_a_gpu_group
 from .kernels import WeightStore
 
 # what the serving runner executes, by op kind: compute categories, and what a transfer carries
@@ -173,6 +173,7 @@ def check_serving(schedule: Schedule, spec: ModelSpec, where: str = "schedule") 
         raise ScheduleError(f"{where}: model {spec.name!r} has quantised experts; the serving runner pages bf16 ones")
     comp = read_composition(schedule, where)
     streams = schedule.streams
+    refuse_a_gpu_group(schedule)
     for stream in sorted({op.stream for op in schedule.ops}):
         resource = streams[stream]
         if resource not in SERVING_RESOURCES:

@@ -21,10 +21,13 @@ COMPUTE_CATEGORIES = (
     "dequant",
     "attn_qkv",
     "attn_out",
+    "allreduce",  # tensor parallelism: a layer's partial sums added over the GPU group (NCCL's kernel)
 )
 # `gpu_decompress`: a second GPU unit for lossless weight decompression running beside the compute
 # stream (FluxMoE's compressed tier); a schedule may instead put decompression on `gpu` itself
-RESOURCES = ("gpu", "pcie_h2d", "pcie_d2h", "nvme", "host", "cpu", "gpu_decompress")
+# `fabric`: the GPU-to-GPU links of a tensor-parallel group, busy with its all-reduces
+RESOURCES = ("gpu", "pcie_h2d", "pcie_d2h", "nvme", "host", "cpu", "gpu_decompress", "fabric")
+ALLREDUCE_STREAM = "allreduce"  # the stream of a tensor-parallel schedule's all-reduces (on `fabric`)
 HOST_STREAM = "host"
 # What each link carries (the runtime copies so, and the simulator times a copy on its link: an
 # expert copy remapped to nvme would run unemulated and be labelled a disk read)

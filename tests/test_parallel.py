@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from klotski_sim.core.collectives import all_gather_seconds, all_reduce_seconds, all_to_all_seconds, best_all_reduce
 from klotski_sim.hardware.profile import FabricSpec, load_profile
-from klotski_sim.parallel.collectives import all_gather_seconds, all_reduce_seconds, all_to_all_seconds, best_all_reduce
 from klotski_sim.parallel.decode import ParallelSetup, dispatch_bytes, group_sequences, simulate_decode
 from klotski_sim.parallel.placement import (
     ExpertPlacement,
@@ -168,3 +168,109 @@ def test_parallel_command_prints_every_configuration_and_refuses_in_one_line(tmp
     ]:
         rc, out, err = run_cli("parallel", "--model", "tiny-mixtral", *args)
         assert rc == 2 and err.count("\n") == 1 and needle in err, (args, err)
+
+
+# ---- tensor parallelism for every policy: the group as one device, its all-reduces in the schedule ---------
+TP_RUN = dict(model="tiny-mixtral", hardware="l40s", batch_size=2, num_batches=2, prompt_len=6, gen_len=3)
+
+
+def test_a_tensor_parallel_group_is_g_gpus_and_g_links_as_far_as_host_memory_feeds_them():
+    from klotski_sim.hardware.profile import with_overrides
+    from klotski_sim.parallel.tensor import group_machine
+
+    one, model = load_profile("l40s"), get_model("mixtral-8x7b")
+    assert group_machine(one, 1, model) is one  # (one GPU: the profile itself, untouched)
+    two = group_machine(one, 2, model)
+    assert two.tensor_parallel == 2 and two.name == "l40s-tp2"
+    assert two.gpu.memory_bytes == 2 * one.gpu.memory_bytes and two.gpu.peak_flops == 2 * one.gpu.peak_flops
+    assert two.gpu.memory_bandwidth == 2 * one.gpu.memory_bandwidth
+    assert two.gpu.kernel_overhead_s == one.gpu.kernel_overhead_s  # (every rank launches its shard's at once)
+    assert two.links.pcie_h2d.bandwidth == 2 * one.links.pcie_h2d.bandwidth and two.links.nvme == one.links.nvme
+    assert "2 GPUs' own links" in two.sources["links.pcie_h2d.bandwidth"]
+    starved = with_overrides(one, {"cpu.memory_bandwidth": 30e9})  # host memory feeds less than 2 links take
+    capped = group_machine(starved, 2, model)
+    assert (
+        capped.links.pcie_h2d.bandwidth == 30e9
+        and "capped by host memory" in capped.sources["links.pcie_h2d.bandwidth"]
+    )
+
+
+def test_tensor_parallel_schedules_reduce_twice_a_layer_and_wait_for_it():
+    """Every (step, layer, batch) gets one all-reduce after attention, read by its router and experts,
+    and one after its MLP side, read by the next layer's attention or the LM head; each lasts what the
+    fabric's best all-reduce of the batch's hidden states costs, by hand for 2 GPUs on PCIe; the other
+    ops take at most their one-GPU time (half the work, the same kernel launches)."""
+    from klotski_sim.runs.runner import RunSpec, run
+
+    for policy in ("single-batch", "klotski", "flexgen", "fiddler"):
+        one = run(RunSpec(policy=policy, **TP_RUN))
+        two = run(RunSpec(policy=policy, gpus=2, **TP_RUN))
+        ops = {op.id: op for op in two.schedule.ops}
+        reduces = [op for op in two.schedule.ops if op.category == "allreduce"]
+        attention = [op for op in two.schedule.ops if op.category == "attention"]
+        keys = {(op.step, op.layer, b) for op in attention for b in op.batches}
+        assert len(reduces) == 2 * len(keys) and all(two.schedule.streams[op.stream] == "fabric" for op in reduces)
+        after = {op.id: op for op in reduces}
+        for op in two.schedule.ops:
+            waits = [after[d] for d in op.deps if d in after]
+            if op.category == "gate":
+                assert {(r.step, r.layer, r.batches[0]) for r in waits} == {(op.step, op.layer, b) for b in op.batches}
+            if op.category in ("attention", "lm_head") and op.phase and (op.layer > 0 or op.category == "lm_head"):
+                assert waits and all(r.id.endswith("mlp/allreduce") for r in waits), op.id
+        fabric = load_profile("l40s").fabric
+        ends, starts = two.timeline.columns["end"], two.timeline.columns["start"]
+        index = two.schedule.index
+        for r in reduces:
+            tokens = r.tokens
+            hand = 8.4e-6 + 2 * 5.7e-6 + 2 * (1 / 2) * get_model("tiny-mixtral").hidden_bytes(tokens) / fabric.bandwidth
+            assert ends[index[r.id]] - starts[index[r.id]] == pytest.approx(hand, rel=1e-9)
+        took_one = np.subtract(one.timeline.columns["end"], one.timeline.columns["start"])
+        single = dict(zip((op.id for op in one.schedule.ops), took_one))
+        for op, took in zip(two.schedule.ops, np.subtract(ends, starts)):
+            if op.kind == "compute" and op.category != "allreduce" and two.schedule.streams[op.stream] == "gpu":
+                assert took <= single[op.id] + 1e-12, (policy, op.id)
+        assert set(single) < set(ops)  # (the one-GPU schedule's ops, all there)
+
+
+def test_one_gpu_is_todays_run_byte_for_byte(tmp_path):
+    args = ["simulate", "--model", "tiny-mixtral", "--hardware", "l40s", "--policy", "klotski", "--batch-size", "2"]
+    args += ["--prompt-len", "6", "--gen-len", "3", "--no-png"]
+    assert run_cli(*args, "--out", str(tmp_path / "a"))[0] == 0
+    assert run_cli(*args, "--gpus", "1", "--out", str(tmp_path / "b"))[0] == 0
+    for name in ("schedule.json", "summary.json", "timeline.csv"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+
+def test_compare_and_serve_on_two_gpus_run_every_policy_and_refuse_in_one_line(tmp_path):
+    policies = "single-batch,multi-batch,hot-prefetch,klotski,klotski-oracle,flexgen,fiddler,llamacpp-moe"
+    code, out, err = run_cli(
+        "compare", "--model", "tiny-mixtral", "--hardware", "l40s", "--gpus", "2", "--batch-size", "2",
+        "--prompt-len", "6", "--gen-len", "3", "--policies", policies, "--workers", "1", "--out", str(tmp_path / "c"),
+    )  # fmt: skip
+    assert code == 0, err
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] and line.split()[0] in policies.split(",")]
+    assert sorted(r[0] for r in rows) == sorted(policies.split(",")) and all(r[3] == "ok" for r in rows), out
+    code, out, err = run_cli(
+        "serve", "--model", "tiny-mixtral", "--hardware", "l40s", "--gpus", "2", "--requests", "4",
+        "--output-len", "4", "--policies", "vllm,vllm-o,ktransformers,fluxmoe", "--out", str(tmp_path / "s"),
+    )  # fmt: skip
+    assert code == 0, err
+    assert "tiny-mixtral on l40s-tp2" in out and "refused" not in out, out
+    for args, said in (
+        (["--hardware", "rtx3090", "--gpus", "2"], "has no `fabric:` section"),
+        (["--hardware", "l40s", "--gpus", "8"], "has 4 GPUs"),
+        (["--hardware", "l40s", "--gpus", "3", "--model", "mixtral-8x7b"], "give a G that divides both"),
+        (["--hardware", "h200", "--gpus", "2", "--model", "deepseek-v2-lite"], "multi-head latent attention"),
+    ):
+        code, out, err = run_cli("simulate", "--model", "tiny-mixtral", *args, "--no-png")
+        assert code == 2 and err.count("\n") == 1 and said in err and "--gpus" in err, err
+
+
+def test_the_runtime_refuses_a_gpu_groups_schedule_in_one_line(tmp_path):
+    pytest.importorskip("torch")
+    from .conftest import runtime_in_process
+
+    args = ["simulate", "--policy", "klotski", "--gpus", "2", "--no-png", "--out", str(tmp_path / "tp")]
+    assert run_cli(*args, *[str(v) for kv in TP_RUN.items() for v in (f"--{kv[0].replace('_', '-')}", kv[1])])[0] == 0
+    code, _, err = runtime_in_process("execute", str(tmp_path / "tp"))
+    assert code == 2 and err.count("\n") == 1 and "all-reduce of a tensor-parallel group" in err, err

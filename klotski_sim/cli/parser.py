@@ -277,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
         "parallel",
         help="decode on G GPUs: tensor vs expert parallelism, expert placement, replication, grouping",
     )
-    add_run_arguments(p, policy=False)
+    add_run_arguments(p, policy=False, gpus=False)
     p.add_argument("--gpus", type=bounded_int(1, 1024), required=True, help="GPUs of the profile's machine to use")
     p.add_argument(
         "--parallelism", default="all", help="ep, tp, or both as a comma-separated list or all (default: %(default)s)"

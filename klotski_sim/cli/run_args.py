@@ -19,6 +19,7 @@ from klotski_sim.runs.runner import (
 )
 from klotski_sim.util.argtypes import (
     batches,
+    bounded_int,
     layers_or_fill,
     nonnegative_int,
     path_arg,
@@ -39,6 +40,7 @@ def add_run_arguments(
     policy: bool = True,
     num_batches: bool = True,
     impl_choices: Sequence[str] = PRESET_NAMES,
+    gpus: bool = True,
 ) -> None:
     """The options that describe one configuration (shared by simulate, compare, plan...)."""
     p.add_argument(
@@ -68,6 +70,16 @@ def add_run_arguments(
         help="a Python file that registers your own policy (docs/own-schedule.md); repeatable",
     )
     p.add_argument("--batch-size", type=positive_int, default=16, help="sequences per batch (default: %(default)s)")
+    if gpus:
+        p.add_argument(
+            "--gpus",
+            type=bounded_int(1, 1024),
+            default=1,
+            metavar="G",
+            help="run on a tensor-parallel group of G of the profile's GPUs (its `fabric:` section: h200, h20, "
+            "l40s): each holds and computes 1/G of every layer, with two all-reduces a layer "
+            "(default: %(default)s; klotski-sim parallel compares expert parallelism)",
+        )
     if num_batches:
         p.add_argument(
             "--num-batches",
@@ -168,6 +180,7 @@ def spec_from_args(args: argparse.Namespace, **changes: Any) -> RunSpec:
         resident_layers=args.resident_layers,
         impl=args.impl,
         overrides=parse_overrides(args.overrides, "--set"),
+        gpus=getattr(args, "gpus", 1),
     )
     if fields["overrides"]:  # (checked here to be named by their flag, not as "overrides:")
         with_overrides(load_profile(args.hardware), fields["overrides"], where="--set")

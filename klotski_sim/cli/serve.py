@@ -10,6 +10,7 @@ from typing import Any
 from klotski_sim.cli.common import CliError, output_folder, parse_overrides
 from klotski_sim.files.outfiles import OutputFiles, refuse_unwritable, write_file
 from klotski_sim.hardware.profile import load_profile, with_overrides
+from klotski_sim.parallel.tensor import group_machine
 from klotski_sim.policies import POLICIES
 from klotski_sim.serving.batcher import BatchingConfig, ServingRefusal, check_batching
 from klotski_sim.serving.policies import SERVING_POLICIES
@@ -23,7 +24,7 @@ from klotski_sim.serving.requests import (
     with_poisson_arrivals,
 )
 from klotski_sim.serving.run import GPU_MEMORY_UTILIZATION, ServeResult, ServeSpec, serve
-from klotski_sim.util.argtypes import name_list, nonnegative_int, positive_float, positive_int, seed_int
+from klotski_sim.util.argtypes import bounded_int, name_list, nonnegative_int, positive_float, positive_int, seed_int
 from klotski_sim.workload.model import get_model
 
 SERVE_FILES = ("serving.json", "serving.png")
@@ -47,6 +48,13 @@ def add_serve_parser(sub: Any) -> None:
     p.add_argument("--hardware", default="l40s", help="hardware profile name or YAML (default: %(default)s)")
     p.add_argument(
         "--set", dest="sets", action="append", default=[], metavar="FIELD=VALUE", help="override a profile field"
+    )
+    p.add_argument(
+        "--gpus",
+        type=bounded_int(1, 1024),
+        default=1,
+        metavar="G",
+        help="serve on a tensor-parallel group of G of the profile's GPUs (its `fabric:`; default: %(default)s)",
     )
     p.add_argument(
         "--policies",
@@ -240,6 +248,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     profile = load_profile(args.hardware)
     if args.sets:
         profile = with_overrides(profile, parse_overrides(args.sets, "--set"), where="--set")
+    if args.gpus > 1:
+        profile = group_machine(profile, args.gpus, model)
     options = _options(args.options, args.policies)
     for name in args.policies:  # (a typo in an option is an error before anything runs, not a refused row)
         resolve_serving_options(name, options[name])

@@ -17,6 +17,7 @@ from collections import namedtuple
 from operator import itemgetter
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
+from klotski_sim.core.collectives import best_all_reduce
 from klotski_sim.core.schedule import DEFAULT_STREAMS, Op
 from klotski_sim.hardware.profile import HardwareProfile, MeasuredPoint
 from klotski_sim.util.errors import KlotskiError, UsageError
@@ -196,6 +197,17 @@ class CostModel:
             )
         return nbytes / gpu.decompress_bandwidth + gpu.kernel_overhead_s
 
+    def all_reduce_seconds(self, nbytes: float) -> float:
+        """An all-reduce of an `nbytes` buffer over the profile's tensor-parallel group, by the
+        faster of NCCL's ring and tree algorithms for that size (collectives.best_all_reduce)."""
+        group = self.profile.tensor_parallel or 1
+        if self.profile.fabric is None or group == 1:
+            raise UsageError(
+                f"hardware profile {self.profile.name!r} is not a tensor-parallel group, but the schedule "
+                f"all-reduces over one (simulate it with --gpus G on a profile with a `fabric:` section)"
+            )
+        return best_all_reduce(nbytes, group, self.profile.fabric)[0]
+
     def host_seconds(self) -> float:
         """What a host op costs beyond its wait: the host-sync round trip."""
         return self.profile.gpu.host_sync_latency_s
@@ -213,6 +225,8 @@ class CostModel:
             return self.cpu_seconds(op.flops, op.bytes, op.category, op.tokens)
         if op.category == "decompress":
             return self.decompress_seconds(op.bytes)
+        if resource == "fabric":
+            return self.all_reduce_seconds(op.bytes)
         return self.compute_seconds(op.category, op.flops, op.bytes, op.tokens, op.kv_len, op.phase, op.variant)
 
     def durations(self, ops: Sequence[Op], streams: Mapping[str, str] = DEFAULT_STREAMS) -> list[float]:

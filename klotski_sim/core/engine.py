@@ -48,12 +48,13 @@ class EngineDeadlock(ScheduleError):
 
 def resource_capacities(schedule: Schedule, profile: HardwareProfile) -> dict[str, int]:
     """Units per resource: one GPU compute unit (and one decompression unit beside it), one host
-    thread, one CPU compute stream (an op there uses every core); each link as many as its copy
+    thread, one CPU compute stream (an op there uses every core), one all-reduce at a time on a GPU
+    group's fabric (NCCL runs a communicator's collectives in order); each link as many as its copy
     engines."""
     caps = {}
     for resource in set(schedule.streams.values()):
         caps[resource] = (
-            1 if resource in ("gpu", "host", "cpu", "gpu_decompress") else profile.link(resource).copy_engines
+            1 if resource in ("gpu", "host", "cpu", "gpu_decompress", "fabric") else profile.link(resource).copy_engines
         )
     return dict(sorted(caps.items()))
 

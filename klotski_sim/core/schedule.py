@@ -577,8 +577,13 @@ def _check_op_fields(op: Op, streams: Mapping[str, str]) -> tuple[Any, ...]:
             raise ScheduleError(f"op {op_id!r}: host op placed on {resource} stream {stream!r}")
         if alloc or free:
             raise ScheduleError(f"op {op_id!r}: a host op cannot allocate or free GPU buffers")
-    elif resource not in ("gpu", "cpu", "gpu_decompress"):
+    elif resource not in ("gpu", "cpu", "gpu_decompress", "fabric"):
         raise ScheduleError(f"op {op_id!r}: compute op placed on {resource} stream {stream!r}")
+    elif (resource == "fabric") != (category == "allreduce"):
+        raise ScheduleError(
+            f"op {op_id!r}: category {category!r} on {resource} stream {stream!r}: the fabric runs all-reduces "
+            f"(category allreduce) and nothing else runs them"
+        )
     elif resource == "cpu" and alloc:
         raise ScheduleError(f"op {op_id!r}: a CPU compute op cannot allocate GPU buffers")
     if pageable and kind != "transfer":

@@ -186,7 +186,7 @@ class LinksSpec(_Strict):
 
 
 class FabricSpec(_Strict):
-    """How the GPUs of one machine reach each other, for collectives (klotski_sim/parallel/collectives.py):
+    """How the GPUs of one machine reach each other, for collectives (klotski_sim/core/collectives.py):
     the alpha-beta model NCCL's own tuner uses (src/graph/tuning.cc: a call's base latency, a latency
     per algorithm step, bytes over the bandwidth one GPU has to the others in each direction)."""
 
@@ -269,6 +269,11 @@ class HardwareProfile(_Strict):
     disk: DiskSpec
     cpu: CPUSpec | None = Field(None, description="the host CPU as a compute device (CPU-expert policies need it)")
     fabric: FabricSpec | None = Field(None, description="the GPU-to-GPU fabric of a machine with several GPUs")
+    tensor_parallel: Annotated[int, _Number, Field(ge=2, le=1024)] | None = Field(
+        None,
+        description="GPUs that run every op together, each on its shard (parallel.tensor.group_machine makes such "
+        "a profile: `gpu` and the PCIe links then describe the whole group); none: one GPU",
+    )
     sources: dict[str, str] = Field(default_factory=dict, description="field -> where the number comes from")
     measured: dict[str, list[MeasuredPoint]] = Field(
         default_factory=dict, description="op category -> measured durations (from calibrate)"
@@ -309,6 +314,16 @@ class HardwareProfile(_Strict):
                         f"{seen[shape]:.4g} s and {point.seconds:.4g} s"
                     )
                 seen[shape] = point.seconds
+        return self
+
+    @model_validator(mode="after")
+    def _group_on_a_fabric(self) -> "HardwareProfile":
+        """A tensor-parallel group needs the fabric its all-reduces cross, with that many GPUs."""
+        if self.tensor_parallel is not None:
+            if self.fabric is None:
+                raise ValueError(f"tensor_parallel: {self.tensor_parallel} GPUs, but the profile has no `fabric:`")
+            if self.tensor_parallel > self.fabric.gpus:
+                raise ValueError(f"tensor_parallel: {self.tensor_parallel} GPUs, but fabric.gpus is {self.fabric.gpus}")
         return self
 
     def link(self, resource: str) -> LinkSpec:

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from klotski_sim.core.collectives import all_to_all_seconds, best_all_reduce
 from klotski_sim.core.cost import CostModel
 from klotski_sim.hardware.profile import FabricSpec, HardwareProfile
-from klotski_sim.parallel.collectives import all_to_all_seconds, best_all_reduce
 from klotski_sim.parallel.placement import ExpertPlacement, balance, place, replicate
 from klotski_sim.util.errors import UsageError
 from klotski_sim.workload.model import ModelSpec

@@ -33,6 +33,7 @@ from klotski_sim.core.schedule import (
 )
 from klotski_sim.hardware.profile import HardwareProfile
 from klotski_sim.names import kv_buffer
+from klotski_sim.parallel.tensor import with_all_reduces
 from klotski_sim.policies.impl import IMPL_CHOICES, IMPL_SPECS, PRESET_NAMES, Impl, preset_options
 from klotski_sim.policies.options import GENERIC_SPECS, OptionSpec, specs_from_defaults, specs_of
 from klotski_sim.util import run_size
@@ -374,6 +375,8 @@ def build_schedule(name: str, inp: PolicyInput) -> Schedule:
         )
     if not getattr(info.build, "__module__", "").startswith("klotski_sim."):
         _check_from_outside(name, schedule, inp)
+    if inp.profile.tensor_parallel:  # one schedule for the whole group: its layers' all-reduces added
+        schedule = with_all_reduces(schedule, inp.model)
     return schedule
 
 

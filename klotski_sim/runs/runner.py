@@ -26,6 +26,7 @@ from klotski_sim.core.schedule import Schedule, quiet_gc_in_worker
 from klotski_sim.core.timeline import MEMORY_CHECK, OutOfMemory, Timeline
 from klotski_sim.files.disk_cache import cache_dir
 from klotski_sim.hardware.profile import HardwareProfile, load_profile, with_overrides
+from klotski_sim.parallel.tensor import group_machine
 from klotski_sim.planning.planner import (
     Plan,
     default_placement,
@@ -86,6 +87,7 @@ class RunSpec:
     overrides: Mapping[str, Any] = field(default_factory=dict)
     options: Mapping[str, Any] = field(default_factory=dict)
     impl: str = "as-published"  # implementation preset (klotski_sim.policies.impl); `options` override it
+    gpus: int = 1  # a tensor-parallel group of this many of the profile's GPUs (parallel.tensor)
 
     def __post_init__(self) -> None:
         """Each field of the type it is read as, numpy integers taken as ints: from a notebook,
@@ -110,6 +112,7 @@ class RunSpec:
         count("num_batches", 1, MAX_COUNT, optional=True)
         count("warmup_sequences", 0, MAX_COUNT)
         count("seed", 0, MAX_SEED)
+        count("gpus", 1, 1024)
         if isinstance(self.hardware, os.PathLike):  # (a profile file given as a Path)
             object.__setattr__(self, "hardware", os.fspath(self.hardware))
         for name in ("model", "hardware", "policy", "routing", "kv", "experts", "impl"):
@@ -188,8 +191,10 @@ class RunResult:
 
 
 def resolve_profile(spec: RunSpec) -> HardwareProfile:
+    """The run's machine: the profile with its overrides, as a tensor-parallel group of `spec.gpus`."""
     profile = load_profile(spec.hardware)
-    return with_overrides(profile, dict(spec.overrides)) if spec.overrides else profile
+    profile = with_overrides(profile, dict(spec.overrides)) if spec.overrides else profile
+    return group_machine(profile, spec.gpus, get_model(spec.model)) if spec.gpus > 1 else profile
 
 
 # A long synthetic draw is said to the run's listeners (run_size.Surroundings: the CLI's simulate and

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from klotski_sim.core.schedule import ScheduleBuilder
+from klotski_sim.names import ALLREDUCE_STREAM
 from klotski_sim.serving.batcher import Iteration
 from klotski_sim.workload.model import ModelSpec
 from klotski_sim.workload.trace_synth import base_popularity, params_for
@@ -66,8 +67,10 @@ class BatchShape:
 class IterationEmitter:
     """Emits one iteration's ops into a builder shared by the whole run (op ids `it{k}/...`)."""
 
-    def __init__(self, model: ModelSpec, builder: ScheduleBuilder, pick: np.ndarray) -> None:
-        self.model, self.b, self.pick = model, builder, pick
+    def __init__(self, model: ModelSpec, builder: ScheduleBuilder, pick: np.ndarray, group: int = 1) -> None:
+        """`group`: the GPUs of a tensor-parallel group the iteration runs on (parallel.tensor): above
+        one, attention and each layer's MLP side end in an all-reduce of the iteration's hidden states."""
+        self.model, self.b, self.pick, self.group = model, builder, pick, group
         m = model
         # score FLOPs per visible query-key pair: attention_flops is linear in the cache length
         self._per_visible = m.attention_flops(1, 1, 1) - m.attention_flops(1, 1, 0)
@@ -110,9 +113,11 @@ class IterationEmitter:
         return flops, nbytes, sh.context // max(1, sh.sequences)
 
     def attention(self, layer: int, deps: Sequence[str | None], free: tuple[str, ...] = ()) -> str:
+        """The layer's attention (and, on a tensor-parallel group, its output's all-reduce: what the
+        router and the experts read)."""
         flops, nbytes, mean_context = self.attention_cost(self.shape)
         self.context_ops.append(len(self.b.ops) - self.first)
-        return self.b.compute(
+        attention = self.b.compute(
             f"{self.at}/L{layer}/attn",
             "attention",
             deps,
@@ -121,6 +126,18 @@ class IterationEmitter:
             kv_len=mean_context,
             variant="fused",
             free=free,
+            **self._tags(layer),
+        )
+        return self.all_reduce(layer, attention, "attn") if self.group > 1 else attention
+
+    def all_reduce(self, layer: int, after: str, part: str) -> str:
+        """A tensor-parallel group's all-reduce of the iteration's hidden states after `after`."""
+        return self.b.compute(
+            f"{self.at}/L{layer}/{part}/allreduce",
+            "allreduce",
+            [after],
+            stream=ALLREDUCE_STREAM,
+            bytes=self._hidden_per_token * self.shape.tokens,
             **self._tags(layer),
         )
 

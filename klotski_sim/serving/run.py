@@ -25,6 +25,7 @@ from klotski_sim.core.engine import run_engine
 from klotski_sim.core.schedule import Schedule, ScheduleBuilder
 from klotski_sim.core.timeline import Timeline
 from klotski_sim.hardware.profile import HardwareProfile
+from klotski_sim.names import ALLREDUCE_STREAM
 from klotski_sim.serving.batcher import BatchingConfig, ContinuousBatcher, ServingRefusal
 from klotski_sim.serving.emit import BatchShape, IterationEmitter, expert_pick_probability
 from klotski_sim.serving.memory import MemoryPlan, Residency, plan_memory
@@ -81,13 +82,14 @@ def serve(spec: ServeSpec, cost: CostModel | None = None, keep: bool = True) -> 
     residency = policy.residency()
     memory = plan_memory(model, profile, residency, spec.batching, spec.gpu_memory_utilization, spec.policy)
     batcher = ContinuousBatcher(spec.workload, spec.batching, memory.num_blocks)
-    builder = ScheduleBuilder(policy.streams())
+    group = profile.tensor_parallel or 1
+    builder = ScheduleBuilder({**policy.streams(), **({ALLREDUCE_STREAM: "fabric"} if group > 1 else {})})
     policy.preload(builder, residency)
     builder.preload("kv/pool", memory.kv_bytes)
     builder.preload("activations", memory.activation_bytes)
     cost = cost or CostModel(profile)
     templates = IterationTemplates(builder.streams, builder.preloaded)
-    em = IterationEmitter(model, builder, expert_pick_probability(model, spec.seed))
+    em = IterationEmitter(model, builder, expert_pick_probability(model, spec.seed), group)
     # a run that keeps its ops emits every iteration; one that does not times known shapes compiled
     compiled = CompiledIterations(cost, em, int(profile.gpu.usable_bytes))
     compiling = not keep and cost.override is None
@@ -136,6 +138,8 @@ def serve(spec: ServeSpec, cost: CostModel | None = None, keep: bool = True) -> 
             last = em.embed(policy.start_iteration(em))
             for layer in range(model.num_layers):
                 last = policy.layer(em, layer, last)
+                if group > 1:  # (the layer's MLP side, wherever it ran, reduced before the next layer reads it)
+                    last = em.all_reduce(layer, last, "mlp")
             logits = em.lm_head([last])
             em.end([logits, *policy.finish_iteration(em)])
             ops = builder.ops[first:]
