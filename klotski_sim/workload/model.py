@@ -392,6 +392,49 @@ PRESETS: dict[str, ModelSpec] = {
             qk_norm="head",
             norm_topk_prob=True,
         ),
+        # Qwen/Qwen3-235B-A22B config.json (huggingface.co; the same numbers in vLLM's test fixtures): 94
+        # layers, 128 experts of width 1536, top-8, normalised; hidden 4096, 64 query and 4 KV heads of 128,
+        # q/k RMSNorm per head; vocab 151936. Model card: 235B total, 22B activated.
+        ModelSpec(
+            "qwen3-235b-a22b",
+            num_layers=94,
+            num_experts=128,
+            top_k=8,
+            hidden_size=4096,
+            ffn_size=1536,
+            num_heads=64,
+            num_kv_heads=4,
+            head_dim=128,
+            vocab_size=151936,
+            hf_model_type="qwen3_moe",
+            qk_norm="head",
+            norm_topk_prob=True,
+        ),
+        # zai-org/GLM-4.5 config.json (huggingface.co; the same numbers in transformers' and vLLM's
+        # glm4_moe tests): 92 layers, the first 3 dense (first_k_dense_replace, intermediate 12288), then
+        # 160 routed experts of width 1536, top-8, normalised, and 1 shared expert of that width; hidden
+        # 5120, 96 query and 8 KV heads of 128, q/k norm per head; vocab 151552, embeddings not tied. The
+        # multi-token-prediction layer (num_nextn_predict_layers 1) serves speculative decoding only and
+        # is left out, as DeepSeek-V3's is. GLM-4.5 report: 355B total, 32B activated.
+        ModelSpec(
+            "glm-4.5",
+            num_layers=92,
+            num_experts=160,
+            top_k=8,
+            hidden_size=5120,
+            ffn_size=1536,
+            num_heads=96,
+            num_kv_heads=8,
+            head_dim=128,
+            vocab_size=151552,
+            num_shared_experts=1,
+            shared_ffn_size=1536,
+            first_dense_layers=3,
+            dense_ffn_size=12288,
+            hf_model_type="glm4_moe",
+            qk_norm="head",
+            norm_topk_prob=True,
+        ),
         # deepseek-ai/DeepSeek-V2-Lite config.json (and DeepSeek's 16B inference config): 27 layers, the
         # first dense (first_k_dense_replace 1, intermediate 10944), then 64 routed experts of width
         # 1408, top-6, 2 shared; MLA with kv_lora_rank 512, no query compression, rope 64 / nope 128 /
