@@ -274,3 +274,21 @@ def test_the_runtime_refuses_a_gpu_groups_schedule_in_one_line(tmp_path):
     assert run_cli(*args, *[str(v) for kv in TP_RUN.items() for v in (f"--{kv[0].replace('_', '-')}", kv[1])])[0] == 0
     code, _, err = runtime_in_process("execute", str(tmp_path / "tp"))
     assert code == 2 and err.count("\n") == 1 and "all-reduce of a tensor-parallel group" in err, err
+
+
+def test_the_parallel_command_times_each_rank_on_one_of_the_profiles_gpus():
+    """`parallel --gpus G` times G ranks of the profile's GPU; its --gpus once also made the run's machine
+    a tensor-parallel group of G (G times the FLOP/s and bandwidth for every rank)."""
+    from klotski_sim.runs.runner import RunSpec, make_replay
+
+    spec = RunSpec(model="mixtral-8x7b", hardware="l40s", batch_size=8, prompt_len=16, gen_len=3, num_batches=1)
+    model = get_model(spec.model)
+    _, rep = make_replay(spec, model, 1)
+    want = simulate_decode(model, load_profile("l40s"), rep.routing, ParallelSetup(2, "tp"))
+    code, out, err = run_cli(
+        "parallel", "--model", "mixtral-8x7b", "--hardware", "l40s", "--gpus", "2", "--batch-size", "8",
+        "--prompt-len", "16", "--gen-len", "3", "--parallelism", "tp",
+    )  # fmt: skip
+    assert code == 0, err
+    row = next(line.split() for line in out.splitlines() if line.startswith("tp2 "))
+    assert float(row[2]) == pytest.approx(want.tokens_per_s, abs=0.05), out

@@ -69,7 +69,8 @@ def format_results(rows: list[tuple[ParallelSetup, ParallelResult | str]]) -> st
 
 
 def cmd_parallel(args: argparse.Namespace) -> int:
-    spec = spec_from_args(args, num_batches=args.num_batches or 1)
+    # (its --gpus are ranks it times one by one, each on the profile's one GPU: not a tensor-parallel group)
+    spec = spec_from_args(args, num_batches=args.num_batches or 1, gpus=1)
     model = get_model(spec.model)
     profile = resolve_profile(spec)
     if args.gpus < 2:
