@@ -149,6 +149,11 @@ def simulate_decode(
     if setup.parallelism not in PARALLELISMS:
         raise UsageError(f"parallelism {setup.parallelism!r}: one of {', '.join(PARALLELISMS)}")
     shape, G = routing.shape, setup.gpus
+    if setup.parallelism == "tp" and model.mla:
+        raise UsageError(
+            f"multi-head latent attention keeps {model.name}'s compressed KV cache whole on every "
+            f"tensor-parallel rank (not split by heads), which is not modelled"
+        )
     if shape.gen_len < 2:
         raise UsageError("a parallel decode run needs at least 2 generated tokens (--gen-len 2): it times decode steps")
     cost = CostModel(profile)
