@@ -22,6 +22,13 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# The suite starts a few hundred Python processes (CLIs, scripts, runtime calls, Dask workers). Where
+# PYTHONDONTWRITEBYTECODE is set (our CI machines set it), each compiled klotski from source again (~1 s
+# a process that imports the simulator and the runtime) and each pytest process rewrote every test
+# module again (~8 s): the test run writes bytecode, into __pycache__ folders git ignores.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
 
 def make_profile(memory_bytes: float = 1e12, copy_engines: int = 1, **gpu: float) -> HardwareProfile:
     """A profile with round numbers: 1 TFLOP/s, 1 TB/s, 1 GB/s links, no overheads."""
