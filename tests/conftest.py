@@ -162,10 +162,14 @@ def run_cli(*args: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-def run_cli_completed(*args: str) -> subprocess.CompletedProcess:
-    """`run_cli`, answered as subprocess.run answers (returncode, stdout, stderr)."""
-    code, out, err = run_cli(*args)
-    return subprocess.CompletedProcess(["klotski-sim", *args], code, out, err)
+def simulate_small(out: str | Path, model: str = "tiny-mixtral") -> None:
+    """`klotski-sim simulate` of a small Klotski run of `model` into `out` (in-process): the schedule the
+    runtime's execute tests run."""
+    code, _, err = run_cli(
+        "simulate", "--model", model, "--policy", "klotski", "--num-batches", "2", "--batch-size", "2",
+        "--prompt-len", "6", "--gen-len", "3", "--no-png", "--out", str(out),
+    )  # fmt: skip
+    assert code == 0, err
 
 
 def run_cli_process(*args: str) -> tuple[int, str, str]:

@@ -12,7 +12,7 @@ from klotski_sim.core.schedule import Schedule
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from .conftest import ROOT, run_cli_completed, runtime_in_process  # noqa: E402
+from .conftest import ROOT, runtime_in_process, simulate_small  # noqa: E402
 
 run_runtime = runtime_in_process
 
@@ -54,25 +54,7 @@ def test_record_missing_checkpoint_is_one_line(tmp_path):
 
 
 def test_execute_names_the_model_mismatch_and_a_missing_checkpoint_first(tmp_path):
-    sim = run_cli_completed(
-        "simulate",
-        "--model",
-        "tiny-mixtral",
-        "--policy",
-        "klotski",
-        "--num-batches",
-        "2",
-        "--batch-size",
-        "2",
-        "--prompt-len",
-        "6",
-        "--gen-len",
-        "3",
-        "--no-png",
-        "--out",
-        str(tmp_path / "sim"),
-    )
-    assert sim.returncode == 0, sim.stderr
+    simulate_small(str(tmp_path / "sim"))
     rc, out, err = run_runtime("execute", str(tmp_path / "sim"), "--model", "mixtral-8x7b")
     assert rc == 2 and "was built for model 'tiny-mixtral'" in err and "GiB" not in err  # not the weights' size
     rc, out, err = run_runtime("execute", str(tmp_path / "sim"), "--checkpoint", str(tmp_path / "nowhere"))
@@ -85,25 +67,7 @@ def test_execute_writes_into_a_folder_inside_the_simulations_and_again(tmp_path)
     """`execute sim --out sim/measured` was refused once `sim/measured` existed ("is a file of sim,
     which this command reads"), so its rerun was; `execute nowhere --out an_existing_folder` said the
     same instead of that the schedule is missing. The simulation's own folder stays refused."""
-    sim = run_cli_completed(
-        "simulate",
-        "--model",
-        "tiny-mixtral",
-        "--policy",
-        "klotski",
-        "--num-batches",
-        "2",
-        "--batch-size",
-        "2",
-        "--prompt-len",
-        "6",
-        "--gen-len",
-        "3",
-        "--no-png",
-        "--out",
-        str(tmp_path / "sim"),
-    )
-    assert sim.returncode == 0, sim.stderr
+    simulate_small(str(tmp_path / "sim"))
     for _ in range(2):
         rc, out, err = run_runtime("execute", str(tmp_path / "sim"), "--out", str(tmp_path / "sim" / "measured"))
         assert rc == 0 and (tmp_path / "sim" / "measured" / "summary.json").exists(), err
@@ -117,25 +81,7 @@ def test_execute_writes_into_a_folder_inside_the_simulations_and_again(tmp_path)
 def test_a_tiny_checkpoint_of_another_family_executes_what_simulate_wrote(tmp_path, model):
     rc, out, err = run_runtime("tiny-checkpoint", "--model", model, "--out", str(tmp_path / "ckpt"))
     assert rc == 0 and model in out, err
-    sim = run_cli_completed(
-        "simulate",
-        "--model",
-        model,
-        "--policy",
-        "klotski",
-        "--num-batches",
-        "2",
-        "--batch-size",
-        "2",
-        "--prompt-len",
-        "6",
-        "--gen-len",
-        "3",
-        "--no-png",
-        "--out",
-        str(tmp_path / "sim"),
-    )
-    assert sim.returncode == 0, sim.stderr
+    simulate_small(str(tmp_path / "sim"), model)
     rc, out, err = run_runtime(
         "execute", str(tmp_path / "sim"), "--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "measured")
     )

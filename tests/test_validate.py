@@ -17,7 +17,7 @@ from klotski_sim.core.cost import CostModel  # noqa: E402
 from klotski_sim.hardware.profile import ProfileError, load_profile  # noqa: E402
 from klotski_sim.workload.model import get_model  # noqa: E402
 
-from .conftest import every_attempt_missed, run_cli_completed, runtime_in_process  # noqa: E402
+from .conftest import every_attempt_missed, runtime_in_process, simulate_small  # noqa: E402
 
 TINY = get_model("tiny-mixtral")
 
@@ -121,25 +121,7 @@ def test_validate_cli_end_to_end(tmp_path):
 
 
 def test_execute_cli_runs_what_simulate_wrote(tmp_path):
-    sim = run_cli_completed(
-        "simulate",
-        "--model",
-        "tiny-mixtral",
-        "--policy",
-        "klotski",
-        "--num-batches",
-        "2",
-        "--batch-size",
-        "2",
-        "--prompt-len",
-        "6",
-        "--gen-len",
-        "3",
-        "--no-png",
-        "--out",
-        str(tmp_path / "sim"),
-    )
-    assert sim.returncode == 0, sim.stderr
+    simulate_small(str(tmp_path / "sim"))
     rc, out, err = _runtime("execute", str(tmp_path / "sim"), "--out", str(tmp_path / "meas"))
     assert rc == 0, err
     assert "throughput" in out and "EMULATED" in out and (tmp_path / "meas" / "trace.json.gz").exists()
