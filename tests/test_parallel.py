@@ -3,6 +3,9 @@ locality that co-activation placement and grouping buy, and the `parallel` comma
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -292,3 +295,27 @@ def test_the_parallel_command_times_each_rank_on_one_of_the_profiles_gpus():
     assert code == 0, err
     row = next(line.split() for line in out.splitlines() if line.startswith("tp2 "))
     assert float(row[2]) == pytest.approx(want.tokens_per_s, abs=0.05), out
+
+
+def test_a_sweep_over_group_sizes_keeps_one_gpus_ids_and_refuses_a_serving_grid(tmp_path):
+    import pandas as pd
+
+    from klotski_sim.runs.sweep import SweepError, expand, parse_spec
+
+    grid = {"models": ["tiny-mixtral"], "hardware": ["l40s"], "policies": ["klotski"], "batch_sizes": [2]}
+    grid |= {"prompt_lens": [6], "gen_lens": [3]}
+    one = {c["id"] for c in expand(parse_spec(grid))}
+    both = expand(parse_spec({**grid, "gpus": [1, 2]}))
+    assert one < {c["id"] for c in both} and [c.get("gpus", 1) for c in both] == [1, 2]
+    (tmp_path / "spec.yaml").write_text(json.dumps({**grid, "gpus": [1, 2]}))
+    code, out, err = run_cli("sweep", str(tmp_path / "spec.yaml"), "--out", str(tmp_path / "o"), "--no-progress")
+    assert code == 0, err
+    df = pd.read_parquet(tmp_path / "o" / "results.parquet").sort_values("gpus")
+    assert df["gpus"].tolist() == [1, 2] and (df["status"] == "ok").all()
+    from klotski_sim.runs.runner import RunSpec, run
+
+    spec = RunSpec(model="tiny-mixtral", hardware="l40s", policy="klotski", batch_size=2, prompt_len=6, gen_len=3)
+    alone = [run(replace(spec, num_batches=None, gpus=g)).timeline.summary().to_dict()["makespan_s"] for g in (1, 2)]
+    assert df["m.makespan_s"].tolist() == pytest.approx(alone, rel=1e-12)  # (a tiny model: 2 GPUs add all-reduces)
+    with pytest.raises(SweepError, match="gpus: a serving grid runs on one GPU"):
+        parse_spec({**grid, "policies": ["vllm"], "gpus": [2], "serving": {"requests": [4]}})

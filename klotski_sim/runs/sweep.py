@@ -38,6 +38,7 @@ profile under a second name counts as given twice):
       expert_cache: [0, 16]
     resident_layers: [auto, 0, fill] # layers kept whole on the GPU (auto: the planner's choice with n auto,
                                      # else 0; fill: as many as the memory left at n allows)
+    gpus: [1, 2]                     # tensor-parallel groups of the profile's GPUs (simulate --gpus G)
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ from dataclasses import fields, replace
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Annotated, Any, Callable, Iterable, Iterator
 
 import yaml
 from pydantic import (
@@ -69,6 +70,7 @@ from pydantic import (
     StrictStr,
     ValidationError,
     field_validator,
+    model_validator,
 )
 
 from klotski_sim.core.timeline import Summary, jsonable
@@ -125,7 +127,16 @@ class SweepSpec(BaseModel):
     policy_files: list[StrictStr] = Field(default_factory=list)  # your own policies (relative to the spec)
     options: dict[str, list[Any]] = Field(default_factory=dict)  # grid over policy options (expert_cache: [0, 16])
     resident_layers: list[StrictInt | StrictStr] = Field(default_factory=_auto, min_length=1)
+    # tensor-parallel group sizes (klotski_sim/parallel/tensor.py); offline grids only
+    gpus: list[Annotated[StrictInt, Field(ge=1, le=1024)]] = Field(default_factory=lambda: [1], min_length=1)
     serving: ServingGrid | None = None  # serving axes: a grid of `klotski-sim serve` runs (runs/serving_sweep.py)
+
+    @model_validator(mode="after")
+    def _groups_offline(self) -> "SweepSpec":
+        """A serving grid runs each configuration on one GPU (`serve --gpus G` runs a group)."""
+        if self.serving is not None and self.gpus != [1]:
+            raise ValueError("gpus: a serving grid runs on one GPU; `klotski-sim serve --gpus G` serves on a group")
+        return self
 
     @field_validator("overrides")
     @classmethod
@@ -381,6 +392,7 @@ def grid_size(spec: SweepSpec) -> int:
         spec.experts,
         spec.impls,
         spec.resident_layers,
+        spec.gpus,
         *spec.overrides.values(),
         *spec.options.values(),
     )
@@ -399,7 +411,23 @@ def expand(spec: SweepSpec) -> list[dict[str, Any]]:
     fields = list(spec.overrides)
     configs = []
     option_keys = list(spec.options)
-    for model, hardware, policy, bs, n, p, g, routing, seed, kv, experts, impl, resident, *values in itertools.product(
+    for (
+        model,
+        hardware,
+        policy,
+        bs,
+        n,
+        p,
+        g,
+        routing,
+        seed,
+        kv,
+        experts,
+        impl,
+        resident,
+        gpus,
+        *values,
+    ) in itertools.product(
         spec.models,
         spec.hardware,
         spec.policies,
@@ -413,6 +441,7 @@ def expand(spec: SweepSpec) -> list[dict[str, Any]]:
         spec.experts,
         spec.impls,
         spec.resident_layers,
+        spec.gpus,
         *(spec.overrides[f] for f in fields),
         *(spec.options[k] for k in option_keys),
     ):
@@ -435,6 +464,8 @@ def expand(spec: SweepSpec) -> list[dict[str, Any]]:
             cfg["options"] = dict(zip(option_keys, values[len(fields) :]))
         if resident != "auto":
             cfg["resident_layers"] = resident
+        if gpus != 1:  # (as resident_layers: one GPU's configurations keep the ids and rows they had)
+            cfg["gpus"] = gpus
         if spec.policy_files:  # the files' contents are part of the configuration (an edit is a new result)
             cfg["policy_files"] = {f: content_hash(f) for f in spec.policy_files}
         cfg["id"] = config_id(_identity(cfg))
@@ -551,6 +582,7 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
             impl=cfg.get("impl", "as-published"),
             options=cfg.get("options", {}),
             resident_layers=cfg.get("resident_layers"),
+            gpus=cfg.get("gpus", 1),
         )
         result = run(spec, reuse=_process_reuse())  # a what-if over hardware numbers builds each schedule once
         s = result.timeline.summary()
@@ -685,6 +717,8 @@ def collect(out_dir: str | Path, ids: Iterable[str] | None = None) -> pd.DataFra
         if row is not None:  # (a damaged row's configuration was run again: its file is rewritten)
             rows.append(row)
     df = pd.DataFrame(rows)
+    if "gpus" in df:  # (a grid over group sizes: its one-GPU rows leave the key out, to keep their ids)
+        df["gpus"] = df["gpus"].fillna(1).astype(int)
     if len(df):
         df = df.sort_values("id").reset_index(drop=True)
         for col in df.columns:  # mixed-type columns (e.g. num_batches) as text for Parquet
