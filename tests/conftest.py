@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -148,10 +148,15 @@ def run_cli(*args: str) -> tuple[int, str, str]:
     processes left behind, a library's own stderr) uses `run_cli_process`."""
     if any(arg.startswith("--policy-file") for arg in args):
         return run_cli_process(*args)
+    from klotski_sim.cli.main import main
+
+    return _in_process(main, args)
+
+
+def _in_process(main: Callable[[list[str]], int], args: Sequence[str]) -> tuple[int, str, str]:
+    """A CLI's `main(args)` run from the repository's root, its output captured: (status, stdout, stderr)."""
     import contextlib
     import io
-
-    from klotski_sim.cli.main import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.chdir(ROOT), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -327,18 +332,9 @@ def small_calibration(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str
 def runtime_in_process(*args: str) -> tuple[int, str, str]:
     """`klotski-runtime ARGS` in this process: torch and transformers are imported once, not ~5 s again per
     call. What only a whole process shows (a library's own stderr, an exit by a signal) needs a subprocess."""
-    import contextlib
-    import io
-
     from klotski_runtime.cli import main
 
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.chdir(ROOT), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(list(args))
-        except SystemExit as exit:  # (argparse's usage errors)
-            code = exit.code if isinstance(exit.code, int) else 0 if exit.code is None else 1
-    return code, out.getvalue(), err.getvalue()
+    return _in_process(main, args)
 
 
 def every_attempt_missed(attempts: list[list[str]], loaded: list[list[str]]) -> None:

@@ -150,10 +150,7 @@ def simulate_decode(
         raise UsageError(f"parallelism {setup.parallelism!r}: one of {', '.join(PARALLELISMS)}")
     shape, G = routing.shape, setup.gpus
     if setup.parallelism == "tp" and model.mla:
-        raise UsageError(
-            f"multi-head latent attention keeps {model.name}'s compressed KV cache whole on every "
-            f"tensor-parallel rank (not split by heads), which is not modelled"
-        )
+        raise UsageError(mla_tensor_parallel(model))
     if shape.gen_len < 2:
         raise UsageError("a parallel decode run needs at least 2 generated tokens (--gen-len 2): it times decode steps")
     cost = CostModel(profile)
@@ -251,6 +248,14 @@ def simulate_decode(
             f"(not yet modelled across ranks)"
         )
     return result
+
+
+def mla_tensor_parallel(model: ModelSpec) -> str:
+    """Why an MLA model's tensor parallelism is refused (no ": " in it: a row of `parallel` shows it whole)."""
+    return (
+        f"multi-head latent attention keeps {model.name}'s compressed KV cache whole on every "
+        f"tensor-parallel rank (not split by heads), which is not modelled"
+    )
 
 
 def machine_fabric(profile: HardwareProfile, gpus: int) -> FabricSpec:

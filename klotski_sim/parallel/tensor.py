@@ -21,7 +21,7 @@ from collections import defaultdict
 from klotski_sim.core.schedule import Op, Schedule
 from klotski_sim.hardware.profile import HardwareProfile
 from klotski_sim.names import ALLREDUCE_STREAM
-from klotski_sim.parallel.decode import machine_fabric
+from klotski_sim.parallel.decode import machine_fabric, mla_tensor_parallel
 from klotski_sim.util.errors import UsageError
 from klotski_sim.workload.model import ModelSpec
 
@@ -37,13 +37,10 @@ AFTER_MLP = ("attention", "attn_qkv", "lm_head")
 
 def check_splits(model: ModelSpec, gpus: int) -> None:
     """Refuse, in one line, a model whose attention cannot be split over `gpus` ranks."""
-    if gpus == 1:
-        return
-    if model.kv_lora_rank:
+    if model.mla:
         raise UsageError(
-            f"--gpus {gpus}: {model.name} uses multi-head latent attention, whose compressed KV cache every "
-            f"tensor-parallel rank keeps whole; that is not modelled (klotski-sim parallel --parallelism ep "
-            f"times its decode with expert parallelism)"
+            f"--gpus {gpus}: {mla_tensor_parallel(model)} (klotski-sim parallel --parallelism ep times its "
+            f"decode with expert parallelism)"
         )
     if model.num_heads % gpus or model.num_kv_heads % gpus:
         raise UsageError(
