@@ -213,6 +213,17 @@ def check_run_size_accuracy(out: str, tmp: Path) -> None:
         assert built > 0 and projected > 0 and abs(error) < 50, row
 
 
+def check_routing_knobs(out: str, tmp: Path) -> None:
+    statistics, predictors, cache = out.split("\nKlotski's hot experts")[0], *out.split("\nAn expert cache")
+    stats = {row.split("|")[2].strip(): numbers(row.split("|", 3)[3]) for row in lines_with(statistics, r"^\| mix")}
+    assert len(stats) == 8 and all(len(v) == 6 for v in stats.values()), out
+    assert stats["uniform"][0] < stats["calibrated"][0] < stats["calibrated:reuse=1"][0], out  # reuse_share
+    rows = lines_with(predictors, r"^\| mixtral-8x7b \| .* \| 1 x 1 \|")
+    assert len(rows) == 3 and all(len(numbers(row.split("1 x 1", 1)[1])) == 6 for row in rows), out
+    rows = lines_with(cache, r"^\| mixtral-8x7b \| calibrated(:reuse=\d)? \| \d+ \| \d+ \| ")
+    assert len(rows) == 3 and all(numbers(row.split("|", 3)[3])[1] > 0 for row in rows), out  # misses
+
+
 def check_tree_memory(out: str, tmp: Path) -> None:
     seconds, peak_mb, code = numbers(out)[:3]
     assert code == 0 and seconds > 0
@@ -298,6 +309,7 @@ CASES = [
     py("paper.py", "all", "--quick", "--workers", "1", check=check_paper),
     py("probe_error.py", "--quick", check=check_probe_error),
     py("run_size_accuracy.py", "--quick", check=check_run_size_accuracy),
+    py("routing_knobs.py", "--quick", check=check_routing_knobs),
     py("tree_memory.py", "{python}", "-c", CHILD_HOLDING_40MB, check=check_tree_memory),
     py("where_wins.py", "--quick", check=check_where_wins),
     # A dry run on the CPU (no GPU needed): QUICK=1 is tiny-mixtral at the smallest sizes, but a CPU calibration's

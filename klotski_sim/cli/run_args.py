@@ -100,8 +100,9 @@ def add_run_arguments(
         "--routing",
         default=None,
         metavar="KIND",
-        help=f"synthetic routing when no --trace is given: calibrated, uniform, zipf:<a>, skewed "
-        f"(default: {DEFAULT_ROUTING})",
+        help=f"synthetic routing when no --trace is given: calibrated, uniform, zipf:<a>, skewed, or "
+        f"calibrated:KEY=VALUE,... with domain=NAME|code|math|mixed, decode_drift=0..1, reuse=BIAS "
+        f"(docs/routing.md; default: {DEFAULT_ROUTING})",
     )
     p.add_argument(
         "--trace",

@@ -26,10 +26,14 @@ while the next layer's attention weights load during this MoE layer.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from klotski_sim.core.schedule import Schedule
 from klotski_sim.policies.base import PolicyInput, PolicyTraits, register
 from klotski_sim.policies.impl import Impl
 from klotski_sim.policies.klotski_phases import Decisions, Pipeline, Rung
+from klotski_sim.policies.options import option
+from klotski_sim.policies.prefetch import PREDICTORS
 
 RUNGS: dict[str, Rung] = {
     "multi-batch": Rung(hot_prefetch=False, reorder=False),
@@ -38,6 +42,19 @@ RUNGS: dict[str, Rung] = {
     "klotski-oracle": Rung(hot_prefetch=True, reorder=True, oracle=True),
     "klotski-hybrid": Rung(hot_prefetch=True, reorder=True, cpu_cold=True),
 }
+
+
+@dataclass(frozen=True)
+class PredictorOptions:
+    """The rungs whose hot experts a learned predictor names."""
+
+    predictor: str = option(
+        "layer",
+        "what names a layer's hot experts: layer (the paper: the previous layer's routing through the "
+        "correlation table) or layer+token (spatio-temporal, as ST-MoE: that and the same layer's "
+        "routing of the previous token, equally weighted)",
+        choices=PREDICTORS,
+    )
 
 
 def build_pipeline(inp: PolicyInput, rung: Rung, name: str) -> Schedule:
@@ -88,6 +105,7 @@ def _register(name: str, description: str) -> None:
     register(
         name,
         description,
+        options=PredictorOptions if rung.hot_prefetch and not rung.oracle else None,
         traits=traits,
         impl_options=options,
         presets={"as-published": {k: AS_PUBLISHED[k] for k in options}},

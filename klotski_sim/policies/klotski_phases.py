@@ -17,7 +17,7 @@ from klotski_sim.core.cost import CostModel
 from klotski_sim.core.schedule import CPU_STREAMS, DEFAULT_STREAMS, Schedule, ScheduleBuilder
 from klotski_sim.policies.base import ExpertOp, OpEmitter, PolicyInput, cpu_expert_seconds
 from klotski_sim.policies.impl import Impl
-from klotski_sim.policies.prefetch import CorrelationTable, PrefetchStats
+from klotski_sim.policies.prefetch import CorrelationTable, PrefetchStats, spatio_temporal
 from klotski_sim.workload.model import ModelSpec
 
 
@@ -150,6 +150,7 @@ class Pipeline:
             if inp.warmup is not None:
                 self.table.warm_up(inp.warmup)  # the pre-run on sequences never evaluated
         self.stats = PrefetchStats()
+        self.predictor = inp.options.get("predictor", "layer")
         self.fetch_streamed = {
             "whole-layer": self._fetch_whole_layer,
             "at-gate": self._fetch_attention_and_gate,
@@ -230,7 +231,11 @@ class Pipeline:
             tokens = layer.group_tokens
             return [int(e) for e in np.argsort(-tokens, kind="stable") if tokens[e] > 0]
         prev_counts = self.counts[step, j - 1].sum(axis=0) if j > 0 else None
-        hot = self.table.predict(j, prev_counts, self.model.top_k)
+        if self.predictor == "layer+token" and step > 0:  # the previous token's routing is known by now
+            hot = spatio_temporal(self.table.scores(j, prev_counts), self.counts[step - 1, j].sum(axis=0))
+            hot = hot[: self.model.top_k]
+        else:
+            hot = self.table.predict(j, prev_counts, self.model.top_k)
         self.stats.record(hot, layer.group_tokens)
         return hot
 

@@ -138,6 +138,22 @@ class CorrelationTable:
         return np.argsort(-self.scores(layer, prev_counts), kind="stable")[:k].tolist()
 
 
+PREDICTORS = ("layer", "layer+token")
+
+
+def spatio_temporal(layer_scores: np.ndarray, previous_token_counts: np.ndarray) -> list[int]:
+    """Experts ranked by two predictions' shares added: the table's scores given the previous
+    layer (spatial) and the group's own routing of this layer one token earlier (temporal). ST-MoE
+    observes expert requests correlated across adjacent layers and consecutive tokens alike
+    (shared/docs/MULTIGPU.md); weighing them equally assumes neither is the better. Ties go to the
+    lower expert id."""
+    total = np.zeros(len(layer_scores))
+    for part in (np.asarray(layer_scores, dtype=float), np.asarray(previous_token_counts, dtype=float)):
+        if part.sum() > 0:
+            total += part / part.sum()
+    return np.argsort(-total, kind="stable").tolist()
+
+
 def top_columns(table: np.ndarray, r: int) -> np.ndarray:
     """The columns of each row's r largest counts, largest first, ties to the lower column: the
     first r columns of a stable argsort of -table, taken by r passes of argmax over a copy

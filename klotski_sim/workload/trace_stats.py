@@ -1,7 +1,8 @@
 """Statistics of a routing trace: the properties an expert-aware schedule lives on.
 
 Per layer: popularity (shares, max, min, entropy), skew within one request, token-to-token
-stickiness, layer-to-layer mutual information and next-layer top-1 predictability, and — the
+stickiness and reuse, how alike a request's prompt and generated tokens route (prefill-to-decode
+correlation), layer-to-layer mutual information and next-layer top-1 predictability, and — the
 quantity Klotski depends on — how much of a group of n x bs tokens the group's top-k experts
 handle, and how many distinct experts such a group activates (what has to be loaded).
 """
@@ -103,6 +104,40 @@ def _mutual_information_bits_sparse(a: np.ndarray, b: np.ndarray, E: int) -> tup
     return mi, float(np.maximum.reduceat(p, starts).sum())
 
 
+def _prefill_decode_similarity(trace: Trace) -> list[tuple[float, float]]:
+    """Per layer: the mean cosine similarity between each request's expert shares over its prompt
+    and over its generated tokens, and the same against the next request's generated tokens (what
+    unrelated requests read at these sizes). The gap is the prefill-to-decode correlation that
+    placing a request by its prompt's routing lives on; NaN without requests that have both."""
+    E, L = trace.num_experts, trace.num_layers
+    off, prompt = trace.seq_offsets, trace.prompt_lens.astype(np.int64)
+    both = np.flatnonzero((prompt > 0) & (np.diff(off) > prompt))
+    if len(both) < 2:
+        return [(float("nan"), float("nan"))] * L
+    out = []
+    group = max(1, _DENSE_JOINT_CELLS * 4 // E)  # (requests a pass: bounded counts, however many experts)
+    for layer in range(L):
+        sims, others = [], []
+        for lo in range(0, len(both), group):
+            chosen = both[lo : lo + group]
+            shares = []
+            for start, end in (
+                (off[chosen], off[chosen] + prompt[chosen]),
+                (off[chosen] + prompt[chosen], off[chosen + 1]),
+            ):
+                lengths = end - start
+                before = np.cumsum(lengths) - lengths  # (each request's first row among these tokens)
+                token = np.repeat(start - before, lengths) + np.arange(lengths.sum())
+                owner = np.repeat(np.arange(len(chosen)), lengths)
+                flat = owner[:, None] * E + trace.experts[token, layer, :]
+                counts = np.bincount(flat.ravel(), minlength=len(chosen) * E).reshape(-1, E).astype(float)
+                shares.append(counts / np.linalg.norm(counts, axis=1, keepdims=True))
+            sims.append((shares[0] * shares[1]).sum(axis=1))
+            others.append((shares[0] * np.roll(shares[1], 1, axis=0)).sum(axis=1))
+        out.append((float(np.concatenate(sims).mean()), float(np.concatenate(others).mean())))
+    return out
+
+
 def layer_stats(
     trace: Trace, group_batch_size: int = GROUP_BATCH_SIZE, group_ns: tuple[int, ...] = GROUP_NS
 ) -> pd.DataFrame:
@@ -139,6 +174,7 @@ def layer_stats(
             share = np.concatenate(shares_of_max)
             req_max[layer] = float(share.mean()) if len(share) else np.nan
 
+    pd_similarity = _prefill_decode_similarity(trace)
     rows = []
     for layer in range(L):
         row: dict[str, float] = {
@@ -151,10 +187,12 @@ def layer_stats(
         if len(cur):
             row["stick_top1"] = float((first[cur, layer] == first[prev, layer]).mean())
             a, b = ex[cur, layer, :], ex[prev, layer, :]
-            shared = (a[:, :, None] == b[:, None, :]).any(axis=(1, 2))
-            row["stick_any"] = float(shared.mean())
+            reused = (a[:, :, None] == b[:, None, :]).any(axis=2)  # [token, slot]: also its predecessor's
+            row["stick_any"] = float(reused.any(axis=1).mean())
+            row["reuse_share"] = float(reused.mean())  # what a cache of the previous token's experts hits
         else:
-            row["stick_top1"] = row["stick_any"] = float("nan")
+            row["stick_top1"] = row["stick_any"] = row["reuse_share"] = float("nan")
+        row["pd_sim"], row["pd_sim_other"] = pd_similarity[layer]
         if layer + 1 < L:
             mi, acc = _mutual_information_bits(first[:, layer], first[:, layer + 1], E)
             baseline = _shuffled_mi_bits(first[:, layer], first[:, layer + 1], E, seed=layer)
@@ -218,8 +256,8 @@ def format_stats(trace: Trace, df: pd.DataFrame | None = None) -> str:
     # a uniform router spreads each layer's choices evenly: every expert's share is 1/E
     lines.append(
         f"uniform routing would give: max_share {1 / trace.num_experts:.3f}, "
-        f"stick_top1 {random_top1:.3f}, mi_next_bits = mi_next_shuffled_bits (its small-sample bias), "
-        f"so mi_next_excess_bits ~ 0"
+        f"stick_top1 {random_top1:.3f}, reuse_share {trace.top_k / trace.num_experts:.3f}, pd_sim ~ pd_sim_other, "
+        f"mi_next_bits = mi_next_shuffled_bits (its small-sample bias), so mi_next_excess_bits ~ 0"
     )
     if m.get("tokens", "all") != "all":
         lines.append(f"tokens: {m['tokens']} only")

@@ -16,6 +16,22 @@ with four knobs, each matched to a published or shipped measurement (klotski_sim
    across layers) and each expert — the latter keeps layers 7 apart correlated, as measured
    (weak for Mixtral, strong for fine-grained models).
 
+`calibrated:KEY=VALUE,...` adds what-ifs on top of the calibrated generator (`KNOBS`, each
+off by default, so plain `calibrated` draws what it always drew):
+
+- `domain=NAME`: the popularity measured on one domain of text instead of over all of them
+  (Mixtral-like models: Fiddler's seven MMLU subjects; fine-grained ones: OLMoE's arxiv, book, c4,
+  github, wikipedia; `code` and `math` name the nearest of them), or `domain=mixed`: each sequence
+  draws one of those domains — the domain-specific popularity that workload-aware grouping and
+  placement exploit (Bambhaniya et al., shared/docs/MULTIGPU.md).
+- `decode_drift=R` (0..1): the share of a sequence's decode-time popularity drawn afresh instead of
+  kept from its prompt. At 0 the generated tokens route by the same per-request shares as the
+  prompt: the prefill-to-decode correlation the same paper reports as strong.
+- `reuse=B`: a router biased by B (logit units) toward the experts the previous token chose in the
+  same layer — the effect of ReMoE's reuse fine-tuning (+26% expert reuse, shared/docs/MULTIGPU.md),
+  so cache hit rates under a reuse-biased router can be asked about. Tokens are then drawn one after
+  another (each depends on its predecessor's final choice): slower, the same draws at B = 0.
+
 `uniform` is the worst case Klotski admits; `zipf:<a>` is popularity ~ 1/rank^a only.
 The same seed gives the identical file.
 """
@@ -28,7 +44,7 @@ import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache, partial
 from importlib import resources
 from typing import Callable, Iterator
@@ -42,7 +58,10 @@ from klotski_sim.workload.model import ModelSpec
 from klotski_sim.workload.routing import RoutingTable, RunShape, expert_id_type, top_by_argmax
 from klotski_sim.workload.trace import Trace, replay
 
-ROUTINGS = ("calibrated", "uniform", "zipf:<a>", "skewed")
+ROUTINGS = ("calibrated", "uniform", "zipf:<a>", "skewed", "calibrated:KEY=VALUE,...")
+KNOBS = ("domain", "decode_drift", "reuse")
+MIXED = "mixed"  # `domain=mixed`: each sequence draws one measured domain
+MAX_REUSE_BIAS = 20.0  # logit units: e^20 makes the previous token's experts a certainty already
 DEFAULT_ROUTING = "calibrated"  # what every command draws when it is not told
 
 
@@ -58,6 +77,9 @@ class SynthParams:
     zipf_a: float = 0.0
     type_coupling: float = 0.0  # a token's latent type -> every layer (long-range correlation)
     token_types: int = 16
+    domain: str | None = None  # a measured domain's popularity, `mixed`, or None: every domain's
+    decode_drift: float = 0.0  # share of the decode-time popularity drawn apart from the prompt's
+    reuse_bias: float = 0.0  # logits added to the previous token's experts (ReMoE's effect)
 
 
 # Fitted by experiments/calibrate_synth.py against the targets in the module docstring.
@@ -70,9 +92,12 @@ FINE_GRAINED = SynthParams(
 
 
 def params_for(routing: str, model: ModelSpec) -> SynthParams:
-    """Parse a routing name (`calibrated`, `uniform`, `zipf:1.2`, `skewed`) for a model."""
+    """Parse a routing name (`calibrated`, `uniform`, `zipf:1.2`, `skewed`,
+    `calibrated:domain=code,reuse=1`) for a model."""
     if routing == "calibrated":
         return FINE_GRAINED if model.num_experts > 16 else MIXTRAL_LIKE
+    if routing.startswith("calibrated:"):
+        return _with_knobs(params_for("calibrated", model), routing, model)
     if routing == "uniform":
         return SynthParams(None, 0.0, 0.0, 0.0, "uniform")
     if routing == "skewed":  # a strongly skewed what-if: zipf 1.5 plus calibrated stickiness
@@ -91,61 +116,156 @@ def params_for(routing: str, model: ModelSpec) -> SynthParams:
     raise UsageError(f"unknown routing {routing!r}; choose from {', '.join(ROUTINGS)}")
 
 
+def _with_knobs(params: SynthParams, routing: str, model: ModelSpec) -> SynthParams:
+    """`calibrated:KEY=VALUE,...`: the calibrated knobs with the what-ifs of `KNOBS` set."""
+    given: dict[str, str] = {}
+    for item in routing.split(":", 1)[1].split(","):
+        key, eq, value = (part.strip() for part in item.partition("="))
+        if not eq or not key or not value:
+            raise UsageError(
+                f"--routing {routing}: write its settings as KEY=VALUE, comma-separated (keys: {', '.join(KNOBS)})"
+            )
+        if key not in KNOBS:
+            raise UsageError(f"--routing {routing}: unknown setting {key!r}; choose from {', '.join(KNOBS)}")
+        if key in given:
+            raise UsageError(f"--routing {routing}: {key} is given twice")
+        given[key] = value
+    domain = given.get("domain")
+    if domain is not None:
+        names = domain_names(model)
+        domain = DOMAIN_ALIASES[_family(model)].get(domain, domain)
+        if domain != MIXED and domain not in names:
+            raise UsageError(
+                f"--routing {routing}: no routing of domain {given['domain']!r} is measured for a model with "
+                f"{model.num_experts} experts; measured: {', '.join(names)} (or mixed; code and math name "
+                f"{DOMAIN_ALIASES[_family(model)]['code']} and {DOMAIN_ALIASES[_family(model)]['math']})"
+            )
+    drift = _knob_number(routing, "decode_drift", given.get("decode_drift", "0"), 1.0)
+    bias = _knob_number(routing, "reuse", given.get("reuse", "0"), MAX_REUSE_BIAS)
+    return replace(params, domain=domain, decode_drift=drift, reuse_bias=bias)
+
+
+def _knob_number(routing: str, key: str, text: str, most: float) -> float:
+    try:
+        if not text.isascii():  # (float() reads other scripts' digits)
+            raise ValueError(text)
+        value = float(text)
+    except ValueError:
+        raise UsageError(f"--routing {routing}: {key} must be a number, got {text!r}") from None
+    if not 0 <= value <= most:  # (NaN fails too)
+        raise UsageError(f"--routing {routing}: {key} must be from 0 to {most:g}, got {text}")
+    return value
+
+
 @lru_cache(maxsize=None)
 def _calibration(name: str) -> dict:
     ref = resources.files("klotski_sim.workload") / "data" / name
     return json.loads(ref.read_text())["data"]
 
 
+# Which measured popularity a model's calibrated routing starts from: Mixtral-like models (8
+# experts) Fiddler's per-layer MMLU counts, every other model OLMoE's (`_family`).
+DOMAIN_ALIASES = {
+    "mixtral": {"code": "college_computer_science", "math": "high_school_mathematics"},
+    "olmoe": {"code": "github", "math": "arxiv"},  # (arxiv: LaTeX-heavy papers, the nearest to math measured)
+}
+
+
+def _family(model: ModelSpec) -> str:
+    return "mixtral" if model.num_experts == 8 else "olmoe"
+
+
+def mixtral_counts() -> dict[str, np.ndarray]:
+    """Subject -> `[32, 8]` counts of Fiddler's Mixtral-8x7B (base) MMLU prefill."""
+    subjects = _calibration("fiddler_mixtral_expert_popularity.json")["mixtral_8x7b_original"]
+    return {name: np.asarray(s["expert_popularity"], dtype=float) for name, s in subjects.items()}
+
+
 def mixtral_popularity() -> np.ndarray:
     """`[32, 8]` shares from Fiddler's Mixtral-8x7B (base) MMLU prefill counts, summed over subjects."""
-    subjects = _calibration("fiddler_mixtral_expert_popularity.json")["mixtral_8x7b_original"]
-    counts = np.sum([np.asarray(s["expert_popularity"], dtype=float) for s in subjects.values()], axis=0)
+    counts = np.sum(list(mixtral_counts().values()), axis=0)
     return counts / counts.sum(axis=1, keepdims=True)
+
+
+_OLMOE_LAYERS = (0, 7, 15)
+
+
+def olmoe_counts() -> dict[str, dict[int, np.ndarray]]:
+    """Domain -> layer -> 64 counts of OLMoE-1B-7B's routing (layers 0, 7, 15)."""
+    data = _calibration("olmoe_repo_routing_counts.json")["olmoe"]["expert_counts"]
+    out: dict[str, dict[int, np.ndarray]] = {}
+    for name, domain in data.items():
+        out[name] = {}
+        for pos, layer in enumerate(_OLMOE_LAYERS):
+            counts = np.zeros(64)
+            for e, c in domain[pos].items():
+                counts[int(e)] += c
+            out[name][layer] = counts
+    return out
 
 
 def olmoe_popularity() -> dict[int, np.ndarray]:
     """Layer -> 64 shares from OLMoE-1B-7B routing counts (layers 0, 7, 15), summed over domains."""
-    data = _calibration("olmoe_repo_routing_counts.json")["olmoe"]["expert_counts"]
-    layers = (0, 7, 15)
+    by_domain = olmoe_counts()
     out = {}
-    for pos, layer in enumerate(layers):
-        counts = np.zeros(64)
-        for domain in data.values():
-            for e, c in domain[pos].items():
-                counts[int(e)] += c
+    for layer in _OLMOE_LAYERS:
+        counts = np.sum([domain[layer] for domain in by_domain.values()], axis=0)
         out[layer] = counts / counts.sum()
     return out
 
 
+def domain_names(model: ModelSpec) -> tuple[str, ...]:
+    """The domains whose routing was measured for models like this one."""
+    return tuple(mixtral_counts() if _family(model) == "mixtral" else olmoe_counts())
+
+
 def base_popularity(model: ModelSpec, params: SynthParams, rng: np.random.Generator) -> np.ndarray:
-    """`[layers, experts]` corpus-level shares for the model."""
+    """`[layers, experts]` corpus-level shares for the model (of its one domain, when the params
+    name one; over every domain for `mixed`, as without)."""
+    overall, by_domain = popularities(model, params, rng)
+    return by_domain[params.domain] if params.domain not in (None, MIXED) else overall
+
+
+def popularities(
+    model: ModelSpec, params: SynthParams, rng: np.random.Generator
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """`[layers, experts]` shares over every domain, and each measured domain's (only when the
+    params name a domain), every domain's layer given the same hot experts: a model's expert is
+    one expert whichever text it routes. The draws from `rng` are the same either way."""
     L, E = model.num_layers, model.num_experts
     if params.base == "uniform":
-        return np.full((L, E), 1.0 / E)
+        return np.full((L, E), 1.0 / E), {}
     if params.base == "zipf":
         ranks = np.arange(1, E + 1, dtype=float) ** -params.zipf_a
         shares = ranks / ranks.sum()
-        return np.stack([shares[rng.permutation(E)] for _ in range(L)])
+        return np.stack([shares[rng.permutation(E)] for _ in range(L)]), {}
+    wanted = params.domain is not None
     if E == 8:
         real = mixtral_popularity()
         src = np.rint(np.arange(L) * (len(real) - 1) / max(1, L - 1)).astype(int)
-        return real[src]
+        subjects = mixtral_counts() if wanted else {}
+        return real[src], {name: (c / c.sum(axis=1, keepdims=True))[src] for name, c in subjects.items()}
     measured = olmoe_popularity()
+    domains = {name: {layer: c / c.sum() for layer, c in by_layer.items()} for name, by_layer in olmoe_counts().items()}
     out = np.empty((L, E))
+    own = {name: np.empty((L, E)) for name in domains} if wanted else {}
     src_layers = np.array(sorted(measured))
     for layer in range(L):
         scaled = layer * 15 / max(1, L - 1)  # position in OLMoE's 16-layer stack
         nearest = int(src_layers[np.argmin(np.abs(src_layers - scaled))])
-        shape = np.sort(measured[nearest])[::-1]
-        # resample the sorted shape to E experts, then give this layer its own hot experts
-        shape = np.interp(np.linspace(0, 63, E), np.arange(64), shape)
-        shape /= shape.sum()
+        order = np.argsort(-measured[nearest], kind="stable")  # (the overall shape's experts, hottest first)
         if E == 64 and L == 16 and layer in measured:
             out[layer] = measured[layer]
-        else:
-            out[layer] = shape[rng.permutation(E)]
-    return out
+            for name in own:
+                own[name][layer] = domains[name][layer]
+            continue
+        # resample the sorted shape to E experts, then give this layer its own hot experts (each
+        # domain's shares in the overall shape's expert order, so a domain moves its experts' shares)
+        perm = rng.permutation(E)
+        for target, shares in ((out, measured[nearest]), *((own[n], domains[n][nearest]) for n in own)):
+            shape = np.interp(np.linspace(0, 63, E), np.arange(64), shares[order])
+            target[layer] = (shape / shape.sum())[perm]
+    return out, own
 
 
 # The most experts over which the generator's top-5 and more is a partition and a sort: numpy's
@@ -276,6 +396,16 @@ class TraceStream:
         return (ids for ids, _ in self.drawn())
 
 
+def _described(params: SynthParams) -> dict:
+    """The knobs a trace's meta records; the what-ifs only where set (a plain calibrated trace's
+    file stays what it was before they existed)."""
+    knobs = asdict(params)
+    for name, off in (("domain", None), ("decode_drift", 0.0), ("reuse_bias", 0.0)):
+        if knobs[name] == off:
+            del knobs[name]
+    return knobs
+
+
 def synthesized_blocks(
     model: ModelSpec,
     sequences: int,
@@ -309,7 +439,7 @@ def synthesized_blocks(
             "sequences": sequences,
             "prompt_len": prompt_len,
             "gen_len": gen_len,
-            "params": asdict(params),
+            "params": _described(params),
         },
     }
     return TraceStream(
@@ -318,7 +448,7 @@ def synthesized_blocks(
         np.arange(sequences + 1, dtype=np.int64) * T,
         np.full(sequences, prompt_len, dtype=np.int32),
         meta,
-        partial(_drawn_blocks, model, params, sequences, T, seed, with_weights, chunk),
+        partial(_drawn_blocks, model, params, sequences, T, seed, with_weights, chunk, prompt_len=prompt_len),
     )
 
 
@@ -332,6 +462,7 @@ def _drawn_blocks(
     chunk: int | None,
     into: tuple[np.ndarray, np.ndarray | None] | None = None,
     threads: int | None = None,
+    prompt_len: int = 0,
 ) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
     """The generator's draws, a chunk of sequences at a time: `([S * T, L, k] ids, weights or None)`,
     drawn into their rows of `into` (the whole trace's ids and weights) when given.
@@ -350,12 +481,21 @@ def _drawn_blocks(
     rng = np.random.default_rng(seed)
     L, E, k = model.num_layers, model.num_experts, model.top_k
     chunk = chunk or max(1, min(64, _ELEMENTS_PER_CHUNK // (T * E)))
-    base = base_popularity(model, params, rng)
+    overall, by_domain = popularities(model, params, rng)
+    base = by_domain[params.domain] if params.domain not in (None, MIXED) else overall
     # the affinities times their coupling, once (the same numbers as scaling each gather of them)
     affinity = rng.standard_normal((L, E, E)) * params.coupling
     type_affinity = rng.standard_normal((L, params.token_types, E)) * params.type_coupling
-    streams = [np.random.default_rng(child) for child in np.random.SeedSequence(seed).spawn(2 + 2 * L)]
-    shares_rng, types_rng, gumbel_rngs, stick_rngs = streams[0], streams[1], streams[2 : 2 + L], streams[2 + L :]
+    # (the what-ifs' streams come after every stream plain `calibrated` reads: those stay as they were)
+    streams = [np.random.default_rng(child) for child in np.random.SeedSequence(seed).spawn(4 + 2 * L)]
+    shares_rng, types_rng, gumbel_rngs, stick_rngs = (
+        streams[0],
+        streams[1],
+        streams[2 : 2 + L],
+        streams[2 + L : 2 + 2 * L],
+    )
+    domains_rng, drift_rng = streams[2 + 2 * L :]
+    domain_bases = np.stack(list(by_domain.values())) if params.domain == MIXED else None
     turns = _Turns(1 + L)  # (0: the shares' and types' streams; 1 + layer: that layer's two)
 
     def drawn(number: int, lo: int) -> tuple[np.ndarray, np.ndarray | None]:
@@ -368,21 +508,35 @@ def _drawn_blocks(
             experts = into[0][lo * T : (lo + S) * T].reshape(S, T, L, k)
             weights = None if into[1] is None else into[1][lo * T : (lo + S) * T].reshape(S, T, L, k)
         with turns.of(0, number):
-            g = (
-                shares_rng.standard_gamma(np.broadcast_to(np.maximum(params.concentration * E * base, 1e-3), (S, L, E)))
+            # (from uniform doubles: `integers` draws two values from each 64-bit number and drops an
+            # odd call's last half, so a chunk's size would move the next chunk's types)
+            seq_base = (
+                domain_bases[(domains_rng.random(S) * len(domain_bases)).astype(np.intp)]
+                if domain_bases is not None
+                else base
+            )
+            alpha = (
+                np.broadcast_to(np.maximum(params.concentration * E * seq_base, 1e-3), (S, L, E))
                 if params.concentration
                 else None
             )
-            # (from uniform doubles: `integers` draws two values from each 64-bit number and drops an
-            # odd call's last half, so a chunk's size would move the next chunk's types)
+            g = shares_rng.standard_gamma(alpha) if alpha is not None else None
             token_type = (types_rng.random((S, T)) * params.token_types).astype(np.intp)
-        seq_shares = g / g.sum(axis=-1, keepdims=True) if g is not None else np.broadcast_to(base, (S, L, E))
+            fresh = drift_rng.standard_gamma(alpha) if alpha is not None and params.decode_drift else None
+        seq_shares = g / g.sum(axis=-1, keepdims=True) if g is not None else np.broadcast_to(seq_base, (S, L, E))
         log_shares = np.log(np.maximum(seq_shares, 1e-12))
+        log_decode_shares = None
+        if fresh is not None:  # the generated tokens' shares: part the prompt's, part drawn apart
+            drift = params.decode_drift
+            decode_shares = (1 - drift) * seq_shares + drift * fresh / fresh.sum(axis=-1, keepdims=True)
+            log_decode_shares = np.log(np.maximum(decode_shares, 1e-12))
         prev_first = None
         for layer in range(L):
             # [S, T, E] arrays, computed in place where the values are the same (each of them 1-2 MB,
             # or one sequence's when that is more: `_ELEMENTS_PER_CHUNK`)
             logits = np.broadcast_to(log_shares[:, None, layer, :], (S, T, E)).astype(np.float32)
+            if log_decode_shares is not None:
+                logits[:, prompt_len:] = log_decode_shares[:, None, layer, :]
             if prev_first is not None and params.coupling:
                 logits = _plus(logits, affinity[layer][prev_first])
             if params.type_coupling:
@@ -396,10 +550,16 @@ def _drawn_blocks(
             np.log(gumbel, out=gumbel)  # log(-log(u)): minus Gumbel noise
             noisy = np.subtract(logits, gumbel, out=None if weights is not None else logits)  # (weights read logits)
             del gumbel
-            ranking = _top_sorted(noisy, k + 1)  # Gumbel-top-k = sampling without replacement
             mode_all = u < params.stick_all
             mode_one = (u >= params.stick_all) & (u < params.stick_all + params.stick_one)
             mode_all[:, 0] = mode_one[:, 0] = False
+            if params.reuse_bias:
+                chosen = _chosen_token_by_token(noisy, mode_all, mode_one, k, params.reuse_bias)
+                first = chosen[..., 0]
+                _keep(experts, weights, logits, chosen, layer)
+                prev_first = first
+                continue
+            ranking = _top_sorted(noisy, k + 1)  # Gumbel-top-k = sampling without replacement
             # first choice: drawn, or (stick_all) the predecessor's
             source = _forward_fill_index(~mode_all)  # each token's latest own draw (itself, unless it sticks)
             first = np.take_along_axis(ranking[..., 0], source, axis=1)
@@ -418,11 +578,7 @@ def _drawn_blocks(
             rest_own = np.take_along_axis(cand, order, axis=-1)
             rest = np.take_along_axis(rest_own, source[..., None], axis=1)
             chosen = np.concatenate([first[..., None], rest], axis=-1)
-            experts[:, :, layer, :] = chosen
-            if weights is not None:  # softmax of the logits over the chosen experts, renormalised
-                sel = np.take_along_axis(logits, chosen.astype(np.int64), axis=-1)
-                w = np.exp(sel - sel.max(axis=-1, keepdims=True))
-                weights[:, :, layer, :] = w / w.sum(axis=-1, keepdims=True)
+            _keep(experts, weights, logits, chosen, layer)
             prev_first = first
         return experts.reshape(S * T, L, k), None if weights is None else weights.reshape(S * T, L, k)
 
@@ -443,6 +599,45 @@ def _drawn_blocks(
                 yield pending.popleft().result()
         finally:  # (stopped early, or a chunk's error said: the chunks after it stop at their next turn)
             turns.give_up()
+
+
+def _keep(experts: np.ndarray, weights: np.ndarray | None, logits: np.ndarray, chosen: np.ndarray, layer: int) -> None:
+    """A layer's choices into the chunk's ids, with their gate weights when asked for: the softmax
+    of the (unbiased) logits over the chosen experts, renormalised."""
+    experts[:, :, layer, :] = chosen
+    if weights is not None:
+        sel = np.take_along_axis(logits, chosen.astype(np.int64), axis=-1)
+        w = np.exp(sel - sel.max(axis=-1, keepdims=True))
+        weights[:, :, layer, :] = w / w.sum(axis=-1, keepdims=True)
+
+
+def _chosen_token_by_token(
+    noisy: np.ndarray, mode_all: np.ndarray, mode_one: np.ndarray, k: int, bias: float
+) -> np.ndarray:
+    """`[S, T, k]` choices of a layer, a token at a time, each token's noisy logits raised by
+    `bias` on the experts its predecessor chose (a reuse-biased router). The same stickiness as
+    the vectorised draw: a `stick_all` token repeats its predecessor's set, a `stick_one` token
+    puts its predecessor's first choice right after its own; at `bias` 0 it gives that draw's very
+    choices (tests/test_routing_knobs.py), token by token."""
+    S, T, _ = noisy.shape
+    chosen = np.empty((S, T, k), dtype=np.intp)
+    rows = np.arange(S)[:, None]
+    for t in range(T):
+        scores = noisy[:, t].copy()
+        if t:
+            scores[rows, chosen[:, t - 1]] += np.float32(bias)
+        ranking = _top_sorted(scores, k + 1)  # [S, k + 1]
+        own_first = ranking[:, 0]
+        prev_first = chosen[:, t - 1, 0] if t else own_first
+        cand = np.concatenate([prev_first[:, None], ranking[:, 1:]], axis=-1)
+        valid = cand != own_first[:, None]
+        one = mode_one[:, t]
+        valid[one, 1:] &= cand[one, 1:] != prev_first[one, None]
+        valid[:, 0] &= one
+        order = np.argsort(~valid, axis=-1, kind="stable")[:, : k - 1]
+        own = np.concatenate([own_first[:, None], np.take_along_axis(cand, order, axis=-1)], axis=-1)
+        chosen[:, t] = np.where(mode_all[:, t, None], chosen[:, t - 1], own) if t else own
+    return chosen
 
 
 # The most threads a draw uses (`draw_threads`): the streams are read in chunk order, so a thread
