@@ -200,7 +200,7 @@ def _calibrate(
     require_cuda(device)
     dev = torch.device(device)
     measure = _timer(dev)
-    moe = spec.first_dense_layers  # the first layer with experts (DeepSeek's first layers are dense)
+    moe = spec.first_moe_layer  # (DeepSeek's first layers are dense, Llama 4's even ones)
     w = WeightStore.random(spec, layers=moe + 1, dtype=dtype)
     attn = tuple(t.to(dev) for t in w.get("attention", 0))
     gate, *shared = (t.to(dev) for t in w.get("gate", moe))  # the router, then any shared experts
@@ -386,7 +386,7 @@ def _calibrate(
 def probed_expert(w: WeightStore, spec: ModelSpec, dev: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """The expert an expert probe computes: expert 0 of the first layer with experts (DeepSeek's first
     layers are dense) on `dev`, in the model dtype (a quantised one dequantised, as after its copy)."""
-    stored = tuple(t.to(dev) for t in w.get("expert", spec.first_dense_layers, 0))
+    stored = tuple(t.to(dev) for t in w.get("expert", spec.first_moe_layer, 0))
     return kernels.dequantise_expert(stored, spec, dtype) if spec.quantised else stored
 
 
@@ -513,7 +513,7 @@ def _probe_dispatch(
     # generation lengths, so a validation that uses this profile is not checked on its own fit
     # the model's first layers (at least one with experts: DeepSeek-V3's first three are dense), its
     # quantisation kept; cut from the spec itself, which need not be a preset
-    layers = min(spec.num_layers, max(2, spec.first_dense_layers + 1))
+    layers = min(spec.num_layers, max(2, spec.first_moe_layer + 1))
     plain, at, dtype_text = spec.name.partition("@")
     probe = replace(spec, name=f"{plain.split(':')[0]}:{layers}" + (f"@{dtype_text}" if at else ""), num_layers=layers)
     shape = RunShape(batch_size, PROBE_BATCHES, prompt_len, PROBE_GEN)

@@ -187,6 +187,11 @@ def check_compatible(
                 f"the routing routes no tokens in its first {routing.dense_layers} layer(s), model "
                 f"{spec.name} in its first {spec.first_dense_layers}"
             )
+        if routing.moe_step != spec.moe_layer_step:
+            raise ScheduleError(
+                f"the routing routes every {routing.moe_step}th layer, model {spec.name} every "
+                f"{spec.moe_layer_step}th (its moe_layer_step)"
+            )
         if meta.get("routing") not in (None, routing.source):  # (same shape, other tokens: another seed, say)
             raise ScheduleError(
                 f"the routing does not belong to this schedule: it is {routing.source!r:.120}, the "

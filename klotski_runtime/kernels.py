@@ -153,7 +153,7 @@ class WeightStore:
     ) -> "WeightStore":
         """Read a local checkpoint (config.json + *.safetensors) of a Mixtral, Qwen3-MoE or OLMoE
         model tensor by tensor, after checking that its config is the spec's shape and math."""
-        if spec.mla or spec.first_dense_layers or spec.num_shared_experts:
+        if spec.mla or spec.first_dense_layers or spec.moe_layer_step > 1 or spec.num_shared_experts:
             raise WeightError(
                 f"model {spec.name!r}: checkpoints are read in the Mixtral, Qwen3-MoE and OLMoE "
                 f"layouts; this model's MLA, dense or shared-expert weights run with random weights only"

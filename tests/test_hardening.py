@@ -380,6 +380,8 @@ def test_an_npz_whose_header_declares_more_than_it_holds_is_refused_before_numpy
         ("shape", np.array([1.5, 2, 2, 2]), "shape must be"),
         ("num_experts", np.array(4.9), "num_experts must be an integer"),
         ("dense_layers", np.array(9), "dense_layers 9"),
+        ("moe_step", np.array(0), "moe_step 0 is not from 1"),
+        ("moe_step", np.array([1, 2]), "moe_step must be an integer"),
         ("ids", np.zeros((2, 1, 3, 2, 2), dtype=np.uint8), "same expert twice"),
     ],
 )

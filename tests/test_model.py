@@ -1,5 +1,6 @@
 import pytest
 
+from klotski_sim.util.errors import UsageError
 from klotski_sim.workload.model import PRESETS, ModelSpec, get_model
 
 
@@ -93,6 +94,7 @@ def _active_params(m):
         # GLM-4.5 technical report: 355B total, "32B" activated, a round figure: counted as the others are
         # (embedding and LM head, each layer's attention, router, shared and 8 routed experts) it is 33.6B
         ("glm-4.5", 355, 32, 0.06),
+        ("llama-4-maverick", 400, 17, 0.025),  # Llama 4 model card: 400B total, 17B active
     ],
 )
 def test_new_presets_have_their_published_parameter_counts(name, total_b, active_b, active_rel):
@@ -128,6 +130,42 @@ def test_dense_first_layers_route_nothing_and_run_their_mlp_in_the_gate_op(polic
     loads = [o for o in s.ops if o.kind == "transfer" and o.tensor == "gate" and o.layer == 0]
     assert all(o.bytes == m.dense_mlp_bytes() for o in loads)
     assert simulate(s, inp.profile).status == "ok"
+
+
+@pytest.mark.parametrize("policy", ["single-batch", "klotski", "flexgen", "fiddler"])
+def test_interleaved_moe_layers_route_only_where_they_have_experts(policy):
+    """Llama 4 Maverick: experts in layers 1, 3, ... (transformers' moe_layers), a dense MLP between."""
+    from klotski_sim.core.engine import simulate
+    from klotski_sim.hardware.profile import load_profile
+    from klotski_sim.policies import build_schedule
+
+    from .test_pipelines import make_input
+
+    # (an H800: one of its MoE layers, 128 experts of 252 MB, would not fit an RTX 3090 whole; fiddler
+    # needs the cpu: section the h800 profile has)
+    inp = make_input(model="llama-4-maverick:4", bs=2, n=2, P=6, G=3, profile=load_profile("h800"))
+    m = inp.model
+    assert m.moe_layers == (1, 3) and m.first_moe_layer == 1 and m.routed_experts == 2 * 128
+    counts = inp.routing.counts
+    assert not counts[:, [0, 2]].any() and counts[:, 1].any() and counts[:, 3].any()
+    s = build_schedule(policy, inp)
+    for layer in (0, 2):
+        assert not [o for o in s.ops if o.layer == layer and (o.category == "expert" or o.tensor == "expert")]
+        assert [o for o in s.ops if o.layer == layer and o.category == "dense_mlp"]
+    for layer in (1, 3):
+        assert not [o for o in s.ops if o.layer == layer and o.category == "dense_mlp"]
+    assert simulate(s, inp.profile).status == "ok"
+
+
+def test_a_model_needs_a_moe_layer_and_dense_layers_their_width():
+    from dataclasses import replace
+
+    with pytest.raises(UsageError, match="must leave at least one MoE layer"):
+        get_model("llama-4-maverick:1")
+    with pytest.raises(UsageError, match="dense layers need dense_ffn_size > 0"):
+        replace(get_model("mixtral-8x7b"), moe_layer_step=2)
+    with pytest.raises(UsageError, match="moe_layer_step must be a positive integer"):
+        replace(get_model("mixtral-8x7b"), moe_layer_step=0)
 
 
 def test_checkpoints_are_read_in_the_mixtral_qwen3_moe_and_olmoe_layouts_only(tmp_path):

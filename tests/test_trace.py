@@ -87,14 +87,16 @@ def test_a_routing_file_gives_back_the_ids_it_was_saved_from(tmp_path, num_exper
     first = np.random.default_rng(0).integers(0, num_experts, (3, 2, 7, 4))
     second = (first + np.random.default_rng(1).integers(1, num_experts, first.shape)) % num_experts  # (distinct)
     ids = np.stack([first, second], axis=-1).astype(np.int16)
-    table = RoutingTable(ids, shape, num_experts, source="synth:x", dense_layers=1)
+    table = RoutingTable(ids, shape, num_experts, source="synth:x", dense_layers=1, moe_step=2)
     assert table.ids.dtype == stored and np.array_equal(table.ids, ids)
+    assert not table.counts[:, [0, 1, 3]].any() and table.counts[:, 2].any()  # (layers 2, 4, ... route)
     table.save(tmp_path / "routing.npz")
     with np.load(tmp_path / "routing.npz", allow_pickle=False) as z:
         assert z["ids"].dtype == stored
     back = RoutingTable.load(tmp_path / "routing.npz")
     assert back.ids.dtype == stored and np.array_equal(back.ids, ids)
     assert (back.shape, back.num_experts, back.source, back.dense_layers) == (shape, num_experts, "synth:x", 1)
+    assert back.moe_step == 2
     assert [p.name for p in tmp_path.iterdir()] == ["routing.npz"]  # (written atomically: no temporary left)
 
 
@@ -1100,7 +1102,7 @@ def test_a_log_of_a_model_with_dense_first_layers_imports_with_them_filled(tmp_p
     rc, out, err = run_cli("trace", "import", str(log), "--model", "deepseek-v2-lite", "--out", str(tmp_path / "d.npz"))
     assert rc == 0 and "2 sequences, 8 tokens, 27 layers, top-6 of 64 experts" in out and not err, err
     trace = Trace.load(tmp_path / "d.npz")
-    assert trace.meta["dense_layers_filled"] == 1 and (trace.experts[:, 0] == np.arange(6)).all()
+    assert trace.meta["dense_layers_filled"] == [0] and (trace.experts[:, 0] == np.arange(6)).all()
     assert (
         trace.experts[:, 1:]
         == np.array(

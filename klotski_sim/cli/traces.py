@@ -80,7 +80,7 @@ def cmd_trace_import(args: argparse.Namespace) -> int:
         source=args.source,
         license=args.license,
         dataset=args.dataset,
-        dense_layers=model.first_dense_layers if model else 0,
+        dense_layers=tuple(j for j in range(model.num_layers) if not model.is_moe(j)) if model else (),
     )
     for line in problems[:SHOWN_WARNINGS]:  # (a long log can have one per sequence)
         print(f"warning: {line}", file=sys.stderr)

@@ -282,7 +282,7 @@ def _make_cache(inp: "PolicyInput") -> Any:
         ExpertCache(0, policy)  # still refuse a bad cache_policy
         return None
     m = inp.model
-    experts = (m.num_layers - m.first_dense_layers) * m.num_experts
+    experts = m.routed_experts
     if isinstance(slots, int) and slots > experts:
         raise UsageError(f"expert_cache={slots} is more than the model's {experts} experts")
     pinned = (
@@ -291,7 +291,7 @@ def _make_cache(inp: "PolicyInput") -> Any:
             m.num_layers,
             m.num_experts,
             slots,
-            m.first_dense_layers,
+            m.moe_layers,
         )
         if policy == "hot-pinned"
         else frozenset()

@@ -17,6 +17,7 @@ emitter keeps the ones the cache holds.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,14 +47,20 @@ class ExpertCache:
 
     @staticmethod
     def hot_set(
-        warmup_experts: np.ndarray | None, num_layers: int, num_experts: int, slots: int, first_moe_layer: int = 0
+        warmup_experts: np.ndarray | None,
+        num_layers: int,
+        num_experts: int,
+        slots: int,
+        moe_layers: Sequence[int] | None = None,
     ) -> frozenset[Key]:
-        """The `slots` (layer, expert) pairs used most on the warm-up sequences."""
-        counts = np.zeros((num_layers, num_experts), dtype=np.int64)
-        if warmup_experts is not None and len(warmup_experts):
-            for layer in range(first_moe_layer, num_layers):
+        """The `slots` (layer, expert) pairs used most on the warm-up sequences, among the layers
+        with experts (`moe_layers`, default every layer)."""
+        routed = range(num_layers) if moe_layers is None else moe_layers
+        counts = np.full((num_layers, num_experts), -1, dtype=np.int64)
+        for layer in routed:
+            counts[layer] = 0
+            if warmup_experts is not None and len(warmup_experts):
                 counts[layer] = np.bincount(warmup_experts[:, layer, :].ravel(), minlength=num_experts)[:num_experts]
-        counts[:first_moe_layer] = -1
         order = np.argsort(-counts.ravel(), kind="stable")[:slots]
         return frozenset((int(i) // num_experts, int(i) % num_experts) for i in order)
 

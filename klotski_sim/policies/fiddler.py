@@ -79,7 +79,7 @@ def gpu_expert_slots(inp: PolicyInput, streaming_buffers: int) -> int:
         + (m.expert_bytes() if m.quantised else 0)
     )
     spare = inp.profile.gpu.usable_bytes - fixed
-    moe_experts = (m.num_layers - m.first_dense_layers) * m.num_experts
+    moe_experts = m.routed_experts
     return int(max(0, min(moe_experts, spare // m.expert_buffer_bytes())))
 
 
@@ -87,14 +87,14 @@ def popular_experts(inp: PolicyInput, slots: int) -> set[tuple[int, int]]:
     """The `slots` most used (layer, expert) pairs on the warm-up sequences (ties: lower layer,
     then lower expert id); without warm-up data, the first layers' experts."""
     m = inp.model
-    moe_experts = (m.num_layers - m.first_dense_layers) * m.num_experts
+    moe_experts = m.routed_experts
     return set(
         ExpertCache.hot_set(
             inp.warmup.experts if inp.warmup is not None else None,
             m.num_layers,
             m.num_experts,
             min(slots, moe_experts),
-            m.first_dense_layers,
+            m.moe_layers,
         )
     )
 

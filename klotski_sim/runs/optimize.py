@@ -178,7 +178,7 @@ def check_search(s: Search) -> None:
         if d != "bf16":
             get_model(f"{s.model}@{d}")  # refuses a bad dtype with its own message
     model = get_model(s.model)
-    experts = (model.num_layers - model.first_dense_layers) * model.num_experts
+    experts = model.routed_experts
     too_many = [c for c in s.cache_sizes if c > experts]
     if too_many:
         raise UsageError(f"--cache-sizes {too_many[0]}: {s.model} has {experts} routed experts to cache")

@@ -18,6 +18,13 @@ from klotski_sim.workload.hf_config import config_fields, is_config_path
 QK_NORMS: tuple[str, ...] = ("", "head", "full")
 
 
+def routes(layer: int, first_dense: int, moe_step: int) -> bool:
+    """Whether `layer` has experts: none of the first `first_dense` (DeepSeek's first_k_dense_replace),
+    then every `moe_step`-th (layers first_dense + step - 1, + 2 step - 1, ...: transformers'
+    Llama4TextConfig.moe_layers from interleave_moe_layer_step)."""
+    return layer >= first_dense and (layer - first_dense) % moe_step == moe_step - 1
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Architecture of a decoder-only MoE transformer: `[embed, (attention, gate, moe) x L, lm_head]`."""
@@ -41,6 +48,9 @@ class ModelSpec:
     quant_meta_bytes: int = 4  # bytes of one group's scale + zero (fp16 each; 8 for fp32)
     first_dense_layers: int = 0  # DeepSeek's first_k_dense_replace: these layers have a dense MLP, no experts
     dense_ffn_size: int = 0  # intermediate size of that dense MLP
+    # Llama 4's interleave_moe_layer_step: after the first dense layers, only every moe_layer_step-th
+    # layer has experts (`routes`); the others have the dense MLP
+    moe_layer_step: int = 1
     # Multi-head latent attention (DeepSeek-V2/V3); kv_lora_rank > 0 turns it on
     kv_lora_rank: int = 0
     q_lora_rank: int = 0  # 0: queries are not compressed (V2-Lite)
@@ -76,11 +86,16 @@ class ModelSpec:
             raise UsageError(f"model {self.name!r}: num_heads must be a multiple of num_kv_heads")
         if self.num_shared_experts < 0 or self.shared_ffn_size < 0:
             raise UsageError(f"model {self.name!r}: shared expert sizes must be >= 0")
-        if not 0 <= self.first_dense_layers < self.num_layers or (self.first_dense_layers and self.dense_ffn_size <= 0):
+        if not isinstance(self.moe_layer_step, int) or self.moe_layer_step < 1:
             raise UsageError(
-                f"model {self.name!r}: first_dense_layers must leave at least one MoE layer and come "
-                f"with dense_ffn_size > 0"
+                f"model {self.name!r}: moe_layer_step must be a positive integer, got {self.moe_layer_step!r}"
             )
+        if not 0 <= self.first_dense_layers or self.first_moe_layer >= self.num_layers:
+            raise UsageError(
+                f"model {self.name!r}: first_dense_layers and moe_layer_step must leave at least one MoE layer"
+            )
+        if (self.first_dense_layers or self.moe_layer_step > 1) and self.dense_ffn_size <= 0:
+            raise UsageError(f"model {self.name!r}: dense layers need dense_ffn_size > 0")
         if self.mla and min(self.qk_rope_dim, self.qk_nope_dim, self.v_head_dim) <= 0:
             raise UsageError(f"model {self.name!r}: MLA needs qk_rope_dim, qk_nope_dim and v_head_dim > 0")
         if self.qk_norm not in QK_NORMS:
@@ -100,7 +115,21 @@ class ModelSpec:
 
     def is_moe(self, layer: int = -1) -> bool:
         """Whether `layer` routes to experts (-1: a MoE layer, the one streaming is sized for)."""
-        return layer < 0 or layer >= self.first_dense_layers
+        return layer < 0 or routes(layer, self.first_dense_layers, self.moe_layer_step)
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The layers with experts, in order."""
+        return tuple(j for j in range(self.num_layers) if self.is_moe(j))
+
+    @property
+    def first_moe_layer(self) -> int:
+        return self.first_dense_layers + self.moe_layer_step - 1
+
+    @property
+    def routed_experts(self) -> int:
+        """Routed experts over every layer: what an expert cache or a placement can hold."""
+        return len(self.moe_layers) * self.num_experts
 
     def experts_in(self, layer: int) -> int:
         return self.num_experts if self.is_moe(layer) else 0
@@ -409,6 +438,33 @@ PRESETS: dict[str, ModelSpec] = {
             hf_model_type="qwen3_moe",
             qk_norm="head",
             norm_topk_prob=True,
+        ),
+        # meta-llama/Llama-4-Maverick-17B-128E-Instruct config.json, text_config (huggingface.co; the same
+        # numbers in transformers' and vLLM's llama4 tests): 48 layers, experts in every second one
+        # (interleave_moe_layer_step 2: layers 1, 3, ..., 47), 128 routed experts of width 8192, top-1,
+        # and 1 shared expert of that width; the other 24 layers a dense MLP of width 16384
+        # (intermediate_size_mlp); hidden 5120, 40 query and 8 KV heads of 128; vocab 202048, embeddings
+        # not tied. Its router weighs the one expert by a sigmoid, not a renormalised softmax. Not
+        # modelled: the chunked attention (8192-token chunks) of its RoPE layers (3 of 4): costed as full
+        # attention, which is the same below 8k tokens; the q/k L2 norm (no weights); the vision encoder.
+        # Meta's model card: 400B total, 17B active.
+        ModelSpec(
+            "llama-4-maverick",
+            num_layers=48,
+            num_experts=128,
+            top_k=1,
+            hidden_size=5120,
+            ffn_size=8192,
+            num_heads=40,
+            num_kv_heads=8,
+            head_dim=128,
+            vocab_size=202048,
+            num_shared_experts=1,
+            shared_ffn_size=8192,
+            dense_ffn_size=16384,
+            moe_layer_step=2,
+            hf_model_type="llama4_text",
+            norm_topk_prob=False,
         ),
         # zai-org/GLM-4.5 config.json (huggingface.co; the same numbers in transformers' and vLLM's
         # glm4_moe tests): 92 layers, the first 3 dense (first_k_dense_replace, intermediate 12288), then

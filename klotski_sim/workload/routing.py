@@ -20,6 +20,7 @@ from klotski_sim.files.mapped import in_chunks, release
 from klotski_sim.files.npzfile import NPZ_READ_ERRORS, check_npz, write_npz
 from klotski_sim.util.argtypes import MAX_COUNT, MAX_COUNT_TEXT
 from klotski_sim.util.errors import UsageError
+from klotski_sim.workload.model import routes
 
 # Above this many routed ids, a batch's first-use order is found by numpy's sort rather than a dict
 # over every id: a default batch's 16k prefill ids in 0.15 ms instead of 0.42 (a decode step's 32
@@ -163,7 +164,13 @@ class RoutingTable:
     """Top-k expert ids of every token of a run: `ids[batch, seq, position, layer, slot]`."""
 
     def __init__(
-        self, ids: np.ndarray, shape: RunShape, num_experts: int, source: str = "", dense_layers: int = 0
+        self,
+        ids: np.ndarray,
+        shape: RunShape,
+        num_experts: int,
+        source: str = "",
+        dense_layers: int = 0,
+        moe_step: int = 1,
     ) -> None:
         expected = (shape.num_batches, shape.batch_size, shape.tokens_per_sequence)
         if ids.ndim != 5 or ids.shape[:3] != expected:
@@ -178,7 +185,10 @@ class RoutingTable:
         self.num_layers = ids.shape[3]
         self.top_k = ids.shape[4]
         self.source = source
-        self.dense_layers = dense_layers  # the model's first layers have no experts: they route nothing
+        # the model's layers without experts route nothing: its first `dense_layers`, then all but
+        # every `moe_step`-th (`model.routes`)
+        self.dense_layers = dense_layers
+        self.moe_step = moe_step
         # the decode steps' few ids a sequence, held in memory (`step_block`): read step after step,
         # they would otherwise keep resident the pages of a mapped trace that hold them, and the
         # prefill's around them (in a 16k-token prompt's run: 61 MB of 134)
@@ -222,7 +232,7 @@ class RoutingTable:
             assert tally is not None  # (a sequence holds at least one token: the loop above ran)
             by_bin = tally.reshape(-1, bins) @ holds if holds is not None else tally
             counts[:, :, b, :] = by_bin.reshape(sh.num_steps, L, E)
-        counts[:, : self.dense_layers] = 0
+        counts[:, [not routes(j, self.dense_layers, self.moe_step) for j in range(L)]] = 0
         return counts
 
     def tokens_per_expert(self, step: int, layer: int, batches: list[int] | range) -> np.ndarray:
@@ -240,6 +250,7 @@ class RoutingTable:
                 shape=np.array([sh.batch_size, sh.num_batches, sh.prompt_len, sh.gen_len]),
                 source=np.array(self.source),
                 dense_layers=np.array(self.dense_layers),
+                moe_step=np.array(self.moe_step),
             ),
         )
 
@@ -252,6 +263,7 @@ class RoutingTable:
             with np.load(path, allow_pickle=False) as z:
                 ids, shape, num_experts, source = z["ids"], z["shape"], z["num_experts"], z["source"]
                 dense = z["dense_layers"] if "dense_layers" in z.files else np.array(0)
+                step = z["moe_step"] if "moe_step" in z.files else np.array(1)
         except FileNotFoundError:
             raise UsageError(f"{path}: no such routing file") from None
         except (*NPZ_READ_ERRORS, KeyError) as err:
@@ -261,6 +273,7 @@ class RoutingTable:
             ("shape", shape, 4),
             ("num_experts", num_experts, 1),
             ("dense_layers", dense, 1),
+            ("moe_step", step, 1),
         ):
             if array.dtype.kind not in "iu" or (size is not None and array.size != size):
                 raise UsageError(
@@ -270,12 +283,16 @@ class RoutingTable:
                 )
         bs, nb, p, g = (int(v) for v in shape)
         try:  # (the table's own checks, said of this file: they name none)
-            table = RoutingTable(ids, RunShape(bs, nb, p, g), int(num_experts), str(source), int(dense))
+            table = RoutingTable(ids, RunShape(bs, nb, p, g), int(num_experts), str(source), int(dense), int(step))
         except UsageError as err:
             raise UsageError(f"{path}: {err}") from None
         if not 0 <= table.dense_layers <= table.num_layers:
             raise UsageError(
                 f"{path}: dense_layers {table.dense_layers} is not within the routing's {table.num_layers} layers"
+            )
+        if not 1 <= table.moe_step <= table.num_layers:
+            raise UsageError(
+                f"{path}: moe_step {table.moe_step} is not from 1 to the routing's {table.num_layers} layers"
             )
         if repeats_an_expert(table.ids):
             raise UsageError(f"{path}: a token selects the same expert twice (a router's top-k experts are distinct)")

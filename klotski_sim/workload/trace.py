@@ -313,7 +313,9 @@ def replay(
         )
         + _recorded_for_another(trace, model)
     )
-    routing = RoutingTable(ids, shape, model.num_experts, source=source, dense_layers=model.first_dense_layers)
+    routing = RoutingTable(
+        ids, shape, model.num_experts, source, dense_layers=model.first_dense_layers, moe_step=model.moe_layer_step
+    )
     return Replay(routing, trace.subset(range(warmup_sequences)), tuple(chosen), wrapped)
 
 
@@ -366,7 +368,7 @@ def import_jsonl(
     source: str | None = None,
     license: str | None = None,
     dataset: str | None = None,
-    dense_layers: int = 0,
+    dense_layers: tuple[int, ...] = (),
 ) -> tuple[Trace, list[str]]:
     """Read a JSON-lines routing log, one record per token per layer, e.g.
 
@@ -379,9 +381,9 @@ def import_jsonl(
 
     A sequence is identified by its id *and* `key_fields` (default: `dataset` when the records
     carry it), so integer ids from two datasets in one log never merge. `source`, `license` and
-    `dataset` are the trace's provenance (recorded in its metadata). The model's first `dense_layers`
-    layers have no router: a record there is kept, a missing one filled with experts 0..k-1 (the
-    routing of a dense layer is never read: `RoutingTable.dense_layers`), not taken for a hole."""
+    `dataset` are the trace's provenance (recorded in its metadata). The model's `dense_layers` have
+    no router: a record there is kept, a missing one filled with experts 0..k-1 (the routing of a
+    dense layer is never read: `RoutingTable.counts`), not taken for a hole."""
     if holes not in ("cut", "longest"):
         raise TraceError(f"holes must be cut or longest, got {holes!r}")
     path = Path(path)
@@ -515,7 +517,7 @@ def import_jsonl(
         filler = (list(range(top_k)), [1.0 / top_k] * top_k if has_weights else None)
         for table in records.values():
             for tok in {t for t, _ in table}:
-                for layer in range(dense_layers):
+                for layer in dense_layers:
                     table.setdefault((tok, layer), filler)
     for seq, table in records.items():
         max_tok = max(t for t, _ in table)
@@ -576,7 +578,7 @@ def import_jsonl(
         "sequence_key": [*(key_fields or ()), "sequence id"],
     }
     if dense_layers:
-        meta["dense_layers_filled"] = dense_layers  # (experts 0..k-1 there: a dense layer routes nothing)
+        meta["dense_layers_filled"] = list(dense_layers)  # (experts 0..k-1 there: a dense layer routes nothing)
     trace = Trace(
         np.concatenate(experts_out),
         np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
