@@ -439,6 +439,7 @@ def cmd_execute(args: argparse.Namespace) -> int:
     routing = RoutingTable.load(routing_path)
     model = _model_of(args, schedule, schedule_path)
     check_compatible(schedule, model, None, routing)  # before any weights are made or read
+    fabric = _fabric(args, schedule)
     weights = _weights(args, model, getattr(torch, args.dtype))
     timeline, _ = execute(
         schedule,
@@ -446,13 +447,35 @@ def cmd_execute(args: argparse.Namespace) -> int:
         weights,
         routing,
         ExecOptions(
-            device=args.device, emulate_links=_emulation(args), emulate_pageable=_pageable(args), threads=threads
+            device=args.device,
+            emulate_links=_emulation(args),
+            emulate_pageable=_pageable(args),
+            threads=threads,
+            emulate_fabric=fabric,
         ),
     )
     from klotski_sim.cli.summary_text import format_summary
 
     print(format_summary(timeline.summary()))
     return _measured(timeline, args.out)
+
+
+def _fabric(args: argparse.Namespace, schedule: Any) -> Any:
+    """The fabric `--emulate-fabric` holds a group's all-reduces to (its rate alone: no latency terms),
+    refused where nothing would be held to it."""
+    from klotski_sim.hardware.profile import FabricSpec
+
+    from .executor import tensor_parallel_ranks
+
+    if args.emulate_fabric == "off":
+        return None
+    ranks = tensor_parallel_ranks(schedule)
+    if args.device != "cpu" or ranks == 1:
+        raise CliError(
+            f"--emulate-fabric {args.emulate_fabric:g}: applies to a tensor-parallel schedule (simulate --gpus G) "
+            f"on --device cpu; this is a {ranks}-GPU schedule on --device {args.device}"
+        )
+    return FabricSpec(kind="pcie", gpus=ranks, bandwidth=args.emulate_fabric, base_latency_s=0.0, step_latency_s=0.0)
 
 
 def _measured(timeline: Any, out: str | None) -> int:
@@ -463,6 +486,13 @@ def _measured(timeline: Any, out: str | None) -> int:
             + ", ".join(
                 f"{k} {v / 1e9:.2f} GB/s" for k, v in timeline.meta["emulated_links"]["bandwidth_bytes_per_s"].items()
             )
+        )
+    if timeline.meta.get("tensor_parallel_ranks"):
+        ranks = timeline.meta["tensor_parallel_ranks"]
+        fabric = timeline.meta.get("emulated_fabric_bytes_per_s")
+        print(
+            f"ranks EMULATED: {ranks} tensor-parallel ranks as threads of this host"
+            + (f", all-reduces held to a {fabric / 1e9:.2f} GB/s fabric" if fabric else "")
         )
     if out:
         from klotski_sim.report.exports import save_all
@@ -521,6 +551,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--out", metavar="DIR", help="write the measured timeline files here")
     _add_device(p)
+    p.add_argument(
+        "--emulate-fabric",
+        type=_rate_or_off,
+        default="off",
+        metavar="BYTES_PER_S|off",
+        help="CPU only, a tensor-parallel schedule (simulate --gpus G): hold each all-reduce to NCCL's ring or tree "
+        "time at this per-GPU fabric rate, labelled as emulation (off = as fast as the ranks' sum; default: off)",
+    )
     p.set_defaults(func=cmd_execute)
 
     p = sub.add_parser("calibrate", help="microbenchmark ops and links into a hardware profile with a measured table")

@@ -29,14 +29,16 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
 
+from klotski_sim.core.collectives import best_all_reduce
 from klotski_sim.core.cost import op_variant, variant_impl
 from klotski_sim.core.schedule import TENSORS, Op, Schedule, ScheduleError, topological_order
 from klotski_sim.core.timeline import Timeline
+from klotski_sim.hardware.profile import FabricSpec
 from klotski_sim.names import is_disk_read, kv_buffer
 from klotski_sim.util.errors import KlotskiError
 from klotski_sim.workload.model import ModelSpec
@@ -44,6 +46,7 @@ from klotski_sim.workload.routing import RoutingTable, RunShape
 
 from . import kernels
 from .kernels import WeightStore
+from .ranks import Ranks, all_reduce, split_problem
 from .threads import compute_threads, cpu_threads
 
 RESOURCE_CAPACITY = {"gpu": 1, "pcie_h2d": 1, "pcie_d2h": 1, "nvme": 1, "host": 1}
@@ -128,6 +131,8 @@ class ExecOptions:
     prompt: np.ndarray | None = None  # [batches, batch_size, prompt_len] token ids; random when None
     threads: int | None = None  # torch threads on a CPU device (the rest copy); beside a GPU: threads.compute_threads
     capacities: Mapping[str, int] | None = None  # units per resource (engine.resource_capacities); None: 1 each
+    # the GPUs' fabric a tensor-parallel group's all-reduces are held to (CPU only; None: as fast as the sum)
+    emulate_fabric: FabricSpec | None = None
 
 
 def tensor_bytes(tensors: Any) -> int:
@@ -137,14 +142,52 @@ def tensor_bytes(tensors: Any) -> int:
 
 
 def refuse_a_gpu_group(schedule: Schedule) -> None:
-    """The runtime executes one GPU's schedules: a tensor-parallel group's (`--gpus G`, its all-reduces on
-    the `fabric`) is refused in one line naming the op, before anything is loaded."""
+    """The serving runtime executes one GPU's schedules: a tensor-parallel group's (`--gpus G`, its
+    all-reduces on the `fabric`) is refused in one line naming the op, before anything is loaded."""
     reduce = next((op for op in schedule.ops if schedule.streams.get(op.stream) == "fabric"), None)
     if reduce is not None:
         raise ScheduleError(
             f"op {reduce.id!r}: an all-reduce of a tensor-parallel group of GPUs (simulate --gpus); the runtime "
             f"executes one GPU's schedules: simulate with --gpus 1 to execute one"
         )
+
+
+def tensor_parallel_ranks(schedule: Schedule) -> int:
+    """How many ranks share each op of the schedule (`simulate --gpus G`: its meta's tensor_parallel)."""
+    group = schedule.meta.get("tensor_parallel")
+    if group is None:
+        return 1
+    if isinstance(group, bool) or not isinstance(group, int) or not 2 <= group <= 1024:
+        raise ScheduleError(
+            f"meta tensor_parallel must be the group's GPU count (2 to 1024), got {group!r:.40}: "
+            f"simulate the run again to execute it"
+        )
+    return group
+
+
+def check_tensor_parallel(schedule: Schedule, spec: ModelSpec) -> None:
+    """A tensor-parallel group's schedule runs on ranks emulated on the host (`ranks.py`): the model
+    must split evenly, and its ops must be ones the ranks compute (the GPU side: CPU experts, CPU
+    attention and the activations they move are simulated for a group, not executed). Refused in one
+    line naming the op, before anything is loaded."""
+    group = tensor_parallel_ranks(schedule)
+    reduce = next((op for op in schedule.ops if schedule.streams.get(op.stream) == "fabric"), None)
+    if group == 1:
+        if reduce is not None:
+            raise ScheduleError(
+                f"op {reduce.id!r}: an all-reduce in a schedule whose meta names no tensor_parallel group"
+            )
+        return
+    problem = split_problem(spec, group)
+    if problem:
+        raise ScheduleError(f"model {spec.name}: {problem}; its {group}-rank schedule cannot be executed")
+    for op in schedule.ops:
+        on_cpu = op.kind == "compute" and schedule.streams.get(op.stream) == "cpu"
+        if on_cpu or op.category in ("attn_qkv", "attn_out") or (op.kind == "transfer" and op.tensor == "activation"):
+            raise ScheduleError(
+                f"op {op.id!r}: the ranks of a tensor-parallel group execute the GPU side only; CPU experts and "
+                f"CPU attention of a {group}-GPU group are simulated, not executed"
+            )
 
 
 # emulated copies over one link longer than this in all are a mistake (a rate off by orders of magnitude):
@@ -161,7 +204,7 @@ def check_compatible(
     model = schedule.meta.get("model")
     if model != spec.name:
         raise ScheduleError(f"schedule was built for model {model!r}, not {spec.name!r}")
-    refuse_a_gpu_group(schedule)
+    check_tensor_parallel(schedule, spec)
     if routing is not None:
         sh, meta = routing.shape, schedule.meta
         wanted = {
@@ -529,6 +572,17 @@ class OpRunner:
         self.pending_qkv: dict[str, tuple[torch.Tensor, ...]] = {}  # attn_qkv op -> this step's q, k, v
         self.attention_out: dict[str, torch.Tensor] = {}  # CPU attention / its h2d copy -> the heads' output
         self.on_cpu = {s for s, r in schedule.streams.items() if r == "cpu"}
+        # a tensor-parallel group's ranks (`ranks.py`), their partial sums until the op's all-reduce
+        group = tensor_parallel_ranks(schedule)
+        if group > 1 and self.device.type != "cpu":
+            raise ExecutionError(
+                f"a {group}-GPU tensor-parallel schedule runs on the CPU runtime (--device cpu), its ranks emulated "
+                f"as threads; the CUDA executor runs one GPU's"
+            )
+        self.ranks = Ranks(spec, group) if group > 1 else None
+        self.attention_partials: dict[int, list[torch.Tensor]] = {}  # batch -> each rank's attention output
+        self.mlp_partials: dict[int, list[torch.Tensor]] = {}  # batch -> each rank's MoE or dense MLP output
+        self.compute_ops["allreduce"] = self._all_reduce
         self._alloc(
             "resident",
             tensor_bytes(list(self.resident.values()))
@@ -842,19 +896,23 @@ class OpRunner:
             past = [self.buffers[name] for name in names if name in self.buffers]
         w = self.weights_for(op, "attention")
         impl = variant_impl(op.variant) or "fused"  # (without the model's tags: `fused+qk_norm`)
-        out, chunk = kernels.attention(
-            self.x[b],
-            w,
-            self.resident[f"norm1/{layer}"],
-            past,
-            pos0,
-            self.spec,
-            self.weights.rope_theta,
-            self.weights.rms_eps,
-            impl,
-            kernels.qk_norms(self.resident, self.spec, layer),
-        )
-        self.h[b] = out
+        norm, qk = self.resident[f"norm1/{layer}"], kernels.qk_norms(self.resident, self.spec, layer)
+        theta, eps = self.weights.rope_theta, self.weights.rms_eps
+        ranks = self.ranks
+        if ranks is not None:  # each rank its heads; the batch's all-reduce adds their outputs to x
+
+            def heads(r: int) -> tuple[torch.Tensor, tuple]:
+                attention = ranks.attention(w, r)
+                return kernels.attention(
+                    self.x[b], attention, norm, ranks.kv(past, r), pos0, ranks.rank_spec, theta, eps, impl, qk, False
+                )
+
+            outs = ranks.each(heads)
+            self.attention_partials[b] = [out for out, _ in outs]
+            chunk = tuple(torch.cat([c[i] for _, c in outs], dim=1) for i in range(2))
+        else:
+            out, chunk = kernels.attention(self.x[b], w, norm, past, pos0, self.spec, theta, eps, impl, qk)
+            self.h[b] = out
         for name, _ in op.alloc:  # this step's KV entries stay on the GPU
             self._store(name, chunk)
         if not op.alloc:
@@ -864,7 +922,12 @@ class OpRunner:
         """A dense layer's MLP (DeepSeek's first layers), in the gate op's place: no routing, no experts."""
         b = op.batch
         z = kernels.rms_norm(self.h[b], self.resident[f"norm2/{op.layer}"], self.weights.rms_eps)
-        self.moe_out[b] = kernels.expert(z.reshape(-1, z.shape[-1]), self.weights_for(op, "gate"))
+        z, w = z.reshape(-1, z.shape[-1]), self.weights_for(op, "gate")
+        ranks = self.ranks
+        if ranks is not None:
+            self.mlp_partials[b] = ranks.each(lambda r: kernels.expert(z, ranks.ffn(w, r)))
+        else:
+            self.moe_out[b] = kernels.expert(z, w)
 
     def _gate(self, op: Op) -> None:
         b, layer = op.batch, op.layer
@@ -874,19 +937,28 @@ class OpRunner:
             if self.opt.force_routing
             else None
         )
-        z, weights, ids, out = kernels.gate_step(
-            self.h[b],
+        norm, k, eps, renormalise = (
             self.resident[f"norm2/{layer}"],
-            router_w,
             self.spec.top_k,
             self.weights.rms_eps,
-            forced,
-            tuple(shared),
             self.spec.norm_topk_prob,
         )
+        ranks = self.ranks
+        if ranks is not None:  # every rank routes (the same), each computes its share of the shared experts
+            steps = ranks.each(
+                lambda r: kernels.gate_step(
+                    self.h[b], norm, router_w, k, eps, forced, ranks.shared(tuple(shared), r), renormalise
+                )
+            )
+            z, weights, ids, _ = steps[0]
+            self.mlp_partials[b] = [out for *_, out in steps]
+        else:
+            z, weights, ids, out = kernels.gate_step(
+                self.h[b], norm, router_w, k, eps, forced, tuple(shared), renormalise
+            )
+            self.moe_out[b] = out
         self.z[b] = z
         self.route[b] = (ids, weights, forced)
-        self.moe_out[b] = out
 
     def _expert(self, op: Op) -> None:
         """One expert over its tokens from every batch of the op, in one kernel call (as the
@@ -906,11 +978,27 @@ class OpRunner:
         self.expert_tokens[op.id] = sum(len(r) for _, r, _ in parts)
         if not parts:
             return
+        ranks = self.ranks
+        if ranks is not None:  # each rank its share of the expert's width, into its own partial sums
+            ranks.each(lambda r: self._expert_into(parts, ranks.ffn(w, r), lambda b: self.mlp_partials[b][r]))
+        else:
+            self._expert_into(parts, w, self._moe_out)
+
+    def _moe_out(self, b: int) -> torch.Tensor:
+        out = self.moe_out[b]
+        assert out is not None  # (the batch's gate op set its MoE output, which its experts add into)
+        return out
+
+    def _expert_into(
+        self,
+        parts: list[tuple[int, torch.Tensor, torch.Tensor]],
+        w: tuple[torch.Tensor, ...],
+        out_of: Callable[[int], torch.Tensor],
+    ) -> None:
+        """An expert (`w`) over its rows of each batch, its gate-weighted output added into `out_of(batch)`."""
         if len(parts) == 1:
             b, rows, slots = parts[0]
-            out = self.moe_out[b]
-            assert out is not None  # (the batch's gate op set its MoE output, which its experts add into)
-            kernels.expert_step(self.z[b], self.route[b][1], rows, slots, w, out, self.output_lock)
+            kernels.expert_step(self.z[b], self.route[b][1], rows, slots, w, out_of(b), self.output_lock)
             return
         x = torch.cat([self.z[b][rows] for b, rows, _ in parts])
         scale = torch.cat([self.route[b][1][rows, slots] for b, rows, slots in parts])
@@ -918,10 +1006,19 @@ class OpRunner:
         offset = 0
         with self.output_lock:
             for b, rows, _ in parts:
-                out = self.moe_out[b]
-                assert out is not None  # (the batch's gate op set its MoE output, which its experts add into)
-                out.index_add_(0, rows, y[offset : offset + len(rows)])
+                out_of(b).index_add_(0, rows, y[offset : offset + len(rows)])
                 offset += len(rows)
+
+    def _all_reduce(self, op: Op) -> None:
+        """A tensor-parallel layer's all-reduce of one batch: after attention the ranks' outputs added
+        to the residual stream, after the MLP side the ranks' MoE or dense MLP outputs added up."""
+        b = op.batches[0]
+        if b in self.attention_partials and self.ops_by_id[op.deps[0]].category == "attention":
+            self.h[b] = self.x[b] + all_reduce(self.attention_partials.pop(b))
+        elif b in self.mlp_partials:
+            self.moe_out[b] = all_reduce(self.mlp_partials.pop(b))
+        else:
+            raise ExecutionError(f"op {op.id!r}: no partial sums of batch {b} to all-reduce")
 
     def _lm_head(self, op: Op) -> None:
         b = op.batch
@@ -1014,6 +1111,7 @@ def measure_run(
     """Run every op of `schedule` by `runner` on its device (a CUDA stream per stream, or a CPU
     thread per stream) and return the measured Timeline: what ran where, on which weights, over
     which links (emulated ones labelled so), with `meta` added."""
+    ranks: Ranks | None = getattr(runner, "ranks", None)  # (a serving runner has none)
     if options.device.startswith("cuda"):
         start, end = _run_cuda(schedule, runner)
         peak = max(runner.peak, torch.cuda.max_memory_allocated())
@@ -1042,6 +1140,14 @@ def measure_run(
             "weights": weights.source,
             **meta,
             "dtype": str(runner.dtype),
+            **(
+                {
+                    "tensor_parallel_ranks": ranks.count,
+                    "emulated_fabric_bytes_per_s": options.emulate_fabric.bandwidth if options.emulate_fabric else None,
+                }
+                if ranks is not None
+                else {}
+            ),
             "emulated_links": (
                 {
                     "bandwidth_bytes_per_s": emulated,
@@ -1074,6 +1180,7 @@ def _run_cpu(schedule: Schedule, runner: OpRunner, options: ExecOptions) -> tupl
     resources = dict(schedule.streams)
     gates = {r: ResourceGate(units) for r, units in resource_units(schedule, options).items()}
     t0 = runner.t0
+    ranks: Ranks | None = getattr(runner, "ranks", None)  # (a serving runner has none)
 
     def worker(indices: list[int]) -> None:
         try:
@@ -1108,6 +1215,12 @@ def _run_cpu(schedule: Schedule, runner: OpRunner, options: ExecOptions) -> tupl
                             remaining = options.link_latency_s + op.bytes / bw - (time.perf_counter() - begin)
                             if remaining > 0:
                                 time.sleep(remaining)
+                    elif op.category == "allreduce" and options.emulate_fabric is not None and ranks is not None:
+                        # (NCCL's faster of ring and tree on the emulated fabric, as the simulator costs it)
+                        wire, _ = best_all_reduce(op.bytes, ranks.count, options.emulate_fabric)
+                        remaining = wire - (time.perf_counter() - begin)
+                        if remaining > 0:
+                            time.sleep(remaining)
                     end[i] = time.perf_counter() - t0
                 finally:
                     gate.release()

@@ -484,8 +484,10 @@ def attention(
     eps: float,
     impl: str = "fused",
     qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
+    residual: bool = True,
 ) -> tuple[torch.Tensor, tuple]:
-    """x: [B, T, h] -> x + attn(norm(x)), and this step's (k, v) chunk `[B, kv_heads, T, hd]`.
+    """x: [B, T, h] -> x + attn(norm(x)) (without x when not `residual`: a tensor-parallel rank's
+    partial sum), and this step's (k, v) chunk `[B, kv_heads, T, hd]`.
     `past` lists earlier chunks of this batch's KV cache, oldest first. `impl`: `fused` is one
     scaled_dot_product_attention reading the KV heads as they are (GQA); `eager` is transformers'
     eager path: repeat_kv copies, QK^T * scale, causal mask, fp32 softmax, AV, transpose back.
@@ -513,7 +515,8 @@ def attention(
     else:
         raise ValueError(f"attention impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
     out = out.transpose(1, 2).reshape(B, T, H * hd)
-    return x + F.linear(out, wo), (k, v)
+    projected = F.linear(out, wo)
+    return (x + projected if residual else projected), (k, v)
 
 
 def kv_chunk(spec: ModelSpec, batch: int, tokens: int, dtype: torch.dtype, device: Any = "cpu") -> tuple:

@@ -269,13 +269,17 @@ def test_compare_and_serve_on_two_gpus_run_every_policy_and_refuse_in_one_line(t
         assert code == 2 and err.count("\n") == 1 and said in err and "--gpus" in err, err
 
 
-def test_the_runtime_refuses_a_gpu_groups_schedule_in_one_line(tmp_path):
+def test_the_serving_runtime_refuses_a_gpu_groups_schedule_in_one_line(tmp_path):
+    """(The offline runtime executes one on emulated ranks: tests/test_tensor_parallel_runtime.py.)"""
     pytest.importorskip("torch")
     from .conftest import runtime_in_process
 
-    args = ["simulate", "--policy", "klotski", "--gpus", "2", "--no-png", "--out", str(tmp_path / "tp")]
-    assert run_cli(*args, *[str(v) for kv in TP_RUN.items() for v in (f"--{kv[0].replace('_', '-')}", kv[1])])[0] == 0
-    code, _, err = runtime_in_process("execute", str(tmp_path / "tp"))
+    code, _, err = run_cli(
+        "serve", "--model", "tiny-mixtral", "--hardware", "l40s", "--gpus", "2", "--requests", "2",
+        "--output-len", "3", "--policies", "vllm", "--timeline", "--out", str(tmp_path / "s"),
+    )  # fmt: skip
+    assert code == 0, err
+    code, _, err = runtime_in_process("execute", str(tmp_path / "s" / "vllm"))
     assert code == 2 and err.count("\n") == 1 and "all-reduce of a tensor-parallel group" in err, err
 
 

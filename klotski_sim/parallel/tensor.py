@@ -109,12 +109,13 @@ def group_machine(profile: HardwareProfile, gpus: int, model: ModelSpec) -> Hard
     )
 
 
-def with_all_reduces(schedule: Schedule, model: ModelSpec) -> Schedule:
+def with_all_reduces(schedule: Schedule, model: ModelSpec, gpus: int) -> Schedule:
     """`schedule` with a tensor-parallel layer's two all-reduces per batch, step and layer, on the
     `allreduce` stream (the group's fabric): one after the attention output, read by the layer's
     router and MLP side; one after the MLP side, read by the next layer's attention (or the LM head).
     Each reduces the batch's hidden states (tokens x hidden size). A layer whose attention or MLP ops
-    cannot be found by their categories is refused, naming the op."""
+    cannot be found by their categories is refused, naming the op. The meta's `tensor_parallel` says
+    how many ranks share each op (the runtime splits the op's heads and FFN width among them)."""
     ops = schedule.ops
     attention: dict[tuple[int, int, int], int] = {}  # (step, layer, batch) -> the attention output's position
     mlp: dict[tuple[int, int, int], list[int]] = defaultdict(list)
@@ -182,5 +183,5 @@ def with_all_reduces(schedule: Schedule, model: ModelSpec) -> Schedule:
         ops=tuple(out),
         streams={**schedule.streams, ALLREDUCE_STREAM: "fabric"},
         preloaded=schedule.preloaded,
-        meta={**schedule.meta, "tensor_parallel": True},
+        meta={**schedule.meta, "tensor_parallel": gpus},
     )

@@ -376,7 +376,7 @@ def build_schedule(name: str, inp: PolicyInput) -> Schedule:
     if not getattr(info.build, "__module__", "").startswith("klotski_sim."):
         _check_from_outside(name, schedule, inp)
     if inp.profile.tensor_parallel:  # one schedule for the whole group: its layers' all-reduces added
-        schedule = with_all_reduces(schedule, inp.model)
+        schedule = with_all_reduces(schedule, inp.model, inp.profile.tensor_parallel)
     return schedule
 
 
