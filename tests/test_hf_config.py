@@ -115,6 +115,23 @@ CONFIGS = {
         "vocab_size": 102400,
         "torch_dtype": "bfloat16",
     },
+    # meta-llama/Llama-4-Maverick-17B-128E-Instruct's text_config (the file nests it: test below)
+    "llama-4-maverick": {
+        "model_type": "llama4_text",
+        "num_hidden_layers": 48,
+        "num_local_experts": 128,
+        "num_experts_per_tok": 1,
+        "interleave_moe_layer_step": 2,
+        "hidden_size": 5120,
+        "intermediate_size": 8192,
+        "intermediate_size_mlp": 16384,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 202048,
+        "attention_chunk_size": 8192,
+        "torch_dtype": "bfloat16",
+    },
 }
 
 
@@ -126,7 +143,7 @@ def test_a_published_config_gives_the_preset_that_cites_it(tmp_path, preset):
     assert got.pop("name") == str(path)
     want.pop("name")
     assert got == want
-    keep = want["first_dense_layers"] + 1  # the suffixes work on a file as on a preset
+    keep = want["first_dense_layers"] + want["moe_layer_step"]  # the suffixes work on a file as on a preset
     layers = get_model(f"{path}:{keep}@int4")
     assert layers.num_layers == keep and layers.expert_bits == 4
 
@@ -150,6 +167,29 @@ def test_a_config_the_simulator_cannot_model_is_one_line_naming_the_key(tmp_path
     with pytest.raises(UsageError) as err:
         get_model(str(path))
     assert str(path) in str(err.value) and words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_llama4s_multimodal_config_is_read_from_its_text_config(tmp_path):
+    path = tmp_path / "config.json"
+    text = {k: v for k, v in CONFIGS["llama-4-maverick"].items() if k != "torch_dtype"}
+    path.write_text(json.dumps({"model_type": "llama4", "torch_dtype": "bfloat16", "text_config": text}))
+    got, want = asdict(get_model(str(path))), asdict(get_model("llama-4-maverick"))
+    assert {**got, "name": ""} == {**want, "name": ""}
+    for config, words in (
+        ({"model_type": "llama4", "text_config": [1]}, "text_config must be an object"),
+        ({**CONFIGS["llama-4-maverick"], "moe_layers": [0, 2]}, r"moe_layers \[0, 2\] is not every"),
+        ({**CONFIGS["qwen3-30b-a3b"], "mlp_only_layers": [0]}, "mlp_only_layers is set"),
+    ):
+        path.write_text(json.dumps(config))
+        with pytest.raises(UsageError, match=words):
+            get_model(str(path))
+
+
+def test_qwens_sparse_step_gives_interleaved_dense_layers(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**CONFIGS["qwen3-30b-a3b"], "decoder_sparse_step": 2}))
+    model = get_model(str(path))
+    assert model.moe_layer_step == 2 and model.dense_ffn_size == 6144 and model.moe_layers[:2] == (1, 3)
 
 
 def test_unreadable_config_files_are_one_line(tmp_path):

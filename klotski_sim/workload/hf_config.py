@@ -2,10 +2,13 @@
 file its checkpoint ships with (`--model path/to/config.json`) instead of a preset.
 
 The keys read per `model_type` are those of transformers' configuration classes (MixtralConfig,
-Qwen2MoeConfig, Qwen3MoeConfig, OlmoeConfig, DeepseekV2Config, DeepseekV3Config); each built-in
-preset cites the config it mirrors, and `tests/test_hf_config.py` checks that those configs give the
-presets back. What the simulator does not model (sliding-window attention, dense layers between MoE
-ones, other model types) is refused in one line naming the key."""
+Qwen2MoeConfig, Qwen3MoeConfig, OlmoeConfig, DeepseekV2Config, DeepseekV3Config, Llama4TextConfig,
+whose multimodal Llama4Config nests it as `text_config`); each built-in preset cites the config it
+mirrors, and `tests/test_hf_config.py` checks that those configs give the presets back. Dense layers
+between MoE ones are modelled where they recur every k-th layer (Qwen's decoder_sparse_step, Llama
+4's interleave_moe_layer_step: `ModelSpec.moe_layer_step`). What the simulator does not model
+(sliding-window attention, other patterns of dense layers, other model types) is refused in one line
+naming the key. Llama 4's chunked attention is costed as full attention (the same below its chunk)."""
 
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ FAMILIES: dict[str, tuple[str, str, str, bool]] = {
     "olmoe": ("num_experts", "intermediate_size", "full", False),
     "deepseek_v2": ("n_routed_experts", "moe_intermediate_size", "", False),
     "deepseek_v3": ("n_routed_experts", "moe_intermediate_size", "", True),
+    "llama4_text": ("num_local_experts", "intermediate_size", "", False),  # (top-1, weighed by a sigmoid)
 }
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -51,6 +55,14 @@ def config_fields(path: str) -> dict[str, Any]:
 
 
 def _fields(config: dict[str, Any], path: str) -> dict[str, Any]:
+    if config.get("model_type") == "llama4":  # (the multimodal config: the language model's is nested)
+        text = config.get("text_config")
+        if not isinstance(text, dict):
+            raise UsageError(
+                f"{path}: text_config must be an object (a llama4 config holds the language model's there)"
+            )
+        dtype = config.get("torch_dtype")
+        config = {**({"torch_dtype": dtype} if dtype is not None else {}), **text, "model_type": "llama4_text"}
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or model_type not in FAMILIES:
         raise UsageError(
@@ -74,12 +86,11 @@ def _fields(config: dict[str, Any], path: str) -> dict[str, Any]:
 
     if flag("use_sliding_window", False):
         raise UsageError(f"{path}: use_sliding_window is true; klotski models full attention only")
-    if model_type in ("qwen2_moe", "qwen3_moe"):
-        if count("decoder_sparse_step", 1) != 1 or config.get("mlp_only_layers"):
-            raise UsageError(
-                f"{path}: decoder_sparse_step != 1 or mlp_only_layers set: dense layers between MoE "
-                f"layers are not modelled (only DeepSeek's first dense layers are)"
-            )
+    if model_type in ("qwen2_moe", "qwen3_moe") and config.get("mlp_only_layers"):
+        raise UsageError(
+            f"{path}: mlp_only_layers is set: dense layers at chosen places are not modelled (DeepSeek's first "
+            f"layers and every decoder_sparse_step-th are)"
+        )
     dtype = config.get("torch_dtype", config.get("dtype", "bfloat16"))
     if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
         raise UsageError(f"{path}: torch_dtype {dtype!r}: give one of {', '.join(DTYPE_BYTES)}")
@@ -102,6 +113,22 @@ def _fields(config: dict[str, Any], path: str) -> dict[str, Any]:
     )
     if model_type == "qwen2_moe" and count("shared_expert_intermediate_size", 0, low=0):
         fields.update(num_shared_experts=1, shared_ffn_size=count("shared_expert_intermediate_size"))
+    if model_type in ("qwen2_moe", "qwen3_moe") and count("decoder_sparse_step", 1) > 1:
+        fields.update(moe_layer_step=count("decoder_sparse_step"), dense_ffn_size=count("intermediate_size"))
+    if model_type == "llama4_text":
+        step, layers = count("interleave_moe_layer_step", 1), fields["num_layers"]
+        listed = config.get("moe_layers")
+        if listed is not None and listed != list(range(step - 1, layers, step)):
+            raise UsageError(
+                f"{path}: moe_layers {listed!r:.60} is not every interleave_moe_layer_step-th layer ({step - 1}, "
+                f"{2 * step - 1}, ...): other places of MoE layers are not modelled"
+            )
+        fields.update(
+            num_shared_experts=1,  # (Llama4TextMoe: one shared expert of the routed experts' width)
+            shared_ffn_size=fields["ffn_size"],
+            moe_layer_step=step,
+            dense_ffn_size=count("intermediate_size_mlp") if step > 1 else 0,
+        )
     if model_type.startswith("deepseek"):
         rope, nope = count("qk_rope_head_dim"), count("qk_nope_head_dim")
         q_lora = config.get("q_lora_rank")  # (null: queries not compressed, as in V2-Lite)
