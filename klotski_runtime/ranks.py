@@ -27,6 +27,11 @@ def split_problem(spec: ModelSpec, ranks: int) -> str:
     """Why `spec` cannot be split over `ranks` ranks (empty when it can)."""
     if spec.mla:
         return "MLA's compressed KV cache is whole on every rank: not split"
+    if spec.num_kv_heads < ranks:
+        return (
+            f"its {spec.num_kv_heads} KV heads are fewer than the {ranks} ranks: the simulation gives each rank a "
+            f"copy of one (as vLLM does), the runtime splits heads only"
+        )
     if spec.qk_norm == "full":
         return "its q/k RMSNorm spans every head (OLMoE's): a rank holding some heads cannot compute it"
     widths = {

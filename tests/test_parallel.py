@@ -323,3 +323,20 @@ def test_a_sweep_over_group_sizes_keeps_one_gpus_ids_and_refuses_a_serving_grid(
     assert df["m.makespan_s"].tolist() == pytest.approx(alone, rel=1e-12)  # (a tiny model: 2 GPUs add all-reduces)
     with pytest.raises(SweepError, match="gpus: a serving grid runs on one GPU"):
         parse_spec({**grid, "policies": ["vllm"], "gpus": [2], "serving": {"requests": [4]}})
+
+
+def test_a_group_larger_than_the_kv_heads_copies_one_to_each_rank():
+    """Qwen3-30B-A3B has 4 KV heads: on 8 GPUs each rank keeps a copy of one (vLLM's replication), so
+    the group holds 8 heads' cache and K/V projections; 3 GPUs neither divide 4 nor are a multiple."""
+    from klotski_sim.parallel.tensor import group_model
+    from klotski_sim.runs.runner import RunSpec, prepare
+
+    model = get_model("qwen3-30b-a3b")
+    spec = RunSpec(model="qwen3-30b-a3b:2", hardware="h20", gpus=8, num_batches=1, prompt_len=8, gen_len=2)
+    prepared = prepare(spec)
+    assert prepared.model.num_kv_heads == 8 and prepared.model.kv_bytes_per_token() == 2 * 8 * 128 * 2
+    assert group_model(model, 4) == model  # (4 ranks: one KV head each, no copy)
+    grouped = group_model(model, 8)
+    assert grouped.attention_bytes() - model.attention_bytes() == 4 * 128 * 2048 * 2 * 2  # k and v of 4 more heads
+    with pytest.raises(UsageError, match="give a G that divides both"):
+        group_model(get_model("mixtral-8x7b"), 3)

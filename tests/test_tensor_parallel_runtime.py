@@ -97,8 +97,10 @@ def test_what_the_ranks_cannot_execute_is_refused_before_it_runs():
     with pytest.raises(ScheduleError, match=r"op '.*': the ranks of a tensor-parallel group execute the GPU side"):
         execute(on_cpu, TINY, weights, inp.routing)
     three = Schedule(group.ops, group.streams, group.preloaded, {**group.meta, "tensor_parallel": 3})
-    with pytest.raises(ScheduleError, match="num_heads 4, num_kv_heads 2, ffn_size 128 not divisible by 3 ranks"):
+    with pytest.raises(ScheduleError, match="its 2 KV heads are fewer than the 3 ranks: the simulation gives each"):
         execute(three, TINY, weights, inp.routing)
+    with pytest.raises(ScheduleError, match="ffn_size 129 not divisible by 2 ranks"):
+        execute(group, replace(TINY, ffn_size=129), weights, inp.routing)
     for bad in (True, 1.5, "2", 0):
         odd = Schedule(group.ops, group.streams, group.preloaded, {**group.meta, "tensor_parallel": bad})
         with pytest.raises(ScheduleError, match="meta tensor_parallel must be the group's GPU count"):

@@ -10,7 +10,7 @@ from typing import Any
 from klotski_sim.cli.common import CliError, output_folder, parse_overrides
 from klotski_sim.files.outfiles import OutputFiles, refuse_unwritable, write_file
 from klotski_sim.hardware.profile import load_profile, with_overrides
-from klotski_sim.parallel.tensor import group_machine
+from klotski_sim.parallel.tensor import group_machine, group_model
 from klotski_sim.policies import POLICIES
 from klotski_sim.serving.batcher import BatchingConfig, ServingRefusal, check_batching
 from klotski_sim.serving.policies import SERVING_POLICIES
@@ -250,6 +250,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         profile = with_overrides(profile, parse_overrides(args.sets, "--set"), where="--set")
     if args.gpus > 1:
         profile = group_machine(profile, args.gpus, model)
+        model = group_model(model, args.gpus)
     options = _options(args.options, args.policies)
     for name in args.policies:  # (a typo in an option is an error before anything runs, not a refused row)
         resolve_serving_options(name, options[name])

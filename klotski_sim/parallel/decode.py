@@ -23,7 +23,7 @@ are predicted from the step before it; nothing reads the routing of the step it 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -151,6 +151,9 @@ def simulate_decode(
     shape, G = routing.shape, setup.gpus
     if setup.parallelism == "tp" and model.mla:
         raise UsageError(mla_tensor_parallel(model))
+    if setup.parallelism == "tp":  # (the group's model: KV heads copied where the ranks outnumber them)
+        check_splits(model, G)
+        model = kv_replicated(model, G)
     if shape.gen_len < 2:
         raise UsageError("a parallel decode run needs at least 2 generated tokens (--gen-len 2): it times decode steps")
     cost = CostModel(profile)
@@ -256,6 +259,32 @@ def mla_tensor_parallel(model: ModelSpec) -> str:
         f"multi-head latent attention keeps {model.name}'s compressed KV cache whole on every "
         f"tensor-parallel rank (not split by heads), which is not modelled"
     )
+
+
+def check_splits(model: ModelSpec, gpus: int) -> None:
+    """Refuse, in one line, a model whose attention cannot be split over `gpus` tensor-parallel ranks."""
+    if gpus == 1:
+        return
+    if model.mla:
+        raise UsageError(
+            f"--gpus {gpus}: {mla_tensor_parallel(model)} (klotski-sim parallel --parallelism ep times its "
+            f"decode with expert parallelism)"
+        )
+    kv = model.num_kv_heads
+    if model.num_heads % gpus or (kv % gpus if gpus <= kv else gpus % kv):
+        raise UsageError(
+            f"--gpus {gpus}: tensor parallelism splits attention by heads, and {model.name} has "
+            f"{model.num_heads} query and {kv} KV heads: give a G that divides both (or, above {kv}, a "
+            f"multiple of the KV heads that divides the query heads: each rank then keeps a copy of one KV head)"
+        )
+
+
+def kv_replicated(model: ModelSpec, gpus: int) -> ModelSpec:
+    """The model as `gpus` tensor-parallel ranks hold it. With fewer KV heads than ranks, each rank
+    keeps a copy of one KV head, its cache and its K/V projections (vLLM's QKVParallelLinear
+    replicates them when the group is a multiple of the KV heads): the group holds and reads `gpus`
+    KV heads' worth, so a rank's decode attention reads 1/KV of the cache, not 1/G."""
+    return model if gpus <= model.num_kv_heads else replace(model, num_kv_heads=gpus)
 
 
 def machine_fabric(profile: HardwareProfile, gpus: int) -> FabricSpec:

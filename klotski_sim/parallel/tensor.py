@@ -21,7 +21,7 @@ from collections import defaultdict
 from klotski_sim.core.schedule import Op, Schedule
 from klotski_sim.hardware.profile import HardwareProfile
 from klotski_sim.names import ALLREDUCE_STREAM
-from klotski_sim.parallel.decode import machine_fabric, mla_tensor_parallel
+from klotski_sim.parallel.decode import check_splits, kv_replicated, machine_fabric
 from klotski_sim.util.errors import UsageError
 from klotski_sim.workload.model import ModelSpec
 
@@ -35,18 +35,11 @@ AFTER_ATTENTION = ("gate", *MLP_SIDE)
 AFTER_MLP = ("attention", "attn_qkv", "lm_head")
 
 
-def check_splits(model: ModelSpec, gpus: int) -> None:
-    """Refuse, in one line, a model whose attention cannot be split over `gpus` ranks."""
-    if model.mla:
-        raise UsageError(
-            f"--gpus {gpus}: {mla_tensor_parallel(model)} (klotski-sim parallel --parallelism ep times its "
-            f"decode with expert parallelism)"
-        )
-    if model.num_heads % gpus or model.num_kv_heads % gpus:
-        raise UsageError(
-            f"--gpus {gpus}: tensor parallelism splits attention by heads, and {model.name} has "
-            f"{model.num_heads} query and {model.num_kv_heads} KV heads: give a G that divides both"
-        )
+def group_model(model: ModelSpec, gpus: int) -> ModelSpec:
+    """The model as a group of `gpus` ranks holds it (`decode.kv_replicated`), refused in one line
+    when its attention does not split over them."""
+    check_splits(model, gpus)
+    return kv_replicated(model, gpus)
 
 
 def group_machine(profile: HardwareProfile, gpus: int, model: ModelSpec) -> HardwareProfile:

@@ -26,7 +26,7 @@ from klotski_sim.core.schedule import Schedule, quiet_gc_in_worker
 from klotski_sim.core.timeline import MEMORY_CHECK, OutOfMemory, Timeline
 from klotski_sim.files.disk_cache import cache_dir
 from klotski_sim.hardware.profile import HardwareProfile, load_profile, with_overrides
-from klotski_sim.parallel.tensor import group_machine
+from klotski_sim.parallel.tensor import group_machine, group_model
 from klotski_sim.planning.planner import (
     Plan,
     default_placement,
@@ -367,8 +367,8 @@ def check_measured_for(profile: HardwareProfile, model: ModelSpec) -> None:
 
 def prepare(spec: RunSpec) -> Prepared:
     """Resolve model, profile, n (planner when `num_batches` is None), placement and routing."""
-    model = get_model(spec.model)
-    profile = resolve_profile(spec)
+    profile = resolve_profile(spec)  # (a group that cannot split the model is refused here)
+    model = group_model(get_model(spec.model), spec.gpus)
     check_measured_for(profile, model)
     attention_on_cpu = spec.options.get("attention_device") == "cpu"  # decode attention reads the KV cache there
     # (before any plan is printed or routing drawn)
