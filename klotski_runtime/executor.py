@@ -181,6 +181,13 @@ def check_tensor_parallel(schedule: Schedule, spec: ModelSpec) -> None:
     problem = split_problem(spec, group)
     if problem:
         raise ScheduleError(f"model {spec.name}: {problem}; its {group}-rank schedule cannot be executed")
+    reduces = sum(op.category == "allreduce" for op in schedule.ops)
+    needed = 2 * sum(len(op.batches) for op in schedule.ops if op.kind == "compute" and op.category == "attention")
+    if reduces != needed:  # (each rank's partial sums would wait for a sum that never comes)
+        raise ScheduleError(
+            f"meta tensor_parallel {group}, but the schedule has {reduces} all-reduce ops where its layers need "
+            f"{needed} (two a layer and batch): simulate it with --gpus {group} again"
+        )
     for op in schedule.ops:
         on_cpu = op.kind == "compute" and schedule.streams.get(op.stream) == "cpu"
         if on_cpu or op.category in ("attn_qkv", "attn_out") or (op.kind == "transfer" and op.tensor == "activation"):

@@ -178,11 +178,20 @@ def test_llama4s_multimodal_config_is_read_from_its_text_config(tmp_path):
     for config, words in (
         ({"model_type": "llama4", "text_config": [1]}, "text_config must be an object"),
         ({**CONFIGS["llama-4-maverick"], "moe_layers": [0, 2]}, r"moe_layers \[0, 2\] is not every"),
+        ({**CONFIGS["llama-4-maverick"], "moe_layers": [True, 3]}, r"moe_layers \[True, 3\] is not every"),
         ({**CONFIGS["qwen3-30b-a3b"], "mlp_only_layers": [0]}, "mlp_only_layers is set"),
     ):
         path.write_text(json.dumps(config))
         with pytest.raises(UsageError, match=words):
             get_model(str(path))
+
+
+def test_a_config_without_moe_layers_says_so_naming_its_file(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**CONFIGS["llama-4-maverick"], "num_hidden_layers": 1}))
+    with pytest.raises(UsageError) as err:
+        get_model(str(path))
+    assert str(err.value).startswith(f"{path}: no layer has experts: the first would be layer 1"), err.value
 
 
 def test_qwens_sparse_step_gives_interleaved_dense_layers(tmp_path):

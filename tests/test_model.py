@@ -160,8 +160,10 @@ def test_interleaved_moe_layers_route_only_where_they_have_experts(policy):
 def test_a_model_needs_a_moe_layer_and_dense_layers_their_width():
     from dataclasses import replace
 
-    with pytest.raises(UsageError, match="must leave at least one MoE layer"):
+    with pytest.raises(UsageError, match=r"give a layer count from 2 to 48 \(its first MoE layer is layer 1\)"):
         get_model("llama-4-maverick:1")
+    with pytest.raises(UsageError, match="no layer has experts: the first would be layer 4 .* of 4 layers"):
+        replace(get_model("llama-4-maverick:4"), moe_layer_step=5)
     with pytest.raises(UsageError, match="dense layers need dense_ffn_size > 0"):
         replace(get_model("mixtral-8x7b"), moe_layer_step=2)
     with pytest.raises(UsageError, match="moe_layer_step must be a positive integer"):

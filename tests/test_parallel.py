@@ -340,3 +340,10 @@ def test_a_group_larger_than_the_kv_heads_copies_one_to_each_rank():
     assert grouped.attention_bytes() - model.attention_bytes() == 4 * 128 * 2048 * 2 * 2  # k and v of 4 more heads
     with pytest.raises(UsageError, match="give a G that divides both"):
         group_model(get_model("mixtral-8x7b"), 3)
+
+
+def test_the_parallel_command_refuses_flags_of_offloaded_runs():
+    args = ["parallel", "--model", "tiny-mixtral", "--hardware", "h200", "--gpus", "2", "--gen-len", "3"]
+    code, _, err = run_cli(*args, "--kv", "cpu", "--impl", "ideal")
+    assert code == 2 and err.startswith("error: --kv cpu, --impl ideal: parallel times decode steps with every"), err
+    assert len(err.strip().splitlines()) == 1

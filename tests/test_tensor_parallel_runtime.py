@@ -105,6 +105,10 @@ def test_what_the_ranks_cannot_execute_is_refused_before_it_runs():
         odd = Schedule(group.ops, group.streams, group.preloaded, {**group.meta, "tensor_parallel": bad})
         with pytest.raises(ScheduleError, match="meta tensor_parallel must be the group's GPU count"):
             execute(odd, TINY, weights, inp.routing)
+    one, _, _ = _inputs(TINY, 2, "klotski")
+    claimed = Schedule(one.ops, one.streams, one.preloaded, {**one.meta, "tensor_parallel": 2})
+    with pytest.raises(ScheduleError, match="meta tensor_parallel 2, but the schedule has 0 all-reduce ops where"):
+        execute(claimed, TINY, weights, inp.routing)
     lost = Schedule(
         group.ops, group.streams, group.preloaded, {k: v for k, v in group.meta.items() if k != "tensor_parallel"}
     )

@@ -69,6 +69,24 @@ def format_results(rows: list[tuple[ParallelSetup, ParallelResult | str]]) -> st
 
 
 def cmd_parallel(args: argparse.Namespace) -> int:
+    # (flags of an offloaded run's placement and implementation, which decode steps on resident weights
+    # never read: refused rather than ignored)
+    ignored = [
+        flag
+        for flag, given in (
+            (f"--kv {args.kv}", args.kv != "auto"),
+            (f"--experts {args.experts}", args.experts != "auto"),
+            (f"--resident-layers {args.resident_layers}", args.resident_layers is not None),
+            (f"--impl {args.impl}", args.impl != "as-published"),
+            ("--policy-file", bool(args.policy_file)),
+        )
+        if given
+    ]
+    if ignored:
+        raise CliError(
+            f"{', '.join(ignored)}: parallel times decode steps with every weight resident on the GPUs, so "
+            f"{'this does' if len(ignored) == 1 else 'these do'} not apply (simulate --gpus G runs an offloaded policy)"
+        )
     # (its --gpus are ranks it times one by one, each on the profile's one GPU: not a tensor-parallel group)
     spec = spec_from_args(args, num_batches=args.num_batches or 1, gpus=1)
     model = get_model(spec.model)

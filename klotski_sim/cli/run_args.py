@@ -48,7 +48,7 @@ def add_run_arguments(
         default="mixtral-8x7b",
         metavar="NAME[:L][@intN]",
         help=f"model preset ({', '.join(sorted(PRESETS))}) or a Hugging Face config.json of a MoE model "
-        f"(mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2/v3); NAME:L keeps its first L layers, "
+        f"(mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2/v3, llama4); NAME:L keeps its first L layers, "
         f"@int8|int4|int3|int2[:gG][:fp32] quantises its experts (default: %(default)s)",
     )
     p.add_argument(

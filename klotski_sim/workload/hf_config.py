@@ -118,7 +118,8 @@ def _fields(config: dict[str, Any], path: str) -> dict[str, Any]:
     if model_type == "llama4_text":
         step, layers = count("interleave_moe_layer_step", 1), fields["num_layers"]
         listed = config.get("moe_layers")
-        if listed is not None and listed != list(range(step - 1, layers, step)):
+        whole = isinstance(listed, list) and all(type(v) is int for v in listed)  # (JSON's true == 1 in Python)
+        if listed is not None and (not whole or listed != list(range(step - 1, layers, step))):
             raise UsageError(
                 f"{path}: moe_layers {listed!r:.60} is not every interleave_moe_layer_step-th layer ({step - 1}, "
                 f"{2 * step - 1}, ...): other places of MoE layers are not modelled"

@@ -92,7 +92,8 @@ class ModelSpec:
             )
         if not 0 <= self.first_dense_layers or self.first_moe_layer >= self.num_layers:
             raise UsageError(
-                f"model {self.name!r}: first_dense_layers and moe_layer_step must leave at least one MoE layer"
+                f"model {self.name!r}: no layer has experts: the first would be layer {self.first_moe_layer} "
+                f"({self.first_dense_layers} dense first, then every {self.moe_layer_step}th), of {self.num_layers} layers"
             )
         if (self.first_dense_layers or self.moe_layer_step > 1) and self.dense_ffn_size <= 0:
             raise UsageError(f"model {self.name!r}: dense layers need dense_ffn_size > 0")
@@ -676,8 +677,10 @@ def get_model(name: str) -> ModelSpec:
         ) from None
     if not colon:  # (`tiny-mixtral:`, a count left out, would run the whole model)
         return spec
-    if not (layers.isascii() and layers.isdigit()) or not 1 <= int(layers) <= spec.num_layers:
-        raise UsageError(f"model {name!r}: after ':' give a layer count from 1 to {spec.num_layers}")
+    low = spec.first_moe_layer + 1  # (fewer layers would have no experts)
+    if not (layers.isascii() and layers.isdigit()) or not low <= int(layers) <= spec.num_layers:
+        why = f" (its first MoE layer is layer {low - 1})" if low > 1 else ""
+        raise UsageError(f"model {name!r}: after ':' give a layer count from {low} to {spec.num_layers}{why}")
     return replace(spec, name=name, num_layers=int(layers))
 
 
@@ -687,4 +690,4 @@ def _config_model(path: str) -> ModelSpec:
     try:
         return ModelSpec(**fields)
     except UsageError as err:  # (the shape's own checks, said of the file)
-        raise UsageError(f"{path}: {str(err).replace(repr(path), 'its model', 1)}") from None
+        raise UsageError(f"{path}: {str(err).replace(f'model {path!r}: ', '', 1)}") from None

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -109,11 +110,12 @@ def params_for(routing: str, model: ModelSpec) -> SynthParams:
                 raise ValueError(exponent)
             a = float(exponent)
         except ValueError:
-            raise UsageError(f"zipf routing needs an exponent, e.g. zipf:1.2, got {routing!r}") from None
+            raise UsageError(f"--routing {routing}: zipf routing needs an exponent, e.g. zipf:1.2") from None
         if not 0 <= a <= 100:  # (NaN fails too)
             raise UsageError(f"--routing {routing}: the zipf exponent must be a number from 0 to 100")
         return SynthParams(None, 0.0, 0.0, 0.0, "zipf", a)
-    raise UsageError(f"unknown routing {routing!r}; choose from {', '.join(ROUTINGS)}")
+    knobs = " (its what-ifs go after calibrated: only)" if ":" in routing and "=" in routing else ""
+    raise UsageError(f"--routing {routing}: unknown routing {routing!r}{knobs}; choose from {', '.join(ROUTINGS)}")
 
 
 def _with_knobs(params: SynthParams, routing: str, model: ModelSpec) -> SynthParams:
@@ -145,9 +147,12 @@ def _with_knobs(params: SynthParams, routing: str, model: ModelSpec) -> SynthPar
     return replace(params, domain=domain, decode_drift=drift, reuse_bias=bias)
 
 
+_DECIMAL = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
 def _knob_number(routing: str, key: str, text: str, most: float) -> float:
     try:
-        if not text.isascii():  # (float() reads other scripts' digits)
+        if not _DECIMAL.fullmatch(text):  # (float() reads other scripts' digits, `1_0`, `inf` and `0x1p3` too)
             raise ValueError(text)
         value = float(text)
     except ValueError:
