@@ -347,3 +347,56 @@ def test_the_parallel_command_refuses_flags_of_offloaded_runs():
     code, _, err = run_cli(*args, "--kv", "cpu", "--impl", "ideal")
     assert code == 2 and err.startswith("error: --kv cpu, --impl ideal: parallel times decode steps with every"), err
     assert len(err.strip().splitlines()) == 1
+
+
+# ---- expert parallelism with offloading: each rank's experts that do not fit stay in host memory -----------
+def _mixtral_on(gpu_gb: float | None, setup: ParallelSetup):
+    from klotski_sim.hardware.profile import with_overrides
+    from klotski_sim.runs.runner import RunSpec, make_replay
+
+    spec = RunSpec(model="mixtral-8x7b", hardware="l40s", batch_size=16, prompt_len=16, gen_len=4, num_batches=2)
+    model = get_model(spec.model)
+    _, rep = make_replay(spec, model, 2)
+    profile = load_profile("l40s")
+    if gpu_gb is not None:
+        profile = with_overrides(profile, {"gpu.memory_bytes": gpu_gb * 1e9})
+    return profile, simulate_decode(model, profile, rep.routing, setup)
+
+
+def test_expert_parallel_ranks_offload_what_does_not_fit_and_pay_for_its_copies():
+    setup = ParallelSetup(2, "ep", "popularity")
+    profile, tight = _mixtral_on(None, setup)  # 2x 48 GB: Mixtral's 93 GB under EP does not fit whole
+    _, roomy = _mixtral_on(80.0, setup)  # (the same routing on 80 GB GPUs: every expert resident)
+    room = profile.gpu.memory_bytes - profile.gpu.reserved_bytes
+    assert roomy.offloaded_bytes == roomy.streamed_bytes == 0.0
+    assert 0 < tight.offloaded_bytes < 0.1 * roomy.rank_bytes and tight.rank_bytes <= room
+    expert = get_model("mixtral-8x7b").expert_bytes()
+    assert tight.offloaded_bytes % expert == 0  # (whole experts)
+    assert 0 < tight.streamed_bytes <= 2 * tight.offloaded_bytes  # (each offloaded expert copied at most once)
+    assert tight.step_s > roomy.step_s  # the copies cost time ...
+    assert tight.all_to_all_bytes == roomy.all_to_all_bytes  # ... and nothing else changes
+    _, tighter = _mixtral_on(44.0, setup)
+    assert tighter.offloaded_bytes > tight.offloaded_bytes and tighter.step_s > tight.step_s
+
+
+def test_offloading_keeps_each_ranks_most_used_experts_on_its_gpu():
+    from klotski_sim.parallel.decode import _offload
+
+    model = type(get_model("tiny-mixtral"))(**{**get_model("tiny-mixtral").__dict__, "num_experts": 8, "num_layers": 1})
+    placement = round_robin(8, 2)  # rank 0: experts 0, 2, 4, 6; rank 1: 1, 3, 5, 7
+    load = np.array([1, 8, 5, 2, 9, 7, 3, 6], dtype=float)
+    fixed = model.total_bytes() - 8 * model.expert_bytes()
+    from klotski_sim.hardware.profile import with_overrides
+
+    profile = load_profile("h200")
+    room_for_two = fixed + 2.5 * model.expert_bytes() + profile.gpu.reserved_bytes
+    profile = with_overrides(profile, {"gpu.memory_bytes": room_for_two})
+    setup = ParallelSetup(2, "ep")
+    offload = _offload(model, profile, setup, {0: placement}, {0: load}, 4, np.array([0, 0]))
+    assert offload is not None
+    assert set(np.flatnonzero(offload.on_gpu[0][:, 0])) == {4, 2}  # rank 0's two most used
+    assert set(np.flatnonzero(offload.on_gpu[0][:, 1])) == {1, 5}
+    assert offload.host_bytes == 2 * model.expert_bytes()
+    too_small = with_overrides(profile, {"gpu.memory_bytes": profile.gpu.reserved_bytes + fixed / 2})
+    with pytest.raises(UsageError, match="non-expert weights, replica slots and KV cache alone"):
+        _offload(model, too_small, setup, {0: placement}, {0: load}, 4, np.array([0, 0]))

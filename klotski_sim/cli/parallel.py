@@ -53,7 +53,8 @@ def format_results(rows: list[tuple[ParallelSetup, ParallelResult | str]]) -> st
     best = max((r.tokens_per_s for r in done), default=0.0)
     lines = [
         f"{'configuration':38} {'step ms':>8} {'tok/s':>9} {'vs best':>7} {'load max/mean':>13} "
-        f"{'all-to-all MB':>13} {'collect. ms':>11} {'util min-max':>12} {'GB/rank':>7} {'replicas GB':>11}"
+        f"{'all-to-all MB':>13} {'collect. ms':>11} {'util min-max':>12} {'GB/rank':>7} {'replicas GB':>11} "
+        f"{'host GB/rank':>12} {'H2D GB/step':>11}"
     ]
     for setup, result in rows:
         if isinstance(result, str):
@@ -63,7 +64,8 @@ def format_results(rows: list[tuple[ParallelSetup, ParallelResult | str]]) -> st
         lines.append(
             f"{setup.label:38} {result.step_s * 1e3:8.2f} {result.tokens_per_s:9.1f} {result.tokens_per_s / best:7.2f} "
             f"{result.load_imbalance:13.3f} {result.all_to_all_bytes / 1e6:13.2f} {result.collective_s * 1e3:11.2f} "
-            f"{util:>12} {result.rank_bytes / 1e9:7.1f} {result.replica_bytes / 1e9:11.2f}"
+            f"{util:>12} {result.rank_bytes / 1e9:7.1f} {result.replica_bytes / 1e9:11.2f} "
+            f"{result.offloaded_bytes / 1e9:12.1f} {result.streamed_bytes / 1e9:11.2f}"
         )
     return "\n".join(lines)
 
@@ -112,7 +114,8 @@ def cmd_parallel(args: argparse.Namespace) -> int:
     )
     print(format_results(rows))
     print(
-        "placement and grouping from the prompts' routing, replicas for a step from the step before; "
-        "weights resident on the GPUs (klotski_sim/parallel/decode.py)"
+        "placement and grouping from the prompts' routing, replicas for a step from the step before; EP ranks "
+        "keep the experts that do not fit in host memory (host GB/rank) and copy the used ones each step "
+        "(H2D GB/step) (klotski_sim/parallel/decode.py)"
     )
     return 0 if any(isinstance(r, ParallelResult) for _, r in rows) else 3

@@ -14,8 +14,17 @@ What a step costs is the cost model's (`core.cost.CostModel`, the profile's roof
 tables) for each rank's ops, and `collectives` for the fabric's. A rank's routed experts of a layer
 are one fused kernel, as in the engines that run EP and TP (vLLM's fused_moe; the serving policies'
 `moe` op): its FLOPs those of the tokens it computes, its bytes the weights of the experts they
-use, so a replica splits the tokens but reads its expert's weights again; the weights are resident (a
-configuration whose weights, replicas and KV cache exceed a GPU is refused with the numbers).
+use, so a replica splits the tokens but reads its expert's weights again.
+
+Weights that do not fit (EP): each rank keeps on its GPU as many of its experts of every layer as its
+memory leaves after the non-expert weights, its spare replica slots and its sequences' KV cache — the
+ones its layer's prompts used most — and the others in host memory. A decode step copies each used
+host-resident expert to its rank over the rank's own PCIe link once its tokens arrive (the dispatch
+ends), the ranks' links sharing the host's memory bandwidth (the profile's `cpu.memory_bandwidth`);
+the rank computes its resident experts while they load and each loaded one as it lands, so its expert
+phase lasts max(compute, loads + one expert's compute): per-rank offloading in Klotski's order (hot,
+resident experts first) without its prefetch. A configuration whose non-expert weights, replicas and
+KV cache alone exceed a GPU, or whose offloaded experts exceed host memory, is refused with the numbers.
 Placement, replication and grouping decide from routing already seen: the experts are placed and
 sequences grouped from the prompts' routing (prefill-to-decode correlation), replicas for a step
 are predicted from the step before it; nothing reads the routing of the step it decides.
@@ -73,6 +82,8 @@ class ParallelResult:
     utilisation: tuple[float, ...]  # per rank: its compute time / step_s
     replica_bytes: float  # per rank at most, over all MoE layers: extra expert copies held
     rank_bytes: float  # per rank at most: weights, replicas and KV cache
+    offloaded_bytes: float = 0.0  # per rank at most: its experts kept in host memory (EP)
+    streamed_bytes: float = 0.0  # host-to-GPU expert copies per step, all ranks
 
 
 def coactivation(ids: np.ndarray, num_experts: int) -> np.ndarray:
@@ -163,9 +174,11 @@ def simulate_decode(
     decode = routing.decode_ids.reshape(S, shape.gen_len - 1, model.num_layers, -1)
     E = model.num_experts
     placements: dict[int, ExpertPlacement] = {}
+    prompt_load: dict[int, np.ndarray] = {}
     for layer in moe_layers if setup.parallelism == "ep" else ():
         chosen = prompt[:, :, layer].reshape(-1, routing.top_k)
         load = np.bincount(chosen.reshape(-1).astype(np.int64), minlength=E).astype(float)
+        prompt_load[layer] = load
         co = coactivation(chosen, E) if setup.placement == "coactivation" else np.zeros((E, E))
         placements[layer] = place(setup.placement, load, co, G)
     home_rank = np.arange(S) % G
@@ -177,7 +190,13 @@ def simulate_decode(
                 signature[s] += np.bincount(homes[prompt[s, :, layer].reshape(-1).astype(np.int64)], minlength=G)
         home_rank = group_sequences(signature, G)
     seqs_on = np.bincount(home_rank, minlength=G)
+    offload = (
+        _offload(model, profile, setup, placements, prompt_load, shape.prompt_len + shape.gen_len, seqs_on)
+        if setup.parallelism == "ep"
+        else None
+    )
     token_bytes = model.hidden_bytes(1)
+    streamed_total = 0.0
     steps = shape.gen_len - 1
     step_total, collective_total, a2a_total, imbalance = 0.0, 0.0, 0.0, []
     busy = np.zeros(G)
@@ -227,10 +246,16 @@ def simulate_decode(
             sent = dispatch_bytes(compute_rank, home_rank, G, token_bytes)
             dispatch, combine = all_to_all_seconds(sent, fabric), all_to_all_seconds(sent.T, fabric)
             expert_s = np.array([_moe(cost, model, assigned[:, r]) for r in range(G)])
+            busy += attention + expert_s  # (computing: a rank waiting for its copies is not busy)
+            if offload is not None:  # the used experts held in host memory load once the tokens are there
+                loaded = offload.streamed(layer, placement, assigned)  # [rank] experts copied
+                used = np.maximum(1, (assigned > 0).sum(axis=0))
+                load_s = loaded * model.expert_bytes() / offload.link_rate
+                expert_s = np.where(loaded > 0, np.maximum(expert_s, load_s + expert_s / used), expert_s)
+                streamed_total += float(loaded.sum()) * model.expert_bytes()
             step_total += float(attention.max()) + dispatch + float(expert_s.max()) + combine
             collective_total += dispatch + combine
             a2a_total += 2 * float(sent.sum())
-            busy += attention + expert_s
     step_s = step_total / steps
     result = ParallelResult(
         setup=setup,
@@ -241,7 +266,10 @@ def simulate_decode(
         collective_s=collective_total / steps,
         utilisation=tuple(float(b / step_total) for b in busy),
         replica_bytes=replica_bytes,
-        rank_bytes=_rank_bytes(model, setup, shape.prompt_len + shape.gen_len, int(seqs_on.max()), S, replica_bytes),
+        rank_bytes=_rank_bytes(model, setup, shape.prompt_len + shape.gen_len, int(seqs_on.max()), S, replica_bytes)
+        - (offload.host_bytes if offload is not None else 0.0),
+        offloaded_bytes=offload.host_bytes if offload is not None else 0.0,
+        streamed_bytes=streamed_total / steps,
     )
     room = profile.gpu.memory_bytes - profile.gpu.reserved_bytes
     if result.rank_bytes > room:
@@ -251,6 +279,81 @@ def simulate_decode(
             f"(not yet modelled across ranks)"
         )
     return result
+
+
+@dataclass(frozen=True)
+class Offload:
+    """Which of each rank's experts stay in host memory under EP, and the rate they load at."""
+
+    on_gpu: dict[int, np.ndarray]  # layer -> [expert, rank]: the expert's copy on that rank is on its GPU
+    host_bytes: float  # per rank at most: its experts held in host memory
+    link_rate: float  # bytes/s of one rank's host-to-GPU copies with every rank copying at once
+
+    def streamed(self, layer: int, placement: ExpertPlacement, assigned: np.ndarray) -> np.ndarray:
+        """Per rank: the experts it computes this step (`assigned[e, r]` tokens) whose copy there
+        is in host memory. A replica is always on the GPU (spare slots are GPU memory)."""
+        on_gpu = self.on_gpu[layer].copy()
+        home = placement.home()
+        for e, ranks in enumerate(placement.replicas):
+            for r in ranks:
+                if r != home[e]:
+                    on_gpu[e, r] = True
+        return ((assigned > 0) & ~on_gpu).sum(axis=0)
+
+
+def _offload(
+    model: ModelSpec,
+    profile: HardwareProfile,
+    setup: ParallelSetup,
+    placements: dict[int, ExpertPlacement],
+    prompt_load: dict[int, np.ndarray],
+    tokens: int,
+    seqs_on: np.ndarray,
+) -> Offload | None:
+    """The experts each rank keeps on its GPU when they do not all fit (module docstring): the slots
+    its memory leaves, spread evenly over the layers and given to the rank's most-used experts on the
+    prompts; None when every expert fits. Refused in one line when the rest alone does not fit, or host memory cannot
+    hold what is offloaded."""
+    G, E, expert = setup.gpus, model.num_experts, model.expert_bytes()
+    moe = [layer for layer in range(model.num_layers) if model.is_moe(layer)]
+    room = profile.gpu.memory_bytes - profile.gpu.reserved_bytes
+    fixed = (
+        model.total_bytes()
+        - E * expert * len(moe)
+        + setup.spare_slots * expert * len(moe)
+        + model.kv_bytes(int(seqs_on.max()), tokens)
+    )
+    per_rank = {layer: placements[layer].experts_on() for layer in moe}  # [rank] home experts
+    held = sum(int(experts.max()) for experts in per_rank.values())  # the busiest rank's, over the layers
+    budget = int((room - fixed) // expert) if room > fixed else -1  # experts a rank's GPU can hold
+    if budget >= held:
+        return None
+    if budget < 0:
+        raise UsageError(
+            f"{setup.label}: a rank would hold {fixed / 1e9:.1f} GB of non-expert weights, replica slots and KV "
+            f"cache alone, but {profile.name}'s GPU has {room / 1e9:.1f} GB: more GPUs or fewer sequences"
+        )
+    # the budget spread over the layers as evenly as it goes (the first layers one more), each layer's
+    # share given to each rank's experts its prompts used most
+    share, more = divmod(budget, len(moe))
+    on_gpu: dict[int, np.ndarray] = {}
+    for i, layer in enumerate(moe):
+        home = placements[layer].home()
+        keep = np.zeros((E, G), dtype=bool)
+        for r in range(G):
+            mine = np.flatnonzero(home == r)
+            hottest = mine[np.argsort(-prompt_load[layer][mine], kind="stable")][: share + (i < more)]
+            keep[hottest, r] = True
+        on_gpu[layer] = keep
+    host_bytes = float(max(0, held - budget) * expert)
+    if profile.host.memory_bytes < G * host_bytes:
+        raise UsageError(
+            f"{setup.label}: the ranks would offload {G * host_bytes / 1e9:.1f} GB of experts to host memory, "
+            f"but {profile.name} has {profile.host.memory_bytes / 1e9:.1f} GB"
+        )
+    link = profile.link("pcie_h2d").bandwidth
+    shared = profile.cpu.memory_bandwidth / G if profile.cpu is not None else float("inf")
+    return Offload(on_gpu, host_bytes, min(link, shared))
 
 
 def mla_tensor_parallel(model: ModelSpec) -> str:
