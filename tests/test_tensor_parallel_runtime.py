@@ -13,7 +13,7 @@ from klotski_runtime.kernels import WeightStore  # noqa: E402
 from klotski_sim.core.schedule import Schedule, ScheduleError  # noqa: E402
 from klotski_sim.hardware.profile import FabricSpec, load_profile  # noqa: E402
 from klotski_sim.parallel.tensor import group_machine  # noqa: E402
-from klotski_sim.policies import PolicyInput, build_schedule  # noqa: E402
+from klotski_sim.policies import Placement, PolicyInput, build_schedule  # noqa: E402
 from klotski_sim.workload.model import ModelSpec, get_model  # noqa: E402
 from klotski_sim.workload.routing import RunShape  # noqa: E402
 from klotski_sim.workload.trace import replay  # noqa: E402
@@ -35,11 +35,13 @@ INTERLEAVED = replace(
 )
 
 
-def _inputs(model: ModelSpec, gpus: int, policy: str) -> tuple[Schedule, Schedule, PolicyInput]:
+def _inputs(
+    model: ModelSpec, gpus: int, policy: str, placement: Placement = Placement()
+) -> tuple[Schedule, Schedule, PolicyInput]:
     """The schedule of `policy` on one H200 and on a group of `gpus`, over the same routing."""
     shape = RunShape(2, 2, 5, 3)
     rep = replay(synthesize(model, shape.num_sequences + 2, 5, 3, "calibrated", 0), model, shape, warmup_sequences=2)
-    one = PolicyInput(model, load_profile("h200"), rep.routing, warmup=rep.warmup)
+    one = PolicyInput(model, load_profile("h200"), rep.routing, placement, warmup=rep.warmup)
     group = replace(one, profile=group_machine(load_profile("h200"), gpus, model))
     return build_schedule(policy, one), build_schedule(policy, group), one
 
@@ -58,6 +60,17 @@ def test_a_group_computes_the_one_gpu_logits(model, policy):
         torch.testing.assert_close(runner.logits[key], logits, atol=1e-4, rtol=1e-4)
     assert not runner.attention_partials and not runner.mlp_partials  # every partial sum was reduced
     assert_respects(group, timeline)
+
+
+def test_a_group_with_its_kv_cache_in_host_memory_copies_whole_chunks_and_computes_the_same():
+    """The KV cache keeps the one-device layout, so the copies to and from host memory are unchanged."""
+    one, group, inp = _inputs(TINY, 2, "klotski", Placement(kv="cpu"))
+    assert sum(o.kind == "transfer" and o.tensor == "kv" for o in group.ops) > 0
+    weights = WeightStore.random(TINY, dtype=torch.float32)
+    _, ref = execute(one, TINY, weights, inp.routing, ExecOptions(record_logits=True))
+    _, runner = execute(group, TINY, weights, inp.routing, ExecOptions(record_logits=True))
+    for key, logits in ref.logits.items():
+        torch.testing.assert_close(runner.logits[key], logits, atol=1e-4, rtol=1e-4)
 
 
 def test_four_ranks_split_the_heads_and_the_widths_four_ways():
