@@ -174,3 +174,10 @@ def test_predictor_option_is_validated_and_absent_where_no_table_predicts() -> N
 def test_mixed_is_a_domain_word() -> None:
     assert MIXED == "mixed" and params_for("calibrated:domain=mixed", FINE).domain == MIXED
     assert params_for("calibrated:domain=code", FINE).domain == "github"
+
+
+def test_a_sweep_names_its_routings_field_for_a_bad_what_if():
+    from klotski_sim.runs.sweep import SweepError, parse_spec
+
+    with pytest.raises(SweepError, match=r"^sweep spec: routings: calibrated:reuse=99: reuse must be from 0 to 20"):
+        parse_spec({"models": ["tiny-mixtral"], "policies": ["klotski"], "routings": ["calibrated:reuse=99"]})

@@ -347,8 +347,8 @@ def check_spec(spec: SweepSpec, where: str) -> None:
         elif routed is not None:
             try:
                 same = drawn.setdefault(repr(params_for(r, routed)), r)
-            except ValueError as err:
-                problems.append(str(err))
+            except ValueError as err:  # (said of the spec's field, not the flag the CLI has for it)
+                problems.append("routings: " + str(err).removeprefix("--routing "))
                 continue
             if same != r:  # (zipf:1 and zipf:1.0: every configuration twice)
                 problems.append(f"routings: {r!r} is the routing {same!r} again")
