@@ -141,10 +141,15 @@ def tensor_bytes(tensors: Any) -> int:
     return sum(tensor_bytes(t) for t in tensors)
 
 
+def _first_all_reduce(schedule: Schedule) -> Op | None:
+    """The schedule's first op on the GPUs' fabric (a tensor-parallel group's all-reduce), if any."""
+    return next((op for op in schedule.ops if schedule.streams.get(op.stream) == "fabric"), None)
+
+
 def refuse_a_gpu_group(schedule: Schedule) -> None:
     """The serving runtime executes one GPU's schedules: a tensor-parallel group's (`--gpus G`, its
     all-reduces on the `fabric`) is refused in one line naming the op, before anything is loaded."""
-    reduce = next((op for op in schedule.ops if schedule.streams.get(op.stream) == "fabric"), None)
+    reduce = _first_all_reduce(schedule)
     if reduce is not None:
         raise ScheduleError(
             f"op {reduce.id!r}: an all-reduce of a tensor-parallel group of GPUs (simulate --gpus); the runtime "
@@ -171,8 +176,8 @@ def check_tensor_parallel(schedule: Schedule, spec: ModelSpec) -> None:
     attention and the activations they move are simulated for a group, not executed). Refused in one
     line naming the op, before anything is loaded."""
     group = tensor_parallel_ranks(schedule)
-    reduce = next((op for op in schedule.ops if schedule.streams.get(op.stream) == "fabric"), None)
     if group == 1:
+        reduce = _first_all_reduce(schedule)
         if reduce is not None:
             raise ScheduleError(
                 f"op {reduce.id!r}: an all-reduce in a schedule whose meta names no tensor_parallel group"

@@ -91,6 +91,7 @@ def test_mixed_domains_skew_requests_more_than_one_domain() -> None:
         ("calibrated:reuse=21", "reuse must be from 0 to 20"),
         ("calibrated:reuse=nan", "reuse must be a number, got 'nan'"),
         ("calibrated:reuse=1_0", "reuse must be a number, got '1_0'"),
+        ("calibrated:reuse=\u0661", "reuse must be a number, got '\u0661'"),  # (an Arabic-Indic 1: a \\d of re)
         ("calibrated:decode_drift=-0.1", "decode_drift must be from 0 to 1"),
         ("calibrated:decode_drift=x", "decode_drift must be a number, got 'x'"),
         ("calibrated:reuse=1,reuse=2", "reuse is given twice"),

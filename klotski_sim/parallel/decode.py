@@ -169,7 +169,7 @@ def simulate_decode(
         raise UsageError("a parallel decode run needs at least 2 generated tokens (--gen-len 2): it times decode steps")
     cost = CostModel(profile)
     S = shape.num_sequences
-    moe_layers = [layer for layer in range(model.num_layers) if model.is_moe(layer)]
+    moe_layers = model.moe_layers
     prompt = routing.ids[:, :, : shape.prompt_len].reshape(S, shape.prompt_len, model.num_layers, -1)
     decode = routing.decode_ids.reshape(S, shape.gen_len - 1, model.num_layers, -1)
     E = model.num_experts
@@ -315,14 +315,9 @@ def _offload(
     prompts; None when every expert fits. Refused in one line when the rest alone does not fit, or host memory cannot
     hold what is offloaded."""
     G, E, expert = setup.gpus, model.num_experts, model.expert_bytes()
-    moe = [layer for layer in range(model.num_layers) if model.is_moe(layer)]
+    moe = model.moe_layers
     room = profile.gpu.memory_bytes - profile.gpu.reserved_bytes
-    fixed = (
-        model.total_bytes()
-        - E * expert * len(moe)
-        + setup.spare_slots * expert * len(moe)
-        + model.kv_bytes(int(seqs_on.max()), tokens)
-    )
+    fixed = _without_experts(model, tokens, int(seqs_on.max())) + setup.spare_slots * expert * len(moe)
     per_rank = {layer: placements[layer].experts_on() for layer in moe}  # [rank] home experts
     held = sum(int(experts.max()) for experts in per_rank.values())  # the busiest rank's, over the layers
     budget = int((room - fixed) // expert) if room > fixed else -1  # experts a rank's GPU can hold
@@ -451,15 +446,13 @@ def _rank_bytes(
 ) -> float:
     """What one rank holds: EP keeps the non-expert weights on every rank and E/G experts of each
     MoE layer, plus its replicas and its sequences' KV cache; TP a G-th of all weights and caches."""
-    moe = [layer for layer in range(model.num_layers) if model.is_moe(layer)]
     G = setup.gpus
     if setup.parallelism == "tp":
         return (model.total_bytes() + model.kv_bytes(sequences, tokens)) / G
-    experts = -(-model.num_experts // G) * model.expert_bytes() * len(moe)
-    return (
-        model.total_bytes()
-        - model.num_experts * model.expert_bytes() * len(moe)
-        + experts
-        + replicas
-        + model.kv_bytes(seqs_on_rank, tokens)
-    )
+    experts = -(-model.num_experts // G) * model.expert_bytes() * len(model.moe_layers)
+    return _without_experts(model, tokens, seqs_on_rank) + experts + replicas
+
+
+def _without_experts(model: ModelSpec, tokens: int, sequences: int) -> float:
+    """What every EP rank holds besides routed experts: the other weights and its sequences' KV cache."""
+    return model.total_bytes() - model.routed_experts * model.expert_bytes() + model.kv_bytes(sequences, tokens)

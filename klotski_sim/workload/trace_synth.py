@@ -104,14 +104,10 @@ def params_for(routing: str, model: ModelSpec) -> SynthParams:
     if routing == "skewed":  # a strongly skewed what-if: zipf 1.5 plus calibrated stickiness
         return SynthParams(None, MIXTRAL_LIKE.stick_all, MIXTRAL_LIKE.stick_one, 0.0, "zipf", 1.5)
     if routing.startswith("zipf:"):
-        exponent = routing.split(":", 1)[1]
-        try:
-            if not exponent.isascii():  # (as every number on a command line: float() reads other scripts' digits)
-                raise ValueError(exponent)
-            a = float(exponent)
-        except ValueError:
-            raise UsageError(f"--routing {routing}: zipf routing needs an exponent, e.g. zipf:1.2") from None
-        if not 0 <= a <= 100:  # (NaN fails too)
+        a = _routing_number(routing.split(":", 1)[1])
+        if a is None:
+            raise UsageError(f"--routing {routing}: zipf routing needs an exponent, e.g. zipf:1.2")
+        if not 0 <= a <= 100:
             raise UsageError(f"--routing {routing}: the zipf exponent must be a number from 0 to 100")
         return SynthParams(None, 0.0, 0.0, 0.0, "zipf", a)
     knobs = " (its what-ifs go after calibrated: only)" if ":" in routing and "=" in routing else ""
@@ -147,17 +143,20 @@ def _with_knobs(params: SynthParams, routing: str, model: ModelSpec) -> SynthPar
     return replace(params, domain=domain, decode_drift=drift, reuse_bias=bias)
 
 
-_DECIMAL = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+_DECIMAL = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
+def _routing_number(text: str) -> float | None:
+    """A number in a routing name (zipf's exponent, a what-if's value): plain ASCII decimals only,
+    None otherwise (float() also reads other scripts' digits, `1_0`, `inf` and `nan`)."""
+    return float(text) if _DECIMAL.fullmatch(text.strip()) else None
 
 
 def _knob_number(routing: str, key: str, text: str, most: float) -> float:
-    try:
-        if not _DECIMAL.fullmatch(text):  # (float() reads other scripts' digits, `1_0`, `inf` and `0x1p3` too)
-            raise ValueError(text)
-        value = float(text)
-    except ValueError:
-        raise UsageError(f"--routing {routing}: {key} must be a number, got {text!r}") from None
-    if not 0 <= value <= most:  # (NaN fails too)
+    value = _routing_number(text)
+    if value is None:
+        raise UsageError(f"--routing {routing}: {key} must be a number, got {text!r}")
+    if not 0 <= value <= most:
         raise UsageError(f"--routing {routing}: {key} must be from 0 to {most:g}, got {text}")
     return value
 
