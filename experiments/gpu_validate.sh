@@ -14,7 +14,7 @@
 #
 #   bash experiments/gpu_validate.sh [all|ladder|ladder-small|cpu-experts|serving]
 #
-# `lease` (what one short device lease runs, in this order): cpu-experts, serving, ladder-small.
+# `lease` (what one short device lease runs, in this order): cpu-experts, ladder-small, serving.
 # `ladder-small` is the ladder's small-mixtral half (about 80 s on an H200); `serving` validates the
 # serving policies (vllm, vllm-o, ktransformers, fluxmoe-h, fluxmoe) with `validate --serve`.
 #
@@ -43,7 +43,7 @@ case "$PART" in
 esac
 if [ "$PART" = lease ]; then  # each part in its own process: one's failure leaves the others' results
   rc=0
-  for part in cpu-experts serving ladder-small; do bash "$0" "$part" || rc=$?; done
+  for part in cpu-experts ladder-small serving; do bash "$0" "$part" || rc=$?; done
   exit $rc
 fi
 SUF=$(case "$PART" in cpu-experts|serving) echo "-$PART" ;; esac)

@@ -128,6 +128,8 @@ def gpu_section(
         "kernel_overhead_s": overhead,
         "dependency_latency_s": dependency,
         "host_sync_latency_s": host_sync,
+        # the CUDA executor issues every stream from one thread; the CPU runtime's streams are threads
+        "issue": "serial" if dev.type == "cuda" else "per-stream",
     }
 
 
@@ -360,11 +362,22 @@ def _calibrate(
     }
     draft = profile_from_dict(data, "calibration")
     say("dispatch probes (small Klotski and FlexGen schedules, executed)")
-    overall, by_category = _probe_dispatch(
+    overall, by_category, copy_issue = _probe_dispatch(
         spec, draft, dev, dtype, emulate_links or {}, min(batch_sizes), min(prompt_lens)
     )
     data["gpu"]["dispatch_overhead_s"] = overall
     data["gpu"]["dispatch_overhead_by_category"] = by_category
+    if copy_issue is not None:
+        data["gpu"]["copy_issue_s"] = copy_issue
+        data["sources"]["gpu.copy_issue_s"] = (
+            "median host time the CUDA executor's issuing thread spent on one copy of the dispatch probes "
+            "(from the op's turn to the next op's: its event waits, buffer bookkeeping and the copy call)"
+        )
+    data["sources"]["gpu.issue"] = (
+        "the CUDA executor issues every stream's ops from one host thread (klotski_runtime/executor.py _run_cuda)"
+        if dev.type == "cuda"
+        else "the CPU runtime runs each stream on a thread of its own (klotski_runtime/executor.py _run_cpu)"
+    )
     data["cpu"]["op_overhead_s"] = by_category.get("expert", overall)
     data["sources"]["gpu.dispatch_overhead_s"] = (
         "median (measured - simulated) duration of the compute ops of "
@@ -404,10 +417,8 @@ def expert_probe(
     out = torch.zeros(tokens, spec.hidden_size, device=dev, dtype=dtype)
 
     def one_expert() -> None:
-        rows_np, slots_np = np.nonzero(routed == 0)
-        kernels.expert_step(
-            z, gate_w, torch.from_numpy(rows_np).to(dev), torch.from_numpy(slots_np).to(dev), weights, out
-        )
+        rows, slots = kernels.upload(np.stack(np.nonzero(routed == 0)), dev)
+        kernels.expert_step(z, gate_w, rows, slots, weights, out)
 
     return one_expert
 
@@ -495,10 +506,11 @@ def _probe_dispatch(
     emulate: Mapping[str, float],
     batch_size: int,
     prompt_len: int,
-) -> tuple[float, dict[str, float]]:
+) -> tuple[float, dict[str, float], float | None]:
     """The executor's fixed cost per compute op beyond the kernels the table timed (looking up
     buffers, bookkeeping, thread hand-offs): run small real schedules (Klotski's batched experts
-    and FlexGen's per-batch ones), compare with their simulation; overall and per category."""
+    and FlexGen's per-batch ones), compare with their simulation; overall and per category. On
+    CUDA also the issuing thread's median time per copy (None on the CPU: no issuing thread)."""
     from dataclasses import replace
 
     from klotski_sim.core.engine import simulate
@@ -531,11 +543,14 @@ def _probe_dispatch(
         threads=torch.get_num_threads(),
     )
     residuals = []
+    copy_issue: list[float] = []
     for policy in ("klotski", "flexgen"):
         schedule = build_schedule(policy, PolicyInput(probe, draft, rep.routing, Placement(), {}, rep.warmup))
         sim = simulate(schedule, draft).df.set_index("op_id")
         execute(schedule, probe, weights, rep.routing, options)  # warm-up
-        meas = execute(schedule, probe, weights, rep.routing, options)[0].df.set_index("op_id")
+        timeline, runner = execute(schedule, probe, weights, rep.routing, options)
+        meas = timeline.df.set_index("op_id")
+        copy_issue += [s for i, s in runner.issue_s.items() if schedule.ops[i].kind == "transfer"]
         compute = sim["resource"] == "gpu"
         residuals.append(
             pd.DataFrame(
@@ -547,7 +562,11 @@ def _probe_dispatch(
         )
     both = pd.concat(residuals)
     by_category = {str(c): max(0.0, float(g.median())) for c, g in both.groupby("category")["residual"]}
-    return max(0.0, float(both["residual"].median())), by_category
+    return (
+        max(0.0, float(both["residual"].median())),
+        by_category,
+        float(np.median(copy_issue)) if copy_issue else None,
+    )
 
 
 def _measure_links(

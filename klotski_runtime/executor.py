@@ -532,6 +532,9 @@ class OpRunner:
         self.pinned_pool = PinnedPool()
         self.staged_from_pool: dict[str, tuple[torch.Tensor, ...]] = {}  # H2D op -> pooled buffers it reads
         self.disk_times: dict[str, tuple[float, float]] = {}  # disk read -> host-clock start, end
+        # CUDA: host seconds the issuing thread spent on each op it issued (op index -> seconds;
+        # calibration costs `gpu.copy_issue_s` from it)
+        self.issue_s: dict[int, float] = {}
         # per-batch activations
         self.x: dict[int, torch.Tensor] = {}
         self.h: dict[int, torch.Tensor] = {}
@@ -783,7 +786,7 @@ class OpRunner:
             assert moe_out is not None  # (the batch's gate op set its MoE output, which its experts add into)
             if cuda:  # used on this copy stream as well as the compute stream (atomic adds on both)
                 moe_out.record_stream(torch.cuda.current_stream())
-            rows, y = rows.to(self.device), y.to(self.device, non_blocking=cuda)
+            rows, y = kernels.upload(rows, self.device), y.to(self.device, non_blocking=cuda)
             with self.output_lock:
                 moe_out.index_add_(0, rows, y)
         if cuda:
@@ -893,7 +896,7 @@ class OpRunner:
                 f"must run that step's lm_head op of batch {b} before this op"
             )
         tokens = self.prompt[b] if op.step == 0 else self.next_token[b]
-        self.x[b] = kernels.embed(tokens.to(self.device), self.resident["embed"])
+        self.x[b] = kernels.embed(kernels.upload(tokens, self.device), self.resident["embed"])
         self.moe_out[b] = None
 
     def _attention(self, op: Op) -> None:
@@ -980,9 +983,7 @@ class OpRunner:
         for b in op.batches:
             ids, weights, ids_np = self.route[b]
             if ids_np is not None:  # forced routing: token rows known on the host, no device sync
-                rows_np, slots_np = np.nonzero(ids_np == op.expert)
-                rows = torch.from_numpy(rows_np).to(self.device)
-                slots = torch.from_numpy(slots_np).to(self.device)
+                rows, slots = kernels.upload(np.stack(np.nonzero(ids_np == op.expert)), self.device)
             else:
                 rows, slots = torch.nonzero(ids == op.expert, as_tuple=True)
             if len(rows):
@@ -1309,8 +1310,13 @@ def _run_cuda(schedule: Schedule, runner: OpRunner) -> tuple[list[float], list[f
     t0 = torch.cuda.Event(enable_timing=True)
     t0.record()
     runner.t0 = time.perf_counter()
+    issuing, since = -1, 0.0  # the op being issued and when its issue began (host clock)
     for i in topological_order(schedule):
+        now = time.perf_counter()
+        if issuing >= 0:
+            runner.issue_s[issuing] = now - since
         op = ops[i]
+        issuing, since = (-1 if op.kind == "host" else i), now
         if op.kind == "host":  # the issuing thread blocks: nothing after it is enqueued before it ends
             host_start[i] = time.perf_counter() - runner.t0
             for d in op.deps:
@@ -1346,6 +1352,8 @@ def _run_cuda(schedule: Schedule, runner: OpRunner) -> tuple[list[float], list[f
         if pooled:
             for buf in pooled:
                 runner.pinned_pool.give_back(buf, finish[i])
+    if issuing >= 0:
+        runner.issue_s[issuing] = time.perf_counter() - since
     for future in reads.values():
         future.result()
     reader.shutdown()

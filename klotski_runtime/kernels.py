@@ -440,6 +440,18 @@ def host_memory(field: str = "MemAvailable") -> int:
 
 
 # ---- kernels --------------------------------------------------------------------------------------
+def upload(data: np.ndarray | torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Host data (token ids, routed rows) onto `device` without blocking the issuing thread. A copy
+    from pageable memory, `.to("cuda")`, is ATen's memcpy_and_sync: cudaMemcpyAsync then
+    cudaStreamSynchronize, a host sync the schedule does not have, which stalls every stream's
+    issuing until the compute stream drains. A copy from pinned memory is asynchronous, and the
+    caching host allocator keeps the pinned block until the copy has read it."""
+    tensor = torch.from_numpy(data) if isinstance(data, np.ndarray) else data
+    if torch.device(device).type != "cuda" or tensor.is_cuda:
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     x32 = x.float()
@@ -740,7 +752,7 @@ def gate_step(
     `renormalise`: the model's `norm_topk_prob` (see `router`)."""
     z = rms_norm(h, norm, eps).reshape(-1, h.shape[-1])
     if forced_ids is not None:
-        ids = torch.from_numpy(forced_ids).to(z.device)
+        ids = upload(forced_ids, z.device)
         weights = forced_weights(z, router_weight, ids, renormalise)
     else:
         weights, ids = router(z, router_weight, top_k, renormalise)

@@ -449,6 +449,7 @@ class ServingRunner:
         self.staged_from_pool: dict[str, tuple[torch.Tensor, ...]] = {}
         self.pinned_pool = PinnedPool()
         self.disk_times: dict[str, tuple[float, float]] = {}
+        self.issue_s: dict[int, float] = {}  # (as OpRunner's: what the CUDA issuing thread spent per op)
         self.t0 = time.perf_counter()
         self.lock = threading.Lock()
         self.in_use = self.peak = 0
@@ -731,9 +732,7 @@ class ServingRunner:
         ids_np = ids.cpu().numpy()
         active = np.unique(ids_np)
         for e in active.tolist():
-            rows_np, slots_np = np.nonzero(ids_np == e)
-            rows = torch.from_numpy(rows_np).to(z.device)
-            slots = torch.from_numpy(slots_np).to(z.device)
+            rows, slots = kernels.upload(np.stack(np.nonzero(ids_np == e)), z.device)
             kernels.expert_step(z, weights, rows, slots, expert(e), out)
         return len(active)
 

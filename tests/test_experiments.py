@@ -213,6 +213,19 @@ def check_run_size_accuracy(out: str, tmp: Path) -> None:
         assert built > 0 and projected > 0 and abs(error) < 50, row
 
 
+# the H200 rerun the simulator's current code simulated on the device (experiments/results/NVIDIA-H200/README.md)
+RERUN = "experiments/results/NVIDIA-H200/2026-12-04-late/ladder-small-rerun"
+
+
+def check_resimulate(out: str, tmp: Path) -> None:
+    """The rerun was simulated by this code on the device: re-simulated here it must give the same
+    makespans (a change to the simulator that moves them fails here, with the measurement beside it)."""
+    rows = {row.split()[0]: numbers(row.split(maxsplit=1)[1]) for row in lines_with(out, r"^(single|multi)-batch/")}
+    assert set(rows) == {"single-batch/as-published", "multi-batch/ideal"}, out
+    for measured, then, _, now, _ in rows.values():
+        assert now == pytest.approx(then, rel=2e-3) and measured > 0, out
+
+
 def check_routing_knobs(out: str, tmp: Path) -> None:
     statistics, predictors, cache = out.split("\nKlotski's hot experts")[0], *out.split("\nAn expert cache")
     stats = {row.split("|")[2].strip(): numbers(row.split("|", 3)[3]) for row in lines_with(statistics, r"^\| mix")}
@@ -310,6 +323,14 @@ CASES = [
     py("probe_error.py", "--quick", check=check_probe_error),
     py("run_size_accuracy.py", "--quick", check=check_run_size_accuracy),
     py("routing_knobs.py", "--quick", check=check_routing_knobs),
+    py(
+        "resimulate.py",
+        f"{RERUN}/small-mixtral-validation.json",
+        f"{RERUN}/profile-small-mixtral.yaml",
+        "--only",
+        "single-batch/as-published,multi-batch/ideal",
+        check=check_resimulate,
+    ),
     py("tree_memory.py", "{python}", "-c", CHILD_HOLDING_40MB, check=check_tree_memory),
     py("where_wins.py", "--quick", check=check_where_wins),
     # A dry run on the CPU (no GPU needed): QUICK=1 is tiny-mixtral at the smallest sizes, but a CPU calibration's

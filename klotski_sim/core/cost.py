@@ -45,6 +45,11 @@ KERNELS_PER_OP: dict[str, int] = {
     "attn_out": 3,  # ... the copy in, o, residual
     "dense_mlp": 6,  # a dense layer's MLP: post-attention RMSNorm, w1, w3, SiLU*mul, w2, residual
 }
+# Kernels an op launches again for each batch beyond its first: an expert op over the tokens of B
+# batches finds, gathers, scales and scatters back each batch's rows (the index rows, the gather,
+# the gate scale, the index-add: half of its 8 kernels at one batch) and runs its GEMMs once, over
+# all of them (the CUDA executor's `_expert_into`; Klotski's port also loops over batches).
+KERNELS_PER_EXTRA_BATCH: dict[str, int] = {"expert": 4}
 
 
 # What a model adds to an op's kernels, by the tags its ops' `variant` carries after the
@@ -78,12 +83,17 @@ def variant_impl(variant: str) -> str:
 
 
 @functools.cache
-def kernels_of(category: str, variant: str = "") -> int:
-    """Kernels one op launches: its implementation's count (`category.impl`, else the category's),
-    plus what its KERNEL_TAGS add."""
+def kernels_of(category: str, variant: str = "", batches: int = 1) -> int:
+    """Kernels one op over `batches` batches launches: its implementation's count (`category.impl`,
+    else the category's), plus what its KERNEL_TAGS add and its per-batch kernels for each batch
+    beyond the first (KERNELS_PER_EXTRA_BATCH)."""
     impl = variant_impl(variant)
     base = KERNELS_PER_OP.get(f"{category}.{impl}") if impl else None
-    return (base or KERNELS_PER_OP.get(category, 1)) + sum(KERNEL_TAGS.get(p, 0) for p in variant.split("+"))
+    return (
+        (base or KERNELS_PER_OP.get(category, 1))
+        + sum(KERNEL_TAGS.get(p, 0) for p in variant.split("+"))
+        + KERNELS_PER_EXTRA_BATCH.get(category, 0) * max(0, batches - 1)
+    )
 
 
 class CostError(KlotskiError):
@@ -148,10 +158,12 @@ class CostModel:
         kv_len: int = 0,
         phase: str = "",
         variant: str = "",
+        batches: int = 1,
     ) -> float:
         """Measured when the profile's table covers the shape (`category:phase` first, e.g.
         `attention:decode`, then `category`; with a variant `attention.eager:decode`, then
-        `attention.eager` — never another variant's table), else the roofline plus kernel overheads."""
+        `attention.eager` — never another variant's table), else the roofline plus kernel overheads.
+        A table times one batch's op: an op over more batches adds its per-batch kernels' launches."""
         gpu = self.profile.gpu
         dispatch = gpu.dispatch_overhead_by_category.get(category, gpu.dispatch_overhead_s)
         name = f"{category}.{variant}" if variant else category
@@ -160,9 +172,10 @@ class CostModel:
             if table is not None:
                 measured = table.lookup(tokens, kv_len)
                 if measured is not None:
-                    return measured + dispatch
+                    extra = kernels_of(category, variant, batches) - kernels_of(category, variant)
+                    return measured + extra * gpu.kernel_overhead_s + dispatch
         roofline = max(flops / self._flop_rate, io_bytes / self._byte_rate)
-        return roofline + kernels_of(category, variant) * gpu.kernel_overhead_s + dispatch
+        return roofline + kernels_of(category, variant, batches) * gpu.kernel_overhead_s + dispatch
 
     def transfer_seconds(self, resource: str, nbytes: float, pageable: bool = False) -> float:
         link = self.profile.link(resource)
@@ -227,7 +240,29 @@ class CostModel:
             return self.decompress_seconds(op.bytes)
         if resource == "fabric":
             return self.all_reduce_seconds(op.bytes)
-        return self.compute_seconds(op.category, op.flops, op.bytes, op.tokens, op.kv_len, op.phase, op.variant)
+        return self.compute_seconds(
+            op.category, op.flops, op.bytes, op.tokens, op.kv_len, op.phase, op.variant, max(1, len(op.batches))
+        )
+
+    def issue_seconds(self, op: Op, resource: str) -> float:
+        """Host time the issuing thread spends on `op` (`gpu.issue: serial`): a compute op's kernel
+        launches and the runtime's fixed cost per op (what `compute_seconds` charges beyond the
+        kernels' work, so a launch-bound op takes as long to issue as to run); a copy, a CPU op
+        handed to its worker, a decompression or a collective one call (`gpu.copy_issue_s` for
+        copies where calibrated); a host op nothing (the thread waits in it, timed by the op)."""
+        gpu = self.profile.gpu
+        if op.kind == "host":
+            return 0.0
+        if op.kind == "transfer":
+            return gpu.kernel_overhead_s if gpu.copy_issue_s is None else gpu.copy_issue_s
+        if resource in ("cpu", "fabric") or op.category == "decompress":
+            return gpu.kernel_overhead_s
+        dispatch = gpu.dispatch_overhead_by_category.get(op.category, gpu.dispatch_overhead_s)
+        return kernels_of(op.category, op.variant, max(1, len(op.batches))) * gpu.kernel_overhead_s + dispatch
+
+    def issue_costs(self, ops: Sequence[Op], streams: Mapping[str, str] = DEFAULT_STREAMS) -> list[float]:
+        """Every op's `issue_seconds`, each distinct (kind, stream, category, variant, batches) costed once."""
+        return list(map(_IssuedOnce(self, streams).__getitem__, map(_ISSUE_FIELDS, ops)))
 
     def durations(self, ops: Sequence[Op], streams: Mapping[str, str] = DEFAULT_STREAMS) -> list[float]:
         """Every op's duration. Ops that differ only in id, tags and deps last equally long, and a
@@ -251,9 +286,27 @@ class _CostedOnce(dict):
         return value
 
 
+class _IssuedOnce(dict):
+    """Issue cost by an op's (kind, stream, category, variant), each costed when first asked."""
+
+    def __init__(self, cost: CostModel, streams: Mapping[str, str]) -> None:
+        super().__init__()
+        self.cost, self.streams = cost, streams
+
+    def __missing__(self, key: tuple[str, str, str, str, tuple[int, ...]]) -> float:
+        kind, stream, category, variant, batches = key
+        value = self[key] = self.cost.issue_seconds(
+            Op("", kind, stream, category, variant=variant, batches=batches), self.streams[stream]
+        )
+        return value
+
+
+_ISSUE_FIELDS = itemgetter(*map(Op._fields.index, ("kind", "stream", "category", "variant", "batches")))
+
 # what an op's duration depends on (see `CostModel.duration`), and those fields alone as an op
 _Costed = namedtuple(
-    "_Costed", ("kind", "stream", "category", "flops", "bytes", "tokens", "kv_len", "phase", "variant", "pageable")
+    "_Costed",
+    ("kind", "stream", "category", "flops", "bytes", "tokens", "kv_len", "phase", "variant", "pageable", "batches"),
 )
 _COSTED_FIELDS = itemgetter(*map(Op._fields.index, _Costed._fields))  # (by position: an op is a tuple; 10-40% faster)
 

@@ -15,6 +15,17 @@ A host op (the host thread blocked on a sync or a pageable copy) is timed from t
 host reaches it — its predecessor on the host stream ended — to the end of its wait plus its
 own latency: the host is occupied for all of it.
 
+4. Under `gpu.issue: serial` (the default: PyTorch eager issues every stream's work from one host
+   thread, as the CUDA runtime does) the issuing thread walks the ops in program order, spending
+   each op's issue cost (`CostModel.issue_seconds`: its kernel launches and dispatch) and stopping
+   at every host op until it ends. An op is ready no earlier than the thread reaches it and ends no
+   earlier than the thread has issued it. Its GPU duration already holds its launches (that is how
+   launch-bound ops are measured), so on one in-order stream nothing changes; what the rule adds is
+   that ops of *different* streams are issued one after another: copies, decompressions and CPU
+   experts take the issuing thread's time from the compute stream. A wait the issuing thread
+   caused is blamed on the op issued just before. `per-stream` leaves rule 4 out (klotski 0.1's
+   model, and the CPU runtime's, whose streams are threads of their own).
+
 The event heap is the engine's own, not SimPy's: an op is one (time, order, op) tuple (its end;
 one more when a dependency on another stream is seen after its other deps), handled in one loop.
 Through SimPy's public API (`env.timeout(delay, op)` with a callback, `env.run()`) the same
@@ -36,7 +47,7 @@ from typing import Sequence
 import numpy as np
 
 from klotski_sim.core.cost import CostModel
-from klotski_sim.core.schedule import Schedule, ScheduleError, gc_paused
+from klotski_sim.core.schedule import Schedule, ScheduleError, gc_paused, topological_order
 from klotski_sim.core.timeline import OutOfMemory, Timeline
 from klotski_sim.hardware.profile import HardwareProfile
 from klotski_sim.util.errors import UsageError
@@ -115,6 +126,80 @@ def run_engine(
         return _simulate(schedule, profile, cost, durations)
 
 
+@dataclass(frozen=True)
+class IssuingThread:
+    """Rule 4's program order, worked out before the run, in numpy (a default as-published run has
+    338k ops, 156k of them host ops). `costs`: each op's issue cost; `after_host`: the last host op
+    issued before each (-1: none); `reach`: how long after that host op's end (or after time 0) the
+    thread reaches the op; `before`: the op issued just before each (-1: none). `succ_ptr`,
+    `succ_flat` and `indegree`: the schedule's graph plus an edge from each host op to the ops
+    issued after it that do not already wait for it (the thread is blocked in it), so that a host
+    op's end reaches them like any dependency's."""
+
+    costs: list[float]
+    after_host: list[int]
+    reach: list[float]
+    before: list[int]
+    succ_ptr: list[int]
+    succ_flat: list[int]
+    indegree: list[int]
+
+    @staticmethod
+    def of(schedule: Schedule, profile: HardwareProfile, cost: CostModel | None) -> "IssuingThread":
+        ops = schedule.ops
+        n = len(ops)
+        graph = schedule.graph
+        costs = (cost or CostModel(profile)).issue_costs(ops, schedule.streams)
+        # the CUDA runtime's order (topological_order): list order, unless a dep points forward; ops on
+        # a cycle (a schedule built without its check) never start: they come last
+        if graph.forward:
+            topo = topological_order(schedule)
+            placed = np.zeros(n, dtype=bool)
+            placed[topo] = True
+            order = np.concatenate([np.asarray(topo, dtype=np.int64), np.flatnonzero(~placed)])
+        else:
+            order = np.arange(n)
+        in_order = np.asarray(costs, dtype=float)[order]  # (a host op costs 0: the thread waits in it)
+        passed = np.cumsum(in_order)  # the thread's issuing time up to and with each position
+        host_streams = [s for s, r in schedule.streams.items() if r == "host"]
+        streams = np.asarray(schedule.column("stream"), dtype=object)
+        host_at = np.flatnonzero(np.isin(streams[order], host_streams))  # positions of host ops
+        segment = np.searchsorted(host_at, np.arange(n), side="left") - 1  # the last host position before
+        seen = segment >= 0
+        last_host = host_at[np.maximum(segment, 0)] if len(host_at) else np.zeros(n, dtype=np.int64)
+        reach = np.empty(n)
+        reach[order] = passed - in_order - np.where(seen, passed[last_host], 0.0)
+        after_host = np.full(n, -1, dtype=np.int64)
+        after_host[order] = np.where(seen, order[last_host], -1)
+        before = np.full(n, -1, dtype=np.int64)
+        before[order[1:]] = order[:-1]
+        # the edges host op -> op issued after it, where the graph has none already
+        ptr = np.asarray(graph.ptr, dtype=np.int64)
+        flat = np.asarray(graph.flat, dtype=np.int64)
+        src = np.repeat(np.arange(n, dtype=np.int64), np.diff(ptr))
+        linked = np.zeros(n, dtype=bool)
+        linked[flat[after_host[flat] == src]] = True
+        needy = np.flatnonzero((after_host >= 0) & ~linked)
+        if len(needy):
+            src = np.concatenate([src, after_host[needy]])
+            flat = np.concatenate([flat, needy])
+            by_src = np.lexsort((flat, src))
+            ptr = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(np.bincount(src, minlength=n), out=ptr[1:])
+            flat = flat[by_src]
+        indegree = np.asarray(graph.indegree, dtype=np.int64)
+        indegree[needy] += 1
+        return IssuingThread(
+            costs,
+            after_host.tolist(),
+            reach.tolist(),
+            before.tolist(),
+            ptr.tolist(),
+            flat.tolist(),
+            indegree.tolist(),
+        )
+
+
 def _simulate(
     schedule: Schedule, profile: HardwareProfile, cost: CostModel | None, durations: Sequence[float] | None
 ) -> EngineRun:
@@ -132,6 +217,7 @@ def _simulate(
             f">= 0 (check the profile's numbers)"
         )
     durations = checked.tolist()
+    issue = IssuingThread.of(schedule, profile, cost) if profile.gpu.issue == "serial" and n else None
     caps = resource_capacities(schedule, profile)
     resources = sorted(caps)
     res_number = {r: k for k, r in enumerate(resources)}
@@ -143,6 +229,9 @@ def _simulate(
     # Graph: successors of each op (its dependents and its stream successor), and how many
     # predecessors each op still waits for.
     succ_ptr, succ_flat, indegree, _ = schedule.graph
+    if issue is not None:  # an op issued after a host op waits for it too (the issuing thread was blocked)
+        succ_ptr, succ_flat, indegree = issue.succ_ptr, issue.succ_flat, issue.indegree
+        after_host, reach_of, issued_before = issue.after_host, issue.reach, issue.before
     pending = list(indegree)  # (the graph is the schedule's: counted down on a copy)
     alloc_of, free_of = schedule.column("alloc"), schedule.column("free")
 
@@ -156,7 +245,10 @@ def _simulate(
     latency = profile.gpu.dependency_latency_s
     stream_number = {s: k for k, s in enumerate(schedule.streams)}
     stream_of = list(map(stream_number.__getitem__, stream_names)) if latency else []
-    ready_floor = [0.0] * n if latency else []
+    floors = bool(latency) or issue is not None
+    # the earliest an op may be ready: a signalled dependency's latency, the issuing thread's reach
+    ready_floor = [0.0] * n if floors else []
+    issued_at = [0.0] * n if issue is not None else []  # when the issuing thread reaches each op
     free_units = [caps[r] for r in resources]
     queues: list[list[tuple[float, int]]] = [[] for _ in resources]
     preloaded = sum(size for _, size in schedule.preloaded)
@@ -203,6 +295,10 @@ def _simulate(
             free_units[r] -= 1
             start[i] = arrival[i] if is_host[i] else now
             done = now + durations[i]
+            if issue is not None and not is_host[i]:  # (not before the thread has issued all of it)
+                issued = issued_at[i] + issue.costs[i]
+                if issued > done:
+                    done = issued
             busy_until[r] = done
             heappush(events, (done, next(order), i))
 
@@ -212,6 +308,11 @@ def _simulate(
         )
     else:
         for i in compress(range(n), map(not_, pending)):  # (the ops waiting for none: a C-level filter)
+            if issue is not None and reach_of[i] > 0.0:  # (the issuing thread reaches it later; no host op before it)
+                issued_at[i] = ready_floor[i] = arrival[i] = reach_of[i]
+                blocker[i] = issued_before[i]
+                heappush(events, (reach_of[i], next(order), ~i))
+                continue
             ready_at[i] = 0.0
             heappush(queues[resource_of[i]], (0.0, i))
         for r in range(len(resources)):
@@ -255,7 +356,17 @@ def _simulate(
             pending[s] = left
             if not left:
                 blocker[s] = i
-                if latency and ready_floor[s] > now:
+                if issue is not None:  # when the issuing thread reached it (its host op has ended)
+                    h = after_host[s]
+                    reach = end[h] + reach_of[s] if h >= 0 else reach_of[s]
+                    issued_at[s] = reach
+                    if ready_floor[s] < reach:
+                        ready_floor[s] = reach
+                    if is_host[s] and arrival[s] < reach:
+                        arrival[s] = reach
+                if floors and ready_floor[s] > now:
+                    if issue is not None and issued_at[s] >= ready_floor[s]:
+                        blocker[s] = issued_before[s]  # the issuing thread reached it last
                     floor = ready_floor[s]
                     rs = resource_of[s]
                     if single[rs] and not free_units[rs] and busy_until[rs] > floor:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from klotski_sim.core.engine import IssuingThread
 from klotski_sim.core.schedule import Op, Schedule
 from klotski_sim.hardware.profile import HardwareProfile
 
@@ -74,6 +75,10 @@ class OneVaryingDuration:
                 preds[s].append(i)
         host = [schedule.streams[s] == "host" for s in streams]
         latency = profile.gpu.dependency_latency_s
+        # the engine's rule 4: an op is ready no earlier than the issuing thread reaches it (the end
+        # of the last host op issued before it, plus the issue costs between) and ends no earlier than
+        # the thread has issued it; both are max-plus terms like a dependency's
+        issue = IssuingThread.of(schedule, profile, None) if profile.gpu.issue == "serial" else None
         ends = np.full((n, counts), -np.inf)
         start_only = np.full(counts, -np.inf)
         start_only[0] = 0.0
@@ -84,10 +89,18 @@ class OneVaryingDuration:
                 candidate = ends[p] + lag if lag else ends[p]
                 row = candidate.copy() if row is None else np.maximum(row, candidate)
             assert row is not None
+            reach = None
+            if issue is not None:
+                h = issue.after_host[i]
+                reach = (ends[h] if h >= 0 else start_only) + issue.reach[i]
+                row = np.maximum(row, reach)
             if is_varying[i]:
                 ends[i, 1:] = row[:-1]
+                ends[i, 0] = -np.inf
             else:
                 ends[i] = row + durations[i]
+            if issue is not None and reach is not None and not host[i]:
+                ends[i] = np.maximum(ends[i], reach + issue.costs[i])
         allocs = [(i, sum(size for _, size in op.alloc)) for i, op in enumerate(ops) if op.alloc]
         sizes = {name: size for name, size in schedule.preloaded}
         for op in ops:

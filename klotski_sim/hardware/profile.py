@@ -129,6 +129,18 @@ class GPUSpec(_Strict):
         description="lossless expert decompression on the GPU, bytes/s of uncompressed output "
         "(FluxMoE's compressed tier; none: not measured for this GPU)",
     )
+    issue: Literal["serial", "per-stream"] = Field(
+        "serial",
+        description="how GPU work is issued: `serial`, one host thread issues every stream's ops in "
+        "program order (PyTorch eager, the CUDA runtime), so an op starts no earlier than the thread "
+        "reaches it; `per-stream`, each stream issues its own (the CPU runtime's thread per stream, "
+        "and klotski 0.1's model)",
+    )
+    copy_issue_s: PerOpSeconds | None = Field(
+        None,
+        description="host time the issuing thread spends on one copy (its event waits and the copy "
+        "call); none: one eager op call, kernel_overhead_s",
+    )
 
     @model_validator(mode="after")
     def _categories_known(self) -> "GPUSpec":
@@ -279,6 +291,16 @@ class HardwareProfile(_Strict):
         default_factory=dict, description="op category -> measured durations (from calibrate)"
     )
     provenance: dict[str, Any] = Field(default_factory=dict, description="who measured this, when, how")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _cpu_runtime_issues_per_stream(cls, data: Any) -> Any:
+        """A profile calibrated on the CPU runtime before `gpu.issue` existed times a runtime whose
+        streams are threads of their own: it issues per stream unless it says otherwise."""
+        if isinstance(data, dict) and isinstance(data.get("provenance"), dict) and isinstance(data.get("gpu"), dict):
+            if data["provenance"].get("device_kind") == "cpu" and "issue" not in data["gpu"]:
+                data = {**data, "gpu": {**data["gpu"], "issue": "per-stream"}}
+        return data
 
     @model_validator(mode="after")
     def _measured_tables(self) -> "HardwareProfile":
