@@ -3,6 +3,12 @@ the targets (klotski_sim/workload/data/CALIBRATION-README.md), so the chosen con
 klotski_sim/workload/trace_synth.py can be checked and re-fitted.
 
     python experiments/calibrate_synth.py [--model mixtral-8x7b] [--sequences 256] [--grid] [--quick]
+    python experiments/calibrate_synth.py --coupled [--quick]
+
+`--coupled`: the coupling of real Mixtral-8x7B decode routing (issue 41's figures from a public log
+of 577 decode tokens) against plain `calibrated` and `calibrated:coupling=0.8,type_coupling=3`
+(trace_synth.COUPLED_MIXTRAL) on traces of that size (18 sequences x 33 generated tokens, decode
+tokens only, the mean over layers of `trace stats`, 3 seeds), each statistic's error, the worst.
 
 `--quick` (for tests): 16 sequences of 64 prompt and 4 generated tokens per setting (seconds, with
 `--grid` too); the statistics are then noisy.
@@ -25,13 +31,49 @@ TARGETS = {
 }
 
 
+# Real Mixtral-8x7B decode routing (issue 41: a public log, 577 decode tokens): trace stats' names
+REAL_DECODE = {
+    "mi_next_excess_bits": 0.247,
+    "mi_skip7_bits": 0.245,
+    "max_share": 0.168,
+    "stick_top1": 0.248,
+    "stick_any": 0.623,
+}
+
+
+def coupled() -> None:
+    """`--coupled`: plain calibrated and the coupled setting against REAL_DECODE (module docstring)."""
+    from klotski_sim.workload.trace_stats import layer_stats, token_subset
+
+    model = get_model("mixtral-8x7b")
+    knobs = ",".join(f"{k}={v:g}" for k, v in ts.COUPLED_MIXTRAL.items())
+    print("real: " + " ".join(f"{k}={v:.3f}" for k, v in REAL_DECODE.items()))
+    for routing in ("calibrated", f"calibrated:{knobs}"):
+        means = []
+        for seed in (0, 1, 2):  # (cheap at this size: --quick runs the same)
+            trace = token_subset(ts.synthesize(model, 18, 32, 33, routing, seed=seed), "generated")
+            frame = layer_stats(trace)
+            means.append({k: float(frame[k].mean()) for k in REAL_DECODE})
+        got = {k: sum(m[k] for m in means) / len(means) for k in REAL_DECODE}
+        errors = {k: got[k] / REAL_DECODE[k] - 1 for k in REAL_DECODE}
+        print(
+            f"{routing}: "
+            + " ".join(f"{k}={got[k]:.3f} ({errors[k]:+.0%})" for k in REAL_DECODE)
+            + f"; worst {max(map(abs, errors.values())):.0%}"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="mixtral-8x7b")
     ap.add_argument("--sequences", type=int, default=256)
     ap.add_argument("--grid", action="store_true", help="scan a small grid around the current constants")
     ap.add_argument("--quick", action="store_true", help="16 short sequences per setting (seconds)")
+    ap.add_argument("--coupled", action="store_true", help="real Mixtral decode coupling vs the coupled setting")
     args = ap.parse_args()
+    if args.coupled:
+        coupled()
+        return
     prompt_len, gen_len = (64, 4) if args.quick else (512, 32)
     if args.quick:
         args.sequences = 16

@@ -42,7 +42,7 @@ LONG_PROBE_S = 0.2  # a probe whose warm-up is at least this long is timed once 
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]:
-    """Median seconds of `fn` over `repeats` runs after one warm-up (a long probe: one run; Bench.run)."""
+    """The fastest of `repeats` runs of `fn` after one warm-up (a long probe: one run; Bench.run)."""
 
     def measure(fn: Callable[[], object], repeats: int) -> float:
         bench = Bench(device, repeats)
@@ -56,8 +56,12 @@ def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]
 
 class Bench:
     """Probes timed in interleaved rounds: each round runs every probe once, and a probe's
-    `seconds` is the median over the rounds. On a shared machine a burst of other work then lands
-    on one sample of many probes, which the median drops, rather than on every sample of one probe."""
+    `seconds` is the fastest of its rounds. On a shared machine a burst of other work then lands
+    on one sample of many probes rather than on every sample of one probe, and other work only
+    ever adds time: the minimum is what the machine does alone (Python's `timeit` docs: "the
+    lowest value gives a lower bound for how fast your machine can run the given code snippet;
+    higher values ... are typically ... caused by other processes interfering"). A median kept
+    that interference: on a lightly loaded 2-core machine it inflated the expert table by 80%."""
 
     def __init__(self, device: torch.device, repeats: int) -> None:
         self.device, self.repeats = device, max(1, repeats)
@@ -91,7 +95,7 @@ class Bench:
                 if k == 0 or not long[i]:
                     samples[i].append(self._once(fn))
         for (row, _), times in zip(self.probes, samples):
-            row["seconds"] = statistics.median(times)
+            row["seconds"] = min(times)
         self.probes = []
 
 

@@ -592,7 +592,8 @@ class OpRunner:
         if group > 1 and self.device.type != "cpu":
             raise ExecutionError(
                 f"a {group}-GPU tensor-parallel schedule runs on the CPU runtime (--device cpu), its ranks emulated "
-                f"as threads; the CUDA executor runs one GPU's"
+                f"as threads; the CUDA executor runs one GPU's (torch sees {torch.cuda.device_count()} CUDA "
+                f"device(s) here; a group on {group} real GPUs is not executed yet)"
             )
         self.ranks = Ranks(spec, group) if group > 1 else None
         self.attention_partials: dict[int, list[torch.Tensor]] = {}  # batch -> each rank's attention output

@@ -581,3 +581,22 @@ def test_no_schedule_holds_less_than_the_memory_floor(model, policy):
         )
         assert timeline.status == "ok" and timeline.meta["peak_gpu_bytes"] >= floor["total"], (placement, impl)
         assert ("one_moe_layer" in floor) == (holds and placement.resident_layers < inp.model.num_layers)
+
+
+def test_a_kv_cache_in_host_memory_moves_more_expert_layers_to_disk_not_the_run_to_a_refusal():
+    """Mixtral-8x22B on the Klotski paper's 256 GiB host with its KV cache there (10 batches of 16):
+    weights and cache are 257 GiB unless the cache's share sends more layers' experts to disk; the
+    placement made room for the weights alone (7 layers on disk) and the run was refused."""
+    from klotski_sim.hardware.profile import load_profile
+    from klotski_sim.planning.planner import HOST_HEADROOM, host_kv_bytes, storage_needed
+    from klotski_sim.runs.runner import RunSpec, resolve_placement
+    from klotski_sim.workload.model import get_model
+
+    model, profile = get_model("mixtral-8x22b"), load_profile("rtx3090")
+    spec = RunSpec(model="mixtral-8x22b", num_batches=10, prompt_len=512, gen_len=32, kv="cpu")
+    on_gpu = resolve_placement(RunSpec(model="mixtral-8x22b", num_batches=10, kv="gpu"), model, profile)
+    in_host = resolve_placement(spec, model, profile)
+    assert in_host.disk_layers > on_gpu.disk_layers == 7
+    kv = host_kv_bytes(model, 16, 10, 512, 32)
+    host = storage_needed(model, in_host, 16, 10, 512, 32)["host"]
+    assert host <= profile.host.memory_bytes and host - kv <= profile.host.memory_bytes * HOST_HEADROOM

@@ -43,6 +43,18 @@ def test_knobs_at_zero_draw_plain_calibrated() -> None:
     assert "reuse_bias" not in plain.meta["generator"]["params"]
 
 
+def test_coupling_knobs_at_the_calibrated_values_draw_plain_calibrated_and_raise_mi_above() -> None:
+    plain = synthesize(MIXTRAL, 8, 16, 4, "calibrated", 3)
+    same = synthesize(MIXTRAL, 8, 16, 4, "calibrated:coupling=0.3,type_coupling=1.8", 3)
+    assert np.array_equal(plain.experts, same.experts)
+    full = get_model("mixtral-8x7b")
+    low, high = (
+        layer_stats(synthesize(full, 32, 8, 8, routing, 0))["mi_next_excess_bits"].mean()
+        for routing in ("calibrated", "calibrated:coupling=0.8,type_coupling=3")
+    )
+    assert high > 2 * low > 0
+
+
 def test_reuse_bias_raises_reuse_and_drift_removes_prefill_decode_correlation() -> None:
     def stats(routing: str) -> dict[str, float]:
         return summary(synthesize(MIXTRAL, 64, 24, 24, routing, 0))
@@ -95,7 +107,12 @@ def test_mixed_domains_skew_requests_more_than_one_domain() -> None:
         ("calibrated:decode_drift=-0.1", "decode_drift must be from 0 to 1"),
         ("calibrated:decode_drift=x", "decode_drift must be a number, got 'x'"),
         ("calibrated:reuse=1,reuse=2", "reuse is given twice"),
-        ("calibrated:seed=3", "unknown setting 'seed'; choose from domain, decode_drift, reuse"),
+        (
+            "calibrated:seed=3",
+            "unknown setting 'seed'; choose from domain, decode_drift, reuse, coupling, type_coupling",
+        ),
+        ("calibrated:coupling=21", "coupling must be from 0 to 20"),
+        ("calibrated:type_coupling=-1", "type_coupling must be from 0 to 20"),
         ("calibrated:reuse", "write its settings as KEY=VALUE"),
         ("calibrated:", "write its settings as KEY=VALUE"),
     ],

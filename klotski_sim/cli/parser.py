@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_ROUTING,
         metavar="KIND",
         help="calibrated, uniform, zipf:<a>, skewed, or calibrated:KEY=VALUE,... with domain=NAME|code|math|mixed, "
-        "decode_drift=0..1, reuse=BIAS (docs/routing.md; default: %(default)s)",
+        "decode_drift=0..1, reuse=BIAS, coupling=C, type_coupling=T (docs/routing.md; default: %(default)s)",
     )
     p.add_argument("--seed", type=seed_int, default=0, help="generator seed (default: %(default)s)")
     p.add_argument("--with-weights", action="store_true", help="also store synthetic gate weights (3x larger file)")

@@ -101,7 +101,7 @@ def add_run_arguments(
         default=None,
         metavar="KIND",
         help=f"synthetic routing when no --trace is given: calibrated, uniform, zipf:<a>, skewed, or "
-        f"calibrated:KEY=VALUE,... with domain=NAME|code|math|mixed, decode_drift=0..1, reuse=BIAS "
+        f"calibrated:KEY=VALUE,... with domain=NAME|code|math|mixed, decode_drift=0..1, reuse=BIAS, coupling=C, type_coupling=T "
         f"(docs/routing.md; default: {DEFAULT_ROUTING})",
     )
     p.add_argument(

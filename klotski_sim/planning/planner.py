@@ -227,18 +227,19 @@ def _room_for_kv(model: ModelSpec, placement: Placement, batch_size: int, n: int
     return f" (the KV cache of {batches} is {memory_text(kv)} of it: {', '.join(ways)} would leave it room)"
 
 
-def default_placement(model: ModelSpec, profile: HardwareProfile, kv: str = "gpu") -> Placement:
+def default_placement(model: ModelSpec, profile: HardwareProfile, kv: str = "gpu", host_kv: float = 0.0) -> Placement:
     """Experts get host memory first: when the host cannot hold every layer, the experts of the
     last layers move to disk (as many as needed); attention and gate stay in host memory while
-    they fit, else everything streams from disk."""
-    host = profile.host.memory_bytes * HOST_HEADROOM
+    they fit, else everything streams from disk. `host_kv`: the bytes of KV cache host memory holds
+    beside them (a run with its cache there), which the weights' share leaves room for."""
+    host = profile.host.memory_bytes * HOST_HEADROOM - host_kv
     streamed = model.layers_bytes()
     if streamed <= host:
         return Placement(kv=kv)
     dense = model.non_expert_bytes()
     if dense > host:
         return Placement(attention="disk", gate="disk", experts="disk", kv=kv)
-    in_host = int((host - dense) // model.moe_layer_bytes())
+    in_host = max(0, int((host - dense) // model.moe_layer_bytes()))
     if in_host == 0:
         return Placement(experts="disk", kv=kv)
     return Placement(kv=kv, disk_layers=model.num_layers - in_host)

@@ -31,6 +31,7 @@ from klotski_sim.planning.planner import (
     Plan,
     default_placement,
     fill_resident_layers,
+    host_kv_bytes,
     largest_fitting_n,
     memory_floor,
     memory_needed,
@@ -323,7 +324,13 @@ def resolve_placement(spec: RunSpec, model: ModelSpec, profile: HardwareProfile)
         raise UsageError(f"--resident-layers {resident}: give 0..{model.num_layers} ({model.name}'s layers) or fill")
     if spec.warmup_sequences < 0:
         raise UsageError(f"--warmup-sequences {spec.warmup_sequences}: must be >= 0")
-    base = default_placement(model, profile)
+    # a KV cache in host memory for a given n takes its share first (an auto n is planned for the GPU)
+    host_kv = (
+        host_kv_bytes(model, spec.batch_size, spec.num_batches, spec.prompt_len, spec.gen_len)
+        if spec.kv == "cpu" and spec.num_batches is not None
+        else 0.0
+    )
+    base = default_placement(model, profile, host_kv=host_kv)
     if spec.experts != "auto":
         base = replace(base, experts=spec.experts, disk_layers=0)
     return replace(
