@@ -1,6 +1,6 @@
 """The engine: Schedule x HardwareProfile -> Timeline, by discrete-event simulation.
 
-The whole model is three rules, applied as events come off a time-ordered heap:
+The whole model is four rules, applied as events come off a time-ordered heap (the fourth below):
 
 1. An op becomes *ready* when its deps and its stream predecessor have ended (in-order streams),
    plus the profile's `dependency_latency_s` for a dependency on another stream (not to or from

@@ -3,9 +3,10 @@ without queueing: each resource's ops come from one stream.
 
 A serving run is tens or hundreds of thousands of iterations, most of them one of a few shapes
 whose ops last equally long but for one kind that grows with the requests' context (attention).
-On such a schedule the engine's three rules reduce to a longest path: an op starts when its last
+On such a schedule the engine's rules reduce to a longest path: an op starts when its last
 predecessor (its deps and its stream predecessor) has ended, plus the dependency latency across
-streams, because the only op that could hold its resource is its own stream's predecessor. A
+streams, because the only op that could hold its resource is its own stream's predecessor (the
+issuing thread, rule 4, adds a term of the same kind: the last host op's end plus a constant). A
 longest path through ops of which `n` last `a` each is `c + n a`, so every op's end is
 `max_n (E[n] + n a)` over the few counts `n` the paths through it can have; `E` is worked out
 once per shape and each iteration then costs a few array operations instead of emitting and timing
