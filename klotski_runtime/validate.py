@@ -17,7 +17,9 @@ import numpy as np
 import pandas as pd
 import torch
 
+from klotski_sim.core.cost import CostModel
 from klotski_sim.core.engine import resource_capacities, simulate
+from klotski_sim.core.schedule import Schedule
 from klotski_sim.core.timeline import OutOfMemory, Timeline, jsonable
 from klotski_sim.hardware.profile import HardwareProfile, ProfileError
 from klotski_sim.policies import build_schedule, get_policy
@@ -294,11 +296,13 @@ def validate(
         options = replace(options, capacities=resource_capacities(schedule, p.profile))  # one definition
         for _ in range(setup.warmup_runs):  # first-touch costs (allocator, lazy init) are not the schedule's
             execute(schedule, model, weights, p.replay.routing, options)
-        measured = [
-            execute(schedule, model, weights, p.replay.routing, options)[0] for _ in range(max(1, setup.repeats))
-        ]
+        executed = [execute(schedule, model, weights, p.replay.routing, options) for _ in range(max(1, setup.repeats))]
+        measured = [timeline for timeline, _ in executed]
         result, meas, spread = judge_repeats(sim, measured)
         result["impl"] = impl
+        issue = issue_by_category(schedule, p.profile, [runner.issue_s for _, runner in executed])
+        if issue:  # (CUDA: the CPU runtime has no issuing thread)
+            result["issue"] = issue
         in_sample = refit_dispatch(p.profile, sim, meas)
         result["in_sample"] = compare(simulate(schedule, in_sample), meas)
         spreads.append(spread)
@@ -321,6 +325,32 @@ def validate(
     report["machine"] = machine_conditions(load_before, machine_load(), spreads, drift)
     (out / "validation.json").write_text(json.dumps(jsonable(report), indent=2))
     return report
+
+
+def issue_by_category(
+    schedule: Schedule, profile: HardwareProfile, issued: list[dict[int, float]]
+) -> dict[str, dict[str, float]]:
+    """The CUDA issuing thread's time per op, measured (the median over the runs' ops of each
+    category) next to what the engine's rule 4 charges (`CostModel.issue_seconds`): where a
+    schedule's issuing, not its kernels, sets the pace, this is the table to read. Empty without
+    measurements (the CPU runtime)."""
+    seconds: dict[str, list[float]] = {}
+    for run in issued:
+        for i, value in run.items():
+            seconds.setdefault(schedule.ops[i].category, []).append(value)
+    cost = CostModel(profile)
+    charged: dict[str, float] = {}
+    for op in schedule.ops:
+        if op.category in seconds and op.category not in charged:
+            charged[op.category] = cost.issue_seconds(op, schedule.streams[op.stream])
+    return {
+        category: {
+            "ops": len(values) // max(1, len(issued)),
+            "measured_median_s": float(np.median(values)),
+            "simulated_s": charged[category],
+        }
+        for category, values in sorted(seconds.items())
+    }
 
 
 LOAD_WARNING, STEAL_WARNING, SPREAD_WARNING, DRIFT_WARNING = 0.5, 0.02, 0.05, 0.10

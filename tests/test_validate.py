@@ -296,3 +296,25 @@ def test_calibration_measures_the_host_cpu_and_cpu_expert_policies_validate(prof
     assert fiddler["per_category"]["expert"]["ops"] > 0 and abs(fiddler["makespan"]["error"]) < 1.0
     assert "skipped" in report["policies"]["llamacpp-moe"] and "oom" in report["policies"]["llamacpp-moe"]["skipped"]
     assert "not compared" in format_report(report)
+
+
+def test_issue_by_category_sets_the_issuing_threads_measured_time_beside_rule_4s_charge():
+    """The CUDA executor's per-op issue times (`OpRunner.issue_s`, op index -> s) summarised per category:
+    the median over every run's ops and what the engine charges for one; nothing without them (the CPU)."""
+    from klotski_sim.core.cost import CostModel
+    from klotski_sim.core.schedule import Op, Schedule
+    from klotski_runtime.validate import issue_by_category
+
+    from .conftest import make_profile
+
+    copy = Op("t", "transfer", "h2d_weights", "weights", bytes=1, src="cpu", dst="gpu")
+    expert = Op("x", "compute", "compute", "expert", ("t",))
+    schedule = Schedule((copy, expert))
+    profile = make_profile(kernel_overhead_s=1e-5, copy_issue_s=5e-5)
+    got = issue_by_category(schedule, profile, [{0: 1e-4, 1: 2e-4}, {0: 3e-4, 1: 6e-4}])
+    assert got == {
+        "expert": {"ops": 1, "measured_median_s": pytest.approx(4e-4), "simulated_s": pytest.approx(8e-5)},
+        "weights": {"ops": 1, "measured_median_s": pytest.approx(2e-4), "simulated_s": 5e-5},
+    }
+    assert got["expert"]["simulated_s"] == CostModel(profile).issue_seconds(expert, "gpu")
+    assert issue_by_category(schedule, profile, [{}, {}]) == {} == issue_by_category(schedule, profile, [])
