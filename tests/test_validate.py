@@ -301,9 +301,9 @@ def test_calibration_measures_the_host_cpu_and_cpu_expert_policies_validate(prof
 def test_issue_by_category_sets_the_issuing_threads_measured_time_beside_rule_4s_charge():
     """The CUDA executor's per-op issue times (`OpRunner.issue_s`, op index -> s) summarised per category:
     the median over every run's ops and what the engine charges for one; nothing without them (the CPU)."""
+    from klotski_runtime.validate import issue_by_category
     from klotski_sim.core.cost import CostModel
     from klotski_sim.core.schedule import Op, Schedule
-    from klotski_runtime.validate import issue_by_category
 
     from .conftest import make_profile
 

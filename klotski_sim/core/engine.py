@@ -131,18 +131,19 @@ class IssuingThread:
     """Rule 4's program order, worked out before the run, in numpy (a default as-published run has
     338k ops, 156k of them host ops). `costs`: each op's issue cost; `after_host`: the last host op
     issued before each (-1: none); `reach`: how long after that host op's end (or after time 0) the
-    thread reaches the op; `before`: the op issued just before each (-1: none). `succ_ptr`,
-    `succ_flat` and `indegree`: the schedule's graph plus an edge from each host op to the ops
-    issued after it that do not already wait for it (the thread is blocked in it), so that a host
-    op's end reaches them like any dependency's."""
+    thread reaches the op; `before`: the op issued just before each (None: list order, so i - 1).
+    `waiting_on`: for a host op, the ops issued after it that the graph does not already make wait
+    for it (the thread is blocked in it): its end counts them down like a dependency's (a few per
+    host op at most: the policies make most ops after a sync depend on it already)."""
 
     costs: list[float]
     after_host: list[int]
     reach: list[float]
-    before: list[int]
-    succ_ptr: list[int]
-    succ_flat: list[int]
-    indegree: list[int]
+    before: list[int] | None
+    waiting_on: dict[int, list[int]]
+
+    def issued_before(self, i: int) -> int:
+        return i - 1 if self.before is None else self.before[i]
 
     @staticmethod
     def of(schedule: Schedule, profile: HardwareProfile, cost: CostModel | None) -> "IssuingThread":
@@ -152,11 +153,15 @@ class IssuingThread:
         costs = (cost or CostModel(profile)).issue_costs(ops, schedule.streams)
         # the CUDA runtime's order (topological_order): list order, unless a dep points forward; ops on
         # a cycle (a schedule built without its check) never start: they come last
+        before: list[int] | None = None
         if graph.forward:
             topo = topological_order(schedule)
             placed = np.zeros(n, dtype=bool)
             placed[topo] = True
             order = np.concatenate([np.asarray(topo, dtype=np.int64), np.flatnonzero(~placed)])
+            previous = np.full(n, -1, dtype=np.int64)
+            previous[order[1:]] = order[:-1]
+            before = previous.tolist()
         else:
             order = np.arange(n)
         in_order = np.asarray(costs, dtype=float)[order]  # (a host op costs 0: the thread waits in it)
@@ -171,33 +176,17 @@ class IssuingThread:
         reach[order] = passed - in_order - np.where(seen, passed[last_host], 0.0)
         after_host = np.full(n, -1, dtype=np.int64)
         after_host[order] = np.where(seen, order[last_host], -1)
-        before = np.full(n, -1, dtype=np.int64)
-        before[order[1:]] = order[:-1]
-        # the edges host op -> op issued after it, where the graph has none already
+        # the ops issued after a host op that no edge of the graph makes wait for it
         ptr = np.asarray(graph.ptr, dtype=np.int64)
         flat = np.asarray(graph.flat, dtype=np.int64)
         src = np.repeat(np.arange(n, dtype=np.int64), np.diff(ptr))
         linked = np.zeros(n, dtype=bool)
         linked[flat[after_host[flat] == src]] = True
         needy = np.flatnonzero((after_host >= 0) & ~linked)
-        if len(needy):
-            src = np.concatenate([src, after_host[needy]])
-            flat = np.concatenate([flat, needy])
-            by_src = np.lexsort((flat, src))
-            ptr = np.zeros(n + 1, dtype=np.int64)
-            np.cumsum(np.bincount(src, minlength=n), out=ptr[1:])
-            flat = flat[by_src]
-        indegree = np.asarray(graph.indegree, dtype=np.int64)
-        indegree[needy] += 1
-        return IssuingThread(
-            costs,
-            after_host.tolist(),
-            reach.tolist(),
-            before.tolist(),
-            ptr.tolist(),
-            flat.tolist(),
-            indegree.tolist(),
-        )
+        waiting_on: dict[int, list[int]] = {}
+        for op_index, host in zip(needy.tolist(), after_host[needy].tolist()):
+            waiting_on.setdefault(host, []).append(op_index)
+        return IssuingThread(costs, after_host.tolist(), reach.tolist(), before, waiting_on)
 
 
 def _simulate(
@@ -229,10 +218,13 @@ def _simulate(
     # Graph: successors of each op (its dependents and its stream successor), and how many
     # predecessors each op still waits for.
     succ_ptr, succ_flat, indegree, _ = schedule.graph
-    if issue is not None:  # an op issued after a host op waits for it too (the issuing thread was blocked)
-        succ_ptr, succ_flat, indegree = issue.succ_ptr, issue.succ_flat, issue.indegree
-        after_host, reach_of, issued_before = issue.after_host, issue.reach, issue.before
     pending = list(indegree)  # (the graph is the schedule's: counted down on a copy)
+    if issue is not None:  # an op issued after a host op waits for it too (the issuing thread was blocked)
+        after_host, reach_of, waiting_on = issue.after_host, issue.reach, issue.waiting_on
+        issued_before = issue.issued_before
+        for waiting in waiting_on.values():
+            for s in waiting:
+                pending[s] += 1
     alloc_of, free_of = schedule.column("alloc"), schedule.column("free")
 
     nan = float("nan")
@@ -310,7 +302,7 @@ def _simulate(
         for i in compress(range(n), map(not_, pending)):  # (the ops waiting for none: a C-level filter)
             if issue is not None and reach_of[i] > 0.0:  # (the issuing thread reaches it later; no host op before it)
                 issued_at[i] = ready_floor[i] = arrival[i] = reach_of[i]
-                blocker[i] = issued_before[i]
+                blocker[i] = issued_before(i)
                 heappush(events, (reach_of[i], next(order), ~i))
                 continue
             ready_at[i] = 0.0
@@ -345,7 +337,10 @@ def _simulate(
         signal = latency and not host_i
         if signal:
             own_stream, seen_at = stream_of[i], now + latency
-        for s in succ_flat[succ_ptr[i] : succ_ptr[i + 1]]:
+        successors = succ_flat[succ_ptr[i] : succ_ptr[i + 1]]
+        if host_i and issue is not None and i in waiting_on:  # (rule 4: the ops the thread issues next)
+            successors = successors + waiting_on[i]
+        for s in successors:
             if host_i and is_host[s]:
                 arrival[s] = now  # the host thread moves on to its next wait
             if signal and stream_of[s] != own_stream and not is_host[s]:
@@ -366,7 +361,7 @@ def _simulate(
                         arrival[s] = reach
                 if floors and ready_floor[s] > now:
                     if issue is not None and issued_at[s] >= ready_floor[s]:
-                        blocker[s] = issued_before[s]  # the issuing thread reached it last
+                        blocker[s] = issued_before(s)  # the issuing thread reached it last
                     floor = ready_floor[s]
                     rs = resource_of[s]
                     if single[rs] and not free_units[rs] and busy_until[rs] > floor:
