@@ -519,3 +519,36 @@ def test_the_makespans_parts_printed_add_up_to_it():
     assert found, out
     makespan, prefill, decode, latency = map(float, found.groups())
     assert abs(prefill + decode - makespan) <= 0.0015 and latency > prefill  # (not a part: here larger than it)
+
+
+def test_compare_sets_a_compared_policys_option_and_refuses_others_in_one_line(tmp_path):
+    """`compare --option POLICY.KEY=VALUE` (as serve's): the option reaches that policy's runs under both
+    presets, and an option of a policy not compared, an unknown key or a clash with --flexgen-overlap is
+    one line, before anything runs."""
+    import json
+
+    tiny = ["--model", "tiny-mixtral", "--prompt-len", "8", "--gen-len", "3", "--batch-size", "2", "--num-batches", "2"]
+    base = ["compare", *tiny, "--policies", "klotski,flexgen", "--impl", "both", "--no-png", "--workers", "1"]
+    code, out, err = run_cli(*base, "--option", "klotski.sync=per-expert", "--out", str(tmp_path / "a"))
+    assert code == 0, err
+    code, out, err = run_cli(*base, "--out", str(tmp_path / "b"))
+    assert code == 0, err
+    rows = {
+        folder: {
+            (r["policy"], r["impl_preset"]): r for r in json.loads((tmp_path / folder / "compare.json").read_text())
+        }
+        for folder in "ab"
+    }
+    for impl in ("as-published", "ideal"):
+        assert rows["a"][("flexgen", impl)]["makespan_s"] == rows["b"][("flexgen", impl)]["makespan_s"]
+    assert rows["a"][("klotski", "ideal")]["makespan_s"] != rows["b"][("klotski", "ideal")]["makespan_s"]
+    for option, says in (
+        ("fiddler.x=1", "--option fiddler.x: name a policy being compared as POLICY.KEY (klotski, flexgen)"),
+        ("klotski.nope=1", "policy 'klotski' has no option(s) ['nope']"),
+    ):
+        code, out, err = run_cli(*base, "--option", option, "--out", str(tmp_path / "c"))
+        assert code == 2 and says in err and len(err.strip().splitlines()) == 1, err
+    code, out, err = run_cli(
+        *base, "--option", "flexgen.overlap=model", "--flexgen-overlap", "code", "--out", str(tmp_path / "c")
+    )
+    assert code == 2 and "both set flexgen's overlap" in err, err

@@ -42,6 +42,20 @@ def parse_overrides(items: Sequence[str], flag: str) -> dict[str, Any]:
     return out
 
 
+def per_policy_options(
+    items: Sequence[str], policies: Sequence[str], what: str = "served"
+) -> dict[str, dict[str, Any]]:
+    """`--option POLICY.KEY=VALUE` pairs, by policy: each names one of `policies` (serve's,
+    compare's), refused in one line otherwise."""
+    out: dict[str, dict[str, Any]] = {p: {} for p in policies}
+    for key, value in parse_overrides(items, "--option").items():
+        policy, _, name = key.rpartition(".")
+        if policy not in out:
+            raise CliError(f"--option {key}: name a policy being {what} as POLICY.KEY ({', '.join(policies)})")
+        out[policy][name] = value
+    return out
+
+
 # the folders the running command made for its output, resolved (`..` and links followed); set by `guarded`
 made_folders: ContextVar[list[Path] | None] = ContextVar("made_folders", default=None)
 

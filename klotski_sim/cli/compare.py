@@ -9,13 +9,14 @@ import sys
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from klotski_sim.cli.common import (
     CliError,
     local_workers,
     note,
     output_folder,
+    per_policy_options,
 )
 from klotski_sim.cli.run_args import spec_from_args
 from klotski_sim.cli.simulate import removed_text
@@ -24,6 +25,7 @@ from klotski_sim.core.timeline import FIGURE_COLUMNS, Summary, jsonable
 from klotski_sim.files.outfiles import OutputFiles, refuse_unwritable
 from klotski_sim.planning.planner import format_plan
 from klotski_sim.policies import POLICIES
+from klotski_sim.policies.base import resolve_options
 from klotski_sim.policies.impl import PRESET_NAMES
 from klotski_sim.runs.runner import (
     RunPlan,
@@ -58,12 +60,20 @@ def cmd_compare(args: argparse.Namespace) -> int:
             f"--flexgen-overlap {args.flexgen_overlap}: flexgen is not among the policies compared "
             f"({', '.join(policies)})"
         )
+    options = per_policy_options(args.options, policies, "compared")
+    if args.flexgen_overlap:  # (flexgen is compared: said above)
+        if "overlap" in options["flexgen"]:
+            raise CliError("--flexgen-overlap and --option flexgen.overlap both set flexgen's overlap: give one")
+        options["flexgen"]["overlap"] = args.flexgen_overlap
+    for name, given in options.items():  # (refused here in one line, not by each worker)
+        if given:
+            resolve_options(name, impls[0], given)
     out = output_folder(args.out)
     compare_files = _compare_files()
     refuse_unwritable(out, compare_files)
     # (its runs' Chrome traces are written piece by piece: not simulate --out's files)
     with run_size.surroundings(files_written=False, listeners=(note,)):
-        return _compare(args, spec, policies, impls, out, compare_files)
+        return _compare(args, spec, policies, impls, out, compare_files, options)
 
 
 def _compare(
@@ -73,6 +83,7 @@ def _compare(
     impls: list[str],
     out: Path,
     compare_files: list[str],
+    options: dict[str, dict[str, Any]],
 ) -> int:
     prep = prepare(spec)
     if prep.plan is not None:
@@ -82,9 +93,10 @@ def _compare(
     warn_of_routing(routing_source)
     runs: dict[tuple[str, str], RunPlan] = {}
     for name in policies:
-        options = {"overlap": args.flexgen_overlap} if name == "flexgen" and args.flexgen_overlap else {}
         for impl in impls:  # (probes, where a policy takes them, are taken by the worker that runs it)
-            runs[(name, impl)] = plan_run(replace(spec, policy=name, options=options, impl=impl), prep, probe=False)
+            runs[(name, impl)] = plan_run(
+                replace(spec, policy=name, options=options.get(name, {}), impl=impl), prep, probe=False
+            )
         planned = runs[(name, impls[0])]
         if planned.note:
             print(f"note: {name} runs n = {planned.num_batches} ({planned.note})")

@@ -150,6 +150,15 @@ def build_parser() -> argparse.ArgumentParser:
         "preset's: code for as-published and v0.1, model for ideal)",
     )
     p.add_argument(
+        "--option",
+        dest="options",
+        action="append",
+        default=[],
+        metavar="POLICY.KEY=VALUE",
+        help="a compared policy's option, e.g. klotski.predictor=layer+token (repeatable; over both presets "
+        "with --impl both); klotski-sim policies NAME lists a policy's options",
+    )
+    p.add_argument(
         "--out",
         default="klotski-out",
         metavar="DIR",

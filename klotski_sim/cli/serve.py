@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from klotski_sim.cli.common import CliError, output_folder, parse_overrides
+from klotski_sim.cli.common import CliError, output_folder, parse_overrides, per_policy_options
 from klotski_sim.files.outfiles import OutputFiles, refuse_unwritable, write_file
 from klotski_sim.hardware.profile import load_profile, with_overrides
 from klotski_sim.parallel.tensor import group_machine, group_model
@@ -143,16 +143,6 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
     return workload
 
 
-def _options(items: list[str], policies: list[str]) -> dict[str, dict[str, Any]]:
-    out: dict[str, dict[str, Any]] = {p: {} for p in policies}
-    for key, value in parse_overrides(items, "--option").items():
-        policy, _, name = key.rpartition(".")
-        if policy not in out:
-            raise CliError(f"--option {key}: name a policy being served as POLICY.KEY ({', '.join(policies)})")
-        out[policy][name] = value
-    return out
-
-
 def _row(name: str, r: ServeResult) -> str:
     m = r.metrics
     return (
@@ -251,7 +241,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.gpus > 1:
         profile = group_machine(profile, args.gpus, model)
         model = group_model(model, args.gpus)
-    options = _options(args.options, args.policies)
+    options = per_policy_options(args.options, args.policies)
     for name in args.policies:  # (a typo in an option is an error before anything runs, not a refused row)
         resolve_serving_options(name, options[name])
     workload = workload_from_args(args)
