@@ -42,6 +42,12 @@ def parse_overrides(items: Sequence[str], flag: str) -> dict[str, Any]:
     return out
 
 
+def add_option_argument(parser: argparse.ArgumentParser, metavar: str, help: str) -> None:
+    """`--option` (repeatable, into `args.options`): simulate's KEY=VALUE, compare's and serve's
+    POLICY.KEY=VALUE (`per_policy_options` reads those)."""
+    parser.add_argument("--option", dest="options", action="append", default=[], metavar=metavar, help=help)
+
+
 def per_policy_options(
     items: Sequence[str], policies: Sequence[str], what: str = "served"
 ) -> dict[str, dict[str, Any]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from klotski_sim.cli.common import add_option_argument
 from klotski_sim.cli.compare import COMPARE_POLICIES, cmd_compare
 from klotski_sim.cli.listing import cmd_models, cmd_policies, cmd_profiles
 from klotski_sim.cli.parallel import cmd_parallel, replica_counts
@@ -38,13 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("simulate", help="simulate one schedule and print its summary")
     add_run_arguments(p)
-    p.add_argument(
-        "--option",
-        dest="options",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a policy option, e.g. --option overlap=model for flexgen (repeatable); "
+    add_option_argument(
+        p,
+        "KEY=VALUE",
+        "a policy option, e.g. --option overlap=model for flexgen (repeatable); "
         "klotski-sim policies NAME lists a policy's options",
     )
     p.add_argument(
@@ -149,13 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="FlexGen's overlap: its implementation's (code) or its cost model's (default: the "
         "preset's: code for as-published and v0.1, model for ideal)",
     )
-    p.add_argument(
-        "--option",
-        dest="options",
-        action="append",
-        default=[],
-        metavar="POLICY.KEY=VALUE",
-        help="a compared policy's option, e.g. klotski.predictor=layer+token (repeatable; over both presets "
+    add_option_argument(
+        p,
+        "POLICY.KEY=VALUE",
+        "a compared policy's option, e.g. klotski.predictor=layer+token (repeatable; over both presets "
         "with --impl both); klotski-sim policies NAME lists a policy's options",
     )
     p.add_argument(

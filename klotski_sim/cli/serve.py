@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from klotski_sim.cli.common import CliError, output_folder, parse_overrides, per_policy_options
+from klotski_sim.cli.common import CliError, add_option_argument, output_folder, parse_overrides, per_policy_options
 from klotski_sim.files.outfiles import OutputFiles, refuse_unwritable, write_file
 from klotski_sim.hardware.profile import load_profile, with_overrides
 from klotski_sim.parallel.tensor import group_machine, group_model
@@ -88,14 +88,7 @@ def add_serve_parser(sub: Any) -> None:
         default=GPU_MEMORY_UTILIZATION,
         help="share of the GPU's memory the engine may use (default: %(default)s)",
     )
-    p.add_argument(
-        "--option",
-        dest="options",
-        action="append",
-        default=[],
-        metavar="POLICY.KEY=VALUE",
-        help="a serving policy's option, e.g. vllm-o.offload_layers=8 (repeatable)",
-    )
+    add_option_argument(p, "POLICY.KEY=VALUE", "a serving policy's option, e.g. vllm-o.offload_layers=8 (repeatable)")
     p.add_argument(
         "--out",
         default=None,
