@@ -31,34 +31,25 @@ TARGETS = {
 }
 
 
-# Real Mixtral-8x7B decode routing (issue 41: a public log, 577 decode tokens): trace stats' names
-REAL_DECODE = {
-    "mi_next_excess_bits": 0.247,
-    "mi_skip7_bits": 0.245,
-    "max_share": 0.168,
-    "stick_top1": 0.248,
-    "stick_any": 0.623,
-}
-
-
 def coupled() -> None:
-    """`--coupled`: plain calibrated and the coupled setting against REAL_DECODE (module docstring)."""
+    """`--coupled`: plain calibrated and the coupled setting against real routing (module docstring)."""
     from klotski_sim.workload.trace_stats import layer_stats, token_subset
 
     model = get_model("mixtral-8x7b")
     knobs = ",".join(f"{k}={v:g}" for k, v in ts.COUPLED_MIXTRAL.items())
-    print("real: " + " ".join(f"{k}={v:.3f}" for k, v in REAL_DECODE.items()))
+    real = ts.REAL_MIXTRAL_DECODE
+    print("real: " + " ".join(f"{k}={v:.3f}" for k, v in real.items()))
     for routing in ("calibrated", f"calibrated:{knobs}"):
         means = []
         for seed in (0, 1, 2):  # (cheap at this size: --quick runs the same)
             trace = token_subset(ts.synthesize(model, 18, 32, 33, routing, seed=seed), "generated")
             frame = layer_stats(trace)
-            means.append({k: float(frame[k].mean()) for k in REAL_DECODE})
-        got = {k: sum(m[k] for m in means) / len(means) for k in REAL_DECODE}
-        errors = {k: got[k] / REAL_DECODE[k] - 1 for k in REAL_DECODE}
+            means.append({k: float(frame[k].mean()) for k in real})
+        got = {k: sum(m[k] for m in means) / len(means) for k in real}
+        errors = {k: got[k] / real[k] - 1 for k in real}
         print(
             f"{routing}: "
-            + " ".join(f"{k}={got[k]:.3f} ({errors[k]:+.0%})" for k in REAL_DECODE)
+            + " ".join(f"{k}={got[k]:.3f} ({errors[k]:+.0%})" for k in real)
             + f"; worst {max(map(abs, errors.values())):.0%}"
         )
 

@@ -164,18 +164,24 @@ class CostModel:
         `attention:decode`, then `category`; with a variant `attention.eager:decode`, then
         `attention.eager` — never another variant's table), else the roofline plus kernel overheads.
         A table times one batch's op: an op over more batches adds its per-batch kernels' launches."""
-        gpu = self.profile.gpu
-        dispatch = gpu.dispatch_overhead_by_category.get(category, gpu.dispatch_overhead_s)
         name = f"{category}.{variant}" if variant else category
         for key in (f"{name}:{phase}", name) if phase else (name,):
             table = self.tables.get(key)
             if table is not None:
                 measured = table.lookup(tokens, kv_len)
-                if measured is not None:
-                    extra = kernels_of(category, variant, batches) - kernels_of(category, variant)
-                    return measured + extra * gpu.kernel_overhead_s + dispatch
+                if measured is not None:  # (its one batch's launches are in the measurement)
+                    one = kernels_of(category, variant) * self.profile.gpu.kernel_overhead_s
+                    return measured + self.launch_seconds(category, variant, batches) - one
         roofline = max(flops / self._flop_rate, io_bytes / self._byte_rate)
-        return roofline + kernels_of(category, variant, batches) * gpu.kernel_overhead_s + dispatch
+        return roofline + self.launch_seconds(category, variant, batches)
+
+    def launch_seconds(self, category: str, variant: str = "", batches: int = 1) -> float:
+        """What a GPU compute op costs beyond its kernels' work: its kernel launches and the
+        runtime's fixed cost per op (`dispatch_overhead_s`, by category where measured). The
+        issuing thread spends the same on it (`issue_seconds`)."""
+        gpu = self.profile.gpu
+        dispatch = gpu.dispatch_overhead_by_category.get(category, gpu.dispatch_overhead_s)
+        return kernels_of(category, variant, batches) * gpu.kernel_overhead_s + dispatch
 
     def transfer_seconds(self, resource: str, nbytes: float, pageable: bool = False) -> float:
         link = self.profile.link(resource)
@@ -257,8 +263,7 @@ class CostModel:
             return gpu.kernel_overhead_s if gpu.copy_issue_s is None else gpu.copy_issue_s
         if resource in ("cpu", "fabric") or op.category == "decompress":
             return gpu.kernel_overhead_s
-        dispatch = gpu.dispatch_overhead_by_category.get(op.category, gpu.dispatch_overhead_s)
-        return kernels_of(op.category, op.variant, max(1, len(op.batches))) * gpu.kernel_overhead_s + dispatch
+        return self.launch_seconds(op.category, op.variant, max(1, len(op.batches)))
 
     def issue_costs(self, ops: Sequence[Op], streams: Mapping[str, str] = DEFAULT_STREAMS) -> list[float]:
         """Every op's `issue_seconds`, each distinct (kind, stream, category, variant, batches) costed once."""
@@ -287,7 +292,7 @@ class _CostedOnce(dict):
 
 
 class _IssuedOnce(dict):
-    """Issue cost by an op's (kind, stream, category, variant), each costed when first asked."""
+    """Issue cost by an op's (kind, stream, category, variant, batches), each costed when first asked."""
 
     def __init__(self, cost: CostModel, streams: Mapping[str, str]) -> None:
         super().__init__()

@@ -90,18 +90,18 @@ class OneVaryingDuration:
                 candidate = ends[p] + lag if lag else ends[p]
                 row = candidate.copy() if row is None else np.maximum(row, candidate)
             assert row is not None
-            reach = None
+            issued = None  # when the thread has issued all of op i (a host op: it waits in it instead)
             if issue is not None:
                 h = issue.after_host[i]
                 reach = (ends[h] if h >= 0 else start_only) + issue.reach[i]
                 row = np.maximum(row, reach)
+                issued = None if host[i] else reach + issue.costs[i]
             if is_varying[i]:
                 ends[i, 1:] = row[:-1]
-                ends[i, 0] = -np.inf
             else:
                 ends[i] = row + durations[i]
-            if issue is not None and reach is not None and not host[i]:
-                ends[i] = np.maximum(ends[i], reach + issue.costs[i])
+            if issued is not None:
+                ends[i] = np.maximum(ends[i], issued)
         allocs = [(i, sum(size for _, size in op.alloc)) for i, op in enumerate(ops) if op.alloc]
         sizes = {name: size for name, size in schedule.preloaded}
         for op in ops:

@@ -65,11 +65,17 @@ from klotski_sim.workload.trace import Trace, replay
 ROUTINGS = ("calibrated", "uniform", "zipf:<a>", "skewed", "calibrated:KEY=VALUE,...")
 KNOBS = ("domain", "decode_drift", "reuse", "coupling", "type_coupling")
 MAX_COUPLING = 20.0  # logit units, as the reuse bias: beyond it a coupling decides the draw alone
-# The coupling of real Mixtral-8x7B decode routing (issue 41's measurement of a public log of 577
-# decode tokens: excess MI to the next layer 0.247 bits, MI layer l -> l+7 0.245, max share 0.168,
-# first-choice repeat 0.248, any-repeat 0.623): `calibrated:coupling=0.8,type_coupling=3` brings a
+# Real Mixtral-8x7B decode routing (issue 41's measurement of a public log of 577 decode tokens),
+# in `trace stats`' names: `calibrated:coupling=0.8,type_coupling=3` (COUPLED_MIXTRAL) brings a
 # synthetic trace of that size within 19% of each (experiments/calibrate_synth.py --coupled); plain
 # `calibrated` is 62% and 44% short of the two MI figures.
+REAL_MIXTRAL_DECODE = {
+    "mi_next_excess_bits": 0.247,
+    "mi_skip7_bits": 0.245,
+    "max_share": 0.168,
+    "stick_top1": 0.248,
+    "stick_any": 0.623,
+}
 COUPLED_MIXTRAL = {"coupling": 0.8, "type_coupling": 3.0}
 MIXED = "mixed"  # `domain=mixed`: each sequence draws one measured domain
 MAX_REUSE_BIAS = 20.0  # logit units: e^20 makes the previous token's experts a certainty already
