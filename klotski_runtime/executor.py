@@ -39,7 +39,7 @@ from klotski_sim.core.cost import op_variant, variant_impl
 from klotski_sim.core.schedule import TENSORS, Op, Schedule, ScheduleError, topological_order
 from klotski_sim.core.timeline import Timeline
 from klotski_sim.hardware.profile import FabricSpec
-from klotski_sim.names import is_disk_read, kv_buffer
+from klotski_sim.names import is_disk_read, kv_buffer, resource_rank
 from klotski_sim.util.errors import KlotskiError
 from klotski_sim.workload.model import ModelSpec
 from klotski_sim.workload.routing import RoutingTable, RunShape
@@ -175,6 +175,13 @@ def check_tensor_parallel(schedule: Schedule, spec: ModelSpec) -> None:
     must split evenly, and its ops must be ones the ranks compute (the GPU side: CPU experts, CPU
     attention and the activations they move are simulated for a group, not executed). Refused in one
     line naming the op, before anything is loaded."""
+    own = next((r for r in schedule.streams.values() if resource_rank(r) >= 0), None)
+    if own is not None:  # (an expert-parallel schedule: each rank's own GPU, link and fabric port)
+        raise ScheduleError(
+            f"resource {own!r}: a schedule of ranks with resources of their own (expert parallelism, "
+            f"klotski-sim parallel --timing events) is simulated, not executed; the runtime executes one GPU "
+            f"or a tensor-parallel group (simulate --gpus G)"
+        )
     group = tensor_parallel_ranks(schedule)
     if group == 1:
         reduce = _first_all_reduce(schedule)

@@ -22,11 +22,37 @@ COMPUTE_CATEGORIES = (
     "attn_qkv",
     "attn_out",
     "allreduce",  # tensor parallelism: a layer's partial sums added over the GPU group (NCCL's kernel)
+    "alltoall",  # expert parallelism: tokens dispatched to their experts' ranks, or combined back
 )
 # `gpu_decompress`: a second GPU unit for lossless weight decompression running beside the compute
 # stream (FluxMoE's compressed tier); a schedule may instead put decompression on `gpu` itself
 # `fabric`: the GPU-to-GPU links of a tensor-parallel group, busy with its all-reduces
 RESOURCES = ("gpu", "pcie_h2d", "pcie_d2h", "nvme", "host", "cpu", "gpu_decompress", "fabric")
+# A resource of one GPU of several (expert parallelism's ranks, each with its own GPU, links, host
+# thread and fabric port): `gpu@1` is rank 1's GPU. An unranked name is the one GPU of a schedule,
+# or a resource the ranks share (the host CPU). GPU memory is per rank too: a buffer named `NAME@k`
+# lives on rank k's GPU.
+RANK_MARK = "@"
+COLLECTIVE_CATEGORIES = ("allreduce", "alltoall")  # what runs on `fabric`, and nowhere else
+
+
+def ranked(resource: str, rank: int) -> str:
+    """Rank `rank`'s own `resource` (`ranked("gpu", 1) == "gpu@1"`)."""
+    return f"{resource}{RANK_MARK}{rank}"
+
+
+def base_resource(resource: str) -> str:
+    """What a (possibly ranked) resource is: `gpu@1` -> `gpu`."""
+    return resource.partition(RANK_MARK)[0]
+
+
+def resource_rank(resource: str) -> int:
+    """The rank a resource or buffer name belongs to (`gpu@1` -> 1); -1 when it has none (or a
+    malformed one: the schedule's check names it)."""
+    _, mark, rank = resource.rpartition(RANK_MARK)
+    return int(rank) if mark and rank.isdigit() and str(int(rank)) == rank else -1
+
+
 ALLREDUCE_STREAM = "allreduce"  # the stream of a tensor-parallel schedule's all-reduces (on `fabric`)
 HOST_STREAM = "host"
 # What each link carries (the runtime copies so, and the simulator times a copy on its link: an

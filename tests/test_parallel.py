@@ -380,7 +380,7 @@ def test_expert_parallel_ranks_offload_what_does_not_fit_and_pay_for_its_copies(
 
 
 def test_offloading_keeps_each_ranks_most_used_experts_on_its_gpu():
-    from klotski_sim.parallel.decode import _offload
+    from klotski_sim.parallel.decode import STAGING_SLOTS, _offload
 
     model = type(get_model("tiny-mixtral"))(**{**get_model("tiny-mixtral").__dict__, "num_experts": 8, "num_layers": 1})
     placement = round_robin(8, 2)  # rank 0: experts 0, 2, 4, 6; rank 1: 1, 3, 5, 7
@@ -389,14 +389,15 @@ def test_offloading_keeps_each_ranks_most_used_experts_on_its_gpu():
     from klotski_sim.hardware.profile import with_overrides
 
     profile = load_profile("h200")
-    room_for_two = fixed + 2.5 * model.expert_bytes() + profile.gpu.reserved_bytes
-    profile = with_overrides(profile, {"gpu.memory_bytes": room_for_two})
+    room_for_one = fixed + (1 + STAGING_SLOTS + 0.5) * model.expert_bytes() + profile.gpu.reserved_bytes
+    profile = with_overrides(profile, {"gpu.memory_bytes": room_for_one})
     setup = ParallelSetup(2, "ep")
     offload = _offload(model, profile, setup, {0: placement}, {0: load}, 4, np.array([0, 0]))
     assert offload is not None
-    assert set(np.flatnonzero(offload.on_gpu[0][:, 0])) == {4, 2}  # rank 0's two most used
-    assert set(np.flatnonzero(offload.on_gpu[0][:, 1])) == {1, 5}
-    assert offload.host_bytes == 2 * model.expert_bytes()
+    assert set(np.flatnonzero(offload.on_gpu[0][:, 0])) == {4}  # rank 0's most used
+    assert set(np.flatnonzero(offload.on_gpu[0][:, 1])) == {1}
+    assert offload.host_bytes == 3 * model.expert_bytes()
+    assert offload.staging_bytes == STAGING_SLOTS * model.expert_bytes()  # (where the copies land)
     too_small = with_overrides(profile, {"gpu.memory_bytes": profile.gpu.reserved_bytes + fixed / 2})
-    with pytest.raises(UsageError, match="non-expert weights, replica slots and KV cache alone"):
+    with pytest.raises(UsageError, match="non-expert weights, replica slots and KV cache and 2 experts' staging"):
         _offload(model, too_small, setup, {0: placement}, {0: load}, 4, np.array([0, 0]))

@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
+import re
+from pathlib import Path
 
-from klotski_sim.cli.common import CliError
+from klotski_sim.cli.common import CliError, output_folder
 from klotski_sim.cli.run_args import spec_from_args
+from klotski_sim.core.timeline import jsonable
+from klotski_sim.files.outfiles import OutputFiles
 from klotski_sim.parallel.decode import PARALLELISMS, ParallelResult, ParallelSetup, machine_fabric, simulate_decode
+from klotski_sim.parallel.events import EventRun, simulate_ep_events
 from klotski_sim.parallel.placement import PLACEMENTS
+from klotski_sim.report.exports import to_chrome_trace, to_csv
 from klotski_sim.runs.runner import make_replay, resolve_profile
 from klotski_sim.util.argtypes import name_list
 from klotski_sim.util.errors import UsageError
@@ -48,26 +55,51 @@ def setups(args: argparse.Namespace) -> list[ParallelSetup]:
     return rows
 
 
-def format_results(rows: list[tuple[ParallelSetup, ParallelResult | str]]) -> str:
+def format_results(
+    rows: list[tuple[ParallelSetup, ParallelResult | str]], events: dict[ParallelSetup, EventRun] | None = None
+) -> str:
+    """One line per configuration; with `events` (the event engine's runs, by setup) two more
+    columns: the GPU bubbles a step of the rank that waits most, and the prefetched copies used."""
     done = [r for _, r in rows if isinstance(r, ParallelResult)]
     best = max((r.tokens_per_s for r in done), default=0.0)
     lines = [
         f"{'configuration':38} {'step ms':>8} {'tok/s':>9} {'vs best':>7} {'load max/mean':>13} "
         f"{'all-to-all MB':>13} {'collect. ms':>11} {'util min-max':>12} {'GB/rank':>7} {'replicas GB':>11} "
-        f"{'host GB/rank':>12} {'H2D GB/step':>11}"
+        f"{'host GB/rank':>12} {'H2D GB/step':>11}" + (f" {'bubbles ms':>10} {'prefetch used':>13}" if events else "")
     ]
     for setup, result in rows:
         if isinstance(result, str):
             lines.append(f"{setup.label:38} refused: {result}")
             continue
         util = f"{min(result.utilisation):.0%}-{max(result.utilisation):.0%}"
-        lines.append(
+        line = (
             f"{setup.label:38} {result.step_s * 1e3:8.2f} {result.tokens_per_s:9.1f} {result.tokens_per_s / best:7.2f} "
             f"{result.load_imbalance:13.3f} {result.all_to_all_bytes / 1e6:13.2f} {result.collective_s * 1e3:11.2f} "
             f"{util:>12} {result.rank_bytes / 1e9:7.1f} {result.replica_bytes / 1e9:11.2f} "
             f"{result.offloaded_bytes / 1e9:12.1f} {result.streamed_bytes / 1e9:11.2f}"
         )
+        run = (events or {}).get(setup)
+        if run is not None:
+            used = f"{run.prefetch_used}/{run.prefetched}" if run.prefetched else "-"
+            line += f" {max(run.bubble_s) * 1e3:10.2f} {used:>13}"
+        elif events:
+            line += f" {'-':>10} {'-':>13}"
+        lines.append(line)
     return "\n".join(lines)
+
+
+def write_event_runs(out: Path, events: dict[ParallelSetup, EventRun]) -> None:
+    """Each EP configuration's timeline into `out/<configuration>/`: trace.json.gz (every rank's
+    streams, for Perfetto), timeline.csv, and ranks.json (each rank's one-GPU summary)."""
+    for setup, run in events.items():
+        folder = out / re.sub(r"[^a-z0-9]+", "-", setup.label.lower()).strip("-")
+        folder.mkdir(parents=True, exist_ok=True)
+        with OutputFiles(folder) as files:
+            to_chrome_trace(run.timeline, files.path("trace.json.gz"))
+            to_csv(run.timeline, files.path("timeline.csv"))
+            ranks = [run.timeline.rank_view(k).summary().to_dict() for k in run.timeline.ranks()]
+            files.path("ranks.json").write_text(json.dumps(jsonable(ranks), indent=2))
+            files.commit()
 
 
 def cmd_parallel(args: argparse.Namespace) -> int:
@@ -84,6 +116,10 @@ def cmd_parallel(args: argparse.Namespace) -> int:
         )
         if given
     ]
+    if args.timing != "events":
+        extra = [flag for flag, given in (("--prefetch", args.prefetch), (f"--out {args.out}", args.out)) if given]
+        if extra:
+            raise CliError(f"{', '.join(extra)}: only with --timing events (the event engine's runs)")
     if ignored:
         raise CliError(
             f"{', '.join(ignored)}: parallel times decode steps with every weight resident on the GPUs, so "
@@ -98,12 +134,18 @@ def cmd_parallel(args: argparse.Namespace) -> int:
     if spec.gen_len < 2:
         raise CliError(f"--gen-len {spec.gen_len}: parallel times decode steps; give at least 2")
     machine_fabric(profile, args.gpus)  # (a machine that cannot: said once, before any routing is drawn)
+    out = output_folder(args.out) if args.out else None
     wanted = setups(args)
     _, rep = make_replay(spec, model, spec.num_batches or 1)
     rows: list[tuple[ParallelSetup, ParallelResult | str]] = []
+    events: dict[ParallelSetup, EventRun] = {}
     for setup in wanted:
         try:
-            rows.append((setup, simulate_decode(model, profile, rep.routing, setup)))
+            if args.timing == "events" and setup.parallelism == "ep":
+                run = events[setup] = simulate_ep_events(model, profile, rep.routing, setup, prefetch=args.prefetch)
+                rows.append((setup, run.result))
+            else:
+                rows.append((setup, simulate_decode(model, profile, rep.routing, setup)))
         except UsageError as refused:  # this configuration's memory: a row, the others still run
             rows.append((setup, str(refused).split(": ", 1)[-1]))
     shape = rep.routing.shape
@@ -112,10 +154,19 @@ def cmd_parallel(args: argparse.Namespace) -> int:
         f"{shape.num_sequences} sequences, prompt {shape.prompt_len}, {shape.gen_len - 1} decode steps timed; "
         f"routing: {rep.routing.source or spec.routing}"
     )
-    print(format_results(rows))
+    print(format_results(rows, events if args.timing == "events" else None))
     print(
         "placement and grouping from the prompts' routing, replicas for a step from the step before; EP ranks "
         "keep the experts that do not fit in host memory (host GB/rank) and copy the used ones each step "
         "(H2D GB/step) (klotski_sim/parallel/decode.py)"
+        + (
+            "; EP timed in the event engine, each rank's GPU, link and fabric port its own (parallel/events.py)"
+            + (", each rank prefetching the experts it computed a step before" if args.prefetch else "")
+            if args.timing == "events"
+            else ""
+        )
     )
+    if out is not None and events:
+        write_event_runs(out, events)
+        print(f"timelines of {len(events)} EP configuration(s) in {out}/")
     return 0 if any(isinstance(r, ParallelResult) for _, r in rows) else 3

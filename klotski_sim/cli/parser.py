@@ -300,6 +300,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="EP: spare expert slots per rank and layer for replicas of the experts predicted overloaded (default: 0)",
     )
     p.add_argument("--group", action="store_true", help="EP: also group sequences onto the ranks of their experts")
+    p.add_argument(
+        "--timing",
+        choices=("analytic", "events"),
+        default="analytic",
+        help="EP: each layer as its slowest rank's phases in a row (analytic), or the event engine with each "
+        "rank's GPU, PCIe link and fabric port its own resources (events; per-rank bubbles) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="EP with --timing events: each offloading rank copies in, as it enters a layer, the experts it "
+        "computed there a step before and does not hold",
+    )
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        help="with --timing events: each EP configuration's timeline (every rank's streams) in DIR/<configuration>/",
+    )
     p.set_defaults(func=cmd_parallel)
 
     p = sub.add_parser("models", help="list model presets with their sizes")

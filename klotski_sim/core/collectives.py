@@ -67,11 +67,22 @@ def all_to_all_seconds(sent: np.ndarray, fabric: FabricSpec) -> float:
     what a rank keeps, costs nothing). Each round's time is its largest message over the bandwidth;
     a rank sends one message and receives one a round, so its link is never shared within one."""
     sent = np.asarray(sent, dtype=float)
+    return all_to_all_time(critical_bytes(sent), sent.shape[0], fabric)
+
+
+def critical_bytes(sent: np.ndarray) -> float:
+    """What a pairwise-exchange all-to-all of the byte matrix `sent` waits for: the sum over its
+    rounds of the round's largest message (an event-engine op of the exchange carries it as its bytes)."""
+    sent = np.asarray(sent, dtype=float)
     gpus = sent.shape[0]
     if sent.shape != (gpus, gpus):
         raise UsageError(f"an all-to-all's byte matrix must be square, got {sent.shape}")
+    ranks = np.arange(gpus)
+    return sum(float(sent[ranks, (ranks + r) % gpus].max()) for r in range(1, gpus))
+
+
+def all_to_all_time(critical: float, gpus: int, fabric: FabricSpec) -> float:
+    """A pairwise-exchange all-to-all over `gpus` GPUs whose rounds' largest messages sum to `critical` bytes."""
     if gpus <= 1:
         return 0.0
-    ranks = np.arange(gpus)
-    largest = sum(float(sent[ranks, (ranks + r) % gpus].max()) for r in range(1, gpus))
-    return _alpha(fabric, gpus - 1) + largest / fabric.bandwidth
+    return _alpha(fabric, gpus - 1) + critical / fabric.bandwidth

@@ -17,9 +17,10 @@ from collections import namedtuple
 from operator import itemgetter
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
-from klotski_sim.core.collectives import best_all_reduce
+from klotski_sim.core.collectives import all_to_all_time, best_all_reduce
 from klotski_sim.core.schedule import DEFAULT_STREAMS, Op
 from klotski_sim.hardware.profile import HardwareProfile, MeasuredPoint
+from klotski_sim.names import base_resource, resource_rank
 from klotski_sim.util.errors import KlotskiError, UsageError
 
 if TYPE_CHECKING:
@@ -231,11 +232,24 @@ class CostModel:
         """What a host op costs beyond its wait: the host-sync round trip."""
         return self.profile.gpu.host_sync_latency_s
 
-    def duration(self, op: Op, resource: str) -> float:
+    def all_to_all_seconds(self, critical_bytes: float, ranks: int) -> float:
+        """An expert-parallel all-to-all over `ranks` GPUs of the profile's fabric, by pairwise
+        exchange (collectives.all_to_all_time; `critical_bytes`: its rounds' largest messages)."""
+        if self.profile.fabric is None or ranks > self.profile.fabric.gpus:
+            raise UsageError(
+                f"hardware profile {self.profile.name!r} has no fabric of {ranks} GPUs, but the schedule "
+                f"exchanges tokens over one (pick a profile with a `fabric:` section: h200, h20, l40s)"
+            )
+        return all_to_all_time(critical_bytes, ranks, self.profile.fabric)
+
+    def duration(self, op: Op, resource: str, ranks: int = 1) -> float:
+        """Op's seconds on `resource` (a rank's own resource costs as its kind); `ranks`: the GPUs of
+        the schedule, which its all-to-alls span."""
         if self.override is not None:
             value = self.override(op)
             if value is not None:
                 return value
+        resource = base_resource(resource)
         if op.kind == "transfer":
             return self.transfer_seconds(resource, op.bytes, op.pageable)
         if op.kind == "host":
@@ -245,6 +259,8 @@ class CostModel:
         if op.category == "decompress":
             return self.decompress_seconds(op.bytes)
         if resource == "fabric":
+            if op.category == "alltoall":
+                return self.all_to_all_seconds(op.bytes, ranks)
             return self.all_reduce_seconds(op.bytes)
         return self.compute_seconds(
             op.category, op.flops, op.bytes, op.tokens, op.kv_len, op.phase, op.variant, max(1, len(op.batches))
@@ -257,6 +273,7 @@ class CostModel:
         handed to its worker, a decompression or a collective one call (`gpu.copy_issue_s` for
         copies where calibrated); a host op nothing (the thread waits in it, timed by the op)."""
         gpu = self.profile.gpu
+        resource = base_resource(resource)
         if op.kind == "host":
             return 0.0
         if op.kind == "transfer":
@@ -273,8 +290,14 @@ class CostModel:
         """Every op's duration. Ops that differ only in id, tags and deps last equally long, and a
         schedule has few distinct ones: each is costed once (unless an override sees every op)."""
         if self.override is not None:
-            return [self.duration(op, streams[op.stream]) for op in ops]
+            ranks = schedule_ranks(streams)
+            return [self.duration(op, streams[op.stream], ranks) for op in ops]
         return list(map(_CostedOnce(self, streams).__getitem__, map(_COSTED_FIELDS, ops)))
+
+
+def schedule_ranks(streams: Mapping[str, str]) -> int:
+    """The GPUs a schedule's streams span: its ranks (1 for a schedule of one GPU)."""
+    return max(1, len({resource_rank(r) for r in streams.values()} - {-1}))
 
 
 class _CostedOnce(dict):
@@ -283,11 +306,11 @@ class _CostedOnce(dict):
 
     def __init__(self, cost: CostModel, streams: Mapping[str, str]) -> None:
         super().__init__()
-        self.cost, self.streams = cost, streams
+        self.cost, self.streams, self.ranks = cost, streams, schedule_ranks(streams)
 
     def __missing__(self, key: tuple) -> float:
         costed = _Costed(*key)
-        value = self[key] = self.cost.duration(costed, self.streams[costed.stream])  # type: ignore[arg-type]
+        value = self[key] = self.cost.duration(costed, self.streams[costed.stream], self.ranks)  # type: ignore[arg-type]
         return value
 
 

@@ -50,6 +50,7 @@ from klotski_sim.core.cost import CostModel
 from klotski_sim.core.schedule import Schedule, ScheduleError, gc_paused, topological_order
 from klotski_sim.core.timeline import OutOfMemory, Timeline
 from klotski_sim.hardware.profile import HardwareProfile
+from klotski_sim.names import base_resource, resource_rank
 from klotski_sim.util.errors import UsageError
 
 
@@ -64,8 +65,9 @@ def resource_capacities(schedule: Schedule, profile: HardwareProfile) -> dict[st
     engines."""
     caps = {}
     for resource in set(schedule.streams.values()):
+        kind = base_resource(resource)  # (each rank's own resource has the units of its kind)
         caps[resource] = (
-            1 if resource in ("gpu", "host", "cpu", "gpu_decompress", "fabric") else profile.link(resource).copy_engines
+            1 if kind in ("gpu", "host", "cpu", "gpu_decompress", "fabric") else profile.link(kind).copy_engines
         )
     return dict(sorted(caps.items()))
 
@@ -84,6 +86,7 @@ class EngineRun:
     peak_gpu_bytes: int
     memory_trace: list[tuple[float, int]]
     capacities: dict[str, int]
+    rank_peaks: tuple[int, ...] = ()  # a schedule of several ranks: each rank's GPU memory peak
 
     @property
     def makespan(self) -> float:
@@ -111,7 +114,11 @@ def simulate(
         memory_trace=result.memory_trace,
         capacities=result.capacities,
         source="simulated",
-        extra_meta={"hardware": profile.name, "gpu_capacity_bytes": int(profile.gpu.usable_bytes)},
+        extra_meta={
+            "hardware": profile.name,
+            "gpu_capacity_bytes": int(profile.gpu.usable_bytes) * max(1, len(result.rank_peaks)),
+            **({"rank_peak_gpu_bytes": list(result.rank_peaks)} if result.rank_peaks else {}),
+        },
     )
 
 
@@ -154,26 +161,40 @@ class IssuingThread:
         # the CUDA runtime's order (topological_order): list order, unless a dep points forward; ops on
         # a cycle (a schedule built without its check) never start: they come last
         before: list[int] | None = None
+        streams = np.asarray(schedule.column("stream"), dtype=object)
+        # each rank of several has a thread of its own (a process per GPU, as torchrun and vLLM's
+        # workers run them) issuing its own ops; unranked ops are the first thread's
+        rank_of_stream = {s: max(0, resource_rank(r)) for s, r in schedule.streams.items()}
+        threads = len(set(rank_of_stream.values()))
         if graph.forward:
             topo = topological_order(schedule)
             placed = np.zeros(n, dtype=bool)
             placed[topo] = True
             order = np.concatenate([np.asarray(topo, dtype=np.int64), np.flatnonzero(~placed)])
-            previous = np.full(n, -1, dtype=np.int64)
-            previous[order[1:]] = order[:-1]
-            before = previous.tolist()
         else:
             order = np.arange(n)
+        thread = np.zeros(n, dtype=np.int64)
+        if threads > 1:  # each thread's ops in program order, one thread's after another's
+            thread = np.fromiter(map(rank_of_stream.__getitem__, streams), dtype=np.int64, count=n)
+            order = order[np.argsort(thread[order], kind="stable")]
+        if graph.forward or threads > 1:
+            previous = np.full(n, -1, dtype=np.int64)
+            previous[order[1:]] = np.where(thread[order[1:]] == thread[order[:-1]], order[:-1], -1)
+            before = previous.tolist()
         in_order = np.asarray(costs, dtype=float)[order]  # (a host op costs 0: the thread waits in it)
-        passed = np.cumsum(in_order)  # the thread's issuing time up to and with each position
-        host_streams = [s for s, r in schedule.streams.items() if r == "host"]
-        streams = np.asarray(schedule.column("stream"), dtype=object)
+        passed = np.cumsum(in_order)  # the issuing time up to and with each position (all threads in a row)
+        host_streams = [s for s, r in schedule.streams.items() if base_resource(r) == "host"]
         host_at = np.flatnonzero(np.isin(streams[order], host_streams))  # positions of host ops
         segment = np.searchsorted(host_at, np.arange(n), side="left") - 1  # the last host position before
-        seen = segment >= 0
         last_host = host_at[np.maximum(segment, 0)] if len(host_at) else np.zeros(n, dtype=np.int64)
+        thread_at = thread[order]
+        seen = (segment >= 0) & (thread_at[last_host] == thread_at)  # (a host op of the same thread)
+        # where nothing blocked a thread yet, its time counts from its own first op
+        first = np.concatenate(([True], thread_at[1:] != thread_at[:-1]))
+        thread_start = np.maximum.accumulate(np.where(first, np.arange(n), 0))
+        before_thread = np.where(thread_start > 0, passed[np.maximum(thread_start - 1, 0)], 0.0)
         reach = np.empty(n)
-        reach[order] = passed - in_order - np.where(seen, passed[last_host], 0.0)
+        reach[order] = passed - in_order - np.where(seen, passed[last_host], before_thread)
         after_host = np.full(n, -1, dtype=np.int64)
         after_host[order] = np.where(seen, order[last_host], -1)
         # the ops issued after a host op that no edge of the graph makes wait for it
@@ -231,7 +252,7 @@ def _simulate(
     ready_at, start, end, blocker = [nan] * n, [nan] * n, [nan] * n, [-1] * n
     # host ops: when the host thread reached them (their host-stream predecessor ended)
     # (a host op is an op of a host stream: the schedule's check allows no other kind there, nor a host op elsewhere)
-    is_host = list(map({s: r == "host" for s, r in schedule.streams.items()}.__getitem__, stream_names))
+    is_host = list(map({s: base_resource(r) == "host" for s, r in schedule.streams.items()}.__getitem__, stream_names))
     arrival = [0.0] * n  # (read of host ops alone)
     # a dependency on another stream is seen `latency` after it ends (event signalling)
     latency = profile.gpu.dependency_latency_s
@@ -246,7 +267,13 @@ def _simulate(
     preloaded = sum(size for _, size in schedule.preloaded)
     buffers: dict[str, int] = dict(schedule.preloaded)
     memory_trace: list[tuple[float, int]] = [(0.0, preloaded)]
-    mem = [preloaded, preloaded]  # in use, peak
+    mem = [preloaded, preloaded]  # in use, peak (of all ranks together)
+    # GPU memory of each rank of several, each with the profile's capacity (a buffer NAME@k is rank k's)
+    ranks = sorted({resource_rank(r) for r in schedule.streams.values()} - {-1})
+    rank_in_use = [0] * (ranks[-1] + 1) if ranks else []
+    for name, size in schedule.preloaded if ranks else ():
+        rank_in_use[resource_rank(name)] += size
+    rank_peak = list(rank_in_use)
     oom: list[OutOfMemory] = []
     # The event heap: (time, order, code), `order` counting pushes so that events of one time come
     # out first pushed, first out; code i >= 0: op i ends; code ~s < 0: a dependency of op s on
@@ -259,6 +286,31 @@ def _simulate(
     single = [caps[r] == 1 for r in resources]
     busy_until = [0.0] * len(resources)
 
+    def rank_allocate(alloc: tuple[tuple[str, int], ...], i: int, now: float) -> bool:
+        """Op i's buffers taken on their ranks' GPUs; False (and the run's end) when one lacks room."""
+        wanted: dict[int, int] = {}
+        for name, size in alloc:
+            k = resource_rank(name)
+            wanted[k] = wanted.get(k, 0) + size
+        for k, size in wanted.items():
+            if rank_in_use[k] + size > capacity:
+                oom.append(
+                    OutOfMemory(
+                        op_id=ops[i].id,
+                        time=now,
+                        needed_bytes=rank_in_use[k] + size,
+                        available_bytes=capacity,
+                        in_use_bytes=rank_in_use[k],
+                        detail=f"rank {k}'s GPU",
+                    )
+                )
+                return False
+        for k, size in wanted.items():
+            rank_in_use[k] += size
+            if rank_in_use[k] > rank_peak[k]:
+                rank_peak[k] = rank_in_use[k]
+        return True
+
     def dispatch(r: int, now: float) -> None:
         """Start queued ops on resource r while it has free units."""
         queue = queues[r]
@@ -267,7 +319,10 @@ def _simulate(
             alloc = alloc_of[i]
             if alloc:
                 need = alloc[0][1] if len(alloc) == 1 else sum(size for _, size in alloc)  # (mostly one buffer)
-                if mem[0] + need > capacity:
+                if ranks:
+                    if not rank_allocate(alloc, i, now):
+                        return
+                elif mem[0] + need > capacity:
                     oom.append(
                         OutOfMemory(
                             op_id=ops[i].id,
@@ -294,7 +349,19 @@ def _simulate(
             busy_until[r] = done
             heappush(events, (done, next(order), i))
 
-    if preloaded > capacity:
+    if ranks and max(rank_in_use) > capacity:
+        k = rank_in_use.index(max(rank_in_use))
+        oom.append(
+            OutOfMemory(
+                op_id="<preloaded>",
+                time=0.0,
+                needed_bytes=rank_in_use[k],
+                available_bytes=capacity,
+                in_use_bytes=0,
+                detail=f"rank {k}'s GPU",
+            )
+        )
+    elif not ranks and preloaded > capacity:
         oom.append(
             OutOfMemory(op_id="<preloaded>", time=0.0, needed_bytes=preloaded, available_bytes=capacity, in_use_bytes=0)
         )
@@ -328,7 +395,10 @@ def _simulate(
                         f"op {ops[i].id!r} frees buffer {name!r}, which is not allocated when "
                         f"the op ends (freed twice, or a dependency on its allocator is missing)"
                     )
-                mem[0] -= buffers.pop(name)
+                size = buffers.pop(name)
+                mem[0] -= size
+                if ranks:
+                    rank_in_use[resource_rank(name)] -= size
             memory_trace.append((now, mem[0]))
         r = resource_of[i]
         free_units[r] += 1
@@ -393,4 +463,6 @@ def _simulate(
         shown = ", ".join(stuck[:10]) + (f" ... ({len(stuck)} in all)" if len(stuck) > 10 else "")
         raise EngineDeadlock(f"deadlock: {len(stuck)} op(s) can never start: {shown}")
 
-    return EngineRun(start, end, ready_at, blocker, oom[0] if oom else None, mem[1], memory_trace, caps)
+    return EngineRun(
+        start, end, ready_at, blocker, oom[0] if oom else None, mem[1], memory_trace, caps, tuple(rank_peak)
+    )

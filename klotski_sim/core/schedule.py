@@ -27,15 +27,19 @@ import numpy as np
 
 from klotski_sim.files.textfile import DuplicateKeyError, read_text, unique_json_keys
 from klotski_sim.names import (  # noqa: F401
+    COLLECTIVE_CATEGORIES,
     COMPUTE_CATEGORIES,
     CPU_STREAMS,
     DEFAULT_STREAMS,
     HOST_STREAM,
     KINDS,
     LINK_DIRECTIONS,
+    RANK_MARK,
     RESOURCES,
     TENSORS,
     TIERS,
+    base_resource,
+    resource_rank,
 )
 from klotski_sim.util.errors import KlotskiError
 
@@ -275,15 +279,18 @@ class Schedule:
         contradict stream order, and cycles. Every message names the op. (The dependency graph
         built on the way is kept: the engine and the runtime use it.)"""
         for stream, resource in self.streams.items():
-            if resource not in RESOURCES:
+            if base_resource(resource) not in RESOURCES or (RANK_MARK in resource and resource_rank(resource) < 0):
                 raise ScheduleError(
-                    f"stream {stream!r} maps to unknown resource {resource!r}; resources: {', '.join(RESOURCES)}"
+                    f"stream {stream!r} maps to unknown resource {resource!r}; resources: {', '.join(RESOURCES)} "
+                    f"(one rank's own: NAME{RANK_MARK}RANK, e.g. gpu{RANK_MARK}1)"
                 )
         ops = self.ops
         # every op's fields checked, and the few that the rest of the check reads taken on the way
         # (while the op is at hand: at 300k ops a pass over them costs a cache miss per op), with
-        # those a timeline's summary reads
-        taken = list(map(_check_op_fields, ops, repeat(self.streams)))
+        # those a timeline's summary reads; an op is checked against what its resource is, whichever
+        # rank's it is
+        kinds_of = {stream: base_resource(resource) for stream, resource in self.streams.items()}
+        taken = list(map(_check_op_fields, ops, repeat(kinds_of)))
         ids = list(map(itemgetter(0), taken))
         for k, name in enumerate(_TAKEN_COLUMNS, start=2):
             self._columns[name] = list(map(itemgetter(k), taken))
@@ -317,6 +324,13 @@ class Schedule:
                     if name in allocated:
                         raise ScheduleError(f"op {op.id!r} allocates buffer {name!r}, which is already allocated")
                     allocated.add(name)
+        if any(RANK_MARK in resource for resource in self.streams.values()):  # GPU memory is per rank
+            unranked = next((name for name in sorted(allocated) if resource_rank(name) < 0), None)
+            if unranked is not None:
+                raise ScheduleError(
+                    f"buffer {unranked!r}: a schedule of several ranks keeps each GPU buffer on one rank's GPU, "
+                    f"named NAME{RANK_MARK}RANK"
+                )
         freed = list(chain.from_iterable(self.column("free")))
         if not allocated.issuperset(freed):
             for op in ops:
@@ -579,10 +593,10 @@ def _check_op_fields(op: Op, streams: Mapping[str, str]) -> tuple[Any, ...]:
             raise ScheduleError(f"op {op_id!r}: a host op cannot allocate or free GPU buffers")
     elif resource not in ("gpu", "cpu", "gpu_decompress", "fabric"):
         raise ScheduleError(f"op {op_id!r}: compute op placed on {resource} stream {stream!r}")
-    elif (resource == "fabric") != (category == "allreduce"):
+    elif (resource == "fabric") != (category in COLLECTIVE_CATEGORIES):
         raise ScheduleError(
-            f"op {op_id!r}: category {category!r} on {resource} stream {stream!r}: the fabric runs all-reduces "
-            f"(category allreduce) and nothing else runs them"
+            f"op {op_id!r}: category {category!r} on {resource} stream {stream!r}: the fabric runs collectives "
+            f"(category {' or '.join(COLLECTIVE_CATEGORIES)}) and nothing else runs them"
         )
     elif resource == "cpu" and alloc:
         raise ScheduleError(f"op {op_id!r}: a CPU compute op cannot allocate GPU buffers")

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Collection, Iterator, Mapping, Sequence
 import numpy as np
 
 from klotski_sim.core.schedule import Op, gc_paused
+from klotski_sim.names import base_resource, resource_rank
 from klotski_sim.util.grouping import factorize, group_sums, is_missing
 from klotski_sim.util.lazy import pd  # (imported when first used: klotski_sim/util/lazy.py; a summary never imports it)
 from klotski_sim.util.units import memory_text
@@ -235,6 +236,36 @@ class Timeline:
         """Which rows have `value` in the text column `name` (a boolean mask)."""
         codes, values = self.codes(name)
         return codes == values.index(value) if value in values else np.zeros(len(codes), dtype=bool)
+
+    def ranks(self) -> list[int]:
+        """The ranks of a run on several GPUs (each with resources of its own, `gpu@1`); [] for one GPU."""
+        return sorted({resource_rank(str(r)) for r in self.codes("resource")[1]} - {-1})
+
+    def rank_view(self, rank: int) -> "Timeline":
+        """Rank `rank`'s ops alone, its resources named as one GPU's (`gpu@1` -> `gpu`): every metric
+        of a one-GPU timeline (bubbles, utilisation, lower bound) then means the same for that rank.
+        A rank's GPU waits for the others through its own collectives, so a gap a slower rank caused
+        shows as `alltoall`; a blocker on another rank's resources is left out (cause `unknown`)."""
+        codes, resources = self.codes("resource")
+        mine = [k for k, r in enumerate(resources) if resource_rank(str(r)) == rank]
+        if not mine:
+            raise KeyError(f"rank {rank}: the timeline's ranks are {self.ranks()}")
+        rows = np.flatnonzero(np.isin(codes, mine))
+        columns = {name: np.asarray(self.columns[name])[rows] for name in self.columns}
+        columns["resource"] = _objects([base_resource(str(r)) for r in columns["resource"]])
+        ids = set(columns["op_id"].tolist())
+        blocked = columns["blocked_by"]
+        columns["blocked_by"] = _objects([b if b in ids else "" for b in blocked.tolist()])
+        meta = dict(self.meta)
+        peaks = meta.get("rank_peak_gpu_bytes") or []
+        meta.update(
+            rank=rank,
+            num_ops=len(rows),
+            peak_gpu_bytes=int(peaks[rank]) if rank < len(peaks) else 0,
+            gpu_capacity_bytes=int(meta.get("gpu_capacity_bytes", 0)) // max(1, len(self.ranks())),
+            capacities={base_resource(r): u for r, u in dict(meta.get("capacities") or {}).items()},
+        )
+        return Timeline(columns, meta)
 
     # ---- metrics ----------------------------------------------------------------------------
     def busy_seconds(self) -> dict[str, float]:

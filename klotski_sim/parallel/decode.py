@@ -17,13 +17,15 @@ are one fused kernel, as in the engines that run EP and TP (vLLM's fused_moe; th
 use, so a replica splits the tokens but reads its expert's weights again.
 
 Weights that do not fit (EP): each rank keeps on its GPU as many of its experts of every layer as its
-memory leaves after the non-expert weights, its spare replica slots and its sequences' KV cache — the
-ones its layer's prompts used most — and the others in host memory. A decode step copies each used
+memory leaves after the non-expert weights, its spare replica slots, its sequences' KV cache and two
+staging slots for the experts it copies in — the ones its layer's prompts used most — and the others
+in host memory. A decode step copies each used
 host-resident expert to its rank over the rank's own PCIe link once its tokens arrive (the dispatch
 ends), the ranks' links sharing the host's memory bandwidth (the profile's `cpu.memory_bandwidth`);
 the rank computes its resident experts while they load and each loaded one as it lands, so its expert
 phase lasts max(compute, loads + one expert's compute): per-rank offloading in Klotski's order (hot,
-resident experts first) without its prefetch. A configuration whose non-expert weights, replicas and
+resident experts first) without its prefetch (`parallel.events` times the same plan in the event
+engine, with per-rank resources and, on request, each rank's prefetch). A configuration whose non-expert weights, replicas and
 KV cache alone exceed a GPU, or whose offloaded experts exceed host memory, is refused with the numbers.
 Placement, replication and grouping decide from routing already seen: the experts are placed and
 sequences grouped from the prompts' routing (prefill-to-decode correlation), replicas for a step
@@ -33,6 +35,7 @@ are predicted from the step before it; nothing reads the routing of the step it 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -45,6 +48,9 @@ from klotski_sim.workload.model import ModelSpec
 from klotski_sim.workload.routing import RoutingTable
 
 PARALLELISMS = ("ep", "tp")
+# GPU memory slots an offloading EP rank keeps for the experts it copies in: two, so one expert lands
+# while the one before it computes (the double buffer of Klotski's and FlexGen's weight copies)
+STAGING_SLOTS = 2
 
 
 @dataclass(frozen=True)
@@ -152,83 +158,75 @@ def dispatch_bytes(compute_rank: np.ndarray, home_rank: np.ndarray, ranks: int, 
     return sent
 
 
-def simulate_decode(
+@dataclass(frozen=True)
+class EpLayer:
+    """One MoE layer of one decode step under EP, as the plan decides it: the placement with this
+    step's replicas, the tokens each rank computes of each expert (`assigned[e, r]`), which rank
+    computes each token's experts (`compute_rank[t, slot]`) and the bytes each rank dispatches to
+    each other (`sent[i, j]`; combine sends them back)."""
+
+    step: int  # decode step, 0-based (the run's step step + 1)
+    layer: int
+    placement: ExpertPlacement
+    assigned: np.ndarray
+    compute_rank: np.ndarray
+    sent: np.ndarray
+
+
+@dataclass(frozen=True)
+class EpPlan:
+    """What expert parallelism decides before anything is timed, from routing already seen
+    (module docstring): each sequence's rank, each layer's placement, what stays in host memory,
+    and per decode step and MoE layer the tokens' ranks. The analytic timing (`simulate_decode`)
+    and the event engine's (`parallel.events`) both read it."""
+
+    setup: ParallelSetup
+    home_rank: np.ndarray  # [sequence] its rank
+    seqs_on: np.ndarray  # [rank] its sequences
+    offload: "Offload | None"
+    layers: tuple[EpLayer, ...]  # in step, then layer order
+    replica_bytes: float  # per rank at most
+
+    @property
+    def imbalance(self) -> list[float]:
+        """Per step and MoE layer: the busiest rank's expert tokens over the mean."""
+        loads = [layer.assigned.sum(axis=0) for layer in self.layers]
+        return [float(per_rank.max() / max(per_rank.mean(), 1e-12)) for per_rank in loads]
+
+
+def plan_expert_parallel(
     model: ModelSpec, profile: HardwareProfile, routing: RoutingTable, setup: ParallelSetup
-) -> ParallelResult:
-    """Every decode step of `routing` on `setup.gpus` GPUs of `profile` (see the module's docstring)."""
-    fabric = machine_fabric(profile, setup.gpus)
-    if setup.parallelism not in PARALLELISMS:
-        raise UsageError(f"parallelism {setup.parallelism!r}: one of {', '.join(PARALLELISMS)}")
-    shape, G = routing.shape, setup.gpus
-    if setup.parallelism == "tp" and model.mla:
-        raise UsageError(mla_tensor_parallel(model))
-    if setup.parallelism == "tp":  # (the group's model: KV heads copied where the ranks outnumber them)
-        check_splits(model, G)
-        model = kv_replicated(model, G)
-    if shape.gen_len < 2:
-        raise UsageError("a parallel decode run needs at least 2 generated tokens (--gen-len 2): it times decode steps")
-    cost = CostModel(profile)
+) -> EpPlan:
+    """Placement, grouping, offloading and each step's replicas and token routes (see EpPlan)."""
+    shape, G, E = routing.shape, setup.gpus, model.num_experts
     S = shape.num_sequences
-    moe_layers = model.moe_layers
     prompt = routing.ids[:, :, : shape.prompt_len].reshape(S, shape.prompt_len, model.num_layers, -1)
     decode = routing.decode_ids.reshape(S, shape.gen_len - 1, model.num_layers, -1)
-    E = model.num_experts
     placements: dict[int, ExpertPlacement] = {}
     prompt_load: dict[int, np.ndarray] = {}
-    for layer in moe_layers if setup.parallelism == "ep" else ():
+    for layer in model.moe_layers:
         chosen = prompt[:, :, layer].reshape(-1, routing.top_k)
         load = np.bincount(chosen.reshape(-1).astype(np.int64), minlength=E).astype(float)
         prompt_load[layer] = load
         co = coactivation(chosen, E) if setup.placement == "coactivation" else np.zeros((E, E))
         placements[layer] = place(setup.placement, load, co, G)
     home_rank = np.arange(S) % G
-    if setup.grouping and setup.parallelism == "ep":
+    if setup.grouping:
         signature = np.zeros((S, G))
-        for layer in moe_layers:
+        for layer in model.moe_layers:
             homes = placements[layer].home()
             for s in range(S):
                 signature[s] += np.bincount(homes[prompt[s, :, layer].reshape(-1).astype(np.int64)], minlength=G)
         home_rank = group_sequences(signature, G)
     seqs_on = np.bincount(home_rank, minlength=G)
-    offload = (
-        _offload(model, profile, setup, placements, prompt_load, shape.prompt_len + shape.gen_len, seqs_on)
-        if setup.parallelism == "ep"
-        else None
-    )
+    offload = _offload(model, profile, setup, placements, prompt_load, shape.prompt_len + shape.gen_len, seqs_on)
     token_bytes = model.hidden_bytes(1)
-    streamed_total = 0.0
-    steps = shape.gen_len - 1
-    step_total, collective_total, a2a_total, imbalance = 0.0, 0.0, 0.0, []
-    busy = np.zeros(G)
     replica_bytes = 0.0
     previous: dict[int, np.ndarray] = {}
-    for step in range(steps):
-        kv_len = shape.prompt_len + step + 1
-        for layer in range(model.num_layers):
+    layers = []
+    for step in range(shape.gen_len - 1):
+        for layer in model.moe_layers:
             ids = decode[:, step, layer].astype(np.int64)  # [S, k]
-            if setup.parallelism == "tp":
-                sharded = _attention(cost, model, S, kv_len, layer) / G + _dense(cost, model, S, layer) / G
-                if model.is_moe(layer):
-                    sharded += _experts_tp(cost, model, ids, E, G)
-                ar, _ = best_all_reduce(model.hidden_bytes(S), G, fabric)
-                collective_total += 2 * ar
-                busy += sharded
-                step_total += sharded + 2 * ar
-                continue
-            # a MoE layer's shared experts run where its sequences are, with their attention
-            shared = model.is_moe(layer) and model.num_shared_experts > 0
-            attention = np.array(
-                [
-                    _attention(cost, model, int(n), kv_len, layer)
-                    + (_dense(cost, model, int(n), layer) if shared else 0.0)
-                    for n in seqs_on
-                ]
-            )
-            if not model.is_moe(layer):
-                dense = np.array([_dense(cost, model, int(n), layer) for n in seqs_on])
-                step_total += float((attention + dense).max())
-                busy += attention + dense
-                continue
             placement = placements[layer]
             tokens = np.bincount(ids.reshape(-1), minlength=E)
             if setup.spare_slots:
@@ -236,19 +234,65 @@ def simulate_decode(
                     layer, np.bincount(prompt[:, :, layer].reshape(-1).astype(np.int64), minlength=E) / shape.prompt_len
                 )
                 placement = replicate(placement, predicted, setup.spare_slots)
-                extra = float(placement.experts_on().max() - -(-E // G)) * model.expert_bytes() * len(moe_layers)
+                extra = float(placement.experts_on().max() - -(-E // G)) * model.expert_bytes() * len(model.moe_layers)
                 replica_bytes = max(replica_bytes, extra)
             previous[layer] = tokens.astype(float)
             assigned = balance(placement, tokens)
-            per_rank = assigned.sum(axis=0)
-            imbalance.append(float(per_rank.max() / max(per_rank.mean(), 1e-12)))
             compute_rank = _route_tokens(ids, home_rank, placement, assigned)
             sent = dispatch_bytes(compute_rank, home_rank, G, token_bytes)
+            layers.append(EpLayer(step, layer, placement, assigned, compute_rank, sent))
+    return EpPlan(setup, home_rank, seqs_on, offload, tuple(layers), replica_bytes)
+
+
+def check_setup(model: ModelSpec, profile: HardwareProfile, routing: RoutingTable, setup: ParallelSetup) -> FabricSpec:
+    """Refuse, in one line, what no timing of this setup can run; the machine's fabric otherwise."""
+    fabric = machine_fabric(profile, setup.gpus)
+    if setup.parallelism not in PARALLELISMS:
+        raise UsageError(f"parallelism {setup.parallelism!r}: one of {', '.join(PARALLELISMS)}")
+    if setup.parallelism == "tp" and model.mla:
+        raise UsageError(mla_tensor_parallel(model))
+    if setup.parallelism == "tp":
+        check_splits(model, setup.gpus)
+    if routing.shape.gen_len < 2:
+        raise UsageError("a parallel decode run needs at least 2 generated tokens (--gen-len 2): it times decode steps")
+    return fabric
+
+
+def simulate_decode(
+    model: ModelSpec, profile: HardwareProfile, routing: RoutingTable, setup: ParallelSetup
+) -> ParallelResult:
+    """Every decode step of `routing` on `setup.gpus` GPUs of `profile` (see the module's docstring),
+    each layer timed as its slowest rank's phases in a row (`parallel.events` times the same plan
+    in the event engine)."""
+    fabric = check_setup(model, profile, routing, setup)
+    if setup.parallelism == "tp":  # (the group's model: KV heads copied where the ranks outnumber them)
+        return _tensor_parallel(kv_replicated(model, setup.gpus), profile, routing, setup, fabric)
+    shape, G = routing.shape, setup.gpus
+    cost = CostModel(profile)
+    plan = plan_expert_parallel(model, profile, routing, setup)
+    offload, seqs_on = plan.offload, plan.seqs_on
+    moe_at = {(p.step, p.layer): p for p in plan.layers}
+    streamed_total = 0.0
+    steps = shape.gen_len - 1
+    step_total, collective_total, a2a_total = 0.0, 0.0, 0.0
+    busy = np.zeros(G)
+    for step in range(steps):
+        kv_len = shape.prompt_len + step + 1
+        for layer in range(model.num_layers):
+            attention = np.array(
+                [sum(seconds(cost, w) for w in works) for works in rank_attention(model, seqs_on, kv_len, layer)]
+            )
+            if not model.is_moe(layer):
+                step_total += float(attention.max())
+                busy += attention
+                continue
+            planned = moe_at[(step, layer)]
+            assigned, sent = planned.assigned, planned.sent
             dispatch, combine = all_to_all_seconds(sent, fabric), all_to_all_seconds(sent.T, fabric)
-            expert_s = np.array([_moe(cost, model, assigned[:, r]) for r in range(G)])
+            expert_s = np.array([seconds(cost, fused_moe(model, assigned[:, r])) for r in range(G)])
             busy += attention + expert_s  # (computing: a rank waiting for its copies is not busy)
             if offload is not None:  # the used experts held in host memory load once the tokens are there
-                loaded = offload.streamed(layer, placement, assigned)  # [rank] experts copied
+                loaded = offload.streamed(layer, planned.placement, assigned)  # [rank] experts copied
                 used = np.maximum(1, (assigned > 0).sum(axis=0))
                 load_s = loaded * model.expert_bytes() / offload.link_rate
                 expert_s = np.where(loaded > 0, np.maximum(expert_s, load_s + expert_s / used), expert_s)
@@ -257,27 +301,95 @@ def simulate_decode(
             collective_total += dispatch + combine
             a2a_total += 2 * float(sent.sum())
     step_s = step_total / steps
+    return ep_result(
+        model,
+        profile,
+        plan,
+        shape.prompt_len + shape.gen_len,
+        step_s=step_s,
+        collective_s=collective_total / steps,
+        utilisation=tuple(float(b / step_total) for b in busy),
+        all_to_all_bytes=a2a_total / steps,
+        streamed_bytes=streamed_total / steps,
+    )
+
+
+def ep_result(
+    model: ModelSpec,
+    profile: HardwareProfile,
+    plan: EpPlan,
+    tokens: int,
+    *,
+    step_s: float,
+    collective_s: float,
+    utilisation: tuple[float, ...],
+    all_to_all_bytes: float,
+    streamed_bytes: float,
+) -> ParallelResult:
+    """An EP run's result from its plan and its timing; refused when a rank's GPU cannot hold it."""
+    setup, offload = plan.setup, plan.offload
+    imbalance = plan.imbalance
     result = ParallelResult(
         setup=setup,
         step_s=step_s,
-        tokens_per_s=S / step_s,
+        tokens_per_s=len(plan.home_rank) / step_s,
         load_imbalance=float(np.mean(imbalance)) if imbalance else 1.0,
-        all_to_all_bytes=a2a_total / steps,
-        collective_s=collective_total / steps,
-        utilisation=tuple(float(b / step_total) for b in busy),
-        replica_bytes=replica_bytes,
-        rank_bytes=_rank_bytes(model, setup, shape.prompt_len + shape.gen_len, int(seqs_on.max()), S, replica_bytes)
-        - (offload.host_bytes if offload is not None else 0.0),
+        all_to_all_bytes=all_to_all_bytes,
+        collective_s=collective_s,
+        utilisation=utilisation,
+        replica_bytes=plan.replica_bytes,
+        rank_bytes=_rank_bytes(model, setup, tokens, int(plan.seqs_on.max()), len(plan.home_rank), plan.replica_bytes)
+        - (offload.host_bytes - offload.staging_bytes if offload is not None else 0.0),
         offloaded_bytes=offload.host_bytes if offload is not None else 0.0,
-        streamed_bytes=streamed_total / steps,
+        streamed_bytes=streamed_bytes,
     )
+    _check_rank_room(profile, result)
+    return result
+
+
+def _check_rank_room(profile: HardwareProfile, result: ParallelResult) -> None:
     room = profile.gpu.memory_bytes - profile.gpu.reserved_bytes
     if result.rank_bytes > room:
         raise UsageError(
-            f"{setup.label}: a rank would hold {result.rank_bytes / 1e9:.1f} GB (weights, replicas, KV cache) "
+            f"{result.setup.label}: a rank would hold {result.rank_bytes / 1e9:.1f} GB (weights, replicas, KV cache) "
             f"but {profile.name}'s GPU has {room / 1e9:.1f} GB: more GPUs, fewer sequences, or offloading "
             f"(not yet modelled across ranks)"
         )
+
+
+def _tensor_parallel(
+    model: ModelSpec, profile: HardwareProfile, routing: RoutingTable, setup: ParallelSetup, fabric: FabricSpec
+) -> ParallelResult:
+    """TP's decode steps: each layer's shards on every rank at once, two all-reduces a layer."""
+    shape, G, E = routing.shape, setup.gpus, model.num_experts
+    S = shape.num_sequences
+    decode = routing.decode_ids.reshape(S, shape.gen_len - 1, model.num_layers, -1)
+    cost = CostModel(profile)
+    steps = shape.gen_len - 1
+    step_total, collective_total = 0.0, 0.0
+    for step in range(steps):
+        kv_len = shape.prompt_len + step + 1
+        for layer in range(model.num_layers):
+            ids = decode[:, step, layer].astype(np.int64)  # [S, k]
+            sharded = sum(seconds(cost, w) for w in sequence_work(model, S, kv_len, layer)) / G
+            if model.is_moe(layer):
+                sharded += seconds(cost, fused_moe(model, np.bincount(ids.reshape(-1), minlength=E), 1.0 / G))
+            ar, _ = best_all_reduce(model.hidden_bytes(S), G, fabric)
+            collective_total += 2 * ar
+            step_total += sharded + 2 * ar
+    busy = step_total - collective_total
+    result = ParallelResult(
+        setup=setup,
+        step_s=step_total / steps,
+        tokens_per_s=S / (step_total / steps),
+        load_imbalance=1.0,
+        all_to_all_bytes=0.0,
+        collective_s=collective_total / steps,
+        utilisation=tuple(busy / step_total for _ in range(G)),
+        replica_bytes=0.0,
+        rank_bytes=_rank_bytes(model, setup, shape.prompt_len + shape.gen_len, 0, S, 0.0),
+    )
+    _check_rank_room(profile, result)
     return result
 
 
@@ -288,6 +400,7 @@ class Offload:
     on_gpu: dict[int, np.ndarray]  # layer -> [expert, rank]: the expert's copy on that rank is on its GPU
     host_bytes: float  # per rank at most: its experts held in host memory
     link_rate: float  # bytes/s of one rank's host-to-GPU copies with every rank copying at once
+    staging_bytes: float  # per rank: GPU memory the experts it copies land in (STAGING_SLOTS of them)
 
     def streamed(self, layer: int, placement: ExpertPlacement, assigned: np.ndarray) -> np.ndarray:
         """Per rank: the experts it computes this step (`assigned[e, r]` tokens) whose copy there
@@ -317,16 +430,18 @@ def _offload(
     G, E, expert = setup.gpus, model.num_experts, model.expert_bytes()
     moe = model.moe_layers
     room = profile.gpu.memory_bytes - profile.gpu.reserved_bytes
-    fixed = _without_experts(model, tokens, int(seqs_on.max())) + setup.spare_slots * expert * len(moe)
+    fixed = without_experts(model, tokens, int(seqs_on.max())) + setup.spare_slots * expert * len(moe)
     per_rank = {layer: placements[layer].experts_on() for layer in moe}  # [rank] home experts
     held = sum(int(experts.max()) for experts in per_rank.values())  # the busiest rank's, over the layers
     budget = int((room - fixed) // expert) if room > fixed else -1  # experts a rank's GPU can hold
     if budget >= held:
         return None
+    budget -= STAGING_SLOTS  # (the copies need somewhere to land)
     if budget < 0:
         raise UsageError(
             f"{setup.label}: a rank would hold {fixed / 1e9:.1f} GB of non-expert weights, replica slots and KV "
-            f"cache alone, but {profile.name}'s GPU has {room / 1e9:.1f} GB: more GPUs or fewer sequences"
+            f"cache and {STAGING_SLOTS} experts' staging ({STAGING_SLOTS * expert / 1e9:.2f} GB) alone, but "
+            f"{profile.name}'s GPU has {room / 1e9:.1f} GB: more GPUs or fewer sequences"
         )
     # the budget spread over the layers as evenly as it goes (the first layers one more), each layer's
     # share given to each rank's experts its prompts used most
@@ -348,7 +463,7 @@ def _offload(
         )
     link = profile.link("pcie_h2d").bandwidth
     shared = profile.cpu.memory_bandwidth / G if profile.cpu is not None else float("inf")
-    return Offload(on_gpu, host_bytes, min(link, shared))
+    return Offload(on_gpu, host_bytes, min(link, shared), float(STAGING_SLOTS * expert))
 
 
 def mla_tensor_parallel(model: ModelSpec) -> str:
@@ -401,44 +516,58 @@ def machine_fabric(profile: HardwareProfile, gpus: int) -> FabricSpec:
     return profile.fabric
 
 
-def _attention(cost: CostModel, model: ModelSpec, sequences: int, kv_len: int, layer: int) -> float:
-    if sequences == 0:
+class Work(NamedTuple):
+    """One compute op of a rank: what the cost model needs to time it (the analytic timing costs
+    it, the event engine's op carries it)."""
+
+    category: str
+    flops: float
+    io_bytes: float
+    tokens: int
+    kv_len: int = 0
+    phase: str = ""
+
+
+def seconds(cost: CostModel, work: Work | None) -> float:
+    if work is None:
         return 0.0
+    return cost.compute_seconds(work.category, work.flops, work.io_bytes, work.tokens, work.kv_len, work.phase)
+
+
+def sequence_work(model: ModelSpec, sequences: int, kv_len: int, layer: int) -> list[Work]:
+    """A rank's part of a layer besides its routed experts, for its `sequences`: attention with the
+    gate, then a dense layer's MLP or a MoE layer's shared experts (where it has them)."""
+    if sequences == 0:
+        return []
     flops = model.attention_flops(sequences, 1, kv_len) + model.gate_flops(sequences, layer)
     io = model.attention_io_bytes(sequences, 1, kv_len) + model.gate_io_bytes(sequences, layer)
-    return cost.compute_seconds("attention", flops, io, tokens=sequences, kv_len=kv_len, phase="decode")
-
-
-def _dense(cost: CostModel, model: ModelSpec, sequences: int, layer: int) -> float:
-    """A layer's part every token computes: a dense layer's MLP, or a MoE layer's shared experts."""
-    if sequences == 0:
-        return 0.0
+    works = [Work("attention", flops, io, sequences, kv_len, "decode")]
     if not model.is_moe(layer):
         flops = 2 * sequences * 3 * model.hidden_size * model.dense_ffn_size
-        return cost.compute_seconds(
-            "dense_mlp", flops, model.dense_mlp_bytes() + 2 * model.hidden_bytes(sequences), tokens=sequences
-        )
-    if not model.num_shared_experts:
-        return 0.0
-    flops = 2 * sequences * 3 * model.hidden_size * model.shared_ffn_size * model.num_shared_experts
-    return cost.compute_seconds("expert", flops, model.shared_expert_bytes() + 2 * model.hidden_bytes(sequences))
+        works.append(Work("dense_mlp", flops, model.dense_mlp_bytes() + 2 * model.hidden_bytes(sequences), sequences))
+    elif model.num_shared_experts:
+        flops = 2 * sequences * 3 * model.hidden_size * model.shared_ffn_size * model.num_shared_experts
+        io = model.shared_expert_bytes() + 2 * model.hidden_bytes(sequences)
+        works.append(Work("expert", flops, io, 0))
+    return works
 
 
-def _moe(cost: CostModel, model: ModelSpec, tokens: np.ndarray, share: float = 1.0) -> float:
+def fused_moe(model: ModelSpec, tokens: np.ndarray, share: float = 1.0) -> Work | None:
     """One fused MoE kernel over `tokens[e]` tokens of each expert, `share` of each expert's FFN
-    (TP: 1 / G): the tokens' FLOPs, the used experts' weights and the tokens' activations."""
+    (TP: 1 / G): the tokens' FLOPs, the used experts' weights and the tokens' activations (None:
+    no token)."""
     used = int(np.count_nonzero(tokens))
     if not used:
-        return 0.0
+        return None
     total = int(tokens.sum())
     flops = model.expert_flops(total) * share
     nbytes = used * model.expert_params() * model.dtype_bytes * share + 2 * model.hidden_bytes(total)
-    return cost.compute_seconds("moe", flops, nbytes, tokens=total)
+    return Work("moe", flops, nbytes, total)
 
 
-def _experts_tp(cost: CostModel, model: ModelSpec, ids: np.ndarray, num_experts: int, gpus: int) -> float:
-    """Each expert's FFN split G ways: a G-th of its FLOPs and weight bytes on every rank."""
-    return _moe(cost, model, np.bincount(ids.reshape(-1), minlength=num_experts), 1.0 / gpus)
+def rank_attention(model: ModelSpec, seqs_on: np.ndarray, kv_len: int, layer: int) -> list[list[Work]]:
+    """`sequence_work` of each rank for its sequences."""
+    return [sequence_work(model, int(n), kv_len, layer) for n in seqs_on]
 
 
 def _rank_bytes(
@@ -450,9 +579,9 @@ def _rank_bytes(
     if setup.parallelism == "tp":
         return (model.total_bytes() + model.kv_bytes(sequences, tokens)) / G
     experts = -(-model.num_experts // G) * model.expert_bytes() * len(model.moe_layers)
-    return _without_experts(model, tokens, seqs_on_rank) + experts + replicas
+    return without_experts(model, tokens, seqs_on_rank) + experts + replicas
 
 
-def _without_experts(model: ModelSpec, tokens: int, sequences: int) -> float:
+def without_experts(model: ModelSpec, tokens: int, sequences: int) -> float:
     """What every EP rank holds besides routed experts: the other weights and its sequences' KV cache."""
     return model.total_bytes() - model.routed_experts * model.expert_bytes() + model.kv_bytes(sequences, tokens)
