@@ -13,7 +13,7 @@ from klotski_sim.core.engine import simulate
 from klotski_sim.core.schedule import Op, Schedule, ScheduleError
 from klotski_sim.hardware.profile import load_profile, with_overrides
 from klotski_sim.parallel.decode import STAGING_SLOTS, ParallelSetup, plan_expert_parallel, simulate_decode
-from klotski_sim.parallel.events import ep_schedule, rank_streams, simulate_ep_events
+from klotski_sim.parallel.events import EpEvents, ep_schedule, rank_streams, simulate_ep_events
 from klotski_sim.runs.runner import RunSpec, make_replay
 from klotski_sim.workload.model import get_model
 
@@ -72,9 +72,17 @@ def test_golden_each_rank_has_its_own_memory_and_its_own_issuing_thread():
     fits = Schedule((_op("t0", "h2d@0", alloc=(("b@0", 2),)),), TWO_RANKS, preloaded)
     ok = simulate(fits, make_profile(memory_bytes=10, issue="per-stream"), durations=[1])
     assert ok.status == "ok" and ok.meta["rank_peak_gpu_bytes"] == [10, 8]
-    launches = Schedule((_op("c0", "compute@0", category="embed"), _op("c1", "compute@1", category="embed")), TWO_RANKS)
-    serial = simulate(launches, make_profile(kernel_overhead_s=1.0), durations=[2, 2]).df.set_index("op_id")
+    launches = Schedule(
+        (
+            _op("c0", "compute@0", category="embed"),
+            _op("c1", "compute@1", category="embed"),
+            _op("p1", "cpu_compute@1", ("c1",), category="expert"),  # (on the CPU both ranks share: rank 1's thread)
+        ),
+        TWO_RANKS,
+    )
+    serial = simulate(launches, make_profile(kernel_overhead_s=1.0), durations=[2, 2, 1]).df.set_index("op_id")
     assert serial.at["c0", "end"] == serial.at["c1", "end"] == 2  # (one thread would issue c1 2 s late)
+    assert serial.at["p1", "end"] == 3
 
 
 @pytest.mark.parametrize(
@@ -162,7 +170,7 @@ def test_prefetch_copies_only_what_the_step_before_used_and_never_reads_the_step
     model, profile, routing = _offloading()
     setup = ParallelSetup(2, "ep")
     plan = plan_expert_parallel(model, profile, routing, setup)
-    schedule, builder = ep_schedule(model, plan, routing, prefetch=True)
+    schedule, builder = ep_schedule(model, plan, routing, EpEvents(prefetch=True))
     at = {(p.step, p.layer): p for p in plan.layers}
     early = [op for op in schedule.ops if "/pre/" in op.id]
     assert early and builder.prefetched == len(early)
@@ -176,7 +184,7 @@ def test_prefetch_copies_only_what_the_step_before_used_and_never_reads_the_step
     for op in early:
         per_layer[(op.step, op.layer, op.stream)] = per_layer.get((op.step, op.layer, op.stream), 0) + 1
     assert max(per_layer.values()) <= STAGING_SLOTS
-    run = simulate_ep_events(model, profile, routing, setup, prefetch=True)
+    run = simulate_ep_events(model, profile, routing, setup, EpEvents(prefetch=True))
     df = run.timeline.df.set_index("op_id")
     for op in early:  # (copied no earlier than the rank saw the step before's routing of that layer)
         seen = f"s{op.step - 1}/L{op.layer}/r{op.stream.rsplit('@', 1)[1]}/dispatch"
@@ -188,6 +196,38 @@ def test_prefetch_copies_only_what_the_step_before_used_and_never_reads_the_step
         run.timeline.meta["rank_peak_gpu_bytes"]
         and max(run.timeline.meta["rank_peak_gpu_bytes"]) <= profile.gpu.usable_bytes
     )
+
+
+def _tokens_computed(schedule: Schedule) -> int:
+    """Token-expert pairs computed: the fused kernels' tokens on the GPUs, the experts' on the CPU."""
+    return sum(op.tokens for op in schedule.ops if op.category == "moe" or op.stream.startswith("cpu_compute"))
+
+
+@pytest.mark.parametrize("offloaded", ["copy", "cpu"])
+@pytest.mark.parametrize("micro_batches", [1, 2, 3])
+def test_micro_batches_and_cpu_experts_compute_every_token_once_and_copy_an_expert_once(offloaded, micro_batches):
+    """However a rank runs (micro-batches in flight, the experts it lacks copied in or computed on
+    the shared CPU), every decode token-expert pair is computed once, an expert a rank lacks is
+    copied at most once a layer whatever the micro-batches, and the shared CPU runs one op at a time."""
+    model, profile, routing = _offloading()
+    setup = ParallelSetup(2, "ep")
+    plan = plan_expert_parallel(model, profile, routing, setup)
+    how = EpEvents(micro_batches=micro_batches, offloaded_experts=offloaded)
+    schedule, _ = ep_schedule(model, plan, routing, how)
+    steps = routing.shape.gen_len - 1
+    pairs = routing.shape.num_sequences * routing.top_k * len(model.moe_layers) * steps
+    assert _tokens_computed(schedule) == pairs
+    copies = [op for op in schedule.ops if op.kind == "transfer" and op.tensor == "expert"]
+    one_batch, _ = ep_schedule(model, plan, routing)
+    assert len(copies) == (0 if offloaded == "cpu" else sum(op.tensor == "expert" for op in one_batch.ops))
+    dispatches = [op for op in schedule.ops if op.category == "alltoall" and "dispatch" in op.id]
+    assert len(dispatches) == 2 * micro_batches * len(model.moe_layers) * steps
+    run = simulate_ep_events(model, profile, routing, setup, how)
+    df = run.timeline.df
+    cpu = df[df["resource"] == "cpu"].sort_values("start")
+    assert (len(cpu) > 0) == (offloaded == "cpu")
+    assert (cpu["start"].to_numpy()[1:] >= cpu["end"].to_numpy()[:-1] - 1e-12).all()  # (one op at a time)
+    assert max(run.timeline.meta["rank_peak_gpu_bytes"]) <= profile.gpu.usable_bytes
 
 
 def test_the_runtime_refuses_a_schedule_of_ranks_in_one_line():
@@ -211,6 +251,12 @@ def test_the_parallel_command_times_ep_by_events_and_writes_each_ranks_summary(t
     ranks = json.loads((tmp_path / "ep2-round-robin" / "ranks.json").read_text())
     assert len(ranks) == 2 and all(r["gpu_busy_s"] > 0 for r in ranks)
     assert (tmp_path / "ep2-round-robin" / "trace.json.gz").stat().st_size > 0
-    code, _, err = run_cli(*args, "--prefetch")
-    assert code == 2 and err.strip() == "error: --prefetch: only with --timing events (the event engine's runs)"
+    code, _, err = run_cli(*args, "--prefetch", "--micro-batches", "2")
+    assert code == 2 and err.strip() == (
+        "error: --prefetch, --micro-batches 2: only with --timing events (the event engine's runs)"
+    )
+    code, _, err = run_cli(*args, "--timing", "events", "--prefetch", "--offloaded-experts", "cpu")
+    assert code == 2 and err.strip() == (
+        "error: --prefetch copies experts in; with --offloaded-experts cpu nothing is copied"
+    ), err
     np.testing.assert_equal(len(err.strip().splitlines()), 1)

@@ -14,7 +14,7 @@ from klotski_sim.cli.run_args import spec_from_args
 from klotski_sim.core.timeline import jsonable
 from klotski_sim.files.outfiles import OutputFiles
 from klotski_sim.parallel.decode import PARALLELISMS, ParallelResult, ParallelSetup, machine_fabric, simulate_decode
-from klotski_sim.parallel.events import EventRun, simulate_ep_events
+from klotski_sim.parallel.events import EpEvents, EventRun, simulate_ep_events
 from klotski_sim.parallel.placement import PLACEMENTS
 from klotski_sim.report.exports import to_chrome_trace, to_csv
 from klotski_sim.runs.runner import make_replay, resolve_profile
@@ -116,10 +116,24 @@ def cmd_parallel(args: argparse.Namespace) -> int:
         )
         if given
     ]
+    how = EpEvents(args.prefetch, args.micro_batches, args.offloaded_experts)
     if args.timing != "events":
-        extra = [flag for flag, given in (("--prefetch", args.prefetch), (f"--out {args.out}", args.out)) if given]
+        extra = [
+            flag
+            for flag, given in (
+                ("--prefetch", args.prefetch),
+                (f"--micro-batches {args.micro_batches}", args.micro_batches != 1),
+                (f"--offloaded-experts {args.offloaded_experts}", args.offloaded_experts != "copy"),
+                (f"--out {args.out}", args.out),
+            )
+            if given
+        ]
         if extra:
             raise CliError(f"{', '.join(extra)}: only with --timing events (the event engine's runs)")
+    try:
+        how.check()
+    except UsageError as bad:
+        raise CliError(str(bad)) from None
     if ignored:
         raise CliError(
             f"{', '.join(ignored)}: parallel times decode steps with every weight resident on the GPUs, so "
@@ -142,7 +156,7 @@ def cmd_parallel(args: argparse.Namespace) -> int:
     for setup in wanted:
         try:
             if args.timing == "events" and setup.parallelism == "ep":
-                run = events[setup] = simulate_ep_events(model, profile, rep.routing, setup, prefetch=args.prefetch)
+                run = events[setup] = simulate_ep_events(model, profile, rep.routing, setup, how)
                 rows.append((setup, run.result))
             else:
                 rows.append((setup, simulate_decode(model, profile, rep.routing, setup)))
@@ -162,6 +176,12 @@ def cmd_parallel(args: argparse.Namespace) -> int:
         + (
             "; EP timed in the event engine, each rank's GPU, link and fabric port its own (parallel/events.py)"
             + (", each rank prefetching the experts it computed a step before" if args.prefetch else "")
+            + (f", {args.micro_batches} micro-batches in flight a rank" if args.micro_batches > 1 else "")
+            + (
+                ", experts a rank does not hold computed on the shared host CPU"
+                if args.offloaded_experts == "cpu"
+                else ""
+            )
             if args.timing == "events"
             else ""
         )

@@ -314,6 +314,21 @@ def build_parser() -> argparse.ArgumentParser:
         "computed there a step before and does not hold",
     )
     p.add_argument(
+        "--micro-batches",
+        type=bounded_int(1, 64),
+        default=1,
+        metavar="N",
+        help="EP with --timing events: each rank's sequences in N micro-batches in flight (one's all-to-all under "
+        "another's compute; one expert copy for all) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--offloaded-experts",
+        choices=("copy", "cpu"),
+        default="copy",
+        help="EP with --timing events: a used expert a rank does not hold is copied to its GPU, or computed on the "
+        "host CPU the ranks share (default: %(default)s)",
+    )
+    p.add_argument(
         "--out",
         metavar="DIR",
         help="with --timing events: each EP configuration's timeline (every rank's streams) in DIR/<configuration>/",

@@ -163,8 +163,12 @@ class IssuingThread:
         before: list[int] | None = None
         streams = np.asarray(schedule.column("stream"), dtype=object)
         # each rank of several has a thread of its own (a process per GPU, as torchrun and vLLM's
-        # workers run them) issuing its own ops; unranked ops are the first thread's
-        rank_of_stream = {s: max(0, resource_rank(r)) for s, r in schedule.streams.items()}
+        # workers run them) issuing its own ops, those on a resource the ranks share included (a
+        # stream `NAME@k` on the host CPU is rank k's); other unranked ops are the first thread's
+        rank_of_stream = {
+            s: max(0, resource_rank(r) if resource_rank(r) >= 0 else resource_rank(s))
+            for s, r in schedule.streams.items()
+        }
         threads = len(set(rank_of_stream.values()))
         if graph.forward:
             topo = topological_order(schedule)

@@ -171,6 +171,7 @@ class EpLayer:
     assigned: np.ndarray
     compute_rank: np.ndarray
     sent: np.ndarray
+    ids: np.ndarray  # [sequence, k] the experts each token chose
 
 
 @dataclass(frozen=True)
@@ -240,7 +241,7 @@ def plan_expert_parallel(
             assigned = balance(placement, tokens)
             compute_rank = _route_tokens(ids, home_rank, placement, assigned)
             sent = dispatch_bytes(compute_rank, home_rank, G, token_bytes)
-            layers.append(EpLayer(step, layer, placement, assigned, compute_rank, sent))
+            layers.append(EpLayer(step, layer, placement, assigned, compute_rank, sent, ids))
     return EpPlan(setup, home_rank, seqs_on, offload, tuple(layers), replica_bytes)
 
 

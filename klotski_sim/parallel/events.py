@@ -1,32 +1,42 @@
-"""Expert parallelism in the event engine: each rank's GPU, PCIe link, issuing thread and fabric port a
-resource of its own (`gpu@1`, `pcie_h2d@1`, ...), the same plan `decode.plan_expert_parallel` makes.
+"""Expert parallelism in the event engine: each rank's GPU, PCIe links, issuing thread and fabric port
+resources of its own (`gpu@1`, `pcie_h2d@1`, ...), timing the plan `decode.plan_expert_parallel` makes.
 
-Per decode step and layer, each rank k runs on its own streams:
+Per decode step and layer, each rank k runs on its own streams, its sequences in `micro_batches`
+micro-batches in flight (1 by default; DeepSeek-V3's inference overlaps two so that one's
+all-to-all runs under the other's compute, and Klotski keeps n batches in flight so that one copy
+of an expert serves them all):
 
-- `compute@k`: its sequences' attention with the gate (and a dense layer's MLP or the shared experts);
-  after the dispatch, one fused MoE kernel over the tokens of its experts held on its GPU, then each
-  expert copied in from host memory, in the order the copies land;
-- `alltoall@k`: the dispatch and the combine. Each is an all-to-all of every rank, so it starts
-  when the last rank has joined (it depends on every rank's op before it) and lasts the pairwise
-  exchange's time (`collectives.all_to_all_time`: the op's bytes are the rounds' largest messages);
+- `compute@k`: each micro-batch's attention with the gate (and a dense layer's MLP or the shared
+  experts); after each micro-batch's dispatch, one fused MoE kernel over its tokens of the experts
+  the rank holds; then each expert it does not hold, over every micro-batch in a row;
+- `alltoall@k`: each micro-batch's dispatch and combine. Each is an all-to-all of every rank, so it
+  starts when the last rank has joined (it depends on every rank's op before it) and lasts the
+  pairwise exchange's time (`collectives.all_to_all_time`: the op's bytes are the rounds' largest
+  messages);
 - `h2d@k`: the copies of the used experts its GPU does not hold, into `decode.STAGING_SLOTS` GPU
-  buffers (a copy waits for the expert before it in that slot to have computed). With `prefetch`,
-  the rank copies, as early as a slot is free and its link has finished the copies before, the
-  experts it computed at a layer in the step before and does not hold (most tokens first, as many
-  as it has slots) — Klotski's hot-expert prefetch on each rank, layers ahead of the compute,
-  predicted from the step before (a copy waits for that step's dispatch of the layer), never from
-  the step itself; one that the dispatch then does not need is dropped (a `remap` op frees its slot).
+  buffers (a copy starts once the dispatch that reveals the expert ended and the expert before it
+  in that slot has computed). With `prefetch`, the rank copies, as early as a slot is free and its
+  link has finished the copies before, the experts it computed at a layer in the step before and
+  does not hold (most tokens first, as many as it has slots) — Klotski's hot-expert prefetch on
+  each rank, layers ahead of the compute, predicted from the step before (a copy waits for that
+  step's dispatch of the layer), never from the step itself; one that the dispatch then does not
+  need is dropped (a `remap` op frees its slot).
+- With `offloaded_experts="cpu"`, nothing is copied: the rank sends the tokens of an expert it does
+  not hold down its link (`d2h@k`), the host CPU computes the expert where it lies, and the results
+  come back up (Fiddler's way, per rank). The host CPU is one resource that every rank shares
+  (`cpu`, each op using all its cores), so ranks queue for it.
 
 What the analytic timing (`decode.simulate_decode`) sums as each layer's slowest rank, the engine
 lets happen: a rank waits at a collective only for the ranks that are still working, a copy
 overlaps the rank's attention and resident experts, and ranks run dense layers at their own pace.
-Without offloading, on a profile without launch or signalling latencies, both give the same step
-time (tests/test_parallel_events.py).
+Without offloading, with one micro-batch, on a profile without launch or signalling latencies, both
+give the same step time (tests/test_parallel_events.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -45,10 +55,11 @@ from klotski_sim.parallel.decode import (
     ParallelSetup,
     Work,
     check_setup,
+    dispatch_bytes,
     ep_result,
     fused_moe,
     plan_expert_parallel,
-    rank_attention,
+    sequence_work,
     without_experts,
 )
 from klotski_sim.util.errors import UsageError
@@ -73,33 +84,72 @@ def rank_streams(rank: int) -> dict[str, str]:
     return {
         ranked("compute", rank): ranked("gpu", rank),
         ranked("h2d", rank): ranked("pcie_h2d", rank),
+        ranked("d2h", rank): ranked("pcie_d2h", rank),
         ranked("alltoall", rank): ranked("fabric", rank),
         ranked(HOST_STREAM, rank): ranked("host", rank),
+        ranked("cpu_compute", rank): "cpu",  # (the host CPU, which every rank shares; issued by the rank's thread)
     }
+
+
+@dataclass(frozen=True)
+class EpEvents:
+    """How each EP rank runs in the event engine, beyond the plan (module docstring)."""
+
+    prefetch: bool = False  # copy in, layers ahead, the experts used a step before
+    micro_batches: int = 1  # a rank's sequences in this many micro-batches in flight
+    offloaded_experts: str = "copy"  # copy | cpu: what a rank does with a used expert it does not hold
+
+    def check(self) -> None:
+        if self.offloaded_experts not in OFFLOADED_EXPERTS:
+            raise UsageError(f"offloaded experts {self.offloaded_experts!r}: one of {', '.join(OFFLOADED_EXPERTS)}")
+        if self.prefetch and self.offloaded_experts == "cpu":
+            raise UsageError("--prefetch copies experts in; with --offloaded-experts cpu nothing is copied")
+        if not 1 <= self.micro_batches <= 64:
+            raise UsageError(f"--micro-batches {self.micro_batches}: from 1 to 64")
+
+
+OFFLOADED_EXPERTS = ("copy", "cpu")
 
 
 class _RankBuilder:
     """The ops of one EP run, rank by rank, layer by layer."""
 
-    def __init__(self, model: ModelSpec, plan: EpPlan, routing: RoutingTable, prefetch: bool) -> None:
-        self.model, self.plan, self.prefetch = model, plan, prefetch
+    def __init__(self, model: ModelSpec, plan: EpPlan, routing: RoutingTable, how: EpEvents) -> None:
+        self.model, self.plan, self.how = model, plan, how
         self.shape = routing.shape
-        self.G = plan.setup.gpus
+        self.G = G = plan.setup.gpus
+        M = how.micro_batches
         self.ops: list[Op] = []
-        # per rank: the op that ends its previous layer (its next attention waits for it), and its
-        # staging slots' last holders (the op that frees each slot), in the order they were taken
-        self.layer_end: list[str | None] = [None] * self.G
-        self.slots: list[list[str | None]] = [[None] * STAGING_SLOTS for _ in range(self.G)]
-        self.next_slot = [0] * self.G
+        # each rank's sequences in M micro-batches, in order (a rank with fewer than M has empty ones)
+        self.part = np.zeros(len(plan.home_rank), dtype=np.int64)
+        for k in range(G):
+            for m, chunk in enumerate(np.array_split(np.flatnonzero(plan.home_rank == k), M)):
+                self.part[chunk] = m
+        self.seqs = np.array([np.bincount(self.part[plan.home_rank == k], minlength=M) for k in range(G)])
+        # per rank and micro-batch: the op that ends its previous layer (its next attention waits for
+        # it); per rank: its staging slots' last holders (the op that frees each slot)
+        self.layer_end: list[list[str | None]] = [[None] * M for _ in range(G)]
+        self.slots: list[list[str | None]] = [[None] * STAGING_SLOTS for _ in range(G)]
+        self.next_slot = [0] * G
         self.prefetched = 0
         self.prefetch_used = 0
 
-    def _compute(self, op_id: str, rank: int, work: Work, deps: list[str | None], step: int, layer: int, **tags) -> str:
+    def _compute(
+        self,
+        op_id: str,
+        rank: int,
+        work: Work,
+        deps: list[str | None],
+        step: int,
+        layer: int,
+        stream: str = "compute",
+        **tags: Any,
+    ) -> str:
         self.ops.append(
             Op(
                 id=op_id,
                 kind="compute",
-                stream=ranked("compute", rank),
+                stream=ranked(stream, rank),
                 category=work.category,
                 deps=tuple(d for d in deps if d),
                 flops=int(work.flops),
@@ -115,6 +165,36 @@ class _RankBuilder:
         )
         return op_id
 
+    def _transfer(
+        self,
+        op_id: str,
+        stream: str,
+        rank: int,
+        nbytes: int,
+        deps: list[str | None],
+        step: int,
+        layer: int,
+        **tags: Any,
+    ) -> str:
+        up = stream == "h2d"
+        self.ops.append(
+            Op(
+                id=op_id,
+                kind="transfer",
+                stream=ranked(stream, rank),
+                category=str(tags.pop("category", "expert")),
+                deps=tuple(d for d in deps if d),
+                bytes=nbytes,
+                src="cpu" if up else "gpu",
+                dst="gpu" if up else "cpu",
+                step=step + 1,
+                phase="decode",
+                layer=layer,
+                **tags,
+            )
+        )
+        return op_id
+
     def _copy(
         self, at: str, rank: int, expert: int, deps: list[str | None], step: int, layer: int
     ) -> tuple[str, str, int]:
@@ -122,104 +202,174 @@ class _RankBuilder:
         ago; the copy waits for the op that frees it): its op id, buffer and slot."""
         slot = self.next_slot[rank]
         self.next_slot[rank] = (slot + 1) % STAGING_SLOTS
-        holder = self.slots[rank][slot]
         buffer = ranked(f"{at}/e{expert}/slot{slot}", rank)
-        op_id = f"{at}/e{expert}/h2d"
         nbytes = self.model.expert_bytes()
-        self.ops.append(
-            Op(
-                id=op_id,
-                kind="transfer",
-                stream=ranked("h2d", rank),
-                category="expert",
-                deps=tuple(d for d in [*deps, holder] if d),
-                bytes=nbytes,
-                src="cpu",
-                dst="gpu",
-                step=step + 1,
-                phase="decode",
-                layer=layer,
-                expert=expert,
-                alloc=((buffer, nbytes),),
-                tensor="expert",
-            )
+        op_id = self._transfer(
+            f"{at}/e{expert}/h2d",
+            "h2d",
+            rank,
+            nbytes,
+            [*deps, self.slots[rank][slot]],
+            step,
+            layer,
+            expert=expert,
+            alloc=((buffer, nbytes),),
+            tensor="expert",
         )
         return op_id, buffer, slot
 
+    def _micro(self, planned: EpLayer, m: int) -> tuple[np.ndarray, np.ndarray]:
+        """Micro-batch m's tokens of each expert on each rank (`assigned[e, r]`) and its dispatch bytes."""
+        if self.how.micro_batches == 1:
+            return planned.assigned, planned.sent
+        mine = self.part == m
+        ids, where = planned.ids[mine], planned.compute_rank[mine]
+        assigned = np.zeros_like(planned.assigned)
+        np.add.at(assigned, (ids.reshape(-1), where.reshape(-1)), 1)
+        sent = dispatch_bytes(where, self.plan.home_rank[mine], self.G, self.model.hidden_bytes(1))
+        return assigned, sent
+
     def layer(self, step: int, layer: int, planned: EpLayer | None, before: EpLayer | None) -> None:
         """Every rank's ops of one layer of one decode step (`before`: the same layer a step earlier)."""
-        model, G = self.model, self.G
+        model, G, M = self.model, self.G, self.how.micro_batches
         kv_len = self.shape.prompt_len + step + 1
         at = [f"s{step + 1}/L{layer}/r{k}" for k in range(G)]
-        offload = self.plan.offload
+        mb = [f"/m{m}" if M > 1 else "" for m in range(M)]
+        copying = planned is not None and self.plan.offload is not None and self.how.offloaded_experts == "copy"
         # prefetch: the experts each rank computed here a step ago and does not hold, hottest first
         early: list[dict[int, tuple[str, str, int]]] = [{} for _ in range(G)]
-        if planned is not None and offload is not None and self.prefetch and before is not None:
+        if copying and self.how.prefetch and before is not None and planned is not None:
             for k in range(G):
                 used = before.assigned[:, k]
                 hot = [e for e in np.argsort(-used, kind="stable") if used[e] > 0 and not self._on_gpu(planned, e, k)]
                 for e in hot[:STAGING_SLOTS]:
                     # (not before that step's dispatch of this layer: when the rank learnt what it used)
-                    seen = f"s{step}/L{layer}/r{k}/dispatch"
+                    seen = f"s{step}/L{layer}/r{k}/dispatch{mb[M - 1]}"
                     early[k][int(e)] = self._copy(f"{at[k]}/pre", k, int(e), [seen], step, layer)
                     self.prefetched += 1
-        joined: list[str] = []
-        for k, works in enumerate(rank_attention(model, self.plan.seqs_on, kv_len, layer)):
-            last = self.layer_end[k]
-            for work in works:
-                last = self._compute(f"{at[k]}/{work.category}", k, work, [last], step, layer)
-            joined.append(last or "")
-            self.layer_end[k] = last
+        joined: list[list[str]] = [[] for _ in range(M)]  # per micro-batch: each rank's op before the dispatch
+        for k in range(G):
+            for m in range(M):
+                before_it = self.layer_end[k][m]
+                for work in sequence_work(model, int(self.seqs[k, m]), kv_len, layer):
+                    before_it = self._compute(f"{at[k]}/{work.category}{mb[m]}", k, work, [before_it], step, layer)
+                joined[m].append(before_it or "")
+                self.layer_end[k][m] = before_it
         if planned is None:  # a dense layer: no collective, each rank goes on at its own pace
             return
-        sent = planned.sent
-        there, back = critical_bytes(sent), critical_bytes(sent.T)
-        dispatch = [self._collective(f"{at[k]}/dispatch", k, there, sent[k], joined, step, layer) for k in range(G)]
-        ends: list[str] = []
+        micro = [self._micro(planned, m) for m in range(M)]
+        dispatch = [
+            [
+                self._collective(f"{at[k]}/dispatch{mb[m]}", k, critical_bytes(sent), sent[k], joined[m], step, layer)
+                for m, (_, sent) in enumerate(micro)
+            ]
+            for k in range(G)
+        ]
+        ends: list[list[str]] = [[] for _ in range(M)]  # per micro-batch: each rank's last op before the combine
         for k in range(G):
-            tokens = planned.assigned[:, k]
-            held = np.array([self._on_gpu(planned, e, k) for e in range(len(tokens))])
-            resident = fused_moe(model, np.where(held, tokens, 0))
-            last = dispatch[k]
-            if resident is not None:
-                last = self._compute(f"{at[k]}/moe", k, resident, [last], step, layer)
-            # the copied experts: the prefetched ones the dispatch needs first (they are there or on their way)
-            needed = [int(e) for e in np.flatnonzero(tokens) if not held[e]]
-            early_used = [e for e in needed if e in early[k]]
-            wasted = [e for e in early[k] if tokens[e] == 0]
-            self.prefetch_used += len(early_used)
-            for e in early_used:
-                copy, buffer, slot = early[k][e]
-                last = self.slots[k][slot] = self._expert(
-                    f"{at[k]}/e{e}", k, e, tokens, [last, copy], buffer, step, layer
-                )
-            if wasted:  # the dispatch did not need them: their slots freed
-                copies = [early[k][e] for e in wasted]
-                remap = Op(
-                    id=f"{at[k]}/drop",
-                    kind="compute",
-                    stream=ranked("compute", k),
-                    category="remap",
-                    deps=tuple([last, *(c for c, _, _ in copies)]),
-                    step=step + 1,
-                    phase="decode",
-                    layer=layer,
-                    free=tuple(b for _, b, _ in copies),
-                )
-                self.ops.append(remap)
-                last = remap.id
-                for _, _, slot in copies:
-                    self.slots[k][slot] = last
-            for e in needed:
-                if e in early[k]:
-                    continue
-                copy, buffer, slot = self._copy(f"{at[k]}", k, e, [dispatch[k]], step, layer)
-                last = self.slots[k][slot] = self._expert(
-                    f"{at[k]}/e{e}", k, e, tokens, [last, copy], buffer, step, layer
-                )
-            ends.append(last)
+            tokens = [assigned[:, k] for assigned, _ in micro]
+            held = np.array([self._on_gpu(planned, e, k) for e in range(model.num_experts)])
+            last_of = list(dispatch[k])  # per micro-batch: its last op on this rank so far
+            last: str | None = None
+            for m in range(M):  # the resident experts, one fused kernel a micro-batch
+                resident = fused_moe(model, np.where(held, tokens[m], 0))
+                if resident is not None:
+                    last = last_of[m] = self._compute(f"{at[k]}/moe{mb[m]}", k, resident, [dispatch[k][m]], step, layer)
+            # the experts it does not hold, each over every micro-batch in a row (Klotski's order:
+            # one copy serves every batch in flight), in the order the dispatches revealed them
+            users = {e: [m for m in range(M) if tokens[m][e]] for e in range(model.num_experts) if not held[e]}
+            needed = sorted((e for e, ms in users.items() if ms), key=lambda e: (users[e][0], e))
+            if self.how.offloaded_experts == "cpu":
+                for e in needed:
+                    for m in users[e]:
+                        last_of[m] = self._cpu_expert(
+                            f"{at[k]}/e{e}{mb[m]}", k, e, tokens[m], dispatch[k][m], step, layer
+                        )
+            else:
+                last = self._copied(at[k], k, needed, users, tokens, early[k], dispatch[k], last_of, last, step, layer)
+            for m in range(M):
+                ends[m].append(last_of[m])
         for k in range(G):
-            self.layer_end[k] = self._collective(f"{at[k]}/combine", k, back, sent[:, k], ends, step, layer)
+            for m, (_, sent) in enumerate(micro):
+                self.layer_end[k][m] = self._collective(
+                    f"{at[k]}/combine{mb[m]}", k, critical_bytes(sent.T), sent[:, k], ends[m], step, layer
+                )
+
+    def _copied(
+        self,
+        at: str,
+        k: int,
+        needed: list[int],
+        users: dict[int, list[int]],
+        tokens: list[np.ndarray],
+        early: dict[int, tuple[str, str, int]],
+        dispatch: list[str],
+        last_of: list[str],
+        last: str | None,
+        step: int,
+        layer: int,
+    ) -> str | None:
+        """Rank k's experts copied in and computed: the prefetched ones the dispatches need first
+        (they are there or on their way), the unneeded ones dropped, then the rest as their
+        dispatches reveal them. Updates `last_of`; returns the rank's last compute op."""
+        M = len(tokens)
+        mb = [f"/m{m}" if M > 1 else "" for m in range(M)]
+        self.prefetch_used += sum(e in early for e in needed)
+        wasted = [e for e in early if e not in needed]
+
+        def compute(e: int, copy: str, buffer: str) -> str | None:
+            nonlocal last
+            for n, m in enumerate(users[e]):
+                free = (buffer,) if n == len(users[e]) - 1 else ()
+                last = last_of[m] = self._expert(
+                    f"{at}/e{e}{mb[m]}", k, e, tokens[m], [last, copy, dispatch[m]], free, step, layer
+                )
+            return last
+
+        for e in needed:
+            if e in early:
+                copy, buffer, slot = early[e]
+                self.slots[k][slot] = compute(e, copy, buffer)
+        if wasted:  # the dispatches did not need them: their slots freed
+            copies = [early[e] for e in wasted]
+            remap = Op(
+                id=f"{at}/drop",
+                kind="compute",
+                stream=ranked("compute", k),
+                category="remap",
+                deps=tuple(d for d in [last, *(c for c, _, _ in copies)] if d),
+                step=step + 1,
+                phase="decode",
+                layer=layer,
+                free=tuple(b for _, b, _ in copies),
+            )
+            self.ops.append(remap)
+            last = remap.id
+            for _, _, slot in copies:
+                self.slots[k][slot] = last
+        for e in needed:
+            if e not in early:
+                copy, buffer, slot = self._copy(at, k, e, [dispatch[users[e][0]]], step, layer)
+                self.slots[k][slot] = compute(e, copy, buffer)
+        return last
+
+    def _cpu_expert(self, op_id: str, k: int, e: int, tokens: np.ndarray, dispatch: str, step: int, layer: int) -> str:
+        """Expert e computed where it lies, on the host CPU the ranks share: the tokens' hidden
+        states down the rank's link, the expert on the CPU, the results back up (Fiddler's way)."""
+        one = np.zeros_like(tokens)
+        one[e] = tokens[e]
+        work = fused_moe(self.model, one)
+        assert work is not None  # (an expert is computed only when it has tokens)
+        acts = self.model.hidden_bytes(int(tokens[e]))
+        down = self._transfer(
+            f"{op_id}/d2h", "d2h", k, acts, [dispatch], step, layer, category="activation", tensor="activation"
+        )
+        cpu = self._compute(
+            f"{op_id}/cpu", k, work._replace(category="expert"), [down], step, layer, stream="cpu_compute", expert=e
+        )
+        return self._transfer(
+            f"{op_id}/h2d", "h2d", k, acts, [cpu], step, layer, category="activation", tensor="activation"
+        )
 
     def _on_gpu(self, planned: EpLayer, expert: int, rank: int) -> bool:
         offload = self.plan.offload
@@ -236,7 +386,7 @@ class _RankBuilder:
         expert: int,
         tokens: np.ndarray,
         deps: list[str | None],
-        buffer: str,
+        free: tuple[str, ...],
         step: int,
         layer: int,
     ) -> str:
@@ -244,8 +394,7 @@ class _RankBuilder:
         one[expert] = tokens[expert]
         work = fused_moe(self.model, one)
         assert work is not None  # (an expert is copied only when it has tokens)
-        op = self._compute(op_id, rank, work, deps, step, layer, expert=expert, free=(buffer,))
-        return op
+        return self._compute(op_id, rank, work, deps, step, layer, expert=expert, free=free)
 
     def _collective(
         self, op_id: str, rank: int, critical: float, sends: np.ndarray, joined: list[str], step: int, layer: int
@@ -269,10 +418,11 @@ class _RankBuilder:
 
 
 def ep_schedule(
-    model: ModelSpec, plan: EpPlan, routing: RoutingTable, prefetch: bool = False
+    model: ModelSpec, plan: EpPlan, routing: RoutingTable, how: EpEvents = EpEvents()
 ) -> tuple[Schedule, _RankBuilder]:
     """The schedule of an EP plan's decode steps on its ranks' own resources (module docstring)."""
-    builder = _RankBuilder(model, plan, routing, prefetch)
+    how.check()
+    builder = _RankBuilder(model, plan, routing, how)
     at = {(p.step, p.layer): p for p in plan.layers}
     for step in range(routing.shape.gen_len - 1):
         for layer in range(model.num_layers):
@@ -324,14 +474,17 @@ def simulate_ep_events(
     profile: HardwareProfile,
     routing: RoutingTable,
     setup: ParallelSetup,
-    prefetch: bool = False,
+    how: EpEvents = EpEvents(),
 ) -> EventRun:
     """An EP setup's decode steps in the event engine (module docstring)."""
     check_setup(model, profile, routing, setup)
+    how.check()
     if setup.parallelism != "ep":
         raise UsageError(f"{setup.label}: the event engine times expert parallelism (tp runs in simulate --gpus G)")
+    if how.offloaded_experts == "cpu":
+        profile.require_cpu("--offloaded-experts cpu")
     plan = plan_expert_parallel(model, profile, routing, setup)
-    schedule, builder = ep_schedule(model, plan, routing, prefetch)
+    schedule, builder = ep_schedule(model, plan, routing, how)
     machine = profile
     if plan.offload is not None:  # each rank's link at its share of the host's memory bandwidth
         machine = with_overrides(profile, {"links.pcie_h2d.bandwidth": plan.offload.link_rate})
@@ -343,7 +496,7 @@ def simulate_ep_events(
     makespan = timeline.makespan
     busy = [timeline.rank_view(k).busy_seconds().get("gpu", 0.0) for k in range(setup.gpus)]
     fabric = timeline.rank_view(0).busy_seconds().get("fabric", 0.0)
-    streamed = sum(op.bytes for op in schedule.ops if op.kind == "transfer")
+    streamed = sum(op.bytes for op in schedule.ops if op.kind == "transfer" and op.tensor == "expert")
     result = ep_result(
         model,
         profile,
