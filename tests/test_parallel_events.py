@@ -15,6 +15,8 @@ from klotski_sim.hardware.profile import load_profile, with_overrides
 from klotski_sim.parallel.decode import STAGING_SLOTS, ParallelSetup, plan_expert_parallel, simulate_decode
 from klotski_sim.parallel.events import EpEvents, ep_schedule, rank_streams, simulate_ep_events
 from klotski_sim.runs.runner import RunSpec, make_replay
+from klotski_sim.serving.policies.fluxmoe import COMPRESSED_SHARE
+from klotski_sim.util.errors import UsageError
 from klotski_sim.workload.model import get_model
 
 from .conftest import make_profile, run_cli
@@ -203,7 +205,7 @@ def _tokens_computed(schedule: Schedule) -> int:
     return sum(op.tokens for op in schedule.ops if op.category == "moe" or op.stream.startswith("cpu_compute"))
 
 
-@pytest.mark.parametrize("offloaded", ["copy", "cpu"])
+@pytest.mark.parametrize("offloaded", ["copy", "compressed", "cpu"])
 @pytest.mark.parametrize("micro_batches", [1, 2, 3])
 def test_micro_batches_and_cpu_experts_compute_every_token_once_and_copy_an_expert_once(offloaded, micro_batches):
     """However a rank runs (micro-batches in flight, the experts it lacks copied in or computed on
@@ -228,6 +230,49 @@ def test_micro_batches_and_cpu_experts_compute_every_token_once_and_copy_an_expe
     assert (len(cpu) > 0) == (offloaded == "cpu")
     assert (cpu["start"].to_numpy()[1:] >= cpu["end"].to_numpy()[:-1] - 1e-12).all()  # (one op at a time)
     assert max(run.timeline.meta["rank_peak_gpu_bytes"]) <= profile.gpu.usable_bytes
+
+
+def test_a_compressed_tier_keeps_every_expert_in_one_tier_and_stages_each_used_one_once():
+    """FluxMoE's compressed tier per rank: each expert a rank homes is uncompressed, compressed or
+    in host memory (one of the three), no more in host memory than without the tier, the rank's
+    bytes within its GPU; each used expert it lacks staged once a layer (decompressed or copied)."""
+    model, profile, routing = _offloading()
+    setup = ParallelSetup(2, "ep")
+    plain = plan_expert_parallel(model, profile, routing, setup)
+    tiered = plan_expert_parallel(model, profile, routing, setup, COMPRESSED_SHARE)
+    assert plain.offload is not None and tiered.offload is not None
+    assert tiered.offload.host_bytes <= plain.offload.host_bytes
+    assert tiered.offload.compressed_saving > 0
+    for layer in model.moe_layers:
+        both = tiered.offload.on_gpu[layer] & tiered.offload.compressed[layer]
+        assert not both.any(), layer
+    schedule, _ = ep_schedule(model, tiered, routing, EpEvents(offloaded_experts="compressed"))
+    staged = [op for op in schedule.ops if op.category == "decompress" or op.tensor == "expert"]
+    used_elsewhere = sum(
+        int(((p.assigned[:, k] > 0) & ~tiered.offload.on_gpu[p.layer][:, k]).sum())
+        for p in tiered.layers
+        for k in range(2)
+    )
+    assert len(staged) == used_elsewhere
+    assert any(op.category == "decompress" for op in staged)
+    run = simulate_ep_events(model, profile, routing, setup, EpEvents(offloaded_experts="compressed"))
+    copy = simulate_ep_events(model, profile, routing, setup)
+    assert run.result.streamed_bytes <= copy.result.streamed_bytes
+    assert run.result.rank_bytes <= profile.gpu.memory_bytes - profile.gpu.reserved_bytes
+    assert max(run.timeline.meta["rank_peak_gpu_bytes"]) <= profile.gpu.usable_bytes
+    assert _tokens_computed(schedule) == routing.shape.num_sequences * routing.top_k * len(model.moe_layers) * (
+        routing.shape.gen_len - 1
+    )
+
+
+def test_a_compressed_tier_is_refused_with_its_reason_where_it_has_no_measurement():
+    compressed = EpEvents(offloaded_experts="compressed")
+    model, profile, routing = _run("tiny-mixtral", "l40s", 8)
+    with pytest.raises(UsageError, match="not 16-bit floats.*FluxMoE's measurement on bf16"):
+        simulate_ep_events(get_model("tiny-mixtral@int8"), profile, routing, ParallelSetup(2, "ep"), compressed)
+    model, profile, routing = _run("tiny-mixtral", "h200", 8)  # (no decompression rate in the profile)
+    with pytest.raises(UsageError, match="has no gpu.decompress_bandwidth"):
+        simulate_ep_events(model, profile, routing, ParallelSetup(2, "ep"), compressed)
 
 
 def test_the_runtime_refuses_a_schedule_of_ranks_in_one_line():

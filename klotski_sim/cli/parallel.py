@@ -182,6 +182,11 @@ def cmd_parallel(args: argparse.Namespace) -> int:
                 if args.offloaded_experts == "cpu"
                 else ""
             )
+            + (
+                ", experts a rank lacks room for kept compressed on its GPU where they fit"
+                if args.offloaded_experts == "compressed"
+                else ""
+            )
             if args.timing == "events"
             else ""
         )

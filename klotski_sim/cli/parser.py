@@ -323,10 +323,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--offloaded-experts",
-        choices=("copy", "cpu"),
+        choices=("copy", "compressed", "cpu"),
         default="copy",
-        help="EP with --timing events: a used expert a rank does not hold is copied to its GPU, or computed on the "
-        "host CPU the ranks share (default: %(default)s)",
+        help="EP with --timing events: a used expert a rank does not hold is copied to its GPU, decompressed from a "
+        "compressed tier on its GPU (FluxMoE's; copied where that does not fit), or computed on the host CPU the "
+        "ranks share (default: %(default)s)",
     )
     p.add_argument(
         "--out",

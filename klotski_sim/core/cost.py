@@ -58,6 +58,9 @@ KERNELS_PER_EXTRA_BATCH: dict[str, int] = {"expert": 4}
 # transformers' eager code (Qwen3MoeRMSNorm / OlmoeRMSNorm.forward: cast up, pow, mean, add eps,
 # rsqrt, multiply, cast back, scale); Mixtral's router renormalises its top-k weights with a sum
 # and a divide that OLMoE's and Qwen1.5-MoE's (norm_topk_prob false) do not launch.
+# The stored size of losslessly compressed bf16 expert weights (their exponents compress): FluxMoE
+# §6.3 Table 3, 32.1-32.5% saved; its compressed tier (serving's `fluxmoe`, EP ranks' `compressed`)
+COMPRESSED_SHARE = 1 - 0.321
 RMSNORM_KERNELS = 8
 KERNEL_TAGS: dict[str, int] = {
     "qk_norm": 2 * RMSNORM_KERNELS,  # q_norm and k_norm before RoPE (Qwen3-MoE, OLMoE)

@@ -34,7 +34,7 @@ are predicted from the step before it; nothing reads the routing of the step it 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -196,9 +196,14 @@ class EpPlan:
 
 
 def plan_expert_parallel(
-    model: ModelSpec, profile: HardwareProfile, routing: RoutingTable, setup: ParallelSetup
+    model: ModelSpec,
+    profile: HardwareProfile,
+    routing: RoutingTable,
+    setup: ParallelSetup,
+    compressed_size: float | None = None,
 ) -> EpPlan:
-    """Placement, grouping, offloading and each step's replicas and token routes (see EpPlan)."""
+    """Placement, grouping, offloading (with a compressed GPU tier of experts stored at
+    `compressed_size` of their size, if given) and each step's replicas and token routes (see EpPlan)."""
     shape, G, E = routing.shape, setup.gpus, model.num_experts
     S = shape.num_sequences
     prompt = routing.ids[:, :, : shape.prompt_len].reshape(S, shape.prompt_len, model.num_layers, -1)
@@ -220,7 +225,9 @@ def plan_expert_parallel(
                 signature[s] += np.bincount(homes[prompt[s, :, layer].reshape(-1).astype(np.int64)], minlength=G)
         home_rank = group_sequences(signature, G)
     seqs_on = np.bincount(home_rank, minlength=G)
-    offload = _offload(model, profile, setup, placements, prompt_load, shape.prompt_len + shape.gen_len, seqs_on)
+    offload = _offload(
+        model, profile, setup, placements, prompt_load, shape.prompt_len + shape.gen_len, seqs_on, compressed_size
+    )
     token_bytes = model.hidden_bytes(1)
     replica_bytes = 0.0
     previous: dict[int, np.ndarray] = {}
@@ -340,7 +347,7 @@ def ep_result(
         utilisation=utilisation,
         replica_bytes=plan.replica_bytes,
         rank_bytes=_rank_bytes(model, setup, tokens, int(plan.seqs_on.max()), len(plan.home_rank), plan.replica_bytes)
-        - (offload.host_bytes - offload.staging_bytes if offload is not None else 0.0),
+        - (offload.host_bytes + offload.compressed_saving - offload.staging_bytes if offload is not None else 0.0),
         offloaded_bytes=offload.host_bytes if offload is not None else 0.0,
         streamed_bytes=streamed_bytes,
     )
@@ -402,11 +409,17 @@ class Offload:
     host_bytes: float  # per rank at most: its experts held in host memory
     link_rate: float  # bytes/s of one rank's host-to-GPU copies with every rank copying at once
     staging_bytes: float  # per rank: GPU memory the experts it copies land in (STAGING_SLOTS of them)
+    # a compressed GPU tier (FluxMoE's, per rank): layer -> [expert, rank] held compressed on that
+    # rank's GPU (decompressed into a staging slot when used), and the bytes compression saves a rank
+    compressed: dict[int, np.ndarray] = field(default_factory=dict)
+    compressed_saving: float = 0.0
 
     def streamed(self, layer: int, placement: ExpertPlacement, assigned: np.ndarray) -> np.ndarray:
         """Per rank: the experts it computes this step (`assigned[e, r]` tokens) whose copy there
         is in host memory. A replica is always on the GPU (spare slots are GPU memory)."""
         on_gpu = self.on_gpu[layer].copy()
+        if layer in self.compressed:
+            on_gpu |= self.compressed[layer]
         home = placement.home()
         for e, ranks in enumerate(placement.replicas):
             for r in ranks:
@@ -423,11 +436,14 @@ def _offload(
     prompt_load: dict[int, np.ndarray],
     tokens: int,
     seqs_on: np.ndarray,
+    compressed_size: float | None = None,
 ) -> Offload | None:
     """The experts each rank keeps on its GPU when they do not all fit (module docstring): the slots
     its memory leaves, spread evenly over the layers and given to the rank's most-used experts on the
     prompts; None when every expert fits. Refused in one line when the rest alone does not fit, or host memory cannot
-    hold what is offloaded."""
+    hold what is offloaded. With `compressed_size` (a compressed expert's share of its size) a
+    compressed GPU tier first: as many experts as fit compressed stay on the GPU (decompressing
+    beats any PCIe copy), the hottest of them uncompressed as far as the memory left allows."""
     G, E, expert = setup.gpus, model.num_experts, model.expert_bytes()
     moe = model.moe_layers
     room = profile.gpu.memory_bytes - profile.gpu.reserved_bytes
@@ -444,19 +460,42 @@ def _offload(
             f"cache and {STAGING_SLOTS} experts' staging ({STAGING_SLOTS * expert / 1e9:.2f} GB) alone, but "
             f"{profile.name}'s GPU has {room / 1e9:.1f} GB: more GPUs or fewer sequences"
         )
-    # the budget spread over the layers as evenly as it goes (the first layers one more), each layer's
-    # share given to each rank's experts its prompts used most
-    share, more = divmod(budget, len(moe))
+    plain, packed = budget, 0  # experts a rank holds uncompressed, compressed
+    if compressed_size is not None:
+        if compressed_size * held <= budget:
+            plain = int((budget - compressed_size * held) // (1 - compressed_size))
+            packed = held - plain
+        else:
+            plain, packed = 0, int(budget // compressed_size)
+    # the uncompressed spread over the layers as evenly as it goes (the first layers one more); the
+    # compressed one at a time to the layers with the most experts left, each layer's shares given to
+    # each rank's experts its prompts used most, the uncompressed first
+    share, more = divmod(plain, len(moe))
+    firsts = [share + (i < more) for i in range(len(moe))]
+    left = [max(0, int(per_rank[layer].max()) - first) for layer, first in zip(moe, firsts)]
+    thens = [0] * len(moe)
+    for _ in range(packed):
+        i = max(range(len(moe)), key=lambda j: (left[j] - thens[j], -j))
+        if left[i] - thens[i] <= 0:
+            break
+        thens[i] += 1
+    packed = sum(thens)
     on_gpu: dict[int, np.ndarray] = {}
+    compressed: dict[int, np.ndarray] = {}
     for i, layer in enumerate(moe):
         home = placements[layer].home()
         keep = np.zeros((E, G), dtype=bool)
+        pack = np.zeros((E, G), dtype=bool)
+        first, then = firsts[i], thens[i]
         for r in range(G):
             mine = np.flatnonzero(home == r)
-            hottest = mine[np.argsort(-prompt_load[layer][mine], kind="stable")][: share + (i < more)]
-            keep[hottest, r] = True
+            hottest = mine[np.argsort(-prompt_load[layer][mine], kind="stable")]
+            keep[hottest[:first], r] = True
+            pack[hottest[first : first + then], r] = True
         on_gpu[layer] = keep
-    host_bytes = float(max(0, held - budget) * expert)
+        if compressed_size is not None:
+            compressed[layer] = pack
+    host_bytes = float(max(0, held - plain - packed) * expert)
     if profile.host.memory_bytes < G * host_bytes:
         raise UsageError(
             f"{setup.label}: the ranks would offload {G * host_bytes / 1e9:.1f} GB of experts to host memory, "
@@ -464,7 +503,8 @@ def _offload(
         )
     link = profile.link("pcie_h2d").bandwidth
     shared = profile.cpu.memory_bandwidth / G if profile.cpu is not None else float("inf")
-    return Offload(on_gpu, host_bytes, min(link, shared), float(STAGING_SLOTS * expert))
+    saving = float(packed * expert * (1 - compressed_size)) if compressed_size is not None else 0.0
+    return Offload(on_gpu, host_bytes, min(link, shared), float(STAGING_SLOTS * expert), compressed, saving)
 
 
 def mla_tensor_parallel(model: ModelSpec) -> str:

@@ -21,6 +21,11 @@ of an expert serves them all):
   each rank, layers ahead of the compute, predicted from the step before (a copy waits for that
   step's dispatch of the layer), never from the step itself; one that the dispatch then does not
   need is dropped (a `remap` op frees its slot).
+- With `offloaded_experts="compressed"` (FluxMoE's compressed tier, per rank), a rank keeps on its
+  GPU as many of the experts it lacks room for as fit losslessly compressed (`COMPRESSED_SHARE` of
+  their size), the hottest uncompressed as far as memory allows, and decompresses a used one into a
+  staging slot on its own decompression unit (`decompress@k`, at the profile's
+  `gpu.decompress_bandwidth`) instead of copying it; what does not fit compressed is copied.
 - With `offloaded_experts="cpu"`, nothing is copied: the rank sends the tokens of an expert it does
   not hold down its link (`d2h@k`), the host CPU computes the expert where it lies, and the results
   come back up (Fiddler's way, per rank). The host CPU is one resource that every rank shares
@@ -41,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from klotski_sim.core.collectives import critical_bytes
-from klotski_sim.core.cost import CostModel
+from klotski_sim.core.cost import COMPRESSED_SHARE, CostModel
 from klotski_sim.core.engine import simulate
 from klotski_sim.core.schedule import Op, Schedule
 from klotski_sim.core.timeline import Timeline
@@ -85,6 +90,7 @@ def rank_streams(rank: int) -> dict[str, str]:
         ranked("compute", rank): ranked("gpu", rank),
         ranked("h2d", rank): ranked("pcie_h2d", rank),
         ranked("d2h", rank): ranked("pcie_d2h", rank),
+        ranked("decompress", rank): ranked("gpu_decompress", rank),
         ranked("alltoall", rank): ranked("fabric", rank),
         ranked(HOST_STREAM, rank): ranked("host", rank),
         ranked("cpu_compute", rank): "cpu",  # (the host CPU, which every rank shares; issued by the rank's thread)
@@ -97,7 +103,7 @@ class EpEvents:
 
     prefetch: bool = False  # copy in, layers ahead, the experts used a step before
     micro_batches: int = 1  # a rank's sequences in this many micro-batches in flight
-    offloaded_experts: str = "copy"  # copy | cpu: what a rank does with a used expert it does not hold
+    offloaded_experts: str = "copy"  # copy | compressed | cpu: a used expert a rank does not hold
 
     def check(self) -> None:
         if self.offloaded_experts not in OFFLOADED_EXPERTS:
@@ -108,7 +114,7 @@ class EpEvents:
             raise UsageError(f"--micro-batches {self.micro_batches}: from 1 to 64")
 
 
-OFFLOADED_EXPERTS = ("copy", "cpu")
+OFFLOADED_EXPERTS = ("copy", "compressed", "cpu")
 
 
 class _RankBuilder:
@@ -198,12 +204,32 @@ class _RankBuilder:
     def _copy(
         self, at: str, rank: int, expert: int, deps: list[str | None], step: int, layer: int
     ) -> tuple[str, str, int]:
-        """A copy of `expert` into the rank's next staging slot (round robin: the one taken longest
-        ago; the copy waits for the op that frees it): its op id, buffer and slot."""
+        """`expert` into the rank's next staging slot (round robin: the one taken longest ago; it
+        waits for the op that frees it), copied from host memory or decompressed from the rank's
+        compressed tier: the op's id, its buffer and the slot."""
         slot = self.next_slot[rank]
         self.next_slot[rank] = (slot + 1) % STAGING_SLOTS
         buffer = ranked(f"{at}/e{expert}/slot{slot}", rank)
         nbytes = self.model.expert_bytes()
+        offload = self.plan.offload
+        if offload is not None and layer in offload.compressed and offload.compressed[layer][expert, rank]:
+            op_id = f"{at}/e{expert}/decompress"
+            self.ops.append(
+                Op(
+                    id=op_id,
+                    kind="compute",
+                    stream=ranked("decompress", rank),
+                    category="decompress",
+                    deps=tuple(d for d in [*deps, self.slots[rank][slot]] if d),
+                    bytes=nbytes,  # (the decompressed output: what the profile's rate counts)
+                    step=step + 1,
+                    phase="decode",
+                    layer=layer,
+                    expert=expert,
+                    alloc=((buffer, nbytes),),
+                )
+            )
+            return op_id, buffer, slot
         op_id = self._transfer(
             f"{at}/e{expert}/h2d",
             "h2d",
@@ -235,7 +261,7 @@ class _RankBuilder:
         kv_len = self.shape.prompt_len + step + 1
         at = [f"s{step + 1}/L{layer}/r{k}" for k in range(G)]
         mb = [f"/m{m}" if M > 1 else "" for m in range(M)]
-        copying = planned is not None and self.plan.offload is not None and self.how.offloaded_experts == "copy"
+        copying = planned is not None and self.plan.offload is not None and self.how.offloaded_experts != "cpu"
         # prefetch: the experts each rank computed here a step ago and does not hold, hottest first
         early: list[dict[int, tuple[str, str, int]]] = [{} for _ in range(G)]
         if copying and self.how.prefetch and before is not None and planned is not None:
@@ -461,10 +487,12 @@ def _resident_bytes(model: ModelSpec, plan: EpPlan, tokens: int) -> list[float]:
         fixed = without_experts(model, tokens, int(plan.seqs_on[k])) + plan.setup.spare_slots * expert * len(
             model.moe_layers
         )
+        held: float  # (experts' worth of GPU memory)
         if plan.offload is None:  # (each layer's placement as the plan's first step has it)
             held = sum(int((p.placement.home() == k).sum()) for p in plan.layers if p.step == 0)
         else:
             held = sum(int(plan.offload.on_gpu[layer][:, k].sum()) for layer in model.moe_layers)
+            held += COMPRESSED_SHARE * sum(int(tier[:, k].sum()) for tier in plan.offload.compressed.values())
         out.append(fixed + held * expert)
     return out
 
@@ -483,7 +511,18 @@ def simulate_ep_events(
         raise UsageError(f"{setup.label}: the event engine times expert parallelism (tp runs in simulate --gpus G)")
     if how.offloaded_experts == "cpu":
         profile.require_cpu("--offloaded-experts cpu")
-    plan = plan_expert_parallel(model, profile, routing, setup)
+    if how.offloaded_experts == "compressed" and profile.gpu.decompress_bandwidth is None:
+        raise UsageError(
+            f"--offloaded-experts compressed: hardware profile {profile.name!r} has no gpu.decompress_bandwidth "
+            f"(give one with --set gpu.decompress_bandwidth=4e11: FluxMoE measured 396.5-435.4e9 B/s)"
+        )
+    if how.offloaded_experts == "compressed" and (model.quantised or model.dtype_bytes != 2):
+        raise UsageError(
+            f"--offloaded-experts compressed: {model.name}'s experts are not 16-bit floats, and the compressed "
+            f"tier's size ({COMPRESSED_SHARE:.1%}) is FluxMoE's measurement on bf16 experts (their exponents compress)"
+        )
+    compressed = COMPRESSED_SHARE if how.offloaded_experts == "compressed" else None
+    plan = plan_expert_parallel(model, profile, routing, setup, compressed)
     schedule, builder = ep_schedule(model, plan, routing, how)
     machine = profile
     if plan.offload is not None:  # each rank's link at its share of the host's memory bandwidth

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from klotski_sim.core.cost import COMPRESSED_SHARE
 from klotski_sim.core.schedule import DEFAULT_STREAMS, ScheduleBuilder
 from klotski_sim.hardware.profile import HardwareProfile
 from klotski_sim.policies.options import option
@@ -41,7 +42,6 @@ from klotski_sim.serving.memory import Residency, plan_memory
 from klotski_sim.serving.policies.base import IterationSeen, ServingPolicy, ServingSetup, serving_policy
 from klotski_sim.serving.policies.fluxmoe_planner import Feedback, ResidencyPlanner, Step
 
-COMPRESSED_SHARE = 1 - 0.321  # stored size of compressed bf16 experts (FluxMoE §6.3 Table 3: 32.1-32.5% saved)
 SHARE_STEPS = 32  # compressed shares tried below the balanced one
 
 
