@@ -146,6 +146,27 @@ def test_failures_are_rows_not_crashes(tmp_path):
     assert (tmp_path / "results.parquet").exists()
 
 
+def test_a_group_the_model_or_machine_cannot_form_is_a_refused_row_naming_the_spec_field(tmp_path):
+    """gpus: 3 on a model of 8 KV heads and gpus: 8 on a 4-GPU machine are the configuration's
+    limits, not the simulator's failures: rows `refused`, saying `gpus:` as the spec does."""
+    spec = parse_spec(
+        {
+            "models": ["tiny-mixtral"],
+            "hardware": ["l40s"],
+            "policies": ["flexgen"],
+            "batch_sizes": [2],
+            "num_batches": [2],
+            "prompt_lens": [8],
+            "gen_lens": [3],
+            "gpus": [1, 3, 8],
+        }
+    )
+    df = run_sweep(spec, tmp_path, progress=False).set_index("gpus").sort_index()
+    assert list(df["status"]) == ["ok", "refused", "refused"]
+    assert df.at[3, "error"].startswith("gpus: 3: tensor parallelism splits attention by heads"), df.at[3, "error"]
+    assert df.at[8, "error"] == "gpus: 8: hardware profile 'l40s' has 4 GPUs"
+
+
 def test_a_configuration_host_memory_cannot_hold_is_refused_not_an_error(tmp_path):
     """A configuration whose weights the profile's host memory cannot hold is the configuration's
     verdict, as a GPU that cannot hold it is (`oom`): status `refused` with the reason, not `error`

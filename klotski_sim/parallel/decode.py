@@ -43,7 +43,7 @@ from klotski_sim.core.collectives import all_to_all_seconds, best_all_reduce
 from klotski_sim.core.cost import CostModel
 from klotski_sim.hardware.profile import FabricSpec, HardwareProfile
 from klotski_sim.parallel.placement import ExpertPlacement, balance, place, replicate
-from klotski_sim.util.errors import UsageError
+from klotski_sim.util.errors import MissingCapability, UsageError
 from klotski_sim.workload.model import ModelSpec
 from klotski_sim.workload.routing import RoutingTable
 
@@ -520,13 +520,13 @@ def check_splits(model: ModelSpec, gpus: int) -> None:
     if gpus == 1:
         return
     if model.mla:
-        raise UsageError(
+        raise MissingCapability(
             f"--gpus {gpus}: {mla_tensor_parallel(model)} (klotski-sim parallel --parallelism ep times its "
             f"decode with expert parallelism)"
         )
     kv = model.num_kv_heads
     if model.num_heads % gpus or (kv % gpus if gpus <= kv else gpus % kv):
-        raise UsageError(
+        raise MissingCapability(
             f"--gpus {gpus}: tensor parallelism splits attention by heads, and {model.name} has "
             f"{model.num_heads} query and {kv} KV heads: give a G that divides both (or, above {kv}, a "
             f"multiple of the KV heads that divides the query heads: each rank then keeps a copy of one KV head)"
@@ -548,12 +548,12 @@ def machine_fabric(profile: HardwareProfile, gpus: int) -> FabricSpec:
     if gpus == 1:
         return profile.fabric or FabricSpec(kind="pcie", gpus=1, bandwidth=1.0, base_latency_s=0.0, step_latency_s=0.0)
     if profile.fabric is None:
-        raise UsageError(
+        raise MissingCapability(
             f"--gpus {gpus}: hardware profile {profile.name!r} has no `fabric:` section (kind, gpus, bandwidth, "
             f"base_latency_s, step_latency_s); pick one that has it (h200, h20, l40s) or add it"
         )
     if gpus > profile.fabric.gpus:
-        raise UsageError(f"--gpus {gpus}: hardware profile {profile.name!r} has {profile.fabric.gpus} GPUs")
+        raise MissingCapability(f"--gpus {gpus}: hardware profile {profile.name!r} has {profile.fabric.gpus} GPUs")
     return profile.fabric
 
 

@@ -22,7 +22,7 @@ from klotski_sim.core.schedule import Op, Schedule
 from klotski_sim.hardware.profile import HardwareProfile
 from klotski_sim.names import ALLREDUCE_STREAM
 from klotski_sim.parallel.decode import check_splits, kv_replicated, machine_fabric
-from klotski_sim.util.errors import UsageError
+from klotski_sim.util.errors import MissingCapability, UsageError
 from klotski_sim.workload.model import ModelSpec
 
 # The ops whose output is a partial sum on each rank (a row-parallel GEMM ends them): attention's
@@ -52,7 +52,7 @@ def group_machine(profile: HardwareProfile, gpus: int, model: ModelSpec) -> Hard
         return profile
     check_splits(model, gpus)
     if profile.measured:
-        raise UsageError(
+        raise MissingCapability(
             f"--gpus {gpus}: hardware profile {profile.name!r} holds measured op durations (a calibration), "
             f"which time one GPU's whole ops, not a {gpus}-way shard; use a built-in profile"
         )

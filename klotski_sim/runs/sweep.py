@@ -616,7 +616,7 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
         row["error"] = "" if s.status == "ok" else json.dumps(s.oom)
     except (StorageRefusal, MissingCapability) as err:  # (the configuration, not the simulator: no traceback)
         row["status"] = "refused"
-        row["error"] = str(err)
+        row["error"] = spec_field_message(str(err))
     except MachineRefusal as err:  # (this machine's memory, not the simulated one's)
         row["status"] = "too-large"
         row["error"] = str(err)
@@ -626,6 +626,12 @@ def run_config(cfg: dict[str, Any]) -> dict[str, Any]:
         row["traceback"] = traceback.format_exc(limit=3)
     row["wall_s"] = time.perf_counter() - t
     return jsonable(row)
+
+
+def spec_field_message(text: str) -> str:
+    """A refusal as a sweep's user reads it: a group's refusal names the spec's `gpus:` field, which
+    the command line's `--gpus` flag is to a single run."""
+    return "gpus: " + text.removeprefix("--gpus ") if text.startswith("--gpus ") else text
 
 
 def _row_of(cfg: dict[str, Any]) -> dict[str, Any]:
