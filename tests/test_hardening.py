@@ -427,7 +427,14 @@ def test_an_npz_is_never_written_over_a_device_or_a_pipe_and_a_link_keeps_pointi
     rc, out, err = run_cli(*synth, str(tmp_path / "pipe"))
     assert rc == 2 and "not a regular file" in err and (tmp_path / "pipe").is_fifo()
     (tmp_path / "link.npz").symlink_to(tmp_path / "target.npz")
-    rc, out, err = run_cli(*synth, str(tmp_path / "link.npz"))
+    rc, out, err = run_cli(*synth, str(tmp_path / "link.npz"))  # (a planted link: refused, its target untouched)
+    assert (
+        rc == 2
+        and "is a symbolic link" in err
+        and "--follow-symlinks" in err
+        and not (tmp_path / "target.npz").exists()
+    )
+    rc, out, err = run_cli(*synth, str(tmp_path / "link.npz"), "--follow-symlinks")
     assert rc == 0 and (tmp_path / "link.npz").is_symlink() and (tmp_path / "target.npz").stat().st_size > 0
 
 
@@ -1306,7 +1313,16 @@ def test_write_file_puts_a_file_in_place_whole_or_not_at_all(tmp_path):
         write_file(target, half_then_full, "--x")
     assert target.read_text() == "before" and [p.name for p in tmp_path.iterdir()] == ["f.txt"]
     (tmp_path / "link.txt").symlink_to(target)
-    write_file(tmp_path / "link.txt", lambda temporary: temporary.write_text("after"))
+    with pytest.raises(UsageError, match=r"link\.txt: is a symbolic link \(to .*f\.txt\); .*--follow-symlinks$"):
+        write_file(tmp_path / "link.txt", lambda temporary: temporary.write_text("after"))
+    assert target.read_text() == "before"
+    from klotski_sim.files.outfiles import follow_symlinks
+
+    follow_symlinks(True)
+    try:
+        write_file(tmp_path / "link.txt", lambda temporary: temporary.write_text("after"))
+    finally:
+        follow_symlinks(False)
     assert (tmp_path / "link.txt").is_symlink() and target.read_text() == "after"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.txt", "link.txt"]
 

@@ -10,11 +10,12 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import pytest
 
 from klotski_sim.cli.simulate import SIMULATE_FILES
-from klotski_sim.files.outfiles import OutputFiles
+from klotski_sim.files.outfiles import OutputFiles, follow_symlinks
 from klotski_sim.report import exports
 from klotski_sim.runs.runner import RunSpec, run
 from klotski_sim.util.errors import UsageError
@@ -27,6 +28,16 @@ SMALL = ["--model", "tiny-mixtral", "--prompt-len", "16", "--gen-len", "3"]
 @pytest.fixture(scope="module")
 def tiny_timeline():
     return run(RunSpec(model="tiny-mixtral", prompt_len=16, gen_len=3)).timeline
+
+
+@contextmanager
+def following_links():
+    """As --follow-symlinks: outputs written through a link at their name."""
+    follow_symlinks(True)
+    try:
+        yield
+    finally:
+        follow_symlinks(False)
 
 
 def test_files_appear_only_at_commit_and_keep_their_suffix(tmp_path):
@@ -153,7 +164,11 @@ def test_a_linked_output_file_is_written_through_its_link(tmp_path, tiny_timelin
     out = tmp_path / "out"
     out.mkdir()
     (out / "timeline.csv").symlink_to(elsewhere / "kept.csv")
-    exports.save_all(tiny_timeline, out, png=False)
+    with pytest.raises(UsageError, match=r"timeline.csv: is a symbolic link .*--follow-symlinks"):
+        exports.save_all(tiny_timeline, out, png=False)  # (not asked for: refused, nothing written)
+    assert (elsewhere / "kept.csv").read_text() == "old" and sorted(p.name for p in out.iterdir()) == ["timeline.csv"]
+    with following_links():
+        exports.save_all(tiny_timeline, out, png=False)
     assert (out / "timeline.csv").is_symlink() and (elsewhere / "kept.csv").read_text().startswith('"op_id"')
 
 
@@ -190,7 +205,7 @@ def test_a_stop_among_the_renames_comes_after_them(tmp_path):
 
 COMMITTER = """
 import sys
-from klotski_sim.files.outfiles import OutputFiles
+from klotski_sim.files.outfiles import OutputFiles, follow_symlinks
 with OutputFiles(sys.argv[1]) as files:
     files.path("a.txt").write_text("new")
     print("written", flush=True)
@@ -241,7 +256,10 @@ def test_a_link_into_a_missing_folder_leaves_the_folder_as_it_was(tmp_path, tiny
     (tmp_path / "trace.json.gz").unlink()
     (tmp_path / "trace.json.gz").symlink_to(tmp_path / "no-such-folder" / "t.json.gz")
     before = {p.name: (p.read_bytes() if not p.is_symlink() else "link") for p in tmp_path.iterdir()}
-    with pytest.raises(UsageError, match=r"cannot write trace.json.gz \(No such file or directory\)"):
+    with (
+        following_links(),
+        pytest.raises(UsageError, match=r"cannot write trace.json.gz \(No such file or directory\)"),
+    ):
         exports.save_all(tiny_timeline, tmp_path)
     assert {p.name: (p.read_bytes() if not p.is_symlink() else "link") for p in tmp_path.iterdir()} == before
 

@@ -13,7 +13,7 @@ from klotski_sim.policies.plugins import load_entry_points, load_policy_file
 from klotski_sim.runs.runner import RunSpec, run
 from klotski_sim.util.errors import UsageError
 
-from .conftest import ROOT, run_cli_process
+from .conftest import ROOT, run_cli, run_cli_process
 
 EXAMPLE = ROOT / "examples" / "lru_single_batch.py"
 
@@ -269,11 +269,16 @@ def test_the_example_s_options_are_checked_in_one_line(args, message):
 
 @pytest.mark.parametrize(
     "argv",
-    [("simulate", "--batch-size", "0"), ("optimize", "--budget", "0"), ("simulate", "--policy", "nope"), ("bogus",)],
+    [("simulate", "--batch-size", "0"), ("optimize", "--budget", "0"), ("bogus",)],
 )
 def test_argparse_errors_are_one_line_too(argv):
     code, out, err = run_cli_process(*argv)
     assert code == 2 and err.count("\n") == 1 and err.startswith("error: klotski-sim"), err
+
+
+def test_an_unknown_policy_is_one_line_naming_the_flag_once_policy_files_are_loaded():
+    code, out, err = run_cli_process("simulate", "--policy", "nope")
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: --policy nope: unknown policy; policies:"), err
 
 
 BROKEN = """
@@ -428,3 +433,30 @@ def test_a_policy_files_schedule_is_checked_as_a_schedule_file_is(tmp_path, body
         "faulty",
     )
     assert rc == 2 and err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+
+
+MARKS = """
+import pathlib
+pathlib.Path(__file__).with_suffix(".ran").write_text("imported")
+"""
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("models", "--policy-file", "{file}"),  # (a command that takes no policy file)
+        ("trace", "stats", "{trace}", "--", "--policy-file={file}"),  # (after --: not an option at all)
+        ("simulate", "--policy-file", "{file}", "--batch-size", "0"),  # (a command line argparse refuses)
+    ],
+)
+def test_a_policy_file_runs_only_in_a_command_that_takes_it_and_only_once_its_command_line_is_right(tmp_path, argv):
+    file = tmp_path / "marks.py"
+    file.write_text(MARKS)
+    trace = tmp_path / "t.npz"
+    assert run_cli("trace", "synth", "--model", "tiny-mixtral", "--sequences", "1", "--out", str(trace))[0] == 0
+    code, _, err = run_cli_process(*(a.format(file=file, trace=trace) for a in argv))
+    assert code == 2 and err.count("\n") == 1, err
+    assert not file.with_suffix(".ran").exists(), "the policy file was run"
+    code, _, err = run_cli_process("policies", "--policy-file", str(file))
+    assert file.with_suffix(".ran").exists(), err  # (where it is taken: run; it registers no policy, which is said)
+    assert code == 2 and "registers no policy" in err

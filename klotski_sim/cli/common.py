@@ -11,6 +11,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Sequence
 
+from klotski_sim.files.outfiles import temporary_beside
 from klotski_sim.util.errors import KlotskiError
 from klotski_sim.util.machine import available_cores
 from klotski_sim.util.units import counted
@@ -79,6 +80,19 @@ def remove_empty_made_folders() -> None:
     made.clear()
 
 
+def leaf_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """The parsers of a command line's commands (those without subcommands of their own)."""
+    subs = [action for action in parser._actions if isinstance(action, argparse._SubParsersAction)]
+    if not subs:
+        return [parser]
+    seen: dict[int, argparse.ArgumentParser] = {}
+    for action in subs:
+        for sub in action.choices.values():
+            for leaf in leaf_parsers(sub):
+                seen.setdefault(id(leaf), leaf)
+    return list(seen.values())
+
+
 def output_folder(path: str | os.PathLike, flag: str = "--out") -> Path:
     """The folder a command writes to, made and checked before any work: a simulation is not run
     only to find that its results cannot be written."""
@@ -98,10 +112,8 @@ def output_folder(path: str | os.PathLike, flag: str = "--out") -> Path:
     tracked = made_folders.get()
     if tracked is not None:
         tracked.extend(folder.resolve() for folder in made)  # (`x/..` is the folder above `x`: made once)
-    probe = out / f".klotski-write-test-{os.getpid()}"
     try:
-        probe.write_bytes(b"")
-        probe.unlink()
+        temporary_beside(out, ".klotski-write-test-", "").unlink()
     except OSError as err:
         raise CliError(f"{flag} {out}: cannot write there ({err.strerror or err})") from None
     return out

@@ -13,11 +13,13 @@ import sys
 from typing import Any, Callable, Sequence
 
 from klotski_sim.cli.common import (
+    leaf_parsers,
     made_folders,
     remove_empty_made_folders,
 )
 from klotski_sim.cli.parser import build_parser
-from klotski_sim.policies.plugins import load_for_command_line
+from klotski_sim.files.outfiles import follow_symlinks
+from klotski_sim.policies.plugins import load_for_command, load_for_command_line
 from klotski_sim.util.errors import KlotskiError, one_line
 from klotski_sim.util.stopping import restore_stops, stopped, take_stops
 
@@ -33,7 +35,14 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     """Parse, run the subcommand, and turn the user's errors (KlotskiError, and OSError for files)
     into one `error:` line (exit 2). Anything else is a bug and shows its traceback; `--debug`
     shows the traceback of a user error too."""
+    for leaf in leaf_parsers(parser):  # (every command that writes: refused through a planted link unless asked)
+        leaf.add_argument(
+            "--follow-symlinks",
+            action="store_true",
+            help="write an output whose name is a symbolic link through the link (refused otherwise)",
+        )
     args = parser.parse_args(argv)
+    follow_symlinks(args.follow_symlinks)
     handler: Callable[[argparse.Namespace], int] = args.func
     made_token = made_folders.set([])
     stops, replaced = take_stops()
@@ -42,6 +51,7 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     stdout, sys.stdout = sys.stdout, ReaderMayGo(sys.stdout)
     try:
         try:
+            load_for_command(args)  # (the command's own policy files: only now that its command line is right)
             return handler(args)
         finally:
             stops.done = True  # (a stop from here on ends the process with its word: no traceback)

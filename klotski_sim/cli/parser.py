@@ -15,6 +15,7 @@ from klotski_sim.cli.sweeps import SWEEP_CONFIRM, cmd_optimize, cmd_sweep
 from klotski_sim.cli.traces import cmd_trace_import, cmd_trace_stats, cmd_trace_synth
 from klotski_sim.policies import POLICIES
 from klotski_sim.policies.impl import PRESET_NAMES
+from klotski_sim.policies.plugins import policy_name
 from klotski_sim.serving.policies import SERVING_POLICIES
 from klotski_sim.util.argtypes import (
     OneLineParser,
@@ -271,7 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--policy",
         default="klotski",
-        choices=list(POLICIES),
+        type=policy_name,
+        metavar="NAME",
         help="whose n: klotski (the inequalities), a policy that chooses n by simulated probes "
         "(klotski-hybrid: the probes are shown), or another policy (the n it runs) "
         "(default: %(default)s)",
@@ -343,9 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "name",
         nargs="?",
-        choices=[*POLICIES, *SERVING_POLICIES],
         metavar="NAME",
-        help="a policy (or a serving policy): list its options",
+        help=f"a policy ({', '.join([*POLICIES, *SERVING_POLICIES])}, or your own: --policy-file): list its options",
     )
     p.add_argument("--policy-file", action="append", default=[], metavar="FILE.py", help="your own policy (repeatable)")
     p.set_defaults(func=cmd_policies)

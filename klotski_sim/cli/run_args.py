@@ -14,6 +14,7 @@ from klotski_sim.cli.common import (
 from klotski_sim.hardware.profile import builtin_profile_names, load_profile, with_overrides
 from klotski_sim.policies import POLICIES
 from klotski_sim.policies.impl import PRESET_NAMES
+from klotski_sim.policies.plugins import policy_name
 from klotski_sim.runs.runner import (
     RunSpec,
 )
@@ -60,7 +61,11 @@ def add_run_arguments(
     )
     if policy:
         p.add_argument(
-            "--policy", default="single-batch", choices=list(POLICIES), help="schedule (default: %(default)s)"
+            "--policy",
+            default="single-batch",
+            type=policy_name,
+            metavar="NAME",
+            help=f"schedule: {', '.join(POLICIES)}, or your own (--policy-file) (default: %(default)s)",
         )
     p.add_argument(
         "--policy-file",

@@ -155,7 +155,7 @@ def _rows(member: IO[bytes], shape: tuple[int, ...], dtype: np.dtype) -> Iterato
 # what the cache names its files: a trace, by its workload's hash and its sequences (`_member`); an
 # unpacked copy, by its key's hash (`_entry`)
 OWN_NAME = re.compile(r"[0-9a-f]{20}(-[0-9]+)?\.npz")
-_OWN_TEMP = re.compile(r"\.[0-9a-f]{20}(-[0-9]+)?\.npz\.[0-9]+\.tmp")  # `write_npz`'s temporary name of one
+_OWN_TEMP = re.compile(r"\.[0-9a-f]{20}(-[0-9]+)?\.npz\.[a-z0-9_]+\.tmp")  # `write_npz`'s temporary name of one
 STALE_TEMP_S = 3600.0  # older than this, such a file is a killed write's (a trace is written as it is
 # drawn: 11-12 s for the default run's at a 16k-token prompt)
 

@@ -1,6 +1,12 @@
 """A command's output files, written all or none: each under a temporary name in the output folder,
 renamed into place together once every one is whole.
 
+Every output goes through here, and so is safe on a shared machine (a lab server, a cluster scratch
+folder): a temporary is created by `tempfile.mkstemp` (O_EXCL: never an existing file or a link
+someone planted; an unpredictable name), and an output whose final name is a symbolic link is
+refused unless the user asks for it (`--follow-symlinks`): else a link planted where a run will
+write would have it overwrite the link's target, another user's file.
+
 Written in place, a run stopped while it writes (Ctrl-C, SIGTERM, a full disk, an error in the
 figure) would leave a half written CSV or trace beside complete files of an earlier run: a mix that
 reads as one run and is none (a CSV cut at a line's end reads back as a shorter run). So the folder
@@ -14,7 +20,9 @@ from __future__ import annotations
 import errno
 import os
 import re
+import secrets
 import shutil
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
@@ -23,13 +31,48 @@ from typing import Callable, Iterable, Iterator
 from klotski_sim.util.errors import UsageError
 from klotski_sim.util.stopping import signals_deferred
 
+_follow_symlinks = False  # (a process-wide choice: the CLIs set it from --follow-symlinks; forked workers inherit it)
+
+
+def follow_symlinks(enabled: bool) -> None:
+    """Whether an output whose final name is a symbolic link is written through it (`--follow-symlinks`)."""
+    global _follow_symlinks
+    _follow_symlinks = bool(enabled)
+
+
+def refuse_link(path: str | os.PathLike, named: str) -> None:
+    """Refuse to write through a symbolic link at `path` (its last component) unless asked to."""
+    if not _follow_symlinks and os.path.islink(path):
+        raise UsageError(
+            f"{named}: is a symbolic link (to {os.readlink(os.fspath(path))}); outputs are not written through links "
+            f"unless you ask for it with --follow-symlinks"
+        )
+
+
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+def temporary_beside(folder: str | os.PathLike, prefix: str, suffix: str) -> Path:
+    """A new empty file of our own in `folder` under an unpredictable name (`tempfile.mkstemp`:
+    created exclusively, never a file or link already there), with the permissions a new file gets
+    (mkstemp's own are 0600: the user's umask decides, as for a file written in place)."""
+    descriptor, name = tempfile.mkstemp(dir=folder, prefix=prefix, suffix=suffix)
+    try:
+        os.fchmod(descriptor, 0o666 & ~_UMASK)
+    finally:
+        os.close(descriptor)
+    return Path(name)
+
 
 def refuse_unwritable(folder: str | os.PathLike, names: Iterable[str], flag: str = "--out") -> None:
     """Refuse, before any work, an output folder where one of the files a command writes is a
     folder or another non-file (else found at the end, after the whole run: pyarrow's `Expected
-    file path, but ... is a directory`, with the files written before it left in place)."""
+    file path, but ... is a directory`, with the files written before it left in place), or a
+    symbolic link not asked to be followed."""
     for name in names:
         target = Path(folder) / name
+        refuse_link(target, f"{flag} {folder}: {target}")
         if target.exists() and not target.is_file():
             what = "a folder" if target.is_dir() else "not a regular file"
             raise UsageError(f"{flag} {folder}: {target} is {what}; cannot write {name} there")
@@ -46,24 +89,31 @@ def failure_reason(error: OSError) -> str:
 
 def write_file(path: str | os.PathLike, write: Callable[[Path], object], flag: str = "") -> None:
     """One file written whole or not at all: `write(temporary)` writes a hidden temporary beside
-    `path` (this process's own), renamed onto it once whole (a link: its target replaced, the link
-    kept). Written in place, a full disk or a stop would leave a cut file that reads back as a
-    shorter one (a calibrated profile without its last rows); this way `path` holds what it held
-    before, no temporary is left, and the failure is one line naming `flag` and the file."""
-    target = Path(os.path.realpath(path))
+    `path` (created exclusively under an unpredictable name), renamed onto it once whole (a link,
+    with --follow-symlinks: its target replaced, the link kept; without, refused). Written in
+    place, a full disk or a stop would leave a cut file that reads back as a shorter one (a
+    calibrated profile without its last rows); this way `path` holds what it held before, no
+    temporary is left, and the failure is one line naming `flag` and the file."""
     named = f"{flag} {path}" if flag else str(path)
+    refuse_link(path, named)
+    target = Path(os.path.realpath(path))
     if target.exists() and not target.is_file():  # (the rename would put a file where a pipe or a device was)
         raise UsageError(f"{named}: cannot write, it is not a regular file")
-    temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")  # (".tmp" last: a writer that picks
-    # its format by the name's suffix, as pandas' to_csv does its compression, is told the format)
+    temporary = None
     try:
+        # (".tmp" last: a writer that picks its format by the name's suffix, as pandas' to_csv does its
+        # compression, is told the format)
+        temporary = temporary_beside(target.parent, f".{target.name}.", ".tmp")
+        if target.exists():
+            shutil.copymode(target, temporary)  # (its permissions kept, as a write in place keeps them)
         write(temporary)
         temporary.replace(target)
     except OSError as err:  # (the file the user named, not our temporary one)
         raise UsageError(f"{named}: cannot write ({failure_reason(err)})") from None
     finally:
         try:
-            temporary.unlink(missing_ok=True)
+            if temporary is not None:
+                temporary.unlink(missing_ok=True)
         except OSError:
             pass
 
@@ -83,16 +133,21 @@ def _move(temporary: Path, target: Path) -> None:
 def _kept(target: Path) -> Path:
     """What `target` holds, kept under another name until the commit is done: a hard link (no copy),
     or a copy where the file system has none."""
-    earlier = target.with_name(f".old-{os.getpid()}-{target.name}")
-    earlier.unlink(missing_ok=True)  # (one a killed run of this pid left)
-    try:
-        os.link(target, earlier)
-    except OSError:
+    while True:  # (an unpredictable name, taken only where nothing is: a link fails on an existing name)
+        earlier = target.with_name(f".old-{secrets.token_hex(8)}-{target.name}")
         try:
-            shutil.copy2(target, earlier)
-        except OSError:  # (a full disk: no half copy left behind; the commit is undone by its caller)
-            earlier.unlink(missing_ok=True)
-            raise
+            os.link(target, earlier)
+            return earlier
+        except FileExistsError:
+            continue
+        except OSError:
+            break
+    os.close(os.open(earlier, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600))
+    try:
+        shutil.copy2(target, earlier)
+    except OSError:  # (a full disk: no half copy left behind; the commit is undone by its caller)
+        earlier.unlink(missing_ok=True)
+        raise
     return earlier
 
 
@@ -141,8 +196,9 @@ class OutputFiles:
     def path(self, name: str) -> Path:
         """Where to write `name` now: a hidden temporary of the same suffix (a writer that picks its
         format by the suffix, as matplotlib and the gzip trace do, picks the same one)."""
-        temporary = self.folder / f".tmp-{os.getpid()}-{name}"
-        self._pending[name] = temporary
+        temporary = self._pending.get(name)
+        if temporary is None:  # (asked again: the same one)
+            temporary = self._pending[name] = temporary_beside(self.folder, ".tmp-", f"-{name}")
         return temporary
 
     def commit(self) -> list[str]:

@@ -12,7 +12,7 @@ import importlib.util
 import sys
 import traceback
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from klotski_sim.policies.base import POLICIES
 from klotski_sim.util.errors import KlotskiError, UsageError
@@ -100,27 +100,38 @@ def load_entry_points() -> list[str]:
     return sorted(set(POLICIES) - before)
 
 
-def policy_files_in(argv: Sequence[str]) -> list[str]:
-    """The `--policy-file` values of a command line, found before argparse builds its choices."""
-    out = []
-    for k, arg in enumerate(argv):
-        if arg == "--policy-file" and k + 1 < len(argv):
-            out.append(argv[k + 1])
-        elif arg.startswith("--policy-file="):
-            out.append(arg.split("=", 1)[1])
-    return out
+class PolicyName(str):
+    """A policy named on the command line: parsed as any text, checked once the command's own
+    `--policy-file`s are loaded (after argparse has accepted the whole command line, so that a
+    policy file is run only by a command that takes it, and only when the rest of its arguments
+    are right)."""
+
+
+def policy_name(text: str) -> PolicyName:
+    return PolicyName(text)
 
 
 def load_for_command_line(argv: Sequence[str]) -> int | None:
-    """Both CLIs, before building their parsers (whose --policy choices must include these):
-    installed and `--policy-file` policies. A bad one is one `error:` line and exit status 2
-    (None: all loaded); `--debug` shows its traceback."""
+    """Both CLIs, before building their parsers: installed policies (the entry points of packages
+    installed into this environment). A bad one is one `error:` line and exit status 2 (None: all
+    loaded); `--debug` shows its traceback. `--policy-file`s are the parsed command's
+    (`load_for_command`)."""
     try:
         load_entry_points()
-        load_policy_files(policy_files_in(argv))
     except KlotskiError as err:
         if "--debug" in argv:
             raise
         print(f"error: {err}", file=sys.stderr)
         return 2
     return None
+
+
+def load_for_command(args: Any) -> None:
+    """After parsing: the command's own `--policy-file`s run (a command without the flag runs
+    none), then each policy it names (a `PolicyName`) checked against what is registered."""
+    load_policy_files(getattr(args, "policy_file", None) or [])
+    value = getattr(args, "policy", None)
+    if isinstance(value, PolicyName) and value not in POLICIES:
+        raise UsageError(
+            f"--policy {value}: unknown policy; policies: {', '.join(POLICIES)} (your own: --policy-file FILE.py)"
+        )

@@ -75,7 +75,7 @@ from pydantic import (
 
 from klotski_sim.core.timeline import Summary, jsonable
 from klotski_sim.files.npzfile import NPZ_READ_ERRORS, check_npz
-from klotski_sim.files.outfiles import write_file
+from klotski_sim.files.outfiles import refuse_link, write_file
 from klotski_sim.files.textfile import read_text
 from klotski_sim.files.yamlfile import MAX_BYTES as MAX_YAML_BYTES
 from klotski_sim.files.yamlfile import load_yaml
@@ -775,6 +775,8 @@ def _check_sweep_folder(out: Path) -> None:
     if (out / "rows").is_dir():
         expected += [(row, False, "a finished row's file") for row in (out / "rows").glob("*.json")]
     for path, folder, what in expected:
+        if path.is_symlink() and not folder and path.name != ".lock":  # (the lock: never through a link at all)
+            refuse_link(path, f"{path} ({what})")
         if path.exists() and not (path.is_dir() if folder else path.is_file()):
             found = "not a folder" if folder else "a folder" if path.is_dir() else "not a regular file (a FIFO?)"
             raise SweepError(
@@ -790,7 +792,15 @@ class _locked:
         self.path = out / ".lock"
 
     def __enter__(self) -> None:
-        self.file = open(self.path, "a+")
+        # (never through a link planted as `.lock`: its target would be truncated to our pid)
+        try:
+            descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        except OSError as err:
+            raise SweepError(
+                f"{self.path}: cannot open the sweep's lock file "
+                f"({'it is a symbolic link' if self.path.is_symlink() else err.strerror or err})"
+            ) from None
+        self.file = os.fdopen(descriptor, "a+")
         try:
             fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
