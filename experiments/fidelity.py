@@ -35,7 +35,8 @@ from klotski_sim.core.timeline import OutOfMemory, Summary
 from klotski_sim.hardware.profile import load_profile
 from klotski_sim.policies import get_policy
 from klotski_sim.runs.runner import RunSpec, run
-from klotski_sim.util.errors import MissingCapability, StorageRefusal, one_line
+from klotski_sim.util.errors import MissingCapability, StorageRefusal
+from klotski_sim.util.terminal import one_line
 from klotski_sim.workload.model import get_model
 
 KLOTSKI = "Klotski paper (Fang et al., ASPLOS'25, arXiv 2502.06888)"

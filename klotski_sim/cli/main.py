@@ -20,8 +20,9 @@ from klotski_sim.cli.common import (
 from klotski_sim.cli.parser import build_parser
 from klotski_sim.files.outfiles import follow_symlinks
 from klotski_sim.policies.plugins import load_for_command, load_for_command_line
-from klotski_sim.util.errors import KlotskiError, one_line
+from klotski_sim.util.errors import KlotskiError
 from klotski_sim.util.stopping import restore_stops, stopped, take_stops
+from klotski_sim.util.terminal import PrintableStream, one_line
 
 RUNTIME_MODULES = ("torch", "transformers", "safetensors")  # the `runtime` extra's
 RUNTIME_INSTALL = (
@@ -34,7 +35,16 @@ RUNTIME_INSTALL = (
 def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     """Parse, run the subcommand, and turn the user's errors (KlotskiError, and OSError for files)
     into one `error:` line (exit 2). Anything else is a bug and shows its traceback; `--debug`
-    shows the traceback of a user error too."""
+    shows the traceback of a user error too. What the command prints, argparse's words included,
+    goes through `util.terminal.printable`: no control character of a user's reaches the terminal."""
+    stderr, sys.stderr = sys.stderr, PrintableStream(sys.stderr)
+    try:
+        return _guarded(parser, argv)
+    finally:
+        sys.stderr = stderr
+
+
+def _guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     for leaf in leaf_parsers(parser):  # (every command that writes: refused through a planted link unless asked)
         leaf.add_argument(
             "--follow-symlinks",
@@ -48,7 +58,7 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     stops, replaced = take_stops()
     if isinstance(sys.stdout, io.TextIOWrapper):  # (to a file or a pipe, lines as they are printed, not at the end)
         sys.stdout.reconfigure(line_buffering=True)
-    stdout, sys.stdout = sys.stdout, ReaderMayGo(sys.stdout)
+    stdout, sys.stdout = sys.stdout, ReaderMayGo(PrintableStream(sys.stdout))
     try:
         try:
             load_for_command(args)  # (the command's own policy files: only now that its command line is right)

@@ -16,6 +16,7 @@ from typing import Any, Iterable, Sequence
 
 from klotski_sim.policies.base import POLICIES
 from klotski_sim.util.errors import KlotskiError, UsageError
+from klotski_sim.util.terminal import one_line
 
 ENTRY_POINT_GROUP = "klotski.policies"
 _loaded: dict[str, list[str]] = {}  # resolved path -> the policies it registered
@@ -121,7 +122,7 @@ def load_for_command_line(argv: Sequence[str]) -> int | None:
     except KlotskiError as err:
         if "--debug" in argv:
             raise
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {one_line(str(err))}", file=sys.stderr)
         return 2
     return None
 

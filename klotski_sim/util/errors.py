@@ -32,12 +32,3 @@ class MachineRefusal(UsageError):
     """A run larger than the memory of the machine running klotski (not the simulated one) can
     hold, refused after its first steps are built (klotski_sim.util.run_size): a sweep records it as
     status `too-large`."""
-
-
-# control characters written as escapes: a newline in a file name or a profile's name would split an error's line
-_ESCAPED = {c: f"\\x{c:02x}" for c in (*range(32), 127) if c != 9} | {10: "\\n", 13: "\\r"}
-
-
-def one_line(text: str) -> str:
-    """`text` as one line: its control characters (a newline in a path or a name) written as escapes."""
-    return text.translate(_ESCAPED)
