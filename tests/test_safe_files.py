@@ -6,6 +6,7 @@ process's pid in them) are never written through; the sweep's lock file is never
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -125,3 +126,64 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+# ---- exit codes and refusals that tell the truth (issue 43, item 5) ------------------------------------------
+CYCLIC = """
+from klotski_sim.core.schedule import Op, Schedule
+from klotski_sim.policies import register
+
+
+@register("cyclic", "a schedule whose two ops wait for each other")
+def build(inp):
+    ops = (Op("a", "compute", "compute", "attention", ("b",)), Op("b", "compute", "compute", "attention", ("a",)))
+    return Schedule(ops, validate=False)
+"""
+
+
+def test_a_sweep_whose_rows_fail_exits_non_zero_and_says_how_many(tmp_path):
+    (tmp_path / "cyclic.py").write_text(CYCLIC)
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "models": ["tiny-mixtral"],
+                "policies": ["cyclic", "single-batch"],
+                "policy_files": ["cyclic.py"],
+                "batch_sizes": [2],
+                "num_batches": [1],
+                "prompt_lens": [8],
+                "gen_lens": [3],
+            }
+        )
+    )
+    code, out, err = run_cli("sweep", str(spec), "--out", str(tmp_path / "out"), "--workers", "1", "--no-progress")
+    assert code == 1, (out, err)
+    assert "error: 1 of 2 configurations failed (status error); the first:" in err, err
+
+
+def test_a_value_listed_twice_is_refused_where_it_would_run_twice(tmp_path):
+    (tmp_path / "cyclic.py").write_text(CYCLIC)
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        yaml.safe_dump(
+            {"models": ["tiny-mixtral"], "policies": ["cyclic"], "policy_files": ["cyclic.py", "./cyclic.py"]}
+        )
+    )
+    code, _, err = run_cli("sweep", str(spec), "--out", str(tmp_path / "out"))
+    assert code == 2 and re.search(r"policy_files: '[^']*cyclic\.py' is given twice \(as /", err), err
+    assert err.count("\n") == 1 and "already registered" not in err, err
+    spec.write_text(yaml.safe_dump({"models": ["tiny-mixtral"], "policies": ["klotski", "flexgen", "klotski"]}))
+    code, _, err = run_cli("sweep", str(spec), "--out", str(tmp_path / "out"))
+    assert code == 2 and "policies: 'klotski' is given twice" in err, err
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"seq_id": 0, "token_idx": 0, "layer": 0, "experts": [0, 1]}\n')
+    code, _, err = run_cli("trace", "import", str(log), "--key", "dataset", "--key", "dataset")
+    assert code == 2 and err == "error: --key dataset: given twice\n", err
+
+
+def test_a_cache_policy_without_a_cache_is_refused_lru_as_lfu():
+    for policy in ("lru", "lfu"):
+        code, _, err = run_cli("simulate", *TINY, "--policy", "single-batch", "--option", f"cache_policy={policy}")
+        assert code == 2 and f"cache_policy={policy} needs expert_cache > 0" in err, (policy, err)
+    assert run_cli("simulate", *TINY, "--option", "cache_policy=lru", "--option", "expert_cache=2")[0] == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from klotski_sim.util.argtypes import (
     MAX_COUNT_TEXT,
     plain_int,
 )
+from klotski_sim.util.terminal import one_line
 from klotski_sim.util.units import counted
 
 SWEEP_CONFIRM = 10_000  # a grid larger than this runs only with --yes
@@ -95,6 +97,16 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         f"{counted(len(df), 'configuration')} in {args.out}/results.parquet ({failed} not ok: see the status and "
         f"error columns)"
     )
+    # (oom, refused and too-large are what a configuration does on a machine: answers; an `error` row is
+    # a run that failed (a policy file's bug, the simulator's): the exit status says so, as optimize's does)
+    errors = int((df["status"] == "error").sum()) if len(df) else 0
+    if errors:
+        print(
+            f"error: {errors} of {counted(len(df), 'configuration')} failed (status error); the first: "
+            f"{one_line(str(df.loc[df['status'] == 'error', 'error'].iloc[0]))[:300]}",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

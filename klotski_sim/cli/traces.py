@@ -6,12 +6,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from klotski_sim.cli.common import note, output_file
+from klotski_sim.cli.common import CliError, note, output_file
 from klotski_sim.files.outfiles import write_file
 from klotski_sim.runs.runner import (
     LONG_DRAW_S,
     draw_seconds,
 )
+from klotski_sim.util.argtypes import first_repeat
 from klotski_sim.util.units import span_text
 from klotski_sim.workload.model import get_model
 from klotski_sim.workload.trace import Trace, TraceError, import_jsonl
@@ -69,6 +70,9 @@ def cmd_trace_import(args: argparse.Namespace) -> int:
     output_file(out, "--out" if args.out else "the output (the log's name with .npz; give --out)", reads=[args.file])
     # (with --model, its expert count: else a log that never uses the highest id is "another shape"; and its
     # dense first layers, which a log has no router records of: DeepSeek's)
+    twice = first_repeat(args.key or [])
+    if twice is not None:  # (said, not silently one field)
+        raise CliError(f"--key {twice}: given twice")
     model = get_model(args.model) if args.model else None
     num_experts = args.num_experts or (model.num_experts if model else None)
     trace, problems = import_jsonl(

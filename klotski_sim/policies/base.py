@@ -337,7 +337,8 @@ def resolve_options(name: str, impl: str, options: Mapping[str, Any]) -> dict[st
     for key, value in options.items():
         specs[key].check(name, value)
     resolved.update(options)
-    if resolved.get("cache_policy", "lru") != "lru" and not resolved.get("expert_cache"):
+    # (asked for without a cache, a cache policy, lru too, would do nothing: refused, not ignored)
+    if ("cache_policy" in options or resolved.get("cache_policy", "lru") != "lru") and not resolved.get("expert_cache"):
         raise UsageError(f"policy {name!r}: cache_policy={resolved['cache_policy']} needs expert_cache > 0")
     return resolved
 

@@ -185,6 +185,7 @@ class SweepSpec(BaseModel):
         "experts",
         "impls",
         "resident_layers",
+        "gpus",
     )
     @classmethod
     def _once_each(cls, values: list[Any]) -> list[Any]:
@@ -193,6 +194,16 @@ class SweepSpec(BaseModel):
         if twice is not None:
             raise UsageError(f"{twice!r} is given twice")
         return values
+
+    @field_validator("policy_files")
+    @classmethod
+    def _files_once_each(cls, files: list[str]) -> list[str]:
+        """A policy file given twice, by any path to it, would register its policies twice."""
+        real = [os.path.realpath(f) for f in files]
+        twice = first_repeat(real)
+        if twice is not None:
+            raise UsageError(f"{files[real.index(twice, real.index(twice) + 1)]!r} is given twice (as {twice})")
+        return files
 
     @field_validator("overrides", "options")
     @classmethod
