@@ -152,10 +152,13 @@ def calibrate(
     threads: int | None = None,
     emulate_pageable: Mapping[str, float] | None = None,
     progress: Callable[[str], None] | None = None,
+    size_flags: tuple[str, str] = ("--max-expert-tokens", "--batch-sizes x --prompt-lens"),
 ) -> HardwareProfile:
     """Measure `device` running `spec`'s ops and return a profile with a measured table.
     `threads` sets torch's CPU threads for the measurement (use the executor's setting);
-    `progress` is told each phase as it starts (the whole takes a minute or more on a CPU)."""
+    `progress` is told each phase as it starts (the whole takes a minute or more on a CPU);
+    `size_flags`: the caller's flags for the most expert tokens and for the largest batch and
+    prompt, which a refusal of sizes too large names."""
     load_before = machine_load()
     started = time.perf_counter()
 
@@ -178,6 +181,7 @@ def calibrate(
             command,
             emulate_pageable or {},
             say,
+            size_flags,
         )
     load_after = machine_load()
     conditions = {
@@ -202,6 +206,7 @@ def _calibrate(
     command: str,
     emulate_pageable: Mapping[str, float],
     say: Callable[[str], None],
+    size_flags: tuple[str, str],
 ) -> HardwareProfile:
     require_cuda(device)
     dev = torch.device(device)
@@ -220,7 +225,7 @@ def _calibrate(
     h = spec.hidden_size
     batch_sizes, prompt_lens = sorted(set(batch_sizes)), sorted(set(prompt_lens))
     kv_lens = sorted(set(kv_lens or [p + d for p in prompt_lens for d in (1, 16)]))
-    _check_fits(spec, dev, batch_sizes, prompt_lens, kv_lens, max_expert_tokens, dtype)
+    _check_fits(spec, dev, batch_sizes, prompt_lens, kv_lens, max_expert_tokens, dtype, size_flags)
     # tables named as the schedules' ops are (`attention.fused+qk_norm`, `gate.topk_as_is`: cost.op_variant)
     gate_key = ".".join(filter(None, ("gate", op_variant(spec, "gate"))))
     attention_key = {impl: f"attention.{op_variant(spec, 'attention', impl)}" for impl in kernels.ATTENTION_IMPLS}
@@ -435,6 +440,7 @@ def _check_fits(
     kv_lens: list[int],
     max_expert_tokens: int,
     dtype: torch.dtype,
+    size_flags: tuple[str, str],
 ) -> None:
     """Refuse, before any measurement, sizes whose largest tensors the device's memory cannot hold
     (they would fail only once allocated, possibly after minutes of measuring). Counted: an
@@ -448,9 +454,9 @@ def _check_fits(
     have = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else _host_memory()
     if need > have:
         what = (
-            "--max-expert-tokens"
+            size_flags[0]
             if expert >= scores and max_expert_tokens >= batch_sizes[-1] * prompt_lens[-1]
-            else "--batch-sizes x --prompt-lens"
+            else size_flags[1]
         )
         raise ExecutionError(
             f"calibration sizes too large for {dev.type} memory: {what} ({tokens:,} tokens at most, "

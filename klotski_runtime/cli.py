@@ -234,6 +234,20 @@ def cmd_validate(args: argparse.Namespace) -> int:
     repeated = first_repeat(policies)
     if repeated is not None:
         raise CliError(f"--policy {args.policy}: {repeated!r} is given twice")
+    # (what is cheap to check, checked before calibration's minute: a policy, its options, the model)
+    from klotski_sim.policies import POLICIES
+    from klotski_sim.policies.base import resolve_options
+    from klotski_sim.workload.model import get_model
+
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise CliError(
+            f"--policy {args.policy}: unknown {', '.join(map(repr, unknown))}; policies: {', '.join(POLICIES)}"
+        )
+    get_model(args.model)
+    for policy in policies:
+        for impl in ("as-published", "ideal") if args.impl == "both" else (args.impl,):
+            resolve_options(policy, impl, parse_overrides(args.options, "--option"))
     setup = ValidationSetup(
         model=args.model,
         device=args.device,
@@ -276,6 +290,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             threads=threads,
             command="klotski-runtime " + " ".join(sys.argv[1:]),
             progress=say,
+            size_flags=("--batch-size x --num-batches x --prompt-len", "--batch-size x --prompt-len"),
         )
         profile_path = str(out / "profile.yaml")
         write_file(profile_path, lambda temporary: temporary.write_text(profile.to_yaml()), "--out")

@@ -309,6 +309,22 @@ def _outside_the_run(op: Op, shape: RunShape, spec: ModelSpec) -> str:
     return ""
 
 
+# the compute categories an offline schedule's ops may have: `OpRunner.compute_ops`'s kernels
+KERNEL_CATEGORIES = (
+    "embed",
+    "attention",
+    "gate",
+    "expert",
+    "lm_head",
+    "combine",
+    "dequant",
+    "attn_qkv",
+    "attn_out",
+    "dense_mlp",
+    "allreduce",
+)
+
+
 def _unknown_to_the_runtime(op: Op, spec: ModelSpec, resource: str) -> str:
     """What an op asks of the runtime that it has no kernel or tensor for (empty: nothing): a copy
     that does not say what it carries, and a compute op's variant that is not the model's (a GPU
@@ -318,6 +334,10 @@ def _unknown_to_the_runtime(op: Op, spec: ModelSpec, resource: str) -> str:
         return f"a copy must say what it carries (tensor: {', '.join(TENSORS[1:-1])} or {TENSORS[-1]})"
     if op.kind != "compute":
         return ""
+    if op.category not in KERNEL_CATEGORIES:  # (said of the op and its field: else a count of gates went wrong)
+        return (
+            f"category {op.category!r}: the runtime has no kernel for it (it computes {', '.join(KERNEL_CATEGORIES)})"
+        )
     if op.category == "attention" and resource == "cpu":
         wanted: tuple[str, ...] = ("",)  # (the CPU's attention kernel has no variants)
     else:
@@ -606,6 +626,7 @@ class OpRunner:
         self.attention_partials: dict[int, list[torch.Tensor]] = {}  # batch -> each rank's attention output
         self.mlp_partials: dict[int, list[torch.Tensor]] = {}  # batch -> each rank's MoE or dense MLP output
         self.compute_ops["allreduce"] = self._all_reduce
+        assert set(self.compute_ops) == set(KERNEL_CATEGORIES)  # (the check above names what runs here)
         self._alloc(
             "resident",
             tensor_bytes(list(self.resident.values()))

@@ -460,3 +460,50 @@ def test_a_policy_file_runs_only_in_a_command_that_takes_it_and_only_once_its_co
     code, _, err = run_cli_process("policies", "--policy-file", str(file))
     assert file.with_suffix(".ran").exists(), err  # (where it is taken: run; it registers no policy, which is said)
     assert code == 2 and "registers no policy" in err
+
+
+def test_a_policy_file_raising_keyboardinterrupt_at_import_is_named_not_taken_for_a_stop(tmp_path):
+    file = tmp_path / "stops.py"
+    file.write_text("x = 1\nraise KeyboardInterrupt\n")
+    code, _, err = run_cli_process("simulate", "--policy-file", str(file), "--model", "tiny-mixtral")
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"{file}:2: raises KeyboardInterrupt while being imported (no stop was received)" in err, err
+
+
+SLEEPY_IMPORT = "import time\nwhile True:\n    time.sleep(0.05)\n"
+SLEEPY_BUILD = """
+import time
+from klotski_sim.policies import register
+
+
+@register("sleepy", "never returns its schedule")
+def build(inp):
+    while True:
+        time.sleep(0.05)
+"""
+
+
+def test_policy_timeout_stops_a_policy_file_that_never_returns_in_one_line(tmp_path):
+    (tmp_path / "hangs.py").write_text(SLEEPY_IMPORT)
+    (tmp_path / "sleepy.py").write_text(SLEEPY_BUILD)
+    code, _, err = run_cli_process(
+        "simulate", "--policy-file", str(tmp_path / "hangs.py"), "--policy-timeout", "0.5", "--model", "tiny-mixtral"
+    )
+    assert code == 2 and err.count("\n") == 1, err
+    assert "hangs.py: importing it: still running after --policy-timeout 0.5 s, stopped" in err, err
+    tiny = ("--model", "tiny-mixtral", "--prompt-len", "8", "--gen-len", "2", "--batch-size", "2", "--no-png")
+    for command in (
+        ("simulate", "--policy", "sleepy"),
+        ("compare", "--policies", "sleepy,single-batch", "--workers", "2"),
+    ):
+        code, _, err = run_cli_process(
+            *command, *tiny, "--policy-file", str(tmp_path / "sleepy.py"), "--policy-timeout", "0.5"
+        )
+        assert (
+            code == 2 and "policy 'sleepy' building its schedule: still running after --policy-timeout 0.5 s" in err
+        ), (
+            command,
+            err,
+        )
+    code, _, err = run_cli_process("models", "--policy-timeout", "1")  # (only where a policy file can run)
+    assert code == 2 and "unrecognized arguments: --policy-timeout" in err, err

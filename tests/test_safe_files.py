@@ -187,3 +187,38 @@ def test_a_cache_policy_without_a_cache_is_refused_lru_as_lfu():
         code, _, err = run_cli("simulate", *TINY, "--policy", "single-batch", "--option", f"cache_policy={policy}")
         assert code == 2 and f"cache_policy={policy} needs expert_cache > 0" in err, (policy, err)
     assert run_cli("simulate", *TINY, "--option", "cache_policy=lru", "--option", "expert_cache=2")[0] == 0
+
+
+def test_execute_names_the_op_and_field_of_a_category_it_has_no_kernel_for(tmp_path):
+    """A gate op edited to `category: bogus` was reported as "0 gate or dense MLP ops ..." with neither
+    the op nor the field named."""
+    pytest.importorskip("torch")
+    import json
+
+    from .conftest import runtime_in_process
+
+    assert run_cli("simulate", *TINY, "--no-png", "--out", str(tmp_path / "a"))[0] == 0
+    path = tmp_path / "a" / "schedule.json"
+    data = json.loads(path.read_text())
+    gate = next(op for op in data["ops"] if op["category"] == "gate")
+    gate["category"] = "bogus"
+    path.write_text(json.dumps(data))
+    code, _, err = runtime_in_process("execute", str(tmp_path / "a"))
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"op {gate['id']!r}: category 'bogus': the runtime has no kernel for it" in err, err
+
+
+def test_validate_refuses_what_is_cheap_to_check_before_calibrating(tmp_path):
+    """`validate --policy bogus` calibrated for ~40 s and left profile.yaml behind before saying so."""
+    pytest.importorskip("torch")
+    from .conftest import runtime_in_process
+
+    for args, message in (
+        (("--policy", "bogus"), "--policy bogus: unknown 'bogus'; policies:"),
+        (("--policy", "klotski", "--option", "nonsense=1"), "has no option(s) ['nonsense']"),
+        (("--model", "no-such-model"), "no-such-model"),
+    ):
+        out = tmp_path / "v"
+        code, _, err = runtime_in_process("validate", "--model", "tiny-mixtral", *args, "--out", str(out))
+        assert code == 2 and message in err and err.count("\n") == 1, (args, err)
+        assert not out.exists() or not any(out.iterdir()), (args, list(out.iterdir()))

@@ -20,9 +20,11 @@ from klotski_sim.cli.common import (
 from klotski_sim.cli.parser import build_parser
 from klotski_sim.files.outfiles import follow_symlinks
 from klotski_sim.policies.plugins import load_for_command, load_for_command_line
+from klotski_sim.util.argtypes import positive_float
 from klotski_sim.util.errors import KlotskiError
 from klotski_sim.util.stopping import restore_stops, stopped, take_stops
 from klotski_sim.util.terminal import PrintableStream, one_line
+from klotski_sim.util.timelimit import set_policy_timeout
 
 RUNTIME_MODULES = ("torch", "transformers", "safetensors")  # the `runtime` extra's
 RUNTIME_INSTALL = (
@@ -51,8 +53,18 @@ def _guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int
             action="store_true",
             help="write an output whose name is a symbolic link through the link (refused otherwise)",
         )
+    for leaf in leaf_parsers(parser):  # (where a command runs a policy file: a limit on its time)
+        if any("--policy-file" in action.option_strings for action in leaf._actions):
+            leaf.add_argument(
+                "--policy-timeout",
+                type=positive_float,
+                metavar="SECONDS",
+                help="stop a --policy-file's code (its import, each schedule it builds) after SECONDS, in one "
+                "line (default: no limit)",
+            )
     args = parser.parse_args(argv)
     follow_symlinks(args.follow_symlinks)
+    set_policy_timeout(getattr(args, "policy_timeout", None))
     handler: Callable[[argparse.Namespace], int] = args.func
     made_token = made_folders.set([])
     stops, replaced = take_stops()

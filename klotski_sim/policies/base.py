@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import sys
 import traceback
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from types import ModuleType
 from typing import Any, Callable, Iterable, Mapping, Sequence, overload
@@ -38,6 +39,7 @@ from klotski_sim.policies.impl import IMPL_CHOICES, IMPL_SPECS, PRESET_NAMES, Im
 from klotski_sim.policies.options import GENERIC_SPECS, OptionSpec, specs_from_defaults, specs_of
 from klotski_sim.util import run_size
 from klotski_sim.util.errors import KlotskiError, UsageError
+from klotski_sim.util.timelimit import policy_time_limit
 from klotski_sim.workload.model import ModelSpec
 from klotski_sim.workload.routing import RoutingTable, RunShape
 from klotski_sim.workload.trace import Trace
@@ -354,10 +356,12 @@ def build_schedule(name: str, inp: PolicyInput) -> Schedule:
     info = get_policy(name)
     options = resolve_options(name, inp.impl, inp.options)
     with gc_paused(), run_size.watching(name, inp.impl, inp.shape.num_steps, inp.shape.num_batches):
+        ours = getattr(info.build, "__module__", "").startswith("klotski_sim.")
         try:
-            schedule = info.build(
-                PolicyInput(inp.model, inp.profile, inp.routing, inp.placement, options, inp.warmup, inp.impl)
-            )
+            with nullcontext() if ours else policy_time_limit(f"policy {name!r} building its schedule"):
+                schedule = info.build(
+                    PolicyInput(inp.model, inp.profile, inp.routing, inp.placement, options, inp.warmup, inp.impl)
+                )
         except KlotskiError:
             raise
         except (Exception, SystemExit, GeneratorExit) as err:  # (a policy's sys.exit(0) would end a run, sweep

@@ -16,7 +16,9 @@ from typing import Any, Iterable, Sequence
 
 from klotski_sim.policies.base import POLICIES
 from klotski_sim.util.errors import KlotskiError, UsageError
+from klotski_sim.util.stopping import stop_received
 from klotski_sim.util.terminal import one_line
+from klotski_sim.util.timelimit import PolicyTimeout, policy_time_limit
 
 ENTRY_POINT_GROUP = "klotski.policies"
 _loaded: dict[str, list[str]] = {}  # resolved path -> the policies it registered
@@ -46,14 +48,28 @@ def load_policy_file(path: str | Path) -> list[str]:
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     try:
-        spec.loader.exec_module(module)
+        with policy_time_limit(f"{path}: importing it"):
+            spec.loader.exec_module(module)
     except SyntaxError as err:
         sys.modules.pop(module_name, None)
         where = f"{path}:{err.lineno}" if err.lineno else str(path)  # (a binary file has no line)
         raise UsageError(f"{where}: syntax error: {err.msg}") from None
+    except PolicyTimeout:
+        sys.modules.pop(module_name, None)
+        raise
     except KlotskiError as err:
         sys.modules.pop(module_name, None)
         raise UsageError(f"{path}: {err}") from None
+    except KeyboardInterrupt as err:  # (the file's own raise, not Ctrl-C: named as any other exception is)
+        sys.modules.pop(module_name, None)
+        if stop_received():
+            raise
+        frames = [f for f in traceback.extract_tb(err.__traceback__) if Path(f.filename).resolve() == p.resolve()]
+        line = f":{frames[-1].lineno}" if frames else ""
+        raise UsageError(
+            f"{path}{line}: raises {type(err).__name__} while being imported (no stop was received); a policy "
+            f"file only registers policies"
+        ) from None
     except (Exception, SystemExit, GeneratorExit) as err:  # noqa: BLE001 - the user's file: name where it failed
         sys.modules.pop(module_name, None)
         frames = [f for f in traceback.extract_tb(err.__traceback__) if Path(f.filename).resolve() == p.resolve()]

@@ -48,6 +48,7 @@ from klotski_sim.util.argtypes import MAX_COUNT, MAX_SEED
 from klotski_sim.util.errors import KlotskiError, MissingCapability, StorageRefusal, UsageError
 from klotski_sim.util.machine import slowdown
 from klotski_sim.util.stopping import STOP_SIGNALS
+from klotski_sim.util.timelimit import policy_timeout, set_policy_timeout
 from klotski_sim.util.units import memory_text
 from klotski_sim.workload.model import ModelSpec, get_model
 from klotski_sim.workload.routing import RoutingTable, RunShape
@@ -711,7 +712,10 @@ def worker_pool(
     context = multiprocessing.get_context("fork" if fork else None)
     parent = os.getpid() if context.get_start_method() in ("fork", "spawn") else None  # (forkserver: its server)
     pool = ProcessPoolExecutor(
-        workers, mp_context=context, initializer=_worker_start, initargs=(parent, initializer, initargs)
+        workers,
+        mp_context=context,
+        initializer=_worker_start,
+        initargs=(parent, initializer, initargs, policy_timeout()),
     )
     try:
         yield pool
@@ -739,7 +743,9 @@ class WorkerDied(UsageError):
     traceback says nothing the user can act on (compare); a sweep goes on (sweep._run_pool)."""
 
 
-def _worker_start(parent: int | None, initializer: Callable[..., None], initargs: tuple[Any, ...]) -> None:
+def _worker_start(
+    parent: int | None, initializer: Callable[..., None], initargs: tuple[Any, ...], timeout: float | None = None
+) -> None:
     """A pool worker's first steps: the stop signals end it as they end any process (a worker forked
     from the CLI inherits its handler, which turns them into an interruption of the main process's
     work), the kernel sends it SIGTERM when its parent dies, then `initializer`. SIGTERM always:
@@ -756,6 +762,7 @@ def _worker_start(parent: int | None, initializer: Callable[..., None], initargs
             pass
         if parent is not None and os.getppid() != parent:  # the parent died before the kernel was told
             os._exit(1)
+    set_policy_timeout(timeout)  # (the parent's --policy-timeout, whichever way the worker was started)
     initializer(*initargs)
 
 

@@ -36,6 +36,14 @@ class Terminated(KeyboardInterrupt):
         self.signum = signum
 
 
+def stop_received() -> bool:
+    """Whether a KeyboardInterrupt now is a stop from outside (Ctrl-C, a stop signal, as the
+    command's StopHandler saw one), not one a user's code raised itself. Without a StopHandler
+    (klotski used as a library), every one counts as a stop."""
+    handler = signal.getsignal(signal.SIGINT)
+    return not isinstance(handler, StopHandler) or handler.stopping
+
+
 class StopHandler:
     """The handler a CLI command runs under, for Ctrl-C and `STOP_SIGNALS`: the first stop raises
     (KeyboardInterrupt for Ctrl-C, `Terminated` for the others) and the clean-up runs; a repeat
