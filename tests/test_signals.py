@@ -98,6 +98,35 @@ def test_sigterm_ends_a_sweep_at_once_and_its_workers_with_it(tmp_path):
     assert 1 <= len(list(rows.glob("*.json"))) < SWEEP_SIZE
 
 
+@pytest.mark.parametrize("command", ["sweep", "compare"])
+def test_ctrl_c_to_the_process_group_of_a_pool_ends_in_one_word(tmp_path, command):
+    """A terminal sends Ctrl-C to the whole group: the workers too. They printed multiprocessing's
+    `Process ForkProcess-2:` beside the command's `interrupted` (now and then: it depends on where
+    a worker is when the signal comes; `test_a_worker_leaves_ctrl_c_to_its_parent` holds the cause);
+    now only the parent takes it, and says one word after its progress lines."""
+    seeds = ", ".join(map(str, range(DASK_SWEEP_SIZE)))
+    # (default-size runs, a second or so each: the stop finds both workers at work, as a user's Ctrl-C does)
+    (tmp_path / "spec.yaml").write_text(
+        f"name: long\nmodels: [mixtral-8x7b]\nhardware: [rtx3090]\npolicies: [klotski]\nimpls: [ideal]\n"
+        f"seeds: [{seeds}]\n"
+    )
+    out = tmp_path / "out"
+    if command == "sweep":
+        proc = _cli("sweep", str(tmp_path / "spec.yaml"), "--out", str(out), "--workers", "2", "--no-progress")
+        _wait_for(lambda: (out / "rows").is_dir() and any((out / "rows").glob("*.json")), "a first row", proc)
+    else:
+        proc = _cli("compare", "--model", "mixtral-8x7b", "--workers", "2", "--no-png", "--out", str(out))
+        _wait_for(lambda: len(_children(proc.pid)) >= 2, "two workers", proc)
+        time.sleep(1.0)  # (both at work)
+    family = [proc.pid, *_children(proc.pid)]
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=HANG_S)
+    lines = err.splitlines()
+    assert proc.returncode == 130 and lines[-1] == "interrupted", err[-3000:]
+    assert all(line.startswith(f"{command}: ") for line in lines[:-1]), err[-3000:]  # (its progress lines alone)
+    assert _wait_gone(family) == []
+
+
 def _descendants(pid: int) -> list[int]:
     """Every process below `pid`, whichever of its threads started it (a Dask cluster's are started
     by its event loop's thread, which `_children` of the main thread does not list)."""
@@ -361,6 +390,18 @@ def test_a_worker_takes_sigterm_even_where_its_parent_ignores_it(stop_signals):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     with worker_pool(1, _nothing, fork=True) as pool:
         assert pool.submit(_term_handler).result(timeout=HANG_S) == signal.SIG_DFL
+
+
+def _interrupt_handler() -> object:
+    return signal.getsignal(signal.SIGINT)
+
+
+def test_a_worker_leaves_ctrl_c_to_its_parent(stop_signals):
+    """Ctrl-C reaches a terminal's whole process group: a worker that took it raised in its work and
+    multiprocessing printed `Process ForkProcess-2:` beside the command's `interrupted`. The parent
+    stops its workers itself."""
+    with worker_pool(1, _nothing, fork=True) as pool:
+        assert pool.submit(_interrupt_handler).result(timeout=HANG_S) == signal.SIG_IGN
 
 
 STOPPED_TWICE = """

@@ -748,13 +748,18 @@ def _worker_start(
 ) -> None:
     """A pool worker's first steps: the stop signals end it as they end any process (a worker forked
     from the CLI inherits its handler, which turns them into an interruption of the main process's
-    work), the kernel sends it SIGTERM when its parent dies, then `initializer`. SIGTERM always:
+    work) and Ctrl-C is the parent's alone, the kernel sends it SIGTERM when its parent dies, then
+    `initializer`. SIGTERM always:
     the kernel stops orphaned workers with it (the pool stops its own with SIGKILL, `worker_pool`);
     SIGHUP unless the parent ignores it (under `nohup` a hang-up would end the workers and not the
     run)."""
     for signum in STOP_SIGNALS:
         if signum == signal.SIGTERM or callable(signal.getsignal(signum)):
             signal.signal(signum, signal.SIG_DFL)
+    # Ctrl-C reaches the terminal's whole process group, workers too: the parent owns it and stops its
+    # workers itself (`worker_pool`); a worker raising KeyboardInterrupt would print multiprocessing's
+    # "Process ForkProcess-2:" beside the command's one word
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if sys.platform == "linux":
         try:
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
