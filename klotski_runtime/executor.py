@@ -39,7 +39,7 @@ from klotski_sim.core.cost import op_variant, variant_impl
 from klotski_sim.core.schedule import TENSORS, Op, Schedule, ScheduleError, topological_order
 from klotski_sim.core.timeline import Timeline
 from klotski_sim.hardware.profile import FabricSpec
-from klotski_sim.names import is_disk_read, kv_buffer, resource_rank
+from klotski_sim.names import COMPUTE_CATEGORIES, is_disk_read, kv_buffer, resource_rank
 from klotski_sim.util.errors import KlotskiError
 from klotski_sim.workload.model import ModelSpec
 from klotski_sim.workload.routing import RoutingTable, RunShape
@@ -309,20 +309,10 @@ def _outside_the_run(op: Op, shape: RunShape, spec: ModelSpec) -> str:
     return ""
 
 
-# the compute categories an offline schedule's ops may have: `OpRunner.compute_ops`'s kernels
-KERNEL_CATEGORIES = (
-    "embed",
-    "attention",
-    "gate",
-    "expert",
-    "lm_head",
-    "combine",
-    "dequant",
-    "attn_qkv",
-    "attn_out",
-    "dense_mlp",
-    "allreduce",
-)
+# the compute categories an offline schedule's ops may have (`OpRunner.compute_ops`'s kernels): the
+# contract's, less the serving executor's (a fused `moe`, `decompress`, `remap`) and expert parallelism's
+# all-to-alls (simulated, not executed)
+KERNEL_CATEGORIES = tuple(c for c in COMPUTE_CATEGORIES if c not in ("moe", "decompress", "remap", "alltoall"))
 
 
 def _unknown_to_the_runtime(op: Op, spec: ModelSpec, resource: str) -> str:

@@ -222,3 +222,16 @@ def test_validate_refuses_what_is_cheap_to_check_before_calibrating(tmp_path):
         code, _, err = runtime_in_process("validate", "--model", "tiny-mixtral", *args, "--out", str(out))
         assert code == 2 and message in err and err.count("\n") == 1, (args, err)
         assert not out.exists() or not any(out.iterdir()), (args, list(out.iterdir()))
+
+
+def test_validate_names_its_own_flags_for_sizes_its_device_cannot_hold(tmp_path):
+    """It named `--max-expert-tokens`, a flag of calibrate that validate does not have."""
+    pytest.importorskip("torch")
+    from .conftest import runtime_in_process
+
+    code, _, err = runtime_in_process(
+        "validate", "--model", "tiny-mixtral", "--policy", "single-batch", "--batch-size", "65536",
+        "--num-batches", "64", "--prompt-len", "65536", "--gen-len", "2", "--out", str(tmp_path / "v"),
+    )  # fmt: skip
+    assert code == 2 and err.count("\n") == 1, err
+    assert "--max-expert-tokens" not in err and "--batch-size x" in err, err
