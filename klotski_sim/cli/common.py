@@ -14,6 +14,7 @@ from typing import Any, Sequence
 from klotski_sim.files.outfiles import temporary_beside
 from klotski_sim.util.errors import KlotskiError
 from klotski_sim.util.machine import available_cores
+from klotski_sim.util.stopping import signals_deferred
 from klotski_sim.util.units import counted
 from klotski_sim.workload.trace_synth import DEFAULT_ROUTING
 
@@ -113,7 +114,8 @@ def output_folder(path: str | os.PathLike, flag: str = "--out") -> Path:
     if tracked is not None:
         tracked.extend(folder.resolve() for folder in made)  # (`x/..` is the folder above `x`: made once)
     try:
-        temporary_beside(out, ".klotski-write-test-", "").unlink()
+        with signals_deferred():  # (a stop in between would leave the probe behind)
+            temporary_beside(out, ".klotski-write-test-", "").unlink()
     except OSError as err:
         raise CliError(f"{flag} {out}: cannot write there ({err.strerror or err})") from None
     return out

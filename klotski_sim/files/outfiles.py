@@ -103,7 +103,8 @@ def write_file(path: str | os.PathLike, write: Callable[[Path], object], flag: s
     try:
         # (".tmp" last: a writer that picks its format by the name's suffix, as pandas' to_csv does its
         # compression, is told the format)
-        temporary = temporary_beside(target.parent, f".{target.name}.", ".tmp")
+        with signals_deferred():  # (a stop while it is made would leave it behind with no name kept here)
+            temporary = temporary_beside(target.parent, f".{target.name}.", ".tmp")
         if target.exists():
             shutil.copymode(target, temporary)  # (its permissions kept, as a write in place keeps them)
         write(temporary)
@@ -198,7 +199,8 @@ class OutputFiles:
         format by the suffix, as matplotlib and the gzip trace do, picks the same one)."""
         temporary = self._pending.get(name)
         if temporary is None:  # (asked again: the same one)
-            temporary = self._pending[name] = temporary_beside(self.folder, ".tmp-", f"-{name}")
+            with signals_deferred():  # (named in `_pending` before a stop: discarded with the others)
+                temporary = self._pending[name] = temporary_beside(self.folder, ".tmp-", f"-{name}")
         return temporary
 
     def commit(self) -> list[str]:
