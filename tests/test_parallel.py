@@ -347,6 +347,8 @@ def test_the_parallel_command_refuses_flags_of_offloaded_runs():
     code, _, err = run_cli(*args, "--kv", "cpu", "--impl", "ideal")
     assert code == 2 and err.startswith("error: --kv cpu, --impl ideal: parallel times decode steps with every"), err
     assert len(err.strip().splitlines()) == 1
+    code, _, err = run_cli(*args, "--policy-timeout", "5")  # (no policy file runs here: nothing to limit)
+    assert code == 2 and err.startswith("error: --policy-timeout: parallel times decode steps"), err
 
 
 # ---- expert parallelism with offloading: each rank's experts that do not fit stay in host memory -----------

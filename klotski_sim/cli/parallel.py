@@ -113,6 +113,7 @@ def cmd_parallel(args: argparse.Namespace) -> int:
             (f"--resident-layers {args.resident_layers}", args.resident_layers is not None),
             (f"--impl {args.impl}", args.impl != "as-published"),
             ("--policy-file", bool(args.policy_file)),
+            ("--policy-timeout", getattr(args, "policy_timeout", None) is not None),
         )
         if given
     ]

@@ -312,8 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prefetch",
         action="store_true",
-        help="EP with --timing events: each offloading rank copies in, as it enters a layer, the experts it "
-        "computed there a step before and does not hold",
+        help="EP with --timing events: each offloading rank copies in, layers ahead (as soon as a staging slot "
+        "is free), the experts it computed at a layer a step before and does not hold",
     )
     p.add_argument(
         "--micro-batches",
