@@ -245,9 +245,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
             f"--policy {args.policy}: unknown {', '.join(map(repr, unknown))}; policies: {', '.join(POLICIES)}"
         )
     get_model(args.model)
+    options = parse_overrides(args.options, "--option")
     for policy in policies:
         for impl in ("as-published", "ideal") if args.impl == "both" else (args.impl,):
-            resolve_options(policy, impl, parse_overrides(args.options, "--option"))
+            resolve_options(policy, impl, options)
     setup = ValidationSetup(
         model=args.model,
         device=args.device,
@@ -266,7 +267,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         threads=threads or 1,
         impl=args.impl,
         repeats=args.repeats,
-        options=parse_overrides(args.options, "--option"),
+        options=options,
     )
     out = output_folder(args.out)
     profile_path = args.profile

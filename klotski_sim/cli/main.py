@@ -47,14 +47,13 @@ def guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
 
 
 def _guarded(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
-    for leaf in leaf_parsers(parser):  # (every command that writes: refused through a planted link unless asked)
-        leaf.add_argument(
+    for leaf in leaf_parsers(parser):
+        leaf.add_argument(  # (every command that writes: refused through a planted link unless asked)
             "--follow-symlinks",
             action="store_true",
             help="write an output whose name is a symbolic link through the link (refused otherwise)",
         )
-    for leaf in leaf_parsers(parser):  # (where a command runs a policy file: a limit on its time)
-        if any("--policy-file" in action.option_strings for action in leaf._actions):
+        if any("--policy-file" in action.option_strings for action in leaf._actions):  # (a limit on its time)
             leaf.add_argument(
                 "--policy-timeout",
                 type=positive_float,

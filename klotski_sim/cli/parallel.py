@@ -97,7 +97,7 @@ def write_event_runs(out: Path, events: dict[ParallelSetup, EventRun]) -> None:
         with OutputFiles(folder) as files:
             to_chrome_trace(run.timeline, files.path("trace.json.gz"))
             to_csv(run.timeline, files.path("timeline.csv"))
-            ranks = [run.timeline.rank_view(k).summary().to_dict() for k in run.timeline.ranks()]
+            ranks = [rank.to_dict() for rank in run.ranks]
             files.path("ranks.json").write_text(json.dumps(jsonable(ranks), indent=2))
             files.commit()
 

@@ -414,17 +414,23 @@ class Offload:
     compressed: dict[int, np.ndarray] = field(default_factory=dict)
     compressed_saving: float = 0.0
 
-    def streamed(self, layer: int, placement: ExpertPlacement, assigned: np.ndarray) -> np.ndarray:
-        """Per rank: the experts it computes this step (`assigned[e, r]` tokens) whose copy there
-        is in host memory. A replica is always on the GPU (spare slots are GPU memory)."""
+    def held(self, layer: int, placement: ExpertPlacement) -> np.ndarray:
+        """`[expert, rank]`: that rank's copy of the expert is on its GPU uncompressed, ready to
+        compute. A replica always is (spare slots are GPU memory)."""
         on_gpu = self.on_gpu[layer].copy()
-        if layer in self.compressed:
-            on_gpu |= self.compressed[layer]
         home = placement.home()
         for e, ranks in enumerate(placement.replicas):
             for r in ranks:
                 if r != home[e]:
                     on_gpu[e, r] = True
+        return on_gpu
+
+    def streamed(self, layer: int, placement: ExpertPlacement, assigned: np.ndarray) -> np.ndarray:
+        """Per rank: the experts it computes this step (`assigned[e, r]` tokens) whose copy there
+        is in host memory (neither `held` nor in a compressed tier)."""
+        on_gpu = self.held(layer, placement)
+        if layer in self.compressed:
+            on_gpu |= self.compressed[layer]
         return ((assigned > 0) & ~on_gpu).sum(axis=0)
 
 

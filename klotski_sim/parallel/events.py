@@ -49,7 +49,7 @@ from klotski_sim.core.collectives import critical_bytes
 from klotski_sim.core.cost import COMPRESSED_SHARE, CostModel
 from klotski_sim.core.engine import simulate
 from klotski_sim.core.schedule import Op, Schedule
-from klotski_sim.core.timeline import Timeline
+from klotski_sim.core.timeline import Summary, Timeline
 from klotski_sim.hardware.profile import HardwareProfile, with_overrides
 from klotski_sim.names import HOST_STREAM, ranked
 from klotski_sim.parallel.decode import (
@@ -81,7 +81,13 @@ class EventRun:
     timeline: Timeline
     prefetched: int  # expert copies started before the dispatch
     prefetch_used: int  # of those, the ones the dispatch needed
-    bubble_s: tuple[float, ...]  # per rank: its GPU's idle time a decode step (between its first and last op)
+    ranks: tuple[Summary, ...]  # each rank's one-GPU summary (`Timeline.rank_view`)
+    steps: int  # decode steps timed
+
+    @property
+    def bubble_s(self) -> tuple[float, ...]:
+        """Per rank: its GPU's idle time a decode step (between its first and last op)."""
+        return tuple(rank.bubble_s / self.steps for rank in self.ranks)
 
 
 def rank_streams(rank: int) -> dict[str, str]:
@@ -261,13 +267,20 @@ class _RankBuilder:
         kv_len = self.shape.prompt_len + step + 1
         at = [f"s{step + 1}/L{layer}/r{k}" for k in range(G)]
         mb = [f"/m{m}" if M > 1 else "" for m in range(M)]
-        copying = planned is not None and self.plan.offload is not None and self.how.offloaded_experts != "cpu"
+        offload = self.plan.offload
+        copying = planned is not None and offload is not None and self.how.offloaded_experts != "cpu"
+        # [expert, rank]: held on the rank's GPU uncompressed (everything, without offloading)
+        held_by = (
+            offload.held(layer, planned.placement)
+            if planned is not None and offload is not None
+            else np.ones((model.num_experts, G), dtype=bool)
+        )
         # prefetch: the experts each rank computed here a step ago and does not hold, hottest first
         early: list[dict[int, tuple[str, str, int]]] = [{} for _ in range(G)]
         if copying and self.how.prefetch and before is not None and planned is not None:
             for k in range(G):
                 used = before.assigned[:, k]
-                hot = [e for e in np.argsort(-used, kind="stable") if used[e] > 0 and not self._on_gpu(planned, e, k)]
+                hot = [e for e in np.argsort(-used, kind="stable") if used[e] > 0 and not held_by[e, k]]
                 for e in hot[:STAGING_SLOTS]:
                     # (not before that step's dispatch of this layer: when the rank learnt what it used)
                     seen = f"s{step}/L{layer}/r{k}/dispatch{mb[M - 1]}"
@@ -284,9 +297,12 @@ class _RankBuilder:
         if planned is None:  # a dense layer: no collective, each rank goes on at its own pace
             return
         micro = [self._micro(planned, m) for m in range(M)]
+        # (what each micro-batch's exchange waits for, there and back: the same for every rank's part)
+        there = [critical_bytes(sent) for _, sent in micro]
+        back = [critical_bytes(sent.T) for _, sent in micro]
         dispatch = [
             [
-                self._collective(f"{at[k]}/dispatch{mb[m]}", k, critical_bytes(sent), sent[k], joined[m], step, layer)
+                self._collective(f"{at[k]}/dispatch{mb[m]}", k, there[m], sent[k], joined[m], step, layer)
                 for m, (_, sent) in enumerate(micro)
             ]
             for k in range(G)
@@ -294,7 +310,7 @@ class _RankBuilder:
         ends: list[list[str]] = [[] for _ in range(M)]  # per micro-batch: each rank's last op before the combine
         for k in range(G):
             tokens = [assigned[:, k] for assigned, _ in micro]
-            held = np.array([self._on_gpu(planned, e, k) for e in range(model.num_experts)])
+            held = held_by[:, k]
             last_of = list(dispatch[k])  # per micro-batch: its last op on this rank so far
             last: str | None = None
             for m in range(M):  # the resident experts, one fused kernel a micro-batch
@@ -318,7 +334,7 @@ class _RankBuilder:
         for k in range(G):
             for m, (_, sent) in enumerate(micro):
                 self.layer_end[k][m] = self._collective(
-                    f"{at[k]}/combine{mb[m]}", k, critical_bytes(sent.T), sent[:, k], ends[m], step, layer
+                    f"{at[k]}/combine{mb[m]}", k, back[m], sent[:, k], ends[m], step, layer
                 )
 
     def _copied(
@@ -395,14 +411,6 @@ class _RankBuilder:
         )
         return self._transfer(
             f"{op_id}/h2d", "h2d", k, acts, [cpu], step, layer, category="activation", tensor="activation"
-        )
-
-    def _on_gpu(self, planned: EpLayer, expert: int, rank: int) -> bool:
-        offload = self.plan.offload
-        if offload is None:
-            return True
-        return bool(offload.on_gpu[planned.layer][expert, rank]) or (
-            rank in planned.placement.replicas[expert][1:]  # (a replica sits in a spare slot on the GPU)
         )
 
     def _expert(
@@ -533,8 +541,9 @@ def simulate_ep_events(
         raise UsageError(f"{setup.label}: out of GPU memory at {oom.get('op_id', '?')} ({oom.get('detail', '')})")
     steps = routing.shape.gen_len - 1
     makespan = timeline.makespan
-    busy = [timeline.rank_view(k).busy_seconds().get("gpu", 0.0) for k in range(setup.gpus)]
-    fabric = timeline.rank_view(0).busy_seconds().get("fabric", 0.0)
+    views = [timeline.rank_view(k) for k in range(setup.gpus)]  # (each a copy of its rank's rows: made once)
+    busy = [view.busy_seconds().get("gpu", 0.0) for view in views]
+    fabric = views[0].busy_seconds().get("fabric", 0.0)
     streamed = sum(op.bytes for op in schedule.ops if op.kind == "transfer" and op.tensor == "expert")
     result = ep_result(
         model,
@@ -547,5 +556,5 @@ def simulate_ep_events(
         all_to_all_bytes=2 * sum(float(p.sent.sum()) for p in plan.layers) / steps,
         streamed_bytes=streamed / steps,
     )
-    bubbles = tuple(timeline.rank_view(k).summary().bubble_s / steps for k in range(setup.gpus))
-    return EventRun(result, timeline, builder.prefetched, builder.prefetch_used, bubbles)
+    ranks = tuple(view.summary() for view in views)
+    return EventRun(result, timeline, builder.prefetched, builder.prefetch_used, ranks, steps)

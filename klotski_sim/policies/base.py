@@ -13,6 +13,7 @@ import sys
 import traceback
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Iterable, Mapping, Sequence, overload
 
@@ -411,11 +412,19 @@ class PolicyError(UsageError):
     """A policy from outside the package failed while building its schedule."""
 
 
+def line_in(err: BaseException, file: str | Path) -> int | None:
+    """The line of `file` deepest in the error's traceback (None: the file is not in it): where a
+    user's policy file failed."""
+    own = Path(file).resolve()
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if Path(f.filename).resolve() == own]
+    return frames[-1].lineno if frames else None
+
+
 def _where(err: BaseException, module: ModuleType) -> str:
     """`file:line` of the deepest frame of the policy's own file in the error's traceback."""
     own = getattr(module, "__file__", None)
-    frames = [f for f in traceback.extract_tb(err.__traceback__) if own and f.filename == own]
-    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else (own or module.__name__)
+    line = line_in(err, own) if own else None
+    return f"{own}:{line}" if line is not None else (own or module.__name__)
 
 
 class OpEmitter:

@@ -10,11 +10,10 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import sys
-import traceback
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from klotski_sim.policies.base import POLICIES
+from klotski_sim.policies.base import POLICIES, line_in
 from klotski_sim.util.errors import KlotskiError, UsageError
 from klotski_sim.util.stopping import stop_received
 from klotski_sim.util.terminal import one_line
@@ -64,16 +63,16 @@ def load_policy_file(path: str | Path) -> list[str]:
         sys.modules.pop(module_name, None)
         if stop_received():
             raise
-        frames = [f for f in traceback.extract_tb(err.__traceback__) if Path(f.filename).resolve() == p.resolve()]
-        line = f":{frames[-1].lineno}" if frames else ""
+        found = line_in(err, p)
+        line = f":{found}" if found is not None else ""
         raise UsageError(
             f"{path}{line}: raises {type(err).__name__} while being imported (no stop was received); a policy "
             f"file only registers policies"
         ) from None
     except (Exception, SystemExit, GeneratorExit) as err:  # noqa: BLE001 - the user's file: name where it failed
         sys.modules.pop(module_name, None)
-        frames = [f for f in traceback.extract_tb(err.__traceback__) if Path(f.filename).resolve() == p.resolve()]
-        line = f":{frames[-1].lineno}" if frames else ""
+        found = line_in(err, p)
+        line = f":{found}" if found is not None else ""
         if isinstance(err, SystemExit):  # (else the command would end there, with no word of why)
             raise UsageError(
                 f"{path}{line}: exits (sys.exit({err.code!r})) while being imported; a policy file "
