@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 from klotski_sim.cli.common import CliError, not_an_input, output_file, output_folder, parse_overrides, routing_kind
 from klotski_sim.cli.main import guarded
+from klotski_sim.cli.parallel import EP_RUN_FILE
 from klotski_sim.files.outfiles import refuse_unwritable, write_file
 from klotski_sim.hardware.profile import RATE_FLOOR
 from klotski_sim.report.exports import TIMELINE_FILES
@@ -433,6 +434,8 @@ def cmd_execute(args: argparse.Namespace) -> int:
 
     threads = _threads(args)
     folder = Path(args.schedule)
+    if folder.is_dir() and (folder / EP_RUN_FILE).is_file():
+        return _execute_ep(args, folder, threads)
     schedule_path = folder / "schedule.json" if folder.is_dir() else folder
     routing_path = args.routing or (folder if folder.is_dir() else folder.parent) / "routing.npz"
     if args.out is not None:
@@ -474,6 +477,74 @@ def cmd_execute(args: argparse.Namespace) -> int:
 
     print(format_summary(timeline.summary()))
     return _measured(timeline, args.out)
+
+
+def _execute_ep(args: argparse.Namespace, folder: Path, threads: int | None) -> int:
+    """`execute` of an EP configuration `klotski-sim parallel --timing events --out DIR` wrote
+    (DIR/<configuration>/): its plan rebuilt, its schedule executed on emulated ranks, the ranks'
+    hidden states checked against one device's (klotski_runtime/expert_parallel.py)."""
+    import torch
+
+    from klotski_sim.cli.parallel import load_ep_run
+    from klotski_sim.hardware.profile import FabricSpec
+
+    from .executor import ExecOptions
+    from .expert_parallel import execute_ep, prompt_cache, reference_decode
+
+    given = [flag for flag, on in (("--routing", args.routing), ("--model", args.model)) if on]
+    if given:
+        raise CliError(f"{', '.join(given)}: {folder} is an EP run; its model and routing are the run's own")
+    if args.device != "cpu":
+        raise CliError(
+            f"--device {args.device}: {folder} is an expert-parallel run; its ranks are emulated on the CPU "
+            f"(--device cpu); executing it on G real GPUs is not built yet"
+        )
+    if args.out is not None:
+        not_an_input(Path(args.out), "--out", [folder / "schedule.json", folder / EP_RUN_FILE])
+        refuse_unwritable(output_folder(args.out), TIMELINE_FILES)
+    run = load_ep_run(folder)
+    gpus = run.plan.setup.gpus
+    fabric = None
+    if args.emulate_fabric != "off":
+        fabric = FabricSpec(
+            kind="pcie", gpus=gpus, bandwidth=args.emulate_fabric, base_latency_s=0.0, step_latency_s=0.0
+        )
+    dtype = getattr(torch, args.dtype)
+    if run.how.offloaded_experts == "compressed" and dtype != torch.bfloat16:
+        raise CliError(f"--dtype {args.dtype}: {folder} decompresses bf16 experts (the lossless coder's); use bfloat16")
+    weights = _weights(args, run.model, dtype)
+    shape = run.routing.shape
+    inputs = prompt_cache(run.model, len(run.plan.home_rank), shape.prompt_len, shape.gen_len - 1, dtype)
+    options = ExecOptions(
+        emulate_links=_emulation(args), emulate_pageable=_pageable(args), threads=threads, emulate_fabric=fabric
+    )
+    timeline, runner = execute_ep(run.schedule, run.model, weights, run.plan, run.micro_batch, inputs, options)
+    reference = reference_decode(run.model, weights, run.plan, inputs)
+    error = max(float((runner.outputs[s] - ref).abs().max()) for s, ref in reference.items())
+    scale = max(float(ref.abs().max()) for ref in reference.values())
+    slots = [int(c.min()) == int(c.max()) == 1 for c in runner.computed.values()]
+    steps = shape.gen_len - 1
+    print(
+        f"executed {run.schedule.meta['policy']} of {run.model.name} ({len(run.schedule.ops)} ops, {steps} decode "
+        f"steps) on {timeline.meta['device']}: makespan {timeline.makespan:.3f} s, {timeline.makespan / steps * 1e3:.2f} "
+        f"ms a step"
+    )
+    for k in range(gpus):
+        rank = timeline.rank_view(k).summary()
+        busy = rank.gpu_busy_s
+        print(
+            f"  rank {k}: compute busy {busy:.3f} s ({busy / timeline.makespan:.0%}), idle between its ops {rank.bubble_s:.3f} s"
+        )
+    print(
+        f"ranks EMULATED: {gpus} expert-parallel ranks as threads of this host"
+        + (f", each all-to-all held to a {fabric.bandwidth / 1e9:.2f} GB/s fabric" if fabric else "")
+    )
+    print(
+        f"hidden states of {len(reference)} decode steps against one device's: max |difference| {error:.3g} "
+        f"(largest value {scale:.3g}); every token's expert slots computed once: {'yes' if all(slots) else 'NO'}"
+    )
+    code = _measured(timeline, args.out)
+    return code if all(slots) and error <= 1e-2 * max(scale, 1.0) else 1
 
 
 def _fabric(args: argparse.Namespace, schedule: Any) -> Any:
@@ -554,7 +625,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="FILE", help="trace file to write (.npz)")
     p.set_defaults(func=cmd_record)
 
-    p = sub.add_parser("execute", help="execute a schedule written by `klotski-sim simulate --out DIR` and measure it")
+    p = sub.add_parser(
+        "execute",
+        help="execute a schedule written by `klotski-sim simulate --out DIR` (or an EP configuration's folder "
+        "`klotski-sim parallel --timing events --out DIR` wrote, its ranks emulated) and measure it",
+    )
     p.add_argument("schedule", type=path_arg, metavar="DIR|schedule.json")
     p.add_argument("--routing", type=path_arg, metavar="FILE", help="routing.npz (default: next to the schedule)")
     p.add_argument("--model", help="model preset (default: the schedule's)")
@@ -572,8 +647,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=_rate_or_off,
         default="off",
         metavar="BYTES_PER_S|off",
-        help="CPU only, a tensor-parallel schedule (simulate --gpus G): hold each all-reduce to NCCL's ring or tree "
-        "time at this per-GPU fabric rate, labelled as emulation (off = as fast as the ranks' sum; default: off)",
+        help="CPU only, a tensor-parallel schedule (simulate --gpus G) or an EP run: hold each all-reduce to NCCL's "
+        "ring or tree time, each all-to-all to its pairwise exchange's, at this per-GPU fabric rate, labelled as "
+        "emulation (off = as fast as the host moves them; default: off)",
     )
     p.set_defaults(func=cmd_execute)
 

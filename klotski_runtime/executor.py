@@ -34,12 +34,12 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import torch
 
-from klotski_sim.core.collectives import best_all_reduce
+from klotski_sim.core.collectives import all_to_all_time, best_all_reduce
 from klotski_sim.core.cost import op_variant, variant_impl
 from klotski_sim.core.schedule import TENSORS, Op, Schedule, ScheduleError, topological_order
 from klotski_sim.core.timeline import Timeline
 from klotski_sim.hardware.profile import FabricSpec
-from klotski_sim.names import COMPUTE_CATEGORIES, is_disk_read, kv_buffer, resource_rank
+from klotski_sim.names import COMPUTE_CATEGORIES, base_resource, is_disk_read, kv_buffer, resource_rank
 from klotski_sim.util.errors import KlotskiError
 from klotski_sim.workload.model import ModelSpec
 from klotski_sim.workload.routing import RoutingTable, RunShape
@@ -179,8 +179,9 @@ def check_tensor_parallel(schedule: Schedule, spec: ModelSpec) -> None:
     if own is not None:  # (an expert-parallel schedule: each rank's own GPU, link and fabric port)
         raise ScheduleError(
             f"resource {own!r}: a schedule of ranks with resources of their own (expert parallelism, "
-            f"klotski-sim parallel --timing events) is simulated, not executed; the runtime executes one GPU "
-            f"or a tensor-parallel group (simulate --gpus G)"
+            f"klotski-sim parallel --timing events) runs from its plan on emulated ranks "
+            f"(klotski_runtime.expert_parallel.execute_ep), not from a schedule file; this executor runs one GPU's "
+            f"or a tensor-parallel group's (simulate --gpus G)"
         )
     group = tensor_parallel_ranks(schedule)
     if group == 1:
@@ -1106,6 +1107,11 @@ def execute(
     return timeline, runner
 
 
+def emulated_rate(rates: Mapping[str, float | None], resource: str) -> float | None:
+    """The emulated rate of `resource`: its own, or for a rank's link (`pcie_h2d@1`) its kind's."""
+    return rates.get(resource, rates.get(base_resource(resource)))
+
+
 def check_emulation(schedule: Schedule, options: ExecOptions) -> None:
     """Refuse, before anything runs, what emulated links cannot do: emulation off the CPU, copies
     that would sleep for hours, pageable copies over a link emulated without a pageable rate."""
@@ -1115,14 +1121,14 @@ def check_emulation(schedule: Schedule, options: ExecOptions) -> None:
     copying: dict[str, list[float]] = {}  # emulated link -> [seconds, bytes] of the schedule's copies over it
     for op in schedule.ops:
         resource = schedule.streams[op.stream]
-        rate = (options.emulate_pageable if op.pageable else options.emulate_links).get(resource)
+        rate = emulated_rate(options.emulate_pageable if op.pageable else options.emulate_links, resource)
         if op.kind == "transfer" and rate:
             total = copying.setdefault(resource, [0.0, 0])
             total[0] += op.bytes / rate
             total[1] += op.bytes
     for resource, (seconds, moved) in sorted(copying.items()):
         if seconds > MAX_EMULATED_S:  # (a lower bound of the run's time: ops of one link run one after another)
-            rate = options.emulate_links.get(resource, options.emulate_pageable.get(resource))  # (pageable alone)
+            rate = emulated_rate(options.emulate_links, resource) or emulated_rate(options.emulate_pageable, resource)
             raise ExecutionError(
                 f"emulated {resource} at {rate:.3g} B/s: the schedule's "
                 f"copies over it ({moved:,} bytes) would take {seconds / 3600:.1f} h, more than "
@@ -1240,19 +1246,20 @@ def _run_cpu(schedule: Schedule, runner: OpRunner, options: ExecOptions) -> tupl
                     begin = time.perf_counter()
                     start[i] = begin - t0
                     runner.run(op)
+                    wire = 0.0  # the least the op lasts on an emulated link or fabric
                     if op.kind == "transfer":
                         rates = options.emulate_pageable if op.pageable else options.emulate_links
-                        bw = rates.get(resources[op.stream])
-                        if bw:
-                            remaining = options.link_latency_s + op.bytes / bw - (time.perf_counter() - begin)
-                            if remaining > 0:
-                                time.sleep(remaining)
+                        bw = emulated_rate(rates, resources[op.stream])
+                        wire = options.link_latency_s + op.bytes / bw if bw else 0.0
                     elif op.category == "allreduce" and options.emulate_fabric is not None and ranks is not None:
                         # (NCCL's faster of ring and tree on the emulated fabric, as the simulator costs it)
                         wire, _ = best_all_reduce(op.bytes, ranks.count, options.emulate_fabric)
-                        remaining = wire - (time.perf_counter() - begin)
-                        if remaining > 0:
-                            time.sleep(remaining)
+                    elif op.category == "alltoall" and options.emulate_fabric is not None:
+                        # (an EP schedule's pairwise exchange: op.bytes are its rounds' largest messages)
+                        wire = all_to_all_time(op.bytes, int(schedule.meta.get("ranks", 1)), options.emulate_fabric)
+                    remaining = wire - (time.perf_counter() - begin)
+                    if remaining > 0:
+                        time.sleep(remaining)
                     end[i] = time.perf_counter() - t0
                 finally:
                     gate.release()

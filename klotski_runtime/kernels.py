@@ -531,16 +531,21 @@ def attention(
     return (x + projected if residual else projected), (k, v)
 
 
-def kv_chunk(spec: ModelSpec, batch: int, tokens: int, dtype: torch.dtype, device: Any = "cpu") -> tuple:
+def kv_chunk(
+    spec: ModelSpec,
+    batch: int,
+    tokens: int,
+    dtype: torch.dtype,
+    device: Any = "cpu",
+    generator: torch.Generator | None = None,
+) -> tuple:
     """A random KV-cache chunk of `tokens` tokens in the layout attention stores: (k, v) per KV head,
     or MLA's (latent, shared RoPE key) — `spec.kv_bytes_per_token()` bytes a token either way."""
     if spec.mla:
-        return (
-            torch.randn(batch, 1, tokens, spec.kv_lora_rank, dtype=dtype, device=device),
-            torch.randn(batch, 1, tokens, spec.qk_rope_dim, dtype=dtype, device=device),
-        )
-    shape = (batch, spec.num_kv_heads, tokens, spec.head_dim)
-    return torch.randn(*shape, dtype=dtype, device=device), torch.randn(*shape, dtype=dtype, device=device)
+        shapes = [(batch, 1, tokens, spec.kv_lora_rank), (batch, 1, tokens, spec.qk_rope_dim)]
+    else:
+        shapes = [(batch, spec.num_kv_heads, tokens, spec.head_dim)] * 2
+    return tuple(torch.randn(*s, generator=generator, dtype=dtype, device=device) for s in shapes)
 
 
 def mla_attention(
@@ -756,12 +761,18 @@ def gate_step(
         weights = forced_weights(z, router_weight, ids, renormalise)
     else:
         weights, ids = router(z, router_weight, top_k, renormalise)
+    return z, weights, ids, shared_experts(z, shared)
+
+
+def shared_experts(z: torch.Tensor, shared: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The always-active shared experts' output on `[tokens, h]` (zeros without them): `shared` is
+    their gate vector, then (w1, w3, w2) per shared expert (Qwen-MoE's sigmoid-gated shared expert)."""
     out = torch.zeros_like(z)
     if shared:
         scale = torch.sigmoid(F.linear(z, shared[0]))
         for k in range(1, len(shared), 3):
             out = out + expert(z, shared[k : k + 3]) * scale
-    return z, weights, ids, out
+    return out
 
 
 def expert_step(

@@ -7,20 +7,33 @@ import argparse
 import itertools
 import json
 import re
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from klotski_sim.cli.common import CliError, output_folder
 from klotski_sim.cli.run_args import spec_from_args
+from klotski_sim.core.cost import COMPRESSED_SHARE
+from klotski_sim.core.schedule import Schedule
 from klotski_sim.core.timeline import jsonable
 from klotski_sim.files.outfiles import OutputFiles
-from klotski_sim.parallel.decode import PARALLELISMS, ParallelResult, ParallelSetup, machine_fabric, simulate_decode
-from klotski_sim.parallel.events import EpEvents, EventRun, simulate_ep_events
+from klotski_sim.parallel.decode import (
+    PARALLELISMS,
+    EpPlan,
+    ParallelResult,
+    ParallelSetup,
+    machine_fabric,
+    plan_expert_parallel,
+    simulate_decode,
+)
+from klotski_sim.parallel.events import EpEvents, EventRun, ep_schedule, simulate_ep_events
 from klotski_sim.parallel.placement import PLACEMENTS
 from klotski_sim.report.exports import to_chrome_trace, to_csv
-from klotski_sim.runs.runner import make_replay, resolve_profile
+from klotski_sim.runs.runner import RunSpec, make_replay, resolve_profile
 from klotski_sim.util.argtypes import name_list
 from klotski_sim.util.errors import UsageError
-from klotski_sim.workload.model import get_model
+from klotski_sim.workload.model import ModelSpec, get_model
+from klotski_sim.workload.routing import RoutingTable
 
 
 def replica_counts(text: str) -> list[int]:
@@ -88,9 +101,19 @@ def format_results(
     return "\n".join(lines)
 
 
-def write_event_runs(out: Path, events: dict[ParallelSetup, EventRun]) -> None:
+EP_RUN_FILE = "ep.json"  # what `klotski-runtime execute` rebuilds an EP configuration's plan from
+
+
+def write_event_runs(
+    out: Path, events: dict[ParallelSetup, EventRun], spec: RunSpec, how: EpEvents, routing: RoutingTable
+) -> None:
     """Each EP configuration's timeline into `out/<configuration>/`: trace.json.gz (every rank's
-    streams, for Perfetto), timeline.csv, and ranks.json (each rank's one-GPU summary)."""
+    streams, for Perfetto), timeline.csv, ranks.json (each rank's one-GPU summary), and what the
+    runtime executes it from: schedule.json, ep.json (the run, the setup, how ranks run) and the
+    routing (`out/routing.npz`)."""
+    with OutputFiles(out) as files:
+        routing.save(files.path("routing.npz"))
+        files.commit()
     for setup, run in events.items():
         folder = out / re.sub(r"[^a-z0-9]+", "-", setup.label.lower()).strip("-")
         folder.mkdir(parents=True, exist_ok=True)
@@ -99,7 +122,47 @@ def write_event_runs(out: Path, events: dict[ParallelSetup, EventRun]) -> None:
             to_csv(run.timeline, files.path("timeline.csv"))
             ranks = [rank.to_dict() for rank in run.ranks]
             files.path("ranks.json").write_text(json.dumps(jsonable(ranks), indent=2))
+            run.schedule.save(files.path("schedule.json"))
+            inputs = {"run": spec.to_dict(), "setup": asdict(setup), "events": asdict(how)}
+            files.path(EP_RUN_FILE).write_text(json.dumps(jsonable(inputs), indent=2))
             files.commit()
+
+
+@dataclass(frozen=True)
+class SavedEpRun:
+    """An EP configuration `parallel --timing events --out DIR` wrote, rebuilt from its files: the
+    plan and schedule again from the same inputs, so the runtime executes what was timed."""
+
+    model: ModelSpec
+    routing: RoutingTable
+    plan: EpPlan
+    schedule: Schedule
+    micro_batch: Any  # np.ndarray [sequence]: its micro-batch on its rank
+    how: EpEvents
+
+
+def load_ep_run(folder: Path) -> SavedEpRun:
+    """The EP run in `folder` (DIR/<configuration>/), checked against the schedule it holds."""
+    where = folder / EP_RUN_FILE
+    try:
+        saved = json.loads(where.read_text())
+        spec = RunSpec(**saved["run"])
+        setup = ParallelSetup(**saved["setup"])
+        how = EpEvents(**saved["events"])
+    except (OSError, ValueError, KeyError, TypeError, UsageError) as bad:
+        raise CliError(f"{where}: not an EP run that parallel --timing events --out wrote ({bad})") from None
+    model = get_model(spec.model)
+    routing = RoutingTable.load(folder.parent / "routing.npz")
+    compressed = COMPRESSED_SHARE if how.offloaded_experts == "compressed" else None
+    plan = plan_expert_parallel(model, resolve_profile(spec), routing, setup, compressed)
+    schedule, builder = ep_schedule(model, plan, routing, how)
+    written = Schedule.load(folder / "schedule.json")
+    if written.ops != schedule.ops:
+        raise CliError(
+            f"{folder / 'schedule.json'}: not the schedule its plan gives now ({len(written.ops)} ops written, "
+            f"{len(schedule.ops)} rebuilt): written by another version, or edited; run parallel --out again"
+        )
+    return SavedEpRun(model, routing, plan, schedule, builder.part, how)
 
 
 def cmd_parallel(args: argparse.Namespace) -> int:
@@ -193,6 +256,6 @@ def cmd_parallel(args: argparse.Namespace) -> int:
         )
     )
     if out is not None and events:
-        write_event_runs(out, events)
+        write_event_runs(out, events, spec, how, rep.routing)
         print(f"timelines of {len(events)} EP configuration(s) in {out}/")
     return 0 if any(isinstance(r, ParallelResult) for _, r in rows) else 3

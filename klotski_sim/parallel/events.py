@@ -83,6 +83,7 @@ class EventRun:
     prefetch_used: int  # of those, the ones the dispatch needed
     ranks: tuple[Summary, ...]  # each rank's one-GPU summary (`Timeline.rank_view`)
     steps: int  # decode steps timed
+    schedule: Schedule  # what was timed (the runtime executes the same: klotski_runtime/expert_parallel.py)
 
     @property
     def bubble_s(self) -> tuple[float, ...]:
@@ -121,6 +122,29 @@ class EpEvents:
 
 
 OFFLOADED_EXPERTS = ("copy", "compressed", "cpu")
+
+
+def held_on_ranks(plan: EpPlan, planned: EpLayer | None, num_experts: int) -> np.ndarray:
+    """`[expert, rank]`: that rank's copy of the expert is on its GPU uncompressed, ready to compute
+    (every expert, without offloading or in a dense layer)."""
+    if planned is None or plan.offload is None:
+        return np.ones((num_experts, plan.setup.gpus), dtype=bool)
+    return plan.offload.held(planned.layer, planned.placement)
+
+
+def collective_of(op_id: str) -> str:
+    """Which exchange an `alltoall` op of `ep_schedule` is: `dispatch` or `combine` (its id's part)."""
+    parts = op_id.split("/")
+    return next((p for p in ("dispatch", "combine") if p in parts), "")
+
+
+def micro_batch_of(op_id: str) -> int:
+    """The micro-batch an op of `ep_schedule` belongs to: its id's `/m<index>` part (0 without one,
+    as with a single micro-batch or a copy that serves them all)."""
+    for part in op_id.split("/"):
+        if part[:1] == "m" and part[1:].isdigit():
+            return int(part[1:])
+    return 0
 
 
 class _RankBuilder:
@@ -269,12 +293,7 @@ class _RankBuilder:
         mb = [f"/m{m}" if M > 1 else "" for m in range(M)]
         offload = self.plan.offload
         copying = planned is not None and offload is not None and self.how.offloaded_experts != "cpu"
-        # [expert, rank]: held on the rank's GPU uncompressed (everything, without offloading)
-        held_by = (
-            offload.held(layer, planned.placement)
-            if planned is not None and offload is not None
-            else np.ones((model.num_experts, G), dtype=bool)
-        )
+        held_by = held_on_ranks(self.plan, planned, model.num_experts)
         # prefetch: the experts each rank computed here a step ago and does not hold, hottest first
         early: list[dict[int, tuple[str, str, int]]] = [{} for _ in range(G)]
         if copying and self.how.prefetch and before is not None and planned is not None:
@@ -312,11 +331,14 @@ class _RankBuilder:
             tokens = [assigned[:, k] for assigned, _ in micro]
             held = held_by[:, k]
             last_of = list(dispatch[k])  # per micro-batch: its last op on this rank so far
+            fused: list[str | None] = [None] * M  # per micro-batch: its resident experts' kernel
             last: str | None = None
             for m in range(M):  # the resident experts, one fused kernel a micro-batch
                 resident = fused_moe(model, np.where(held, tokens[m], 0))
                 if resident is not None:
-                    last = last_of[m] = self._compute(f"{at[k]}/moe{mb[m]}", k, resident, [dispatch[k][m]], step, layer)
+                    last = last_of[m] = fused[m] = self._compute(
+                        f"{at[k]}/moe{mb[m]}", k, resident, [dispatch[k][m]], step, layer
+                    )
             # the experts it does not hold, each over every micro-batch in a row (Klotski's order:
             # one copy serves every batch in flight), in the order the dispatches revealed them
             users = {e: [m for m in range(M) if tokens[m][e]] for e in range(model.num_experts) if not held[e]}
@@ -329,8 +351,8 @@ class _RankBuilder:
                         )
             else:
                 last = self._copied(at[k], k, needed, users, tokens, early[k], dispatch[k], last_of, last, step, layer)
-            for m in range(M):
-                ends[m].append(last_of[m])
+            for m in range(M):  # (CPU experts' results come back beside the fused kernel, not after it)
+                ends[m].extend(dict.fromkeys(op for op in (fused[m], last_of[m]) if op))
         for k in range(G):
             for m, (_, sent) in enumerate(micro):
                 self.layer_end[k][m] = self._collective(
@@ -403,15 +425,12 @@ class _RankBuilder:
         work = fused_moe(self.model, one)
         assert work is not None  # (an expert is computed only when it has tokens)
         acts = self.model.hidden_bytes(int(tokens[e]))
-        down = self._transfer(
-            f"{op_id}/d2h", "d2h", k, acts, [dispatch], step, layer, category="activation", tensor="activation"
-        )
+        moved = {"category": "activation", "tensor": "activation", "expert": e}
+        down = self._transfer(f"{op_id}/d2h", "d2h", k, acts, [dispatch], step, layer, **moved)
         cpu = self._compute(
             f"{op_id}/cpu", k, work._replace(category="expert"), [down], step, layer, stream="cpu_compute", expert=e
         )
-        return self._transfer(
-            f"{op_id}/h2d", "h2d", k, acts, [cpu], step, layer, category="activation", tensor="activation"
-        )
+        return self._transfer(f"{op_id}/h2d", "h2d", k, acts, [cpu], step, layer, **moved)
 
     def _expert(
         self,
@@ -557,4 +576,4 @@ def simulate_ep_events(
         streamed_bytes=streamed / steps,
     )
     ranks = tuple(view.summary() for view in views)
-    return EventRun(result, timeline, builder.prefetched, builder.prefetch_used, ranks, steps)
+    return EventRun(result, timeline, builder.prefetched, builder.prefetch_used, ranks, steps, schedule)
