@@ -177,6 +177,16 @@ def fidelity_rows(text: str) -> dict[tuple[str, ...], list[str]]:
     return {tuple(cells[:4]): cells for cells in rows if len(cells) > 10}
 
 
+def check_fidelity_llamacpp(out: str, tmp: Path) -> None:
+    """Every row as the committed docs/fidelity-llamacpp.md has it (a change that shifts a prediction
+    fails here: regenerate the page with `python experiments/fidelity_llamacpp.py`)."""
+    text = written(out, tmp).read_text()
+    committed = (ROOT / "docs" / "fidelity-llamacpp.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "tok/s" not in line]
+    assert len(rows) >= 5 and all(row in committed for row in rows), text
+    assert lines_with(out, r"^median \|error\| of generation tok/s over \d+ priced tg rows: \d+%$")
+
+
 def check_fidelity(out: str, tmp: Path) -> None:
     """The quick rows: 3 per-op anchors under both Env 1 profiles and two batch-1 latency rows, each
     predicted as the committed docs/fidelity.md says (a change that shifts a prediction fails here:
@@ -335,6 +345,7 @@ CASES = [
     py("cpu_expert_contention.py", "--quick", check=check_cpu_expert_contention),
     py("cpu_experts.py", "--quick", check=check_cpu_experts),
     py("fidelity.py", "--quick", check=check_fidelity),
+    py("fidelity_llamacpp.py", "--quick", check=check_fidelity_llamacpp),
     py("fingerprint.py", "--quick", "{tmp}/prints.json", "--against", "{tmp}/prints.json", check=check_fingerprint),
     py("length_quantiles.py", "--quick", check=check_length_quantiles),
     py("paper.py", "all", "--quick", "--workers", "1", check=check_paper),

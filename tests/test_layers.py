@@ -21,6 +21,7 @@ LAYERS = (
     ("policies",),
     ("serving",),
     ("planning",),
+    ("advise",),
     ("report",),
     ("runs",),
     ("cli",),

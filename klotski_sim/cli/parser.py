@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from klotski_sim.cli.advise import add_advise_parser
 from klotski_sim.cli.common import add_option_argument
 from klotski_sim.cli.compare import COMPARE_POLICIES, cmd_compare
 from klotski_sim.cli.listing import cmd_models, cmd_policies, cmd_profiles
@@ -338,6 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_parallel)
 
+    add_advise_parser(sub)
     p = sub.add_parser("models", help="list model presets with their sizes")
     p.set_defaults(func=cmd_models)
     add_serve_parser(sub)

@@ -63,6 +63,11 @@ class ModelSpec:
     # whether the router renormalises its top-k softmax probabilities to sum to 1 (Mixtral does;
     # OLMoE and Qwen1.5-MoE weight the experts by the full softmax's probabilities)
     norm_topk_prob: bool = True
+    # gpt-oss: biases on the attention projections, the router and every expert, and one attention
+    # sink per head (vectors: counted in its GGUF file's bytes and parameters; the costs ignore them)
+    biases: bool = False
+    # gpt-oss: every other layer (the even ones) attends to the last `sliding_window` tokens only
+    sliding_window: int = 0
 
     def __post_init__(self) -> None:
         for field_name in (
@@ -421,6 +426,42 @@ PRESETS: dict[str, ModelSpec] = {
             hf_model_type="qwen3_moe",
             qk_norm="head",
             norm_topk_prob=True,
+        ),
+        # openai/gpt-oss-120b and -20b: transformers' GptOssConfig (huggingface/transformers 02b8f42b,
+        # configuration_gpt_oss.py: its defaults are the 120b's) and a copy of the 20b's config.json:
+        # 36 / 24 layers, 128 / 32 experts of width 2880, top-4, hidden 2880, 64 query and 8 KV heads of
+        # 64, vocab 201088, biases and sinks (openai/gpt-oss 0568dfc9 gpt_oss/torch/model.py), untied
+        # embeddings, and every other layer's attention a sliding window of 128 tokens.
+        # OpenAI's README: 117B (5.1B active) and 21B (3.6B active); llama.cpp prints 116.83 B and 20.91 B.
+        ModelSpec(
+            "gpt-oss-120b",
+            num_layers=36,
+            num_experts=128,
+            top_k=4,
+            hidden_size=2880,
+            ffn_size=2880,
+            num_heads=64,
+            num_kv_heads=8,
+            head_dim=64,
+            vocab_size=201088,
+            hf_model_type="gpt_oss",
+            biases=True,
+            sliding_window=128,
+        ),
+        ModelSpec(
+            "gpt-oss-20b",
+            num_layers=24,
+            num_experts=32,
+            top_k=4,
+            hidden_size=2880,
+            ffn_size=2880,
+            num_heads=64,
+            num_kv_heads=8,
+            head_dim=64,
+            vocab_size=201088,
+            hf_model_type="gpt_oss",
+            biases=True,
+            sliding_window=128,
         ),
         # Qwen/Qwen3-235B-A22B config.json (huggingface.co; the same numbers in vLLM's test fixtures): 94
         # layers, 128 experts of width 1536, top-8, normalised; hidden 4096, 64 query and 4 KV heads of 128,

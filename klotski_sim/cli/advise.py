@@ -1,0 +1,170 @@
+"""`klotski-sim advise`: a GGUF MoE model on the user's GPU and host under llama.cpp — each
+`--n-cpu-moe`, what it holds where and its prompt and generation tok/s, the best one as the command
+to run, and why not more or fewer (klotski_sim/advise/)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from klotski_sim.advise.costs import llama_cpp_costs
+from klotski_sim.advise.llamacpp import CACHE_TYPES, LlamaCppFlags
+from klotski_sim.advise.search import GOALS, Advice, advise
+from klotski_sim.cli.common import CliError
+from klotski_sim.hardware.host_cpu import CPU_PRESETS, HostCpu, parse_cpu
+from klotski_sim.hardware.profile import HardwareProfile, ProfileError, load_profile
+from klotski_sim.util.argtypes import bounded_int, positive_float
+from klotski_sim.util.errors import UsageError
+from klotski_sim.workload.gguf import FILE_TYPES, gguf_sizes, split_model_name
+from klotski_sim.workload.model import get_model
+
+GIB = 2**30
+
+
+def add_advise_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "advise",
+        help="llama.cpp: which blocks' experts to keep on the CPU (--n-cpu-moe) for a GGUF model on your GPU and RAM",
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        metavar="MODEL@TYPE",
+        help=f"a model preset and its GGUF type ({', '.join(FILE_TYPES)})",
+    )
+    p.add_argument(
+        "--gpu",
+        required=True,
+        metavar="PROFILE[,PROFILE...]",
+        help="hardware profiles of GPUs to compare (rtx4090, ...)",
+    )
+    p.add_argument(
+        "--cpu",
+        required=True,
+        action="append",
+        metavar="PRESET|SPEC",
+        help=f"the host: a preset ({', '.join(CPU_PRESETS)}) or cores=C,isa=avx2|avx512|amx,channels=N,mts=M"
+        f"[,numa=K][,ram=GiB][,bw=GB/s]; repeat to compare hosts",
+    )
+    p.add_argument("--ram", type=positive_float, metavar="GiB", help="installed RAM (each --cpu's, unless its ram=)")
+    p.add_argument(
+        "--ctx", type=bounded_int(16, 1 << 21), default=4096, help="-c: context length (default: %(default)s)"
+    )
+    p.add_argument("--cache-type", choices=CACHE_TYPES, default="F16", help="-ctk/-ctv (default: %(default)s)")
+    p.add_argument("--ubatch", type=bounded_int(1, 65536), default=512, help="-ub (default: %(default)s)")
+    p.add_argument(
+        "--prompt-len", type=bounded_int(1, 1 << 20), default=512, help="prompt tokens priced (default: 512, pp512)"
+    )
+    p.add_argument(
+        "--gen-len", type=bounded_int(1, 1 << 20), default=128, help="generated tokens priced (default: 128, tg128)"
+    )
+    p.add_argument("--goal", choices=GOALS, default="generation", help="what the best maximises (default: %(default)s)")
+    p.add_argument("--no-op-offload", action="store_true", help="price llama.cpp's --no-op-offload")
+    p.add_argument("--all", action="store_true", help="list every --n-cpu-moe, not only those around the best")
+    p.set_defaults(func=cmd_advise)
+
+
+def _gpus(text: str) -> list[HardwareProfile]:
+    names = [n.strip() for n in text.split(",")]
+    if len(set(names)) != len(names) or not all(names):
+        raise CliError(f"--gpu {text}: a comma-separated list of distinct profiles")
+    try:
+        return [load_profile(n) for n in names]
+    except ProfileError as bad:
+        raise CliError(f"--gpu: {bad}") from None
+
+
+def cmd_advise(args: argparse.Namespace) -> int:
+    try:
+        name, file_type = split_model_name(args.model)
+        model = get_model(name)
+        hosts = [parse_cpu(text, args.ram) for text in args.cpu]
+    except UsageError as bad:
+        raise CliError(str(bad)) from None
+    if model.quantised:
+        raise CliError(f"--model {args.model}: give a plain preset and its GGUF type (MODEL@TYPE)")
+    gpus = _gpus(args.gpu)
+    sizes = gguf_sizes(model, file_type)
+    base = LlamaCppFlags(
+        ctx=args.ctx, cache_type=args.cache_type, ubatch=args.ubatch, op_offload=not args.no_op_offload
+    )
+    base = replace(base, batch=max(base.batch, base.ubatch))
+    print(
+        f"{model.name}@{file_type}: {sizes.total / GIB:.2f} GiB, {sizes.params / 1e9:.2f} B parameters "
+        f"(routed experts {sum(sizes.experts) / GIB:.2f} GiB in {len(model.moe_layers)} blocks); llama.cpp, "
+        f"-c {args.ctx}, {args.cache_type} KV cache, -ub {args.ubatch}; prompt {args.prompt_len} tokens, "
+        f"{args.gen_len} generated"
+    )
+    results: list[tuple[HardwareProfile, HostCpu, Advice | str]] = []
+    for gpu in gpus:
+        for host in hosts:
+            try:
+                found: Advice | str = advise(
+                    model, sizes, gpu, host, llama_cpp_costs(gpu, host), base, args.goal, args.prompt_len, args.gen_len
+                )
+            except UsageError as refused:
+                found = str(refused)
+            results.append((gpu, host, found))
+            _print_one(gpu, host, found, file_type, args)
+    if len(results) > 1:
+        print("\nbest of each:")
+        print(f"  {'GPU':28} {'host':44} {'--n-cpu-moe':>11} {'prompt tok/s':>12} {'gen tok/s':>9}")
+        for gpu, host, found in results:
+            if isinstance(found, str):
+                print(f"  {gpu.gpu.name:28} {host.describe()[:44]:44} does not fit")
+            else:
+                s = found.best.speed
+                assert s is not None
+                print(
+                    f"  {gpu.gpu.name:28} {host.describe()[:44]:44} {found.best.flags.n_cpu_moe:11d} "
+                    f"{s.prompt_tok_s:12.1f} {s.generation_tok_s:9.1f}"
+                )
+    print(
+        "predictions from the model file's bytes, the GPU's and the host's bandwidths and llama.cpp's fixed costs "
+        "(docs/advise.md; their errors against published runs: docs/fidelity-llamacpp.md)"
+    )
+    return 0 if any(not isinstance(found, str) for _, _, found in results) else 3
+
+
+def _print_one(
+    gpu: HardwareProfile, host: HostCpu, found: Advice | str, file_type: str, args: argparse.Namespace
+) -> None:
+    print(f"\n{gpu.gpu.name} ({gpu.gpu.usable_bytes / GIB:.1f} GiB usable) + {host.describe()}")
+    if isinstance(found, str):
+        print(f"  {found}")
+        return
+    best = found.best
+    index = found.options.index(best)
+    shown = [
+        i
+        for i, option in enumerate(found.options)
+        if args.all or abs(i - index) <= 2 or i == len(found.options) - 1 or (option.speed is None and i == index - 3)
+    ]
+    print(f"  {'--n-cpu-moe':>11} {'GPU GiB':>8} {'host GiB':>8} {'prompt tok/s':>12} {'gen tok/s':>9}")
+    last = -1
+    for i in shown:
+        option = found.options[i]
+        if i > last + 1:
+            print(f"  {'...':>11}")
+        last = i
+        mark = "  <- best" if option is best else ""
+        speeds = (
+            f"{option.speed.prompt_tok_s:12.1f} {option.speed.generation_tok_s:9.1f}"
+            if option.speed is not None
+            else f"  does not fit: {option.refused}"
+        )
+        print(
+            f"  {option.flags.n_cpu_moe:11d} {option.memory.gpu / GIB:8.2f} {option.memory.host / GIB:8.2f} {speeds}{mark}"
+        )
+    s = best.speed
+    assert s is not None
+    model_file = args.model.replace("@", "-") + ".gguf"
+    print(f"  best for {found.goal}: --n-cpu-moe {best.flags.n_cpu_moe}: {s.generation_tok_s:.1f} tok/s generated, "
+          f"{s.prompt_tok_s:.1f} tok/s prompt")  # fmt: skip
+    print(f"    {best.flags.command(model_file)}")
+    print(f"    {best.flags.command(model_file, 'llama-bench')}")
+    why = found.why_not_more()
+    if why:
+        print(f"  not {why}")
+    parts = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in s.parts.items())
+    print(f"  a generated token {s.decode_s * 1e3:.2f} ms: {parts} ms")

@@ -1,0 +1,150 @@
+"""`klotski-sim advise` (klotski_sim/advise/): llama.cpp's placement memory against the buffer sizes
+its own logs printed, speeds monotone where they must be, the advised command in llama.cpp's flag
+names, and the CLI end to end with its refusals in one line."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from klotski_sim.advise.costs import gpu_node_seconds, llama_cpp_costs
+from klotski_sim.advise.llamacpp import LlamaCppFlags, kv_bytes_per_cell, memory, speed
+from klotski_sim.advise.search import advise
+from klotski_sim.hardware.host_cpu import parse_cpu
+from klotski_sim.hardware.profile import load_profile
+from klotski_sim.util.errors import UsageError
+from klotski_sim.workload.gguf import gguf_sizes
+from klotski_sim.workload.model import get_model
+
+from .conftest import run_cli
+
+MIB = 2**20
+QWEN = get_model("qwen3-30b-a3b")
+QWEN_Q4 = gguf_sizes(QWEN, "Q4_K_M")
+
+
+def test_layer_offload_holds_what_llama_cpp_printed():
+    """ggml-org/llama.cpp#13729 (b5466, Qwen3-30B-A3B-Q4_K_M.gguf, "offloaded 30/49 layers to GPU"):
+    `CUDA0 model buffer size = 10750.86 MiB`, `CPU_Mapped model buffer size = 6940.48 MiB`."""
+    held = memory(QWEN, QWEN_Q4, LlamaCppFlags(n_gpu_layers=30))
+    assert held.gpu_weights / MIB == pytest.approx(10750.86, abs=0.01)
+    assert held.host_weights / MIB == pytest.approx(6940.48, abs=0.01)
+
+
+def test_an_mla_cache_is_its_latent_and_rope_key_in_the_cache_type():
+    """ikawrakow/ik_llama.cpp PR #259 (DeepSeek-R1, 61 blocks, 32768 cells, q8_0 c^KV):
+    `CUDA0 KV buffer size = 1166.65 MiB`."""
+    deepseek = get_model("deepseek-v3")
+    assert kv_bytes_per_cell(deepseek, "Q8_0") * 32768 * deepseek.num_layers / MIB == pytest.approx(1166.63, abs=0.05)
+
+
+def test_n_cpu_moe_moves_experts_only_and_counts_blocks():
+    everything = memory(QWEN, QWEN_Q4, LlamaCppFlags())
+    ten = memory(QWEN, QWEN_Q4, LlamaCppFlags(n_cpu_moe=10))
+    moved = sum(QWEN_Q4.experts[:10])
+    assert everything.gpu - ten.gpu == pytest.approx(moved) and ten.host - everything.host == pytest.approx(moved)
+    assert ten.gpu_kv == everything.gpu_kv  # (the KV cache stays with its block)
+    deepseek = get_model("deepseek-v3")  # (its first 3 blocks are dense: --n-cpu-moe 3 moves nothing)
+    sizes = gguf_sizes(deepseek, "Q4_K_M")
+    assert memory(deepseek, sizes, LlamaCppFlags(n_cpu_moe=3)).gpu == memory(deepseek, sizes, LlamaCppFlags()).gpu
+
+
+HOST = parse_cpu("ryzen-9-7950x", 128)
+GPU = load_profile("rtx4090")
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, QWEN.num_layers - 1), st.floats(20.0, 400.0))
+def test_generation_is_faster_with_more_bandwidth_and_with_more_blocks_experts_on_the_gpu(n, gb_s):
+    costs = llama_cpp_costs(GPU, HOST)
+    slow = replace(HOST, measured_bandwidth=gb_s * 1e9)
+    fast = replace(HOST, measured_bandwidth=gb_s * 1.5e9)
+    flags = LlamaCppFlags(n_cpu_moe=n + 1)
+    assert (
+        speed(QWEN, QWEN_Q4, flags, GPU, fast, costs).generation_tok_s
+        >= speed(QWEN, QWEN_Q4, flags, GPU, slow, costs).generation_tok_s
+    )
+    fewer_on_cpu = replace(flags, n_cpu_moe=n)
+    assert (
+        speed(QWEN, QWEN_Q4, fewer_on_cpu, GPU, slow, costs).generation_tok_s
+        >= speed(QWEN, QWEN_Q4, flags, GPU, slow, costs).generation_tok_s
+    )
+
+
+def test_the_costs_come_from_their_components():
+    # (PR #6766's two cards leave 4.2 and 5.0 us a node beyond LLaMA-2-7B's weight reads)
+    assert 3e-6 < gpu_node_seconds() < 6e-6
+    costs = llama_cpp_costs(GPU, HOST)
+    assert costs.cpu_node_s == pytest.approx(1039.47e-9)
+    assert costs.split_s == pytest.approx(GPU.gpu.host_sync_latency_s + GPU.links.pcie_h2d.latency_s)
+
+
+# llama.cpp's flag names (common/arg.cpp; llama-bench's own parser)
+SERVER_FLAGS = {"-m", "-ngl", "--n-cpu-moe", "-c", "-fa", "-ub", "-b", "-ctk", "-ctv", "-t", "--no-op-offload"}
+BENCH_FLAGS = {"-m", "-ngl", "--n-cpu-moe", "-p", "-n", "-ub", "-fa", "-ctk", "-ctv", "-t"}
+
+
+@pytest.mark.parametrize("tool,known", [("llama-server", SERVER_FLAGS), ("llama-bench", BENCH_FLAGS)])
+def test_the_advised_command_uses_llama_cpps_flag_names(tool, known):
+    flags = LlamaCppFlags(n_cpu_moe=12, cache_type="Q8_0", threads=8, op_offload=False)
+    words = shlex.split(flags.command("m.gguf", tool))
+    assert words[0] == tool
+    used = {w for w in words[1:] if w.startswith("-")}
+    assert used <= known
+
+
+def test_advise_picks_the_fastest_placement_that_fits_and_says_why_not_fewer():
+    small_gpu = load_profile("rtx2080")
+    found = advise(QWEN, QWEN_Q4, small_gpu, HOST, llama_cpp_costs(small_gpu, HOST), LlamaCppFlags())
+    best = found.best
+    assert best.speed is not None and best.memory.gpu <= small_gpu.gpu.usable_bytes
+    fitting = [o for o in found.options if o.speed is not None]
+    assert best.speed.generation_tok_s == max(o.speed.generation_tok_s for o in fitting if o.speed)
+    before = found.options[found.options.index(best) - 1]
+    assert before.speed is None and "GPU would hold" in before.refused
+    assert "GPU would hold" in found.why_not_more()
+
+
+def test_a_model_that_fits_nowhere_is_refused_with_the_numbers():
+    tiny_host = parse_cpu("cores=8,isa=avx2,channels=2,mts=3200,ram=16")
+    deepseek = get_model("deepseek-v3")
+    with pytest.raises(UsageError, match=r"fits no placement .* GiB"):
+        advise(
+            deepseek, gguf_sizes(deepseek, "Q4_K_M"), GPU, tiny_host, llama_cpp_costs(GPU, tiny_host), LlamaCppFlags()
+        )
+
+
+def test_the_cli_prints_the_table_the_best_and_its_command():
+    code, out, err = run_cli(
+        "advise", "--model", "qwen3-30b-a3b@Q4_K_M", "--gpu", "rtx2080,rtx4090", "--cpu", "ryzen-9-7950x", "--ram", "64"
+    )
+    assert code == 0, err
+    assert "<- best" in out and "llama-server -m qwen3-30b-a3b-Q4_K_M.gguf" in out and "best of each" in out
+    assert "17.28 GiB" in out  # (the file's size)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "qwen3-30b-a3b"], "--model qwen3-30b-a3b: give MODEL@TYPE"),
+        (["--model", "nope@Q4_K_M"], "nope"),
+        (["--gpu", "rtx9999"], "--gpu"),
+        (["--cpu", "cores=8,isa=sse2,channels=2,mts=3200"], "isa=sse2"),
+        (["--cpu", "cores=8,channels=2,mts=3200"], "missing isa"),
+        (["--cpu", "cores=x,isa=avx2,channels=2,mts=3200"], "cores='x' is not a number"),
+        (["--cpu", "ryzen-9-7950x", "--ram", "0"], "--ram"),
+        (["--cpu", "no-such-cpu"], "not a preset"),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_flag(args, message):
+    base = {"--model": "qwen3-30b-a3b@Q4_K_M", "--gpu": "rtx4090", "--cpu": "ryzen-9-7950x", "--ram": "64"}
+    given_flags = dict(zip(args[::2], args[1::2]))
+    merged = {**base, **given_flags}
+    argv = ["advise"] + [x for kv in merged.items() for x in kv]
+    code, out, err = run_cli(*argv)
+    assert code == 2 and message in err, (code, err)
+    assert len(err.strip().splitlines()) == 1
