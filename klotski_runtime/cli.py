@@ -167,9 +167,9 @@ def _add_device(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--threads",
         type=bounded_int(1, MAX_THREADS),
-        default=1,
+        default=None,
         help="CPU only: torch compute threads, at most the cores this process may use; the other cores "
-        "run the copy threads (default: %(default)s)",
+        "run the copy threads (default: 1; calibrate --cpu-only: every core)",
     )
 
 
@@ -180,13 +180,13 @@ def _threads(args: argparse.Namespace) -> int | None:
     if args.device != "cpu":
         return None
     cores = available_cores()
-    if args.threads > cores:
+    if args.threads is not None and args.threads > cores:
         raise CliError(
             f"--threads {args.threads}: this process may use {cores} core(s); more torch threads than "
             f"cores would time-share them and every measured op would include the wait (give at most "
             f"{cores})"
         )
-    return args.threads
+    return 1 if args.threads is None else args.threads
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -196,6 +196,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     from .calibrate import calibrate
 
+    if args.cpu_only:
+        return _calibrate_cpu(args)
+    if args.out is None:
+        raise CliError("--out FILE: the profile to write is required (or --cpu-only to measure the host's CPU)")
     output_file(args.out)
     profile = calibrate(
         get_model(args.model),
@@ -218,6 +222,32 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         f"{' (emulated)' if _emulation(args) else ''}; "
         f"{sum(len(v) for v in profile.measured.values())} measured op durations"
     )
+    return 0
+
+
+def _calibrate_cpu(args: argparse.Namespace) -> int:
+    """`calibrate --cpu-only`: the host's CPU measured (klotski_runtime/cpu_probe.py), as a spec line."""
+    from .cpu_probe import probe_cpu
+
+    given = [
+        flag for flag, on in (("--device", args.device != "cpu"), ("--model", args.model != "small-mixtral")) if on
+    ]
+    if given:
+        raise CliError(f"{', '.join(given)}: --cpu-only measures the host's CPU, not a model's ops on a device")
+    if args.out is not None:
+        output_file(args.out)
+    _threads(args)  # (a --threads above the cores is refused as for the other measurements)
+    found = probe_cpu(threads=args.threads)
+    line = found.spec_line()
+    print(
+        f"{found.cores} physical cores ({found.threads} threads measured), {found.isa}, {found.ram_gib:.0f} GiB: "
+        f"DRAM read {found.read_bytes_per_s / 1e9:.1f} GB/s; float32 matrix-vector {found.gemv_bytes_per_s / 1e9:.1f} "
+        f"GB/s of weights; float32 GEMM {flop_rate_text(found.gemm_flops)}"
+    )
+    print(f"klotski-sim advise --cpu {line}")
+    if args.out is not None:
+        write_file(args.out, lambda temporary: temporary.write_text(line + "\n"), "--out")
+        print(f"wrote {args.out}")
     return 0
 
 
@@ -655,7 +685,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("calibrate", help="microbenchmark ops and links into a hardware profile with a measured table")
     p.add_argument("--model", default="small-mixtral", help="model whose op shapes to measure (default: %(default)s)")
-    p.add_argument("--out", required=True, metavar="FILE", help="profile YAML to write")
+    p.add_argument("--out", metavar="FILE", help="profile YAML to write (with --cpu-only: the spec line)")
+    p.add_argument(
+        "--cpu-only",
+        action="store_true",
+        help="measure this host's CPU only (DRAM read rate, matrix-vector and GEMM throughput, under a minute) and "
+        "print it as `klotski-sim advise --cpu` takes it",
+    )
     p.add_argument(
         "--batch-sizes",
         type=_csv_ints,

@@ -148,3 +148,27 @@ def test_bad_input_is_one_line_naming_the_flag(args, message):
     code, out, err = run_cli(*argv)
     assert code == 2 and message in err, (code, err)
     assert len(err.strip().splitlines()) == 1
+
+
+def test_ktransformers_keeps_every_routed_expert_on_the_cpu_once_per_numa_node():
+    from klotski_sim.advise.ktransformers import kt_option
+
+    deepseek = get_model("deepseek-v3")
+    sizes = gguf_sizes(deepseek, "Q4_K_M")
+    one, two = parse_cpu("xeon-gold-6454s", 1024), parse_cpu("2x-xeon-gold-6454s", 1024)
+    single = kt_option(deepseek, sizes, GPU, one, llama_cpp_costs(GPU, one), 4096, "m.gguf")
+    dual = kt_option(deepseek, sizes, GPU, two, llama_cpp_costs(GPU, two), 4096, "m.gguf")
+    assert single.decode_s and dual.decode_s and dual.generation_tok_s > single.generation_tok_s
+    assert dual.host_bytes - sizes.token_embd == pytest.approx(2 * (single.host_bytes - sizes.token_embd))
+    assert single.gpu_bytes < GPU.gpu.usable_bytes and "USE_NUMA=1" in dual.command and "--cpu_infer 65" in dual.command
+    small = parse_cpu("xeon-gold-6454s", 256)
+    assert "host would hold" in kt_option(deepseek, sizes, GPU, small, llama_cpp_costs(GPU, small), 4096, "m").refused
+
+
+def test_llama_cpp_reads_its_one_copy_at_one_numa_nodes_rate():
+    two = parse_cpu("2x-xeon-gold-6454s", 1024)
+    one = replace(two, numa=1)
+    flags = LlamaCppFlags(n_cpu_moe=QWEN.num_layers)
+    parts_two = speed(QWEN, QWEN_Q4, flags, GPU, two, llama_cpp_costs(GPU, two)).parts
+    parts_one = speed(QWEN, QWEN_Q4, flags, GPU, one, llama_cpp_costs(GPU, one)).parts
+    assert parts_two["cpu bytes"] == pytest.approx(2 * parts_one["cpu bytes"])

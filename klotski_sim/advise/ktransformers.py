@@ -14,6 +14,8 @@ measurement here.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from klotski_sim.advise.llamacpp import (
     ATTENTION_NODES,
     DENSE_NODES,
@@ -66,3 +68,55 @@ def _rest_params(model: ModelSpec, layer: int) -> float:
     """A MoE block's parameters besides its routed experts (attention, router, shared experts)."""
     shared = 3 * model.hidden_size * model.shared_ffn_size * model.num_shared_experts
     return model.attention_params() + model.hidden_size * model.num_experts + shared
+
+
+@dataclass(frozen=True)
+class KtOption:
+    """KTransformers' one placement of a model: what each side holds, its generation speed, how to run it."""
+
+    gpu_bytes: float
+    host_bytes: float
+    decode_s: float | None  # None where it does not fit
+    refused: str
+    command: str
+
+    @property
+    def generation_tok_s(self) -> float:
+        return 1 / self.decode_s if self.decode_s else 0.0
+
+
+def kt_option(
+    model: ModelSpec,
+    sizes: GgufSizes,
+    gpu: HardwareProfile,
+    host: HostCpu,
+    costs: LlamaCppCosts,
+    ctx: int,
+    model_file: str,
+    depth: int = 64,
+    host_room: float | None = None,
+) -> KtOption:
+    """KTransformers' placement (module docstring) priced: the GPU holds everything but the routed
+    experts, plus the KV cache of `ctx` tokens (its MLA latent in bf16); the host holds the routed
+    experts, once per NUMA node with `USE_NUMA=1` (the tutorial: "copy the critical matrix on both
+    nodes"). `--cpu_infer` is the tutorial's: one more than the cores it computes on (33 for one
+    32-core socket, 65 for two)."""
+    gpu_bytes = (
+        sizes.total - sizes.token_embd - sum(sizes.experts) + kv_bytes_per_cell(model, "BF16") * ctx * model.num_layers
+    )
+    host_bytes = sum(sizes.experts) * host.numa + sizes.token_embd
+    numa = "USE_NUMA=1 (build), " if host.numa > 1 else ""
+    command = (
+        f"{numa}python -m ktransformers.local_chat --gguf_path {model_file} --cpu_infer {host.cores + 1} "
+        f"--max_new_tokens 1000"
+    )
+    room = host.ram_bytes if host_room is None else host_room
+    refused = ""
+    if gpu_bytes > gpu.gpu.usable_bytes:
+        refused = (
+            f"the GPU would hold {gpu_bytes / 2**30:.1f} GiB, more than its {gpu.gpu.usable_bytes / 2**30:.1f} GiB"
+        )
+    elif host_bytes > room:
+        refused = f"the host would hold {host_bytes / 2**30:.1f} GiB of experts, more than its {room / 2**30:.1f} GiB"
+    decode = None if refused else sum(decode_parts(model, sizes, gpu, host, costs, depth).values())
+    return KtOption(gpu_bytes, host_bytes, decode, refused, command)

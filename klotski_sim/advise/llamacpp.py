@@ -126,6 +126,13 @@ class LlamaCppFlags:
         return " ".join(parts)
 
 
+def one_copy_rate(host: HostCpu) -> float:
+    """What llama.cpp's CPU threads read its one copy of the weights at: one NUMA node's share of the
+    host's rate (the other nodes' threads read it across the sockets' link, the cost KTransformers
+    copies the experts onto every node to avoid: DeepseekR1_V3_tutorial.md)."""
+    return host.read_bandwidth / host.numa
+
+
 def kv_cells(model: ModelSpec, layer: int, ctx: int, ubatch: int) -> int:
     """Cells a block's cache holds: `ctx`, or a sliding-window block's window and one ubatch
     (llama.cpp's iSWA cache; gpt-oss's even blocks)."""
@@ -237,7 +244,7 @@ def decode_parts(
     gpu_rate = gpu.gpu.memory_bandwidth * gpu.gpu.memory_efficiency
     return {
         "gpu bytes": gpu_bytes / gpu_rate,
-        "cpu bytes": cpu_bytes / host.read_bandwidth,
+        "cpu bytes": cpu_bytes / one_copy_rate(host),
         "cpu nodes": cpu_nodes * costs.cpu_node_s,
         "splits": splits * costs.split_s,
         "gpu nodes": gpu_nodes * costs.gpu_node_s,
@@ -278,7 +285,7 @@ def prompt_seconds(
             total += compute + used / rate + 2 * len(cpu_layers) * costs.split_s
         else:  # (the CPU computes its experts)
             nodes = len(cpu_layers) * (expert_nodes(model, True) * costs.cpu_node_s + 2 * costs.split_s)
-            total += compute + used / host.read_bandwidth + nodes
+            total += compute + used / one_copy_rate(host) + nodes
         done += u
     return total
 

@@ -29,6 +29,8 @@ class Option:
 
 @dataclass(frozen=True)
 class Advice:
+    model: ModelSpec
+    sizes: GgufSizes
     options: tuple[Option, ...]
     best: Option
     goal: str
@@ -110,4 +112,4 @@ def advise(
             f"({least.refused}); a smaller quant, a shorter -c or more RAM"
         )
     best = max(fitting, key=lambda o: (_goal_rate(o.speed, goal), -o.flags.n_cpu_moe))
-    return Advice(tuple(options), best, goal, gpu_room, host_room)
+    return Advice(model, sizes, tuple(options), best, goal, gpu_room, host_room)

@@ -8,6 +8,7 @@ import argparse
 from dataclasses import replace
 
 from klotski_sim.advise.costs import llama_cpp_costs
+from klotski_sim.advise.ktransformers import kt_option
 from klotski_sim.advise.llamacpp import CACHE_TYPES, LlamaCppFlags
 from klotski_sim.advise.search import GOALS, Advice, advise
 from klotski_sim.cli.common import CliError
@@ -168,3 +169,14 @@ def _print_one(
         print(f"  not {why}")
     parts = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in s.parts.items())
     print(f"  a generated token {s.decode_s * 1e3:.2f} ms: {parts} ms")
+    kt = kt_option(
+        found.model, found.sizes, gpu, host, llama_cpp_costs(gpu, host), args.ctx, model_file, args.gen_len // 2,
+        found.host_room,
+    )  # fmt: skip
+    verdict = f"{kt.generation_tok_s:.1f} tok/s generated" if kt.decode_s else f"does not fit: {kt.refused}"
+    print(
+        f"  KTransformers (every routed expert on the CPU, the shared ones on the GPU beside them; GPU "
+        f"{kt.gpu_bytes / GIB:.2f} GiB, host {kt.host_bytes / GIB:.2f} GiB): {verdict}"
+    )
+    if kt.decode_s:
+        print(f"    {kt.command}")

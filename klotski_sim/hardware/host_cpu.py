@@ -28,7 +28,8 @@ SERVER_CHANNELS = 8
 @dataclass(frozen=True)
 class HostCpu:
     """The host: its CPU (`cores` physical, `isa`), `channels` of DDR at `mts` MT/s over `numa`
-    nodes, `ram_bytes` installed; `measured_bandwidth` (bytes/s) when someone measured it."""
+    nodes (0 and 0 where only a measurement is known), `ram_bytes` installed; `measured_bandwidth`
+    (bytes/s) when someone measured it."""
 
     name: str
     cores: int
@@ -55,11 +56,14 @@ class HostCpu:
         return self.measured_bandwidth or self.peak_bandwidth * self.read_share
 
     def describe(self) -> str:
-        measured = f", measured {self.measured_bandwidth / 1e9:.0f} GB/s" if self.measured_bandwidth else ""
-        return (
-            f"{self.name}: {self.cores} cores {self.isa}, {self.channels}x DDR-{self.mts} "
-            f"({self.peak_bandwidth / 1e9:.0f} GB/s peak{measured}), {self.ram_bytes / 2**30:.0f} GiB"
+        measured = f"measured {self.measured_bandwidth / 1e9:.0f} GB/s" if self.measured_bandwidth else ""
+        memory = (
+            f"{self.channels}x DDR-{self.mts} ({self.peak_bandwidth / 1e9:.0f} GB/s peak{', ' if measured else ''}"
+            f"{measured})"
+            if self.channels
+            else f"DRAM {measured}"
         )
+        return f"{self.name}: {self.cores} cores {self.isa}, {memory}, {self.ram_bytes / 2**30:.0f} GiB"
 
 
 def _preset(
@@ -116,9 +120,11 @@ def parse_cpu(text: str, ram_gib: float | None = None) -> HostCpu:
         unknown = sorted(set(fields) - allowed)
         if unknown:
             raise UsageError(f"--cpu: unknown field(s) {', '.join(unknown)} (fields: {', '.join(sorted(allowed))})")
-        missing = [k for k in ("cores", "isa", "channels", "mts") if k not in fields]
+        # (channels and speed give the peak a read share is taken of; a measured bw= needs neither)
+        needed = ("cores", "isa") if "bw" in fields else ("cores", "isa", "channels", "mts")
+        missing = [k for k in needed if k not in fields]
         if missing:
-            raise UsageError(f"--cpu {text}: missing {', '.join(missing)}")
+            raise UsageError(f"--cpu {text}: missing {', '.join(missing)} (or a measured bw=GB/s)")
 
         def number(key: str, low: float, high: float) -> float:
             try:
@@ -142,8 +148,8 @@ def parse_cpu(text: str, ram_gib: float | None = None) -> HostCpu:
             fields.get("name", "custom CPU"),
             whole("cores", 1, 1024),
             isa,
-            whole("channels", 1, 32),
-            whole("mts", 800, 20000),
+            whole("channels", 1, 32) if "channels" in fields else 0,
+            whole("mts", 800, 20000) if "mts" in fields else 0,
             whole("numa", 1, 16) if "numa" in fields else 1,
             number("ram", 1, 1 << 16) * 2**30 if "ram" in fields else 0.0,
             number("bw", 1, 10000) * 1e9 if "bw" in fields else None,
