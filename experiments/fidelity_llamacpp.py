@@ -21,7 +21,7 @@ from pathlib import Path
 
 from klotski_sim.advise.costs import llama_cpp_costs
 from klotski_sim.advise.ktransformers import decode_parts as kt_decode_parts
-from klotski_sim.advise.llamacpp import LlamaCppFlags, memory, speed
+from klotski_sim.advise.llamacpp import LlamaCppFlags, memory, override_blocks, speed
 from klotski_sim.hardware.host_cpu import parse_cpu
 from klotski_sim.hardware.profile import load_profile
 from klotski_sim.workload.gguf import gguf_sizes
@@ -53,6 +53,7 @@ class Row:
     unpriced: str = ""  # why advise cannot price it
     pp: float = 0.0  # prompt tok/s where published (llama.cpp rows), over `prompt` tokens
     prompt: int = 512
+    override: str = ""  # the run's -ot
 
 
 ROWS = (
@@ -104,9 +105,9 @@ ROWS = (
         "gpt-oss-120b MXFP4, RTX 4070, i5-12600K, 64 GB DDR5-5867, experts of blocks 5-35 on the CPU, llama-bench",
         "carteakey/lllms docs/bench-results.md @827b9607 (512pp + 128tg, 10 threads, FA=1, no-mmap): "
         '"| partial-cpu blk 5+ on CPU | default | 37 | 427.92 | 23.36 |" (-ot blk 5..35 ffn_*_exps=CPU, -ngl 37: '
-        "31 blocks' experts on the CPU as --n-cpu-moe 31, the other five blocks')",
+        "its pattern as given)",
         "llama.cpp", "gpt-oss-120b", "MXFP4_MOE", "rtx4070", "cores=10,isa=avx2,channels=2,mts=5867", 64, 23.36,
-        n_cpu_moe=31, pp=427.92,
+        pp=427.92, override=r"blk\.(5|[6-9]|[0-9][0-9]|[0-9][0-9][0-9])\.ffn_(up|down|gate)_(ch|)exps=CPU",
     ),
     Row(
         "DeepSeek-R1 Q4_K_M, RTX 4090, EPYC 9274F (24 cores), 12x DDR5-4800 (230 GB/s measured), KTransformers",
@@ -173,11 +174,20 @@ ROWS = (
 )  # fmt: skip
 
 
+def row_flags(row: Row) -> LlamaCppFlags:
+    """The run's llama.cpp flags."""
+    blocks = override_blocks(get_model(row.model), row.override) if row.override else frozenset()
+    return LlamaCppFlags(
+        n_cpu_moe=row.n_cpu_moe, ctx=row.ctx, ubatch=row.ubatch, batch=max(2048, row.ubatch), cpu_expert_blocks=blocks,
+        override=row.override,
+    )  # fmt: skip
+
+
 def predict_prompt(row: Row) -> float:
     """The row's predicted prompt tok/s (llama.cpp rows with a published pp)."""
     model = get_model(row.model)
     gpu, host = load_profile(row.gpu), parse_cpu(row.cpu, row.ram_gib)
-    flags = LlamaCppFlags(n_cpu_moe=row.n_cpu_moe, ctx=row.ctx, ubatch=row.ubatch, batch=max(2048, row.ubatch))
+    flags = row_flags(row)
     sizes = gguf_sizes(model, row.file_type)
     return speed(model, sizes, flags, gpu, host, llama_cpp_costs(gpu, host), prompt=row.prompt).prompt_tok_s
 
@@ -192,7 +202,7 @@ def predict(row: Row) -> tuple[float, str]:
     if row.engine == "ktransformers":
         parts = kt_decode_parts(model, sizes, gpu, host, costs, row.depth, row.experts_per_token)
     else:
-        flags = LlamaCppFlags(n_cpu_moe=row.n_cpu_moe, ctx=row.ctx, ubatch=row.ubatch, batch=max(2048, row.ubatch))
+        flags = row_flags(row)
         held = memory(model, sizes, flags)
         if held.gpu > gpu.gpu.usable_bytes:
             return float("nan"), f"does not fit: GPU {held.gpu / 2**30:.1f} GiB > {gpu.gpu.usable_bytes / 2**30:.1f}"

@@ -172,3 +172,34 @@ def test_llama_cpp_reads_its_one_copy_at_one_numa_nodes_rate():
     parts_two = speed(QWEN, QWEN_Q4, flags, GPU, two, llama_cpp_costs(GPU, two)).parts
     parts_one = speed(QWEN, QWEN_Q4, flags, GPU, one, llama_cpp_costs(GPU, one)).parts
     assert parts_two["cpu bytes"] == pytest.approx(2 * parts_one["cpu bytes"])
+
+
+@pytest.mark.parametrize(
+    ("pattern", "blocks"),
+    [
+        # carteakey/lllms docs/bench-results.md: "keeps blk 0-4 fully in VRAM ... spills blk 5-36 experts to CPU"
+        (r"blk\.(5|[6-9]|[0-9][0-9]|[0-9][0-9][0-9])\.ffn_(up|down|gate)_(ch|)exps=CPU", set(range(5, 36))),
+        ("exps=CPU", set(range(36))),  # (ik_llama.cpp PR #829's -ot exps=CPU)
+        (r"\.ffn_.*_exps.=CPU", set(range(36))),
+        (r"blk\.1[0-9]\.ffn_.*_exps=CUDA0,exps=CPU", set(range(36)) - set(range(10, 20))),  # (the first match wins)
+    ],
+)
+def test_an_override_keeps_the_blocks_its_pattern_names_on_the_cpu(pattern, blocks):
+    from klotski_sim.advise.llamacpp import override_blocks
+
+    assert override_blocks(get_model("gpt-oss-120b"), pattern) == blocks
+
+
+@pytest.mark.parametrize(
+    ("pattern", "message"),
+    [
+        (r"blk\.3\.ffn_up_exps=CPU", "some of block 3's expert tensors"),
+        (r"blk\.3\.=CPU", "non-expert tensors"),
+        ("(=CPU", "not a regular expression"),
+        ("exps", "not PATTERN=BUFFER"),
+    ],
+)
+def test_an_override_advise_cannot_price_is_refused_in_one_line(pattern, message):
+    code, _, err = run_cli("advise", "--model", "qwen3-30b-a3b@Q4_K_M", "--gpu", "rtx4090", "--cpu", "ryzen-9-7950x",
+                           "--ram", "64", "--ot", pattern)  # fmt: skip
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1

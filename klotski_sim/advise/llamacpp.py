@@ -28,6 +28,8 @@ plus the GPU's compute of the ubatch; a larger `-ub` amortises the copies (why u
 from __future__ import annotations
 
 import math
+import re
+import shlex
 from dataclasses import dataclass
 
 from klotski_sim.hardware.host_cpu import HostCpu
@@ -85,6 +87,10 @@ class LlamaCppFlags:
     batch: int = 2048  # -b
     threads: int = 0  # -t (0: the CPU's cores)
     op_offload: bool = True  # --no-op-offload turns it off
+    # -ot: the blocks whose routed experts an --override-tensor pattern keeps on the CPU (with
+    # --n-cpu-moe's first blocks), and the pattern as given
+    cpu_expert_blocks: frozenset[int] = frozenset()
+    override: str = ""
 
     def check(self, model: ModelSpec) -> None:
         if not 0 <= self.n_cpu_moe <= model.num_layers:
@@ -106,13 +112,15 @@ class LlamaCppFlags:
         return self.n_gpu_layers > model.num_layers
 
     def experts_on_gpu(self, model: ModelSpec, layer: int) -> bool:
-        return layer >= self.first_gpu_block(model) and layer >= self.n_cpu_moe
+        return layer >= self.first_gpu_block(model) and layer >= self.n_cpu_moe and layer not in self.cpu_expert_blocks
 
     def command(self, model_file: str, tool: str = "llama-server") -> str:
         """The flags as a `llama-server` (or `llama-bench`) command line."""
         parts = [tool, "-m", model_file, "-ngl", str(self.n_gpu_layers)]
         if self.n_cpu_moe:
             parts += ["--n-cpu-moe", str(self.n_cpu_moe)]
+        if self.override:
+            parts += ["-ot", shlex.quote(self.override)]
         if tool == "llama-bench":
             parts += ["-p", "512", "-n", "128", "-ub", str(self.ubatch), "-fa", "1"]
         else:
@@ -139,6 +147,45 @@ def kv_cells(model: ModelSpec, layer: int, ctx: int, ubatch: int) -> int:
     if model.sliding_window and layer % 2 == 0:
         return min(ctx, model.sliding_window + ubatch)
     return ctx
+
+
+EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+def override_blocks(model: ModelSpec, value: str) -> frozenset[int]:
+    """The blocks whose routed experts `-ot VALUE` keeps on the CPU. `VALUE` is llama.cpp's
+    `PATTERN=BUFFER[,PATTERN=BUFFER...]` (arg.cpp parse_tensor_buffer_overrides); each tensor takes
+    the first pattern that `regex_search`es its name (llama-model.cpp), here `blk.i.ffn_*_exps.weight`
+    and the other tensors' names. Refused: a pattern that moves other tensors, or some of a
+    block's three expert tensors but not all (advise prices whole blocks' experts)."""
+    rules: list[tuple[re.Pattern[str], str]] = []
+    for part in value.split(","):
+        pattern, eq, buffer = part.rpartition("=")
+        if not eq or not pattern or not buffer:
+            raise UsageError(f"-ot {value}: {part!r} is not PATTERN=BUFFER (e.g. 'blk\\.(1[0-9])\\.ffn_.*_exps=CPU')")
+        try:
+            rules.append((re.compile(pattern), buffer))
+        except re.error as bad:
+            raise UsageError(f"-ot {value}: {pattern!r} is not a regular expression ({bad})") from None
+
+    def on_cpu(name: str) -> bool:
+        return next((buffer == "CPU" for pattern, buffer in rules if pattern.search(name)), False)
+
+    others = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp", "ffn_norm", "attn_norm")
+    blocks = set()
+    for layer in range(model.num_layers):
+        moved = [on_cpu(f"blk.{layer}.{tensor}.weight") for tensor in EXPERT_TENSORS] if model.is_moe(layer) else []
+        if any(moved) and not all(moved):
+            raise UsageError(
+                f"-ot {value}: moves some of block {layer}'s expert tensors; advise prices whole blocks' experts"
+            )
+        if any(on_cpu(f"blk.{layer}.{tensor}.weight") for tensor in others):
+            raise UsageError(
+                f"-ot {value}: moves block {layer}'s non-expert tensors; advise prices routed experts on the CPU"
+            )
+        if all(moved) and moved:
+            blocks.add(layer)
+    return frozenset(blocks)
 
 
 def kv_bytes_per_cell(model: ModelSpec, cache_type: str) -> float:

@@ -9,15 +9,15 @@ from dataclasses import replace
 
 from klotski_sim.advise.costs import llama_cpp_costs
 from klotski_sim.advise.ktransformers import kt_option
-from klotski_sim.advise.llamacpp import CACHE_TYPES, LlamaCppFlags
+from klotski_sim.advise.llamacpp import CACHE_TYPES, LlamaCppFlags, memory, override_blocks, speed
 from klotski_sim.advise.search import GOALS, Advice, advise
 from klotski_sim.cli.common import CliError
 from klotski_sim.hardware.host_cpu import CPU_PRESETS, HostCpu, parse_cpu
 from klotski_sim.hardware.profile import HardwareProfile, ProfileError, load_profile
 from klotski_sim.util.argtypes import bounded_int, positive_float
 from klotski_sim.util.errors import UsageError
-from klotski_sim.workload.gguf import FILE_TYPES, gguf_sizes, split_model_name
-from klotski_sim.workload.model import get_model
+from klotski_sim.workload.gguf import FILE_TYPES, GgufSizes, gguf_sizes, split_model_name
+from klotski_sim.workload.model import ModelSpec, get_model
 
 GIB = 2**30
 
@@ -61,6 +61,12 @@ def add_advise_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--goal", choices=GOALS, default="generation", help="what the best maximises (default: %(default)s)")
     p.add_argument("--no-op-offload", action="store_true", help="price llama.cpp's --no-op-offload")
+    p.add_argument(
+        "--ot",
+        metavar="PATTERN=BUFFER[,...]",
+        help="also price your own llama.cpp -ot (--override-tensor) placement of the routed experts, e.g. "
+        "'blk\\.([5-9]|[1-9][0-9])\\.ffn_.*_exps=CPU'",
+    )
     p.add_argument("--all", action="store_true", help="list every --n-cpu-moe, not only those around the best")
     p.set_defaults(func=cmd_advise)
 
@@ -90,6 +96,12 @@ def cmd_advise(args: argparse.Namespace) -> int:
         ctx=args.ctx, cache_type=args.cache_type, ubatch=args.ubatch, op_offload=not args.no_op_offload
     )
     base = replace(base, batch=max(base.batch, base.ubatch))
+    own = None
+    if args.ot is not None:
+        try:
+            own = replace(base, cpu_expert_blocks=override_blocks(model, args.ot), override=args.ot)
+        except UsageError as bad:
+            raise CliError(f"--ot: {bad}") from None
     print(
         f"{model.name}@{file_type}: {sizes.total / GIB:.2f} GiB, {sizes.params / 1e9:.2f} B parameters "
         f"(routed experts {sum(sizes.experts) / GIB:.2f} GiB in {len(model.moe_layers)} blocks); llama.cpp, "
@@ -107,6 +119,8 @@ def cmd_advise(args: argparse.Namespace) -> int:
                 found = str(refused)
             results.append((gpu, host, found))
             _print_one(gpu, host, found, file_type, args)
+            if own is not None:
+                _print_own(model, sizes, own, gpu, host, args)
     if len(results) > 1:
         print("\nbest of each:")
         print(f"  {'GPU':28} {'host':44} {'--n-cpu-moe':>11} {'prompt tok/s':>12} {'gen tok/s':>9}")
@@ -125,6 +139,29 @@ def cmd_advise(args: argparse.Namespace) -> int:
         "(docs/advise.md; their errors against published runs: docs/fidelity-llamacpp.md)"
     )
     return 0 if any(not isinstance(found, str) for _, _, found in results) else 3
+
+
+def _print_own(
+    model: ModelSpec,
+    sizes: GgufSizes,
+    flags: LlamaCppFlags,
+    gpu: HardwareProfile,
+    host: HostCpu,
+    args: argparse.Namespace,
+) -> None:
+    """The user's own -ot placement, priced as the table's rows are."""
+    held = memory(model, sizes, flags)
+    room = gpu.gpu.usable_bytes
+    head = (
+        f"  your -ot ({len(flags.cpu_expert_blocks)} blocks' experts on the CPU): GPU {held.gpu / GIB:.2f} GiB, "
+        f"host {held.host / GIB:.2f} GiB"
+    )
+    if held.gpu > room:
+        print(f"{head}: does not fit: the GPU would hold {held.gpu / GIB:.1f} GiB, more than its {room / GIB:.1f} GiB")
+        return
+    s = speed(model, sizes, flags, gpu, host, llama_cpp_costs(gpu, host), args.prompt_len, args.gen_len)
+    print(f"{head}: {s.prompt_tok_s:.1f} tok/s prompt, {s.generation_tok_s:.1f} tok/s generated")
+    print(f"    {flags.command(args.model.replace('@', '-') + '.gguf')}")
 
 
 def _print_one(
