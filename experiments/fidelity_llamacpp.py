@@ -61,13 +61,13 @@ ROWS = (
         "Qwen3-30B-A3B Q4_K_M, RTX 2080 8GB, i9-10900X quad DDR4, --n-cpu-moe 36",
         'AlexsJones/llmfit PR #755: "-ngl 99 --n-cpu-moe 36 ... Pure generation speed measured by the server itself is '
         '36.7 tok/s" (host: "measured ~102 GB/s quad-channel DDR4"; PR #775: "62 GB RAM", context 4096)',
-        "llama.cpp", "qwen3-30b-a3b", "Q4_K_M", "rtx2080", "i9-10900x", 62, 36.7, n_cpu_moe=36,
+        "llama.cpp", "qwen3-30b-a3b", "Q4_K_M", "rtx2080", "cores=10,isa=avx512,bw=102,ram=62", 62, 36.7, n_cpu_moe=36,
     ),
     Row(
         "gpt-oss-20b MXFP4, RTX 2080 8GB, i9-10900X quad DDR4, --n-cpu-moe 12",
         'AlexsJones/llmfit PR #775: "gpt-oss-20B (MoE, 3.6B active) | 36.4 | --n-cpu-moe 12" (llmfit bench average, '
         "which includes prompt processing: PR #755; context 4096)",
-        "llama.cpp", "gpt-oss-20b", "MXFP4_MOE", "rtx2080", "i9-10900x", 62, 36.4, n_cpu_moe=12, tg_kind="avg",
+        "llama.cpp", "gpt-oss-20b", "MXFP4_MOE", "rtx2080", "cores=10,isa=avx512,bw=102,ram=62", 62, 36.4, n_cpu_moe=12, tg_kind="avg",
     ),
     Row(
         "gpt-oss-120b (MXFP4 experts), RTX 5090, Ryzen 9 9900X, 64 GB DDR5-5600, 22 blocks' experts on the CPU",
@@ -115,6 +115,18 @@ ROWS = (
         '"Q4_K_M ... prefill 63.57..., decode 12.137..."; the same host\'s Intel MLC: "实测出来只有230GB左右" (a shared server)',
         "ktransformers", "deepseek-v3", "Q4_K_M", "rtx4090", "cores=24,isa=avx512,channels=12,mts=4800,bw=230", 576,
         12.14, depth=600,
+    ),
+    *(
+        Row(
+            f"DeepSeek-R1 4-bit (taken as Q4_K_M), RTX 4090, EPYC 9654 (84 cores used), 12x DDR5-4800, {ctx} context, "
+            "KTransformers",
+            'kvcache-ai/ktransformers#314: "CPU: AMD EPYC 9654 96-core x1 / RAM: 64G 4800MHz DDR5 x12 / GPU: RTX 4090 24G '
+            'x1 / ... 推理时调用84核心 / 1k上下文Decode速度: 14tps / 10k上下文Decode速度: 10tps" (the post names the model '
+            '"DeepSeek-R1-671B-4bit", not its file: KTransformers\' 4-bit R1 is its tutorial\'s Q4_K_M GGUF)',
+            "ktransformers", "deepseek-v3", "Q4_K_M", "rtx4090", "cores=84,isa=avx512,channels=12,mts=4800", 768, tg,
+            depth=ctx,
+        )
+        for ctx, tg in ((1000, 14.0), (10000, 10.0))
     ),
     Row(
         "DeepSeek-R1 Q4_K_M, RTX 4090, 4x Xeon Platinum 8280 (6x DDR4-3200 each), KTransformers",

@@ -244,7 +244,7 @@ def _calibrate_cpu(args: argparse.Namespace) -> int:
         f"DRAM read {found.read_bytes_per_s / 1e9:.1f} GB/s; float32 matrix-vector {found.gemv_bytes_per_s / 1e9:.1f} "
         f"GB/s of weights; float32 GEMM {flop_rate_text(found.gemm_flops)}"
     )
-    print(f"klotski-sim advise --cpu {line}")
+    print(f"--cpu {line}    (this host for klotski-sim advise, beside --model MODEL@TYPE --gpu PROFILE)")
     if args.out is not None:
         write_file(args.out, lambda temporary: temporary.write_text(line + "\n"), "--out")
         print(f"wrote {args.out}")

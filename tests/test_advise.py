@@ -203,3 +203,41 @@ def test_an_override_advise_cannot_price_is_refused_in_one_line(pattern, message
     code, _, err = run_cli("advise", "--model", "qwen3-30b-a3b@Q4_K_M", "--gpu", "rtx4090", "--cpu", "ryzen-9-7950x",
                            "--ram", "64", "--ot", pattern)  # fmt: skip
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_prompt_the_cpu_would_compute_is_not_priced():
+    flags = LlamaCppFlags(n_cpu_moe=10, op_offload=False)
+    costs = llama_cpp_costs(GPU, HOST)
+    assert speed(QWEN, QWEN_Q4, flags, GPU, HOST, costs).prompt_tok_s is None
+    small = speed(QWEN, QWEN_Q4, LlamaCppFlags(n_cpu_moe=10, ubatch=31), GPU, HOST, costs)
+    assert small.prompt_tok_s is None and small.generation_tok_s > 0
+    # (every block's experts on the GPU: nothing for the CPU to compute, any ubatch)
+    assert speed(QWEN, QWEN_Q4, LlamaCppFlags(ubatch=16), GPU, HOST, costs).prompt_tok_s
+    code, _, err = run_cli("advise", "--model", "qwen3-30b-a3b@Q4_K_M", "--gpu", "rtx2080", "--cpu", "ryzen-9-7950x",
+                           "--ram", "64", "--no-op-offload", "--goal", "prompt")  # fmt: skip
+    assert code == 2 and "--goal prompt: with --no-op-offload the CPU computes" in err
+
+
+def test_gpus_add_up_over_repeated_flags_and_hosts_are_each_given_once():
+    code, out, err = run_cli("advise", "--model", "qwen3-30b-a3b@Q4_K_M", "--gpu", "rtx2080", "--gpu", "rtx4090",
+                             "--cpu", "ryzen-9-7950x", "--ram", "64")  # fmt: skip
+    assert code == 0 and "RTX 2080" in out and "RTX 4090" in out, err
+    for args, message in (
+        (["--gpu", "rtx2080", "--gpu", "rtx2080"], "rtx2080 is given twice"),
+        (["--cpu", "ryzen-9-7950x", "--cpu", "ryzen-9-7950x"], "given twice"),
+        (["--cpu", "ryzen-9-7950x,i9-10900x"], "repeat --cpu"),
+        (["--prompt-len", "4000", "--gen-len", "200"], "more than the context (--ctx 4096)"),
+        (["--ram", "1e9"], "--ram"),
+        (["--cpu", "cores=8,isa=avx2,channels=2,mts=3200,bw=500"], "above the channels' peak"),
+    ):
+        base = {"--model": "qwen3-30b-a3b@Q4_K_M", "--gpu": "rtx4090", "--cpu": "ryzen-9-7950x", "--ram": "64"}
+        flags = [x for k, v in base.items() if k not in args for x in (k, v)]
+        code, _, err = run_cli("advise", *flags, *args)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (args, err)
+
+
+def test_fitting_nowhere_names_the_closest_placement_and_what_is_short():
+    code, out, err = run_cli("advise", "--model", "qwen3-30b-a3b@Q4_K_M", "--gpu", "rtx3090", "--cpu", "ryzen-9-7950x",
+                             "--ram", "64", "--ctx", "262144")  # fmt: skip
+    assert code == 3, err
+    assert "the closest, --n-cpu-moe 48" in out and "the GPU is short" in out

@@ -38,7 +38,7 @@ def test_the_command_prints_the_line_and_writes_it(tmp_path):
     code, text, err = runtime_in_process("calibrate", "--cpu-only", "--threads", "1", "--out", str(out))
     assert code == 0, err
     line = out.read_text().strip()
-    assert f"klotski-sim advise --cpu {line}" in text and parse_cpu(line)
+    assert f"--cpu {line}    (this host for klotski-sim advise" in text and parse_cpu(line)
     code, _, err = runtime_in_process("calibrate", "--cpu-only", "--model", "tiny-mixtral")
     assert code == 2 and "--cpu-only measures the host's CPU" in err
     code, _, err = runtime_in_process("calibrate", "--device", "cpu")

@@ -114,23 +114,24 @@ class LlamaCppFlags:
     def experts_on_gpu(self, model: ModelSpec, layer: int) -> bool:
         return layer >= self.first_gpu_block(model) and layer >= self.n_cpu_moe and layer not in self.cpu_expert_blocks
 
-    def command(self, model_file: str, tool: str = "llama-server") -> str:
-        """The flags as a `llama-server` (or `llama-bench`) command line."""
+    def command(self, model_file: str, tool: str = "llama-server", prompt: int = 512, generated: int = 128) -> str:
+        """The flags as a `llama-server` (or `llama-bench`, timing `prompt` and `generated` tokens) command line."""
         parts = [tool, "-m", model_file, "-ngl", str(self.n_gpu_layers)]
         if self.n_cpu_moe:
             parts += ["--n-cpu-moe", str(self.n_cpu_moe)]
         if self.override:
             parts += ["-ot", shlex.quote(self.override)]
         if tool == "llama-bench":
-            parts += ["-p", "512", "-n", "128", "-ub", str(self.ubatch), "-fa", "1"]
+            parts += ["-p", str(prompt), "-n", str(generated), "-ub", str(self.ubatch), "-fa", "1"]
         else:
             parts += ["-c", str(self.ctx), "-fa", "on", "-ub", str(self.ubatch), "-b", str(self.batch)]
         if self.cache_type != "F16":
             parts += ["-ctk", self.cache_type.lower(), "-ctv", self.cache_type.lower()]
         if self.threads:
             parts += ["-t", str(self.threads)]
-        if not self.op_offload and tool != "llama-bench":  # (llama-bench names it otherwise: not advised here)
-            parts.append("--no-op-offload")
+        if not self.op_offload:
+            # (llama-server's flag; llama-bench's own spelling is not advised: the line says so)
+            parts.append("--no-op-offload" if tool != "llama-bench" else "# and op offload off, as priced")
         return " ".join(parts)
 
 
@@ -238,7 +239,7 @@ class Speed:
 
     decode_s: float  # one generated token
     parts: dict[str, float]  # decode_s by part: gpu bytes, cpu bytes, cpu nodes, splits, gpu nodes
-    prompt_s: float  # the whole prompt
+    prompt_s: float | None  # the whole prompt (None: not priced, `prompt_seconds`)
     prompt_tokens: int
 
     @property
@@ -246,8 +247,8 @@ class Speed:
         return 1.0 / self.decode_s
 
     @property
-    def prompt_tok_s(self) -> float:
-        return self.prompt_tokens / self.prompt_s
+    def prompt_tok_s(self) -> float | None:
+        return None if self.prompt_s is None else self.prompt_tokens / self.prompt_s
 
 
 def decode_parts(
@@ -306,8 +307,11 @@ def prompt_seconds(
     host: HostCpu,
     costs: LlamaCppCosts,
     prompt: int,
-) -> float:
-    """Seconds to process a `prompt`-token prompt in ubatches (module docstring)."""
+) -> float | None:
+    """Seconds to process a `prompt`-token prompt in ubatches (module docstring); None where a
+    ubatch would have the CPU compute its experts (`--no-op-offload`, or fewer than
+    OP_OFFLOAD_MIN_BATCH tokens): ggml's CPU matmuls over many tokens are compute-bound, and no
+    component rate of them is known here, so those prompts are not priced."""
     start = flags.first_gpu_block(model)
     if start > 0:
         raise UsageError(
@@ -321,18 +325,15 @@ def prompt_seconds(
     total, done = 0.0, 0
     while done < prompt:
         u = min(flags.ubatch, prompt - done)
+        if cpu_layers and not (flags.op_offload and u >= OP_OFFLOAD_MIN_BATCH):
+            return None
         flops = 2.0 * u * _active_params(model) + 4.0 * u * (done + u / 2) * model.q_dim * model.num_layers
-        compute = flops / flops_rate
         # the experts the ubatch's tokens use (k distinct each, drawn independently): only these are
         # copied (ggml-backend.cpp, ggml_backend_sched_compute_splits: "copying only the experts that
-        # are used") or read
+        # are used")
         distinct = model.num_experts * (1 - (1 - model.top_k / model.num_experts) ** u)
         used = sum(sizes.expert_bytes(layer) * distinct for layer in cpu_layers)
-        if flags.op_offload and u >= OP_OFFLOAD_MIN_BATCH:
-            total += compute + used / rate + 2 * len(cpu_layers) * costs.split_s
-        else:  # (the CPU computes its experts)
-            nodes = len(cpu_layers) * (expert_nodes(model, True) * costs.cpu_node_s + 2 * costs.split_s)
-            total += compute + used / one_copy_rate(host) + nodes
+        total += flops / flops_rate + used / rate + 2 * len(cpu_layers) * costs.split_s
         done += u
     return total
 

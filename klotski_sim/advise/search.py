@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from klotski_sim.advise.llamacpp import LlamaCppCosts, LlamaCppFlags, Memory, Speed, memory, speed
+from klotski_sim.advise.llamacpp import OP_OFFLOAD_MIN_BATCH, LlamaCppCosts, LlamaCppFlags, Memory, Speed, memory, speed
 from klotski_sim.hardware.host_cpu import HostCpu
 from klotski_sim.hardware.profile import HardwareProfile
 from klotski_sim.util.errors import UsageError
@@ -67,9 +67,10 @@ def _goal_rate(s: Speed | None, goal: str) -> float:
         return 0.0
     if goal == "generation":
         return s.generation_tok_s
+    prompt = s.prompt_tok_s or 0.0  # (a prompt not priced ranks last)
     if goal == "prompt":
-        return s.prompt_tok_s
-    return (s.generation_tok_s * s.prompt_tok_s) ** 0.5
+        return prompt
+    return (s.generation_tok_s * prompt) ** 0.5
 
 
 def advise(
@@ -104,12 +105,20 @@ def advise(
         options.append(Option(flags, held, priced, refused))
     fitting = [o for o in options if o.speed is not None]
     if not fitting:
-        least = min(options, key=lambda o: o.memory.gpu + o.memory.host)
+        # (the placement that overflows least: its larger share of a side's room)
+        least = min(options, key=lambda o: max(o.memory.gpu / gpu_room, o.memory.host / max(host_room, 1.0)))
+        short = "the GPU" if least.memory.gpu > gpu_room else "the host's RAM"
         raise UsageError(
             f"{model.name}@{sizes.file_type} ({sizes.total / 2**30:.1f} GiB) fits no placement on {gpu.gpu.name} "
-            f"({gpu_room / 2**30:.1f} GiB) and {host.ram_bytes / 2**30:.0f} GiB of RAM: the least needs "
-            f"{least.memory.gpu / 2**30:.1f} GiB on the GPU and {least.memory.host / 2**30:.1f} GiB on the host "
-            f"({least.refused}); a smaller quant, a shorter -c or more RAM"
+            f"({gpu_room / 2**30:.1f} GiB) and {host.ram_bytes / 2**30:.0f} GiB of RAM: the closest, --n-cpu-moe "
+            f"{least.flags.n_cpu_moe}, needs {least.memory.gpu / 2**30:.1f} GiB on the GPU and "
+            f"{least.memory.host / 2**30:.1f} GiB on the host ({least.refused}); {short} is short: "
+            + ("a shorter -c or a smaller quant" if short == "the GPU" else "more RAM or a smaller quant")
+        )
+    if goal != "generation" and not any(o.speed and o.speed.prompt_s is not None for o in fitting):
+        raise UsageError(
+            f"--goal {goal}: no placement's prompt is priced (the CPU would compute experts: --no-op-offload, or "
+            f"-ub below {OP_OFFLOAD_MIN_BATCH}); use --goal generation"
         )
     best = max(fitting, key=lambda o: (_goal_rate(o.speed, goal), -o.flags.n_cpu_moe))
     return Advice(model, sizes, tuple(options), best, goal, gpu_room, host_room)

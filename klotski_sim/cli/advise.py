@@ -6,15 +6,23 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import replace
+from pathlib import Path
 
 from klotski_sim.advise.costs import llama_cpp_costs
 from klotski_sim.advise.ktransformers import kt_option
-from klotski_sim.advise.llamacpp import CACHE_TYPES, LlamaCppFlags, memory, override_blocks, speed
+from klotski_sim.advise.llamacpp import (
+    CACHE_TYPES,
+    OP_OFFLOAD_MIN_BATCH,
+    LlamaCppFlags,
+    memory,
+    override_blocks,
+    speed,
+)
 from klotski_sim.advise.search import GOALS, Advice, advise
 from klotski_sim.cli.common import CliError
-from klotski_sim.hardware.host_cpu import CPU_PRESETS, HostCpu, parse_cpu
+from klotski_sim.hardware.host_cpu import CPU_PRESETS, MAX_RAM_GIB, HostCpu, parse_cpu
 from klotski_sim.hardware.profile import HardwareProfile, ProfileError, load_profile
-from klotski_sim.util.argtypes import bounded_int, positive_float
+from klotski_sim.util.argtypes import bounded_float, bounded_int
 from klotski_sim.util.errors import UsageError
 from klotski_sim.workload.gguf import FILE_TYPES, GgufSizes, gguf_sizes, split_model_name
 from klotski_sim.workload.model import ModelSpec, get_model
@@ -36,8 +44,9 @@ def add_advise_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--gpu",
         required=True,
+        action="append",
         metavar="PROFILE[,PROFILE...]",
-        help="hardware profiles of GPUs to compare (rtx4090, ...)",
+        help="hardware profiles of GPUs to compare (rtx4090, ...): a list, or the flag repeated",
     )
     p.add_argument(
         "--cpu",
@@ -45,9 +54,12 @@ def add_advise_parser(sub: argparse._SubParsersAction) -> None:
         action="append",
         metavar="PRESET|SPEC",
         help=f"the host: a preset ({', '.join(CPU_PRESETS)}) or cores=C,isa=avx2|avx512|amx,channels=N,mts=M"
-        f"[,numa=K][,ram=GiB][,bw=GB/s]; repeat to compare hosts",
+        f"[,numa=K][,ram=GiB][,bw=GB/s] (what klotski-runtime calibrate --cpu-only prints); repeat the flag to "
+        f"compare hosts",
     )
-    p.add_argument("--ram", type=positive_float, metavar="GiB", help="installed RAM (each --cpu's, unless its ram=)")
+    p.add_argument(
+        "--ram", type=bounded_float(1, MAX_RAM_GIB), metavar="GiB", help="installed RAM (each --cpu's, unless its ram=)"
+    )
     p.add_argument(
         "--ctx", type=bounded_int(16, 1 << 21), default=4096, help="-c: context length (default: %(default)s)"
     )
@@ -71,31 +83,71 @@ def add_advise_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_advise)
 
 
-def _gpus(text: str) -> list[HardwareProfile]:
-    names = [n.strip() for n in text.split(",")]
-    if len(set(names)) != len(names) or not all(names):
-        raise CliError(f"--gpu {text}: a comma-separated list of distinct profiles")
+def _gpus(given: list[str]) -> list[HardwareProfile]:
+    """Every --gpu's profiles, each once (a repeated flag adds to the list)."""
+    names = [n.strip() for text in given for n in text.split(",")]
+    if not all(names):
+        raise CliError(f"--gpu {','.join(given)}: an empty profile name")
+    repeated = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if repeated is not None:
+        raise CliError(f"--gpu: {repeated} is given twice")
     try:
         return [load_profile(n) for n in names]
     except ProfileError as bad:
         raise CliError(f"--gpu: {bad}") from None
 
 
+def _hosts(given: list[str], ram: float | None) -> list[HostCpu]:
+    """Every --cpu's host, each once."""
+    if len(set(given)) != len(given):
+        repeated = next(c for i, c in enumerate(given) if c in given[:i])
+        raise CliError(f"--cpu {repeated}: given twice")
+    hosts = []
+    for text in given:
+        if "=" not in text and "," in text:
+            raise CliError(f"--cpu {text}: one host a flag; repeat --cpu to compare hosts")
+        try:
+            hosts.append(parse_cpu(text, ram))
+        except UsageError as bad:
+            raise CliError(str(bad)) from None
+    return hosts
+
+
+def _model_file(text: str) -> str:
+    """The GGUF file name the commands show for `--model`: its model's last path part and type."""
+    name, _, kind = text.partition("@")
+    stem = Path(name).parent.name if name.endswith(".json") else name
+    return f"{stem.replace(':', '-')}-{kind.upper()}.gguf"
+
+
 def cmd_advise(args: argparse.Namespace) -> int:
     try:
         name, file_type = split_model_name(args.model)
         model = get_model(name)
-        hosts = [parse_cpu(text, args.ram) for text in args.cpu]
     except UsageError as bad:
-        raise CliError(str(bad)) from None
+        raise CliError(str(bad) if str(bad).startswith("--model") else f"--model {args.model}: {bad}") from None
+    hosts = _hosts(args.cpu, args.ram)
     if model.quantised:
         raise CliError(f"--model {args.model}: give a plain preset and its GGUF type (MODEL@TYPE)")
+    if args.prompt_len + args.gen_len > args.ctx:
+        raise CliError(
+            f"--prompt-len {args.prompt_len} + --gen-len {args.gen_len} = {args.prompt_len + args.gen_len} tokens: more "
+            f"than the context (--ctx {args.ctx}) llama.cpp would hold them in"
+        )
+    if args.goal != "generation" and (args.no_op_offload or args.ubatch < OP_OFFLOAD_MIN_BATCH):
+        why = "--no-op-offload" if args.no_op_offload else f"--ubatch {args.ubatch} (below {OP_OFFLOAD_MIN_BATCH})"
+        raise CliError(
+            f"--goal {args.goal}: with {why} the CPU computes its experts' share of a prompt, which advise does not "
+            f"price; use --goal generation"
+        )
     gpus = _gpus(args.gpu)
     sizes = gguf_sizes(model, file_type)
+    # (llama-context.cpp clamps: n_batch = min(n_ctx, n_batch), n_ubatch = min(n_batch, n_ubatch))
+    batch = min(args.ctx, LlamaCppFlags.batch)
     base = LlamaCppFlags(
-        ctx=args.ctx, cache_type=args.cache_type, ubatch=args.ubatch, op_offload=not args.no_op_offload
-    )
-    base = replace(base, batch=max(base.batch, base.ubatch))
+        ctx=args.ctx, cache_type=args.cache_type, ubatch=min(batch, args.ubatch), batch=batch,
+        op_offload=not args.no_op_offload,
+    )  # fmt: skip
     own = None
     if args.ot is not None:
         try:
@@ -105,7 +157,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
     print(
         f"{model.name}@{file_type}: {sizes.total / GIB:.2f} GiB, {sizes.params / 1e9:.2f} B parameters "
         f"(routed experts {sum(sizes.experts) / GIB:.2f} GiB in {len(model.moe_layers)} blocks); llama.cpp, "
-        f"-c {args.ctx}, {args.cache_type} KV cache, -ub {args.ubatch}; prompt {args.prompt_len} tokens, "
+        f"-c {args.ctx}, {args.cache_type} KV cache, -ub {base.ubatch}; prompt {args.prompt_len} tokens, "
         f"{args.gen_len} generated"
     )
     results: list[tuple[HardwareProfile, HostCpu, Advice | str]] = []
@@ -123,22 +175,27 @@ def cmd_advise(args: argparse.Namespace) -> int:
                 _print_own(model, sizes, own, gpu, host, args)
     if len(results) > 1:
         print("\nbest of each:")
-        print(f"  {'GPU':28} {'host':44} {'--n-cpu-moe':>11} {'prompt tok/s':>12} {'gen tok/s':>9}")
+        print(f"  {'GPU':28} {'host':28} {'--n-cpu-moe':>11} {'prompt tok/s':>12} {'gen tok/s':>9}")
         for gpu, host, found in results:
             if isinstance(found, str):
-                print(f"  {gpu.gpu.name:28} {host.describe()[:44]:44} does not fit")
+                print(f"  {gpu.gpu.name:28} {host.name:28} does not fit")
             else:
                 s = found.best.speed
                 assert s is not None
                 print(
-                    f"  {gpu.gpu.name:28} {host.describe()[:44]:44} {found.best.flags.n_cpu_moe:11d} "
-                    f"{s.prompt_tok_s:12.1f} {s.generation_tok_s:9.1f}"
+                    f"  {gpu.gpu.name:28} {host.name:28} {found.best.flags.n_cpu_moe:11d} "
+                    f"{_rate(s.prompt_tok_s, 12)} {s.generation_tok_s:9.1f}"
                 )
     print(
         "predictions from the model file's bytes, the GPU's and the host's bandwidths and llama.cpp's fixed costs "
         "(docs/advise.md; their errors against published runs: docs/fidelity-llamacpp.md)"
     )
     return 0 if any(not isinstance(found, str) for _, _, found in results) else 3
+
+
+def _rate(value: float | None, width: int = 0) -> str:
+    """A tok/s figure, or `-` where it is not priced."""
+    return f"{value:{width}.1f}" if value is not None else f"{'-':>{width}}"
 
 
 def _print_own(
@@ -160,8 +217,8 @@ def _print_own(
         print(f"{head}: does not fit: the GPU would hold {held.gpu / GIB:.1f} GiB, more than its {room / GIB:.1f} GiB")
         return
     s = speed(model, sizes, flags, gpu, host, llama_cpp_costs(gpu, host), args.prompt_len, args.gen_len)
-    print(f"{head}: {s.prompt_tok_s:.1f} tok/s prompt, {s.generation_tok_s:.1f} tok/s generated")
-    print(f"    {flags.command(args.model.replace('@', '-') + '.gguf')}")
+    print(f"{head}: {_rate(s.prompt_tok_s)} tok/s prompt, {s.generation_tok_s:.1f} tok/s generated")
+    print(f"    {flags.command(_model_file(args.model))}")
 
 
 def _print_one(
@@ -187,7 +244,7 @@ def _print_one(
         last = i
         mark = "  <- best" if option is best else ""
         speeds = (
-            f"{option.speed.prompt_tok_s:12.1f} {option.speed.generation_tok_s:9.1f}"
+            f"{_rate(option.speed.prompt_tok_s, 12)} {option.speed.generation_tok_s:9.1f}"
             if option.speed is not None
             else f"  does not fit: {option.refused}"
         )
@@ -196,11 +253,11 @@ def _print_one(
         )
     s = best.speed
     assert s is not None
-    model_file = args.model.replace("@", "-") + ".gguf"
+    model_file = _model_file(args.model)
     print(f"  best for {found.goal}: --n-cpu-moe {best.flags.n_cpu_moe}: {s.generation_tok_s:.1f} tok/s generated, "
-          f"{s.prompt_tok_s:.1f} tok/s prompt")  # fmt: skip
+          f"{_rate(s.prompt_tok_s)} tok/s prompt")  # fmt: skip
     print(f"    {best.flags.command(model_file)}")
-    print(f"    {best.flags.command(model_file, 'llama-bench')}")
+    print(f"    {best.flags.command(model_file, 'llama-bench', args.prompt_len, args.gen_len)}")
     why = found.why_not_more()
     if why:
         print(f"  not {why}")
@@ -211,9 +268,10 @@ def _print_one(
         found.host_room,
     )  # fmt: skip
     verdict = f"{kt.generation_tok_s:.1f} tok/s generated" if kt.decode_s else f"does not fit: {kt.refused}"
+    beside = ", the shared ones on the GPU beside them" if found.model.num_shared_experts else ""
     print(
-        f"  KTransformers (every routed expert on the CPU, the shared ones on the GPU beside them; GPU "
-        f"{kt.gpu_bytes / GIB:.2f} GiB, host {kt.host_bytes / GIB:.2f} GiB): {verdict}"
+        f"  KTransformers (every routed expert on the CPU{beside}; GPU {kt.gpu_bytes / GIB:.2f} GiB, host "
+        f"{kt.host_bytes / GIB:.2f} GiB): {verdict}"
     )
     if kt.decode_s:
         print(f"    {kt.command}")

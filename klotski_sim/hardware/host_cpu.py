@@ -23,6 +23,7 @@ ISAS = ("avx2", "avx512", "amx")  # what decides llama.cpp's and KTransformers' 
 READ_SHARE_DESKTOP = 0.90
 READ_SHARE_SERVER = 0.75
 SERVER_CHANNELS = 8
+MAX_RAM_GIB = 65536  # (64 TiB: more than any one host holds; a larger figure is a typo)
 
 
 @dataclass(frozen=True)
@@ -82,8 +83,8 @@ CPU_PRESETS: dict[str, HostCpu] = {
         _preset("ryzen-9-9900x", 12, "avx512", 2, 5600, "12 cores, DDR5 up to 5600 MT/s (technetbooks review); dual-channel "
                 "(AM5); AVX-512 BF16 (ktransformers GPT-OSS-120B-Kernel-Work.md)"),
         _preset("i9-14900k", 24, "avx2", 2, 5600, "8P+16E cores, DDR5-5600 (gamerfridge review); no AVX-512 on Raptor Lake"),
-        _preset("i9-10900x", 10, "avx512", 4, 2933, "10 cores, quad-channel DDR4 (llmfit PR #755, measured ~102 GB/s)",
-                measured=102e9),
+        _preset("i9-10900x", 10, "avx512", 4, 2933, "10 cores, quad-channel DDR4 (llmfit PR #755); DDR4-2933, "
+                "Cascade Lake-X's rated speed (Intel's figure, not read here)"),
         _preset("epyc-7343", 16, "avx2", 8, 3200, "16 cores (Milan); 8 channels of DDR4-3200 (AnandTech Milan review)"),
         _preset("threadripper-pro-5975wx", 32, "avx2", 8, 3200, "32 cores, 8 DDR4 channels (sweclockers); DDR4-3200 "
                 "as the other Zen 3 platforms"),
@@ -151,9 +152,14 @@ def parse_cpu(text: str, ram_gib: float | None = None) -> HostCpu:
             whole("channels", 1, 32) if "channels" in fields else 0,
             whole("mts", 800, 20000) if "mts" in fields else 0,
             whole("numa", 1, 16) if "numa" in fields else 1,
-            number("ram", 1, 1 << 16) * 2**30 if "ram" in fields else 0.0,
+            number("ram", 1, MAX_RAM_GIB) * 2**30 if "ram" in fields else 0.0,
             number("bw", 1, 10000) * 1e9 if "bw" in fields else None,
             ("described on the command line",),
+        )
+    if host.measured_bandwidth and host.channels and host.measured_bandwidth > host.peak_bandwidth * 1.001:
+        raise UsageError(
+            f"--cpu {text}: bw={host.measured_bandwidth / 1e9:g} GB/s is above the channels' peak "
+            f"({host.channels} x DDR-{host.mts}: {host.peak_bandwidth / 1e9:.1f} GB/s); check channels, mts and bw"
         )
     if ram_gib is not None:
         host = replace(host, ram_bytes=ram_gib * 2**30)

@@ -140,6 +140,18 @@ def positive_float(text: str) -> float:
     return value
 
 
+def bounded_float(low: float, high: float) -> Callable[[str], float]:
+    """A finite number from `low` to `high` (a quantity the machine can have, e.g. GiB of RAM)."""
+
+    def parse(text: str) -> float:
+        value = positive_float(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected a number from {low:g} to {high:g}, got {text!r}")
+        return value
+
+    return parse
+
+
 def batches(text: str) -> int | None:
     """A batch count, or `auto` for the planner's choice."""
     return None if text == "auto" else positive_int(text)
