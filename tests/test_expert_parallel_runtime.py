@@ -134,15 +134,34 @@ def test_the_schedule_runs_on_the_cpu_runtime_only_and_says_so():
 
 
 # ---- end to end: what `parallel --timing events --out DIR` wrote, executed by `klotski-runtime execute` ----
-def test_the_runtime_executes_an_ep_configuration_the_simulator_wrote(tmp_path):
+def _small_h200() -> str:
+    """--set of an H200 that holds a rank's fixed share and 3 of tiny-mixtral's experts (the rest offloaded)."""
+    h200 = load_profile("h200")
+    fixed = without_experts(TINY, PROMPT + GEN, 4)
+    return f"gpu.memory_bytes={h200.gpu.reserved_bytes + fixed + 3 * TINY.expert_bytes():.0f}"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--placement", "coactivation", "--replicas", "1", "--micro-batches", "2"],
+        ["--placement", "round-robin", "--prefetch", "--micro-batches", "2", "--set", "OFFLOADING"],
+    ],
+    ids=["replicas", "offloading-prefetch"],
+)
+def test_the_runtime_executes_an_ep_configuration_the_simulator_wrote(tmp_path, extra):
     out = tmp_path / "ep"
+    extra = [_small_h200() if x == "OFFLOADING" else x for x in extra]
     code, _, err = run_cli(
         "parallel", "--model", "tiny-mixtral", "--hardware", "h200", "--gpus", "2", "--batch-size", "8",
-        "--prompt-len", "16", "--gen-len", "4", "--parallelism", "ep", "--placement", "coactivation",
-        "--replicas", "1", "--timing", "events", "--micro-batches", "2", "--out", str(out),
+        "--prompt-len", str(PROMPT), "--gen-len", str(GEN), "--parallelism", "ep", "--timing", "events", *extra,
+        "--out", str(out),
     )  # fmt: skip
     assert code == 0, err
     folder = next(p for p in out.iterdir() if p.is_dir())
+    if "--prefetch" in extra:  # (what is executed copies experts in)
+        ops = json.loads((folder / "schedule.json").read_text())["ops"]
+        assert any(op.get("tensor") == "expert" for op in ops)
     measured = tmp_path / "measured"
     code, text, err = runtime_in_process(
         "execute", str(folder), "--dtype", "float32", "--emulate-fabric", "1e8", "--out", str(measured)

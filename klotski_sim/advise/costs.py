@@ -18,6 +18,8 @@ that docs/fidelity-llamacpp.md checks the predictions against.
 
 from __future__ import annotations
 
+from functools import cache
+
 from klotski_sim.advise.llamacpp import ATTENTION_NODES, DENSE_NODES, LlamaCppCosts
 from klotski_sim.hardware.host_cpu import HostCpu
 from klotski_sim.hardware.profile import HardwareProfile, load_profile
@@ -32,6 +34,7 @@ LLAMA2_7B_NODES = 32 * (ATTENTION_NODES + DENSE_NODES) + 3
 CUDA_GRAPHS_TG = {"rtx4090": 146.81, "rtx3090": 128.27}  # PR #6766, tok/s with CUDA graphs
 
 
+@cache
 def gpu_node_seconds() -> float:
     """Per GPU node: the two cards' gap beyond the weights' reads, over the nodes, averaged."""
     weights = LLAMA2_7B_PARAMS * GGML_TYPES["Q4_0"].bits_per_weight / 8
