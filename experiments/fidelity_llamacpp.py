@@ -1,7 +1,7 @@
 """Published llama.cpp and KTransformers runs of MoE models with experts on the CPU, next to
 `klotski-sim advise`'s predictions of them: docs/fidelity-llamacpp.md.
 
-    python experiments/fidelity_llamacpp.py [--out docs/fidelity-llamacpp.md] [--quick]
+    python experiments/fidelity_llamacpp.py [--out docs/fidelity-llamacpp.md] [--quick] [--cpu-read-share S]
 
 Each row is a measurement someone published with its model file, GPU, CPU, RAM and flags (its
 source and the quoted figure in the row). The prediction uses the row's own flags; nothing in the
@@ -9,6 +9,7 @@ model is fitted to these figures (docs/advise.md: where each constant comes from
 setting advise cannot price (a GPU or CPU the source does not name, another engine) is listed as
 not priced, with the reason, and counts in no median. `--quick` (for tests, which compare its rows
 with the committed page) writes into a fresh temporary folder unless `--out` names a file.
+`--cpu-read-share S` asks what if llama.cpp's CPU matmuls streamed at S of the host's read rate.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from klotski_sim.advise.costs import llama_cpp_costs
@@ -204,13 +205,13 @@ def predict_prompt(row: Row) -> float:
     return speed(model, sizes, flags, gpu, host, llama_cpp_costs(gpu, host), prompt=row.prompt).prompt_tok_s
 
 
-def predict(row: Row) -> tuple[float, str]:
+def predict(row: Row, cpu_read_share: float = 1.0) -> tuple[float, str]:
     """The row's predicted tok/s and where its time goes (one line)."""
     model = get_model(row.model)
     sizes = gguf_sizes(model, row.file_type)
     gpu = load_profile(row.gpu)
     host = parse_cpu(row.cpu, row.ram_gib)
-    costs = llama_cpp_costs(gpu, host)
+    costs = replace(llama_cpp_costs(gpu, host), cpu_read_share=cpu_read_share)
     if row.engine == "ktransformers":
         parts = kt_decode_parts(model, sizes, gpu, host, costs, row.depth, row.experts_per_token)
     else:
@@ -227,6 +228,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="the page to write (default: docs/fidelity-llamacpp.md)")
     parser.add_argument("--quick", action="store_true", help="write into a fresh temporary folder (tests)")
+    parser.add_argument("--cpu-read-share", type=float, default=1.0, help="a what-if: llama.cpp's CPU read share")
     args = parser.parse_args()
     if args.out is None:
         args.out = Path(tempfile.mkdtemp()) / "fidelity-llamacpp.md" if args.quick else "docs/fidelity-llamacpp.md"
@@ -250,7 +252,7 @@ def main() -> int:
         if row.unpriced:
             unpriced.append(row)
             continue
-        value, parts = predict(row)
+        value, parts = predict(row, args.cpu_read_share)
         kind = " (avg)" if row.tg_kind == "avg" else ""
         if value != value:  # (the memory model refuses a placement the run had: a miss of its own)
             refused += 1

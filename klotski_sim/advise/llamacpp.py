@@ -55,6 +55,9 @@ class LlamaCppCosts:
     split_s: float  # one hand-over between the GPU and CPU backends: a synchronisation and a small copy
     gpu_node_s: float  # one GPU graph node in decode (a kernel launch, inside a CUDA graph where possible)
     sources: tuple[str, ...] = ()
+    # of the host's read rate, what ggml's CPU matmuls stream weights at (1: the read rate itself;
+    # a what-if, experiments/fidelity_llamacpp.py --cpu-read-share)
+    cpu_read_share: float = 1.0
 
 
 # ggml graph nodes per block in decode (llama-graph.cpp build_attn / build_moe_ffn): attention —
@@ -292,7 +295,7 @@ def decode_parts(
     gpu_rate = gpu.gpu.memory_bandwidth * gpu.gpu.memory_efficiency
     return {
         "gpu bytes": gpu_bytes / gpu_rate,
-        "cpu bytes": cpu_bytes / one_copy_rate(host),
+        "cpu bytes": cpu_bytes / (one_copy_rate(host) * costs.cpu_read_share),
         "cpu nodes": cpu_nodes * costs.cpu_node_s,
         "splits": splits * costs.split_s,
         "gpu nodes": gpu_nodes * costs.gpu_node_s,
