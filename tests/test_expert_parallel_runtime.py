@@ -9,6 +9,8 @@ import json
 from dataclasses import replace
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
@@ -195,3 +197,42 @@ def test_an_ep_folder_refuses_what_does_not_apply_in_one_line(tmp_path, flags, m
     assert code == 0, err
     code, _, err = runtime_in_process("execute", str(out / "ep2-round-robin"), *flags)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+# ---- ep.json is a file a user can edit: any value in any field is refused in one line or run -----------
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 70) | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=5,
+)
+
+
+@pytest.fixture(scope="module")
+def ep_folder(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ep")
+    code, _, err = run_cli(
+        "parallel", "--model", "tiny-mixtral", "--hardware", "h200", "--gpus", "2", "--gen-len", "3",
+        "--parallelism", "ep", "--placement", "round-robin", "--timing", "events", "--out", str(out / "runs"),
+    )  # fmt: skip
+    assert code == 0, err
+    folder = out / "runs" / "ep2-round-robin"
+    return folder, json.loads((folder / "ep.json").read_text())
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data(), JSON_VALUES)
+def test_an_edited_ep_json_is_run_or_refused_in_one_line(ep_folder, data, value):
+    """One field of ep.json (or a new one) set to any JSON value: the run goes on where the value is
+    what was written, else `execute` says what is wrong in one line, never a traceback."""
+    folder, base = ep_folder
+    section = data.draw(st.sampled_from(["run", "setup", "events"]))
+    key = data.draw(st.sampled_from([*sorted(base[section]), "unknown_field"]))
+    edited = json.loads(json.dumps(base))
+    edited[section][key] = value
+    (folder / "ep.json").write_text(json.dumps(edited))
+    try:
+        code, _, err = runtime_in_process("execute", str(folder), "--dtype", "float32")
+    finally:
+        (folder / "ep.json").write_text(json.dumps(base))
+    assert code in (0, 2), err
+    assert code == 0 or (len(err.strip().splitlines()) == 1 and err.startswith("error: ")), err

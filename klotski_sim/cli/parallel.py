@@ -141,14 +141,49 @@ class SavedEpRun:
     how: EpEvents
 
 
+# ep.json's setup and events fields: each one's type and what it may be (a user can edit the file)
+SETUP_FIELDS: dict[str, tuple[type, Any]] = {
+    "gpus": (int, range(2, 1025)),
+    "parallelism": (str, ("ep",)),
+    "placement": (str, PLACEMENTS),
+    "spare_slots": (int, range(0, 1 << 16)),
+    "grouping": (bool, (False, True)),
+}
+EVENTS_FIELDS: dict[str, tuple[type, Any]] = {
+    "prefetch": (bool, (False, True)),
+    "micro_batches": (int, range(1, 65)),
+    "offloaded_experts": (str, ("copy", "compressed", "cpu")),
+}
+
+
+def _typed(section: dict[str, Any], name: str, fields: dict[str, tuple[type, Any]]) -> None:
+    """Each field of `section` present, of its type and among its values; nothing else."""
+    unknown = sorted(set(section) - set(fields))
+    if unknown:
+        raise ValueError(f"{name}: unknown field(s) {', '.join(unknown)}")
+    for key, (kind, allowed) in fields.items():
+        value = section.get(key)
+        if key not in section or type(value) is not kind or value not in allowed:
+            shown = (
+                f"{allowed.start}..{allowed.stop - 1}" if isinstance(allowed, range) else ", ".join(map(str, allowed))
+            )
+            said = {int: "an integer", bool: "true or false", str: "one of"}[kind]
+            raise ValueError(f"{name}.{key} must be {said} ({shown}), got {json.dumps(value)}")
+
+
 def load_ep_run(folder: Path) -> SavedEpRun:
     """The EP run in `folder` (DIR/<configuration>/), checked against the schedule it holds."""
     where = folder / EP_RUN_FILE
     try:
         saved = json.loads(where.read_text())
+        if not isinstance(saved, dict) or not all(isinstance(saved.get(k), dict) for k in ("run", "setup", "events")):
+            raise ValueError("it must be an object of objects run, setup and events")
+        _typed(saved["setup"], "setup", SETUP_FIELDS)
+        _typed(saved["events"], "events", EVENTS_FIELDS)
         spec = RunSpec(**saved["run"])
         setup = ParallelSetup(**saved["setup"])
         how = EpEvents(**saved["events"])
+        how.check()
     except (OSError, ValueError, KeyError, TypeError, UsageError) as bad:
         raise CliError(f"{where}: not an EP run that parallel --timing events --out wrote ({bad})") from None
     model = get_model(spec.model)

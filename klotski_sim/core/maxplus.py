@@ -31,6 +31,7 @@ class OneVaryingDuration:
     def __init__(
         self,
         ends: np.ndarray,  # [ops, counts]: E, -inf where no path through the op has that count
+        starts: np.ndarray,  # [ops, counts]: the same of each op's start
         durations: np.ndarray,
         varying: np.ndarray,  # bool per op
         allocs: list[tuple[int, int]],  # (op, bytes allocated when it starts)
@@ -42,7 +43,9 @@ class OneVaryingDuration:
         self._durations, self._varying = durations, varying
         self._alloc_ops = np.array([i for i, _ in allocs], dtype=np.intp)
         self._free_ops = np.array([i for i, _ in frees], dtype=np.intp)
-        self._alloc_ends = ends[self._alloc_ops] if allocs else ends[:0]
+        # (an allocation's time is its op's start, kept as such: an end less the duration rounds, and
+        # an allocation at the very time of a free could then fall after it)
+        self._alloc_starts = starts[self._alloc_ops] if allocs else starts[:0]
         self._free_ends = ends[self._free_ops] if frees else ends[:0]
         # at equal times allocations count before frees: a peak never below the engine's
         self._deltas = np.array([b for _, b in allocs] + [-b for _, b in frees], dtype=np.int64)
@@ -81,6 +84,7 @@ class OneVaryingDuration:
         # the thread has issued it; both are max-plus terms like a dependency's
         issue = IssuingThread.of(schedule, profile, None) if profile.gpu.issue == "serial" else None
         ends = np.full((n, counts), -np.inf)
+        starts = np.full((n, counts), -np.inf)
         start_only = np.full(counts, -np.inf)
         start_only[0] = 0.0
         for i in range(n):
@@ -96,6 +100,7 @@ class OneVaryingDuration:
                 reach = (ends[h] if h >= 0 else start_only) + issue.reach[i]
                 row = np.maximum(row, reach)
                 issued = None if host[i] else reach + issue.costs[i]
+            starts[i] = row
             if is_varying[i]:
                 ends[i, 1:] = row[:-1]
             else:
@@ -108,7 +113,7 @@ class OneVaryingDuration:
             sizes.update(op.alloc)
         frees = [(i, sum(sizes[name] for name in op.free)) for i, op in enumerate(ops) if op.free]
         preloaded = sum(size for _, size in schedule.preloaded)
-        compiled = cls(ends, np.asarray(durations, dtype=float), is_varying, allocs, frees, preloaded)
+        compiled = cls(ends, starts, np.asarray(durations, dtype=float), is_varying, allocs, frees, preloaded)
         if compiled.peak_bound > profile.gpu.usable_bytes:  # (narrowed only where it matters: it takes longer)
             compiled.peak_bound = preloaded + _most_held_at_once(ops, preds)
         return compiled
@@ -126,8 +131,7 @@ class OneVaryingDuration:
         if not len(self._deltas):
             return self.preloaded_bytes
         spans = self._counts * a
-        alloc_ends = (self._alloc_ends + spans).max(axis=1)
-        starts = alloc_ends - np.where(self._varying[self._alloc_ops], a, self._durations[self._alloc_ops])
+        starts = (self._alloc_starts + spans).max(axis=1)
         times = np.concatenate([starts, (self._free_ends + spans).max(axis=1)])
         order = np.lexsort((self._order_key, times))
         return int(self.preloaded_bytes + max(0, int(np.cumsum(self._deltas[order]).max())))
