@@ -197,6 +197,7 @@ def test_an_override_keeps_the_blocks_its_pattern_names_on_the_cpu(pattern, bloc
         (r"blk\.3\.=CPU", "non-expert tensors"),
         ("(=CPU", "not a regular expression"),
         ("exps", "not PATTERN=BUFFER"),
+        (r"(.*.*)*$x=CPU", "backtracks without end"),  # (catastrophic backtracking: stopped, not hung)
     ],
 )
 def test_an_override_advise_cannot_price_is_refused_in_one_line(pattern, message):

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from klotski_sim.hardware.host_cpu import HostCpu
 from klotski_sim.hardware.profile import HardwareProfile
 from klotski_sim.util.errors import UsageError
+from klotski_sim.util.timelimit import time_limit
 from klotski_sim.workload.gguf import GGML_TYPES, GgufSizes
 from klotski_sim.workload.model import ModelSpec
 
@@ -154,6 +155,7 @@ def kv_cells(model: ModelSpec, layer: int, ctx: int, ubatch: int) -> int:
 
 
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+OVERRIDE_MATCH_S = 2.0  # the most an -ot's patterns may take to match a model's tensor names
 
 
 def override_blocks(model: ModelSpec, value: str) -> frozenset[int]:
@@ -176,8 +178,9 @@ def override_blocks(model: ModelSpec, value: str) -> frozenset[int]:
         return next((buffer == "CPU" for pattern, buffer in rules if pattern.search(name)), False)
 
     others = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp", "ffn_norm", "attn_norm")
-    blocks = set()
-    for layer in range(model.num_layers):
+    blocks: set[int] = set()
+
+    def classify(layer: int) -> None:
         moved = [on_cpu(f"blk.{layer}.{tensor}.weight") for tensor in EXPERT_TENSORS] if model.is_moe(layer) else []
         if any(moved) and not all(moved):
             raise UsageError(
@@ -189,6 +192,14 @@ def override_blocks(model: ModelSpec, value: str) -> frozenset[int]:
             )
         if all(moved) and moved:
             blocks.add(layer)
+
+    slow = UsageError(
+        f"-ot {value}: matching {model.name}'s tensor names took more than {OVERRIDE_MATCH_S:g} s (a pattern that "
+        f"backtracks without end, as nested repeats like (.*.*)* do): refused"
+    )
+    with time_limit(OVERRIDE_MATCH_S, slow):
+        for layer in range(model.num_layers):
+            classify(layer)
     return frozenset(blocks)
 
 

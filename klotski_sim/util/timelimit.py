@@ -35,15 +35,27 @@ def policy_timeout() -> float | None:
 def policy_time_limit(what: str) -> Iterator[None]:
     """Run the block under the limit: past it, PolicyTimeout naming `what` is raised where the code is."""
     limit = _limit_s
-    if limit is None or not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+    if limit is None:
+        yield
+        return
+    with time_limit(limit, PolicyTimeout(f"{what}: still running after --policy-timeout {limit:g} s, stopped")):
+        yield
+
+
+@contextmanager
+def time_limit(seconds: float, refusal: UsageError) -> Iterator[None]:
+    """Run the block for at most `seconds`, then raise `refusal` where the code is (a SIGALRM timer:
+    it also stops a regular expression's backtracking, which checks for signals; no limit outside
+    the main thread or where the platform has no timer)."""
+    if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def expired(signum: int, frame: object) -> None:
-        raise PolicyTimeout(f"{what}: still running after --policy-timeout {limit:g} s, stopped")
+        raise refusal
 
     previous = signal.signal(signal.SIGALRM, expired)
-    signal.setitimer(signal.ITIMER_REAL, limit)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
         yield
     finally:
