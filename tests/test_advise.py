@@ -242,3 +242,30 @@ def test_fitting_nowhere_names_the_closest_placement_and_what_is_short():
                              "--ram", "64", "--ctx", "262144")  # fmt: skip
     assert code == 3, err
     assert "the closest, --n-cpu-moe 48" in out and "the GPU is short" in out
+
+
+# ---- what a user types: any --cpu description or --model text is priced or refused in one line --------------
+CPU_FIELDS = st.sampled_from(["cores", "isa", "channels", "mts", "numa", "ram", "bw", "name", "x", ""])
+CPU_VALUES = st.one_of(
+    st.integers(-3, 100000).map(str), st.floats(allow_nan=True, allow_infinity=True).map(str),
+    st.sampled_from(["avx2", "avx512", "amx", "sse", "", "1e9", "nan", "=", ","]), st.text(max_size=6),
+)  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(CPU_FIELDS, CPU_VALUES), min_size=1, max_size=6))
+def test_any_cpu_description_is_priced_or_refused_in_one_line(pairs):
+    text = ",".join(f"{k}={v}" for k, v in pairs)
+    code, out, err = run_cli(
+        "advise", "--model", "qwen3-30b-a3b@Q4_K_M", "--gpu", "rtx4090", "--cpu", text, "--ram", "64"
+    )
+    assert code in (0, 2, 3), err
+    assert code == 0 or code == 3 or (len(err.strip().splitlines()) == 1 and err.startswith("error: ")), err
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.text(max_size=24))
+def test_any_model_text_is_priced_or_refused_in_one_line(text):
+    code, _, err = run_cli("advise", "--model", text, "--gpu", "rtx4090", "--cpu", "ryzen-9-7950x", "--ram", "64")
+    assert code in (0, 2, 3), err
+    assert code != 2 or (len(err.strip().splitlines()) == 1 and err.startswith("error: ")), err
