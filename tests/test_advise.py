@@ -4,6 +4,7 @@ names, and the CLI end to end with its refusals in one line."""
 
 from __future__ import annotations
 
+import json
 import shlex
 from dataclasses import replace
 
@@ -269,3 +270,21 @@ def test_any_model_text_is_priced_or_refused_in_one_line(text):
     code, _, err = run_cli("advise", "--model", text, "--gpu", "rtx4090", "--cpu", "ryzen-9-7950x", "--ram", "64")
     assert code in (0, 2, 3), err
     assert code != 2 or (len(err.strip().splitlines()) == 1 and err.startswith("error: ")), err
+
+
+def test_the_json_holds_every_row_the_table_prices(tmp_path):
+    out = tmp_path / "advice.json"
+    code, text, err = run_cli("advise", "--model", "qwen3-30b-a3b@Q4_K_M", "--gpu", "rtx2080", "--cpu", "ryzen-9-7950x",
+                              "--ram", "64", "--json", str(out))  # fmt: skip
+    assert code == 0, err
+    report = json.loads(out.read_text())
+    (run,) = report["runs"]
+    assert len(run["options"]) == QWEN.num_layers + 1 and report["file_bytes"] == QWEN_Q4.total
+    best = run["options"][run["best"]]
+    assert f"--n-cpu-moe {run['best']}: {best['generation_tok_s']:.1f} tok/s generated" in text
+    assert all(o["generation_tok_s"] is None for o in run["options"] if o["refused"])
+    link = tmp_path / "link.json"
+    link.symlink_to(tmp_path / "elsewhere.json")
+    code, _, err = run_cli("advise", "--model", "qwen3-30b-a3b@Q4_K_M", "--gpu", "rtx2080", "--cpu", "ryzen-9-7950x",
+                           "--ram", "64", "--json", str(link))  # fmt: skip
+    assert code == 2 and "--json" in err and not (tmp_path / "elsewhere.json").exists()

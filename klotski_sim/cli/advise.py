@@ -5,8 +5,10 @@ to run, and why not more or fewer (klotski_sim/advise/)."""
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from klotski_sim.advise.costs import llama_cpp_costs
 from klotski_sim.advise.ktransformers import kt_option
@@ -19,7 +21,8 @@ from klotski_sim.advise.llamacpp import (
     speed,
 )
 from klotski_sim.advise.search import GOALS, Advice, advise
-from klotski_sim.cli.common import CliError
+from klotski_sim.cli.common import CliError, output_file
+from klotski_sim.files.outfiles import write_file
 from klotski_sim.hardware.host_cpu import CPU_PRESETS, MAX_RAM_GIB, HostCpu, parse_cpu
 from klotski_sim.hardware.profile import HardwareProfile, ProfileError, load_profile
 from klotski_sim.util.argtypes import bounded_float, bounded_int
@@ -80,6 +83,11 @@ def add_advise_parser(sub: argparse._SubParsersAction) -> None:
         "'blk\\.([5-9]|[1-9][0-9])\\.ffn_.*_exps=CPU'",
     )
     p.add_argument("--all", action="store_true", help="list every --n-cpu-moe, not only those around the best")
+    p.add_argument(
+        "--json",
+        metavar="FILE",
+        help="also write every placement of every GPU and host, priced, as JSON (for notebooks and scripts)",
+    )
     p.set_defaults(func=cmd_advise)
 
 
@@ -141,6 +149,8 @@ def cmd_advise(args: argparse.Namespace) -> int:
             f"price; use --goal generation"
         )
     gpus = _gpus(args.gpu)
+    if args.json is not None:
+        output_file(args.json, "--json")
     sizes = gguf_sizes(model, file_type)
     # (llama-context.cpp clamps: n_batch = min(n_ctx, n_batch), n_ubatch = min(n_batch, n_ubatch))
     batch = min(args.ctx, LlamaCppFlags.batch)
@@ -186,11 +196,61 @@ def cmd_advise(args: argparse.Namespace) -> int:
                     f"  {gpu.gpu.name:28} {host.name:28} {found.best.flags.n_cpu_moe:11d} "
                     f"{_rate(s.prompt_tok_s, 12)} {s.generation_tok_s:9.1f}"
                 )
+    if args.json is not None:
+        report = advice_json(model, sizes, results, base, args)
+        write_file(args.json, lambda temporary: temporary.write_text(json.dumps(report, indent=2) + "\n"), "--json")
+        print(f"wrote {args.json}")
     print(
         "predictions from the model file's bytes, the GPU's and the host's bandwidths and llama.cpp's fixed costs "
         "(docs/advise.md; their errors against published runs: docs/fidelity-llamacpp.md)"
     )
     return 0 if any(not isinstance(found, str) for _, _, found in results) else 3
+
+
+def advice_json(
+    model: ModelSpec,
+    sizes: GgufSizes,
+    results: list[tuple[HardwareProfile, HostCpu, Advice | str]],
+    base: LlamaCppFlags,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """Every GPU and host's placements as plain data: what the table prints, every row."""
+
+    def speed_of(option: Any) -> dict[str, Any]:
+        s = option.speed
+        return {
+            "n_cpu_moe": option.flags.n_cpu_moe,
+            "gpu_bytes": option.memory.gpu,
+            "host_bytes": option.memory.host,
+            "prompt_tok_s": None if s is None else s.prompt_tok_s,
+            "generation_tok_s": None if s is None else s.generation_tok_s,
+            "decode_parts_s": None if s is None else s.parts,
+            "refused": option.refused,
+        }
+
+    runs = []
+    for gpu, host, found in results:
+        entry: dict[str, Any] = {"gpu": gpu.name, "host": host.describe()}
+        if isinstance(found, str):
+            entry["refused"] = found
+        else:
+            entry["options"] = [speed_of(o) for o in found.options]
+            entry["best"] = found.best.flags.n_cpu_moe
+            entry["command"] = found.best.flags.command(_model_file(args.model))
+        runs.append(entry)
+    return {
+        "model": model.name,
+        "file_type": sizes.file_type,
+        "file_bytes": sizes.total,
+        "routed_expert_bytes": sum(sizes.experts),
+        "ctx": base.ctx,
+        "cache_type": base.cache_type,
+        "ubatch": base.ubatch,
+        "prompt_tokens": args.prompt_len,
+        "generated_tokens": args.gen_len,
+        "goal": args.goal,
+        "runs": runs,
+    }
 
 
 def _rate(value: float | None, width: int = 0) -> str:
