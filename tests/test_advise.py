@@ -288,3 +288,22 @@ def test_the_json_holds_every_row_the_table_prices(tmp_path):
     code, _, err = run_cli("advise", "--model", "qwen3-30b-a3b@Q4_K_M", "--gpu", "rtx2080", "--cpu", "ryzen-9-7950x",
                            "--ram", "64", "--json", str(link))  # fmt: skip
     assert code == 2 and "--json" in err and not (tmp_path / "elsewhere.json").exists()
+
+
+def test_few_cores_make_the_cpu_experts_compute_bound_type_by_type():
+    assert all(sum(b for _, b in by_type) == e for by_type, e in zip(QWEN_Q4.expert_type_bytes, QWEN_Q4.experts))
+    assert {t for t, _ in QWEN_Q4.expert_type_bytes[0]} == {"Q4_K", "Q6_K"}  # (down in Q6_K where use_more_bits)
+    flags = LlamaCppFlags(n_cpu_moe=QWEN.num_layers)
+    rates = []
+    for cores in (1, 2, 4, 16):
+        host = parse_cpu(f"cores={cores},isa=avx512,channels=2,mts=6000,ram=64")
+        rates.append(speed(QWEN, QWEN_Q4, flags, GPU, host, llama_cpp_costs(GPU, host)).generation_tok_s)
+    assert rates[0] < rates[1] < rates[2] == rates[3]  # (four Zen 4 threads outrun dual-channel DDR5)
+    # MXFP4 has no measured thread rate: gpt-oss's experts on one core are priced by DRAM alone
+    oss = get_model("gpt-oss-20b")
+    sizes = gguf_sizes(oss, "MXFP4_MOE")
+    one, many = (parse_cpu(f"cores={c},isa=avx512,channels=2,mts=6000,ram=64") for c in (1, 16))
+    every = LlamaCppFlags(n_cpu_moe=oss.num_layers)
+    assert speed(oss, sizes, every, GPU, one, llama_cpp_costs(GPU, one)).parts["cpu bytes"] == pytest.approx(
+        speed(oss, sizes, every, GPU, many, llama_cpp_costs(GPU, many)).parts["cpu bytes"]
+    )

@@ -14,6 +14,13 @@ that docs/fidelity-llamacpp.md checks the predictions against.
   bits) read at each profile's effective bandwidth leave 2.68 and 3.24 ms a token over its
   643 nodes (32 blocks of ATTENTION_NODES + DENSE_NODES, and the head's 3): 4.2 and 5.0 us a node;
   their mean.
+- What one CPU thread processes of each weight type in decode (its vec_dot, compute-bound: below the
+  thread count that saturates DRAM): a Ryzen-7950X's mainline llama.cpp (build 3441) tg128 of
+  LLaMA-3-8B at 2 threads, file size x tok/s over 2 (ikawrakow/ik_llama.cpp README @25ade245, its
+  per-type thread sweep): Q8_0 20.0, Q6_K 23.1, Q5_K 19.4, Q4_K 20.9, Q3_K 14.6, Q2_K 15.7, Q4_0 13.8,
+  Q5_0 13.9, IQ4_XS 16.7, IQ4_NL 12.0, IQ2_XXS 5.9, F16 27.2 GiB/s. One Zen 4 core's figures, taken
+  for every host's cores (an older or AVX2-only core is slower); no MXFP4 figure was found, so MXFP4
+  is priced by DRAM alone.
 """
 
 from __future__ import annotations
@@ -34,6 +41,16 @@ LLAMA2_7B_NODES = 32 * (ATTENTION_NODES + DENSE_NODES) + 3
 CUDA_GRAPHS_TG = {"rtx4090": 146.81, "rtx3090": 128.27}  # PR #6766, tok/s with CUDA graphs
 
 
+# bytes of weights one thread's vec_dot processes a second, by ggml type (module docstring)
+CPU_THREAD_RATES = {
+    name: gib * 2**30
+    for name, gib in (
+        ("Q8_0", 20.0), ("Q6_K", 23.1), ("Q5_K", 19.4), ("Q4_K", 20.9), ("Q3_K", 14.6), ("Q2_K", 15.7),
+        ("Q4_0", 13.8), ("Q5_0", 13.9), ("IQ4_XS", 16.7), ("IQ4_NL", 12.0), ("IQ2_XXS", 5.9), ("F16", 27.2),
+    )
+}  # fmt: skip
+
+
 @cache
 def gpu_node_seconds() -> float:
     """Per GPU node: the two cards' gap beyond the weights' reads, over the nodes, averaged."""
@@ -52,11 +69,13 @@ def llama_cpp_costs(gpu: HardwareProfile, host: HostCpu) -> LlamaCppCosts:
         cpu_node_s=BARRIER_SERVER_S if server else BARRIER_DESKTOP_S,
         split_s=gpu.gpu.host_sync_latency_s + gpu.links.pcie_h2d.latency_s,
         gpu_node_s=gpu_node_seconds(),
+        cpu_thread_rates=CPU_THREAD_RATES,
         sources=(
             "CPU node: ggml test-barrier, PR #9598 (EPYC)"
             if server
             else "CPU node: ggml test-barrier, PR #9461 (i9-13900K)",
             f"split: {gpu.name}'s gpu.host_sync_latency_s + links.pcie_h2d.latency_s",
             "GPU node: LLaMA-2-7B q4_0 with CUDA graphs, PR #6766",
+            "CPU thread rates by type: a Ryzen-7950X's llama.cpp thread sweep (ik_llama.cpp README)",
         ),
     )

@@ -30,7 +30,8 @@ from __future__ import annotations
 import math
 import re
 import shlex
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from klotski_sim.hardware.host_cpu import HostCpu
 from klotski_sim.hardware.profile import HardwareProfile
@@ -59,6 +60,8 @@ class LlamaCppCosts:
     # of the host's read rate, what ggml's CPU matmuls stream weights at (1: the read rate itself;
     # a what-if, experiments/fidelity_llamacpp.py --cpu-read-share)
     cpu_read_share: float = 1.0
+    # bytes/s of weights one CPU thread's vec_dot processes, by ggml type (a type absent: DRAM-bound)
+    cpu_thread_rates: Mapping[str, float] = field(default_factory=dict)
 
 
 # ggml graph nodes per block in decode (llama-graph.cpp build_attn / build_moe_ffn): attention —
@@ -277,6 +280,8 @@ def decode_parts(
     """Seconds of one decode token at KV depth `depth`, by part (module docstring)."""
     start, k = flags.first_gpu_block(model), model.top_k
     gpu_bytes = cpu_bytes = 0.0
+    cpu_compute = 0.0  # seconds the CPU's threads take to process the experts' weights (type by type)
+    threads = flags.threads or host.cores
     cpu_nodes = gpu_nodes = splits = 0
     for layer in range(model.num_layers):
         used = k * sizes.expert_bytes(layer) if model.is_moe(layer) else 0.0
@@ -289,10 +294,12 @@ def decode_parts(
                 gpu_nodes += expert_nodes(model, False) if moe else 0
             elif moe:
                 cpu_bytes += used
+                cpu_compute += _expert_compute(model, sizes, layer, costs, threads)
                 cpu_nodes += expert_nodes(model, True)
                 splits += 2  # (the hidden state down to the CPU, the experts' output back up)
         else:
             cpu_bytes += sizes.block_rest[layer] + used
+            cpu_compute += _expert_compute(model, sizes, layer, costs, threads) if moe else 0.0
             cpu_nodes += ATTENTION_NODES + (MOE_ROUTER_NODES + expert_nodes(model, True) if moe else DENSE_NODES)
     if start > 0:
         splits += 2  # (the blocks on the CPU run first, then hand over to the GPU's)
@@ -306,11 +313,20 @@ def decode_parts(
     gpu_rate = gpu.gpu.memory_bandwidth * gpu.gpu.memory_efficiency
     return {
         "gpu bytes": gpu_bytes / gpu_rate,
-        "cpu bytes": cpu_bytes / (one_copy_rate(host) * costs.cpu_read_share),
+        # (the CPU streams its weights and computes on them at once: the slower of the two)
+        "cpu bytes": max(cpu_bytes / (one_copy_rate(host) * costs.cpu_read_share), cpu_compute),
         "cpu nodes": cpu_nodes * costs.cpu_node_s,
         "splits": splits * costs.split_s,
         "gpu nodes": gpu_nodes * costs.gpu_node_s,
     }
+
+
+def _expert_compute(model: ModelSpec, sizes: GgufSizes, layer: int, costs: LlamaCppCosts, threads: int) -> float:
+    """Seconds `threads` CPU threads take to process the k used experts of `layer`, type by type
+    (a type without a rate: none, it is priced by DRAM alone)."""
+    share = model.top_k / model.num_experts
+    rates = costs.cpu_thread_rates
+    return sum(share * b / (threads * rates[t]) for t, b in sizes.expert_type_bytes[layer] if t in rates)
 
 
 def prompt_seconds(

@@ -233,6 +233,8 @@ class GgufSizes:
     output: int  # output head and final norm
     params: int
     experts_per_layer: int
+    # per layer: its routed experts' bytes by ggml type (Q4_K_M keeps gate/up in Q4_K, down in Q6_K or Q4_K)
+    expert_type_bytes: tuple[tuple[tuple[str, int], ...], ...] = ()
 
     @property
     def total(self) -> int:
@@ -247,9 +249,11 @@ def gguf_sizes(model: ModelSpec, file_type: str) -> GgufSizes:
     """Bytes of every part of `model` stored as a `file_type` GGUF file."""
     experts = [0] * model.num_layers
     rest = [0] * model.num_layers
+    by_type: list[dict[str, int]] = [{} for _ in range(model.num_layers)]
     embd = output = params = 0
     for tensor in tensors(model):
-        nbytes = tensor_bytes(model, file_type, tensor)
+        kind = tensor_type(model, file_type, tensor)
+        nbytes = kind.row_bytes(tensor.width) * tensor.rows
         params += tensor.params
         if tensor.layer < 0:
             if tensor.name == "token_embd":
@@ -258,9 +262,11 @@ def gguf_sizes(model: ModelSpec, file_type: str) -> GgufSizes:
                 output += nbytes
         elif tensor.routed_experts:
             experts[tensor.layer] += nbytes
+            by_type[tensor.layer][kind.name] = by_type[tensor.layer].get(kind.name, 0) + nbytes
         else:
             rest[tensor.layer] += nbytes
-    return GgufSizes(file_type, tuple(experts), tuple(rest), embd, output, params, model.num_experts)
+    types = tuple(tuple(sorted(layer.items())) for layer in by_type)
+    return GgufSizes(file_type, tuple(experts), tuple(rest), embd, output, params, model.num_experts, types)
 
 
 def split_model_name(text: str) -> tuple[str, str]:
