@@ -15,6 +15,7 @@ from klotski_sim.cli.main import guarded
 from klotski_sim.cli.parallel import EP_RUN_FILE
 from klotski_sim.files.outfiles import refuse_unwritable, write_file
 from klotski_sim.hardware.profile import RATE_FLOOR
+from klotski_sim.names import resource_rank
 from klotski_sim.report.exports import TIMELINE_FILES
 from klotski_sim.util.argtypes import (
     MAX_COUNT,
@@ -230,7 +231,18 @@ def _calibrate_cpu(args: argparse.Namespace) -> int:
     from .cpu_probe import probe_cpu
 
     given = [
-        flag for flag, on in (("--device", args.device != "cpu"), ("--model", args.model != "small-mixtral")) if on
+        flag
+        for flag, on in (
+            ("--device", args.device != "cpu"),
+            ("--model", args.model != "small-mixtral"),
+            ("--dtype", args.dtype != "bfloat16"),
+            ("--batch-sizes", args.batch_sizes != [1, 2, 4, 8, 16]),
+            ("--prompt-lens", args.prompt_lens != [16, 64, 256]),
+            ("--max-expert-tokens", args.max_expert_tokens != 1024),
+            ("--repeats", args.repeats != 5),
+            ("--emulate-pageable", args.emulate_pageable is not None),
+        )
+        if on
     ]
     if given:
         raise CliError(f"{', '.join(given)}: --cpu-only measures the host's CPU, not a model's ops on a device")
@@ -479,6 +491,11 @@ def cmd_execute(args: argparse.Namespace) -> int:
             )
         refuse_unwritable(output_folder(args.out), TIMELINE_FILES)
     schedule = Schedule.load(schedule_path)
+    if any(resource_rank(r) >= 0 for r in schedule.streams.values()):
+        raise CliError(
+            f"{schedule_path}: an expert-parallel run's schedule: execute its folder, which must hold the ep.json "
+            f"that parallel --timing events --out wrote beside it ({schedule_path.parent / EP_RUN_FILE} is missing)"
+        )
     if not len(schedule):
         raise CliError(
             f"{schedule_path}: the schedule has no ops (a configuration the memory check refused?): nothing to execute"
@@ -531,6 +548,11 @@ def _execute_ep(args: argparse.Namespace, folder: Path, threads: int | None) -> 
         )
     if args.out is not None:
         not_an_input(Path(args.out), "--out", [folder / "schedule.json", folder / EP_RUN_FILE])
+        if Path(args.out).resolve() in (folder.resolve(), folder.resolve().parent):
+            raise CliError(
+                f"--out {args.out}: is the EP run's folder (or the one above it, which parallel --out wrote); the "
+                f"measured timeline would replace its simulated files: give a folder of its own"
+            )
         refuse_unwritable(output_folder(args.out), TIMELINE_FILES)
     run = load_ep_run(folder)
     gpus = run.plan.setup.gpus
@@ -567,7 +589,7 @@ def _execute_ep(args: argparse.Namespace, folder: Path, threads: int | None) -> 
         )
     print(
         f"ranks EMULATED: {gpus} expert-parallel ranks as threads of this host"
-        + (f", each all-to-all held to a {fabric.bandwidth / 1e9:.2f} GB/s fabric" if fabric else "")
+        + (f", each all-to-all held to a {fabric.bandwidth / 1e9:.3g} GB/s fabric" if fabric else "")
     )
     print(
         f"hidden states of {len(reference)} decode steps against one device's: max |difference| {error:.3g} "

@@ -307,3 +307,43 @@ def test_few_cores_make_the_cpu_experts_compute_bound_type_by_type():
     assert speed(oss, sizes, every, GPU, one, llama_cpp_costs(GPU, one)).parts["cpu bytes"] == pytest.approx(
         speed(oss, sizes, every, GPU, many, llama_cpp_costs(GPU, many)).parts["cpu bytes"]
     )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--ot", r"blk\.0\.ffn_.*_exps=CUDA1"], "buffer 'CUDA1'"),
+        (["--ot", "blk\\.1\\.ffn_.*_exps=CPU\n"], "control character"),
+        (["--ot", "(" * 500 + ")" * 500 + "=CPU"], "nested too deeply"),
+        (["--ot", "a" * 5000 + "=CPU"], "at most 4,096"),
+        (["--cpu", "cores=1,isa=avx2,channels=1,mts=800,numa=16"], "more NUMA nodes"),
+        (["--cpu", "cores=8,isa=avx2,channels=2,mts=3200,name="], "name= must be printable"),
+        (["--ram", "2"], "no more than the 4 GiB advise leaves"),
+        (["--gpu", "klotski_sim/hardware/profiles/rtx4090.yaml", "--json", "klotski_sim/hardware/profiles/rtx4090.yaml"],
+         "--json"),
+    ],
+)  # fmt: skip
+def test_what_a_hostile_battery_found_is_refused_in_one_line(args, message):
+    base = {"--model": "qwen3-30b-a3b@Q4_K_M", "--gpu": "rtx4090", "--cpu": "ryzen-9-7950x", "--ram": "64"}
+    given = dict(zip(args[::2], args[1::2]))
+    argv = [x for k, v in {**base, **given}.items() for x in (k, v)]
+    code, _, err = run_cli("advise", *argv)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_repeated_ot_flags_add_up_and_a_descriptions_ram_comes_first():
+    code, out, err = run_cli("advise", "--model", "qwen3-30b-a3b@Q4_K_M", "--gpu", "rtx4090", "--cpu", "ryzen-9-7950x",
+                             "--ram", "64", "--ot", r"blk\.1\.ffn_.*_exps=CPU", "--ot", r"blk\.2\.ffn_.*_exps=CPU")  # fmt: skip
+    assert code == 0 and "your -ot (2 blocks' experts on the CPU)" in out, err
+    assert parse_cpu("cores=16,isa=avx512,channels=2,mts=6000,ram=64", ram_gib=8).ram_bytes == 64 * 2**30
+
+
+@pytest.mark.parametrize(
+    "text", ["[" * 100000 + "]" * 100000, '{"model_type": "mixtral", "vocab_size": ' + "9" * 5000 + "}"]
+)
+def test_a_model_config_nested_too_deeply_or_with_a_huge_number_is_one_line(tmp_path, text):
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    code, _, err = run_cli("advise", "--model", f"{path}@Q4_K_M", "--gpu", "rtx4090", "--cpu", "ryzen-9-7950x",
+                           "--ram", "64")  # fmt: skip
+    assert code == 2 and "not a JSON config" in err and len(err.strip().splitlines()) == 1, err

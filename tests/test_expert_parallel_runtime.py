@@ -236,3 +236,28 @@ def test_an_edited_ep_json_is_run_or_refused_in_one_line(ep_folder, data, value)
         (folder / "ep.json").write_text(json.dumps(base))
     assert code in (0, 2), err
     assert code == 0 or (len(err.strip().splitlines()) == 1 and err.startswith("error: ")), err
+
+
+def test_an_ep_folder_edited_or_written_over_is_refused_in_one_line(ep_folder, tmp_path):
+    folder, base = ep_folder
+    cases = []
+    wrong = json.loads(json.dumps(base))
+    wrong["run"]["model"] = "qwen3-30b-a3b"  # (not the routing's model)
+    cases.append(("ep.json", json.dumps(wrong), [], "run does not match"))
+    cases.append(("ep.json", '{"a":' * 100000 + "1" + "}" * 100000, [], "nested too deeply"))
+    schedule = json.loads((folder / "schedule.json").read_text())
+    edited = {**schedule, "meta": {**schedule["meta"], "ranks": 3}}
+    cases.append(("schedule.json", json.dumps(edited), [], "its meta differ"))
+    cases.append((None, None, ["--out", str(folder)], "the measured timeline would replace its simulated files"))
+    for name, text, extra, message in cases:
+        original = (folder / name).read_text() if name else None
+        if name:
+            (folder / name).write_text(text)
+        try:
+            code, _, err = runtime_in_process("execute", str(folder), "--dtype", "float32", *extra)
+        finally:
+            if name:
+                (folder / name).write_text(original)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (name, err)
+    code, _, err = runtime_in_process("execute", str(folder / "schedule.json"))
+    assert code == 2 and "execute its folder, which must hold the ep.json" in err, err

@@ -159,6 +159,8 @@ def kv_cells(model: ModelSpec, layer: int, ctx: int, ubatch: int) -> int:
 
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 OVERRIDE_MATCH_S = 2.0  # the most an -ot's patterns may take to match a model's tensor names
+MAX_OVERRIDE_CHARS = 4096  # (llama.cpp users' patterns are a line; longer is a paste gone wrong)
+OVERRIDE_BUFFERS = ("CPU", "CUDA0")  # what -ot may name with one GPU: the host's buffer and the GPU's
 
 
 def override_blocks(model: ModelSpec, value: str) -> frozenset[int]:
@@ -167,15 +169,28 @@ def override_blocks(model: ModelSpec, value: str) -> frozenset[int]:
     the first pattern that `regex_search`es its name (llama-model.cpp), here `blk.i.ffn_*_exps.weight`
     and the other tensors' names. Refused: a pattern that moves other tensors, or some of a
     block's three expert tensors but not all (advise prices whole blocks' experts)."""
+    shown = value if len(value) <= 80 else value[:77] + "..."
+    if len(value) > MAX_OVERRIDE_CHARS:
+        raise UsageError(f"-ot {shown}: {len(value):,} characters; at most {MAX_OVERRIDE_CHARS:,}")
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise UsageError(f"-ot {shown!r}: a control character (a newline?) in the patterns")
     rules: list[tuple[re.Pattern[str], str]] = []
     for part in value.split(","):
         pattern, eq, buffer = part.rpartition("=")
         if not eq or not pattern or not buffer:
-            raise UsageError(f"-ot {value}: {part!r} is not PATTERN=BUFFER (e.g. 'blk\\.(1[0-9])\\.ffn_.*_exps=CPU')")
+            raise UsageError(
+                f"-ot {shown}: {part[:80]!r} is not PATTERN=BUFFER (e.g. 'blk\\.(1[0-9])\\.ffn_.*_exps=CPU')"
+            )
+        if buffer not in OVERRIDE_BUFFERS:
+            raise UsageError(
+                f"-ot {shown}: buffer {buffer[:20]!r}: one of {', '.join(OVERRIDE_BUFFERS)} (llama.cpp's names of "
+                f"the host's and the one GPU's buffers)"
+            )
         try:
             rules.append((re.compile(pattern), buffer))
-        except re.error as bad:
-            raise UsageError(f"-ot {value}: {pattern!r} is not a regular expression ({bad})") from None
+        except (re.error, RecursionError, OverflowError) as bad:
+            why = bad if isinstance(bad, re.error) else "nested too deeply"
+            raise UsageError(f"-ot {shown}: {pattern[:80]!r} is not a regular expression ({why})") from None
 
     def on_cpu(name: str) -> bool:
         return next((buffer == "CPU" for pattern, buffer in rules if pattern.search(name)), False)
@@ -197,7 +212,7 @@ def override_blocks(model: ModelSpec, value: str) -> frozenset[int]:
             blocks.add(layer)
 
     slow = UsageError(
-        f"-ot {value}: matching {model.name}'s tensor names took more than {OVERRIDE_MATCH_S:g} s (a pattern that "
+        f"-ot {shown}: matching {model.name}'s tensor names took more than {OVERRIDE_MATCH_S:g} s (a pattern that "
         f"backtracks without end, as nested repeats like (.*.*)* do): refused"
     )
     with time_limit(OVERRIDE_MATCH_S, slow):
@@ -352,6 +367,11 @@ def prompt_seconds(
     rate = link.pageable_bandwidth or link.bandwidth  # (mmap'd weights are pageable)
     flops_rate = gpu.gpu.peak_flops * gpu.gpu.compute_efficiency
     cpu_layers = [layer for layer in model.moe_layers if not flags.experts_on_gpu(model, layer)]
+    # (every ubatch runs the whole graph: its nodes' fixed cost is a floor under a short prompt's time)
+    graph_nodes = sum(
+        ATTENTION_NODES + (MOE_ROUTER_NODES + expert_nodes(model, False) if model.is_moe(layer) else DENSE_NODES)
+        for layer in range(model.num_layers)
+    )
     total, done = 0.0, 0
     while done < prompt:
         u = min(flags.ubatch, prompt - done)
@@ -363,7 +383,7 @@ def prompt_seconds(
         # are used")
         distinct = model.num_experts * (1 - (1 - model.top_k / model.num_experts) ** u)
         used = sum(sizes.expert_bytes(layer) * distinct for layer in cpu_layers)
-        total += flops / flops_rate + used / rate + 2 * len(cpu_layers) * costs.split_s
+        total += flops / flops_rate + used / rate + 2 * len(cpu_layers) * costs.split_s + graph_nodes * costs.gpu_node_s
         done += u
     return total
 

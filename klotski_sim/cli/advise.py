@@ -20,7 +20,7 @@ from klotski_sim.advise.llamacpp import (
     override_blocks,
     speed,
 )
-from klotski_sim.advise.search import GOALS, Advice, advise
+from klotski_sim.advise.search import GOALS, HOST_RESERVE_BYTES, Advice, advise
 from klotski_sim.cli.common import CliError, output_file
 from klotski_sim.files.outfiles import write_file
 from klotski_sim.hardware.host_cpu import CPU_PRESETS, MAX_RAM_GIB, HostCpu, parse_cpu
@@ -78,9 +78,10 @@ def add_advise_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-op-offload", action="store_true", help="price llama.cpp's --no-op-offload")
     p.add_argument(
         "--ot",
+        action="append",
         metavar="PATTERN=BUFFER[,...]",
         help="also price your own llama.cpp -ot (--override-tensor) placement of the routed experts, e.g. "
-        "'blk\\.([5-9]|[1-9][0-9])\\.ffn_.*_exps=CPU'",
+        "'blk\\.([5-9]|[1-9][0-9])\\.ffn_.*_exps=CPU' (repeated: added up, as llama.cpp does)",
     )
     p.add_argument("--all", action="store_true", help="list every --n-cpu-moe, not only those around the best")
     p.add_argument(
@@ -135,6 +136,12 @@ def cmd_advise(args: argparse.Namespace) -> int:
     except UsageError as bad:
         raise CliError(str(bad) if str(bad).startswith("--model") else f"--model {args.model}: {bad}") from None
     hosts = _hosts(args.cpu, args.ram)
+    small = next((h for h in hosts if h.ram_bytes <= HOST_RESERVE_BYTES), None)
+    if small is not None:
+        raise CliError(
+            f"--ram / ram=: {small.name} has {small.ram_bytes / GIB:g} GiB, no more than the "
+            f"{HOST_RESERVE_BYTES / GIB:g} GiB advise leaves for the system"
+        )
     if model.quantised:
         raise CliError(f"--model {args.model}: give a plain preset and its GGUF type (MODEL@TYPE)")
     if args.prompt_len + args.gen_len > args.ctx:
@@ -149,8 +156,13 @@ def cmd_advise(args: argparse.Namespace) -> int:
             f"price; use --goal generation"
         )
     gpus = _gpus(args.gpu)
-    if args.json is not None:
-        output_file(args.json, "--json")
+    if args.json is not None:  # (never one of the files read: a profile or a model's config)
+        inputs = [
+            name
+            for name in (*(n for t in args.gpu for n in t.split(",")), name)
+            if name.endswith((".yaml", ".yml", ".json"))
+        ]
+        output_file(args.json, "--json", inputs)
     sizes = gguf_sizes(model, file_type)
     # (llama-context.cpp clamps: n_batch = min(n_ctx, n_batch), n_ubatch = min(n_batch, n_ubatch))
     batch = min(args.ctx, LlamaCppFlags.batch)
@@ -160,8 +172,9 @@ def cmd_advise(args: argparse.Namespace) -> int:
     )  # fmt: skip
     own = None
     if args.ot is not None:
+        override = ",".join(args.ot)
         try:
-            own = replace(base, cpu_expert_blocks=override_blocks(model, args.ot), override=args.ot)
+            own = replace(base, cpu_expert_blocks=override_blocks(model, override), override=override)
         except UsageError as bad:
             raise CliError(f"--ot: {bad}") from None
     print(

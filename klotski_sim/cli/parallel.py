@@ -174,6 +174,10 @@ def _typed(section: dict[str, Any], name: str, fields: dict[str, tuple[type, Any
 def load_ep_run(folder: Path) -> SavedEpRun:
     """The EP run in `folder` (DIR/<configuration>/), checked against the schedule it holds."""
     where = folder / EP_RUN_FILE
+    if not where.is_file():
+        raise CliError(
+            f"{where}: missing or not a file: the folder is not an EP run that parallel --timing events --out wrote"
+        )
     try:
         saved = json.loads(where.read_text())
         if not isinstance(saved, dict) or not all(isinstance(saved.get(k), dict) for k in ("run", "setup", "events")):
@@ -184,18 +188,58 @@ def load_ep_run(folder: Path) -> SavedEpRun:
         setup = ParallelSetup(**saved["setup"])
         how = EpEvents(**saved["events"])
         how.check()
+    except RecursionError:
+        raise CliError(
+            f"{where}: not an EP run that parallel --timing events --out wrote (nested too deeply)"
+        ) from None
     except (OSError, ValueError, KeyError, TypeError, UsageError) as bad:
         raise CliError(f"{where}: not an EP run that parallel --timing events --out wrote ({bad})") from None
-    model = get_model(spec.model)
+    try:
+        model = get_model(spec.model)
+        profile = resolve_profile(spec)
+    except UsageError as bad:  # (ep.json's run names them: say which file)
+        raise CliError(f"{where}: run: {bad}") from None
     routing = RoutingTable.load(folder.parent / "routing.npz")
+    shape = routing.shape
+    mismatch = [
+        f"{name} {mine} against the routing's {theirs}"
+        for name, mine, theirs in (
+            ("model layers", model.num_layers, routing.num_layers),
+            ("top-k", model.top_k, routing.top_k),
+            ("prompt_len", spec.prompt_len, shape.prompt_len),
+            ("gen_len", spec.gen_len, shape.gen_len),
+        )
+        if mine != theirs
+    ]
+    if mismatch or routing.num_experts != model.num_experts:
+        mismatch += (
+            []
+            if routing.num_experts == model.num_experts
+            else [f"experts {model.num_experts} against {routing.num_experts}"]
+        )
+        raise CliError(f"{where}: run does not match {folder.parent / 'routing.npz'}: {'; '.join(mismatch)}")
     compressed = COMPRESSED_SHARE if how.offloaded_experts == "compressed" else None
-    plan = plan_expert_parallel(model, resolve_profile(spec), routing, setup, compressed)
+    try:
+        plan = plan_expert_parallel(model, profile, routing, setup, compressed)
+    except UsageError as bad:
+        raise CliError(f"{where}: {bad}") from None
     schedule, builder = ep_schedule(model, plan, routing, how)
     written = Schedule.load(folder / "schedule.json")
-    if written.ops != schedule.ops:
+    differs = [
+        part
+        for part, same in (
+            ("ops", written.ops == schedule.ops),
+            ("meta", jsonable(dict(written.meta)) == jsonable(dict(schedule.meta))),
+            ("preloaded", written.preloaded == schedule.preloaded),
+            ("streams", dict(written.streams) == dict(schedule.streams)),
+        )
+        if not same
+    ]
+    if differs:
         raise CliError(
-            f"{folder / 'schedule.json'}: not the schedule its plan gives now ({len(written.ops)} ops written, "
-            f"{len(schedule.ops)} rebuilt): written by another version, or edited; run parallel --out again"
+            f"{folder / 'schedule.json'}: not the schedule its plan gives now (its {', '.join(differs)} differ; "
+            f"{len(written.ops)} ops written, {len(schedule.ops)} rebuilt): written by another version, or edited; "
+            f"run parallel --out again"
         )
     return SavedEpRun(model, routing, plan, schedule, builder.part, how)
 

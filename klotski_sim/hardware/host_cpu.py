@@ -161,7 +161,11 @@ def parse_cpu(text: str, ram_gib: float | None = None) -> HostCpu:
             f"--cpu {text}: bw={host.measured_bandwidth / 1e9:g} GB/s is above the channels' peak "
             f"({host.channels} x DDR-{host.mts}: {host.peak_bandwidth / 1e9:.1f} GB/s); check channels, mts and bw"
         )
-    if ram_gib is not None:
+    if host.numa > host.cores or (host.channels and host.numa > host.channels):
+        raise UsageError(f"--cpu {text}: numa={host.numa}: more NUMA nodes than cores or memory channels")
+    if any(ord(c) < 32 or ord(c) == 127 for c in host.name) or not host.name.strip():
+        raise UsageError(f"--cpu {text!r}: name= must be printable and not empty")
+    if ram_gib is not None and not host.ram_bytes:  # (a description's own ram= comes first, as --help says)
         host = replace(host, ram_bytes=ram_gib * 2**30)
     if host.ram_bytes <= 0:
         raise UsageError(f"--cpu {text}: how much RAM? give --ram GiB (or ram= in the description)")

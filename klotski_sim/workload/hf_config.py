@@ -49,6 +49,10 @@ def config_fields(path: str) -> dict[str, Any]:
         raise UsageError(f"{path}: {err} (JSON would keep the last)") from None
     except json.JSONDecodeError as err:
         raise UsageError(f"{path}: not a JSON config ({err})") from None
+    except RecursionError:
+        raise UsageError(f"{path}: not a JSON config (nested too deeply)") from None
+    except ValueError as err:  # (an integer of thousands of digits: Python's int conversion limit)
+        raise UsageError(f"{path}: not a JSON config ({err})") from None
     if not isinstance(config, dict):
         raise UsageError(f"{path}: not a JSON object (a Hugging Face config.json is one)")
     return _fields(config, path)
