@@ -623,7 +623,7 @@ def _measured(timeline: Any, out: str | None) -> int:
         print(
             "links EMULATED: "
             + ", ".join(
-                f"{k} {v / 1e9:.2f} GB/s" for k, v in timeline.meta["emulated_links"]["bandwidth_bytes_per_s"].items()
+                f"{k} {v / 1e9:.3g} GB/s" for k, v in timeline.meta["emulated_links"]["bandwidth_bytes_per_s"].items()
             )
         )
     if timeline.meta.get("tensor_parallel_ranks"):

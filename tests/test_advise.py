@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shlex
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -347,3 +348,13 @@ def test_a_model_config_nested_too_deeply_or_with_a_huge_number_is_one_line(tmp_
     code, _, err = run_cli("advise", "--model", f"{path}@Q4_K_M", "--gpu", "rtx4090", "--cpu", "ryzen-9-7950x",
                            "--ram", "64")  # fmt: skip
     assert code == 2 and "not a JSON config" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_an_over_long_output_name_and_a_profile_named_twice_are_one_line(tmp_path):
+    profile = tmp_path / "p.yaml"
+    profile.write_text((Path(__file__).parents[1] / "klotski_sim/hardware/profiles/rtx4090.yaml").read_text())
+    base = ["advise", "--model", "tiny-mixtral@Q4_K_M", "--cpu", "i9-10900x", "--ram", "64"]
+    code, _, err = run_cli(*base, "--gpu", "rtx4090", "--json", str(tmp_path / ("a" * 300 + ".json")))
+    assert code == 2 and err.startswith("error: --json ") and "too long" in err and len(err.splitlines()) == 1
+    code, _, err = run_cli(*base, "--gpu", f"{profile},{tmp_path}/../{tmp_path.name}/p.yaml")
+    assert code == 2 and "is given twice" in err, err

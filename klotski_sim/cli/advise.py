@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -97,7 +98,9 @@ def _gpus(given: list[str]) -> list[HardwareProfile]:
     names = [n.strip() for text in given for n in text.split(",")]
     if not all(names):
         raise CliError(f"--gpu {','.join(given)}: an empty profile name")
-    repeated = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    # (a profile file named by two paths is one profile)
+    keys = [os.path.realpath(n) if n.endswith((".yaml", ".yml")) else n for n in names]
+    repeated = next((names[i] for i, k in enumerate(keys) if k in keys[:i]), None)
     if repeated is not None:
         raise CliError(f"--gpu: {repeated} is given twice")
     try:

@@ -155,6 +155,10 @@ def output_file(path: str | os.PathLike, flag: str = "--out", reads: Sequence[st
     if not str(path).strip():
         raise CliError(f"{flag}: expected a file name, got an empty one")
     out = Path(path)
+    try:
+        out.exists()
+    except OSError as err:  # (a name too long for the file system: the check itself fails)
+        raise CliError(f"{flag} {str(path)[:80]}: {err.strerror or err}") from None
     not_an_input(out, flag, reads)
     if out.is_dir():
         raise CliError(f"{flag} {out}: is a folder; give a file name")
