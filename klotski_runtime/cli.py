@@ -481,15 +481,13 @@ def cmd_execute(args: argparse.Namespace) -> int:
     schedule_path = folder / "schedule.json" if folder.is_dir() else folder
     routing_path = args.routing or (folder if folder.is_dir() else folder.parent) / "routing.npz"
     if args.out is not None:
-        # not the simulation's folder (its summary and timeline files would be replaced); a folder inside it
-        # holds none of the files read, so `execute sim --out sim/measured` and its rerun are allowed
-        not_an_input(Path(args.out), "--out", [schedule_path, routing_path])
-        if Path(args.out).resolve() == schedule_path.parent.resolve():
-            raise CliError(
-                f"--out {args.out}: is what this command reads ({schedule_path.parent}, the schedule's "
-                f"folder); writing there would replace the simulation's files"
-            )
-        refuse_unwritable(output_folder(args.out), TIMELINE_FILES)
+        _measured_folder(
+            args.out,
+            [schedule_path, routing_path],
+            [schedule_path.parent],
+            f"is what this command reads ({schedule_path.parent}, the schedule's folder); writing there would "
+            f"replace the simulation's files",
+        )
     schedule = Schedule.load(schedule_path)
     if any(resource_rank(r) >= 0 for r in schedule.streams.values()):
         raise CliError(
@@ -526,6 +524,16 @@ def cmd_execute(args: argparse.Namespace) -> int:
     return _measured(timeline, args.out)
 
 
+def _measured_folder(out: str, reads: list[Path], simulated: list[Path], why: str) -> None:
+    """`execute --out`: a folder that is none of the files read and none of the folders the simulation
+    wrote (its summary and timeline files would be replaced: `why` says so); a folder inside one holds
+    none of them, so `execute sim --out sim/measured` and its rerun are allowed."""
+    not_an_input(Path(out), "--out", reads)
+    if Path(out).resolve() in [folder.resolve() for folder in simulated]:
+        raise CliError(f"--out {out}: {why}")
+    refuse_unwritable(output_folder(out), TIMELINE_FILES)
+
+
 def _execute_ep(args: argparse.Namespace, folder: Path, threads: int | None) -> int:
     """`execute` of an EP configuration `klotski-sim parallel --timing events --out DIR` wrote
     (DIR/<configuration>/): its plan rebuilt, its schedule executed on emulated ranks, the ranks'
@@ -547,13 +555,13 @@ def _execute_ep(args: argparse.Namespace, folder: Path, threads: int | None) -> 
             f"(--device cpu); executing it on G real GPUs is not built yet"
         )
     if args.out is not None:
-        not_an_input(Path(args.out), "--out", [folder / "schedule.json", folder / EP_RUN_FILE])
-        if Path(args.out).resolve() in (folder.resolve(), folder.resolve().parent):
-            raise CliError(
-                f"--out {args.out}: is the EP run's folder (or the one above it, which parallel --out wrote); the "
-                f"measured timeline would replace its simulated files: give a folder of its own"
-            )
-        refuse_unwritable(output_folder(args.out), TIMELINE_FILES)
+        _measured_folder(
+            args.out,
+            [folder / "schedule.json", folder / EP_RUN_FILE],
+            [folder, folder.parent],  # (parallel --out wrote the folder above too: its routing.npz)
+            "is the EP run's folder (or the one above it, which parallel --out wrote); the measured timeline would "
+            "replace its simulated files: give a folder of its own",
+        )
     run = load_ep_run(folder)
     gpus = run.plan.setup.gpus
     fabric = None

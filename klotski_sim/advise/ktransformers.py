@@ -52,8 +52,8 @@ def decode_parts(
         if not model.is_moe(layer):
             gpu_bytes += sizes.block_rest[layer]
             continue
-        shared = 3 * model.hidden_size * model.shared_ffn_size * model.num_shared_experts
-        shared_bytes = sizes.block_rest[layer] * shared / max(1, _rest_params(model, layer))
+        # (the block's shared experts' share of its non-routed bytes, by their share of its weights)
+        shared_bytes = sizes.block_rest[layer] * model.shared_expert_bytes() / _rest_bytes(model, layer)
         gpu_bytes += sizes.block_rest[layer] - shared_bytes
         routed = k * sizes.expert_bytes(layer) / host.read_bandwidth + 2 * costs.split_s + costs.cpu_node_s
         waits += max(routed, shared_bytes / gpu_rate)
@@ -64,10 +64,10 @@ def decode_parts(
     }
 
 
-def _rest_params(model: ModelSpec, layer: int) -> float:
-    """A MoE block's parameters besides its routed experts (attention, router, shared experts)."""
-    shared = 3 * model.hidden_size * model.shared_ffn_size * model.num_shared_experts
-    return model.attention_params() + model.hidden_size * model.num_experts + shared
+def _rest_bytes(model: ModelSpec, layer: int) -> float:
+    """A MoE block's weights besides its routed experts in the model dtype: attention, router and
+    shared experts (ModelSpec's accounting)."""
+    return model.attention_bytes() + model.gate_bytes(layer)
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from klotski_sim.hardware.host_cpu import HostCpu
 from klotski_sim.hardware.profile import HardwareProfile
 from klotski_sim.util.errors import UsageError
+from klotski_sim.util.terminal import one_line
 from klotski_sim.util.timelimit import time_limit
 from klotski_sim.workload.gguf import GGML_TYPES, GgufSizes
 from klotski_sim.workload.model import ModelSpec
@@ -172,7 +173,7 @@ def override_blocks(model: ModelSpec, value: str) -> frozenset[int]:
     shown = value if len(value) <= 80 else value[:77] + "..."
     if len(value) > MAX_OVERRIDE_CHARS:
         raise UsageError(f"-ot {shown}: {len(value):,} characters; at most {MAX_OVERRIDE_CHARS:,}")
-    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+    if one_line(value) != value:
         raise UsageError(f"-ot {shown!r}: a control character (a newline?) in the patterns")
     rules: list[tuple[re.Pattern[str], str]] = []
     for part in value.split(","):
@@ -202,11 +203,11 @@ def override_blocks(model: ModelSpec, value: str) -> frozenset[int]:
         moved = [on_cpu(f"blk.{layer}.{tensor}.weight") for tensor in EXPERT_TENSORS] if model.is_moe(layer) else []
         if any(moved) and not all(moved):
             raise UsageError(
-                f"-ot {value}: moves some of block {layer}'s expert tensors; advise prices whole blocks' experts"
+                f"-ot {shown}: moves some of block {layer}'s expert tensors; advise prices whole blocks' experts"
             )
         if any(on_cpu(f"blk.{layer}.{tensor}.weight") for tensor in others):
             raise UsageError(
-                f"-ot {value}: moves block {layer}'s non-expert tensors; advise prices routed experts on the CPU"
+                f"-ot {shown}: moves block {layer}'s non-expert tensors; advise prices routed experts on the CPU"
             )
         if all(moved) and moved:
             blocks.add(layer)
@@ -252,10 +253,15 @@ def memory(model: ModelSpec, sizes: GgufSizes, flags: LlamaCppFlags) -> Memory:
     start = flags.first_gpu_block(model)
     gpu_w = host_w = 0.0
     for layer in range(model.num_layers):
-        on_gpu = layer >= start
         rest, experts = sizes.block_rest[layer], sizes.experts[layer]
-        gpu_w += (rest if on_gpu else 0) + (experts if flags.experts_on_gpu(model, layer) else 0)
-        host_w += (0 if on_gpu else rest) + (0 if flags.experts_on_gpu(model, layer) else experts)
+        if layer >= start:
+            gpu_w += rest
+        else:
+            host_w += rest
+        if flags.experts_on_gpu(model, layer):
+            gpu_w += experts
+        else:
+            host_w += experts
     head_on_gpu = flags.output_on_gpu(model)
     gpu_w += sizes.output if head_on_gpu else 0
     host_w += sizes.token_embd + (0 if head_on_gpu else sizes.output)
@@ -377,7 +383,7 @@ def prompt_seconds(
         u = min(flags.ubatch, prompt - done)
         if cpu_layers and not (flags.op_offload and u >= OP_OFFLOAD_MIN_BATCH):
             return None
-        flops = 2.0 * u * _active_params(model) + 4.0 * u * (done + u / 2) * model.q_dim * model.num_layers
+        flops = _ubatch_flops(model, u, done + u)
         # the experts the ubatch's tokens use (k distinct each, drawn independently): only these are
         # copied (ggml-backend.cpp, ggml_backend_sched_compute_splits: "copying only the experts that
         # are used")
@@ -388,17 +394,17 @@ def prompt_seconds(
     return total
 
 
-def _active_params(model: ModelSpec) -> float:
-    """Weights a token multiplies by: attention, router, k experts, shared experts, dense MLPs, head."""
-    per_layer = 0.0
-    for layer in range(model.num_layers):
-        per_layer += model.attention_params()
-        if model.is_moe(layer):
-            per_layer += model.hidden_size * model.num_experts + model.top_k * model.expert_params()
-            per_layer += 3 * model.hidden_size * model.shared_ffn_size * model.num_shared_experts
-        else:
-            per_layer += 3 * model.hidden_size * model.dense_ffn_size
-    return per_layer + model.vocab_size * model.hidden_size
+def _ubatch_flops(model: ModelSpec, tokens: int, kv_len: int) -> float:
+    """FLOPs of one ubatch of `tokens` tokens of one sequence whose cache then holds `kv_len`: every
+    block's attention, router (or dense MLP) and shared experts, its k routed experts a token, and
+    the head (ModelSpec's own accounting, as the simulator's ops use it)."""
+    blocks = sum(
+        model.attention_flops(1, tokens, kv_len)
+        + model.gate_flops(tokens, layer)
+        + (model.top_k * model.expert_flops(tokens) if model.is_moe(layer) else 0)
+        for layer in range(model.num_layers)
+    )
+    return float(blocks + 2 * tokens * model.vocab_size * model.hidden_size)
 
 
 def speed(

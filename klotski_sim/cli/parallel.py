@@ -26,7 +26,7 @@ from klotski_sim.parallel.decode import (
     plan_expert_parallel,
     simulate_decode,
 )
-from klotski_sim.parallel.events import EpEvents, EventRun, ep_schedule, simulate_ep_events
+from klotski_sim.parallel.events import OFFLOADED_EXPERTS, EpEvents, EventRun, ep_schedule, simulate_ep_events
 from klotski_sim.parallel.placement import PLACEMENTS
 from klotski_sim.report.exports import to_chrome_trace, to_csv
 from klotski_sim.runs.runner import RunSpec, make_replay, resolve_profile
@@ -152,7 +152,7 @@ SETUP_FIELDS: dict[str, tuple[type, Any]] = {
 EVENTS_FIELDS: dict[str, tuple[type, Any]] = {
     "prefetch": (bool, (False, True)),
     "micro_batches": (int, range(1, 65)),
-    "offloaded_experts": (str, ("copy", "compressed", "cpu")),
+    "offloaded_experts": (str, OFFLOADED_EXPERTS),
 }
 
 

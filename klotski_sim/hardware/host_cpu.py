@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from klotski_sim.util.errors import UsageError
+from klotski_sim.util.terminal import one_line
 
 ISAS = ("avx2", "avx512", "amx")  # what decides llama.cpp's and KTransformers' CPU kernels
 
@@ -163,7 +164,7 @@ def parse_cpu(text: str, ram_gib: float | None = None) -> HostCpu:
         )
     if host.numa > host.cores or (host.channels and host.numa > host.channels):
         raise UsageError(f"--cpu {text}: numa={host.numa}: more NUMA nodes than cores or memory channels")
-    if any(ord(c) < 32 or ord(c) == 127 for c in host.name) or not host.name.strip():
+    if one_line(host.name) != host.name or not host.name.strip():
         raise UsageError(f"--cpu {text!r}: name= must be printable and not empty")
     if ram_gib is not None and not host.ram_bytes:  # (a description's own ram= comes first, as --help says)
         host = replace(host, ram_bytes=ram_gib * 2**30)
