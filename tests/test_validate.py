@@ -291,11 +291,26 @@ def test_calibration_measures_the_host_cpu_and_cpu_expert_policies_validate(prof
         impl="ideal",
         emulate_links=p.provenance["emulated_links"],
     )  # (the links as calibrated)
-    report = validate(setup, str(capped), tmp_path / "out", ("fiddler", "llamacpp-moe", "klotski-hybrid"))
-    fiddler = report["policies"]["fiddler"]
-    assert fiddler["per_category"]["expert"]["ops"] > 0 and abs(fiddler["makespan"]["error"]) < 1.0
-    assert "skipped" in report["policies"]["llamacpp-moe"] and "oom" in report["policies"]["llamacpp-moe"]["skipped"]
-    assert "not compared" in format_report(report)
+    # The makespan bound is wall-clock over a ~10 ms run on a profile calibrated once for the session
+    # (perhaps beside another worker's tests): a miss is measured again, and only where every attempt
+    # ran on a loaded machine is it skipped, with the numbers (`every_attempt_missed`).
+    attempts: list[list[str]] = []
+    loaded: list[list[str]] = []
+    for attempt in range(2):
+        policies = ("fiddler", "llamacpp-moe", "klotski-hybrid")
+        report = validate(setup, str(capped), tmp_path / f"out{attempt}", policies)
+        fiddler = report["policies"]["fiddler"]
+        assert fiddler["per_category"]["expert"]["ops"] > 0  # (what does not depend on timing: every attempt)
+        assert fiddler["makespan"]["simulated_s"] > 0 and fiddler["makespan"]["measured_s"] > 0
+        skipped = report["policies"]["llamacpp-moe"]
+        assert "skipped" in skipped and "oom" in skipped["skipped"]
+        assert "not compared" in format_report(report)
+        error = fiddler["makespan"]["error"]
+        attempts.append([] if abs(error) < 1.0 else [f"fiddler makespan error {error:+.0%} ({report['machine']})"])
+        if not attempts[-1]:
+            return
+        loaded.append(report["machine"]["warnings"])
+    every_attempt_missed(attempts, loaded)
 
 
 def test_issue_by_category_sets_the_issuing_threads_measured_time_beside_rule_4s_charge():
