@@ -140,6 +140,27 @@ def run(
     return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
 
+REPEATABLE_FLAGS = {"--option", "--set", "--policy-file", "--gpu", "--cpu", "--ot"}
+
+
+def overriding(base: Sequence[str], *extra: str) -> list[str]:
+    """`base` then `extra`, each single-value flag of `extra` first taken out of `base` with its value:
+    the CLIs refuse a flag given twice, where argparse silently kept the last."""
+    again = {a for a in extra if a.startswith("--") and a not in REPEATABLE_FLAGS}
+    out: list[str] = []
+    skip_value = False
+    for arg in base:
+        if skip_value:
+            skip_value = False
+            if not arg.startswith("--"):
+                continue
+        if arg in again:
+            skip_value = True
+            continue
+        out.append(arg)
+    return [*out, *extra]
+
+
 def run_cli(*args: str) -> tuple[int, str, str]:
     """`klotski-sim ARGS` in this process, from the repository's root: the CLI's `main` with its parser,
     its one-line errors and its exit status, without a new interpreter's ~0.8 s of imports a call (~300

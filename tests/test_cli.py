@@ -12,7 +12,7 @@ import pytest
 
 from klotski_sim.workload.trace import Trace
 
-from .conftest import run_cli
+from .conftest import overriding, run_cli
 
 SMALL = ["--num-batches", "1", "--prompt-len", "16", "--gen-len", "3", "--batch-size", "4"]
 
@@ -116,7 +116,7 @@ def test_a_run_stopped_in_its_prefill_or_of_one_token_has_no_decode_phase_and_no
     rc, out, err = run_cli("compare", *oom, "--policies", "klotski", "--no-png", "--out", str(tmp_path / "c"))
     row = next(line for line in out.splitlines() if line.startswith("klotski "))
     assert row.split()[3:6] == ["oom", "-", "-"] and row.split()[11] == "-", row  # (tok/s, decode, efficiency)
-    rc, out, err = run_cli("simulate", *SMALL, "--gen-len", "1", "--out", str(tmp_path / "g1"))
+    rc, out, err = run_cli("simulate", *overriding(SMALL, "--gen-len", "1"), "--out", str(tmp_path / "g1"))
     summary = json.loads((tmp_path / "g1" / "summary.json").read_text())
     assert rc == 0 and summary["decode_s"] == 0.0 and summary["throughput_tok_s"] > 0, out
     assert "no decode throughput: no decode step" in out and "no decode step)" in out and "0.0 ms" not in out
@@ -138,9 +138,9 @@ def test_trace_synth_stats_and_simulate_replay(tmp_path):
     rc, out, err = run_cli("simulate", "--trace", str(path), *SMALL)
     assert rc == 0, err
     # 24 sequences - 8 warm-up = 16 < 4 x 4 + ... needs wrap for 5 batches
-    rc, out, err = run_cli("simulate", "--trace", str(path), *SMALL, "--num-batches", "5")
+    rc, out, err = run_cli("simulate", "--trace", str(path), *overriding(SMALL, "--num-batches", "5"))
     assert rc == 2 and "--wrap" in err
-    rc, out, err = run_cli("simulate", "--trace", str(path), *SMALL, "--num-batches", "5", "--wrap")
+    rc, out, err = run_cli("simulate", "--trace", str(path), *overriding(SMALL, "--num-batches", "5"), "--wrap")
     assert rc == 0, err
 
 
@@ -398,6 +398,23 @@ def test_flags_are_never_abbreviated():
     assert rc == 2 and err.count("\n") == 1 and "unrecognized arguments: --policy-fi mine.py" in err
 
 
+def test_a_single_value_flag_given_twice_is_refused_in_one_line():
+    """argparse keeps the last of two values silently; a value typed early in a long line was lost.
+    Flags declared to repeat (advise's --gpu and --cpu, --set) still add up, and a parser used again in
+    one process forgets the last command line's flags."""
+    rc, out, err = run_cli("plan", "--batch-size", "16", "--batch-size=32")
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "argument --batch-size: given twice (--batch-size 16, then --batch-size 32); give it once" in err
+    rc, out, err = run_cli("compare", "--policy-file", "a.py", "--policies", "klotski", "--policies", "flexgen")
+    assert rc == 2 and "given twice (--policies klotski, then --policies flexgen)" in err
+    for _ in range(2):
+        rc, out, err = run_cli("plan", "--batch-size", "16")
+        assert rc == 0, err
+    rc, out, err = run_cli("advise", "--model", "qwen3-30b-a3b@Q4_K_M", "--gpu", "rtx4090", "--gpu", "rtx2080",
+                           "--cpu", "ryzen-9-7950x", "--cpu", "i9-10900x", "--ram", "64")  # fmt: skip
+    assert rc == 0 and "RTX 2080" in out and "i9-10900x" in out, err
+
+
 def test_simulate_with_planner_batches(tmp_path):
     rc, out, err = run_cli(
         "simulate",
@@ -422,9 +439,7 @@ def test_policy_options_from_the_cli(tmp_path):
         "simulate",
         "--policy",
         "flexgen",
-        "--num-batches",
-        "2",
-        *SMALL,
+        *overriding(SMALL, "--num-batches", "2"),
         "--option",
         "overlap=model",
         "--out",

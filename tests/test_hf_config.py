@@ -159,6 +159,7 @@ def test_a_published_config_gives_the_preset_that_cites_it(tmp_path, preset):
         ({"torch_dtype": "float8"}, "torch_dtype 'float8'"),
         ({"use_sliding_window": True}, "use_sliding_window is true"),
         ({"num_key_value_heads": 7}, "num_heads must be a multiple of num_kv_heads"),
+        ({"hidden_size": 4100}, "hidden_size 4100 is not a multiple of num_attention_heads 32, and no head_dim"),
     ],
 )
 def test_a_config_the_simulator_cannot_model_is_one_line_naming_the_key(tmp_path, change, words):

@@ -20,7 +20,7 @@ from klotski_sim.report import exports
 from klotski_sim.runs.runner import RunSpec, run
 from klotski_sim.util.errors import UsageError
 
-from .conftest import folder_state, run_cli
+from .conftest import folder_state, overriding, run_cli
 
 SMALL = ["--model", "tiny-mixtral", "--prompt-len", "16", "--gen-len", "3"]
 
@@ -99,7 +99,7 @@ def test_simulate_stopped_while_it_writes_leaves_the_earlier_run(tmp_path):
         "sys.exit(cli.main(sys.argv[1:]))\n"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", stop_in_csv, "simulate", *SMALL, "--gen-len", "4", "--out", str(out)],
+        [sys.executable, "-c", stop_in_csv, "simulate", *overriding(SMALL, "--gen-len", "4"), "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -112,7 +112,7 @@ def test_simulate_stopped_while_it_writes_leaves_the_earlier_run(tmp_path):
 def test_simulate_into_an_earlier_run_replaces_it_and_says_what_it_removed(tmp_path):
     rc, _, err = run_cli("simulate", *SMALL, "--out", str(tmp_path))
     assert rc == 0 and (tmp_path / "timeline.png").exists(), err
-    rc, out, err = run_cli("simulate", *SMALL, "--gen-len", "4", "--no-png", "--out", str(tmp_path))
+    rc, out, err = run_cli("simulate", *overriding(SMALL, "--gen-len", "4"), "--no-png", "--out", str(tmp_path))
     assert rc == 0, err
     assert "(removed an earlier run's timeline.png)" in out.splitlines()[-1]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
@@ -191,7 +191,15 @@ def test_a_stop_among_the_renames_comes_after_them(tmp_path):
     rc, _, err = run_cli("simulate", *SMALL, "--out", str(tmp_path))
     assert rc == 0, err
     proc = subprocess.run(
-        [sys.executable, "-c", STOPPED_IN_COMMIT, "simulate", *SMALL, "--gen-len", "4", "--out", str(tmp_path)],
+        [
+            sys.executable,
+            "-c",
+            STOPPED_IN_COMMIT,
+            "simulate",
+            *overriding(SMALL, "--gen-len", "4"),
+            "--out",
+            str(tmp_path),
+        ],
         capture_output=True,
         text=True,
         timeout=120,

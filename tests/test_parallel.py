@@ -26,7 +26,7 @@ from klotski_sim.util.errors import UsageError
 from klotski_sim.workload.model import get_model
 from klotski_sim.workload.routing import RoutingTable, RunShape
 
-from .conftest import run_cli
+from .conftest import overriding, run_cli
 
 FABRIC = FabricSpec(kind="nvlink", gpus=8, bandwidth=100e9, base_latency_s=10e-6, step_latency_s=2e-6)
 
@@ -265,7 +265,7 @@ def test_compare_and_serve_on_two_gpus_run_every_policy_and_refuse_in_one_line(t
         (["--hardware", "l40s", "--gpus", "3", "--model", "mixtral-8x7b"], "give a G that divides both"),
         (["--hardware", "h200", "--gpus", "2", "--model", "deepseek-v2-lite"], "multi-head latent attention"),
     ):
-        code, out, err = run_cli("simulate", "--model", "tiny-mixtral", *args, "--no-png")
+        code, out, err = run_cli("simulate", *overriding(["--model", "tiny-mixtral"], *args), "--no-png")
         assert code == 2 and err.count("\n") == 1 and said in err and "--gpus" in err, err
 
 

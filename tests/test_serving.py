@@ -26,7 +26,7 @@ from klotski_sim.serving.run import ServeSpec, serve
 from klotski_sim.util.errors import UsageError
 from klotski_sim.workload.model import get_model
 
-from .conftest import run_cli
+from .conftest import overriding, run_cli
 
 TINY = get_model("tiny-mixtral")
 # rtx3090 with a decompression rate (FluxMoE's lower measurement) for the compressed tier
@@ -538,7 +538,7 @@ def test_bad_serve_input_is_one_line(args, message, capsys):
         "vllm",
     ]
     try:
-        code = main([*base, *args])
+        code = main(overriding(base, *args))
     except SystemExit as exit:  # (argparse's usage errors)
         code = exit.code
     out, err = capsys.readouterr()

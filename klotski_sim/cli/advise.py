@@ -180,10 +180,11 @@ def cmd_advise(args: argparse.Namespace) -> int:
             own = replace(base, cpu_expert_blocks=override_blocks(model, override), override=override)
         except UsageError as bad:
             raise CliError(f"--ot: {bad}") from None
+    clamped = f" (--ubatch {args.ubatch} clamped to -b {batch}, as llama.cpp does)" if args.ubatch > batch else ""
     print(
         f"{model.name}@{file_type}: {sizes.total / GIB:.2f} GiB, {sizes.params / 1e9:.2f} B parameters "
         f"(routed experts {sum(sizes.experts) / GIB:.2f} GiB in {len(model.moe_layers)} blocks); llama.cpp, "
-        f"-c {args.ctx}, {args.cache_type} KV cache, -ub {base.ubatch}; prompt {args.prompt_len} tokens, "
+        f"-c {args.ctx}, {args.cache_type} KV cache, -ub {base.ubatch}{clamped}; prompt {args.prompt_len} tokens, "
         f"{args.gen_len} generated"
     )
     results: list[tuple[HardwareProfile, HostCpu, Advice | str]] = []

@@ -17,10 +17,39 @@ class OneLineParser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        self.register("action", None, _StoreOnce)
+        self.register("action", "store", _StoreOnce)
+        self.given: dict[str, tuple[str, Any]] = {}  # dest -> (flag, value) of this parse's single-value flags
+
+    def parse_known_args(self, *args: Any, **kwargs: Any) -> Any:
+        self.given = {}  # (a parser is reused: the CLIs run in-process in tests and notebooks)
+        return super().parse_known_args(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         print(f"error: {self.prog}: {message}", file=sys.stderr)
         raise SystemExit(2)
+
+
+class _StoreOnce(argparse._StoreAction):
+    """A flag that takes one value refuses a second (`--ctx 1024 --ctx 2048`): argparse keeps the
+    last one without a word, so a value typed early in a long command line would be dropped
+    silently. Flags meant to repeat are declared `append`."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option: Any = None) -> None:
+        given = getattr(parser, "given", None)
+        if option is not None and given is not None:
+            if self.dest in given:
+                first_flag, first = given[self.dest]
+                parser.error(
+                    f"argument {option}: given twice ({first_flag} {first}, then {option} {_as_typed(values)}); give it once"
+                )
+            given[self.dest] = (option, _as_typed(values))
+        super().__call__(parser, namespace, values, option)
+
+
+def _as_typed(value: Any) -> str:
+    """A parsed flag value as a command line shows it (a comma-separated list parsed into a list)."""
+    return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
 
 
 def plain_int(text: str) -> int:

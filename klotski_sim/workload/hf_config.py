@@ -99,6 +99,10 @@ def _fields(config: dict[str, Any], path: str) -> dict[str, Any]:
     if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
         raise UsageError(f"{path}: torch_dtype {dtype!r}: give one of {', '.join(DTYPE_BYTES)}")
     heads, hidden = count("num_attention_heads"), count("hidden_size")
+    if "head_dim" not in config and hidden % heads:  # (transformers would floor it and fail in its reshape)
+        raise UsageError(
+            f"{path}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}, and no head_dim is given"
+        )
     fields: dict[str, Any] = dict(
         name=path,
         num_layers=count("num_hidden_layers"),
