@@ -167,6 +167,32 @@ def test_ktransformers_keeps_every_routed_expert_on_the_cpu_once_per_numa_node()
     assert "host would hold" in kt_option(deepseek, sizes, GPU, small, llama_cpp_costs(GPU, small), 4096, "m").refused
 
 
+def test_ktransformers_operator_call_is_the_fixed_part_of_its_own_benchmark():
+    """The line through KTransformers' operator benchmark (time a layer against bytes read) holds all
+    nine weight types within 5%; its fixed part is charged once a MoE block, its slope is left to
+    the host's read rate."""
+    from klotski_sim.advise.ktransformers import (
+        OPERATOR_BENCH,
+        OPERATOR_BENCH_WEIGHTS,
+        OPERATOR_CALL_S,
+        _operator_fit,
+        decode_parts,
+    )
+
+    rate, fixed = _operator_fit()
+    assert fixed == OPERATOR_CALL_S and 1.3e-4 < fixed < 1.7e-4 and 2.2e11 < rate < 2.6e11
+    for name, bytes_per_weight, seconds in OPERATOR_BENCH:
+        assert fixed + bytes_per_weight * OPERATOR_BENCH_WEIGHTS / rate == pytest.approx(seconds, rel=0.05), name
+    deepseek = get_model("deepseek-v3")
+    sizes = gguf_sizes(deepseek, "Q4_K_M")
+    host = parse_cpu("xeon-gold-6454s", 1024)
+    costs = llama_cpp_costs(GPU, host)
+    one = decode_parts(deepseek, sizes, GPU, host, costs, 64)["cpu experts (shared ones beside them)"]
+    k = deepseek.top_k
+    reads = sum(k * sizes.expert_bytes(layer) / host.read_bandwidth for layer in deepseek.moe_layers)
+    assert one == pytest.approx(reads + len(deepseek.moe_layers) * (2 * costs.split_s + OPERATOR_CALL_S))
+
+
 def test_llama_cpp_reads_its_one_copy_at_one_numa_nodes_rate():
     two = parse_cpu("2x-xeon-gold-6454s", 1024)
     one = replace(two, numa=1)

@@ -8,8 +8,12 @@ onto both nodes ("we copy the critical matrix on both nodes"), so each socket re
 
 Decode, one sequence: the GPU reads its weights and the KV cache; per MoE block the CPU reads the
 k used experts while the GPU runs the shared experts, one hand-over there and back; the block waits
-for the slower. Prefill is not priced: its CPU kernels' rate (llamafile's, AMX's) has no component
-measurement here.
+for the slower. The CPU's MoE operator costs a fixed time per call besides its reads
+(`OPERATOR_CALL_S`). Decode's experts run AVX-512 kernels, not AMX: a GGUF expert through
+`llamafile_sgemm`, which hands Q4_K/Q6_K to Kawrakow's `iqk_mul_mat` (`operators/llamafile/moe.cpp`
+`forward_one`; `third_party/llamafile/tinyblas_cpu_sgemm.inc`), and AMX only above 4 tokens an
+expert (`operators/amx/moe.hpp`: `use_amx = qlen > 4 * expert_num / routed_expert_num`). Prefill is
+not priced: its CPU kernels' rate (llamafile's, AMX's) has no component measurement here.
 """
 
 from __future__ import annotations
@@ -29,6 +33,34 @@ from klotski_sim.workload.gguf import GgufSizes
 from klotski_sim.workload.model import ModelSpec
 
 SHARED_NODES = 6  # a shared expert's gate, up, activation, down, its sigmoid gate's scale and add
+
+# KTransformers' own benchmark of its CPU MoE operator at one token (doc/en/operators/llamafile.md and
+# its plot Combined_MoE_time_per_layer.png, commit 18c42e67; archive/csrc/ktransformers_ext/bench/
+# bench_moe.py: qlen 1, CPUInfer(64), 6 of 160 experts of 5120 x 1536, Xeon Gold 6454S): time per
+# layer by weight type, read off the plot (about +-20 us), with the script's bytes per weight.
+# (type, bytes per weight, seconds a layer)
+OPERATOR_BENCH = (
+    ("fp32", 4.0, 2500e-6), ("fp16", 2.0, 1320e-6), ("bf16", 2.0, 1380e-6), ("q8_0", 1.0625, 755e-6),
+    ("q6_k", 0.820312, 635e-6), ("q5_k_m", 0.731771, 575e-6), ("q4_k_m", 0.648437, 520e-6),
+    ("q3_k_m", 0.515625, 445e-6), ("q2_k", 0.328125, 360e-6),
+)  # fmt: skip
+OPERATOR_BENCH_WEIGHTS = 6 * 3 * 5120 * 1536  # the benchmark's weights a layer: 6 experts, 3 matrices
+
+
+def _operator_fit() -> tuple[float, float]:
+    """(bytes/s, seconds a call): the least-squares line through OPERATOR_BENCH's time against bytes
+    read. Its nine types lie within 5% of it (240 GB/s and 0.149 ms): the operator streams its
+    weights and pays a fixed time per call (task hand-out to 64 threads, the work-stealing join)."""
+    xs = [bytes_per * OPERATOR_BENCH_WEIGHTS for _, bytes_per, _ in OPERATOR_BENCH]
+    ys = [seconds for *_, seconds in OPERATOR_BENCH]
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+    return 1 / slope, mean_y - slope * mean_x
+
+
+# The fixed time of one MoE operator call at one token (its stream rate, 240 GB/s on a host the doc
+# does not say is one socket or two, is left to the host's own read bandwidth).
+OPERATOR_CALL_S = _operator_fit()[1]
 
 
 def decode_parts(
@@ -55,7 +87,7 @@ def decode_parts(
         # (the block's shared experts' share of its non-routed bytes, by their share of its weights)
         shared_bytes = sizes.block_rest[layer] * model.shared_expert_bytes() / _rest_bytes(model, layer)
         gpu_bytes += sizes.block_rest[layer] - shared_bytes
-        routed = k * sizes.expert_bytes(layer) / host.read_bandwidth + 2 * costs.split_s + costs.cpu_node_s
+        routed = k * sizes.expert_bytes(layer) / host.read_bandwidth + 2 * costs.split_s + OPERATOR_CALL_S
         waits += max(routed, shared_bytes / gpu_rate)
     return {
         "gpu bytes": gpu_bytes / gpu_rate,
