@@ -28,6 +28,7 @@ import torch
 
 from klotski_sim.core.cost import op_variant
 from klotski_sim.hardware.profile import HardwareProfile, profile_from_dict
+from klotski_sim.util.linefit import rate_and_fixed
 from klotski_sim.util.machine import cpu_model, machine_load, steal_share
 from klotski_sim.workload.model import ModelSpec
 
@@ -97,13 +98,6 @@ class Bench:
         for (row, _), times in zip(self.probes, samples):
             row["seconds"] = min(times)
         self.probes = []
-
-
-def _fit_link(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
-    """Least-squares `seconds = latency + bytes / bandwidth`; returns (bandwidth, latency)."""
-    slope, intercept = np.polyfit(np.asarray(sizes, float), np.asarray(seconds, float), 1)
-    slope = max(slope, 1e-15)
-    return 1.0 / slope, max(0.0, float(intercept))
 
 
 def _host_memory() -> float:
@@ -597,7 +591,7 @@ def _measure_links(
             if pin and dev.type == "cuda":
                 src = src.pin_memory()
             secs.append(measure(lambda: copy(src), repeats))
-        return _fit_link(sizes, secs)
+        return rate_and_fixed(sizes, secs)
 
     if dev.type == "cuda":
         h2d_bw, h2d_lat = fit(lambda s: s.to(dev, non_blocking=True), pin=True)
@@ -733,7 +727,7 @@ def _measure_disk(sizes: list[int], repeats: int) -> tuple[float, float]:
                     f.readinto(bytearray(size))
                 samples.append(time.perf_counter() - t)
             secs.append(statistics.median(samples))
-    return _fit_link(sizes, secs)
+    return rate_and_fixed(sizes, secs)
 
 
 def _disk_capacity() -> int:

@@ -45,12 +45,13 @@ from klotski_sim.serving.policies.base import resolve_serving_options
 from klotski_sim.serving.requests import fixed_requests
 from klotski_sim.serving.run import ServeResult, ServeSpec, serve
 from klotski_sim.util.errors import UsageError
+from klotski_sim.util.linefit import rate_and_fixed
 from klotski_sim.util.machine import cpu_model, machine_load
 from klotski_sim.util.progress import say
 from klotski_sim.workload.model import ModelSpec, get_model
 
 from . import lossless
-from .calibrate import _fit_link, _measure_dependency_latency, _measure_host_sync, _measure_links, _timer, gpu_section
+from .calibrate import _measure_dependency_latency, _measure_host_sync, _measure_links, _timer, gpu_section
 from .executor import ExecOptions, require_cuda
 from .kernels import WeightStore, host_memory
 from .serving_exec import (
@@ -221,7 +222,7 @@ def _cpu_links(emulate: Mapping[str, float], pageable: Mapping[str, float], repe
     def copy(size: int) -> float:
         return measure(lambda: dst[:size].copy_(src[:size]), repeats)
 
-    rate, latency = _fit_link(sizes, [copy(size) for size in sizes])
+    rate, latency = rate_and_fixed(sizes, [copy(size) for size in sizes])
     out = {}
     for link in ("pcie_h2d", "pcie_d2h", "nvme"):
         bw = emulate.get(link, rate)

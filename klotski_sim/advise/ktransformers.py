@@ -29,6 +29,7 @@ from klotski_sim.advise.llamacpp import (
 )
 from klotski_sim.hardware.host_cpu import HostCpu
 from klotski_sim.hardware.profile import HardwareProfile
+from klotski_sim.util.linefit import rate_and_fixed
 from klotski_sim.workload.gguf import GgufSizes
 from klotski_sim.workload.model import ModelSpec
 
@@ -48,14 +49,10 @@ OPERATOR_BENCH_WEIGHTS = 6 * 3 * 5120 * 1536  # the benchmark's weights a layer:
 
 
 def _operator_fit() -> tuple[float, float]:
-    """(bytes/s, seconds a call): the least-squares line through OPERATOR_BENCH's time against bytes
-    read. Its nine types lie within 5% of it (240 GB/s and 0.149 ms): the operator streams its
-    weights and pays a fixed time per call (task hand-out to 64 threads, the work-stealing join)."""
-    xs = [bytes_per * OPERATOR_BENCH_WEIGHTS for _, bytes_per, _ in OPERATOR_BENCH]
-    ys = [seconds for *_, seconds in OPERATOR_BENCH]
-    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
-    return 1 / slope, mean_y - slope * mean_x
+    """(bytes/s, seconds a call) of the line through OPERATOR_BENCH's time against bytes read. Its
+    nine types lie within 5% of it (240 GB/s and 0.149 ms): the operator streams its weights and
+    pays a fixed time per call (task hand-out to 64 threads, the work-stealing join)."""
+    return rate_and_fixed([b * OPERATOR_BENCH_WEIGHTS for _, b, _ in OPERATOR_BENCH], [t for *_, t in OPERATOR_BENCH])
 
 
 # The fixed time of one MoE operator call at one token (its stream rate, 240 GB/s on a host the doc
