@@ -5,6 +5,7 @@ iteration becomes. A policy is a class registered by `@serving_policy`; its opti
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Hashable, Mapping
 
@@ -36,7 +37,7 @@ class ServingSetup:
     options: Mapping[str, Any] = field(default_factory=dict)
 
 
-class ServingPolicy:
+class ServingPolicy(ABC):
     """One serving engine's weight placement and per-layer ops (subclass and register)."""
 
     name: ClassVar[str]
@@ -54,16 +55,17 @@ class ServingPolicy:
     def streams(self) -> dict[str, str]:
         return dict(DEFAULT_STREAMS)
 
+    @abstractmethod
     def residency(self) -> Residency:
-        raise NotImplementedError
+        """What the GPU holds for the whole run, and what stays in host memory."""
 
     def preload(self, builder: ScheduleBuilder, residency: Residency) -> None:
         """The GPU memory held for the whole run (the KV pool is preloaded by the run itself)."""
         builder.preload("weights/resident", residency.gpu_weight_bytes)
 
+    @abstractmethod
     def layer(self, em: IterationEmitter, layer: int, after: str) -> str:
         """Emit `layer` of the current iteration after op `after`; returns the layer's last op."""
-        raise NotImplementedError
 
     def finish_iteration(self, em: IterationEmitter) -> list[str]:
         """Ops still in flight at the iteration's end that the host must wait for (besides the logits)."""
